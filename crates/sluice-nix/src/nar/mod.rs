@@ -1,0 +1,29 @@
+//! NAR (Nix ARchive): the canonical serialisation of a file-system object. Format: Nix
+//! `src/libutil/archive.cc` and Eelco Dolstra's thesis, fig. 5.2. Every token is a u64
+//! little-endian length followed by the bytes, zero-padded to a multiple of 8.
+//!
+//! Reading and writing share one event model, [`NarVisitor`]: the reader ([`reader::parse`])
+//! calls a visitor for each node in NAR order, and the writer ([`writer::NarWriter`]) is a
+//! visitor, so `parse(nar, &mut NarWriter::new(out))` reproduces `nar` byte for byte.
+
+pub mod listing;
+pub mod reader;
+pub mod writer;
+
+/// A node's position in the NAR: the entry names from the root down (empty for the root).
+/// Names are validated by the reader: non-empty, not `.` or `..`, no `/` or NUL.
+pub type NarPath = [Vec<u8>];
+
+/// Receives the nodes of a NAR in order: a directory's `directory_start`, then its entries
+/// (sorted by name, recursively), then its `directory_end`.
+pub trait NarVisitor {
+    /// A regular file of `size` bytes whose contents start at byte `offset` of the NAR.
+    /// `contents` yields exactly `size` bytes; the reader consumes whatever is not read.
+    fn regular(&mut self, path: &NarPath, executable: bool, size: u64, offset: u64, contents: &mut dyn std::io::Read) -> std::io::Result<()>;
+    /// A symbolic link with the given target (arbitrary bytes, not checked).
+    fn symlink(&mut self, path: &NarPath, target: &[u8]) -> std::io::Result<()>;
+    /// The start of a directory; its entries follow.
+    fn directory_start(&mut self, path: &NarPath) -> std::io::Result<()>;
+    /// The end of a directory.
+    fn directory_end(&mut self, path: &NarPath) -> std::io::Result<()>;
+}

@@ -1,0 +1,6 @@
+//! Nix stores and the engines that move store paths between them: the local store (Nix's own
+//! on-disk layout and SQLite database), binary-cache stores (`file://`, `http(s)://`), the
+//! narinfo disk cache, the closure engine and the substitution pipeline.
+
+pub mod local;
+pub mod path_info;

@@ -1,0 +1,26 @@
+//! What a store knows about a valid store path (Nix's `ValidPathInfo`,
+//! `src/libstore/path-info.hh`).
+
+use std::collections::BTreeSet;
+use sluice_nix::hash::Hash;
+use sluice_nix::store_path::StorePath;
+
+/// Metadata of a valid (registered) store path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidPathInfo {
+    pub path: StorePath,
+    /// Hash of the NAR serialisation (sha256 in practice).
+    pub nar_hash: Hash,
+    /// Bytes of the NAR serialisation.
+    pub nar_size: u64,
+    pub references: BTreeSet<StorePath>,
+    pub deriver: Option<StorePath>,
+    /// Seconds since the epoch.
+    pub registration_time: i64,
+    /// Built locally (trusted without signatures).
+    pub ultimate: bool,
+    /// Signatures `keyname:base64`.
+    pub sigs: BTreeSet<String>,
+    /// Content address (`fixed:…`/`text:…`), as text.
+    pub ca: Option<String>,
+}
