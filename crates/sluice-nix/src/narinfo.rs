@@ -1,6 +1,20 @@
 //! `.narinfo` files: parse and print (Nix's field order; nixbase32 hashes), and the signature
 //! fingerprint. Source: Nix `src/libstore/nar-info.cc`, `path-info.cc`.
+//!
+//! Format: one `Key: value` per line, each line ending in `\n` (the value is everything after
+//! the first `": "`). Parsing follows Nix with these rules (see also shared case 02):
+//! - required: `StorePath` (full path), `URL` (non-empty), `NarHash`, `NarSize` (non-zero);
+//! - `Compression` defaults to `bzip2`; `FileHash`/`FileSize` are optional for every
+//!   compression (absent means unknown);
+//! - hashes may be `algo:` + base16 / nixbase32 / base64, or SRI `algo-base64`;
+//! - `References` and `Deriver` are base names validated as store paths; `Deriver:
+//!   unknown-deriver` means none;
+//! - a field other than `Sig` given twice is rejected (Nix rejects a second `References`);
+//! - unknown fields are ignored;
+//! - a line ending in `\r\n`, or a last line without `\n`, is rejected (Nix rejects both: the
+//!   value would keep the `\r`, and an unterminated line may be truncated).
 
+use crate::content_address::ContentAddress;
 use crate::hash::Hash;
 use crate::store_path::{StoreDir, StorePath};
 
@@ -38,11 +52,189 @@ pub enum NarInfoError {
     Field { field: &'static str, what: String },
 }
 
+/// The known fields, in Nix's print order (`System` is parsed, printed when set).
+const FIELDS: [&str; 12] = [
+    "StorePath", "URL", "Compression", "FileHash", "FileSize", "NarHash", "NarSize", "References",
+    "Deriver", "System", "Sig", "CA",
+];
+
+/// The `&'static str` name of a known field.
+fn known_field(name: &str) -> Option<&'static str> {
+    FIELDS.iter().copied().find(|f| *f == name)
+}
+
+fn field_err(field: &'static str, what: impl Into<String>) -> NarInfoError {
+    NarInfoError::Field { field, what: what.into() }
+}
+
+fn parse_hash(field: &'static str, value: &str) -> Result<Hash, NarInfoError> {
+    Hash::parse(value).map_err(|e| field_err(field, e.to_string()))
+}
+
+fn parse_size(field: &'static str, value: &str) -> Result<u64, NarInfoError> {
+    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(field_err(field, format!("{value:?} is not a non-negative integer")));
+    }
+    value.parse().map_err(|_| field_err(field, format!("{value:?} is out of range")))
+}
+
+fn parse_base_name(field: &'static str, value: &str) -> Result<StorePath, NarInfoError> {
+    StorePath::from_base_name(value).map_err(|e| field_err(field, e.to_string()))
+}
+
 impl NarInfo {
     /// Parses narinfo text for `store_dir`.
-    pub fn parse(store_dir: &StoreDir, text: &str) -> Result<Self, NarInfoError> { todo!() }
-    /// Prints in Nix's form and field order.
-    pub fn to_text(&self, store_dir: &StoreDir) -> String { todo!() }
+    pub fn parse(store_dir: &StoreDir, text: &str) -> Result<Self, NarInfoError> {
+        let mut store_path = None;
+        let mut url = None;
+        let mut compression = None;
+        let mut file_hash = None;
+        let mut file_size = None;
+        let mut nar_hash = None;
+        let mut nar_size = None;
+        let mut references = None;
+        let mut deriver = None;
+        let mut signatures = Vec::new();
+        let mut ca = None;
+        let mut system = None;
+        let mut seen: Vec<&'static str> = Vec::new();
+
+        let mut rest = text;
+        let mut line = 0usize;
+        while !rest.is_empty() {
+            line += 1;
+            let line_err = |what: String| NarInfoError::Line { line, what };
+            let (l, tail) = match rest.split_once('\n') {
+                Some(x) => x,
+                None => return Err(line_err(format!("{rest:?} does not end in \\n (truncated file?)"))),
+            };
+            rest = tail;
+            if l.ends_with('\r') {
+                return Err(line_err(format!("{l:?} ends in \\r (CRLF line endings are not allowed)")));
+            }
+            let (name, value) = l
+                .split_once(": ")
+                .or_else(|| l.strip_suffix(':').map(|n| (n, "")))
+                .ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value'")))?;
+            let Some(field) = known_field(name) else { continue };
+            if field != "Sig" {
+                if seen.contains(&field) {
+                    return Err(field_err(field, format!("given twice (second time on line {line})")));
+                }
+                seen.push(field);
+            }
+            match field {
+                "StorePath" => {
+                    store_path = Some(store_dir.parse_path(value).map_err(|e| field_err("StorePath", e.to_string()))?)
+                }
+                "URL" => url = Some(value.to_owned()),
+                "Compression" => compression = Some(value.to_owned()),
+                "FileHash" => file_hash = Some(parse_hash("FileHash", value)?),
+                "FileSize" => file_size = Some(parse_size("FileSize", value)?),
+                "NarHash" => nar_hash = Some(parse_hash("NarHash", value)?),
+                "NarSize" => nar_size = Some(parse_size("NarSize", value)?),
+                "References" => {
+                    references = Some(
+                        value
+                            .split(' ')
+                            .filter(|r| !r.is_empty())
+                            .map(|r| parse_base_name("References", r))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    )
+                }
+                "Deriver" if value == "unknown-deriver" => {}
+                "Deriver" => deriver = Some(parse_base_name("Deriver", value)?),
+                "System" => system = Some(value.to_owned()),
+                "Sig" => signatures.push(value.to_owned()),
+                "CA" => {
+                    ContentAddress::parse(value).map_err(|e| field_err("CA", e.to_string()))?;
+                    ca = Some(value.to_owned());
+                }
+                _ => {}
+            }
+        }
+
+        let store_path = store_path.ok_or(NarInfoError::Missing("StorePath"))?;
+        let url = url.filter(|u| !u.is_empty()).ok_or(NarInfoError::Missing("URL"))?;
+        let nar_hash = nar_hash.ok_or(NarInfoError::Missing("NarHash"))?;
+        let nar_size = nar_size.ok_or(NarInfoError::Missing("NarSize"))?;
+        if nar_size == 0 {
+            return Err(field_err("NarSize", "must not be 0"));
+        }
+        let compression = compression.filter(|c| !c.is_empty()).unwrap_or_else(|| "bzip2".to_owned());
+        Ok(NarInfo {
+            store_path,
+            url,
+            compression,
+            file_hash,
+            file_size,
+            nar_hash,
+            nar_size,
+            references: references.unwrap_or_default(),
+            deriver,
+            signatures,
+            ca,
+            system,
+        })
+    }
+
+    /// Prints in Nix's form and field order (`References: ` always, with a trailing space when
+    /// empty; hashes as `sha256:<nixbase32>`).
+    pub fn to_text(&self, store_dir: &StoreDir) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(s, "StorePath: {}", store_dir.display_path(&self.store_path));
+        let _ = writeln!(s, "URL: {}", self.url);
+        let _ = writeln!(s, "Compression: {}", self.compression);
+        if let Some(h) = &self.file_hash {
+            let _ = writeln!(s, "FileHash: {}", h.to_nix32_prefixed());
+        }
+        if let Some(n) = self.file_size {
+            let _ = writeln!(s, "FileSize: {n}");
+        }
+        let _ = writeln!(s, "NarHash: {}", self.nar_hash.to_nix32_prefixed());
+        let _ = writeln!(s, "NarSize: {}", self.nar_size);
+        let refs: Vec<&str> = self.sorted_references().into_iter().map(StorePath::base_name).collect();
+        let _ = writeln!(s, "References: {}", refs.join(" "));
+        if let Some(d) = &self.deriver {
+            let _ = writeln!(s, "Deriver: {d}");
+        }
+        if let Some(sys) = &self.system {
+            let _ = writeln!(s, "System: {sys}");
+        }
+        for sig in &self.signatures {
+            let _ = writeln!(s, "Sig: {sig}");
+        }
+        if let Some(ca) = &self.ca {
+            let _ = writeln!(s, "CA: {ca}");
+        }
+        s
+    }
+
+    /// The references sorted and without duplicates, as Nix holds them.
+    pub fn sorted_references(&self) -> Vec<&StorePath> {
+        let mut refs: Vec<&StorePath> = self.references.iter().collect();
+        refs.sort();
+        refs.dedup();
+        refs
+    }
+
+    /// The parsed `CA:` field, if any (it was validated by [`NarInfo::parse`]).
+    pub fn content_address(&self) -> Option<ContentAddress> {
+        self.ca.as_deref().and_then(|c| ContentAddress::parse(c).ok())
+    }
+
     /// `1;<store path>;<NarHash nixbase32>;<NarSize>;<comma-separated references>`.
-    pub fn fingerprint(&self, store_dir: &StoreDir) -> String { todo!() }
+    /// Store path and references are full paths; references sorted; the hash is always
+    /// printed as `sha256:<nixbase32>` whatever encoding the file used.
+    pub fn fingerprint(&self, store_dir: &StoreDir) -> String {
+        let refs: Vec<String> = self.sorted_references().into_iter().map(|r| store_dir.display_path(r)).collect();
+        format!(
+            "1;{};{};{};{}",
+            store_dir.display_path(&self.store_path),
+            self.nar_hash.to_nix32_prefixed(),
+            self.nar_size,
+            refs.join(",")
+        )
+    }
 }

@@ -1,5 +1,12 @@
 //! ed25519 keys and signatures in Nix's format: `name:base64(key)`, signatures
 //! `name:base64(sig)`. Source: Nix `src/libutil/signature/local-keys.cc` (`crypto.cc` in 2.8).
+//!
+//! A signature is over the UTF-8 bytes of a fingerprint (for store paths, see
+//! [`crate::narinfo::NarInfo::fingerprint`]). Verification never fails hard: a malformed
+//! signature (no `:`, bad base64, not 64 bytes) simply does not verify.
+
+use base64::Engine as _;
+use ed25519_dalek::{Signer as _, Verifier as _};
 
 /// Errors parsing keys or signatures.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -17,28 +24,101 @@ pub struct PublicKey { name: String, key: ed25519_dalek::VerifyingKey }
 /// A secret key `name:base64(64 bytes: seed + public)`.
 pub struct SecretKey { name: String, key: ed25519_dalek::SigningKey }
 
+fn b64() -> &'static base64::engine::GeneralPurpose { &base64::engine::general_purpose::STANDARD }
+
+/// Splits `name:base64` and decodes the base64 into exactly `N` bytes. The error shows only
+/// the name, never key material.
+fn split_key<const N: usize>(s: &str) -> Result<(String, [u8; N]), KeyError> {
+    let s = s.trim();
+    let (name, data) = s.split_once(':').ok_or_else(|| KeyError::Malformed(redact(s)))?;
+    if name.is_empty() {
+        return Err(KeyError::Malformed(redact(s)));
+    }
+    let bytes = b64().decode(data).map_err(|_| KeyError::Malformed(redact(s)))?;
+    let arr = <[u8; N]>::try_from(bytes.as_slice()).map_err(|_| KeyError::BadLength(redact(s)))?;
+    Ok((name.to_owned(), arr))
+}
+
+/// `name:…`: what may be shown of a key in an error.
+fn redact(s: &str) -> String {
+    match s.split_once(':') {
+        Some((name, _)) => format!("{name}:…"),
+        None => "…".to_owned(),
+    }
+}
+
+/// Splits a signature `name:base64` into its key name and 64 signature bytes.
+pub fn parse_signature(sig: &str) -> Option<(&str, ed25519_dalek::Signature)> {
+    let (name, data) = sig.split_once(':')?;
+    let bytes = b64().decode(data).ok()?;
+    let arr = <[u8; 64]>::try_from(bytes.as_slice()).ok()?;
+    Some((name, ed25519_dalek::Signature::from_bytes(&arr)))
+}
+
 impl PublicKey {
-    pub fn parse(s: &str) -> Result<Self, KeyError> { todo!() }
+    /// Parses `name:base64(32 bytes)`.
+    pub fn parse(s: &str) -> Result<Self, KeyError> {
+        let (name, bytes) = split_key::<32>(s)?;
+        let key = ed25519_dalek::VerifyingKey::from_bytes(&bytes).map_err(|_| KeyError::Malformed(redact(s)))?;
+        Ok(PublicKey { name, key })
+    }
     pub fn name(&self) -> &str { &self.name }
+    /// The 32 key bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] { self.key.as_bytes() }
     /// Whether `sig` (`name:base64`) is this key's valid signature of `fingerprint`. A
     /// signature with another key name or malformed base64 gives `false`.
-    pub fn verify(&self, fingerprint: &str, sig: &str) -> bool { todo!() }
+    pub fn verify(&self, fingerprint: &str, sig: &str) -> bool {
+        match parse_signature(sig) {
+            Some((name, s)) if name == self.name => self.key.verify(fingerprint.as_bytes(), &s).is_ok(),
+            _ => false,
+        }
+    }
 }
 
 impl std::fmt::Display for PublicKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { todo!() }
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.name, b64().encode(self.key.as_bytes()))
+    }
+}
+
+impl std::fmt::Debug for SecretKey {
+    /// Shows the name and public half only.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretKey").field("name", &self.name).field("public", &self.to_public().to_string()).finish()
+    }
 }
 
 impl SecretKey {
-    pub fn parse(s: &str) -> Result<Self, KeyError> { todo!() }
-    pub fn generate(name: &str) -> Self { todo!() }
-    pub fn to_public(&self) -> PublicKey { todo!() }
+    /// Parses `name:base64(64 bytes)`: the 32-byte seed then the 32-byte public key, which must
+    /// match the seed.
+    pub fn parse(s: &str) -> Result<Self, KeyError> {
+        let (name, bytes) = split_key::<64>(s)?;
+        let mut keypair = bytes;
+        let key = ed25519_dalek::SigningKey::from_keypair_bytes(&keypair).map_err(|_| KeyError::Malformed(redact(s)));
+        keypair.fill(0);
+        Ok(SecretKey { name, key: key? })
+    }
+    /// A new random key (from the OS's random source) named `name`.
+    pub fn generate(name: &str) -> Self {
+        SecretKey { name: name.to_owned(), key: ed25519_dalek::SigningKey::generate(&mut rand::rngs::OsRng) }
+    }
+    /// A key from a 32-byte seed (deterministic; for tests and key derivation).
+    pub fn from_seed(name: &str, seed: &[u8; 32]) -> Self {
+        SecretKey { name: name.to_owned(), key: ed25519_dalek::SigningKey::from_bytes(seed) }
+    }
+    pub fn name(&self) -> &str { &self.name }
+    pub fn to_public(&self) -> PublicKey { PublicKey { name: self.name.clone(), key: self.key.verifying_key() } }
     /// `name:base64(signature)`.
-    pub fn sign(&self, fingerprint: &str) -> String { todo!() }
+    pub fn sign(&self, fingerprint: &str) -> String {
+        format!("{}:{}", self.name, b64().encode(self.key.sign(fingerprint.as_bytes()).to_bytes()))
+    }
 }
 
 impl std::fmt::Display for SecretKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { todo!() }
+    /// The secret key file format `name:base64(seed + public)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.name, b64().encode(self.key.to_keypair_bytes()))
+    }
 }
 
 /// A set of trusted public keys (`trusted-public-keys`).
@@ -47,7 +127,64 @@ pub struct TrustedKeys { keys: Vec<PublicKey> }
 
 impl TrustedKeys {
     /// Parses space-separated keys.
-    pub fn parse(s: &str) -> Result<Self, KeyError> { todo!() }
-    /// Number of the `sigs` that a trusted key verifies over `fingerprint`.
-    pub fn count_valid<'a>(&self, fingerprint: &str, sigs: impl IntoIterator<Item = &'a String>) -> usize { todo!() }
+    pub fn parse(s: &str) -> Result<Self, KeyError> {
+        s.split_whitespace().map(PublicKey::parse).collect::<Result<Vec<_>, _>>().map(|keys| TrustedKeys { keys })
+    }
+    /// A set of the given keys.
+    pub fn from_keys(keys: Vec<PublicKey>) -> Self { TrustedKeys { keys } }
+    /// Adds a key.
+    pub fn push(&mut self, key: PublicKey) { self.keys.push(key) }
+    /// The keys, in the order given.
+    pub fn keys(&self) -> &[PublicKey] { &self.keys }
+    /// Whether some trusted key (same name and key bytes) verifies `sig` over `fingerprint`.
+    pub fn verifies(&self, fingerprint: &str, sig: &str) -> bool {
+        self.keys.iter().any(|k| k.verify(fingerprint, sig))
+    }
+    /// Number of the `sigs` that a trusted key verifies over `fingerprint`. Identical signature
+    /// strings count once; malformed ones count zero.
+    pub fn count_valid<'a>(&self, fingerprint: &str, sigs: impl IntoIterator<Item = &'a String>) -> usize {
+        let mut seen = std::collections::BTreeSet::new();
+        sigs.into_iter().filter(|s| seen.insert(s.as_str()) && self.verifies(fingerprint, s)).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sign_verify_round_trip() {
+        let sk = SecretKey::from_seed("test-1", &[7; 32]);
+        let pk = sk.to_public();
+        let sk2 = SecretKey::parse(&sk.to_string()).unwrap();
+        assert_eq!(sk2.to_public(), pk);
+        assert_eq!(PublicKey::parse(&pk.to_string()).unwrap(), pk);
+        let sig = sk.sign("hello");
+        assert!(pk.verify("hello", &sig));
+        assert!(!pk.verify("hellO", &sig));
+        let other = SecretKey::from_seed("test-1", &[8; 32]);
+        assert!(!other.to_public().verify("hello", &sig));
+        let relabelled = sig.replacen("test-1", "test-2", 1);
+        assert!(!pk.verify("hello", &relabelled));
+        let trusted = TrustedKeys::parse(&format!("  {} {} ", other.to_public(), pk)).unwrap();
+        assert_eq!(trusted.keys().len(), 2);
+        let bad = "test-1:!!!not*base64!!!".to_owned();
+        let nocolon = "garbage".to_owned();
+        assert_eq!(trusted.count_valid("hello", [&bad, &nocolon, &sig, &sig]), 1);
+        assert!(!format!("{sk:?}").contains(&sk.to_string()));
+    }
+
+    #[test]
+    fn malformed_keys() {
+        assert!(matches!(PublicKey::parse("nocolon"), Err(KeyError::Malformed(_))));
+        assert!(matches!(PublicKey::parse(":AAAA"), Err(KeyError::Malformed(_))));
+        assert!(matches!(PublicKey::parse("k:!!"), Err(KeyError::Malformed(_))));
+        assert!(matches!(PublicKey::parse("k:AAAA"), Err(KeyError::BadLength(_))));
+        let sk = SecretKey::from_seed("k", &[1; 32]);
+        // Secret key whose public half does not match its seed.
+        let mut bytes = sk.key.to_keypair_bytes();
+        bytes[40] ^= 1;
+        assert!(SecretKey::parse(&format!("k:{}", b64().encode(bytes))).is_err());
+        assert!(matches!(SecretKey::parse(&sk.to_public().to_string()), Err(KeyError::BadLength(_))));
+    }
 }

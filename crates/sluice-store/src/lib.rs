@@ -4,3 +4,11 @@
 
 pub mod local;
 pub mod path_info;
+pub mod binary_cache;
+pub mod closure;
+pub mod compression;
+pub mod config;
+pub mod narinfo_cache;
+pub mod store_url;
+pub mod substitute;
+pub mod substituters;

@@ -1,1 +1,62 @@
-fn main() {}
+//! `sluice`: the command line. Thin: parses arguments, builds settings, calls the engines in
+//! `sluice-store`, renders progress and results.
+
+mod copy;
+mod key;
+mod missing;
+mod nar;
+mod path_info;
+mod progress;
+mod setup;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// sluice: the store side of Nix — substituter, local store, daemon.
+#[derive(Parser)]
+#[command(name = "sluice", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Copy the closures of store paths from binary caches into a store (like `nix copy`).
+    Copy(copy::Args),
+    /// Show what would be fetched for store paths (like `nix build --dry-run`).
+    Missing(missing::Args),
+    /// Show metadata of store paths (like `nix path-info`).
+    PathInfo(path_info::Args),
+    /// Create, unpack and list NAR files.
+    #[command(subcommand)]
+    Nar(nar::Command),
+    /// Generate and convert signing keys.
+    #[command(subcommand)]
+    Key(key::Command),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Copy(a) => copy::run(a),
+        Command::Missing(a) => missing::run(a),
+        Command::PathInfo(a) => path_info::run(a),
+        Command::Nar(c) => nar::run(c),
+        Command::Key(c) => key::run(c),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

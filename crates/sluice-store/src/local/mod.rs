@@ -6,26 +6,87 @@
 //! Nix's `PathLocks`), [`PendingPath`] unpacks a NAR into a temporary directory in the store
 //! directory while hashing it, [`PendingPath::commit`] checks NarHash and NarSize,
 //! canonicalises, renames into place and registers the path in one transaction once all its
-//! references are valid.
+//! references are valid. Nothing appears at a store path's location before its contents are
+//! complete and durable, and a tree found there unregistered (after a crash) is replaced.
+
+mod canonicalise;
+mod dump;
+mod layout;
+mod lock;
+mod registry;
+mod schema;
+mod tree;
+mod unpack;
 
 use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use sluice_nix::hash::{Hash, HashAlgo};
+use rustix::fs::{open, openat, renameat, syncfs, Mode, OFlags};
+use sluice_nix::derivation::{parse_outputs, DerivationError};
+use sluice_nix::hash::{Hash, HashAlgo, HashingReader};
+use sluice_nix::nar::reader::{parse, NarError};
+use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::path_info::ValidPathInfo;
+use layout::Layout;
+use lock::PathLock;
+use registry::Registry;
 
 /// Errors of the local store. Each names the store path or file concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum LocalStoreError {
-    #[error("{0}")]
-    Todo(String),
+    /// A file-system operation failed (`what` is the operation, e.g. "creating").
+    #[error("{what} {}: {source}", path.display())]
+    Io { what: &'static str, path: PathBuf, #[source] source: io::Error },
+    /// An SQLite operation on the store database failed.
+    #[error("store database {}: {what}: {source}", db.display())]
+    Db { db: PathBuf, what: String, #[source] source: rusqlite::Error },
+    /// The store database holds something Nix would not have written.
+    #[error("store database {}: invalid {what}", db.display())]
+    Corrupt { db: PathBuf, what: String },
+    /// The `schema` file names a version other than the one sluice (and Nix 2.8) uses.
+    #[error("{}: store schema version {found:?}, but only version {} is supported", path.display(), schema::SCHEMA_VERSION)]
+    Schema { path: PathBuf, found: String },
+    /// The NAR given for a path is malformed, or could not be unpacked.
+    #[error("unpacking the NAR of {path}: {source}")]
+    Nar { path: String, #[source] source: NarError },
+    /// More bytes follow the end of the NAR given for a path.
+    #[error("the NAR of {path} is followed by trailing data")]
+    TrailingData { path: String },
+    /// The unpacked NAR's hash is not the one the path's info claims.
+    #[error("NAR hash mismatch for {path}: expected {expected}, got {actual}")]
+    HashMismatch { path: String, expected: String, actual: String },
+    /// The unpacked NAR's size (bytes) is not the one the path's info claims.
+    #[error("NAR size mismatch for {path}: expected {expected} bytes, got {actual} bytes")]
+    SizeMismatch { path: String, expected: u64, actual: u64 },
+    /// A path cannot be registered before its references are valid.
+    #[error("cannot register {path}: its reference {reference} is not valid")]
+    MissingReference { path: String, reference: String },
+    /// The operation needs a valid path.
+    #[error("{path} is not valid in the store")]
+    NotValid { path: String },
+    /// A `.drv` path's contents are not a derivation.
+    #[error("{path}: {source}")]
+    Derivation { path: String, #[source] source: DerivationError },
+    /// A [`PendingPath`] was used out of order or for another path.
+    #[error("adding {path}: {what}")]
+    Misuse { path: String, what: &'static str },
 }
 
 /// A local Nix store rooted at `root` (`/` for the system store; a chroot store
 /// `local?root=DIR` otherwise). Safe to share between threads.
-pub struct LocalStore { /* private */ }
+pub struct LocalStore {
+    store_dir: StoreDir,
+    layout: Layout,
+    /// The real store directory, opened once: every node of a store path is reached from it.
+    store_fd: OwnedFd,
+    registry: Registry,
+}
 
 /// What unpacking a NAR produced: the NAR's own hash and size, and for a NAR whose root is a
 /// regular file, the hash of that file's contents (for flat and text content addresses).
@@ -39,33 +100,256 @@ pub struct Unpacked {
 
 /// A store path being added: holds the per-path lock and a temporary directory inside the
 /// store directory. Dropping it without `commit` removes the temporary tree and the lock.
-pub struct PendingPath<'a> { store: &'a LocalStore }
+/// (It owns an `Arc` of its store so that it can move between threads and tasks while it
+/// waits for its references to become valid.)
+pub struct PendingPath {
+    store: Arc<LocalStore>,
+    path: StorePath,
+    /// Name of the temporary tree in the store directory: `.<base name>.sluice`. Only the
+    /// holder of the path's lock uses it, so it needs no unique suffix, and a leftover one is
+    /// found without listing the store directory.
+    temp_name: String,
+    unpacked: Option<Unpacked>,
+    /// Released (and its file deleted) after `Drop::drop` has removed the temporary tree.
+    _lock: PathLock,
+}
 
 impl LocalStore {
     /// Opens (creating the layout, database and `schema` file if missing) the store whose
-    /// `nix/store` and `nix/var/nix/db` live under `root`.
-    pub fn open(root: &Path) -> Result<Self, LocalStoreError> { todo!() }
+    /// `nix/store` and `nix/var/nix/db` live under `root`. Holds a shared lock on
+    /// `db/big-lock` while open, as Nix does.
+    pub fn open(root: &Path) -> Result<Self, LocalStoreError> {
+        let root = std::path::absolute(root).map_err(io_err("resolving", root))?;
+        let layout = Layout::new(&root);
+        layout.create().map_err(|(path, source)| LocalStoreError::Io { what: "creating", path, source })?;
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let store_fd = open(&layout.real_store_dir, flags, Mode::empty())
+            .map_err(|e| io_err("opening", &layout.real_store_dir)(e.into()))?;
+        let db = schema::open(&layout.db_dir)?;
+        let store_dir = StoreDir::default();
+        let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
+        Ok(LocalStore { store_dir, layout, store_fd, registry })
+    }
+
     /// The logical store directory (`/nix/store`).
-    pub fn store_dir(&self) -> &StoreDir { todo!() }
+    pub fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
     /// Where `path` lives on disk (`<root>/nix/store/<base name>`).
-    pub fn real_path(&self, path: &StorePath) -> PathBuf { todo!() }
-    pub fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> { todo!() }
-    pub fn is_valid_path(&self, path: &StorePath) -> Result<bool, LocalStoreError> { todo!() }
+    pub fn real_path(&self, path: &StorePath) -> PathBuf {
+        self.layout.real_store_dir.join(path.base_name())
+    }
+
+    /// The registration of `path` (references sorted, sigs as a set), or `None` if it is not
+    /// valid.
+    pub fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> {
+        self.registry.query_path_info(path)
+    }
+
+    /// Whether `path` is registered.
+    pub fn is_valid_path(&self, path: &StorePath) -> Result<bool, LocalStoreError> {
+        Ok(!self.registry.valid_paths([path])?.is_empty())
+    }
+
     /// The subset of `paths` that is valid, in one query batch.
-    pub fn query_valid_paths(&self, paths: &[StorePath]) -> Result<BTreeSet<StorePath>, LocalStoreError> { todo!() }
-    /// Writes the NAR serialisation of a valid path (`nix-store --dump`).
-    pub fn dump_path(&self, path: &StorePath, out: &mut dyn std::io::Write) -> Result<(), LocalStoreError> { todo!() }
+    pub fn query_valid_paths(&self, paths: &[StorePath]) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        self.registry.valid_paths(paths)
+    }
+
+    /// The valid paths that reference `path` (including `path` itself if it is
+    /// self-referencing); empty if `path` is not valid.
+    pub fn query_referrers(&self, path: &StorePath) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        self.registry.referrers(path)
+    }
+
+    /// Every valid path in the store.
+    pub fn query_all_valid_paths(&self) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        self.registry.all_valid_paths()
+    }
+
+    /// Writes the NAR serialisation of a valid path (`nix-store --dump`). Fails with
+    /// [`LocalStoreError::NotValid`] for a path that is not registered.
+    pub fn dump_path(&self, path: &StorePath, out: &mut dyn std::io::Write) -> Result<(), LocalStoreError> {
+        if !self.is_valid_path(path)? {
+            return Err(LocalStoreError::NotValid { path: self.store_dir.display_path(path) });
+        }
+        let real_path = self.real_path(path);
+        let mut writer = NarWriter::new(out).map_err(io_err("writing the NAR of", &real_path))?;
+        dump::dump(self.store_fd.as_fd(), path.base_name().as_bytes(), &mut writer).map_err(io_err("dumping", &real_path))
+    }
+
     /// Takes the per-path lock for `path` (blocking while another process holds it). Returns
     /// `None` when the path is already valid (possibly added meanwhile by the holder).
-    pub fn begin_add(&self, path: &StorePath) -> Result<Option<PendingPath<'_>>, LocalStoreError> { todo!() }
+    /// Otherwise removes whatever an interrupted addition left: an unregistered tree at the
+    /// path's location and this path's temporary tree.
+    pub fn begin_add(self: &Arc<Self>, path: &StorePath) -> Result<Option<PendingPath>, LocalStoreError> {
+        if self.is_valid_path(path)? {
+            return Ok(None);
+        }
+        let real_path = self.real_path(path);
+        let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
+        if self.is_valid_path(path)? {
+            return Ok(None);
+        }
+        if tree::remove_tree(self.store_fd.as_fd(), path.base_name().as_bytes()).map_err(io_err("removing", &real_path))? {
+            tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
+        }
+        let pending = PendingPath {
+            store: Arc::clone(self),
+            path: path.clone(),
+            temp_name: format!(".{}.sluice", path.base_name()),
+            unpacked: None,
+            _lock: lock,
+        };
+        pending.remove_temp()?;
+        Ok(Some(pending))
+    }
+
+    /// Adds `path` from its NAR: [`begin_add`](Self::begin_add), [`PendingPath::unpack`],
+    /// [`PendingPath::commit`]. Returns `false` (reading nothing) if the path is already
+    /// valid.
+    pub fn add_nar(self: &Arc<Self>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<bool, LocalStoreError> {
+        let Some(mut pending) = self.begin_add(&info.path)? else {
+            return Ok(false);
+        };
+        pending.unpack(nar, None)?;
+        pending.commit(info)?;
+        Ok(true)
+    }
 }
 
-impl PendingPath<'_> {
+impl PendingPath {
     /// Unpacks the NAR read from `nar` into the temporary directory, hashing it (sha256) as it
-    /// goes; `flat_algo` asks for the hash of a root regular file's contents.
-    pub fn unpack(&mut self, nar: &mut dyn std::io::Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> { todo!() }
+    /// goes; `flat_algo` asks for the hash of a root regular file's contents. Reads exactly
+    /// the NAR and fails on trailing bytes. On failure the temporary tree is removed, so the
+    /// path can be unpacked again (e.g. from another source); a second call replaces the
+    /// first's tree.
+    pub fn unpack(&mut self, nar: &mut dyn std::io::Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> {
+        self.unpacked = None;
+        self.remove_temp()?;
+        let result = self.unpack_into_temp(nar, flat_algo);
+        if result.is_err() {
+            // The unpack error is the one to report.
+            let _ = self.remove_temp();
+        }
+        self.unpacked = Some(result?);
+        Ok(self.unpacked.clone().expect("just set"))
+    }
+
+    fn unpack_into_temp(&self, nar: &mut dyn Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> {
+        let shown = self.shown();
+        let mut reader = HashingReader::new(nar, HashAlgo::Sha256);
+        let mut unpacker = unpack::Unpacker::new(self.store.store_fd.as_fd(), self.temp_name.as_bytes(), flat_algo);
+        parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
+        let nar_size = reader.len();
+        if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.path)))? {
+            return Err(LocalStoreError::TrailingData { path: shown });
+        }
+        let (nar_hash, _) = reader.finish();
+        Ok(Unpacked { nar_hash, nar_size, flat_hash: unpacker.flat_hash() })
+    }
+
     /// Checks `info.nar_hash`/`nar_size` against what was unpacked, canonicalises the tree,
     /// renames it to its final path and registers `info` in one transaction. Fails (leaving
     /// nothing at the final path) if a reference other than the path itself is not valid.
-    pub fn commit(self, info: &ValidPathInfo) -> Result<(), LocalStoreError> { todo!() }
+    /// The tree's contents and its rename are made durable (`syncfs` of the store's file
+    /// system) before the registration is committed.
+    pub fn commit(self, info: &ValidPathInfo) -> Result<(), LocalStoreError> {
+        let shown = self.shown();
+        if info.path != self.path {
+            return Err(LocalStoreError::Misuse { path: shown, what: "committed with the info of another path" });
+        }
+        let Some(unpacked) = &self.unpacked else {
+            return Err(LocalStoreError::Misuse { path: shown, what: "committed before a successful unpack" });
+        };
+        if unpacked.nar_hash != info.nar_hash {
+            return Err(LocalStoreError::HashMismatch {
+                path: shown,
+                expected: info.nar_hash.to_nix32_prefixed(),
+                actual: unpacked.nar_hash.to_nix32_prefixed(),
+            });
+        }
+        if unpacked.nar_size != info.nar_size {
+            return Err(LocalStoreError::SizeMismatch { path: shown, expected: info.nar_size, actual: unpacked.nar_size });
+        }
+        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != self.path).collect();
+        let valid = self.store.registry.valid_paths(others.iter().copied())?;
+        if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
+            return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
+        }
+        let outputs = self.derivation_outputs()?;
+
+        let store_fd = self.store.store_fd.as_fd();
+        let real_path = self.store.real_path(&self.path);
+        canonicalise::canonicalise(store_fd, self.temp_name.as_bytes()).map_err(io_err("canonicalising", &self.temp_path()))?;
+        renameat(store_fd, self.temp_name.as_str(), store_fd, self.path.base_name())
+            .map_err(|e| io_err("renaming into place", &real_path)(e.into()))?;
+        let registered = syncfs(store_fd)
+            .map_err(|e| io_err("syncing the file system of", &real_path)(e.into()))
+            .and_then(|()| self.store.registry.register(info, &outputs));
+        if registered.is_err() {
+            // Nothing stays at a store path's location unregistered; the registration error
+            // is the one to report.
+            let _ = tree::remove_tree(store_fd, self.path.base_name().as_bytes());
+        }
+        registered
+    }
+
+    /// For a `.drv` path, the outputs with a path named in the unpacked derivation.
+    fn derivation_outputs(&self) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+        if !self.path.is_derivation() {
+            return Ok(Vec::new());
+        }
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let mut aterm = Vec::new();
+        openat(self.store.store_fd.as_fd(), self.temp_name.as_str(), flags, Mode::empty())
+            .map_err(io::Error::from)
+            .and_then(|fd| File::from(fd).read_to_end(&mut aterm))
+            .map_err(io_err("reading the derivation", &self.temp_path()))?;
+        let outputs = parse_outputs(&self.store.store_dir, &aterm)
+            .map_err(|source| LocalStoreError::Derivation { path: self.shown(), source })?;
+        Ok(outputs.into_iter().filter_map(|(name, path)| Some((name, path?))).collect())
+    }
+
+    /// Removes the temporary tree, if any.
+    fn remove_temp(&self) -> Result<(), LocalStoreError> {
+        tree::remove_tree(self.store.store_fd.as_fd(), self.temp_name.as_bytes()).map_err(io_err("removing", &self.temp_path()))?;
+        Ok(())
+    }
+
+    fn temp_path(&self) -> PathBuf {
+        self.store.layout.real_store_dir.join(&self.temp_name)
+    }
+
+    /// The full store path, for messages.
+    fn shown(&self) -> String {
+        self.store.store_dir.display_path(&self.path)
+    }
+}
+
+impl Drop for PendingPath {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove_temp() {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Maps an I/O error to [`LocalStoreError::Io`] for `what` on `path`.
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LocalStoreError {
+    let path = path.to_owned();
+    move |source| LocalStoreError::Io { what, path, source }
+}
+
+/// Whether `reader` has no more bytes (reads at most one).
+fn at_eof(reader: &mut dyn Read) -> io::Result<bool> {
+    let mut byte = [0u8; 1];
+    loop {
+        match reader.read(&mut byte) {
+            Ok(n) => return Ok(n == 0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
 }

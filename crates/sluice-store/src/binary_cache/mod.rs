@@ -1,0 +1,137 @@
+//! Binary-cache stores: a cache directory of `nix-cache-info`, `<hash part>.narinfo` files and
+//! NARs, reached over a transport (one per file: [`file`], [`http`]). Layout: Nix
+//! `src/libstore/binary-cache-store.cc`.
+
+mod error;
+pub mod file;
+pub mod http;
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use sluice_nix::cache_info::CacheInfo;
+use sluice_nix::narinfo::NarInfo;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+pub use error::CacheError;
+
+use crate::config::Settings;
+use crate::store_url::{CacheKind, CacheUrl};
+
+/// How a cache's files are fetched.
+#[derive(Debug)]
+pub enum Transport {
+    File(file::FileTransport),
+    Http(http::HttpTransport),
+}
+
+/// A binary cache: its URL, transport and `nix-cache-info`.
+#[derive(Debug)]
+pub struct BinaryCache {
+    url: String,
+    transport: Transport,
+    info: CacheInfo,
+}
+
+impl BinaryCache {
+    /// A cache for `url` whose `nix-cache-info` is already known (from the disk cache or
+    /// [`BinaryCache::fetch_cache_info`]); `?priority=` overrides it.
+    pub fn new(url: &CacheUrl, client: &reqwest::Client, settings: &Settings, mut info: CacheInfo) -> Self {
+        let CacheUrl { base, kind, priority } = url;
+        if let Some(p) = priority {
+            info.priority = *p;
+        }
+        let transport = match kind {
+            CacheKind::File => Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://")))),
+            CacheKind::Http => Transport::Http(http::HttpTransport::new(base.clone(), client.clone(), settings)),
+        };
+        BinaryCache { url: base.clone(), transport, info }
+    }
+
+    /// Fetches and parses `nix-cache-info` of `url`; a cache without one is taken to serve
+    /// `/nix/store` at priority 50, as Nix does.
+    pub async fn fetch_cache_info(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<CacheInfo, CacheError> {
+        let probe = BinaryCache::new(url, client, settings, default_info());
+        let info = match probe.get("nix-cache-info").await? {
+            None => default_info(),
+            Some(bytes) => {
+                let text = String::from_utf8(bytes).map_err(|_| probe.info_error("not UTF-8 text"))?;
+                CacheInfo::parse(&text).map_err(|e| probe.info_error(&e.to_string()))?
+            }
+        };
+        Ok(info)
+    }
+
+    fn info_error(&self, what: &str) -> CacheError {
+        CacheError::CacheInfo { url: format!("{}/nix-cache-info", self.url), what: what.to_string() }
+    }
+
+    /// Fails unless the cache serves `store_dir`.
+    pub fn check_store_dir(&self, store_dir: &StoreDir) -> Result<(), CacheError> {
+        if self.info.store_dir != store_dir.as_str() {
+            return Err(CacheError::WrongStoreDir { url: self.url.clone(), expected: store_dir.as_str().into(), got: self.info.store_dir.clone() });
+        }
+        Ok(())
+    }
+
+    /// The cache's URL, without trailing slash.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The cache's `nix-cache-info` (priority possibly overridden by the URL).
+    pub fn info(&self) -> &CacheInfo {
+        &self.info
+    }
+
+    async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
+        match &self.transport {
+            Transport::File(t) => t.get(rel).await,
+            Transport::Http(t) => t.get(rel).await,
+        }
+    }
+
+    /// The URL of the narinfo of `path`.
+    pub fn narinfo_url(&self, path: &StorePath) -> String {
+        format!("{}/{}.narinfo", self.url, path.hash_part())
+    }
+
+    /// Fetches the raw narinfo text of `path`; `None` when the cache does not have it.
+    pub async fn narinfo_text(&self, path: &StorePath) -> Result<Option<String>, CacheError> {
+        let Some(bytes) = self.get(&format!("{}.narinfo", path.hash_part())).await? else { return Ok(None) };
+        String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| CacheError::Io { url: self.narinfo_url(path), source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text") })
+    }
+
+    /// Parses narinfo text fetched for `path`, checking that it describes `path`.
+    pub fn parse_narinfo(&self, path: &StorePath, store_dir: &StoreDir, text: &str) -> Result<NarInfo, CacheError> {
+        let url = self.narinfo_url(path);
+        let info = NarInfo::parse(store_dir, text).map_err(|source| CacheError::NarInfo { url: url.clone(), source })?;
+        if info.store_path != *path {
+            return Err(CacheError::WrongStorePath { url, expected: store_dir.display_path(path), got: store_dir.display_path(&info.store_path) });
+        }
+        Ok(info)
+    }
+
+    /// The absolute URL of a narinfo's `URL` field.
+    pub fn nar_url(&self, narinfo: &NarInfo) -> String {
+        match &self.transport {
+            Transport::Http(t) => t.resolve(&narinfo.url),
+            Transport::File(_) => format!("{}/{}", self.url, narinfo.url),
+        }
+    }
+
+    /// Opens the (compressed) NAR of `narinfo` for streaming; `None` when the file is gone.
+    /// The reader must be used on a blocking thread.
+    pub async fn open_nar(&self, narinfo: &NarInfo) -> Result<Option<Box<dyn Read + Send>>, CacheError> {
+        match &self.transport {
+            Transport::File(t) => t.open(&narinfo.url),
+            Transport::Http(t) => t.open(&narinfo.url).await,
+        }
+    }
+}
+
+fn default_info() -> CacheInfo {
+    CacheInfo { store_dir: "/nix/store".into(), want_mass_query: false, priority: 50 }
+}

@@ -1,0 +1,73 @@
+//! The directories of a local store under its root, created as Nix's `LocalStore` constructor
+//! creates them (`src/libstore/local-store.cc`, Nix 2.8): `nix/store` (with `.links`),
+//! `nix/var/nix/{profiles,temproots,db,gcroots}`, the symlink `gcroots/profiles` →
+//! `profiles`, `profiles/per-user` and `gcroots/per-user` (mode 0755) and the current user's
+//! directory in each. (`userpool` is only created by Nix when it builds with build users;
+//! `db/reserved` is disk space Nix reserves for itself on its first open.)
+
+use std::fs::{self, DirBuilder};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Where a store rooted at `root` keeps its files.
+#[derive(Debug, Clone)]
+pub(super) struct Layout {
+    /// `<root>/nix/store`.
+    pub(super) real_store_dir: PathBuf,
+    /// `<root>/nix/var/nix`.
+    pub(super) state_dir: PathBuf,
+    /// `<root>/nix/var/nix/db`.
+    pub(super) db_dir: PathBuf,
+}
+
+impl Layout {
+    pub(super) fn new(root: &Path) -> Self {
+        let state_dir = root.join("nix/var/nix");
+        Layout { real_store_dir: root.join("nix/store"), db_dir: state_dir.join("db"), state_dir }
+    }
+
+    /// Creates the missing directories. Returns the first failure with the directory it
+    /// concerned.
+    pub(super) fn create(&self) -> Result<(), (PathBuf, io::Error)> {
+        let mkdir = |dir: &Path| DirBuilder::new().recursive(true).create(dir).map_err(|e| (dir.to_owned(), e));
+        let profiles = self.state_dir.join("profiles");
+        let gcroots = self.state_dir.join("gcroots");
+        mkdir(&self.real_store_dir)?;
+        mkdir(&self.real_store_dir.join(".links"))?;
+        mkdir(&profiles)?;
+        mkdir(&self.state_dir.join("temproots"))?;
+        mkdir(&self.db_dir)?;
+        if !gcroots.exists() {
+            mkdir(&gcroots)?;
+            let link = gcroots.join("profiles");
+            std::os::unix::fs::symlink(&profiles, &link).map_err(|e| (link, e))?;
+        }
+        let user = user_name();
+        for per_user in [profiles.join("per-user"), gcroots.join("per-user")] {
+            mkdir_0755(&per_user)?;
+            if let Some(user) = &user {
+                mkdir_0755(&per_user.join(user))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Creates `dir` if missing and sets its mode to 0755.
+fn mkdir_0755(dir: &Path) -> Result<(), (PathBuf, io::Error)> {
+    DirBuilder::new().recursive(true).mode(0o755).create(dir).map_err(|e| (dir.to_owned(), e))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(|e| (dir.to_owned(), e))
+}
+
+/// The name of the effective user, as Nix's `getUserName`: from `/etc/passwd`, else `$USER`.
+fn user_name() -> Option<String> {
+    let uid = rustix::process::geteuid().as_raw().to_string();
+    let from_passwd = fs::read_to_string("/etc/passwd").ok().and_then(|passwd| {
+        passwd.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            (fields.len() > 2 && fields[2] == uid).then(|| fields[0].to_owned())
+        })
+    });
+    from_passwd.or_else(|| std::env::var("USER").ok()).filter(|name| !name.is_empty() && !name.contains('/'))
+}

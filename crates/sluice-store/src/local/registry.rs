@@ -1,0 +1,198 @@
+//! Reading and writing path registrations in the store database, with the statements Nix
+//! uses (`src/libstore/local-store.cc`: `addValidPath`, `registerValidPaths`,
+//! `queryPathInfoInternal`). Column formats, as Nix writes them: `hash` is
+//! `sha256:<base16>`, `deriver` a full store path, `sigs` space-separated, `ca` the content
+//! address text; `narSize` 0, `ultimate` false, no deriver, no sigs and no ca are NULL.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rusqlite::{params, OptionalExtension, TransactionBehavior};
+use sluice_nix::hash::Hash;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+use super::schema::Database;
+use super::LocalStoreError;
+use crate::path_info::ValidPathInfo;
+
+const QUERY_PATH_INFO: &str =
+    "select id, hash, registrationTime, deriver, narSize, ultimate, sigs, ca from ValidPaths where path = ?";
+const QUERY_REFERENCES: &str = "select path from Refs join ValidPaths on reference = id where referrer = ?";
+const QUERY_REFERRERS: &str =
+    "select path from Refs join ValidPaths on referrer = id where reference = (select id from ValidPaths where path = ?)";
+const QUERY_ID: &str = "select id from ValidPaths where path = ?";
+const QUERY_ALL: &str = "select path from ValidPaths";
+const REGISTER_VALID_PATH: &str = "insert into ValidPaths (path, hash, registrationTime, deriver, narSize, ultimate, sigs, ca) values (?, ?, ?, ?, ?, ?, ?, ?)";
+const ADD_REFERENCE: &str = "insert or replace into Refs (referrer, reference) values (?, ?)";
+const ADD_DERIVATION_OUTPUT: &str = "insert or replace into DerivationOutputs (drv, id, path) values (?, ?, ?)";
+
+/// The `ValidPaths` row of a path, as stored.
+type Row = (i64, String, i64, Option<String>, Option<i64>, Option<i64>, Option<String>, Option<String>);
+
+/// The database of one store, behind a mutex (SQLite connections are not `Sync`).
+pub(super) struct Registry {
+    db: Mutex<Database>,
+    db_path: PathBuf,
+    store_dir: StoreDir,
+}
+
+impl Registry {
+    pub(super) fn new(db: Database, db_path: PathBuf, store_dir: StoreDir) -> Self {
+        Registry { db: Mutex::new(db), db_path, store_dir }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Database> {
+        // A panic while holding the lock cannot leave a transaction open (it rolls back on
+        // drop), so the connection is still usable.
+        self.db.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Maps an SQLite error to [`LocalStoreError::Db`], describing the operation.
+    fn sql_err<F: FnOnce() -> String>(&self, what: F) -> impl FnOnce(rusqlite::Error) -> LocalStoreError {
+        let db = self.db_path.clone();
+        move |source| LocalStoreError::Db { db, what: what(), source }
+    }
+
+    fn corrupt(&self, what: String) -> LocalStoreError {
+        LocalStoreError::Corrupt { db: self.db_path.clone(), what }
+    }
+
+    fn display(&self, path: &StorePath) -> String {
+        self.store_dir.display_path(path)
+    }
+
+    /// Parses a full store path read from the database.
+    fn parse_path(&self, text: &str, column: &str) -> Result<StorePath, LocalStoreError> {
+        self.store_dir.parse_path(text).map_err(|e| self.corrupt(format!("{column} {text:?}: {e}")))
+    }
+
+    /// The registration of `path`, or `None` if it is not valid.
+    pub(super) fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> {
+        let shown = self.display(path);
+        let err = || format!("querying the registration of {shown}");
+        let (row, references) = {
+            let db = self.lock();
+            let mut stmt = db.conn.prepare_cached(QUERY_PATH_INFO).map_err(self.sql_err(err))?;
+            let row: Option<Row> = stmt
+                .query_row([&shown], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?)))
+                .optional()
+                .map_err(self.sql_err(err))?;
+            let Some(row) = row else {
+                return Ok(None);
+            };
+            let mut stmt = db.conn.prepare_cached(QUERY_REFERENCES).map_err(self.sql_err(err))?;
+            let references: Vec<String> =
+                stmt.query_map([row.0], |r| r.get(0)).and_then(|rows| rows.collect()).map_err(self.sql_err(err))?;
+            (row, references)
+        };
+        let (_, hash, registration_time, deriver, nar_size, ultimate, sigs, ca) = row;
+        let nar_hash = Hash::parse(&hash).map_err(|e| self.corrupt(format!("hash of {shown}: {e}")))?;
+        let nar_size = u64::try_from(nar_size.unwrap_or(0))
+            .map_err(|_| self.corrupt(format!("narSize of {shown} is negative")))?;
+        Ok(Some(ValidPathInfo {
+            path: path.clone(),
+            nar_hash,
+            nar_size,
+            references: references.iter().map(|r| self.parse_path(r, "reference")).collect::<Result<_, _>>()?,
+            deriver: deriver.filter(|d| !d.is_empty()).map(|d| self.parse_path(&d, "deriver")).transpose()?,
+            registration_time,
+            ultimate: ultimate == Some(1),
+            sigs: sigs.iter().flat_map(|s| s.split(' ')).filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+            ca: ca.filter(|c| !c.is_empty()),
+        }))
+    }
+
+    /// The subset of `paths` that is valid, read under one lock of the connection.
+    pub(super) fn valid_paths<'p>(&self, paths: impl IntoIterator<Item = &'p StorePath>) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        let err = || "querying path validity".to_owned();
+        let db = self.lock();
+        let mut stmt = db.conn.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?;
+        let mut valid = BTreeSet::new();
+        for path in paths {
+            if stmt.exists([self.display(path)]).map_err(self.sql_err(err))? {
+                valid.insert(path.clone());
+            }
+        }
+        Ok(valid)
+    }
+
+    /// The valid paths that reference `path`.
+    pub(super) fn referrers(&self, path: &StorePath) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        let shown = self.display(path);
+        self.paths(QUERY_REFERRERS, Some(&shown), || format!("querying the referrers of {shown}"))
+    }
+
+    /// Every valid path.
+    pub(super) fn all_valid_paths(&self) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        self.paths(QUERY_ALL, None, || "listing the valid paths".to_owned())
+    }
+
+    /// Runs a query selecting full store paths, with at most one parameter.
+    fn paths(&self, sql: &str, param: Option<&str>, what: impl Fn() -> String) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        let rows: Vec<String> = {
+            let db = self.lock();
+            let mut stmt = db.conn.prepare_cached(sql).map_err(self.sql_err(&what))?;
+            let params: Vec<&str> = param.into_iter().collect();
+            let rows = stmt.query_map(rusqlite::params_from_iter(params), |r| r.get(0));
+            rows.and_then(|rows| rows.collect()).map_err(self.sql_err(&what))?
+        };
+        rows.iter().map(|p| self.parse_path(p, "path")).collect()
+    }
+
+    /// Registers `info` in one transaction: its `ValidPaths` row, its references (the path
+    /// itself included, if listed) and, for a derivation, its `outputs`. Fails with
+    /// [`LocalStoreError::MissingReference`] if another reference is not valid. A
+    /// `registration_time` of 0 means now.
+    pub(super) fn register(&self, info: &ValidPathInfo, outputs: &[(String, StorePath)]) -> Result<(), LocalStoreError> {
+        let shown = self.display(&info.path);
+        let err = || format!("registering {shown}");
+        let mut db = self.lock();
+        let tx = db.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(self.sql_err(err))?;
+        let mut reference_ids = Vec::with_capacity(info.references.len());
+        {
+            let mut query_id = tx.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?;
+            for reference in info.references.iter().filter(|r| **r != info.path) {
+                let id: Option<i64> =
+                    query_id.query_row([self.display(reference)], |r| r.get(0)).optional().map_err(self.sql_err(err))?;
+                let id = id.ok_or_else(|| LocalStoreError::MissingReference { path: shown.clone(), reference: self.display(reference) })?;
+                reference_ids.push(id);
+            }
+        }
+        let registration_time = match info.registration_time {
+            0 => SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64),
+            t => t,
+        };
+        let sigs = info.sigs.iter().map(String::as_str).collect::<Vec<_>>().join(" ");
+        tx.prepare_cached(REGISTER_VALID_PATH)
+            .and_then(|mut stmt| {
+                stmt.execute(params![
+                    shown,
+                    info.nar_hash.to_base16_prefixed(),
+                    registration_time,
+                    info.deriver.as_ref().map(|d| self.display(d)),
+                    (info.nar_size != 0).then_some(info.nar_size as i64),
+                    info.ultimate.then_some(1),
+                    (!sigs.is_empty()).then_some(sigs),
+                    info.ca,
+                ])
+            })
+            .map_err(self.sql_err(err))?;
+        let id = tx.last_insert_rowid();
+        if info.references.contains(&info.path) {
+            reference_ids.push(id);
+        }
+        {
+            let mut add_reference = tx.prepare_cached(ADD_REFERENCE).map_err(self.sql_err(err))?;
+            for reference_id in reference_ids {
+                add_reference.execute([id, reference_id]).map_err(self.sql_err(err))?;
+            }
+            let mut add_output = tx.prepare_cached(ADD_DERIVATION_OUTPUT).map_err(self.sql_err(err))?;
+            for (name, output) in outputs {
+                add_output.execute(params![id, name, self.display(output)]).map_err(self.sql_err(err))?;
+            }
+        }
+        tx.commit().map_err(self.sql_err(err))
+    }
+}

@@ -1,0 +1,107 @@
+//! Nix's store database (`nix/var/nix/db/db.sqlite`), schema version 10 as in Nix 2.8
+//! (`src/libstore/schema.sql`, `local-store.cc`: `openDB`). The `schema` file next to the
+//! database holds the version; a store without it is new and gets the tables created.
+//!
+//! The connection is set up as Nix sets up its own so both can use the store at once: foreign
+//! keys on, `synchronous = normal`, WAL journal with a 40000-page auto-checkpoint, and a long
+//! busy timeout (Nix waits up to an hour for a locked database).
+
+use std::fs;
+use std::io;
+use std::path::Path;
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
+
+use super::lock::hold_shared;
+use super::{io_err, LocalStoreError};
+
+/// The schema version Nix 2.8 writes and reads (`nixSchemaVersion`).
+pub(super) const SCHEMA_VERSION: u32 = 10;
+
+/// How long a statement waits for another process's lock on the database (Nix: one hour).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+
+/// Tables, indexes and the trigger of schema 10. Same tables, columns, keys and names as Nix's
+/// `schema.sql` (Nix 2.8), which Nix relies on when it opens the database.
+const SCHEMA_SQL: &str = "
+create table if not exists ValidPaths (
+    id               integer primary key autoincrement not null,
+    path             text unique not null,
+    hash             text not null,
+    registrationTime integer not null,
+    deriver          text,
+    narSize          integer,
+    ultimate         integer,
+    sigs             text,
+    ca               text
+);
+
+create table if not exists Refs (
+    referrer  integer not null,
+    reference integer not null,
+    primary key (referrer, reference),
+    foreign key (referrer) references ValidPaths(id) on delete cascade,
+    foreign key (reference) references ValidPaths(id) on delete restrict
+);
+
+create index if not exists IndexReferrer on Refs(referrer);
+create index if not exists IndexReference on Refs(reference);
+
+create trigger if not exists DeleteSelfRefs before delete on ValidPaths
+  begin
+    delete from Refs where referrer = old.id and reference = old.id;
+  end;
+
+create table if not exists DerivationOutputs (
+    drv  integer not null,
+    id   text not null,
+    path text not null,
+    primary key (drv, id),
+    foreign key (drv) references ValidPaths(id) on delete cascade
+);
+
+create index if not exists IndexDerivationOutputs on DerivationOutputs(path);
+";
+
+/// An open store database and the shared `big-lock` held while it is open.
+pub(super) struct Database {
+    pub(super) conn: Connection,
+    _big_lock: fs::File,
+}
+
+/// Opens (creating if the store is new) the database in `db_dir`.
+pub(super) fn open(db_dir: &Path) -> Result<Database, LocalStoreError> {
+    let big_lock_path = db_dir.join("big-lock");
+    let big_lock = hold_shared(&big_lock_path).map_err(io_err("locking", &big_lock_path))?;
+
+    let schema_path = db_dir.join("schema");
+    let db_path = db_dir.join("db.sqlite");
+    let new_store = match fs::read_to_string(&schema_path) {
+        Ok(text) if text.trim() == SCHEMA_VERSION.to_string() => false,
+        Ok(text) => return Err(LocalStoreError::Schema { path: schema_path, found: text.trim().to_owned() }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+        Err(e) => return Err(io_err("reading", &schema_path)(e)),
+    };
+
+    let db_err = |what: &'static str| {
+        let db = db_path.clone();
+        move |source| LocalStoreError::Db { db, what: what.to_owned(), source }
+    };
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(&db_path, flags).map_err(db_err("opening"))?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(db_err("setting the busy timeout"))?;
+    conn.set_prepared_statement_cache_capacity(32);
+    conn.pragma_update(None, "foreign_keys", 1).map_err(db_err("enabling foreign keys"))?;
+    conn.pragma_update(None, "synchronous", "normal").map_err(db_err("setting synchronous mode"))?;
+    let mode: String = conn.pragma_query_value(None, "journal_mode", |row| row.get(0)).map_err(db_err("querying the journal mode"))?;
+    if mode != "wal" {
+        conn.pragma_update_and_check(None, "journal_mode", "wal", |_| Ok(())).map_err(db_err("setting the WAL journal mode"))?;
+    }
+    conn.pragma_update_and_check(None, "wal_autocheckpoint", 40000, |_| Ok(())).map_err(db_err("setting the auto-checkpoint interval"))?;
+    if new_store {
+        conn.execute_batch(SCHEMA_SQL).map_err(db_err("creating the schema"))?;
+        fs::write(&schema_path, SCHEMA_VERSION.to_string()).map_err(io_err("writing", &schema_path))?;
+    }
+    Ok(Database { conn, _big_lock: big_lock })
+}

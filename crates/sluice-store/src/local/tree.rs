@@ -1,0 +1,54 @@
+//! File-tree helpers working relative to directory descriptors (`*at` calls), so that no path
+//! is resolved through a symbolic link: the store directory is opened once and every node
+//! below it is reached by single names.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::fs::{fchmod, openat, statat, unlinkat, AtFlags, Dir, FileType, Mode, OFlags};
+
+/// Opens the directory `name` in `parent` for reading, refusing to follow a symlink.
+pub(super) fn open_dir(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<OwnedFd> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    Ok(openat(parent, name, flags, Mode::empty())?)
+}
+
+/// The entry names of the open directory `dir` (without `.` and `..`), sorted by bytes as
+/// NAR directories are.
+pub(super) fn sorted_entries(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
+    let mut names = Vec::new();
+    for entry in Dir::read_from(dir)? {
+        let name = entry?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The type of `name` in `parent`, not following symlinks.
+pub(super) fn file_type_at(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<FileType> {
+    Ok(FileType::from_raw_mode(statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)?.st_mode))
+}
+
+/// Deletes the tree `name` in `parent`, making read-only directories writable first (store
+/// paths are canonicalised to mode 0555). Returns whether anything was there.
+pub(super) fn remove_tree(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<bool> {
+    let file_type = match file_type_at(parent, name) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if file_type == FileType::Directory {
+        let dir = open_dir(parent, name)?;
+        fchmod(&dir, Mode::from_raw_mode(0o700))?;
+        for entry in sorted_entries(dir.as_fd())? {
+            remove_tree(dir.as_fd(), &entry)?;
+        }
+        unlinkat(parent, name, AtFlags::REMOVEDIR)?;
+    } else {
+        unlinkat(parent, name, AtFlags::empty())?;
+    }
+    Ok(true)
+}

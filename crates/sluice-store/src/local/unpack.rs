@@ -1,0 +1,123 @@
+//! A [`NarVisitor`] that materialises a NAR as a file tree: the NAR's root becomes the entry
+//! `root_name` of an already open directory (the store directory). Every node is created
+//! exclusively (`O_CREAT|O_EXCL`, `mkdirat`, `symlinkat`) relative to its parent's descriptor,
+//! so nothing existing is overwritten and no symlink is ever followed.
+//!
+//! Files are created with their final permissions (0444, or 0555 if executable); directories
+//! stay writable (0755) until canonicalisation.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::fs::{mkdirat, openat, symlinkat, Mode, OFlags};
+use sluice_nix::hash::{Hash, HashAlgo, Hasher};
+use sluice_nix::nar::{NarPath, NarVisitor};
+
+use super::tree::open_dir;
+
+/// Unpacks into `parent/root_name`; see the module documentation.
+pub(super) struct Unpacker<'a> {
+    parent: BorrowedFd<'a>,
+    root_name: &'a [u8],
+    /// Descriptors of the directories being filled, from the root down.
+    open_dirs: Vec<OwnedFd>,
+    flat_algo: Option<HashAlgo>,
+    flat_hash: Option<Hash>,
+}
+
+impl<'a> Unpacker<'a> {
+    /// `flat_algo`: also hash the contents of the root, if it is a regular file.
+    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>) -> Self {
+        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None }
+    }
+
+    /// The hash of the root regular file's contents, if one was asked for and the root is a
+    /// regular file.
+    pub(super) fn flat_hash(self) -> Option<Hash> {
+        self.flat_hash
+    }
+
+    /// The directory to create `path`'s node in, and the node's name there. Rejects a path
+    /// that is not a child of the innermost open directory, and names that could escape it.
+    fn slot<'s>(&'s self, path: &'s NarPath) -> io::Result<(BorrowedFd<'s>, &'s [u8])> {
+        let Some((name, ancestors)) = path.split_last() else {
+            return Ok((self.parent, self.root_name));
+        };
+        if ancestors.len() + 1 != self.open_dirs.len() {
+            return Err(invalid(path, "entry outside the directory being unpacked"));
+        }
+        if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
+            return Err(invalid(path, "invalid entry name"));
+        }
+        Ok((self.open_dirs[ancestors.len()].as_fd(), name))
+    }
+}
+
+/// An `InvalidData` error naming the NAR path.
+fn invalid(path: &NarPath, what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {}", display(path)))
+}
+
+/// Adds the NAR path to an I/O error's message.
+fn at(path: &NarPath) -> impl FnOnce(io::Error) -> io::Error + '_ {
+    move |e| io::Error::new(e.kind(), format!("{}: {e}", display(path)))
+}
+
+/// `/a/b` for the path components `[a, b]` (`/` for the root), lossily decoded.
+fn display(path: &NarPath) -> String {
+    if path.is_empty() {
+        return "/".into();
+    }
+    path.iter().map(|c| format!("/{}", String::from_utf8_lossy(c))).collect()
+}
+
+impl NarVisitor for Unpacker<'_> {
+    fn regular(&mut self, path: &NarPath, executable: bool, size: u64, _offset: u64, contents: &mut dyn Read) -> io::Result<()> {
+        let (dir, name) = self.slot(path)?;
+        let mode = Mode::from_raw_mode(if executable { 0o555 } else { 0o444 });
+        let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let mut file = File::from(openat(dir, name, flags, mode).map_err(|e| at(path)(e.into()))?);
+        let mut hasher = self.flat_algo.filter(|_| path.is_empty()).map(Hasher::new);
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut left = size;
+        while left > 0 {
+            let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+            let n = contents.read(&mut buf[..want])?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("{}: file contents end early", display(path))));
+            }
+            if let Some(h) = hasher.as_mut() {
+                h.update(&buf[..n]);
+            }
+            file.write_all(&buf[..n]).map_err(at(path))?;
+            left -= n as u64;
+        }
+        self.flat_hash = hasher.map(Hasher::finish);
+        Ok(())
+    }
+
+    fn symlink(&mut self, path: &NarPath, target: &[u8]) -> io::Result<()> {
+        let (dir, name) = self.slot(path)?;
+        if target.is_empty() || target.contains(&0) {
+            return Err(invalid(path, "symlink target is empty or contains NUL"));
+        }
+        symlinkat(target, dir, name).map_err(|e| at(path)(e.into()))
+    }
+
+    fn directory_start(&mut self, path: &NarPath) -> io::Result<()> {
+        let (dir, name) = self.slot(path)?;
+        mkdirat(dir, name, Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
+        let fd = open_dir(dir, name).map_err(at(path))?;
+        self.open_dirs.push(fd);
+        Ok(())
+    }
+
+    fn directory_end(&mut self, path: &NarPath) -> io::Result<()> {
+        if self.open_dirs.len() != path.len() + 1 {
+            return Err(invalid(path, "end of a directory that is not open"));
+        }
+        self.open_dirs.pop();
+        Ok(())
+    }
+}

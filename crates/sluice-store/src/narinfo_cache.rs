@@ -1,0 +1,202 @@
+//! The narinfo disk cache: what each binary cache had (the narinfo text) or lacked, with
+//! positive and negative TTLs (Nix's `narinfo-cache-positive-ttl`/`-negative-ttl`), and each
+//! cache's `nix-cache-info`. Like Nix's `binary-cache-v6.sqlite` (`src/libstore/nar-info-disk-cache.cc`)
+//! but sluice's own file: `$XDG_CACHE_HOME/sluice/narinfo-v1.sqlite` (default `~/.cache`).
+//! Reads and writes are batched: one query per batch of hash parts, one transaction per batch
+//! of answers.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rusqlite::{params, Connection, OptionalExtension};
+use sluice_nix::cache_info::CacheInfo;
+
+/// Seconds a cached `nix-cache-info` stays fresh (Nix: 7 days).
+pub const CACHE_INFO_TTL: i64 = 7 * 24 * 3600;
+
+const SCHEMA: &str = "
+create table if not exists BinaryCaches (
+    id integer primary key autoincrement not null,
+    url text unique not null,
+    timestamp integer not null,
+    storeDir text not null,
+    wantMassQuery integer not null,
+    priority integer not null
+);
+create table if not exists NARs (
+    cache integer not null,
+    hashPart text not null,
+    timestamp integer not null,
+    present integer not null,
+    narinfo text,
+    primary key (cache, hashPart),
+    foreign key (cache) references BinaryCaches(id) on delete cascade
+);
+";
+
+/// A cached answer of one cache for one hash part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cached {
+    /// The cache had the path; the narinfo text.
+    Present(String),
+    /// The cache did not have it.
+    Absent,
+}
+
+/// Errors of the disk cache (the file path and SQLite's reason).
+#[derive(Debug, thiserror::Error)]
+#[error("narinfo disk cache {path}: {source}")]
+pub struct DiskCacheError {
+    path: String,
+    #[source]
+    source: rusqlite::Error,
+}
+
+/// The on-disk narinfo cache; safe to share between threads.
+pub struct NarInfoCache {
+    path: PathBuf,
+    conn: Mutex<Connection>,
+    positive_ttl: i64,
+    negative_ttl: i64,
+}
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+impl NarInfoCache {
+    /// The default location: `$XDG_CACHE_HOME/sluice/narinfo-v1.sqlite`, else `~/.cache/…`.
+    pub fn default_path() -> Option<PathBuf> {
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+        Some(base.join("sluice").join("narinfo-v1.sqlite"))
+    }
+
+    /// Opens (creating) the cache at `path`; TTLs in seconds.
+    pub fn open(path: &Path, positive_ttl: u64, negative_ttl: u64) -> Result<Self, DiskCacheError> {
+        let err = |source| DiskCacheError { path: path.display().to_string(), source };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))?;
+        }
+        let conn = Connection::open(path).map_err(err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(60)).map_err(err)?;
+        conn.execute_batch("pragma journal_mode = wal; pragma synchronous = normal; pragma foreign_keys = on;").map_err(err)?;
+        conn.execute_batch(SCHEMA).map_err(err)?;
+        Ok(NarInfoCache {
+            path: path.to_path_buf(),
+            conn: Mutex::new(conn),
+            positive_ttl: positive_ttl as i64,
+            negative_ttl: negative_ttl as i64,
+        })
+    }
+
+    fn err(&self, source: rusqlite::Error) -> DiskCacheError {
+        DiskCacheError { path: self.path.display().to_string(), source }
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cache's id and `nix-cache-info`, if recorded within [`CACHE_INFO_TTL`].
+    pub fn cache_info(&self, url: &str) -> Result<Option<(i64, CacheInfo)>, DiskCacheError> {
+        let conn = self.conn();
+        conn.query_row(
+            "select id, storeDir, wantMassQuery, priority from BinaryCaches where url = ? and timestamp > ?",
+            params![url, now() - CACHE_INFO_TTL],
+            |r| Ok((r.get(0)?, CacheInfo { store_dir: r.get(1)?, want_mass_query: r.get::<_, i64>(2)? != 0, priority: r.get::<_, i64>(3)? as u64 })),
+        )
+        .optional()
+        .map_err(|e| self.err(e))
+    }
+
+    /// Records a cache's `nix-cache-info`; returns its id.
+    pub fn record_cache(&self, url: &str, info: &CacheInfo) -> Result<i64, DiskCacheError> {
+        let conn = self.conn();
+        conn.query_row(
+            "insert into BinaryCaches (url, timestamp, storeDir, wantMassQuery, priority) values (?1, ?2, ?3, ?4, ?5)
+             on conflict(url) do update set timestamp = ?2, storeDir = ?3, wantMassQuery = ?4, priority = ?5 returning id",
+            params![url, now(), info.store_dir, info.want_mass_query as i64, info.priority as i64],
+            |r| r.get(0),
+        )
+        .map_err(|e| self.err(e))
+    }
+
+    /// The fresh cached answers of cache `cache` for `hash_parts`, in one query per 500.
+    pub fn lookup(&self, cache: i64, hash_parts: &[&str]) -> Result<HashMap<String, Cached>, DiskCacheError> {
+        let conn = self.conn();
+        let t = now();
+        let mut out = HashMap::new();
+        for chunk in hash_parts.chunks(500) {
+            let marks = vec!["?"; chunk.len()].join(",");
+            let sql = format!("select hashPart, present, narinfo, timestamp from NARs where cache = ? and hashPart in ({marks})");
+            let mut stmt = conn.prepare_cached(&sql).map_err(|e| self.err(e))?;
+            let args = std::iter::once(&cache as &dyn rusqlite::ToSql).chain(chunk.iter().map(|h| h as &dyn rusqlite::ToSql));
+            let rows = stmt
+                .query_map(rusqlite::params_from_iter(args), |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? != 0, r.get::<_, Option<String>>(2)?, r.get::<_, i64>(3)?))
+                })
+                .map_err(|e| self.err(e))?;
+            for row in rows {
+                let (hash, present, text, ts) = row.map_err(|e| self.err(e))?;
+                match (present, text) {
+                    (true, Some(text)) if ts > t - self.positive_ttl => out.insert(hash, Cached::Present(text)),
+                    (false, _) if ts > t - self.negative_ttl => out.insert(hash, Cached::Absent),
+                    _ => None,
+                };
+            }
+        }
+        Ok(out)
+    }
+
+    /// Records answers `(cache, hash part, narinfo text or None for absent)` in one transaction.
+    pub fn record(&self, answers: &[(i64, String, Option<String>)]) -> Result<(), DiskCacheError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction().map_err(|e| self.err(e))?;
+        {
+            let mut stmt = tx
+                .prepare_cached("insert or replace into NARs (cache, hashPart, timestamp, present, narinfo) values (?, ?, ?, ?, ?)")
+                .map_err(|e| self.err(e))?;
+            let t = now();
+            for (cache, hash, text) in answers {
+                stmt.execute(params![cache, hash, t, text.is_some() as i64, text]).map_err(|e| self.err(e))?;
+            }
+        }
+        tx.commit().map_err(|e| self.err(e))
+    }
+
+    /// Forgets a cached answer (a narinfo whose NAR turned out to be gone or wrong).
+    pub fn forget(&self, cache: i64, hash_part: &str) -> Result<(), DiskCacheError> {
+        self.conn().execute("delete from NARs where cache = ? and hashPart = ?", params![cache, hash_part]).map(|_| ()).map_err(|e| self.err(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttls_and_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("c.sqlite");
+        let info = CacheInfo { store_dir: "/nix/store".into(), want_mass_query: true, priority: 40 };
+        let cache = NarInfoCache::open(&db, 100, 100).unwrap();
+        let id = cache.record_cache("http://x", &info).unwrap();
+        assert_eq!(cache.record_cache("http://x", &info).unwrap(), id);
+        assert_eq!(cache.cache_info("http://x").unwrap(), Some((id, info)));
+        cache.record(&[(id, "a".into(), Some("text".into())), (id, "b".into(), None)]).unwrap();
+        let got = cache.lookup(id, &["a", "b", "c"]).unwrap();
+        assert_eq!(got.get("a"), Some(&Cached::Present("text".into())));
+        assert_eq!(got.get("b"), Some(&Cached::Absent));
+        assert_eq!(got.len(), 2);
+        // A negative TTL of 0 makes absences stale at once; presences stay.
+        let cache = NarInfoCache::open(&db, 100, 0).unwrap();
+        let got = cache.lookup(id, &["a", "b"]).unwrap();
+        assert_eq!(got.len(), 1);
+        cache.forget(id, "a").unwrap();
+        assert!(cache.lookup(id, &["a"]).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,85 @@
+//! `sluice copy`: copy the closures of store paths from binary caches into a local store.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use sluice_store::substitute::{copy_closure, SubstituteOptions};
+use sluice_nix::signature::TrustedKeys;
+
+use crate::progress::{Progress, MIB};
+use crate::setup::{self, CacheFlags};
+
+/// Arguments of `sluice copy`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The binary cache to copy from (default: the configured substituters, by priority).
+    #[arg(long)]
+    from: Option<String>,
+    /// The store to copy into (`local`, `local?root=DIR` or an absolute path).
+    #[arg(long)]
+    to: String,
+    /// NAR downloads in flight at once.
+    #[arg(long, default_value_t = 16)]
+    jobs: usize,
+    /// Print a JSON report on standard output.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    cache: CacheFlags,
+    /// Store paths whose closures to copy.
+    #[arg(required = true)]
+    paths: Vec<String>,
+}
+
+/// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    let settings = setup::settings(&args.cache)?;
+    let dest = setup::open_local(&args.to)?;
+    let store_dir = dest.store_dir().clone();
+    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    let urls = match &args.from {
+        Some(from) => vec![from.clone()],
+        None => settings.substituters.clone(),
+    };
+    let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
+    let opts = SubstituteOptions { jobs: args.jobs, require_sigs: settings.require_sigs, trusted_keys };
+    let progress = Arc::new(Progress::new(store_dir.clone(), args.json));
+    let started = Instant::now();
+    let rt = setup::runtime()?;
+    let report = rt.block_on(async {
+        let query = setup::closure_query(&urls, &settings, &store_dir, setup::validity(Some(dest.clone()))).await?;
+        Ok::<_, String>(copy_closure(query, dest.clone(), roots.clone(), opts, progress.clone()).await)
+    })?;
+    progress.finish();
+    let secs = started.elapsed().as_secs_f64();
+    for reason in report.failed.values() {
+        eprintln!("error: {reason}");
+    }
+    let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
+    let missing: Vec<_> = roots.iter().filter(|r| !valid.contains(*r)).collect();
+    if args.json {
+        let json = serde_json::json!({
+            "substituted": report.substituted.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
+            "alreadyValid": report.already_valid,
+            "failed": report.failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<std::collections::BTreeMap<_, _>>(),
+            "downloadSize": report.downloaded,
+            "narSize": report.unpacked,
+            "seconds": secs,
+        });
+        println!("{json}");
+    }
+    eprintln!(
+        "copied {} paths ({:.2} MiB downloaded, {:.2} MiB unpacked) in {:.2} s; {} already valid, {} failed",
+        report.substituted.len(),
+        report.downloaded as f64 / MIB,
+        report.unpacked as f64 / MIB,
+        secs,
+        report.already_valid,
+        report.failed.len()
+    );
+    for m in &missing {
+        eprintln!("error: {} is not valid in {}", store_dir.display_path(m), args.to);
+    }
+    Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

@@ -1,0 +1,83 @@
+//! `sluice missing`: what would be fetched for store paths, like `nix build --dry-run`
+//! (Nix's `queryMissing` and `printMissing`, `src/libmain/shared.cc`).
+
+use std::collections::BTreeSet;
+use std::process::ExitCode;
+
+use sluice_store::closure::ClosureEvent;
+use tokio::sync::mpsc;
+
+use crate::progress::MIB;
+use crate::setup::{self, CacheFlags};
+
+/// Arguments of `sluice missing`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The store the paths would be fetched into (default: the local store).
+    #[arg(long, default_value = "local")]
+    store: String,
+    /// Print `{"willSubstitute", "unknown", "downloadSize", "narSize"}` as JSON.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    cache: CacheFlags,
+    /// Store paths whose closures to examine.
+    #[arg(required = true)]
+    paths: Vec<String>,
+}
+
+/// Runs `sluice missing`.
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    let settings = setup::settings(&args.cache)?;
+    let dest = setup::open_local(&args.store)?;
+    let store_dir = dest.store_dir().clone();
+    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    let rt = setup::runtime()?;
+    let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
+    let (mut download, mut nar) = (0u64, 0u64);
+    rt.block_on(async {
+        let query = setup::closure_query(&settings.substituters, &settings, &store_dir, setup::validity(Some(dest.clone()))).await?;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let engine = tokio::spawn(async move { query.run(roots, tx).await });
+        while let Some(event) = rx.recv().await {
+            match event {
+                ClosureEvent::Found { narinfo, .. } => {
+                    download += narinfo.file_size.unwrap_or(0);
+                    nar += narinfo.nar_size;
+                    fetch.insert(store_dir.display_path(&narinfo.store_path));
+                }
+                ClosureEvent::Unknown(p) => {
+                    unknown.insert(store_dir.display_path(&p));
+                }
+                ClosureEvent::Failed { path, errors } => {
+                    for e in errors {
+                        eprintln!("warning: {e}");
+                    }
+                    unknown.insert(store_dir.display_path(&path));
+                }
+                ClosureEvent::Valid(_) => {}
+            }
+        }
+        engine.await.map_err(|e| e.to_string())
+    })?;
+    if args.json {
+        let json = serde_json::json!({ "willSubstitute": fetch, "unknown": unknown, "downloadSize": download, "narSize": nar });
+        println!("{json}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !fetch.is_empty() {
+        let n = fetch.len();
+        let head = if n == 1 { "this path".to_string() } else { format!("these {n} paths") };
+        eprintln!("{head} will be fetched ({:.2} MiB download, {:.2} MiB unpacked):", download as f64 / MIB, nar as f64 / MIB);
+        for p in &fetch {
+            eprintln!("  {p}");
+        }
+    }
+    if !unknown.is_empty() {
+        eprintln!("don't know how to build these paths:");
+        for p in &unknown {
+            eprintln!("  {p}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,238 @@
+//! `sluice path-info`: metadata of store paths in a local store or a binary cache, printed as
+//! `nix path-info` prints it (text with `-s`/`-S`, or `--json`; `src/nix/path-info.cc` and
+//! `ValidPathInfo`'s JSON in `src/libstore/store-api.cc` of Nix 2.8).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use serde_json::{json, Map, Value};
+use sluice_nix::narinfo::NarInfo;
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_store::closure::{ClosureEvent, ClosureQuery};
+use sluice_store::local::LocalStore;
+use sluice_store::path_info::ValidPathInfo;
+use sluice_store::store_url::StoreUrl;
+use tokio::sync::mpsc;
+
+use crate::setup::{self, CacheFlags};
+
+/// Arguments of `sluice path-info`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The store to query: a local store or a binary cache URL.
+    #[arg(long, default_value = "local")]
+    store: String,
+    /// Include the closures of the paths.
+    #[arg(short, long)]
+    recursive: bool,
+    /// Print JSON as `nix path-info --json` does.
+    #[arg(long)]
+    json: bool,
+    /// Print the NAR size of each path.
+    #[arg(short = 's', long)]
+    size: bool,
+    /// Print the closure size of each path.
+    #[arg(short = 'S', long)]
+    closure_size: bool,
+    #[command(flatten)]
+    cache: CacheFlags,
+    /// Store paths.
+    #[arg(required = true)]
+    paths: Vec<String>,
+}
+
+/// One path's metadata with, for binary caches, the narinfo's download fields.
+struct Entry {
+    info: ValidPathInfo,
+    narinfo: Option<Arc<NarInfo>>,
+}
+
+/// Runs `sluice path-info`.
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    let store_dir = StoreDir::default();
+    let (entries, missing) = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+        StoreUrl::Local { root } => {
+            let store = LocalStore::open(&root).map_err(|e| e.to_string())?;
+            let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
+            local_entries(&store, roots, args.recursive)?
+        }
+        StoreUrl::BinaryCache(_) => {
+            let roots = setup::parse_paths(&store_dir, &args.paths)?;
+            cache_entries(&args, &store_dir, roots)?
+        }
+    };
+    for m in &missing {
+        eprintln!("error: path '{}' is not valid", store_dir.display_path(m));
+    }
+    let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
+    if args.json {
+        let array: Vec<Value> = entries.values().map(|e| to_json(e, &store_dir, closure_sizes.get(&e.info.path))).collect();
+        println!("{}", Value::Array(array));
+    } else {
+        let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
+        for (path, e) in &entries {
+            let mut line = store_dir.display_path(path);
+            if args.size || args.closure_size {
+                line = format!("{line:width$}");
+            }
+            if args.size {
+                line.push_str(&format!("\t{:>11}", e.info.nar_size));
+            }
+            if let Some((nar, _)) = closure_sizes.get(path) {
+                line.push_str(&format!("\t{nar:>11}"));
+            }
+            println!("{line}");
+        }
+    }
+    Ok(if missing.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+type Entries = (BTreeMap<StorePath, Entry>, Vec<StorePath>);
+
+fn local_entries(store: &LocalStore, roots: Vec<StorePath>, recursive: bool) -> Result<Entries, String> {
+    let mut entries = BTreeMap::new();
+    let mut missing = Vec::new();
+    let mut queue = roots;
+    while let Some(path) = queue.pop() {
+        if entries.contains_key(&path) {
+            continue;
+        }
+        match store.query_path_info(&path).map_err(|e| e.to_string())? {
+            Some(info) => {
+                if recursive {
+                    queue.extend(info.references.iter().cloned());
+                }
+                entries.insert(path, Entry { info, narinfo: None });
+            }
+            None => missing.push(path),
+        }
+    }
+    Ok((entries, missing))
+}
+
+fn cache_entries(args: &Args, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
+    let mut flags = args.cache.clone();
+    flags.no_check_sigs = true;
+    let settings = setup::settings(&flags)?;
+    let rt = setup::runtime()?;
+    rt.block_on(async {
+        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, setup::validity(None)).await?;
+        if query.substituters.is_empty() {
+            return Err(format!("cannot open binary cache {}", args.store));
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let engine = if args.recursive {
+            tokio::spawn(async move { query.run(roots, tx).await })
+        } else {
+            tokio::spawn(async move { lookup_each(&query, roots, tx).await })
+        };
+        let (mut entries, mut missing) = (BTreeMap::new(), Vec::new());
+        while let Some(event) = rx.recv().await {
+            match event {
+                ClosureEvent::Found { narinfo, .. } => {
+                    let info = info_from_narinfo(&narinfo);
+                    entries.insert(narinfo.store_path.clone(), Entry { info, narinfo: Some(narinfo) });
+                }
+                ClosureEvent::Unknown(p) => missing.push(p),
+                ClosureEvent::Failed { path, errors } => {
+                    for e in errors {
+                        eprintln!("error: {e}");
+                    }
+                    missing.push(path)
+                }
+                ClosureEvent::Valid(_) => {}
+            }
+        }
+        engine.await.map_err(|e| e.to_string())?;
+        Ok((entries, missing))
+    })
+}
+
+/// Looks up each root alone, without following references.
+async fn lookup_each(query: &ClosureQuery, roots: Vec<StorePath>, tx: mpsc::UnboundedSender<ClosureEvent>) {
+    let sub = &query.substituters[0];
+    for path in roots {
+        let event = match sub.cache.narinfo_text(&path).await.and_then(|t| t.map(|t| sub.cache.parse_narinfo(&path, &query.store_dir, &t)).transpose()) {
+            Ok(Some(narinfo)) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: 0 },
+            Ok(None) => ClosureEvent::Unknown(path),
+            Err(e) => ClosureEvent::Failed { path, errors: vec![Arc::new(e)] },
+        };
+        let _ = tx.send(event);
+    }
+}
+
+fn info_from_narinfo(n: &NarInfo) -> ValidPathInfo {
+    ValidPathInfo {
+        path: n.store_path.clone(),
+        nar_hash: n.nar_hash.clone(),
+        nar_size: n.nar_size,
+        references: n.references.iter().cloned().collect(),
+        deriver: n.deriver.clone(),
+        registration_time: 0,
+        ultimate: false,
+        sigs: n.signatures.iter().cloned().collect(),
+        ca: n.ca.clone(),
+    }
+}
+
+/// (closure NAR size, closure download size) of each entry, from the entries' references.
+fn closure_sizes(entries: &BTreeMap<StorePath, Entry>) -> BTreeMap<StorePath, (u64, u64)> {
+    let mut out = BTreeMap::new();
+    for root in entries.keys() {
+        let mut seen = BTreeSet::new();
+        let mut stack = vec![root.clone()];
+        let (mut nar, mut download) = (0, 0);
+        while let Some(p) = stack.pop() {
+            let Some(e) = entries.get(&p) else { continue };
+            if !seen.insert(p) {
+                continue;
+            }
+            nar += e.info.nar_size;
+            download += e.narinfo.as_ref().and_then(|n| n.file_size).unwrap_or(0);
+            stack.extend(e.info.references.iter().cloned());
+        }
+        out.insert(root.clone(), (nar, download));
+    }
+    out
+}
+
+fn to_json(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -> Value {
+    let info = &e.info;
+    let mut o = Map::new();
+    o.insert("path".into(), json!(store_dir.display_path(&info.path)));
+    o.insert("narHash".into(), json!(info.nar_hash.to_sri()));
+    o.insert("narSize".into(), json!(info.nar_size));
+    o.insert("references".into(), json!(info.references.iter().map(|r| store_dir.display_path(r)).collect::<Vec<_>>()));
+    if let Some(ca) = &info.ca {
+        o.insert("ca".into(), json!(ca));
+    }
+    if let Some((nar, _)) = closure {
+        o.insert("closureSize".into(), json!(nar));
+    }
+    if let Some(d) = &info.deriver {
+        o.insert("deriver".into(), json!(store_dir.display_path(d)));
+    }
+    if e.narinfo.is_none() {
+        o.insert("registrationTime".into(), json!(info.registration_time));
+        if info.ultimate {
+            o.insert("ultimate".into(), json!(true));
+        }
+    }
+    if !info.sigs.is_empty() {
+        o.insert("signatures".into(), json!(info.sigs));
+    }
+    if let Some(n) = &e.narinfo {
+        o.insert("url".into(), json!(n.url));
+        if let Some(h) = &n.file_hash {
+            o.insert("downloadHash".into(), json!(h.to_sri()));
+        }
+        if let Some(s) = n.file_size {
+            o.insert("downloadSize".into(), json!(s));
+        }
+        if let Some((_, dl)) = closure {
+            o.insert("closureDownloadSize".into(), json!(dl));
+        }
+    }
+    Value::Object(o)
+}

@@ -1,0 +1,97 @@
+//! What every networked command shares: settings from nix.conf and flags, the store URL, the
+//! HTTP client, the substituters, the disk cache and the destination's validity check.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_store::closure::{ClosureQuery, ValidityCheck};
+use sluice_store::config::{RawConfig, Settings};
+use sluice_store::local::LocalStore;
+use sluice_store::store_url::StoreUrl;
+use sluice_store::{binary_cache, substituters};
+
+/// Flags shared by the commands that talk to binary caches; they win over nix.conf.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct CacheFlags {
+    /// Substituters to use, space-separated (overrides `substituters`).
+    #[arg(long)]
+    pub substituters: Option<String>,
+    /// Trusted public keys, space-separated (overrides `trusted-public-keys`).
+    #[arg(long)]
+    pub trusted_public_keys: Option<String>,
+    /// Accept paths without a trusted signature.
+    #[arg(long)]
+    pub no_check_sigs: bool,
+    /// Connections per cache (HTTP/1.1).
+    #[arg(long)]
+    pub http_connections: Option<usize>,
+    /// Set a nix.conf option, as with Nix's `--option NAME VALUE`.
+    #[arg(long, num_args = 2, value_names = ["NAME", "VALUE"], action = clap::ArgAction::Append)]
+    pub option: Vec<String>,
+}
+
+/// Settings from nix.conf, `NIX_CONFIG` and the flags.
+pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
+    let mut raw = RawConfig::from_environment().map_err(|e| e.to_string())?;
+    for pair in flags.option.chunks(2) {
+        if let [name, value] = pair {
+            raw.set(name, value);
+        }
+    }
+    if let Some(s) = &flags.substituters {
+        raw.set("substituters", s);
+    }
+    if let Some(k) = &flags.trusted_public_keys {
+        raw.set("trusted-public-keys", k);
+    }
+    if flags.no_check_sigs {
+        raw.set("require-sigs", "false");
+    }
+    if let Some(n) = flags.http_connections {
+        raw.set("http-connections", &n.to_string());
+    }
+    Settings::from_raw(&raw).map_err(|e| e.to_string())
+}
+
+/// A multi-threaded runtime for one command.
+pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+/// Parses command-line store paths (full paths in the store directory, or paths inside them).
+pub fn parse_paths(store_dir: &StoreDir, args: &[String]) -> Result<Vec<StorePath>, String> {
+    args.iter().map(|a| store_dir.to_store_path(a).map_err(|e| format!("{a}: {e}"))).collect()
+}
+
+/// Opens a local store URL.
+pub fn open_local(url: &str) -> Result<Arc<LocalStore>, String> {
+    match StoreUrl::parse(url).map_err(|e| e.to_string())? {
+        StoreUrl::Local { root } => LocalStore::open(&root).map(Arc::new).map_err(|e| e.to_string()),
+        StoreUrl::BinaryCache(_) => Err(format!("{url}: this command needs a local store here")),
+    }
+}
+
+/// A validity check against a local store, or "nothing is valid" without one.
+pub fn validity(dest: Option<Arc<LocalStore>>) -> ValidityCheck {
+    Arc::new(move |paths: &[StorePath]| -> HashSet<StorePath> {
+        match &dest {
+            Some(store) => store.query_valid_paths(paths).map(|s| s.into_iter().collect()).unwrap_or_else(|e| {
+                tracing::warn!("{e}");
+                HashSet::new()
+            }),
+            None => HashSet::new(),
+        }
+    })
+}
+
+/// Opens the substituters `urls` with the disk cache, printing a warning for each left out.
+pub async fn closure_query(urls: &[String], settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck) -> Result<ClosureQuery, String> {
+    let client = binary_cache::http::client(settings)?;
+    let disk = substituters::open_disk_cache(settings);
+    let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref(), store_dir).await;
+    for e in errors {
+        eprintln!("warning: substituter left out: {e}");
+    }
+    Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store_dir.clone(), is_valid })
+}

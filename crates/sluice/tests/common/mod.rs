@@ -1,0 +1,125 @@
+//! Shared helpers for the integration tests: paths into `../shared`, running sluice and real
+//! Nix 2.8 in isolated environments, and real nginx serving a cache (`shared/bin/cache-server`).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The read-only shared data directory next to the repository.
+pub fn shared() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
+    assert!(p.join("corpus").is_dir(), "expected the shared data at {}", p.display());
+    p.canonicalize().unwrap()
+}
+
+/// The corpus directory.
+pub fn corpus() -> PathBuf {
+    shared().join("corpus")
+}
+
+/// The corpus's top-level store path.
+pub const TOP: &str = "/nix/store/433r6hrfzj8vvazpcnl77q6m3lm3vw3g-nixos-system-nixos-23.05.20230726.b34b83f";
+
+/// The corpus's public key.
+pub fn corpus_key() -> String {
+    std::fs::read_to_string(corpus().join("keys/cache-key.pub")).unwrap().trim().to_string()
+}
+
+/// A command environment without the caller's Nix configuration: its own HOME, cache and
+/// config dirs under `tmp`, and an empty `NIX_CONFIG` apart from `extra`.
+pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
+    let home = tmp.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    cmd.env("HOME", &home)
+        .env("XDG_CACHE_HOME", home.join(".cache"))
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("NIX_CONF_DIR", tmp.join("no-etc-nix"))
+        .env("NIX_CONFIG", format!("substituters =\nexperimental-features = nix-command\n{extra}"))
+        .env_remove("NIX_REMOTE");
+}
+
+/// `sluice ARGS` in an isolated environment under `tmp`.
+pub fn sluice(tmp: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, "");
+    cmd.args(args).output().unwrap()
+}
+
+/// Real Nix 2.8's `PROG ARGS` in an isolated environment under `tmp`. Fails the test with a
+/// clear message when Nix is not installed (CI installs Debian's nix-bin).
+pub fn nix(tmp: &Path, prog: &str, args: &[&str]) -> Output {
+    let mut cmd = Command::new(prog);
+    isolate(&mut cmd, tmp, "");
+    cmd.args(args).output().unwrap_or_else(|e| panic!("cannot run {prog} (install Debian's nix-bin): {e}"))
+}
+
+/// Text of standard error, for assertions.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Panics with both output streams unless `o` succeeded.
+pub fn check(o: &Output, what: &str) {
+    assert!(o.status.success(), "{what} failed ({}):\nstdout: {}\nstderr: {}", o.status, String::from_utf8_lossy(&o.stdout), stderr(o));
+}
+
+/// Asserts that real Nix finds the store at `root` clean: `nix-store --verify --check-contents`.
+pub fn assert_nix_verifies(tmp: &Path, root: &Path) {
+    let o = nix(tmp, "nix-store", &["--store", root.to_str().unwrap(), "--verify", "--check-contents"]);
+    check(&o, "nix-store --verify --check-contents");
+    let err = stderr(&o);
+    for bad in ["error", "warning", "modified", "corrupt", "invalid", "missing"] {
+        assert!(!err.to_lowercase().contains(bad), "nix-store --verify reported {bad:?}:\n{err}");
+    }
+}
+
+/// `nix path-info --json -r` of real Nix, as a JSON array.
+pub fn nix_path_info(tmp: &Path, store: &str, path: &str) -> Vec<serde_json::Value> {
+    let o = nix(tmp, "nix", &["path-info", "--store", store, "--json", "-r", path]);
+    check(&o, "nix path-info");
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Copies a directory tree (to make a writable copy of shared data).
+pub fn copy_dir(from: &Path, to: &Path) {
+    let o = Command::new("cp").arg("-a").arg(from).arg(to).output().unwrap();
+    assert!(o.status.success(), "cp -a {} {}", from.display(), to.display());
+}
+
+/// Real nginx serving a cache directory through `shared/bin/cache-server`; stopped on drop.
+pub struct CacheServer {
+    pub url: String,
+    pub access_log: PathBuf,
+    port: u16,
+    state: PathBuf,
+}
+
+impl CacheServer {
+    /// Starts nginx on a free port with the given extra flags (`--http2`, `--tls`, `--rtt-ms N`).
+    pub fn start(root: &Path, state: &Path, flags: &[&str]) -> CacheServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let o = Command::new(shared().join("bin/cache-server"))
+            .args(["start", "--root", root.to_str().unwrap(), "--port", &port.to_string(), "--state-base", state.to_str().unwrap()])
+            .args(flags)
+            .output()
+            .unwrap();
+        check(&o, "cache-server start (needs nginx: install Debian's nginx-light)");
+        let out = String::from_utf8_lossy(&o.stdout);
+        let var = |k: &str| out.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(|v| v.trim_matches('\'').to_string());
+        CacheServer { url: var("CACHE_URL").unwrap(), access_log: PathBuf::from(var("CACHE_ACCESS_LOG").unwrap()), port, state: state.to_path_buf() }
+    }
+
+    /// Requests in the access log whose URI ends with `suffix`.
+    pub fn requests(&self, suffix: &str) -> usize {
+        let log = std::fs::read_to_string(&self.access_log).unwrap_or_default();
+        log.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v["uri"].as_str().is_some_and(|u| u.ends_with(suffix))).count()
+    }
+}
+
+impl Drop for CacheServer {
+    fn drop(&mut self) {
+        let _ = Command::new(shared().join("bin/cache-server"))
+            .args(["stop", "--port", &self.port.to_string(), "--state-base", self.state.to_str().unwrap()])
+            .output();
+    }
+}

@@ -1,0 +1,87 @@
+//! `sluice copy` end to end on the corpus: from nginx over HTTP/1.1 and HTTPS+HTTP/2, and from
+//! `file://` caches of every compression, into fresh chroot stores that real Nix 2.8 then
+//! verifies and describes exactly as the cache did.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::*;
+use serde_json::Value;
+
+/// The fields `nix path-info --json` must agree on between the copy and the cache.
+const FIELDS: [&str; 7] = ["path", "narHash", "narSize", "references", "deriver", "ca", "signatures"];
+
+fn by_path(entries: Vec<Value>) -> BTreeMap<String, Value> {
+    entries
+        .into_iter()
+        .map(|e| {
+            let picked: serde_json::Map<String, Value> = FIELDS.iter().filter_map(|f| e.get(*f).map(|v| (f.to_string(), v.clone()))).collect();
+            (e["path"].as_str().unwrap().to_string(), Value::Object(picked))
+        })
+        .collect()
+}
+
+/// Copies `top` from `from` into a fresh store and checks it with real Nix against `truth`.
+fn copy_and_verify(tmp: &Path, from: &str, top: &str, truth: &str, extra: &[&str]) {
+    let root = tmp.join("root");
+    let mut args = vec!["copy", "--from", from, "--to", root.to_str().unwrap()];
+    let key = corpus_key();
+    args.extend(["--trusted-public-keys", &key]);
+    args.extend(extra);
+    args.push(top);
+    let o = sluice(tmp, &args);
+    check(&o, "sluice copy");
+    assert_nix_verifies(tmp, &root);
+    let got = by_path(nix_path_info(tmp, root.to_str().unwrap(), top));
+    let want = by_path(serde_json::from_str(&std::fs::read_to_string(corpus().join("truth").join(truth)).unwrap()).unwrap());
+    assert_eq!(got.len(), want.len(), "path count");
+    for (path, w) in &want {
+        assert_eq!(got.get(path), Some(w), "path-info of {path}");
+    }
+}
+
+#[test]
+fn copy_corpus_over_http1_from_nginx() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &[]);
+    copy_and_verify(tmp.path(), &server.url, TOP, "path-info-cache-xz.json", &[]);
+    assert_eq!(server.requests(".narinfo"), 1056, "one request per narinfo");
+    assert_eq!(server.requests(".nar.xz"), 1056, "one request per NAR");
+}
+
+#[test]
+fn copy_corpus_over_https_http2_from_nginx() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = CacheServer::start(&corpus().join("cache-zstd"), &tmp.path().join("srv"), &["--tls", "--http2"]);
+    let ca = tmp.path().join("srv").join(server.url.rsplit(':').next().unwrap()).join("tls/ca.pem");
+    let ssl = format!("ssl-cert-file {}", ca.display());
+    let (name, value) = ssl.split_once(' ').unwrap();
+    copy_and_verify(tmp.path(), &server.url, TOP, "path-info-cache-zstd.json", &["--option", name, value]);
+}
+
+#[test]
+fn copy_corpus_from_file_caches() {
+    for cache in ["cache-xz", "cache-zstd"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", corpus().join(cache).display());
+        copy_and_verify(tmp.path(), &url, TOP, &format!("path-info-{cache}.json"), &[]);
+    }
+}
+
+#[test]
+fn copy_subset_of_every_compression() {
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
+    let root_path = summary["subsetRoot"].as_str().expect("summary.json has subsetRoot").to_string();
+    for comp in ["none", "bzip2", "gzip", "br"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let url = format!("file://{}", corpus().join(format!("cache-subset-{comp}")).display());
+        let o = sluice(tmp.path(), &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root_path]);
+        check(&o, &format!("sluice copy from cache-subset-{comp}"));
+        assert_nix_verifies(tmp.path(), &root);
+        let got = nix_path_info(tmp.path(), root.to_str().unwrap(), &root_path);
+        assert_eq!(got.len(), 25, "cache-subset-{comp}: the 25-path closure");
+    }
+}

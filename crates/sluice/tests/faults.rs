@@ -1,0 +1,107 @@
+//! Refusals: untrusted or malformed signatures (case 09) and NARs that do not match their
+//! NarHash/NarSize (case 08). A refused path is neither registered nor left at its final
+//! path, and no temporary tree or lock file remains; an accepted one is verified by real Nix.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+
+/// `(variant, store path)` rows of a case's `paths.txt` (first and last columns).
+fn case_paths(case: &str) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(shared().join("cases").join(case).join("paths.txt")).unwrap();
+    text.lines()
+        .filter(|l| l.contains("/nix/store/"))
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let path = words.iter().find(|w| w.starts_with("/nix/store/")).unwrap();
+            let variant = if words[0].starts_with("cache") { words[1] } else { words[0] };
+            (variant.to_string(), path.to_string())
+        })
+        .collect()
+}
+
+fn case_key(case: &str) -> String {
+    std::fs::read_to_string(shared().join("cases").join(case).join("trusted-public-key.txt")).unwrap().trim().to_string()
+}
+
+/// Entries of the store directory other than valid store paths' own names.
+fn store_entries(root: &Path) -> Vec<String> {
+    match std::fs::read_dir(root.join("nix/store")) {
+        Ok(rd) => rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Asserts that `path` is neither registered nor present, and nothing temporary is left.
+fn assert_absent(tmp: &Path, root: &Path, path: &str) {
+    let base = path.trim_start_matches("/nix/store/");
+    let entries = store_entries(root);
+    assert!(!entries.iter().any(|e| e.contains(&base[..32])), "{path}: something was left in the store: {entries:?}");
+    let o = nix(tmp, "nix-store", &["--store", root.to_str().unwrap(), "--check-validity", path]);
+    assert!(!o.status.success(), "{path} is registered");
+}
+
+#[test]
+fn signature_rules_of_case_09() {
+    let case = "09-signature-verification";
+    let url = format!("file://{}", shared().join("cases").join(case).join("cache").display());
+    let accept = ["dep-helper", "trusted", "untrusted-then-trusted", "bad-base64-plus-good", "truncated-plus-good", "no-colon-sig", "ca-unsigned"];
+    let paths = case_paths(case);
+    assert_eq!(paths.len(), 16);
+    for (variant, path) in paths {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let o = sluice(tmp.path(), &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), &path]);
+        if accept.contains(&variant.as_str()) {
+            check(&o, &format!("copy of {variant}"));
+            assert_nix_verifies(tmp.path(), &root);
+        } else {
+            assert_eq!(o.status.code(), Some(1), "{variant} must be refused: {}", stderr(&o));
+            let err = stderr(&o);
+            assert!(err.contains(&path), "{variant}: the error names the path: {err}");
+            assert!(err.contains("signature") || err.contains("content address"), "{variant}: the error gives the reason: {err}");
+            assert_absent(tmp.path(), &root, &path);
+        }
+    }
+}
+
+#[test]
+fn nar_mismatches_of_case_08() {
+    let case = "08-nar-hash-size-mismatch";
+    let dir = shared().join("cases").join(case);
+    let cache_a = format!("file://{}", dir.join("cache-a").display());
+    let cache_b = format!("file://{}", dir.join("cache-b").display());
+    let expect = [("content-differs", "hash mismatch"), ("narsize-too-big", "size mismatch"), ("narsize-too-small", "size mismatch")];
+    let mut rows = case_paths(case);
+    rows.dedup_by(|a, b| a.0 == b.0);
+    assert_eq!(rows.len(), 4);
+    for (variant, path) in rows {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let o = sluice(tmp.path(), &["copy", "--from", &cache_a, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), &path]);
+        match expect.iter().find(|(v, _)| *v == variant) {
+            Some((_, reason)) => {
+                assert_eq!(o.status.code(), Some(1), "{variant} must be refused");
+                let err = stderr(&o);
+                assert!(err.contains(&path) && err.contains(reason) && err.contains(&cache_a), "{variant}: {err}");
+                assert_absent(tmp.path(), &root, &path);
+            }
+            None => {
+                check(&o, &format!("copy of {variant}"));
+                assert_nix_verifies(tmp.path(), &root);
+            }
+        }
+    }
+    // With both caches configured, the bad NAR of cache-a is refused and cache-b's is used.
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let path = "/nix/store/8fzypr7nz0hvf4zms8g38mbna540c5yn-content-differs";
+    let subs = format!("{cache_a} {cache_b}");
+    let o = sluice(tmp.path(), &["copy", "--substituters", &subs, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), path]);
+    check(&o, "copy with fallback to cache-b");
+    assert_nix_verifies(tmp.path(), &root);
+    let dump = nix(tmp.path(), "nix-store", &["--store", root.to_str().unwrap(), "--dump", path]);
+    assert!(String::from_utf8_lossy(&dump.stdout).contains("good build"));
+}
