@@ -238,3 +238,54 @@ impl NarInfo {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "StorePath: /nix/store/2bvi3293ai6jdq2fbcix6d4xchrsw3a1-udev-rules.conf\n\
+URL: nar/x.nar.xz\n\
+Compression: xz\n\
+NarHash: sha256:1082vds2vznpw83g7s5pg2xa6h9xa6zr409nx35h853nqdl0qml5\n\
+NarSize: 632\n";
+
+    fn parse(text: &str) -> Result<NarInfo, NarInfoError> { NarInfo::parse(&StoreDir::default(), text) }
+
+    #[test]
+    fn references_are_sorted_for_print_and_fingerprint() {
+        let text = format!(
+            "{BASE}References: zzbi3293ai6jdq2fbcix6d4xchrsw3a1-b 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a  0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\nDeriver: unknown-deriver\nSig: k:x\nSig: k:y\n"
+        );
+        let info = parse(&text).unwrap();
+        assert_eq!(info.references.len(), 3);
+        assert_eq!(info.deriver, None);
+        assert_eq!(info.signatures, ["k:x", "k:y"]);
+        let d = StoreDir::default();
+        assert!(info.to_text(&d).contains("References: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a zzbi3293ai6jdq2fbcix6d4xchrsw3a1-b\n"));
+        assert_eq!(
+            info.fingerprint(&d),
+            "1;/nix/store/2bvi3293ai6jdq2fbcix6d4xchrsw3a1-udev-rules.conf;sha256:1082vds2vznpw83g7s5pg2xa6h9xa6zr409nx35h853nqdl0qml5;632;\
+/nix/store/0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a,/nix/store/zzbi3293ai6jdq2fbcix6d4xchrsw3a1-b"
+        );
+    }
+
+    #[test]
+    fn field_errors() {
+        let field = |text: String| match parse(&text) {
+            Err(NarInfoError::Field { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(format!("{BASE}URL: again\n")), "URL");
+        assert_eq!(field(format!("{BASE}References:\nReferences: \n")), "References");
+        assert_eq!(field(format!("{BASE}FileSize: 99999999999999999999999\n")), "FileSize");
+        assert_eq!(field(format!("{BASE}FileHash: md5:abc\n")), "FileHash");
+        assert_eq!(field(format!("{BASE}CA: fixed:sha256:nope\n")), "CA");
+        assert_eq!(field(format!("{BASE}Deriver: not-a-path\n")), "Deriver");
+        assert_eq!(field(format!("{BASE}References: /nix/store/0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\n")), "References");
+        assert_eq!(field(BASE.replace("/nix/store/", "/gnu/store/")), "StorePath");
+        assert!(matches!(parse(&format!("{BASE}no colon here\n")), Err(NarInfoError::Line { line: 6, .. })));
+        assert!(matches!(parse(&BASE.replace("URL: nar/x.nar.xz", "URL: ")), Err(NarInfoError::Missing("URL"))));
+        assert!(parse(&format!("{BASE}Unknown:\nOther: a: b\n")).is_ok());
+        assert_eq!(parse(BASE).unwrap().to_text(&StoreDir::default()), format!("{BASE}References: \n"));
+    }
+}

@@ -1,2 +1,273 @@
 //! NAR listings as `nix nar ls` prints them (text and `--json`, with `narOffset`). Source: Nix
 //! `src/libutil/archive.cc`, `src/nix/ls.cc`, `src/libstore/nar-accessor.cc`.
+//!
+//! [`ListingBuilder`] is a [`NarVisitor`] that builds a [`NarEntry`] tree (file contents are
+//! skipped, only sizes and offsets kept); [`list`] parses a NAR into one. The tree renders as
+//! Nix 2.8 prints it: [`NarEntry::to_json`] (`nix nar ls --json [-R]`, compact, no trailing
+//! newline) and [`NarEntry::to_text`] (`nix nar ls [-l] [-R] [-d]`, one line per entry).
+//! Output is bytes: names and targets are arbitrary bytes and Nix prints them unchanged.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+
+use super::reader::NarError;
+use super::{NarPath, NarVisitor};
+
+/// One node of a NAR, without file contents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NarEntry {
+    /// A regular file: `size` bytes starting at byte `nar_offset` of the NAR.
+    Regular { executable: bool, size: u64, nar_offset: u64 },
+    /// A symbolic link.
+    Symlink { target: Vec<u8> },
+    /// A directory; entries in NAR (byte) order.
+    Directory { entries: BTreeMap<Vec<u8>, NarEntry> },
+}
+
+/// Parses a NAR into its listing (contents are read and discarded).
+pub fn list<R: std::io::Read>(reader: R) -> Result<NarEntry, NarError> {
+    let mut b = ListingBuilder::default();
+    let len = super::reader::parse(reader, &mut b)?;
+    b.finish().ok_or(NarError::Invalid { offset: len, what: "NAR has no root node".into() })
+}
+
+/// A visitor that builds a [`NarEntry`] tree.
+#[derive(Debug, Default)]
+pub struct ListingBuilder {
+    root: Option<NarEntry>,
+    /// Open directories, innermost last.
+    open: Vec<BTreeMap<Vec<u8>, NarEntry>>,
+}
+
+impl ListingBuilder {
+    /// The tree, once the root node has been visited completely.
+    pub fn finish(self) -> Option<NarEntry> { self.root }
+
+    fn add(&mut self, path: &NarPath, entry: NarEntry) {
+        match (path.last(), self.open.last_mut()) {
+            (Some(name), Some(dir)) => {
+                dir.insert(name.clone(), entry);
+            }
+            _ => self.root = Some(entry),
+        }
+    }
+}
+
+impl NarVisitor for ListingBuilder {
+    fn regular(&mut self, path: &NarPath, executable: bool, size: u64, offset: u64, _: &mut dyn std::io::Read) -> std::io::Result<()> {
+        self.add(path, NarEntry::Regular { executable, size, nar_offset: offset });
+        Ok(())
+    }
+    fn symlink(&mut self, path: &NarPath, target: &[u8]) -> std::io::Result<()> {
+        self.add(path, NarEntry::Symlink { target: target.to_vec() });
+        Ok(())
+    }
+    fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> {
+        self.open.push(BTreeMap::new());
+        Ok(())
+    }
+    fn directory_end(&mut self, path: &NarPath) -> std::io::Result<()> {
+        let entries = self.open.pop().unwrap_or_default();
+        self.add(path, NarEntry::Directory { entries });
+        Ok(())
+    }
+}
+
+/// Options of the text listing (`nix nar ls` flags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TextOptions {
+    /// `-l`: type/permissions column and size, and ` -> target` for symlinks.
+    pub long: bool,
+    /// `-R`: list subdirectories recursively.
+    pub recursive: bool,
+    /// `-d`: show a directory itself rather than its contents.
+    pub directory: bool,
+}
+
+/// Appends `s` as a JSON string the way Nix 2.8's JSON writer does: `"` `\` and control
+/// characters escaped, every other byte (including non-UTF-8) unchanged.
+fn json_string(out: &mut Vec<u8>, s: &[u8]) {
+    out.push(b'"');
+    for &c in s {
+        match c {
+            b'"' | b'\\' => out.extend_from_slice(&[b'\\', c]),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            0..=0x1f => {
+                let _ = write!(out, "\\u{:04x}", c);
+            }
+            _ => out.push(c),
+        }
+    }
+    out.push(b'"');
+}
+
+impl NarEntry {
+    /// The node at `path` (`/`-separated, relative to the root; empty components ignored, so
+    /// `""` and `"/"` are the root).
+    pub fn find(&self, path: &str) -> Option<&NarEntry> {
+        path.split('/').filter(|c| !c.is_empty()).try_fold(self, |node, name| match node {
+            NarEntry::Directory { entries } => entries.get(name.as_bytes()),
+            _ => None,
+        })
+    }
+
+    /// The size column of `nix nar ls -l` (0 for directories and symlinks).
+    pub fn size(&self) -> u64 {
+        match self {
+            NarEntry::Regular { size, .. } => *size,
+            _ => 0,
+        }
+    }
+
+    /// `nix nar ls --json` (with `-R` when `recursive`): compact JSON, keys in Nix 2.8's order
+    /// (`type`, then `entries` / `size`, `executable` (only when true), `narOffset` / `target`).
+    /// Without `recursive`, a directory's entries are shown as `{}`.
+    pub fn to_json(&self, recursive: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.write_json(&mut out, recursive, true);
+        out
+    }
+
+    fn write_json(&self, out: &mut Vec<u8>, recursive: bool, expand: bool) {
+        if !expand {
+            out.extend_from_slice(b"{}");
+            return;
+        }
+        match self {
+            NarEntry::Regular { executable, size, nar_offset } => {
+                let _ = write!(out, "{{\"type\":\"regular\",\"size\":{size}");
+                if *executable {
+                    out.extend_from_slice(b",\"executable\":true");
+                }
+                let _ = write!(out, ",\"narOffset\":{nar_offset}}}");
+            }
+            NarEntry::Symlink { target } => {
+                out.extend_from_slice(b"{\"type\":\"symlink\",\"target\":");
+                json_string(out, target);
+                out.push(b'}');
+            }
+            NarEntry::Directory { entries } => {
+                out.extend_from_slice(b"{\"type\":\"directory\",\"entries\":{");
+                for (i, (name, child)) in entries.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    json_string(out, name);
+                    out.push(b':');
+                    child.write_json(out, recursive, recursive);
+                }
+                out.extend_from_slice(b"}}");
+            }
+        }
+    }
+
+    /// `nix nar ls` text output for this node, labelled `label` (Nix uses `.` for a directory
+    /// root and the base name of the requested path otherwise). Lines end in `\n`; long lines
+    /// are `<mode> <size right-aligned in 20> <path>[ -> <target>]`.
+    pub fn to_text(&self, label: &str, opts: TextOptions) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut rel = label.as_bytes().to_vec();
+        self.text_path(&mut out, &mut rel, opts, opts.directory);
+        out
+    }
+
+    /// Nix's `doPath`: a directory's contents, or the node itself.
+    fn text_path(&self, out: &mut Vec<u8>, rel: &mut Vec<u8>, opts: TextOptions, show_directory: bool) {
+        match self {
+            NarEntry::Directory { entries } if !show_directory => {
+                for (name, child) in entries {
+                    let len = rel.len();
+                    rel.push(b'/');
+                    rel.extend_from_slice(name);
+                    child.text_file(out, rel, opts);
+                    rel.truncate(len);
+                }
+            }
+            _ => self.text_file(out, rel, opts),
+        }
+    }
+
+    /// Nix's `showFile`: one line, then the contents of a directory when recursive.
+    fn text_file(&self, out: &mut Vec<u8>, rel: &mut Vec<u8>, opts: TextOptions) {
+        if opts.long {
+            let mode = match self {
+                NarEntry::Regular { executable: true, .. } => "-r-xr-xr-x",
+                NarEntry::Regular { .. } => "-r--r--r--",
+                NarEntry::Symlink { .. } => "lrwxrwxrwx",
+                NarEntry::Directory { .. } => "dr-xr-xr-x",
+            };
+            let _ = write!(out, "{mode} {:>20} ", self.size());
+            out.extend_from_slice(rel);
+            if let NarEntry::Symlink { target } = self {
+                out.extend_from_slice(b" -> ");
+                out.extend_from_slice(target);
+            }
+        } else {
+            out.extend_from_slice(rel);
+        }
+        out.push(b'\n');
+        if opts.recursive && matches!(self, NarEntry::Directory { .. }) {
+            self.text_path(out, rel, opts, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nar::writer::NarWriter;
+
+    /// A small tree: `a` (exec, "hi"), `b/` with `c -> a`, and `q"\n`.
+    fn sample() -> Vec<u8> {
+        let mut w = NarWriter::new(Vec::new()).unwrap();
+        let n = |s: &str| s.as_bytes().to_vec();
+        w.directory_start(&[]).unwrap();
+        w.regular(&[n("a")], true, 2, 0, &mut &b"hi"[..]).unwrap();
+        w.directory_start(&[n("b")]).unwrap();
+        w.symlink(&[n("b"), n("c")], b"../a").unwrap();
+        w.directory_end(&[n("b")]).unwrap();
+        w.regular(&[n("q\"\n")], false, 0, 0, &mut &b""[..]).unwrap();
+        w.directory_end(&[]).unwrap();
+        w.into_inner()
+    }
+
+    #[test]
+    fn json_and_text() {
+        let tree = list(&sample()[..]).unwrap();
+        assert_eq!(
+            String::from_utf8(tree.to_json(true)).unwrap(),
+            r#"{"type":"directory","entries":{"a":{"type":"regular","size":2,"executable":true,"narOffset":264},"b":{"type":"directory","entries":{"c":{"type":"symlink","target":"../a"}}},"q\"\n":{"type":"regular","size":0,"narOffset":816}}}"#
+        );
+        assert_eq!(
+            String::from_utf8(tree.to_json(false)).unwrap(),
+            r#"{"type":"directory","entries":{"a":{},"b":{},"q\"\n":{}}}"#
+        );
+        let long = TextOptions { long: true, recursive: true, directory: false };
+        assert_eq!(
+            String::from_utf8(tree.to_text(".", long)).unwrap(),
+            "-r-xr-xr-x                    2 ./a\n\
+             dr-xr-xr-x                    0 ./b\n\
+             lrwxrwxrwx                    0 ./b/c -> ../a\n\
+             -r--r--r--                    0 ./q\"\n\n"
+        );
+        let short = TextOptions::default();
+        assert_eq!(String::from_utf8(tree.to_text(".", short)).unwrap(), "./a\n./b\n./q\"\n\n");
+        let dir = TextOptions { directory: true, ..short };
+        assert_eq!(String::from_utf8(tree.to_text(".", dir)).unwrap(), ".\n");
+        assert_eq!(tree.find("/b/c"), Some(&NarEntry::Symlink { target: b"../a".to_vec() }));
+        assert_eq!(tree.find("b//c/"), tree.find("/b/c"));
+        assert_eq!(tree.find("/a/x"), None);
+        assert_eq!(tree.find("/"), Some(&tree));
+        let leaf = tree.find("a").unwrap();
+        assert_eq!(String::from_utf8(leaf.to_text("a", long)).unwrap(), "-r-xr-xr-x                    2 a\n");
+    }
+
+    #[test]
+    fn json_escapes_control_bytes() {
+        let mut out = Vec::new();
+        json_string(&mut out, b"\x01\t\\\xff");
+        assert_eq!(out, b"\"\\u0001\\t\\\\\xff\"");
+    }
+}

@@ -5,10 +5,22 @@
 //! Reading and writing share one event model, [`NarVisitor`]: the reader ([`reader::parse`])
 //! calls a visitor for each node in NAR order, and the writer ([`writer::NarWriter`]) is a
 //! visitor, so `parse(nar, &mut NarWriter::new(out))` reproduces `nar` byte for byte.
+//!
+//! Grammar (each quoted word is one token):
+//! ```text
+//! nar       = "nix-archive-1" node
+//! node      = "(" "type" ( regular | symlink | directory ) ")"
+//! regular   = "regular" [ "executable" "" ] "contents" <u64 size> <size bytes, padded>
+//! symlink   = "symlink" "target" <target>
+//! directory = "directory" { "entry" "(" "name" <name> "node" node ")" }   (names ascending)
+//! ```
 
 pub mod listing;
 pub mod reader;
 pub mod writer;
+
+/// The first token of every NAR.
+pub const MAGIC: &str = "nix-archive-1";
 
 /// A node's position in the NAR: the entry names from the root down (empty for the root).
 /// Names are validated by the reader: non-empty, not `.` or `..`, no `/` or NUL.
@@ -26,4 +38,28 @@ pub trait NarVisitor {
     fn directory_start(&mut self, path: &NarPath) -> std::io::Result<()>;
     /// The end of a directory.
     fn directory_end(&mut self, path: &NarPath) -> std::io::Result<()>;
+}
+
+/// A visitor that ignores everything (the reader still checks the whole NAR).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Discard;
+
+impl NarVisitor for Discard {
+    fn regular(&mut self, _: &NarPath, _: bool, _: u64, _: u64, _: &mut dyn std::io::Read) -> std::io::Result<()> { Ok(()) }
+    fn symlink(&mut self, _: &NarPath, _: &[u8]) -> std::io::Result<()> { Ok(()) }
+    fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
+    fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
+}
+
+/// Checks a directory entry name as Nix does: not empty, `.` or `..`, no `/` or NUL, at most
+/// [`reader::MAX_NAME_LEN`] bytes. The error says why.
+pub fn check_name(name: &[u8]) -> Result<(), &'static str> {
+    match name {
+        [] => Err("empty name"),
+        b"." | b".." => Err("'.' and '..' are not allowed"),
+        _ if name.contains(&b'/') => Err("contains '/'"),
+        _ if name.contains(&0) => Err("contains a NUL byte"),
+        _ if name.len() > reader::MAX_NAME_LEN => Err("longer than 255 bytes"),
+        _ => Ok(()),
+    }
 }

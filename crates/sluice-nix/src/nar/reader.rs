@@ -2,6 +2,26 @@
 //! after `contents`, `name` after `node`), non-zero padding, truncation, entry names that are
 //! empty, `.`, `..`, or contain `/` or NUL, and unsorted or duplicate directory entries.
 //! Tokens other than file contents are bounded in length (no allocation by declared length).
+//!
+//! Bounds: entry names ≤ [`MAX_NAME_LEN`] bytes, symlink targets 1..=[`MAX_TARGET_LEN`]
+//! bytes, other tokens ≤ [`MAX_TOKEN_LEN`] bytes, directory nesting ≤ [`MAX_DEPTH`]. The parser
+//! is iterative (no recursion per directory level).
+//!
+//! The reader issues small reads on `reader` and never reads ahead; wrap an unbuffered source
+//! in a `BufReader` yourself if the bytes after the NAR do not matter.
+
+use std::io::Read;
+
+use super::{check_name, NarVisitor, MAGIC};
+
+/// Longest entry name accepted (Linux `NAME_MAX`).
+pub const MAX_NAME_LEN: usize = 255;
+/// Longest symlink target accepted (Linux `PATH_MAX`).
+pub const MAX_TARGET_LEN: usize = 4096;
+/// Longest structural token accepted (`(`, `type`, `executable`, …).
+pub const MAX_TOKEN_LEN: usize = 64;
+/// Deepest directory nesting accepted (a deeper tree cannot be unpacked within `PATH_MAX`).
+pub const MAX_DEPTH: usize = 2048;
 
 /// Why a NAR was rejected, with the byte offset where it was noticed.
 #[derive(Debug, thiserror::Error)]
@@ -14,9 +34,380 @@ pub enum NarError {
     Io { offset: u64, #[source] source: std::io::Error },
 }
 
+impl NarError {
+    /// The byte offset in the NAR where the problem was noticed.
+    pub fn offset(&self) -> u64 {
+        match self {
+            NarError::Truncated { offset } | NarError::Invalid { offset, .. } | NarError::Io { offset, .. } => *offset,
+        }
+    }
+}
+
+/// Shows a token for an error message (escaped, shortened).
+fn show(bytes: &[u8]) -> String {
+    let s: String = bytes.iter().take(40).flat_map(|&b| std::ascii::escape_default(b)).map(char::from).collect();
+    if bytes.len() > 40 { format!("'{s}…'") } else { format!("'{s}'") }
+}
+
 /// Parses one NAR from `reader`, calling `visitor` for each node, and returns the number of
 /// bytes the NAR took. Reads exactly the NAR: no byte after its end is consumed. Errors from
 /// the visitor are returned as [`NarError::Io`].
 pub fn parse<R: std::io::Read, V: super::NarVisitor + ?Sized>(reader: R, visitor: &mut V) -> Result<u64, NarError> {
-    todo!()
+    let mut p = Parser { r: reader, pos: 0 };
+    p.archive(visitor)?;
+    Ok(p.pos)
+}
+
+/// Checks that `reader` holds one valid NAR (see [`parse`]); returns its length.
+pub fn validate<R: std::io::Read>(reader: R) -> Result<u64, NarError> {
+    parse(reader, &mut super::Discard)
+}
+
+struct Parser<R> { r: R, pos: u64 }
+
+/// The contents of a regular file, as handed to the visitor: at most `left` bytes of the NAR.
+struct Contents<'a, R> { r: &'a mut R, left: u64, pos: &'a mut u64, failed: Option<std::io::ErrorKind> }
+
+impl<R: Read> Read for Contents<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.left == 0 || buf.is_empty() {
+            return Ok(0);
+        }
+        let want = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let n = match self.r.read(buf.get_mut(..want).unwrap_or_default()) {
+            Ok(0) => {
+                self.failed = Some(std::io::ErrorKind::UnexpectedEof);
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Err(e),
+            Err(e) => {
+                self.failed = Some(e.kind());
+                return Err(e);
+            }
+        };
+        self.left -= n as u64;
+        *self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl<R: Read> Parser<R> {
+    fn invalid<T>(&self, offset: u64, what: impl Into<String>) -> Result<T, NarError> {
+        Err(NarError::Invalid { offset, what: what.into() })
+    }
+
+    fn io_err(&self, e: std::io::Error) -> NarError {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            NarError::Truncated { offset: self.pos }
+        } else {
+            NarError::Io { offset: self.pos, source: e }
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), NarError> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.r.read(buf.get_mut(done..).unwrap_or_default()) {
+                Ok(0) => return Err(NarError::Truncated { offset: self.pos }),
+                Ok(n) => {
+                    done += n;
+                    self.pos += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_err(e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn u64(&mut self) -> Result<u64, NarError> {
+        let mut b = [0u8; 8];
+        self.read_exact(&mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Reads the zero padding after `len` bytes of data.
+    fn padding(&mut self, len: u64) -> Result<(), NarError> {
+        let pad = ((8 - len % 8) % 8) as usize;
+        let mut b = [0u8; 8];
+        let start = self.pos;
+        let b = b.get_mut(..pad).unwrap_or_default();
+        self.read_exact(b)?;
+        if b.iter().any(|&x| x != 0) {
+            return self.invalid(start, "non-zero padding");
+        }
+        Ok(())
+    }
+
+    /// Reads a length-prefixed string of at most `max` bytes; `what` names it in errors.
+    fn string(&mut self, max: usize, what: &str) -> Result<Vec<u8>, NarError> {
+        let start = self.pos;
+        let len = self.u64()?;
+        if len > max as u64 {
+            return self.invalid(start, format!("{what} too long ({len} bytes; at most {max})"));
+        }
+        let mut buf = vec![0u8; len as usize];
+        self.read_exact(&mut buf)?;
+        self.padding(len)?;
+        Ok(buf)
+    }
+
+    fn token(&mut self) -> Result<(u64, Vec<u8>), NarError> {
+        let start = self.pos;
+        Ok((start, self.string(MAX_TOKEN_LEN, "token")?))
+    }
+
+    fn expect(&mut self, want: &str) -> Result<(), NarError> {
+        let (start, t) = self.token()?;
+        if t != want.as_bytes() {
+            return self.invalid(start, format!("expected '{want}', got {}", show(&t)));
+        }
+        Ok(())
+    }
+
+    fn visit<T>(&self, r: std::io::Result<T>) -> Result<T, NarError> {
+        r.map_err(|source| NarError::Io { offset: self.pos, source })
+    }
+
+    fn archive<V: NarVisitor + ?Sized>(&mut self, v: &mut V) -> Result<(), NarError> {
+        let len = self.u64()?;
+        if len != MAGIC.len() as u64 {
+            return self.invalid(0, "not a NAR (bad magic: no 'nix-archive-1' header)");
+        }
+        let mut magic = [0u8; 13];
+        self.read_exact(&mut magic)?;
+        if magic != MAGIC.as_bytes() {
+            return self.invalid(0, "not a NAR (bad magic: no 'nix-archive-1' header)");
+        }
+        self.padding(13)?;
+
+        let mut path: Vec<Vec<u8>> = Vec::new();
+        // For each open directory, the name of its last entry so far.
+        let mut dirs: Vec<Option<Vec<u8>>> = Vec::new();
+        loop {
+            // A node at `path`.
+            if self.node(&path, v)? {
+                if dirs.len() >= MAX_DEPTH {
+                    return self.invalid(self.pos, format!("directories nested deeper than {MAX_DEPTH}"));
+                }
+                self.visit(v.directory_start(&path))?;
+                dirs.push(None);
+            } else if path.pop().is_none() {
+                return Ok(());
+            } else {
+                self.expect(")")?;
+            }
+            // Entries of the innermost open directory, until the next node starts.
+            loop {
+                let (start, t) = self.token()?;
+                match t.as_slice() {
+                    b")" => {
+                        self.visit(v.directory_end(&path))?;
+                        dirs.pop();
+                        if path.pop().is_none() {
+                            return Ok(());
+                        }
+                        self.expect(")")?;
+                    }
+                    b"entry" => {
+                        self.expect("(")?;
+                        let (start, t) = self.token()?;
+                        match t.as_slice() {
+                            b"name" => {}
+                            b"node" => return self.invalid(start, "'node' before 'name' in a directory entry"),
+                            _ => return self.invalid(start, format!("expected 'name', got {}", show(&t))),
+                        }
+                        let name_at = self.pos;
+                        let name = self.string(MAX_NAME_LEN, "entry name")?;
+                        if let Err(why) = check_name(&name) {
+                            return self.invalid(name_at, format!("invalid file name {}: {why}", show(&name)));
+                        }
+                        let last = dirs.last_mut().ok_or(NarError::Invalid { offset: start, what: "entry outside a directory".into() })?;
+                        match last.as_deref() {
+                            Some(prev) if prev == name.as_slice() => {
+                                return self.invalid(name_at, format!("duplicate directory entry {}", show(&name)));
+                            }
+                            Some(prev) if prev > name.as_slice() => {
+                                return self.invalid(
+                                    name_at,
+                                    format!("directory not sorted: {} after {}", show(&name), show(prev)),
+                                );
+                            }
+                            _ => {}
+                        }
+                        *last = Some(name.clone());
+                        self.expect("node")?;
+                        path.push(name);
+                        break;
+                    }
+                    _ => return self.invalid(start, format!("expected 'entry' or ')', got {}", show(&t))),
+                }
+            }
+        }
+    }
+
+    /// Reads `( type …` of a node; for a regular file or symlink through its closing `)`
+    /// (returns false), for a directory only the header (returns true).
+    fn node<V: NarVisitor + ?Sized>(&mut self, path: &[Vec<u8>], v: &mut V) -> Result<bool, NarError> {
+        self.expect("(")?;
+        self.expect("type")?;
+        let (start, t) = self.token()?;
+        match t.as_slice() {
+            b"regular" => {
+                self.regular(path, v)?;
+                return Ok(false);
+            }
+            b"symlink" => {
+                self.expect("target")?;
+                let at = self.pos;
+                let target = self.string(MAX_TARGET_LEN, "symlink target")?;
+                if target.is_empty() {
+                    return self.invalid(at, "empty symlink target");
+                }
+                self.visit(v.symlink(path, &target))?;
+            }
+            b"directory" => return Ok(true),
+            _ => return self.invalid(start, format!("unknown file type {}", show(&t))),
+        }
+        self.expect(")")?;
+        Ok(false)
+    }
+
+    fn regular<V: NarVisitor + ?Sized>(&mut self, path: &[Vec<u8>], v: &mut V) -> Result<(), NarError> {
+        let (mut start, mut t) = self.token()?;
+        let executable = t == b"executable";
+        if executable {
+            let at = self.pos;
+            if !self.string(MAX_TOKEN_LEN, "executable marker")?.is_empty() {
+                return self.invalid(at, "executable marker has a non-empty value");
+            }
+            (start, t) = self.token()?;
+        }
+        match t.as_slice() {
+            b"contents" => {}
+            b"executable" => return self.invalid(start, "'executable' after 'executable'"),
+            _ => return self.invalid(start, format!("expected 'contents', got {}", show(&t))),
+        }
+        let size = self.u64()?;
+        let offset = self.pos;
+        let mut c = Contents { r: &mut self.r, left: size, pos: &mut self.pos, failed: None };
+        let res = v.regular(path, executable, size, offset, &mut c);
+        // Consume whatever the visitor did not read.
+        let drained = if c.failed.is_none() && res.is_ok() { std::io::copy(&mut c, &mut std::io::sink()).err() } else { None };
+        let failed = c.failed.take();
+        match (failed, drained) {
+            (Some(std::io::ErrorKind::UnexpectedEof), _) => return Err(NarError::Truncated { offset: self.pos }),
+            (Some(kind), _) => return Err(NarError::Io { offset: self.pos, source: kind.into() }),
+            (None, Some(e)) => return Err(self.io_err(e)),
+            (None, None) => {}
+        }
+        self.visit(res)?;
+        self.padding(size)?;
+        // `executable` after `contents` lands here as an unexpected token.
+        let (start, t) = self.token()?;
+        if t == b"executable" {
+            return self.invalid(start, "'executable' must come before 'contents'");
+        }
+        if t != b")" {
+            return self.invalid(start, format!("expected ')', got {}", show(&t)));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nar::writer::{regular_file_nar, NarWriter};
+    use crate::nar::{Discard, NarPath};
+
+    /// Appends one NAR string token.
+    fn tok(out: &mut Vec<u8>, s: &[u8]) {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s);
+        out.resize(out.len() + (8 - s.len() % 8) % 8, 0);
+    }
+
+    fn nar(tokens: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for t in tokens {
+            tok(&mut out, t);
+        }
+        out
+    }
+
+    fn err(bytes: &[u8]) -> String { validate(bytes).unwrap_err().to_string() }
+
+    #[test]
+    fn structural_errors() {
+        let m: &[u8] = b"nix-archive-1";
+        assert!(err(&nar(&[m, b"(", b"type", b"fifo", b")"])).contains("unknown file type 'fifo'"));
+        assert!(err(&nar(&[m, b"(", b"type", b"symlink", b"target", b"", b")"])).contains("empty symlink target"));
+        assert!(err(&nar(&[m, b"(", b"type", b"regular", b"executable", b"x", b"contents"])).contains("non-empty value"));
+        assert!(err(&nar(&[m, b"(", b"type", b"regular", b")"])).contains("expected 'contents'"));
+        assert!(err(&nar(&[m, b"(", b"type", b"directory", b"bogus"])).contains("expected 'entry' or ')'"));
+        assert!(err(&nar(&[m, b"[", b"type"])).contains("expected '('"));
+        assert!(err(&nar(&[b"nix-archive-2"])).contains("bad magic"));
+        assert!(err(&[]).contains("unexpected end"));
+        let long = vec![b'a'; MAX_NAME_LEN + 1];
+        let e = err(&nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long]));
+        assert!(e.contains("entry name too long"), "{e}");
+        let target = vec![b'a'; MAX_TARGET_LEN + 1];
+        assert!(err(&nar(&[m, b"(", b"type", b"symlink", b"target", &target])).contains("symlink target too long"));
+        // Longest allowed name and target are fine.
+        let ok = nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long[1..], b"node",
+            b"(", b"type", b"symlink", b"target", &target[1..], b")", b")", b")"]);
+        assert_eq!(validate(&ok[..]).unwrap(), ok.len() as u64);
+    }
+
+    #[test]
+    fn depth_is_bounded_and_iterative() {
+        let build = |depth: usize| {
+            let mut w = NarWriter::new(Vec::new()).unwrap();
+            let mut path: Vec<Vec<u8>> = Vec::new();
+            for _ in 0..depth {
+                w.directory_start(&path).unwrap();
+                path.push(b"d".to_vec());
+            }
+            w.symlink(&path, b"x").unwrap();
+            while path.pop().is_some() {
+                w.directory_end(&path).unwrap();
+            }
+            w.into_inner()
+        };
+        let ok = build(MAX_DEPTH);
+        assert_eq!(validate(&ok[..]).unwrap(), ok.len() as u64);
+        let tree = crate::nar::listing::list(&ok[..]).unwrap();
+        assert!(tree.to_json(true).len() > MAX_DEPTH);
+        assert!(err(&build(MAX_DEPTH + 1)).contains("nested deeper"));
+    }
+
+    /// A visitor that reads only part of each file; the reader skips the rest.
+    struct Partial(Vec<u8>);
+    impl NarVisitor for Partial {
+        fn regular(&mut self, _: &NarPath, _: bool, _: u64, _: u64, c: &mut dyn std::io::Read) -> std::io::Result<()> {
+            let mut b = [0u8; 3];
+            c.read_exact(&mut b)?;
+            self.0.extend_from_slice(&b);
+            Ok(())
+        }
+        fn symlink(&mut self, _: &NarPath, _: &[u8]) -> std::io::Result<()> { Err(std::io::Error::other("no links")) }
+        fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
+        fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
+    }
+
+    #[test]
+    fn contents_are_streamed_and_drained() {
+        let data = regular_file_nar(b"hello, world", true);
+        let mut p = Partial(Vec::new());
+        assert_eq!(parse(&data[..], &mut p).unwrap(), data.len() as u64);
+        assert_eq!(p.0, b"hel");
+        // Visitor errors come back as Io; truncation inside contents as Truncated.
+        let link = nar(&[b"nix-archive-1", b"(", b"type", b"symlink", b"target", b"x", b")"]);
+        assert!(matches!(parse(&link[..], &mut p), Err(NarError::Io { .. })));
+        let cut = &data[..data.len() - 12];
+        assert!(matches!(parse(cut, &mut p), Err(NarError::Truncated { .. })));
+        assert!(matches!(parse(cut, &mut Discard), Err(NarError::Truncated { .. })));
+    }
 }

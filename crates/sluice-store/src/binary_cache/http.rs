@@ -46,6 +46,8 @@ pub struct HttpTransport {
     base: String,
     client: reqwest::Client,
     limit: Arc<Semaphore>,
+    /// Permits `limit` started with (`http-connections`).
+    connections: usize,
     h2: AtomicBool,
     stall: Duration,
 }
@@ -57,6 +59,7 @@ impl HttpTransport {
             base,
             client,
             limit: Arc::new(Semaphore::new(settings.http_connections.max(1))),
+            connections: settings.http_connections.max(1),
             h2: AtomicBool::new(false),
             stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
         }
@@ -82,7 +85,7 @@ impl HttpTransport {
             let err = match result {
                 Ok(resp) => {
                     if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
-                        self.limit.add_permits(H2_STREAMS.saturating_sub(self.limit.available_permits() + 1));
+                        self.limit.add_permits(H2_STREAMS.saturating_sub(self.connections));
                     }
                     match resp.status().as_u16() {
                         200..=299 => return Ok((Some(resp), permit)),

@@ -233,8 +233,9 @@ impl PendingPath {
             // The unpack error is the one to report.
             let _ = self.remove_temp();
         }
-        self.unpacked = Some(result?);
-        Ok(self.unpacked.clone().expect("just set"))
+        let unpacked = result?;
+        self.unpacked = Some(unpacked.clone());
+        Ok(unpacked)
     }
 
     fn unpack_into_temp(&self, nar: &mut dyn Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> {

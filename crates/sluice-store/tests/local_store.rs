@@ -1,0 +1,552 @@
+//! The local store against real data and real Nix 2.8 (`nix-store`, `nix` from Debian's
+//! `nix-bin`): paths sluice adds must pass `nix-store --verify --check-contents` and show the
+//! registered metadata in `nix path-info`; stores Nix wrote must read back correctly; failed
+//! additions must leave nothing behind.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::narinfo::NarInfo;
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_store::local::{LocalStore, LocalStoreError};
+use sluice_store::path_info::ValidPathInfo;
+use tempfile::TempDir;
+
+const CORPUS: &str = "/work/shared/corpus";
+
+/// A temporary directory that can be deleted without root although store paths in it are
+/// read-only: directories are made writable before `TempDir` removes the tree.
+struct Scratch(TempDir);
+
+impl Scratch {
+    fn new() -> Self {
+        Scratch(TempDir::new().unwrap())
+    }
+
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        fn make_writable(dir: &Path) {
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
+            for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    make_writable(&entry.path());
+                }
+            }
+        }
+        make_writable(self.0.path());
+    }
+}
+
+fn subset_cache() -> PathBuf {
+    Path::new(CORPUS).join("cache-subset-none")
+}
+
+fn store_dir() -> StoreDir {
+    StoreDir::default()
+}
+
+/// Runs a Nix command isolated from the network and the user's configuration, with its own
+/// home and cache directories under `scratch`. Panics (never skips) if Nix is missing.
+fn nix(program: &str, args: &[&str], scratch: &Path) -> Output {
+    let home = scratch.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    Command::new(program)
+        .args(args)
+        .env("HOME", &home)
+        .env("XDG_CACHE_HOME", home.join("cache"))
+        .env("XDG_CONFIG_HOME", home.join("config"))
+        .env("XDG_DATA_HOME", home.join("data"))
+        .env("NIX_CONFIG", "substituters =\nexperimental-features = nix-command\nrequire-sigs = false\n")
+        .env_remove("NIX_REMOTE")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program} (Nix 2.8's nix-bin must be installed for these tests): {e}"))
+}
+
+/// Like [`nix`], and asserts success with no error or warning on stderr.
+fn nix_ok(program: &str, args: &[&str], scratch: &Path) -> Vec<u8> {
+    let out = nix(program, args, scratch);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{program} {args:?} failed ({}): {stderr}", out.status);
+    let lower = stderr.to_lowercase();
+    assert!(
+        !lower.contains("error") && !lower.contains("warning") && !lower.contains("was modified"),
+        "{program} {args:?} complained: {stderr}"
+    );
+    out.stdout
+}
+
+/// The narinfos of a binary cache, references before referrers.
+fn cache_infos(cache: &Path) -> Vec<NarInfo> {
+    let mut by_path = BTreeMap::new();
+    for entry in std::fs::read_dir(cache).unwrap() {
+        let file = entry.unwrap().path();
+        if file.extension().is_some_and(|e| e == "narinfo") {
+            let info = NarInfo::parse(&store_dir(), &std::fs::read_to_string(&file).unwrap()).unwrap();
+            by_path.insert(info.store_path.clone(), info);
+        }
+    }
+    let mut order = Vec::new();
+    let mut done = BTreeSet::new();
+    fn visit(path: &StorePath, by_path: &BTreeMap<StorePath, NarInfo>, done: &mut BTreeSet<StorePath>, order: &mut Vec<NarInfo>) {
+        if !done.insert(path.clone()) {
+            return;
+        }
+        let info = &by_path[path];
+        for reference in &info.references {
+            visit(reference, by_path, done, order);
+        }
+        order.push(info.clone());
+    }
+    for path in by_path.keys() {
+        visit(path, &by_path, &mut done, &mut order);
+    }
+    order
+}
+
+fn path_info(info: &NarInfo) -> ValidPathInfo {
+    ValidPathInfo {
+        path: info.store_path.clone(),
+        nar_hash: info.nar_hash.clone(),
+        nar_size: info.nar_size,
+        references: info.references.iter().cloned().collect(),
+        deriver: info.deriver.clone(),
+        registration_time: 0,
+        ultimate: false,
+        sigs: info.signatures.iter().cloned().collect(),
+        ca: info.ca.clone(),
+    }
+}
+
+/// An uncompressed NAR of a cache.
+fn nar_bytes(cache: &Path, info: &NarInfo) -> Vec<u8> {
+    assert_eq!(info.compression, "none");
+    std::fs::read(cache.join(&info.url)).unwrap()
+}
+
+/// Adds the whole `cache-subset-none` to `store`, returning what was registered.
+fn add_subset(store: &Arc<LocalStore>) -> Vec<ValidPathInfo> {
+    let cache = subset_cache();
+    cache_infos(&cache)
+        .iter()
+        .map(|info| {
+            let vpi = path_info(info);
+            let mut nar = File::open(cache.join(&info.url)).unwrap();
+            assert!(store.add_nar(&vpi, &mut nar).unwrap(), "{} was already valid", vpi.path);
+            vpi
+        })
+        .collect()
+}
+
+fn open_store(root: &Path) -> Arc<LocalStore> {
+    Arc::new(LocalStore::open(root).unwrap())
+}
+
+fn shown(path: &StorePath) -> String {
+    store_dir().display_path(path)
+}
+
+/// The entries of the real store directory other than `.links`.
+fn store_entries(root: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(root.join("nix/store"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name != ".links")
+        .collect()
+}
+
+fn dump(store: &LocalStore, path: &StorePath) -> Vec<u8> {
+    let mut out = Vec::new();
+    store.dump_path(path, &mut out).unwrap();
+    out
+}
+
+/// `nix path-info --json -r <top>` as a map from path to its JSON object.
+fn nix_path_infos(root: &Path, top: &StorePath, scratch: &Path) -> BTreeMap<String, serde_json::Value> {
+    let root = root.to_str().unwrap();
+    let json = nix_ok("nix", &["path-info", "--store", root, "--json", "-r", &shown(top)], scratch);
+    let infos: Vec<serde_json::Value> = serde_json::from_slice(&json).unwrap();
+    infos.into_iter().map(|i| (i["path"].as_str().unwrap().to_owned(), i)).collect()
+}
+
+/// Nix serialises `path` as `nar`: `nix-store --dump` of its real path (Nix 2.8 dumps file
+/// system paths, not store paths) and `nix store dump-path` through the store.
+fn assert_nix_dumps(root: &Path, path: &StorePath, nar: &[u8], scratch: &Path) {
+    let real = root.join("nix/store").join(path.base_name());
+    let dumped = nix_ok("nix-store", &["--dump", real.to_str().unwrap()], scratch);
+    assert!(dumped == nar, "nix-store --dump of {path} differs");
+    let dumped = nix_ok("nix", &["store", "dump-path", "--store", root.to_str().unwrap(), &shown(path)], scratch);
+    assert!(dumped == nar, "nix store dump-path of {path} differs");
+}
+
+fn verify_with_nix(root: &Path, scratch: &Path) {
+    nix_ok("nix-store", &["--store", root.to_str().unwrap(), "--verify", "--check-contents"], scratch);
+}
+
+#[test]
+fn subset_added_by_sluice_is_what_nix_reads() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    assert_eq!(std::fs::read_to_string(root.join("nix/var/nix/db/schema")).unwrap(), "10");
+
+    let started = Instant::now();
+    let added = add_subset(&store);
+    eprintln!("added {} paths in {:?}", added.len(), started.elapsed());
+    assert_eq!(added.len(), 25);
+    let expected_entries: BTreeSet<String> = added.iter().map(|i| i.path.base_name().to_owned()).collect();
+    assert_eq!(store_entries(&root), expected_entries, "only the store paths, no temporary trees or lock files");
+
+    verify_with_nix(&root, tmp.path());
+
+    // Nix sees exactly what was registered.
+    let top = StorePath::from_base_name("24ycq19xja05axfz8a72yhz9aw6mli99-hexurvend-wrapper").unwrap();
+    let nix_infos = nix_path_infos(&root, &top, tmp.path());
+    assert_eq!(nix_infos.len(), 25);
+    for info in &added {
+        let json = &nix_infos[&shown(&info.path)];
+        assert_eq!(json["narHash"].as_str().unwrap(), info.nar_hash.to_sri(), "{}", info.path);
+        assert_eq!(json["narSize"].as_u64().unwrap(), info.nar_size);
+        let references: BTreeSet<String> = json["references"].as_array().unwrap().iter().map(|r| r.as_str().unwrap().to_owned()).collect();
+        assert_eq!(references, info.references.iter().map(shown).collect());
+        assert_eq!(json["deriver"].as_str().map(str::to_owned), info.deriver.as_ref().map(shown));
+        assert_eq!(json["ca"].as_str().map(str::to_owned), info.ca);
+        let sigs: BTreeSet<String> =
+            json["signatures"].as_array().map_or_else(Vec::new, Clone::clone).iter().map(|s| s.as_str().unwrap().to_owned()).collect();
+        assert_eq!(sigs, info.sigs);
+        assert!(json["ultimate"] != true, "{} is not ultimate", info.path);
+    }
+
+    // sluice reads back what it wrote; NARs from disk are byte-identical to the cache's and to
+    // `nix-store --dump`.
+    let cache = subset_cache();
+    let by_path: BTreeMap<StorePath, NarInfo> = cache_infos(&cache).into_iter().map(|i| (i.store_path.clone(), i)).collect();
+    for info in &added {
+        let mut read = store.query_path_info(&info.path).unwrap().unwrap();
+        assert!(read.registration_time > 1_600_000_000);
+        read.registration_time = 0;
+        assert_eq!(&read, info);
+        let from_disk = dump(&store, &info.path);
+        assert!(from_disk == nar_bytes(&cache, &by_path[&info.path]), "dump of {} differs from its NAR", info.path);
+        assert_nix_dumps(&root, &info.path, &from_disk, tmp.path());
+    }
+    let all: BTreeSet<StorePath> = added.iter().map(|i| i.path.clone()).collect();
+    assert_eq!(store.query_all_valid_paths().unwrap(), all);
+    let glibc = StorePath::from_base_name("1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8").unwrap();
+    let referrers: BTreeSet<StorePath> = added.iter().filter(|i| i.references.contains(&glibc)).map(|i| i.path.clone()).collect();
+    assert!(referrers.contains(&glibc) && referrers.len() > 3);
+    assert_eq!(store.query_referrers(&glibc).unwrap(), referrers);
+
+    // Canonical metadata on every node.
+    for info in &added {
+        assert_canonical(&store.real_path(&info.path));
+    }
+
+    // Adding again is a no-op; a second opener sees the same store.
+    let again = path_info(&by_path[&glibc]);
+    assert!(!store.add_nar(&again, &mut std::io::empty()).unwrap());
+    let reopened = open_store(&root);
+    let mut paths: Vec<StorePath> = all.iter().cloned().collect();
+    paths.push(StorePath::from_base_name("00000000000000000000000000000000-absent").unwrap());
+    assert_eq!(reopened.query_valid_paths(&paths).unwrap(), all);
+}
+
+/// mtime 1 everywhere, mode 0444/0555 on files and directories.
+fn assert_canonical(path: &Path) {
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    assert_eq!(meta.mtime(), 1, "{}", path.display());
+    if meta.file_type().is_symlink() {
+        return;
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    assert!(mode == 0o444 || mode == 0o555, "{} has mode {mode:o}", path.display());
+    if meta.is_dir() {
+        assert_eq!(mode, 0o555);
+        for entry in std::fs::read_dir(path).unwrap() {
+            assert_canonical(&entry.unwrap().path());
+        }
+    }
+}
+
+#[test]
+fn sluice_reads_a_store_nix_wrote() {
+    let tmp = Scratch::new();
+    let cache = tmp.path().join("cache");
+    copy_dir(&subset_cache(), &cache);
+    let root = tmp.path().join("root");
+    let top = "/nix/store/24ycq19xja05axfz8a72yhz9aw6mli99-hexurvend-wrapper";
+    let from = format!("file://{}", cache.display());
+    nix_ok("nix", &["copy", "--no-check-sigs", "--from", &from, "--to", root.to_str().unwrap(), top], tmp.path());
+
+    let store = open_store(&root);
+    let infos = cache_infos(&cache);
+    assert_eq!(store.query_all_valid_paths().unwrap().len(), infos.len());
+    for info in &infos {
+        let read = store.query_path_info(&info.store_path).unwrap().unwrap_or_else(|| panic!("{} not valid", info.store_path));
+        let mut expected = path_info(info);
+        expected.registration_time = read.registration_time;
+        assert_eq!(read, expected);
+        assert!(dump(&store, &info.store_path) == nar_bytes(&cache, info), "dump of {}", info.store_path);
+    }
+
+    // Nix still reads the store after sluice opened it, and sluice can add to it.
+    verify_with_nix(&root, tmp.path());
+    let fixture = fixture("varied-tree.nar");
+    assert!(store.add_nar(&fixture.0, &mut fixture.1.as_slice()).unwrap());
+    verify_with_nix(&root, tmp.path());
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &to.join(entry.file_name()));
+        } else {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// A NAR of `fixtures/` and its path info (no references: registration does not scan).
+fn fixture(file: &str) -> (ValidPathInfo, Vec<u8>) {
+    let table = std::fs::read_to_string(Path::new(CORPUS).join("fixtures/fixtures.tsv")).unwrap();
+    let row: Vec<&str> = table.lines().map(|l| l.split('\t').collect::<Vec<_>>()).find(|r| r[0] == file).unwrap();
+    let info = ValidPathInfo {
+        path: store_dir().parse_path(row[1]).unwrap(),
+        nar_hash: Hash::parse(&format!("sha256:{}", row[3])).unwrap(),
+        nar_size: row[2].parse().unwrap(),
+        references: BTreeSet::new(),
+        deriver: None,
+        registration_time: 1_700_000_000,
+        ultimate: true,
+        sigs: BTreeSet::new(),
+        ca: None,
+    };
+    (info, std::fs::read(Path::new(CORPUS).join("fixtures").join(file)).unwrap())
+}
+
+#[test]
+fn fixtures_round_trip_through_the_store() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    for file in ["varied-tree.nar", "symlink-root.nar", "exec-file-root.nar", "ca-source-dir.nar"] {
+        let (info, nar) = fixture(file);
+        assert!(store.add_nar(&info, &mut nar.as_slice()).unwrap());
+        assert!(dump(&store, &info.path) == nar, "{file}");
+        let read = store.query_path_info(&info.path).unwrap().unwrap();
+        assert_eq!(read, info);
+        assert_nix_dumps(&root, &info.path, &nar, tmp.path());
+    }
+    verify_with_nix(&root, tmp.path());
+}
+
+#[test]
+fn unpack_hashes_a_root_file_and_can_be_repeated() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let (info, nar) = fixture("exec-file-root.nar");
+    let pending = store.begin_add(&info.path).unwrap().unwrap();
+    assert!(matches!(pending.commit(&info), Err(LocalStoreError::Misuse { .. })));
+    assert!(store_entries(&root).is_empty(), "{:?}", store_entries(&root));
+
+    let mut pending = store.begin_add(&info.path).unwrap().unwrap();
+    let truncated = pending.unpack(&mut &nar[..nar.len() - 8], None).unwrap_err();
+    assert!(matches!(truncated, LocalStoreError::Nar { .. }), "{truncated}");
+    let unpacked = pending.unpack(&mut nar.as_slice(), Some(HashAlgo::Sha256)).unwrap();
+    assert_eq!(unpacked.nar_hash, info.nar_hash);
+    assert_eq!(unpacked.nar_size, info.nar_size);
+    let file = std::fs::read(root.join("nix/store").join(format!(".{}.sluice", info.path.base_name()))).unwrap();
+    assert_eq!(unpacked.flat_hash, Some(Hash::digest_bytes(HashAlgo::Sha256, &file)));
+    assert_eq!(pending.unpack(&mut nar.as_slice(), None).unwrap().flat_hash, None);
+    pending.commit(&info).unwrap();
+    let meta = std::fs::symlink_metadata(store.real_path(&info.path)).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o555);
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]));
+
+    // A directory root has no flat hash.
+    let (dir_info, dir_nar) = fixture("ca-source-dir.nar");
+    let mut pending = store.begin_add(&dir_info.path).unwrap().unwrap();
+    assert_eq!(pending.unpack(&mut dir_nar.as_slice(), Some(HashAlgo::Sha256)).unwrap().flat_hash, None);
+    drop(pending);
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]), "dropped addition left something");
+    assert!(!store.is_valid_path(&dir_info.path).unwrap());
+}
+
+/// Adding `info` from `nar` fails as `check` expects, and leaves nothing behind.
+fn assert_add_fails_cleanly(info: &ValidPathInfo, nar: &[u8], check: impl Fn(&LocalStoreError) -> bool) {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let err = store.add_nar(info, &mut &nar[..]).unwrap_err();
+    assert!(check(&err), "unexpected error: {err}");
+    let message = err.to_string();
+    assert!(message.contains(&shown(&info.path)), "error does not name the path: {message}");
+    assert!(!store.is_valid_path(&info.path).unwrap());
+    assert!(store.query_path_info(&info.path).unwrap().is_none());
+    assert!(store_entries(&root).is_empty(), "left behind: {:?}", store_entries(&root));
+    assert!(matches!(store.dump_path(&info.path, &mut Vec::new()), Err(LocalStoreError::NotValid { .. })));
+}
+
+#[test]
+fn nar_hash_or_size_mismatch_leaves_nothing() {
+    let (info, nar) = fixture("varied-tree.nar");
+    let mut wrong_hash = info.clone();
+    wrong_hash.nar_hash = Hash::digest_bytes(HashAlgo::Sha256, b"not this NAR");
+    assert_add_fails_cleanly(&wrong_hash, &nar, |e| {
+        let text = e.to_string();
+        matches!(e, LocalStoreError::HashMismatch { .. })
+            && text.contains(&wrong_hash.nar_hash.to_nix32_prefixed())
+            && text.contains(&info.nar_hash.to_nix32_prefixed())
+    });
+    let mut wrong_size = info.clone();
+    wrong_size.nar_size += 8;
+    assert_add_fails_cleanly(&wrong_size, &nar, |e| matches!(e, LocalStoreError::SizeMismatch { expected, actual, .. } if *expected == info.nar_size + 8 && *actual == info.nar_size));
+}
+
+#[test]
+fn trailing_data_and_bad_nars_leave_nothing() {
+    let (info, nar) = fixture("varied-tree.nar");
+    let mut longer = nar.clone();
+    longer.extend_from_slice(&[0; 8]);
+    assert_add_fails_cleanly(&info, &longer, |e| matches!(e, LocalStoreError::TrailingData { .. }));
+    assert_add_fails_cleanly(&info, &nar[..nar.len() / 2], |e| matches!(e, LocalStoreError::Nar { .. }));
+    assert_add_fails_cleanly(&info, b"nix-archive-2", |e| matches!(e, LocalStoreError::Nar { .. }));
+}
+
+#[test]
+fn missing_reference_leaves_nothing() {
+    let cache = subset_cache();
+    let infos = cache_infos(&cache);
+    let with_refs = infos.iter().find(|i| i.references.iter().any(|r| *r != i.store_path)).unwrap();
+    assert_add_fails_cleanly(&path_info(with_refs), &nar_bytes(&cache, with_refs), |e| {
+        matches!(e, LocalStoreError::MissingReference { reference, .. } if with_refs.references.iter().any(|r| shown(r) == *reference))
+    });
+}
+
+#[test]
+fn stale_unregistered_tree_is_replaced() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let (info, nar) = fixture("varied-tree.nar");
+    // What a crash between rename and registration, or a half-copied tree, leaves: a
+    // read-only tree at the final path, plus a stale temporary tree.
+    for name in [info.path.base_name().to_owned(), format!(".{}.sluice", info.path.base_name())] {
+        let stale = root.join("nix/store").join(name);
+        std::fs::create_dir_all(stale.join("sub")).unwrap();
+        std::fs::write(stale.join("sub/file"), b"stale").unwrap();
+        for dir in [stale.join("sub"), stale.clone()] {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+        }
+    }
+    assert!(store.add_nar(&info, &mut nar.as_slice()).unwrap());
+    assert!(dump(&store, &info.path) == nar);
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]));
+    verify_with_nix(&root, tmp.path());
+}
+
+#[test]
+fn concurrent_adders_register_once() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    // Two openers (two database connections, separate lock-file descriptors, as two
+    // processes would have), two threads each.
+    let stores = [open_store(&root), open_store(&root)];
+    let (info, nar) = fixture("varied-tree.nar");
+    let barrier = Arc::new(Barrier::new(4));
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let store = Arc::clone(&stores[i % 2]);
+            let (info, nar, barrier) = (info.clone(), nar.clone(), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                barrier.wait();
+                store.add_nar(&info, &mut nar.as_slice()).unwrap()
+            })
+        })
+        .collect();
+    let added: Vec<bool> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(added.iter().filter(|a| **a).count(), 1, "{added:?}");
+    assert_eq!(stores[0].query_all_valid_paths().unwrap().len(), 1);
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]));
+    verify_with_nix(&root, tmp.path());
+}
+
+#[test]
+fn derivations_register_their_outputs() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let cache = Path::new(CORPUS).join("cache-drv");
+    let infos = cache_infos(&cache);
+    // A derivation and its references (sources and other derivations), in order.
+    let drv = infos.iter().find(|i| i.store_path.base_name() == "4pn0by0gf2sdxffw9hs5cvfi9vwzpvnb-glibc-2.37-8.drv").unwrap();
+    let mut wanted = BTreeSet::from([drv.store_path.clone()]);
+    for info in infos.iter().rev() {
+        if wanted.contains(&info.store_path) {
+            wanted.extend(info.references.iter().cloned());
+        }
+    }
+    for info in infos.iter().filter(|i| wanted.contains(&i.store_path)) {
+        let compressed = File::open(cache.join(&info.url)).unwrap();
+        let mut nar = xz2::read::XzDecoder::new(compressed);
+        assert!(store.add_nar(&path_info(info), &mut nar).unwrap());
+    }
+    verify_with_nix(&root, tmp.path());
+
+    let db = rusqlite::Connection::open(root.join("nix/var/nix/db/db.sqlite")).unwrap();
+    let mut stmt = db
+        .prepare("select d.id, d.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where v.path = ? order by d.id")
+        .unwrap();
+    let outputs: Vec<(String, String)> =
+        stmt.query_map([shown(&drv.store_path)], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect();
+    let mut aterm = Vec::new();
+    File::open(store.real_path(&drv.store_path)).unwrap().read_to_end(&mut aterm).unwrap();
+    let expected: Vec<(String, String)> = sluice_nix::derivation::parse_outputs(&store_dir(), &aterm)
+        .unwrap()
+        .into_iter()
+        .map(|(name, path)| (name, shown(&path.unwrap())))
+        .collect();
+    assert!(!expected.is_empty());
+    assert_eq!(outputs, expected);
+    assert!(outputs.iter().any(|(_, p)| p == "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8"));
+}
+
+#[test]
+fn begin_add_waits_for_a_lock_held_by_another_process() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let (info, nar) = fixture("symlink-root.nar");
+    // Another process holds `<path>.lock` with flock(2), as Nix's `PathLocks` does.
+    let lock_file = format!("{}.lock", store.real_path(&info.path).display());
+    let mut holder = Command::new("flock")
+        .args([lock_file.as_str(), "-c", "echo locked; sleep 1"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("flock(1) from util-linux");
+    let mut line = [0u8; 7];
+    holder.stdout.take().unwrap().read_exact(&mut line).unwrap();
+    assert_eq!(&line, b"locked\n");
+    let started = Instant::now();
+    let mut pending = store.begin_add(&info.path).unwrap().unwrap();
+    let waited = started.elapsed();
+    assert!(holder.wait().unwrap().success());
+    assert!(waited.as_millis() >= 500, "begin_add did not wait for the lock holder ({waited:?})");
+    pending.unpack(&mut nar.as_slice(), None).unwrap();
+    pending.commit(&info).unwrap();
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]), "lock file left behind");
+}
