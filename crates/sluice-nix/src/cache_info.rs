@@ -7,7 +7,9 @@
 /// A binary cache's `nix-cache-info`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheInfo {
+    /// `StoreDir:`, the store directory of the paths in the cache.
     pub store_dir: String,
+    /// `WantMassQuery: 1`: the cache may be queried for many paths at once.
     pub want_mass_query: bool,
     /// Lower is preferred; Nix's default is 50.
     pub priority: u64,
@@ -17,6 +19,7 @@ impl Default for CacheInfo {
     fn default() -> Self { CacheInfo { store_dir: "/nix/store".into(), want_mass_query: false, priority: 50 } }
 }
 
+/// A malformed line (1-based) and why.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("nix-cache-info line {line}: {what}")]
 pub struct CacheInfoError { pub line: usize, pub what: String }

@@ -17,6 +17,7 @@ pub enum ContentAddress {
     Fixed { recursive: bool, hash: Hash },
 }
 
+/// A string that is not a content address (the string itself).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("invalid content address {0:?}")]
 pub struct ContentAddressError(pub String);

@@ -93,7 +93,9 @@ impl Hash {
     pub fn new(algo: HashAlgo, digest: &[u8]) -> Option<Self> {
         (digest.len() == algo.digest_len()).then(|| Hash { algo, digest: digest.to_vec() })
     }
+    /// The algorithm.
     pub fn algo(&self) -> HashAlgo { self.algo }
+    /// The raw digest bytes.
     pub fn digest(&self) -> &[u8] { &self.digest }
 
     /// Parses `algo:<base16|nixbase32|base64>` or SRI `algo-<base64>`.
@@ -181,6 +183,7 @@ enum State {
 pub struct Hasher { state: State, len: u64 }
 
 impl Hasher {
+    /// An empty hasher for `algo`.
     pub fn new(algo: HashAlgo) -> Self {
         let state = match algo {
             HashAlgo::Md5 => State::Md5(md5::Md5::new()),
@@ -190,6 +193,7 @@ impl Hasher {
         };
         Hasher { state, len: 0 }
     }
+    /// Feeds bytes.
     pub fn update(&mut self, data: &[u8]) {
         self.len += data.len() as u64;
         match &mut self.state {
@@ -203,6 +207,7 @@ impl Hasher {
     pub fn len(&self) -> u64 { self.len }
     /// Whether nothing was fed yet.
     pub fn is_empty(&self) -> bool { self.len == 0 }
+    /// The hash of everything fed.
     pub fn finish(self) -> Hash {
         let (algo, digest) = match self.state {
             State::Md5(h) => (HashAlgo::Md5, h.finalize().to_vec()),
@@ -223,6 +228,7 @@ impl std::io::Write for Hasher {
 pub struct HashingReader<R> { inner: R, hasher: Hasher }
 
 impl<R: std::io::Read> HashingReader<R> {
+    /// Wraps `inner`, hashing with `algo`.
     pub fn new(inner: R, algo: HashAlgo) -> Self { HashingReader { inner, hasher: Hasher::new(algo) } }
     /// Bytes read so far.
     pub fn len(&self) -> u64 { self.hasher.len() }

@@ -12,3 +12,4 @@ pub mod nar;
 pub mod narinfo;
 pub mod signature;
 pub mod store_path;
+pub mod wire;

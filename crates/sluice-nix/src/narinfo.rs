@@ -21,23 +21,29 @@ use crate::store_path::{StoreDir, StorePath};
 /// A parsed narinfo. `references` and `deriver` are store paths (written as base names).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NarInfo {
+    /// `StorePath:` (a full path in the file).
     pub store_path: StorePath,
     /// The NAR's URL, relative to the cache (usually `nar/<filehash>.nar.xz`).
     pub url: String,
     /// `Compression:`; Nix's default when absent is `bzip2`.
     pub compression: String,
+    /// `FileHash:`, hash of the compressed NAR; `None` when absent (unknown).
     pub file_hash: Option<Hash>,
     /// Bytes of the compressed NAR.
     pub file_size: Option<u64>,
+    /// `NarHash:`, hash of the uncompressed NAR (any encoding on input, nixbase32 on output).
     pub nar_hash: Hash,
     /// Bytes of the uncompressed NAR.
     pub nar_size: u64,
+    /// `References:` in file order (may include the path itself).
     pub references: Vec<StorePath>,
+    /// `Deriver:`; `None` when absent or `unknown-deriver`.
     pub deriver: Option<StorePath>,
     /// `Sig:` lines verbatim (`keyname:base64`).
     pub signatures: Vec<String>,
     /// `CA:` verbatim (`fixed:r:sha256:…`, `text:sha256:…`).
     pub ca: Option<String>,
+    /// `System:` (old Nix versions), verbatim.
     pub system: Option<String>,
 }
 

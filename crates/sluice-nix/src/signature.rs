@@ -62,6 +62,7 @@ impl PublicKey {
         let key = ed25519_dalek::VerifyingKey::from_bytes(&bytes).map_err(|_| KeyError::Malformed(redact(s)))?;
         Ok(PublicKey { name, key })
     }
+    /// The key name (before the `:`).
     pub fn name(&self) -> &str { &self.name }
     /// The 32 key bytes.
     pub fn as_bytes(&self) -> &[u8; 32] { self.key.as_bytes() }
@@ -106,7 +107,9 @@ impl SecretKey {
     pub fn from_seed(name: &str, seed: &[u8; 32]) -> Self {
         SecretKey { name: name.to_owned(), key: ed25519_dalek::SigningKey::from_bytes(seed) }
     }
+    /// The key name (before the `:`).
     pub fn name(&self) -> &str { &self.name }
+    /// The matching public key, same name.
     pub fn to_public(&self) -> PublicKey { PublicKey { name: self.name.clone(), key: self.key.verifying_key() } }
     /// `name:base64(signature)`.
     pub fn sign(&self, fingerprint: &str) -> String {

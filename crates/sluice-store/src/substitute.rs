@@ -267,7 +267,7 @@ impl Shared {
             let Some(mut pending) = dest.begin_add(&path).map_err(|e| e.to_string())? else { return Ok(None) };
             let mut counting = Counting { inner: reader, observer, total: 0 };
             let decoder = compression.decoder(&mut counting).map_err(|e| format!("{unpack_url}: {e}"))?;
-            let mut nar = SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size };
+            let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
             let unpacked = pending.unpack(&mut nar, flat_algo).map_err(|e| format!("{unpack_url}: {e}"))?;
             drop(nar);
             Ok(Some((pending, unpacked, counting.total)))

@@ -11,12 +11,15 @@
 
 mod canonicalise;
 mod dump;
+mod fs_nar;
 mod layout;
 mod lock;
 mod registry;
 mod schema;
 mod tree;
 mod unpack;
+
+pub use fs_nar::{dump_fs_path, restore_nar};
 
 use std::collections::BTreeSet;
 use std::fs::File;
