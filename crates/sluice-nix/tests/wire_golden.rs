@@ -223,18 +223,22 @@ fn derived_path(j: &Value) -> DerivedPath {
 
 #[test]
 fn derived_paths() {
+    // Before 1.30 a bare derivation path means all its outputs and the file itself cannot be
+    // named: the 1.29 file has no opaque `.drv`.
+    let drv = DerivedPath::Opaque(sp("g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-foo.drv"));
+    assert!(write_derived_path(&mut Vec::new(), &dir(), v(29), &drv).is_err());
     for (name, minor) in [("derived-path-1.29", 29u8), ("derived-path-1.30", 30)] {
         let (bin, json) = data("worker-protocol", name);
         let paths: Vec<DerivedPath> = json.as_array().unwrap().iter().map(derived_path).collect();
         let mut out = Vec::new();
         for p in &paths {
-            write_derived_path(&mut out, &dir(), p).unwrap();
+            write_derived_path(&mut out, &dir(), v(minor), p).unwrap();
         }
         assert_eq!(out, bin, "{name} (protocol 1.{minor})");
         let mut list = Vec::new();
         write_u64(&mut list, paths.len() as u64).unwrap();
         list.extend_from_slice(&bin);
-        assert_eq!(read_derived_paths(&mut list.as_slice(), &dir()).unwrap(), paths);
+        assert_eq!(read_derived_paths(&mut list.as_slice(), &dir(), v(minor)).unwrap(), paths);
     }
 }
 
@@ -267,8 +271,8 @@ fn build_result(j: &Value, full_realisations: bool) -> BuildResult {
         is_non_deterministic: j.get("isNonDeterministic").and_then(Value::as_bool).unwrap_or(false),
         start_time: j["startTime"].as_u64().unwrap(),
         stop_time: j["stopTime"].as_u64().unwrap(),
-        cpu_user: j.get("cpuUser").and_then(Value::as_u64).map(|ns| ns / 1000),
-        cpu_system: j.get("cpuSystem").and_then(Value::as_u64).map(|ns| ns / 1000),
+        cpu_user: j.get("cpuUser").and_then(Value::as_u64),
+        cpu_system: j.get("cpuSystem").and_then(Value::as_u64),
         built_outputs,
     }
 }

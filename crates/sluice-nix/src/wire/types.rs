@@ -178,12 +178,19 @@ pub enum DerivedPath {
 }
 
 impl DerivedPath {
-    /// Parses `<path>` or `<drv path>!<out1,out2|*>` (`DerivedPath::parseLegacy`; before 1.30,
-    /// `parsePathWithOutputs`, which reads the same strings).
-    pub fn parse(dir: &StoreDir, s: &str) -> Result<Self, WireError> {
+    /// Parses the wire string of protocol `version`: from 1.30 `<path>` or
+    /// `<drv path>!<out1,out2|*>` (`DerivedPath::parseLegacy`); before, Nix's
+    /// `parsePathWithOutputs`, where a bare `.drv` path means all its outputs.
+    pub fn parse(dir: &StoreDir, version: ProtocolVersion, s: &str) -> Result<Self, WireError> {
         let bad = |e: &dyn std::fmt::Display| WireError::invalid("derived path", format!("{s:?}: {e}"));
         match s.split_once('!') {
-            None => dir.parse_path(s).map(DerivedPath::Opaque).map_err(|e| bad(&e)),
+            None => {
+                let path = dir.parse_path(s).map_err(|e| bad(&e))?;
+                if !version.at_least(30) && path.is_derivation() {
+                    return Ok(DerivedPath::Built { drv: path, outputs: OutputsSpec::All });
+                }
+                Ok(DerivedPath::Opaque(path))
+            }
             Some((drv, outs)) => {
                 let drv = dir.parse_path(drv).map_err(|e| bad(&e))?;
                 let outputs = if outs == "*" {
@@ -200,32 +207,39 @@ impl DerivedPath {
         }
     }
 
-    /// The wire string: the path, or `<drv>!<outputs>`.
-    pub fn to_wire_string(&self, dir: &StoreDir) -> String {
-        match self {
+    /// The wire string for protocol `version` (the inverse of [`parse`](Self::parse)). Before
+    /// 1.30 all outputs of a derivation are its bare path, and a derivation file itself
+    /// cannot be expressed (`None`).
+    pub fn to_wire_string(&self, dir: &StoreDir, version: ProtocolVersion) -> Option<String> {
+        Some(match self {
+            DerivedPath::Opaque(p) if p.is_derivation() && !version.at_least(30) => return None,
             DerivedPath::Opaque(p) => dir.display_path(p),
+            DerivedPath::Built { drv, outputs: OutputsSpec::All } if !version.at_least(30) => dir.display_path(drv),
             DerivedPath::Built { drv, outputs: OutputsSpec::All } => format!("{}!*", dir.display_path(drv)),
             DerivedPath::Built { drv, outputs: OutputsSpec::Names(n) } => {
                 format!("{}!{}", dir.display_path(drv), n.iter().map(String::as_str).collect::<Vec<_>>().join(","))
             }
-        }
+        })
     }
 }
 
 /// Reads a list of derived paths (BuildPaths, BuildPathsWithResults, QueryMissing).
-pub fn read_derived_paths(r: &mut (impl Read + ?Sized), dir: &StoreDir) -> Result<Vec<DerivedPath>, WireError> {
+pub fn read_derived_paths(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion) -> Result<Vec<DerivedPath>, WireError> {
     let n = read_count(r, MAX_LIST, "derived paths")?;
     let mut out = Vec::with_capacity(n.min(1024) as usize);
     for _ in 0..n {
         let s = read_string(r, MAX_PATH_LEN + MAX_SHORT_LEN, "derived path")?;
-        out.push(DerivedPath::parse(dir, &s)?);
+        out.push(DerivedPath::parse(dir, version, &s)?);
     }
     Ok(out)
 }
 
-/// Writes one derived path.
-pub fn write_derived_path(w: &mut (impl Write + ?Sized), dir: &StoreDir, path: &DerivedPath) -> io::Result<()> {
-    write_bytes(w, path.to_wire_string(dir).as_bytes())
+/// Writes one derived path; an `InvalidInput` error if protocol `version` cannot express it.
+pub fn write_derived_path(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, path: &DerivedPath) -> io::Result<()> {
+    let s = path.to_wire_string(dir, version).ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, format!("protocol {version} cannot name a derivation file as a path to build"))
+    })?;
+    write_bytes(w, s.as_bytes())
 }
 
 /// How to realise paths (`BuildMode`): u64 0 normal, 1 repair, 2 check.
@@ -317,6 +331,6 @@ pub fn write_build_result(w: &mut (impl Write + ?Sized), version: ProtocolVersio
 
 /// Writes a derived path and its build result (`KeyedBuildResult`).
 pub fn write_keyed_build_result(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, path: &DerivedPath, res: &BuildResult) -> io::Result<()> {
-    write_derived_path(w, dir, path)?;
+    write_derived_path(w, dir, version, path)?;
     write_build_result(w, version, res)
 }
