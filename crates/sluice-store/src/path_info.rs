@@ -3,6 +3,7 @@
 
 use std::collections::BTreeSet;
 use sluice_nix::hash::Hash;
+use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::StorePath;
 
 /// Metadata of a valid (registered) store path.
@@ -23,4 +24,22 @@ pub struct ValidPathInfo {
     pub sigs: BTreeSet<String>,
     /// Content address (`fixed:…`/`text:…`), as text.
     pub ca: Option<String>,
+}
+
+impl ValidPathInfo {
+    /// The record for a path described by `narinfo`, registered at `registration_time`
+    /// (seconds since the epoch); its signatures are kept verbatim.
+    pub fn from_narinfo(narinfo: &NarInfo, registration_time: i64) -> Self {
+        ValidPathInfo {
+            path: narinfo.store_path.clone(),
+            nar_hash: narinfo.nar_hash.clone(),
+            nar_size: narinfo.nar_size,
+            references: narinfo.references.iter().cloned().collect(),
+            deriver: narinfo.deriver.clone(),
+            registration_time,
+            ultimate: false,
+            sigs: narinfo.signatures.iter().cloned().collect(),
+            ca: narinfo.ca.clone(),
+        }
+    }
 }

@@ -288,7 +288,8 @@ impl Shared {
                 return Err(Attempt::Final(format!("its reference {} could not be substituted", store_dir.display_path(r))));
             }
         }
-        let info = path_info(narinfo);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+        let info = ValidPathInfo::from_narinfo(narinfo, now);
         let nar_size = unpacked.nar_size;
         tokio::task::spawn_blocking(move || pending.commit(&info))
             .await
@@ -338,19 +339,4 @@ enum Attempt {
     TryNext(String),
     /// No substituter can (a reference failed, the pipeline broke).
     Final(String),
-}
-
-/// The database record for a path taken from `narinfo`.
-fn path_info(narinfo: &NarInfo) -> ValidPathInfo {
-    ValidPathInfo {
-        path: narinfo.store_path.clone(),
-        nar_hash: narinfo.nar_hash.clone(),
-        nar_size: narinfo.nar_size,
-        references: narinfo.references.iter().cloned().collect(),
-        deriver: narinfo.deriver.clone(),
-        registration_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0),
-        ultimate: false,
-        sigs: narinfo.signatures.iter().cloned().collect(),
-        ca: narinfo.ca.clone(),
-    }
 }

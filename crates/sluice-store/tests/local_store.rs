@@ -116,17 +116,7 @@ fn cache_infos(cache: &Path) -> Vec<NarInfo> {
 }
 
 fn path_info(info: &NarInfo) -> ValidPathInfo {
-    ValidPathInfo {
-        path: info.store_path.clone(),
-        nar_hash: info.nar_hash.clone(),
-        nar_size: info.nar_size,
-        references: info.references.iter().cloned().collect(),
-        deriver: info.deriver.clone(),
-        registration_time: 0,
-        ultimate: false,
-        sigs: info.signatures.iter().cloned().collect(),
-        ca: info.ca.clone(),
-    }
+    ValidPathInfo::from_narinfo(info, 0)
 }
 
 /// An uncompressed NAR of a cache.

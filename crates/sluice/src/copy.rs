@@ -34,10 +34,7 @@ pub struct Args {
 
 /// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let settings = setup::settings(&args.cache)?;
-    let dest = setup::open_local(&args.to)?;
-    let store_dir = dest.store_dir().clone();
-    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.to, &args.paths)?;
     let urls = match &args.from {
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),

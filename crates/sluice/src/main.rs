@@ -2,6 +2,7 @@
 //! `sluice-store`, renders progress and results.
 
 mod copy;
+mod daemon;
 mod key;
 mod missing;
 mod nar;
@@ -32,6 +33,8 @@ enum Command {
     /// Create, unpack and list NAR files.
     #[command(subcommand)]
     Nar(nar::Command),
+    /// Serve Nix's worker protocol to real Nix clients (like `nix-daemon`).
+    Daemon(daemon::Args),
     /// Generate and convert signing keys.
     #[command(subcommand)]
     Key(key::Command),
@@ -51,6 +54,7 @@ fn main() -> ExitCode {
         Command::PathInfo(a) => path_info::run(a),
         Command::Nar(c) => nar::run(c),
         Command::Key(c) => key::run(c),
+        Command::Daemon(a) => daemon::run(a),
     };
     match result {
         Ok(code) => code,

@@ -28,10 +28,7 @@ pub struct Args {
 
 /// Runs `sluice missing`.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let settings = setup::settings(&args.cache)?;
-    let dest = setup::open_local(&args.store)?;
-    let store_dir = dest.store_dir().clone();
-    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.store, &args.paths)?;
     let rt = setup::runtime()?;
     let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar) = (0u64, 0u64);

@@ -131,7 +131,7 @@ fn cache_entries(args: &Args, store_dir: &StoreDir, roots: Vec<StorePath>) -> Re
         while let Some(event) = rx.recv().await {
             match event {
                 ClosureEvent::Found { narinfo, .. } => {
-                    let info = info_from_narinfo(&narinfo);
+                    let info = ValidPathInfo::from_narinfo(&narinfo, 0);
                     entries.insert(narinfo.store_path.clone(), Entry { info, narinfo: Some(narinfo) });
                 }
                 ClosureEvent::Unknown(p) => missing.push(p),
@@ -162,19 +162,6 @@ async fn lookup_each(query: &ClosureQuery, roots: Vec<StorePath>, tx: mpsc::Unbo
     }
 }
 
-fn info_from_narinfo(n: &NarInfo) -> ValidPathInfo {
-    ValidPathInfo {
-        path: n.store_path.clone(),
-        nar_hash: n.nar_hash.clone(),
-        nar_size: n.nar_size,
-        references: n.references.iter().cloned().collect(),
-        deriver: n.deriver.clone(),
-        registration_time: 0,
-        ultimate: false,
-        sigs: n.signatures.iter().cloned().collect(),
-        ca: n.ca.clone(),
-    }
-}
 
 /// (closure NAR size, closure download size) of each entry, from the entries' references.
 fn closure_sizes(entries: &BTreeMap<StorePath, Entry>) -> BTreeMap<StorePath, (u64, u64)> {

@@ -95,3 +95,21 @@ pub async fn closure_query(urls: &[String], settings: &Settings, store_dir: &Sto
     }
     Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store_dir.clone(), is_valid })
 }
+
+/// What `copy` and `missing` start from: the settings, the destination local store and the
+/// command-line paths parsed in its store directory.
+pub struct Destination {
+    pub settings: Settings,
+    pub store: Arc<LocalStore>,
+    pub store_dir: StoreDir,
+    pub roots: Vec<StorePath>,
+}
+
+/// Reads the settings, opens the local store `url` and parses `paths`.
+pub fn destination(flags: &CacheFlags, url: &str, paths: &[String]) -> Result<Destination, String> {
+    let settings = settings(flags)?;
+    let store = open_local(url)?;
+    let store_dir = store.store_dir().clone();
+    let roots = parse_paths(&store_dir, paths)?;
+    Ok(Destination { settings, store, store_dir, roots })
+}

@@ -1,0 +1,164 @@
+//! One client connection: the greeting, then operations until the client hangs up. Replies
+//! follow Nix's `TunnelLogger`: log messages, then `LAST` and the result, or `ERROR`. A
+//! request that cannot be read (malformed, truncated, oversized, unknown op) is answered
+//! with one `ERROR` and the connection is closed, since the stream cannot be resynchronised;
+//! a failing operation whose request was read completely leaves the connection usable.
+
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::sync::Arc;
+
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::wire::{read_store_path, read_u64, ProtocolVersion, StderrWriter, WireError};
+use sluice_store::local::LocalStore;
+
+use crate::affinity::Pinned;
+use crate::handshake::{greet, HandshakeError};
+use crate::options::ClientOptions;
+use crate::trust::Peer;
+use crate::Daemon;
+
+/// The buffered reading side of a connection.
+pub(crate) type Reader = BufReader<Box<dyn Read + Send>>;
+/// The buffered writing side of a connection (flushed after every reply and message).
+pub(crate) type Writer = BufWriter<Box<dyn Write + Send>>;
+
+/// How an operation failed.
+#[derive(Debug)]
+pub(crate) enum Fail {
+    /// The request could not be read or is not acceptable as a request: reported, then the
+    /// connection is closed.
+    Fatal(String),
+    /// The operation failed after its request was read: reported; the connection goes on.
+    Op(String),
+    /// Writing to the client failed: the connection is closed.
+    Output(io::Error),
+}
+
+impl From<WireError> for Fail {
+    fn from(e: WireError) -> Self {
+        Fail::Fatal(e.to_string())
+    }
+}
+
+impl From<io::Error> for Fail {
+    fn from(e: io::Error) -> Self {
+        Fail::Output(e)
+    }
+}
+
+/// The outcome of one operation.
+pub(crate) type OpResult = Result<(), Fail>;
+
+/// An operation failure with `e`'s message.
+pub(crate) fn op_err(e: impl std::fmt::Display) -> Fail {
+    Fail::Op(e.to_string())
+}
+
+/// A connection's state after the greeting.
+pub(crate) struct Conn<'d> {
+    pub daemon: &'d Daemon,
+    pub r: Reader,
+    pub w: Writer,
+    /// The negotiated protocol version.
+    pub version: ProtocolVersion,
+    pub peer: Peer,
+    pub options: ClientOptions,
+}
+
+impl Conn<'_> {
+    /// The stderr-channel writer for this connection's version.
+    pub(crate) fn stderr(&self) -> StderrWriter {
+        StderrWriter { version: self.version }
+    }
+
+    pub(crate) fn store(&self) -> &Arc<LocalStore> {
+        self.daemon.store()
+    }
+
+    pub(crate) fn dir(&self) -> &StoreDir {
+        self.daemon.store().store_dir()
+    }
+
+    /// Reads one store path argument.
+    pub(crate) fn read_path(&mut self, what: &'static str) -> Result<StorePath, Fail> {
+        let dir = self.daemon.store().store_dir();
+        Ok(read_store_path(&mut self.r, dir, what)?)
+    }
+
+    /// Sends `LAST`, then the result written by `result`, and flushes.
+    pub(crate) fn reply(&mut self, result: impl FnOnce(&mut Writer, &StoreDir) -> io::Result<()>) -> OpResult {
+        self.stderr().last(&mut self.w)?;
+        result(&mut self.w, self.daemon.store().store_dir())?;
+        self.w.flush()?;
+        Ok(())
+    }
+
+    /// Sends a log line (`NEXT`) at once.
+    pub(crate) fn log(&mut self, line: &str) -> io::Result<()> {
+        self.stderr().next(&mut self.w, &format!("{line}\n"))?;
+        self.w.flush()
+    }
+}
+
+/// Serves one client until it disconnects or sends something unreadable. `label` names the
+/// connection in the daemon's log.
+pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<dyn Write + Send>, peer: Peer, label: &str) {
+    let mut r = BufReader::with_capacity(64 * 1024, reader);
+    let mut w = BufWriter::with_capacity(64 * 1024, writer);
+    let greeting = match greet(&mut r, &mut w, peer.trusted) {
+        Ok(g) => g,
+        Err(HandshakeError::BadMagic(m)) => {
+            tracing::warn!("{label}: error: protocol mismatch (client sent {m:#x}); connection closed");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!("{label}: handshake failed: {e}; connection closed");
+            return;
+        }
+    };
+    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer };
+    if !conn.peer.allowed {
+        let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
+        tracing::warn!("{label}: {msg}");
+        let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
+        return;
+    }
+    let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
+    tracing::debug!("{label}: protocol {} user {} trusted {}", conn.version, conn.peer.name, conn.peer.trusted);
+    if let Err(e) = conn.stderr().last(&mut conn.w).and_then(|()| conn.w.flush()) {
+        tracing::debug!("{label}: client gone: {e}");
+        return;
+    }
+    let mut ops = 0u64;
+    loop {
+        let op = match read_u64(&mut conn.r, "operation") {
+            Ok(op) => op,
+            Err(e) if e.is_eof() => break,
+            Err(e) => {
+                tracing::info!("{label}: {e}");
+                break;
+            }
+        };
+        ops += 1;
+        match crate::ops::dispatch(&mut conn, op) {
+            Ok(()) => {}
+            Err(Fail::Op(msg)) => {
+                tracing::debug!("{label}: op {op} failed: {msg}");
+                if let Err(e) = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush()) {
+                    tracing::debug!("{label}: client gone: {e}");
+                    break;
+                }
+            }
+            Err(Fail::Fatal(msg)) => {
+                tracing::warn!("{label}: op {op}: {msg}; connection closed");
+                let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
+                break;
+            }
+            Err(Fail::Output(e)) => {
+                tracing::debug!("{label}: client gone: {e}");
+                break;
+            }
+        }
+    }
+    tracing::debug!("{label}: {ops} operations");
+}

@@ -1,0 +1,97 @@
+//! `sluice daemon`: a Nix worker-protocol daemon (the server side of `unix://` and
+//! `ssh-ng://` stores) on a sluice [`LocalStore`]. Real, unmodified Nix clients (2.8 speaks
+//! protocol 1.34, current Nix 1.38+) connect to its Unix socket or talk to it on stdio.
+//!
+//! One worker thread per connection (no fork), all sharing one store handle (one SQLite
+//! connection with its prepared statements) and one async runtime for substitution. Sources of
+//! the behaviour: Nix `src/libstore/daemon.cc` (ops, stderr tunnel, client settings),
+//! `src/nix/unix/daemon.cc` (socket, peer credentials, trusted/allowed users),
+//! `worker-protocol-connection.cc` (handshake). The wire formats are `sluice_nix::wire`.
+
+mod affinity;
+mod conn;
+mod handshake;
+mod ops;
+mod options;
+mod roots;
+mod server;
+mod substitution;
+mod trust;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use sluice_store::config::RawConfig;
+use sluice_store::local::{LocalStore, LocalStoreError};
+
+pub use server::{serve_socket, serve_stdio};
+
+/// The worker-protocol version this daemon speaks at most: 1.37 (CPU times in build results;
+/// 1.36 AddPermRoot; 1.35 the trusted flag). 1.38's feature exchange is not offered, so a
+/// newer client (Nix 2.26: 1.38) negotiates 1.37.
+pub const PROTOCOL_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 37);
+
+/// The oldest client version accepted: 1.21 (Nix 2.0; AddToStoreNar through `STDERR_READ`).
+pub const MIN_CLIENT_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 21);
+
+/// The version string sent to clients of protocol ≥ 1.33 (Nix prints it in `nix store ping`).
+pub const NIX_VERSION: &str = concat!("2.8.0 (sluice ", env!("CARGO_PKG_VERSION"), ")");
+
+/// Errors starting or running the daemon (each names the file or socket concerned).
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("opening the store: {0}")]
+    Store(#[from] LocalStoreError),
+    #[error("{what} {}: {source}", path.display())]
+    Io { what: &'static str, path: PathBuf, #[source] source: std::io::Error },
+    #[error("starting the async runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// What all connections share: the store, the daemon's own settings, and the runtime used for
+/// substitution.
+pub struct Daemon {
+    store: Arc<LocalStore>,
+    /// `<root>/nix/var/nix`: GC roots live under it.
+    state_dir: PathBuf,
+    /// The daemon's settings (nix.conf, `NIX_CONFIG`); clients' overrides apply on top.
+    config: RawConfig,
+    users: trust::Users,
+    runtime: tokio::runtime::Runtime,
+    temp_roots: roots::TempRoots,
+    /// Activity ids: the daemon's pid in the high 32 bits, as Nix does, then a counter.
+    next_activity: AtomicU64,
+}
+
+impl Daemon {
+    /// Opens the local store whose `nix/store` and `nix/var/nix` are under `root`, with the
+    /// daemon settings `config` (`trusted-users`, `allowed-users`, `substituters`, …).
+    pub fn open(root: &Path, config: RawConfig) -> Result<Arc<Self>, DaemonError> {
+        let store = Arc::new(LocalStore::open(root)?);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("sluice-substitute")
+            .enable_all()
+            .build()
+            .map_err(DaemonError::Runtime)?;
+        Ok(Arc::new(Daemon {
+            store,
+            state_dir: root.join("nix/var/nix"),
+            users: trust::Users::from_config(&config),
+            config,
+            runtime,
+            temp_roots: roots::TempRoots::default(),
+            next_activity: AtomicU64::new(u64::from(std::process::id()) << 32),
+        }))
+    }
+
+    /// The shared store.
+    pub fn store(&self) -> &Arc<LocalStore> {
+        &self.store
+    }
+
+    fn activity_id(&self) -> u64 {
+        self.next_activity.fetch_add(1, Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,93 @@
+//! Store maintenance: VerifyStore, NarFromPath, AddSignatures, and the operations sluice does
+//! not offer (CollectGarbage, OptimiseStore), which read their arguments and fail clearly.
+
+use sluice_nix::hash::{HashAlgo, Hasher};
+use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool};
+
+use crate::conn::{op_err, Conn, Fail, OpResult};
+
+/// VerifyStore: checkContents, repair → whether errors were found. Every valid path must
+/// exist; with checkContents its NAR hash and size must match the registration. Each problem
+/// is reported as a log line.
+pub(super) fn verify_store(c: &mut Conn) -> OpResult {
+    let check_contents = read_bool(&mut c.r, "checkContents flag")?;
+    let repair = read_bool(&mut c.r, "repair flag")?;
+    if repair && !c.peer.trusted {
+        return Err(Fail::Op("you are not privileged to repair paths".into()));
+    }
+    if repair {
+        return Err(Fail::Op("repairing paths is not supported by the sluice daemon".into()));
+    }
+    c.log("reading the Nix store...")?;
+    let paths = c.store().query_all_valid_paths().map_err(op_err)?;
+    c.log(if check_contents { "checking path existence and contents..." } else { "checking path existence..." })?;
+    let mut errors = false;
+    for path in &paths {
+        let shown = c.dir().display_path(path);
+        if std::fs::symlink_metadata(c.store().real_path(path)).is_err() {
+            errors = true;
+            c.log(&format!("error: path '{shown}' disappeared, but it still has valid referrers!"))?;
+            continue;
+        }
+        if !check_contents {
+            continue;
+        }
+        let Some(info) = c.store().query_path_info(path).map_err(op_err)? else { continue };
+        let mut hasher = Hasher::new(HashAlgo::Sha256);
+        c.store().dump_path(path, &mut hasher).map_err(op_err)?;
+        let size = hasher.len();
+        let hash = hasher.finish();
+        if hash != info.nar_hash || size != info.nar_size {
+            errors = true;
+            c.log(&format!(
+                "error: path '{shown}' was modified! expected hash '{}', got '{}'",
+                info.nar_hash.to_nix32_prefixed(),
+                hash.to_nix32_prefixed()
+            ))?;
+        }
+    }
+    c.reply(|w, _| write_bool(w, errors))
+}
+
+/// NarFromPath: path → `LAST`, then the path's NAR, unframed.
+pub(super) fn nar_from_path(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    if !c.store().is_valid_path(&path).map_err(op_err)? {
+        return Err(Fail::Op(format!("path '{}' is not valid", c.dir().display_path(&path))));
+    }
+    c.stderr().last(&mut c.w)?;
+    // Once `LAST` is out, a failure cannot be reported in-band: the connection must end.
+    let store = std::sync::Arc::clone(c.store());
+    store.dump_path(&path, &mut c.w).map_err(|e| Fail::Output(std::io::Error::other(e)))?;
+    std::io::Write::flush(&mut c.w)?;
+    Ok(())
+}
+
+/// AddSignatures: path, signatures → 1. Only for trusted clients.
+pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    read_strings(&mut c.r, 1 << 16, 4096, "signatures")?;
+    if !c.peer.trusted {
+        return Err(Fail::Op("you are not privileged to add signatures".into()));
+    }
+    let shown = c.dir().display_path(&path);
+    Err(Fail::Op(format!("cannot add signatures to '{shown}': the sluice store cannot change a registered path's signatures yet")))
+}
+
+/// CollectGarbage: action, paths, ignoreLiveness, maxFreed and three obsolete fields; always
+/// fails (sluice has no garbage collector; run `nix-store --gc` on the store directly).
+pub(super) fn collect_garbage(c: &mut Conn) -> OpResult {
+    read_u64(&mut c.r, "GC action")?;
+    read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths to delete")?;
+    read_bool(&mut c.r, "ignoreLiveness flag")?;
+    read_u64(&mut c.r, "maxFreed")?;
+    for _ in 0..3 {
+        read_u64(&mut c.r, "obsolete GC field")?;
+    }
+    Err(Fail::Op("garbage collection is not supported by the sluice daemon (run nix-store --gc on the store directly)".into()))
+}
+
+/// OptimiseStore: always fails (sluice does not deduplicate files).
+pub(super) fn optimise_store(_: &mut Conn) -> OpResult {
+    Err(Fail::Op("optimising the store is not supported by the sluice daemon".into()))
+}

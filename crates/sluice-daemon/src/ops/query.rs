@@ -1,0 +1,117 @@
+//! Read-only queries: validity, path info, referrers, all paths, hash-part lookup, derivers
+//! and derivation outputs (Nix 2.8 `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases).
+
+use std::collections::BTreeSet;
+
+use sluice_nix::derivation::parse_outputs;
+use sluice_nix::store_path::StorePath;
+use sluice_nix::wire::{read_bool, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
+
+use super::to_wire;
+use crate::conn::{op_err, Conn, Fail, OpResult};
+
+/// IsValidPath: path → bool.
+pub(super) fn is_valid_path(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    let valid = c.store().is_valid_path(&path).map_err(op_err)?;
+    c.reply(|w, _| write_bool(w, valid))
+}
+
+/// QueryValidPaths: path set, (≥ 1.27) substitute flag → the valid subset, after trying to
+/// substitute the others when asked.
+pub(super) fn valid_paths(c: &mut Conn) -> OpResult {
+    let paths: Vec<StorePath> = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect();
+    let substitute = c.version.at_least(27) && read_bool(&mut c.r, "substitute flag")?;
+    if substitute && c.options.use_substitutes {
+        let missing: Vec<StorePath> = {
+            let valid = c.store().query_valid_paths(&paths).map_err(op_err)?;
+            paths.iter().filter(|p| !valid.contains(*p)).cloned().collect()
+        };
+        if !missing.is_empty() {
+            // Paths that cannot be substituted are simply not valid in the answer.
+            super::realise::substitute(c, missing)?;
+        }
+    }
+    let valid = c.store().query_valid_paths(&paths).map_err(op_err)?;
+    c.reply(|w, dir| write_store_path_set(w, dir, valid.iter()))
+}
+
+/// QueryPathInfo: path → (≥ 1.17) bool then the unkeyed info; before 1.17 an invalid path
+/// is an error.
+pub(super) fn path_info(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    let info = c.store().query_path_info(&path).map_err(op_err)?.map(to_wire).transpose()?;
+    let version = c.version;
+    match info {
+        Some(info) => c.reply(|w, dir| {
+            if version.at_least(17) {
+                write_bool(w, true)?;
+            }
+            write_unkeyed_path_info(w, dir, version, &info)
+        }),
+        None if version.at_least(17) => c.reply(|w, _| write_bool(w, false)),
+        None => Err(Fail::Op(format!("path '{}' is not valid", c.dir().display_path(&path)))),
+    }
+}
+
+/// QueryReferrers: path → the valid paths referring to it.
+pub(super) fn referrers(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    let refs = c.store().query_referrers(&path).map_err(op_err)?;
+    c.reply(|w, dir| write_store_path_set(w, dir, refs.iter()))
+}
+
+/// QueryAllValidPaths: → every valid path.
+pub(super) fn all_valid_paths(c: &mut Conn) -> OpResult {
+    let all = c.store().query_all_valid_paths().map_err(op_err)?;
+    c.reply(|w, dir| write_store_path_set(w, dir, all.iter()))
+}
+
+/// QueryPathFromHashPart: hash part → the valid path with it, or the empty string.
+pub(super) fn path_from_hash_part(c: &mut Conn) -> OpResult {
+    let hash_part = read_string(&mut c.r, 64, "hash part")?;
+    let found = if hash_part.len() == sluice_nix::store_path::HASH_PART_LEN {
+        c.store().query_all_valid_paths().map_err(op_err)?.into_iter().find(|p| p.hash_part() == hash_part)
+    } else {
+        None
+    };
+    c.reply(|w, dir| write_optional_store_path(w, dir, found.as_ref()))
+}
+
+/// QueryValidDerivers: output path → the valid derivations that name it as an output (here:
+/// its registered deriver, when that is valid and lists the path among its outputs).
+pub(super) fn valid_derivers(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    let mut derivers = BTreeSet::new();
+    if let Some(drv) = c.store().query_path_info(&path).map_err(op_err)?.and_then(|i| i.deriver) {
+        if derivation_outputs(c, &drv)?.is_some_and(|outs| outs.iter().any(|(_, p)| p.as_ref() == Some(&path))) {
+            derivers.insert(drv);
+        }
+    }
+    c.reply(|w, dir| write_store_path_set(w, dir, derivers.iter()))
+}
+
+/// QueryDerivationOutputMap: derivation path → output name → output path (empty when the
+/// derivation does not fix it).
+pub(super) fn derivation_output_map(c: &mut Conn) -> OpResult {
+    let drv = c.read_path("derivation path")?;
+    let outputs = derivation_outputs(c, &drv)?.ok_or_else(|| Fail::Op(format!("path '{}' is not valid", c.dir().display_path(&drv))))?;
+    c.reply(|w, dir| {
+        write_u64(w, outputs.len() as u64)?;
+        for (name, path) in &outputs {
+            write_bytes(w, name.as_bytes())?;
+            write_optional_store_path(w, dir, path.as_ref())?;
+        }
+        Ok(())
+    })
+}
+
+/// The outputs named in a valid derivation (read from the store), or `None` if it is not valid.
+pub(super) fn derivation_outputs(c: &Conn, drv: &StorePath) -> Result<Option<Vec<(String, Option<StorePath>)>>, Fail> {
+    if !drv.is_derivation() || !c.store().is_valid_path(drv).map_err(op_err)? {
+        return Ok(None);
+    }
+    let file = c.store().real_path(drv);
+    let aterm = std::fs::read(&file).map_err(|e| Fail::Op(format!("reading {}: {e}", file.display())))?;
+    parse_outputs(c.dir(), &aterm).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
+}

@@ -1,0 +1,290 @@
+//! Realising paths by substitution: EnsurePath, QueryMissing, QuerySubstitutablePaths,
+//! QuerySubstitutablePathInfos, BuildPaths and BuildPathsWithResults. sluice does not build:
+//! a derivation output that no substituter has is reported as needing a build and fails
+//! BuildPaths with a message saying so.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use sluice_nix::store_path::StorePath;
+use sluice_nix::wire::{
+    read_derived_paths, read_store_path, read_store_path_set, read_string, read_u64, write_keyed_build_result, write_optional_store_path,
+    write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec,
+};
+use sluice_store::closure::ClosureEvent;
+
+use super::query::derivation_outputs;
+use crate::conn::{op_err, Conn, Fail, OpResult};
+use crate::substitution::{self, Progress};
+
+/// Nix's `ActivityType` numbers used here.
+const ACT_COPY_PATHS: u64 = 103;
+const ACT_SUBSTITUTE: u64 = 108;
+
+/// Substitutes the closures of `paths` into the store, reporting an activity per path.
+/// Paths that cannot be substituted are left invalid (the caller decides whether that fails).
+pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail> {
+    let settings = c.options.settings()?;
+    let stderr = c.stderr();
+    let parent = c.daemon.activity_id();
+    stderr.start_activity(&mut c.w, parent, 0, ACT_COPY_PATHS, "", &[], 0)?;
+    let mut ids: BTreeMap<StorePath, u64> = BTreeMap::new();
+    let mut write_err = None;
+    let daemon = c.daemon;
+    let dir = daemon.store().store_dir().clone();
+    let w = &mut c.w;
+    let result = substitution::copy(daemon, &settings, c.options.use_substitutes, paths, |p| {
+        let r = match p {
+            Progress::Started(path) => {
+                let id = daemon.activity_id();
+                ids.insert(path.clone(), id);
+                let shown = dir.display_path(&path);
+                let text = format!("copying path '{shown}' from a substituter");
+                stderr.start_activity(w, id, 3, ACT_SUBSTITUTE, &text, &[ActivityField::Str(shown), ActivityField::Str(String::new())], parent)
+            }
+            Progress::Done(path) | Progress::Failed(path) => match ids.remove(&path) {
+                Some(id) => stderr.stop_activity(w, id),
+                None => Ok(()),
+            },
+        };
+        if let Err(e) = r.and_then(|()| std::io::Write::flush(w)) {
+            write_err.get_or_insert(e);
+        }
+    });
+    if let Some(e) = write_err {
+        return Err(Fail::Output(e));
+    }
+    stderr.stop_activity(&mut c.w, parent)?;
+    let report = result.map_err(Fail::Op)?;
+    for (path, why) in &report.failed {
+        tracing::info!("substituting {}: {why}", dir.display_path(path));
+    }
+    Ok(())
+}
+
+/// EnsurePath: path → 1 once it is valid (substituting it if needed).
+pub(super) fn ensure_path(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    if !c.store().is_valid_path(&path).map_err(op_err)? {
+        substitute(c, vec![path.clone()])?;
+        if !c.store().is_valid_path(&path).map_err(op_err)? {
+            return Err(Fail::Op(format!("path '{}' is required, but there is no substituter that can build it", c.dir().display_path(&path))));
+        }
+    }
+    c.reply(|w, _| write_u64(w, 1))
+}
+
+/// The store paths a derived path stands for, or why they cannot be named: an opaque path
+/// itself; a derivation's wanted outputs as its (valid) `.drv` file names them.
+fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String> {
+    match target {
+        DerivedPath::Opaque(p) => Ok(vec![p.clone()]),
+        DerivedPath::Built { drv, outputs } => {
+            let shown = c.dir().display_path(drv);
+            let all = derivation_outputs(c, drv).map_err(|e| format!("{e:?}"))?.ok_or_else(|| format!("derivation '{shown}' is not valid"))?;
+            let mut paths = Vec::new();
+            for (name, path) in all {
+                if let OutputsSpec::Names(names) = outputs {
+                    if !names.contains(&name) {
+                        continue;
+                    }
+                }
+                paths.push(path.ok_or_else(|| format!("output '{name}' of '{shown}' has no fixed path (content-addressed derivations are not supported)"))?);
+            }
+            if let OutputsSpec::Names(names) = outputs {
+                if paths.len() != names.len() {
+                    return Err(format!("derivation '{shown}' does not have all of the outputs {names:?}"));
+                }
+            }
+            Ok(paths)
+        }
+    }
+}
+
+/// QueryMissing: derived paths → willBuild, willSubstitute, unknown, downloadSize, narSize.
+/// Derivation outputs that no substituter has are `willBuild` (the derivation).
+pub(super) fn query_missing(c: &mut Conn) -> OpResult {
+    let targets = read_derived_paths(&mut c.r, c.daemon.store().store_dir(), c.version)?;
+    let settings = c.options.settings()?;
+    let (mut will_build, mut will_substitute, mut unknown) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
+    let (mut download, mut nar) = (0u64, 0u64);
+    let mut roots = Vec::new();
+    let mut outputs_of: Vec<(StorePath, Vec<StorePath>)> = Vec::new();
+    for t in &targets {
+        match (t, wanted_paths(c, t)) {
+            (DerivedPath::Built { drv, .. }, Ok(paths)) => {
+                roots.extend(paths.iter().cloned());
+                outputs_of.push((drv.clone(), paths));
+            }
+            (_, Ok(paths)) => roots.extend(paths),
+            (DerivedPath::Built { drv, .. }, Err(_)) => {
+                unknown.insert(drv.clone());
+            }
+            (DerivedPath::Opaque(p), Err(_)) => {
+                unknown.insert(p.clone());
+            }
+        }
+    }
+    let events = if roots.is_empty() { Vec::new() } else { substitution::query(c.daemon, &settings, c.options.use_substitutes, roots).map_err(Fail::Op)? };
+    let mut missing = BTreeSet::new();
+    for e in events {
+        match e {
+            ClosureEvent::Found { narinfo, .. } => {
+                download += narinfo.file_size.unwrap_or(0);
+                nar += narinfo.nar_size;
+                will_substitute.insert(narinfo.store_path.clone());
+            }
+            ClosureEvent::Unknown(p) | ClosureEvent::Failed { path: p, .. } => {
+                missing.insert(p);
+            }
+            ClosureEvent::Valid(_) => {}
+        }
+    }
+    for (drv, outs) in outputs_of {
+        if outs.iter().any(|o| missing.remove(o)) {
+            will_build.insert(drv);
+        }
+    }
+    unknown.extend(missing);
+    c.reply(|w, dir| {
+        write_store_path_set(w, dir, will_build.iter())?;
+        write_store_path_set(w, dir, will_substitute.iter())?;
+        write_store_path_set(w, dir, unknown.iter())?;
+        write_u64(w, download)?;
+        write_u64(w, nar)
+    })
+}
+
+/// The narinfos the substituters have for exactly `paths` (not their references).
+fn substitutable(c: &Conn, paths: Vec<StorePath>) -> Result<Vec<std::sync::Arc<sluice_nix::narinfo::NarInfo>>, Fail> {
+    let wanted: BTreeSet<StorePath> = paths.iter().cloned().collect();
+    let settings = c.options.settings()?;
+    let events = substitution::query(c.daemon, &settings, c.options.use_substitutes, paths).map_err(Fail::Op)?;
+    Ok(events
+        .into_iter()
+        .filter_map(|e| match e {
+            ClosureEvent::Found { narinfo, .. } if wanted.contains(&narinfo.store_path) => Some(narinfo),
+            _ => None,
+        })
+        .collect())
+}
+
+/// QuerySubstitutablePaths: path set → the subset some substituter has.
+pub(super) fn substitutable_paths(c: &mut Conn) -> OpResult {
+    let paths = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect();
+    let found: BTreeSet<StorePath> = substitutable(c, paths)?.into_iter().map(|n| n.store_path.clone()).collect();
+    c.reply(|w, dir| write_store_path_set(w, dir, found.iter()))
+}
+
+/// QuerySubstitutablePathInfos: (≥ 1.22) map path → content address, or (before) a path set
+/// → count, then per path: path, deriver, references, download size, NAR size.
+pub(super) fn substitutable_path_infos(c: &mut Conn) -> OpResult {
+    let paths: Vec<StorePath> = if c.version.at_least(22) {
+        let n = read_u64(&mut c.r, "path count")?;
+        if n > 1 << 22 {
+            return Err(Fail::Fatal(format!("QuerySubstitutablePathInfos: {n} paths, more than the maximum of {}", 1u64 << 22)));
+        }
+        let mut v = Vec::new();
+        for _ in 0..n {
+            v.push(read_store_path(&mut c.r, c.daemon.store().store_dir(), "path")?);
+            read_string(&mut c.r, 4096, "content address")?;
+        }
+        v
+    } else {
+        read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect()
+    };
+    let infos = substitutable(c, paths)?;
+    c.reply(|w, dir| {
+        write_u64(w, infos.len() as u64)?;
+        for n in &infos {
+            write_store_path(w, dir, &n.store_path)?;
+            write_optional_store_path(w, dir, n.deriver.as_ref())?;
+            write_store_path_set(w, dir, n.references.iter())?;
+            write_u64(w, n.file_size.unwrap_or(0))?;
+            write_u64(w, n.nar_size)?;
+        }
+        Ok(())
+    })
+}
+
+/// BuildPaths (derived paths, (≥ 1.15) build mode → 1) and BuildPathsWithResults (→ one
+/// keyed build result per derived path). Paths are realised by substitution only.
+pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
+    let targets = read_derived_paths(&mut c.r, c.daemon.store().store_dir(), c.version)?;
+    let mode = if with_results || c.version.at_least(15) { BuildMode::read(&mut c.r)? } else { BuildMode::Normal };
+    if mode == BuildMode::Repair && !c.peer.trusted {
+        return Err(Fail::Fatal("repairing is not allowed because you are not in 'trusted-users'".into()));
+    }
+    if mode != BuildMode::Normal {
+        return Err(Fail::Op(format!("build mode {mode:?} is not supported by the sluice daemon (it only substitutes)")));
+    }
+    let wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
+    let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
+    let valid_before = c.store().query_valid_paths(&all).map_err(op_err)?;
+    let missing: Vec<StorePath> = all.iter().filter(|p| !valid_before.contains(*p)).cloned().collect();
+    if !missing.is_empty() {
+        substitute(c, missing)?;
+    }
+    let valid = c.store().query_valid_paths(&all).map_err(op_err)?;
+    let now = super::payload::now().max(0) as u64;
+    let dir = c.dir().clone();
+    let results: Vec<BuildResult> = targets
+        .iter()
+        .zip(wanted)
+        .map(|(t, w)| {
+            let failure = |status, msg: String| BuildResult { status, error_msg: msg, times_built: 0, is_non_deterministic: false, start_time: now, stop_time: now, cpu_user: None, cpu_system: None, built_outputs: BTreeMap::new() };
+            let paths = match w {
+                Ok(p) => p,
+                Err(msg) => return failure(BuildStatus::MiscFailure, msg),
+            };
+            let absent: Vec<String> = paths.iter().filter(|p| !valid.contains(*p)).map(|p| dir.display_path(p)).collect();
+            if !absent.is_empty() {
+                let msg = match t {
+                    DerivedPath::Opaque(p) => format!("path '{}' is required, but there is no substituter that can build it", dir.display_path(p)),
+                    DerivedPath::Built { drv, .. } => format!(
+                        "cannot build derivation '{}': the sluice daemon does not build, and no substituter has {}",
+                        dir.display_path(drv),
+                        absent.join(", ")
+                    ),
+                };
+                return failure(BuildStatus::MiscFailure, msg);
+            }
+            let status = if paths.iter().all(|p| valid_before.contains(p)) { BuildStatus::AlreadyValid } else { BuildStatus::Substituted };
+            let mut res = failure(status, String::new());
+            if let DerivedPath::Built { drv, .. } = t {
+                res.built_outputs = realisations(c, drv, &paths);
+            }
+            res
+        })
+        .collect();
+    if !with_results {
+        let errors: Vec<&str> = results.iter().filter(|r| !r.error_msg.is_empty()).map(|r| r.error_msg.as_str()).collect();
+        if !errors.is_empty() {
+            return Err(Fail::Op(errors.join("\n")));
+        }
+        return c.reply(|w, _| write_u64(w, 1));
+    }
+    let version = c.version;
+    c.reply(|w, dir| {
+        write_u64(w, results.len() as u64)?;
+        for (t, r) in targets.iter().zip(&results) {
+            write_keyed_build_result(w, dir, version, t, r)?;
+        }
+        Ok(())
+    })
+}
+
+/// The built-outputs map of a realised derivation as protocol ≥ 1.28 carries it:
+/// `<hash>!<output>` → realisation JSON. The derivation hash is a placeholder of zeros (old
+/// clients only use the output name and path, as current Nix also relies on).
+fn realisations(c: &Conn, drv: &StorePath, paths: &[StorePath]) -> BTreeMap<String, String> {
+    let outputs = derivation_outputs(c, drv).ok().flatten().unwrap_or_default();
+    outputs
+        .into_iter()
+        .filter_map(|(name, p)| p.filter(|p| paths.contains(p)).map(|p| (name, p)))
+        .map(|(name, p)| {
+            let id = format!("sha256:{}!{name}", "0".repeat(64));
+            let json = serde_json::json!({ "dependentRealisations": {}, "id": id, "outPath": p.base_name(), "signatures": [] });
+            (id, json.to_string())
+        })
+        .collect()
+}

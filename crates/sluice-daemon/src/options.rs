@@ -1,0 +1,87 @@
+//! SetOptions (op 19): the client's settings for the rest of the connection (Nix 2.8
+//! `ClientSettings` in `daemon.cc`). Overrides apply on top of the daemon's own settings; an
+//! untrusted client may only set a few harmless ones and substituters the daemon already
+//! trusts, and is told about everything else it tried.
+
+use sluice_nix::wire::{read_string_pairs, read_u64};
+use sluice_store::config::{RawConfig, Settings};
+
+use crate::conn::{op_err, Conn, Fail, OpResult};
+use crate::Daemon;
+
+/// Settings an untrusted client may still change (as in Nix).
+const UNPRIVILEGED: [&str; 3] = ["build-timeout", "build-repeat", "connect-timeout"];
+/// Settings never taken from clients: they describe the client's side or the daemon itself.
+const IGNORED: [&str; 4] = ["experimental-features", "extra-experimental-features", "ssh-auth-sock", "store"];
+
+/// One connection's settings.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientOptions {
+    /// The daemon's settings with the accepted overrides.
+    pub raw: RawConfig,
+    /// Whether substituters may be used at all (`useSubstitutes`).
+    pub use_substitutes: bool,
+}
+
+impl ClientOptions {
+    /// The daemon's own settings, before any SetOptions.
+    pub(crate) fn new(daemon: &Daemon) -> Self {
+        ClientOptions { raw: daemon.config.clone(), use_substitutes: true }
+    }
+
+    /// The typed settings (substituters, keys, timeouts); an error names a bad value.
+    pub(crate) fn settings(&self) -> Result<Settings, Fail> {
+        Settings::from_raw(&self.raw).map_err(op_err)
+    }
+}
+
+/// SetOptions: keepFailed, keepGoing, tryFallback, verbosity, maxBuildJobs, maxSilentTime,
+/// useBuildHook (obsolete), verboseBuild, logType and printBuildTrace (obsolete), buildCores,
+/// useSubstitutes, then (≥ 1.12) the overrides. Replies `LAST` with no result.
+pub(crate) fn set_options(c: &mut Conn) -> OpResult {
+    let mut fields = [0u64; 12];
+    for f in &mut fields {
+        *f = read_u64(&mut c.r, "SetOptions field")?;
+    }
+    let overrides = if c.version.at_least(12) { read_string_pairs(&mut c.r, 100_000, 1 << 20, "setting override")? } else { Vec::new() };
+    let mut options = ClientOptions::new(c.daemon);
+    options.use_substitutes = fields[11] != 0;
+    let mut warnings = Vec::new();
+    for (name, value) in overrides {
+        if IGNORED.contains(&name.as_str()) {
+            continue;
+        }
+        if c.peer.trusted || UNPRIVILEGED.contains(&name.as_str()) || (name == "builders" && value.is_empty()) {
+            options.raw.set(&name, &value);
+        } else if name == "substituters" || name == "extra-substituters" {
+            let accepted = trusted_substituters(&c.daemon.config, &value, &mut warnings);
+            options.raw.set(&name, &accepted.join(" "));
+        } else {
+            warnings.push(format!(
+                "ignoring the client-specified setting '{name}', because it is a restricted setting and you are not a trusted user"
+            ));
+        }
+    }
+    c.options = options;
+    for w in warnings {
+        c.log(&format!("warning: {w}")).map_err(Fail::Output)?;
+    }
+    c.reply(|_, _| Ok(()))
+}
+
+/// The substituters in `value` that the daemon trusts (its `substituters` and
+/// `trusted-substituters`, with or without a trailing slash); a warning for each other one.
+fn trusted_substituters(daemon: &RawConfig, value: &str, warnings: &mut Vec<String>) -> Vec<String> {
+    let trusted: Vec<&str> = ["substituters", "trusted-substituters"].iter().filter_map(|k| daemon.get(k)).flat_map(str::split_whitespace).collect();
+    let mut out = Vec::new();
+    for s in value.split_whitespace() {
+        if trusted.contains(&s) {
+            out.push(s.to_owned());
+        } else if !s.ends_with('/') && trusted.contains(&format!("{s}/").as_str()) {
+            out.push(format!("{s}/"));
+        } else {
+            warnings.push(format!("ignoring untrusted substituter '{s}', you are not a trusted user"));
+        }
+    }
+    out
+}

@@ -1,0 +1,116 @@
+//! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot, AddIndirectRoot, AddPermRoot,
+//! SyncWithGC, FindRoots. sluice has no garbage collector: temporary roots are kept in the
+//! daemon's memory (and reported by FindRoots as `{temp}`); indirect roots are Nix's
+//! `gcroots/auto/<hash>` symlinks, so that Nix's own collector honours them.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use sluice_nix::base32;
+use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::store_path::StorePath;
+use sluice_nix::wire::{read_string, write_bytes, write_u64};
+
+use crate::conn::{op_err, Conn, Fail, OpResult};
+
+/// Temporary roots added by clients while the daemon runs.
+#[derive(Debug, Default)]
+pub(crate) struct TempRoots(Mutex<BTreeSet<StorePath>>);
+
+/// AddTempRoot: path → 1.
+pub(crate) fn add_temp_root(c: &mut Conn) -> OpResult {
+    let path = c.read_path("path")?;
+    c.daemon.temp_roots.0.lock().unwrap_or_else(|p| p.into_inner()).insert(path);
+    c.reply(|w, _| write_u64(w, 1))
+}
+
+/// SyncWithGC (obsolete): → 1.
+pub(crate) fn sync_with_gc(c: &mut Conn) -> OpResult {
+    c.reply(|w, _| write_u64(w, 1))
+}
+
+/// AddIndirectRoot: the absolute path of a symlink to a store path → 1, after linking
+/// `gcroots/auto/<sha1 of the path, nixbase32>` to it.
+pub(crate) fn add_indirect_root(c: &mut Conn) -> OpResult {
+    let link = read_string(&mut c.r, 4096, "root path")?;
+    if !link.starts_with('/') {
+        return Err(Fail::Op(format!("indirect root '{link}' is not an absolute path")));
+    }
+    indirect_root(c, &link)?;
+    c.reply(|w, _| write_u64(w, 1))
+}
+
+/// AddPermRoot (≥ 1.36): store path, root path → the root path, after making it a symlink to
+/// the store path and an indirect root.
+pub(crate) fn add_perm_root(c: &mut Conn) -> OpResult {
+    let path = c.read_path("store path")?;
+    let root = read_string(&mut c.r, 4096, "root path")?;
+    if !root.starts_with('/') || root.starts_with(&format!("{}/", c.dir().as_str())) {
+        return Err(Fail::Op(format!("creating a garbage collector root ({root}) in the Nix store is forbidden; it must be an absolute path outside it")));
+    }
+    replace_symlink(Path::new(&root), Path::new(&c.dir().display_path(&path)))?;
+    indirect_root(c, &root)?;
+    c.reply(|w, _| write_bytes(w, root.as_bytes()))
+}
+
+fn indirect_root(c: &Conn, link: &str) -> Result<(), Fail> {
+    let hash = Hash::digest_bytes(HashAlgo::Sha1, link.as_bytes());
+    let auto = c.daemon.state_dir.join("gcroots/auto").join(base32::encode(hash.digest()));
+    std::fs::create_dir_all(c.daemon.state_dir.join("gcroots/auto")).map_err(op_err)?;
+    replace_symlink(&auto, Path::new(link))
+}
+
+fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
+    let tmp = link.with_extension(format!("tmp-{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, link))
+        .map_err(|e| Fail::Op(format!("creating the root {}: {e}", link.display())))
+}
+
+/// FindRoots: → count, then (link, store path) pairs: the symlinks under `gcroots` (following
+/// one indirection, as `gcroots/auto` links do) that lead into the store, and the temporary
+/// roots as `{temp}`.
+pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
+    let mut roots: Vec<(String, StorePath)> = Vec::new();
+    scan(c, &c.daemon.state_dir.join("gcroots"), 0, &mut roots);
+    for p in c.daemon.temp_roots.0.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        roots.push(("{temp}".to_owned(), p.clone()));
+    }
+    c.reply(|w, dir| {
+        write_u64(w, roots.len() as u64)?;
+        for (link, path) in &roots {
+            write_bytes(w, link.as_bytes())?;
+            write_bytes(w, dir.display_path(path).as_bytes())?;
+        }
+        Ok(())
+    })
+}
+
+fn scan(c: &Conn, dir: &Path, depth: usize, out: &mut Vec<(String, StorePath)>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        if meta.is_dir() && depth < 16 {
+            scan(c, &path, depth + 1, out);
+        } else if meta.file_type().is_symlink() {
+            if let Some(store_path) = resolve(c, &path) {
+                out.push((path.display().to_string(), store_path));
+            }
+        }
+    }
+}
+
+/// The store path a root link leads to, through at most one more symlink.
+fn resolve(c: &Conn, link: &Path) -> Option<StorePath> {
+    let mut target: PathBuf = std::fs::read_link(link).ok()?;
+    for _ in 0..2 {
+        if let Ok(p) = c.dir().to_store_path(&target.to_string_lossy()) {
+            return c.store().is_valid_path(&p).ok()?.then_some(p);
+        }
+        target = std::fs::read_link(&target).ok()?;
+    }
+    None
+}

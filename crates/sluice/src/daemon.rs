@@ -1,0 +1,35 @@
+//! `sluice daemon`: serve Nix's worker protocol on a Unix socket (or one client on stdio) from
+//! a local store, for real Nix clients (`--store unix://PATH`, `NIX_REMOTE=daemon`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use sluice_store::config::RawConfig;
+use sluice_store::store_url::StoreUrl;
+
+/// Arguments of `sluice daemon`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The Unix socket to listen on.
+    #[arg(long, default_value = "/nix/var/nix/daemon-socket/socket", conflicts_with = "stdio")]
+    socket: PathBuf,
+    /// Serve one client on standard input and output (as `nix-daemon --stdio`).
+    #[arg(long)]
+    stdio: bool,
+    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store).
+    #[arg(long, default_value = "local")]
+    store: String,
+}
+
+/// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    let root = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+        StoreUrl::Local { root } => root,
+        StoreUrl::BinaryCache(_) => return Err(format!("{}: the daemon serves a local store, not a binary cache", args.store)),
+    };
+    let config = RawConfig::from_environment().map_err(|e| e.to_string())?;
+    let daemon = sluice_daemon::Daemon::open(&root, config).map_err(|e| e.to_string())?;
+    let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };
+    served.map_err(|e| e.to_string())?;
+    Ok(ExitCode::SUCCESS)
+}

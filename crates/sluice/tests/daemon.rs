@@ -1,0 +1,245 @@
+//! `sluice daemon` against real Nix 2.8 clients (`nix-store`, `nix`, `nix-instantiate` with
+//! `--store unix://…`), their outputs compared with the same commands in direct mode on a
+//! store prepared identically; and the worker-protocol handshake driver of case 19. These
+//! tests need Nix on `PATH` and fail (never skip) without it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SHARED: &str = "/work/shared";
+
+fn sluice() -> &'static str {
+    env!("CARGO_BIN_EXE_sluice")
+}
+
+fn cache_key() -> String {
+    std::fs::read_to_string(format!("{SHARED}/corpus/keys/cache-key.pub")).expect("corpus signing key").trim().to_owned()
+}
+
+/// An isolated environment for Nix and the daemon: HOME, caches, an empty NIX_CONF_DIR.
+struct Env {
+    dir: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Self {
+        let out = Command::new("nix-store").arg("--version").output().expect("nix-store not found on PATH: these tests need real Nix 2.8");
+        assert!(out.status.success(), "nix-store --version failed: {out:?}");
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["home", "conf", "cache"] {
+            std::fs::create_dir_all(dir.path().join(d)).unwrap();
+        }
+        Env { dir }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    /// A command with Nix's environment isolated.
+    fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.env("HOME", self.path("home"))
+            .env("XDG_CACHE_HOME", self.path("cache"))
+            .env("NIX_CONF_DIR", self.path("conf"))
+            .env("NIX_CONFIG", "substituters =\nexperimental-features = nix-command")
+            .env_remove("NIX_REMOTE");
+        c
+    }
+
+    /// Runs a Nix command; panics with its stderr unless it succeeds. Returns stdout.
+    fn nix(&self, program: &str, args: &[&str]) -> String {
+        let out = self.cmd(program).args(args).output().unwrap();
+        assert!(out.status.success(), "{program} {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Copies the bzip2 corpus cache subset (a closed set of paths) to a temporary cache.
+    fn cache(&self) -> String {
+        let dest = self.path("bin-cache");
+        let ok = Command::new("cp").arg("-r").arg(format!("{SHARED}/corpus/cache-subset-bzip2")).arg(&dest).status().unwrap();
+        assert!(ok.success());
+        format!("file://{}", dest.display())
+    }
+
+    /// Starts `sluice daemon` on `<tmp>/socket` for the store at `<tmp>/<root>`, with the
+    /// corpus cache as its substituter and `extra_config` lines.
+    fn daemon(&self, root: &str, cache: &str, extra_config: &str) -> Daemon {
+        let socket = self.path("socket");
+        let config = format!("substituters = {cache}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
+        let child = self
+            .cmd(sluice())
+            .env("NIX_CONFIG", config)
+            .args(["daemon", "--socket"])
+            .arg(&socket)
+            .arg("--store")
+            .arg(self.path(root))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while !socket.exists() {
+            assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Daemon { child, url: format!("unix://{}", socket.display()) }
+    }
+}
+
+struct Daemon {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn store_path_of(cache_dir: &Path, hash: &str) -> String {
+    let text = std::fs::read_to_string(cache_dir.join(format!("{hash}.narinfo"))).unwrap();
+    text.lines().find_map(|l| l.strip_prefix("StorePath: ")).unwrap().to_owned()
+}
+
+/// `nix path-info --json` without the fields that differ between two stores filled at
+/// different times.
+fn without_times(json: &str) -> serde_json::Value {
+    let mut v: serde_json::Value = serde_json::from_str(json).unwrap();
+    for item in v.as_array_mut().unwrap() {
+        item.as_object_mut().unwrap().remove("registrationTime");
+    }
+    v
+}
+
+#[test]
+fn real_nix_clients_match_direct_mode() {
+    let env = Env::new();
+    let cache = env.cache();
+    let cache_dir = env.path("bin-cache");
+    let daemon = env.daemon("root", &cache, "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let key = cache_key();
+    let glibc = store_path_of(&cache_dir, "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let libgcc = store_path_of(&cache_dir, "py14wj21zshnib43vh5f66ihm7rx610h");
+
+    // Same contents in both stores: nix copy from the file:// cache (AddMultipleToStore,
+    // signatures checked by the daemon against its trusted key).
+    for store in [daemon.url.as_str(), direct.as_str()] {
+        env.nix("nix", &["copy", "--from", &cache, "--to", store, &glibc, "--option", "trusted-public-keys", &key]);
+    }
+
+    let ping = env.cmd("nix").args(["store", "ping", "--store", &daemon.url]).output().unwrap();
+    let ping = format!("{}{}", String::from_utf8_lossy(&ping.stdout), String::from_utf8_lossy(&ping.stderr));
+    assert!(ping.contains("Version: 2.8.0 (sluice"), "{ping}");
+
+    for args in [vec!["-qR", glibc.as_str()], vec!["-q", "--references", &glibc], vec!["-q", "--referrers", &libgcc]] {
+        let via = env.nix("nix-store", &[&["--store", &daemon.url][..], &args].concat());
+        let local = env.nix("nix-store", &[&["--store", &direct][..], &args].concat());
+        assert_eq!(via, local, "nix-store {args:?}");
+        assert!(!via.is_empty());
+    }
+    let via = env.nix("nix", &["path-info", "-r", "--json", "--store", &daemon.url, &glibc]);
+    let local = env.nix("nix", &["path-info", "-r", "--json", "--store", &direct, &glibc]);
+    assert_eq!(without_times(&via), without_times(&local));
+
+    // --add (AddToStore, fixed:r:sha256), twice: new and existing.
+    let file = env.path("hello.txt");
+    std::fs::write(&file, "hello from the daemon test\n").unwrap();
+    let f = file.to_str().unwrap();
+    for _ in 0..2 {
+        assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "--add", f]), env.nix("nix-store", &["--store", &direct, "--add", f]));
+    }
+
+    // nix-instantiate of a generated workload (AddToStore text:sha256 and fixed:r:sha256).
+    let wl = env.path("workload");
+    let ok = Command::new(format!("{SHARED}/bench/gen-instantiate-workload")).arg(&wl).arg("100").stdout(Stdio::null()).status().unwrap();
+    assert!(ok.success());
+    let wl = wl.to_str().unwrap();
+    let via = env.nix("nix-instantiate", &["--store", &daemon.url, wl]);
+    assert_eq!(via, env.nix("nix-instantiate", &["--store", &direct, wl]));
+    assert_eq!(via, env.nix("nix-instantiate", &["--store", &daemon.url, wl]), "warm run");
+    let drv = via.trim();
+    assert_eq!(
+        env.nix("nix-store", &["--store", &daemon.url, "-qR", drv]),
+        env.nix("nix-store", &["--store", &direct, "-qR", drv])
+    );
+
+    // nix-store -r of a path the daemon substitutes itself from its file:// substituter.
+    let data = store_path_of(&cache_dir, "2363xkmjdz47l55sjw25vx7081mz5qj0");
+    let realised = env.nix("nix-store", &["--store", &daemon.url, "-r", &data, "--option", "substituters", &cache, "--option", "trusted-public-keys", &key]);
+    assert_eq!(realised.trim(), data);
+    assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &data]).trim().len(), "sha256:".len() + 52);
+
+    // A path nobody has: a clear error, and the daemon keeps serving.
+    let missing = "/nix/store/00000000000000000000000000000000-missing";
+    let out = env.cmd("nix-store").args(["--store", &daemon.url, "-r", missing]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let out = env.cmd("nix-store").args(["--store", &daemon.url, "--verify"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("checking path existence"));
+    let out = env.cmd("nix-store").args(["--store", &daemon.url, "--verify", "--check-contents"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn untrusted_client_cannot_add_unsigned_paths() {
+    let env = Env::new();
+    let cache = env.cache();
+    // root is not in trusted-users here, so the test's own client is untrusted.
+    let daemon = env.daemon("root", &cache, "trusted-users = nobody-in-particular\nrequire-sigs = true");
+    let import = env.path("export");
+    let file = env.path("x.txt");
+    std::fs::write(&file, "x\n").unwrap();
+    // Content-addressed additions are fine for untrusted users.
+    let added = env.nix("nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]);
+    assert!(added.starts_with("/nix/store/"));
+    // An unsigned input-addressed path: exported from a direct store, imported via the daemon.
+    let direct = format!("local?root={}", env.path("direct").display());
+    let glibc_deps = store_path_of(&env.path("bin-cache"), "py14wj21zshnib43vh5f66ihm7rx610h");
+    env.nix("nix", &["copy", "--from", &cache, "--to", &direct, &glibc_deps, "--option", "trusted-public-keys", &cache_key()]);
+    let out = env.cmd("nix-store").args(["--store", &direct, "--export", &glibc_deps]).output().unwrap();
+    std::fs::write(&import, &out.stdout).unwrap();
+    let out = env.cmd("nix-store").args(["--store", &daemon.url, "--import"]).stdin(std::fs::File::open(&import).unwrap()).output().unwrap();
+    // The export carries no signature, so the daemon must refuse it for an untrusted client.
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lacks a signature by a trusted key"), "{}", String::from_utf8_lossy(&out.stderr));
+    // Privileged settings are refused with a warning.
+    let out = env.cmd("nix").args(["store", "ping", "--store", &daemon.url, "--option", "require-sigs", "false"]).output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a trusted user"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Case 19's driver against `sluice daemon --stdio`, every scenario.
+#[test]
+fn worker_protocol_handshake_case_19() {
+    let env = Env::new();
+    let cmd = format!("{} daemon --stdio --store {}", sluice(), env.path("root").display());
+    let run = |scenario: &str| -> String {
+        let out = env
+            .cmd("python3")
+            .arg(format!("{SHARED}/cases/19-worker-protocol-handshake/client.py"))
+            .args(["--cmd", &cmd, scenario])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let ok = run("ok-1.34");
+    assert!(ok.contains("daemon version 1.37") && ok.contains("RESULT: IsValidPath answered 0"), "{ok}");
+    assert!(!ok.contains("trust flag"), "1.34 has no trust flag: {ok}");
+    let newer = run("client-newer-1.255");
+    assert!(newer.contains("daemon trust flag: 1") && newer.contains("RESULT: IsValidPath answered 0"), "{newer}");
+    let major = run("major-2");
+    assert!(major.contains("('ERROR', 'unsupported protocol version 2.34") && major.contains("connection ended"), "{major}");
+    let old = run("too-old-1.9");
+    assert!(old.contains("client version is too old") && old.contains("connection ended"), "{old}");
+    let bad = run("bad-magic");
+    assert!(bad.contains("RESULT: connection ended: EOF after 0 bytes") && bad.contains("protocol mismatch"), "{bad}");
+    let unknown = run("unknown-op");
+    assert_eq!(unknown.matches("'ERROR'").count(), 1, "{unknown}");
+    assert!(unknown.contains("after op 999: [('ERROR', 'invalid operation 999')]") && unknown.contains("connection ended"), "{unknown}");
+}
