@@ -33,9 +33,20 @@ pub fn decoded_len(len: usize) -> Option<usize> {
     (encoded_len(n) == len).then_some(n)
 }
 
+/// Digit values by byte; 0xff marks a byte that is not a nixbase32 digit.
+const DIGIT_VALUES: [u8; 256] = {
+    let mut table = [0xffu8; 256];
+    let mut i = 0;
+    while i < ALPHABET.len() {
+        table[ALPHABET[i] as usize] = i as u8;
+        i += 1;
+    }
+    table
+};
+
 /// The value of one nixbase32 digit.
 fn digit_value(c: u8) -> Option<u8> {
-    ALPHABET.iter().position(|&a| a == c).map(|p| p as u8)
+    Some(DIGIT_VALUES[usize::from(c)]).filter(|v| *v != 0xff)
 }
 
 /// Encodes bytes in nixbase32.

@@ -1,7 +1,7 @@
 //! The worker-protocol serialisers against Nix's own golden files
 //! (`src/libstore-tests/data/{worker,common}-protocol/*.bin`, each the encoding of the values
 //! in the matching `.json`), byte for byte. The data directory is `SLUICE_CONFORMANCE_DIR`
-//! or `/work/shared/conformance/nix`.
+//! or `../shared/conformance/nix` beside the repository.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::*;
 
 fn data(kind: &str, name: &str) -> (Vec<u8>, Value) {
-    let root = std::env::var_os("SLUICE_CONFORMANCE_DIR").map(PathBuf::from).unwrap_or_else(|| "/work/shared/conformance/nix".into());
+    let root = std::env::var_os("SLUICE_CONFORMANCE_DIR").map(PathBuf::from).unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/conformance/nix").into());
     let dir = root.join("libstore-tests/data").join(kind);
     let bin = std::fs::read(dir.join(format!("{name}.bin"))).unwrap_or_else(|e| panic!("{name}.bin in {}: {e}", dir.display()));
     let json = std::fs::read_to_string(dir.join(format!("{name}.json"))).map(|t| serde_json::from_str(&t).unwrap()).unwrap_or(Value::Null);

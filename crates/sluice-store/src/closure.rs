@@ -166,7 +166,7 @@ impl ClosureQuery {
 /// lower-priority one only while every higher one lacks it or failed; cancels the rest.
 async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePath, answers: Vec<Answer>) -> Outcome {
     let mut records = Vec::new();
-    let mut errors = Vec::new();
+    let mut errors: Vec<Arc<CacheError>> = Vec::new();
     let mut answers = answers.into_iter().enumerate();
     while let Some((i, answer)) = answers.next() {
         let sub = &subs[i];
@@ -187,6 +187,11 @@ async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePa
         };
         match text.and_then(|t| t.map(|t| sub.cache.parse_narinfo(&path, &store_dir, &t)).transpose()) {
             Ok(Some(narinfo)) => {
+                // Failures of higher-priority caches are skipped, but not silently (those that
+                // disabled a whole cache were reported once already).
+                for e in errors.iter().filter(|e| !e.disables_cache() && !matches!(e.as_ref(), CacheError::Disabled { .. })) {
+                    tracing::warn!("{e}; using {} instead", sub.cache.url());
+                }
                 for (_, rest) in answers {
                     if let Answer::Fetch(h) = rest {
                         h.abort();

@@ -106,6 +106,9 @@ pub struct Settings {
     pub connect_timeout: u64,
     /// Seconds without data before a download is abandoned (default 300).
     pub stalled_download_timeout: u64,
+    /// Attempts for a download that fails transiently (5xx, resets, stalls, truncated
+    /// bodies) before the cache is given up on (Nix: `download-attempts`, default 5).
+    pub download_attempts: u64,
     /// Seconds a cached narinfo stays fresh (default 30 days).
     pub narinfo_cache_positive_ttl: u64,
     /// Seconds a cached absence stays fresh (default 1 hour).
@@ -123,6 +126,7 @@ impl Default for Settings {
             http_connections: 25,
             connect_timeout: 0,
             stalled_download_timeout: 300,
+            download_attempts: 5,
             narinfo_cache_positive_ttl: 30 * 24 * 3600,
             narinfo_cache_negative_ttl: 3600,
             ssl_cert_file: None,
@@ -147,6 +151,7 @@ impl Settings {
         for (name, field) in [
             ("connect-timeout", &mut s.connect_timeout),
             ("stalled-download-timeout", &mut s.stalled_download_timeout),
+            ("download-attempts", &mut s.download_attempts),
             ("narinfo-cache-positive-ttl", &mut s.narinfo_cache_positive_ttl),
             ("narinfo-cache-negative-ttl", &mut s.narinfo_cache_negative_ttl),
         ] {
@@ -182,11 +187,13 @@ mod tests {
     #[test]
     fn lines_extra_and_comments() {
         let mut raw = RawConfig::default();
-        raw.apply_text("substituters = file:///a # comment\nextra-substituters = http://b\nrequire-sigs = false\nhttp-connections = 7\n", "test", None).unwrap();
+        raw.apply_text("substituters = file:///a # comment\nextra-substituters = http://b\nrequire-sigs = false\nhttp-connections = 7\ndownload-attempts = 2\n", "test", None).unwrap();
         let s = Settings::from_raw(&raw).unwrap();
         assert_eq!(s.substituters, vec!["file:///a", "http://b"]);
         assert!(!s.require_sigs);
         assert_eq!(s.http_connections, 7);
+        assert_eq!(s.download_attempts, 2);
+        assert_eq!(Settings::default().download_attempts, 5);
         assert_eq!(s.narinfo_cache_negative_ttl, 3600);
     }
 

@@ -16,11 +16,13 @@ use sluice_nix::hash::HashAlgo;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 
+use crate::binary_cache::{BinaryCache, NarStream};
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
-use crate::local::{LocalStore, PendingPath, Unpacked};
+use crate::local::{LocalStore, LocalStoreError, PendingPath, Unpacked};
+use crate::narinfo_cache::NarInfoCache;
 use crate::path_info::ValidPathInfo;
 
 /// How paths are trusted and how many are fetched at once.
@@ -95,18 +97,60 @@ impl Gate {
 struct Shared {
     dest: Arc<LocalStore>,
     subs: Arc<Vec<Substituter>>,
+    /// The narinfo disk cache, to drop stale entries from.
+    disk: Option<Arc<NarInfoCache>>,
     opts: SubstituteOptions,
     gate: Gate,
     jobs: Semaphore,
     observer: Arc<dyn Observer>,
     report: Mutex<CopyReport>,
+    /// Paths ready to be registered (their references are valid).
+    registrar: mpsc::UnboundedSender<Commit>,
+}
+
+/// A path whose tree is unpacked and whose references are valid, waiting for registration.
+struct Commit {
+    pending: PendingPath,
+    info: ValidPathInfo,
+    reply: oneshot::Sender<Result<(), LocalStoreError>>,
+}
+
+/// Most paths registered in one transaction.
+const COMMIT_BATCH: usize = 512;
+
+/// Registers ready paths in batches: whatever has arrived while the previous batch was being
+/// committed goes into the next, with one `syncfs` and one transaction per batch. Every path
+/// in a batch has its references valid already, so the order within a batch is free.
+async fn registrar(dest: Arc<LocalStore>, mut rx: mpsc::UnboundedReceiver<Commit>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < COMMIT_BATCH {
+            match rx.try_recv() {
+                Ok(more) => batch.push(more),
+                Err(_) => break,
+            }
+        }
+        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|c| ((c.pending, c.info), c.reply)).unzip();
+        let dest = dest.clone();
+        let results = match tokio::task::spawn_blocking(move || dest.commit_all(items)).await {
+            Ok(results) => results,
+            Err(e) => return tracing::error!("the registrar failed: {e}"),
+        };
+        for (reply, result) in replies.into_iter().zip(results) {
+            let _ = reply.send(result);
+        }
+    }
 }
 
 /// Copies the closures of `roots` from the substituters of `query` into `dest`.
 pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
+    let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
+    let registrar_task = tokio::spawn(registrar(dest.clone(), registrar_rx));
     let shared = Arc::new(Shared {
+        registrar: registrar_tx,
         dest,
         subs: query.substituters.clone(),
+        disk: query.disk_cache.clone(),
         jobs: Semaphore::new(opts.jobs.max(1)),
         opts,
         gate: Gate::default(),
@@ -143,8 +187,10 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec
     }
     let _ = engine.await;
     while tasks.join_next().await.is_some() {}
-    let shared = Arc::into_inner(shared).map(|s| s.report.into_inner().unwrap_or_else(|p| p.into_inner()));
-    shared.unwrap_or_default()
+    let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
+    drop(registrar);
+    let _ = registrar_task.await;
+    report.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A reader that tells the observer how many bytes passed.
@@ -219,12 +265,23 @@ impl Shared {
         let mut errors = Vec::new();
         let mut candidate = Some((narinfo, first));
         let mut next = first + 1;
+        let mut refetched = Vec::new();
         loop {
             if let Some((narinfo, i)) = candidate.take() {
                 match self.try_substituter(store_dir, &narinfo, i).await {
                     Ok(()) => return Ok(()),
                     Err(Attempt::Final(e)) => return Err(format!("{shown}: {e}")),
-                    Err(Attempt::TryNext(e)) => errors.push(e),
+                    Err(Attempt::TryNext(e)) => {
+                        errors.push(e);
+                        // A stale disk-cache entry gets one more try with the fresh narinfo.
+                        if !refetched.contains(&i) {
+                            refetched.push(i);
+                            if let Some(fresh) = self.refetch_narinfo(store_dir, &narinfo, i).await {
+                                candidate = Some((fresh, i));
+                                continue;
+                            }
+                        }
+                    }
                 }
             }
             let Some(sub) = self.subs.get(next) else { break };
@@ -251,32 +308,7 @@ impl Shared {
             CaCheck::Flat(h) => Some(h.algo()),
             CaCheck::None => None,
         };
-        // Download and unpack, holding a job slot.
-        let permit = self.jobs.acquire().await.map_err(|e| Attempt::Final(e.to_string()))?;
-        let reader = match cache.open_nar(narinfo).await {
-            Ok(Some(r)) => r,
-            Ok(None) => return Err(Attempt::TryNext(format!("{url}: NAR not found (404)"))),
-            Err(e) => return Err(Attempt::TryNext(e.to_string())),
-        };
-        let dest = self.dest.clone();
-        let path = narinfo.store_path.clone();
-        let observer = self.observer.clone();
-        let unpack_url = url.clone();
-        let nar_size = narinfo.nar_size;
-        let unpacked = tokio::task::spawn_blocking(move || -> Result<Option<(PendingPath, Unpacked, u64)>, String> {
-            let Some(mut pending) = dest.begin_add(&path).map_err(|e| e.to_string())? else { return Ok(None) };
-            let mut counting = Counting { inner: reader, observer, total: 0 };
-            let decoder = compression.decoder(&mut counting).map_err(|e| format!("{unpack_url}: {e}"))?;
-            let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
-            let unpacked = pending.unpack(&mut nar, flat_algo).map_err(|e| format!("{unpack_url}: {e}"))?;
-            drop(nar);
-            Ok(Some((pending, unpacked, counting.total)))
-        })
-        .await
-        .map_err(|e| Attempt::Final(e.to_string()))?
-        .map_err(Attempt::TryNext)?;
-        drop(permit);
-        let Some((pending, unpacked, downloaded)) = unpacked else { return Ok(()) };
+        let Some((pending, unpacked, downloaded)) = self.fetch_nar(cache, narinfo, compression, flat_algo, &url).await? else { return Ok(()) };
         if let CaCheck::Flat(expected) = &ca_check {
             if unpacked.flat_hash.as_ref() != Some(expected) {
                 return Err(Attempt::TryNext(format!("{url}: content does not match its content address {}", narinfo.ca.as_deref().unwrap_or(""))));
@@ -291,15 +323,90 @@ impl Shared {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let info = ValidPathInfo::from_narinfo(narinfo, now);
         let nar_size = unpacked.nar_size;
-        tokio::task::spawn_blocking(move || pending.commit(&info))
+        let (reply, registered) = oneshot::channel();
+        self.registrar.send(Commit { pending, info, reply }).map_err(|_| Attempt::Final("the registrar stopped".into()))?;
+        registered
             .await
-            .map_err(|e| Attempt::Final(e.to_string()))?
+            .map_err(|_| Attempt::Final("the registrar stopped".into()))?
             .map_err(|e| Attempt::TryNext(format!("{url}: {e}")))?;
         let mut report = self.lock_report();
         report.substituted.push(narinfo.store_path.clone());
         report.downloaded += downloaded;
         report.unpacked += nar_size;
         Ok(())
+    }
+
+    /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree, holding a
+    /// job slot per attempt. A transfer cut short (reset, stall, fewer bytes than announced)
+    /// is downloaded again after a backoff, up to the cache's `download-attempts`. `None`
+    /// when the path became valid meanwhile.
+    async fn fetch_nar(&self, cache: &BinaryCache, narinfo: &NarInfo, compression: Compression, flat_algo: Option<HashAlgo>, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+        let attempts = cache.download_attempts();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let permit = self.jobs.acquire().await.map_err(|e| Attempt::Final(e.to_string()))?;
+            let NarStream { reader, probe } = match cache.open_nar(narinfo).await {
+                Ok(Some(r)) => r,
+                Ok(None) => return Err(Attempt::TryNext(format!("{url}: NAR not found (404)"))),
+                Err(e) => return Err(Attempt::TryNext(e.to_string())),
+            };
+            let dest = self.dest.clone();
+            let path = narinfo.store_path.clone();
+            let observer = self.observer.clone();
+            let unpack_url = url.to_string();
+            let nar_size = narinfo.nar_size;
+            let unpacked = tokio::task::spawn_blocking(move || -> Result<Option<(PendingPath, Unpacked, u64)>, String> {
+                let Some(mut pending) = dest.begin_add(&path).map_err(|e| e.to_string())? else { return Ok(None) };
+                let mut counting = Counting { inner: reader, observer, total: 0 };
+                let decoder = compression.decoder(&mut counting).map_err(|e| format!("{unpack_url}: {e}"))?;
+                let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
+                let unpacked = pending.unpack(&mut nar, flat_algo).map_err(|e| format!("{unpack_url}: {e}"))?;
+                drop(nar);
+                Ok(Some((pending, unpacked, counting.total)))
+            })
+            .await
+            .map_err(|e| Attempt::Final(e.to_string()))?;
+            drop(permit);
+            let error = match unpacked {
+                Ok(done) => {
+                    // FileSize/FileHash are unsigned hints; the content was verified against the
+                    // signed NarHash/NarSize, so a mismatch is only worth a warning.
+                    if let (Some((_, _, got)), Some(declared)) = (&done, narinfo.file_size) {
+                        if *got != declared {
+                            tracing::warn!("{url}: FileSize is {declared} bytes but {got} were downloaded; the NAR itself matches its NarHash");
+                        }
+                    }
+                    return Ok(done);
+                }
+                Err(e) => e,
+            };
+            let Some(broken) = probe.broken() else { return Err(Attempt::TryNext(error)) };
+            if attempt >= attempts {
+                return Err(Attempt::TryNext(format!("{broken}; gave up after {attempt} attempts")));
+            }
+            let wait = cache.backoff(attempt);
+            tracing::info!("{broken}; downloading again in {} ms", wait.as_millis());
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// After substituter `i` failed to provide `narinfo`'s path: drops its narinfo from the
+    /// disk cache (it may be stale: the cache was rebuilt, the NAR deleted) and fetches it
+    /// again. Returns the fresh narinfo when it differs from the one that failed.
+    async fn refetch_narinfo(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize) -> Option<Arc<NarInfo>> {
+        let sub = &self.subs[i];
+        let (Some(disk), Some(id)) = (&self.disk, sub.disk_id) else { return None };
+        let path = &narinfo.store_path;
+        if let Err(e) = disk.forget(id, path.hash_part()) {
+            tracing::warn!("{e}");
+        }
+        let text = sub.cache.narinfo_text(path).await.ok()??;
+        let fresh = sub.cache.parse_narinfo(path, store_dir, &text).ok()?;
+        if let Err(e) = disk.record(&[(id, path.hash_part().to_string(), Some(text))]) {
+            tracing::warn!("{e}");
+        }
+        (fresh != *narinfo).then(|| Arc::new(fresh))
     }
 
     /// Checks that `narinfo` may be trusted: a valid signature by a trusted key, or a content

@@ -19,7 +19,7 @@ use sluice_store::local::{LocalStore, LocalStoreError};
 use sluice_store::path_info::ValidPathInfo;
 use tempfile::TempDir;
 
-const CORPUS: &str = "/work/shared/corpus";
+const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus");
 
 /// A temporary directory that can be deleted without root although store paths in it are
 /// read-only: directories are made writable before `TempDir` removes the tree.

@@ -4,44 +4,7 @@
 
 mod common;
 
-use std::path::Path;
-
 use common::*;
-
-/// `(variant, store path)` rows of a case's `paths.txt` (first and last columns).
-fn case_paths(case: &str) -> Vec<(String, String)> {
-    let text = std::fs::read_to_string(shared().join("cases").join(case).join("paths.txt")).unwrap();
-    text.lines()
-        .filter(|l| l.contains("/nix/store/"))
-        .map(|l| {
-            let words: Vec<&str> = l.split_whitespace().collect();
-            let path = words.iter().find(|w| w.starts_with("/nix/store/")).unwrap();
-            let variant = if words[0].starts_with("cache") { words[1] } else { words[0] };
-            (variant.to_string(), path.to_string())
-        })
-        .collect()
-}
-
-fn case_key(case: &str) -> String {
-    std::fs::read_to_string(shared().join("cases").join(case).join("trusted-public-key.txt")).unwrap().trim().to_string()
-}
-
-/// Entries of the store directory other than valid store paths' own names.
-fn store_entries(root: &Path) -> Vec<String> {
-    match std::fs::read_dir(root.join("nix/store")) {
-        Ok(rd) => rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect(),
-        Err(_) => Vec::new(),
-    }
-}
-
-/// Asserts that `path` is neither registered nor present, and nothing temporary is left.
-fn assert_absent(tmp: &Path, root: &Path, path: &str) {
-    let base = path.trim_start_matches("/nix/store/");
-    let entries = store_entries(root);
-    assert!(!entries.iter().any(|e| e.contains(&base[..32])), "{path}: something was left in the store: {entries:?}");
-    let o = nix(tmp, "nix-store", &["--store", root.to_str().unwrap(), "--check-validity", path]);
-    assert!(!o.status.success(), "{path} is registered");
-}
 
 #[test]
 fn signature_rules_of_case_09() {

@@ -52,25 +52,35 @@ impl Ingestion {
     }
 }
 
-/// Reads all of `data` into a spool, hashing it with `algo` (and with sha256 when
-/// `also_sha256`). A read error is fatal to the connection: the request stream is broken.
+/// Reads all of `data` into a spool, hashing it with `algo`. The first [`IN_MEMORY`] bytes are
+/// read in one go (most additions are small files: no per-call buffer to clear); only larger
+/// data goes through a copy loop. A read error is fatal to the connection: the request stream
+/// is broken.
 fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher, u64), Fail> {
-    let mut file = SpooledTempFile::new(IN_MEMORY);
+    let read_err = |e: io::Error| Fail::Fatal(format!("reading the data to add: {e}"));
+    let spool_err = |e: io::Error| Fail::Op(format!("spooling the data to add: {e}"));
     let mut hasher = Hasher::new(algo);
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut len = 0u64;
-    loop {
-        let n = match data.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Fail::Fatal(format!("reading the data to add: {e}"))),
-        };
-        hasher.update(&buf[..n]);
-        file.write_all(&buf[..n]).map_err(|e| Fail::Op(format!("spooling the data to add: {e}")))?;
-        len += n as u64;
+    let mut head = Vec::new();
+    data.take(IN_MEMORY as u64).read_to_end(&mut head).map_err(read_err)?;
+    hasher.update(&head);
+    let mut len = head.len() as u64;
+    let mut file = SpooledTempFile::new(IN_MEMORY);
+    file.write_all(&head).map_err(spool_err)?;
+    if head.len() == IN_MEMORY {
+        let mut buf = head;
+        loop {
+            let n = match data.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(read_err(e)),
+            };
+            hasher.update(&buf[..n]);
+            file.write_all(&buf[..n]).map_err(spool_err)?;
+            len += n as u64;
+        }
     }
-    file.rewind().map_err(|e| Fail::Op(format!("spooling the data to add: {e}")))?;
+    file.rewind().map_err(spool_err)?;
     Ok((file, hasher, len))
 }
 

@@ -3,8 +3,9 @@
 /// A failure fetching from or understanding a binary cache.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("{url}: HTTP status {status}")]
-    Status { url: String, status: u16 },
+    /// An HTTP status that is neither success nor absence; `body` is a prefix of the answer.
+    #[error("{url}: HTTP status {status}{}", body_suffix(body))]
+    Status { url: String, status: u16, body: String },
     #[error("{url}: {source}")]
     Transport { url: String, #[source] source: reqwest::Error },
     #[error("{url}: {source}")]
@@ -17,6 +18,16 @@ pub enum CacheError {
     CacheInfo { url: String, what: String },
     #[error("{url}: cache is for store directory {got}, not {expected}")]
     WrongStoreDir { url: String, expected: String, got: String },
+    /// The cache failed earlier in this run and is no longer asked.
+    #[error("{url}: not used for the rest of this run after an earlier failure: {reason}")]
+    Disabled { url: String, reason: String },
+}
+
+fn body_suffix(body: &str) -> String {
+    match body.is_empty() {
+        true => String::new(),
+        false => format!(" ({body})"),
+    }
 }
 
 impl CacheError {
@@ -26,8 +37,15 @@ impl CacheError {
         match self {
             CacheError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             CacheError::Transport { source, .. } => !source.is_builder() && !source.is_redirect(),
-            CacheError::Io { source, .. } => !matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied),
+            CacheError::Io { source, .. } => !matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidData),
             _ => false,
         }
+    }
+
+    /// Whether the failure concerns the whole cache rather than one file: it stayed transient
+    /// through every attempt, or the cache refused our credentials (401, 407). Such a cache is
+    /// skipped for the rest of the run.
+    pub fn disables_cache(&self) -> bool {
+        self.is_transient() || matches!(self, CacheError::Status { status: 401 | 407, .. })
     }
 }

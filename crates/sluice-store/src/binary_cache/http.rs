@@ -1,8 +1,12 @@
 //! `http://` and `https://` binary caches over one shared `reqwest` client (rustls; HTTP/2
 //! by ALPN, HTTP/1.1 keep-alive otherwise). Requests to one cache are bounded by
 //! `http-connections` while the server speaks HTTP/1.1, and by [`H2_STREAMS`] once it has
-//! answered over HTTP/2 (streams multiplexed on one connection).
+//! answered over HTTP/2 (streams multiplexed on one connection). 404, 403 and 410 mean
+//! absence; 5xx, 408, 429, connection failures and stalls are retried with backoff
+//! (`download-attempts`); a body sent with `Content-Encoding: gzip` (by a proxy, unasked) is
+//! decoded.
 
+use std::future::Future;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,13 +15,18 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::retry::RetryPolicy;
+use super::transfer::TransferProbe;
 use super::CacheError;
 use crate::config::Settings;
 
 /// Concurrent requests to one cache once it speaks HTTP/2 (nginx's default stream limit).
 pub const H2_STREAMS: usize = 128;
-/// Attempts for a request that fails transiently (Nix's `download-attempts` default is 5).
-pub const ATTEMPTS: u32 = 5;
+/// Largest whole file fetched by [`HttpTransport::get`] (narinfo, `nix-cache-info`), after
+/// content decoding.
+pub const MAX_SMALL_FILE: usize = 64 << 20;
+/// Bytes of an error answer's body quoted in the error.
+const BODY_PREFIX: usize = 200;
 
 /// Builds the HTTP client for a run from the settings (timeouts, CA bundle, pool size).
 pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
@@ -50,6 +59,19 @@ pub struct HttpTransport {
     connections: usize,
     h2: AtomicBool,
     stall: Duration,
+    retry: RetryPolicy,
+}
+
+/// A failed attempt, with the server's `Retry-After` if it sent one.
+struct Failure {
+    error: CacheError,
+    retry_after: Option<Duration>,
+}
+
+impl From<CacheError> for Failure {
+    fn from(error: CacheError) -> Self {
+        Failure { error, retry_after: None }
+    }
 }
 
 impl HttpTransport {
@@ -62,6 +84,7 @@ impl HttpTransport {
             connections: settings.http_connections.max(1),
             h2: AtomicBool::new(false),
             stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
+            retry: RetryPolicy::new(settings.download_attempts),
         }
     }
 
@@ -77,63 +100,78 @@ impl HttpTransport {
         }
     }
 
-    async fn send(&self, url: &str) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), CacheError> {
+    /// Runs `once` until it succeeds, fails for good, or used up the attempts; transient
+    /// failures wait with exponential backoff (or the server's `Retry-After`).
+    async fn retrying<T, F, Fut>(&self, mut once: F) -> Result<T, CacheError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, Failure>>,
+    {
         let mut attempt = 0;
         loop {
-            let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
-            let result = self.client.get(url).send().await;
-            let err = match result {
-                Ok(resp) => {
-                    if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
-                        self.limit.add_permits(H2_STREAMS.saturating_sub(self.connections));
-                    }
-                    match resp.status().as_u16() {
-                        200..=299 => return Ok((Some(resp), permit)),
-                        404 | 403 | 410 => return Ok((None, permit)),
-                        status => CacheError::Status { url: url.to_string(), status },
-                    }
-                }
-                Err(source) => CacheError::Transport { url: url.to_string(), source },
+            let Failure { error, retry_after } = match once().await {
+                Ok(v) => return Ok(v),
+                Err(f) => f,
             };
             attempt += 1;
-            if !err.is_transient() || attempt >= ATTEMPTS {
-                return Err(err);
+            if !error.is_transient() || attempt >= self.retry.attempts {
+                return Err(error);
             }
-            drop(permit);
-            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            let wait = self.retry.backoff(attempt, retry_after);
+            tracing::info!("{error}; retrying in {} ms ({attempt} of {} attempts made)", wait.as_millis(), self.retry.attempts);
+            tokio::time::sleep(wait).await;
         }
     }
 
-    /// Fetches a whole (small) file; `None` on 404, 403 or 410. Transient failures are
-    /// retried with backoff, [`ATTEMPTS`] times in all.
+    /// One request: the response when it is a success, `None` for absence, or the failure
+    /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
+    async fn send_once(&self, url: &str) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+        let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
+        let resp = match tokio::time::timeout(self.stall, self.client.get(url).send()).await {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
+            Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
+        };
+        if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
+            self.limit.add_permits(H2_STREAMS.saturating_sub(self.connections));
+        }
+        let status = resp.status().as_u16();
+        match status {
+            200..=299 => Ok((Some(resp), permit)),
+            404 | 403 | 410 => Ok((None, permit)),
+            _ => {
+                let retry_after = resp.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.trim().parse().ok()).map(Duration::from_secs);
+                let body = body_prefix(resp, self.stall).await;
+                Err(Failure { error: CacheError::Status { url: url.to_string(), status, body }, retry_after })
+            }
+        }
+    }
+
+    /// Fetches a whole (small) file; `None` on 404, 403 or 410. Transient failures, including
+    /// a body cut short, are retried with backoff, `download-attempts` times in all.
     pub async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
         let url = self.resolve(rel);
-        let mut attempt = 0;
-        loop {
-            let (resp, _permit) = self.send(&url).await?;
+        self.retrying(|| async {
+            let (resp, _permit) = self.send_once(&url).await?;
             let Some(resp) = resp else { return Ok(None) };
-            match tokio::time::timeout(self.stall, resp.bytes()).await {
-                Ok(Ok(body)) => return Ok(Some(body.to_vec())),
-                Ok(Err(source)) if attempt + 1 < ATTEMPTS => {
-                    tracing::debug!("{url}: {source}; retrying");
-                }
-                Ok(Err(source)) => return Err(CacheError::Transport { url, source }),
-                Err(_) if attempt + 1 < ATTEMPTS => {}
-                Err(_) => return Err(stalled(&url, self.stall)),
-            }
-            attempt += 1;
-            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-        }
+            let gzip = content_encoding(&url, &resp)?;
+            let body = read_body(&url, resp, self.stall).await?;
+            Ok(Some(if gzip { gunzip(&url, &body)? } else { body }))
+        })
+        .await
     }
 
     /// Opens a file for streaming; `None` on 404, 403 or 410. The reader must be used on a
     /// blocking thread (it bridges the async body); it fails with `TimedOut` when no data
-    /// arrives for `stalled-download-timeout` seconds.
-    pub async fn open(&self, rel: &str) -> Result<Option<Box<dyn Read + Send>>, CacheError> {
+    /// arrives for `stalled-download-timeout` seconds. The probe tells whether the body was
+    /// cut short; the caller retries the whole download if so.
+    pub async fn open(&self, rel: &str) -> Result<Option<(Box<dyn Read + Send>, TransferProbe)>, CacheError> {
         let url = self.resolve(rel);
-        let (resp, permit) = self.send(&url).await?;
+        let (resp, permit) = self.retrying(|| self.send_once(&url)).await?;
         let Some(resp) = resp else { return Ok(None) };
+        let gzip = content_encoding(&url, &resp)?;
         let stall = self.stall;
+        let expected = resp.content_length();
         let body = resp.bytes_stream().map_err(std::io::Error::other);
         let body = Box::pin(futures::stream::unfold(Box::pin(body), move |mut s| async move {
             match tokio::time::timeout(stall, s.next()).await {
@@ -143,12 +181,91 @@ impl HttpTransport {
             }
         }));
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(body));
-        Ok(Some(Box::new(PermitReader { inner: reader, _permit: permit })))
+        let (reader, probe) = TransferProbe::watch(&url, expected, reader);
+        let reader: Box<dyn Read + Send> = match gzip {
+            true => Box::new(LazyGunzip::Pending(Some(reader))),
+            false => Box::new(reader),
+        };
+        Ok(Some((Box::new(PermitReader { inner: reader, _permit: permit }), probe)))
     }
 }
 
-fn stalled(url: &str, stall: Duration) -> CacheError {
-    CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no data for {} s", stall.as_secs())) }
+fn stalled(url: &str, stall: Duration, what: &str) -> CacheError {
+    CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} for {} s (stalled-download-timeout)", stall.as_secs())) }
+}
+
+/// Whether the body is gzip-encoded (a proxy may add this unasked); other encodings are refused.
+fn content_encoding(url: &str, resp: &reqwest::Response) -> Result<bool, CacheError> {
+    let Some(v) = resp.headers().get(reqwest::header::CONTENT_ENCODING) else { return Ok(false) };
+    match v.to_str().unwrap_or("").trim().to_ascii_lowercase().as_str() {
+        "" | "identity" => Ok(false),
+        "gzip" | "x-gzip" => Ok(true),
+        other => Err(CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("unsupported Content-Encoding {other:?}")) }),
+    }
+}
+
+/// Decodes a gzip-encoded small body, refusing more than [`MAX_SMALL_FILE`] bytes.
+fn gunzip(url: &str, body: &[u8]) -> Result<Vec<u8>, CacheError> {
+    let mut out = Vec::new();
+    let io = |source| CacheError::Io { url: url.to_string(), source };
+    flate2::read::MultiGzDecoder::new(body).take(MAX_SMALL_FILE as u64 + 1).read_to_end(&mut out).map_err(io)?;
+    if out.len() > MAX_SMALL_FILE {
+        return Err(io(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("decoded body exceeds {MAX_SMALL_FILE} bytes"))));
+    }
+    Ok(out)
+}
+
+/// Reads a whole body, each chunk within the stall timeout, refusing more than [`MAX_SMALL_FILE`].
+async fn read_body(url: &str, resp: reqwest::Response, stall: Duration) -> Result<Vec<u8>, CacheError> {
+    let mut out = Vec::new();
+    let mut stream = resp.bytes_stream();
+    loop {
+        match tokio::time::timeout(stall, stream.next()).await {
+            Ok(Some(Ok(chunk))) => out.extend_from_slice(&chunk),
+            Ok(Some(Err(source))) => return Err(CacheError::Transport { url: url.to_string(), source }),
+            Ok(None) => return Ok(out),
+            Err(_) => return Err(stalled(url, stall, "no data")),
+        }
+        if out.len() > MAX_SMALL_FILE {
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidData, format!("body exceeds {MAX_SMALL_FILE} bytes"));
+            return Err(CacheError::Io { url: url.to_string(), source: e });
+        }
+    }
+}
+
+/// The first [`BODY_PREFIX`] bytes of an error answer, as one line of text (best effort).
+async fn body_prefix(resp: reqwest::Response, stall: Duration) -> String {
+    let mut buf = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while buf.len() < BODY_PREFIX {
+        match tokio::time::timeout(stall.min(Duration::from_secs(5)), stream.next()).await {
+            Ok(Some(Ok(chunk))) => buf.extend_from_slice(&chunk),
+            _ => break,
+        }
+    }
+    buf.truncate(BODY_PREFIX);
+    let text = String::from_utf8_lossy(&buf).split_whitespace().collect::<Vec<_>>().join(" ");
+    text.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect()
+}
+
+/// A gzip decoder started on the first read: flate2 reads the header when constructed, which
+/// must not happen on the async thread that opened the body.
+enum LazyGunzip<R: Read> {
+    Pending(Option<R>),
+    Active(flate2::read::MultiGzDecoder<R>),
+}
+
+impl<R: Read> Read for LazyGunzip<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let LazyGunzip::Pending(inner) = self {
+            let Some(inner) = inner.take() else { return Err(std::io::Error::other("gzip decoder lost its input")) };
+            *self = LazyGunzip::Active(flate2::read::MultiGzDecoder::new(inner));
+        }
+        match self {
+            LazyGunzip::Active(d) => d.read(buf),
+            LazyGunzip::Pending(_) => Err(std::io::Error::other("gzip decoder lost its input")),
+        }
+    }
 }
 
 /// Holds a cache's request slot for as long as a body is being read.

@@ -5,6 +5,8 @@
 mod error;
 pub mod file;
 pub mod http;
+pub mod retry;
+pub mod transfer;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -14,6 +16,7 @@ use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 pub use error::CacheError;
+pub use transfer::TransferProbe;
 
 use crate::config::Settings;
 use crate::store_url::{CacheKind, CacheUrl};
@@ -31,6 +34,17 @@ pub struct BinaryCache {
     url: String,
     transport: Transport,
     info: CacheInfo,
+    health: retry::Health,
+    retry: retry::RetryPolicy,
+}
+
+/// An open NAR download: the (still compressed) bytes, and a probe telling after a failure
+/// whether the transfer was cut short (then downloading it again may succeed).
+pub struct NarStream {
+    /// The body; to be read on a blocking thread.
+    pub reader: Box<dyn Read + Send>,
+    /// The transfer's state.
+    pub probe: TransferProbe,
 }
 
 impl BinaryCache {
@@ -45,14 +59,15 @@ impl BinaryCache {
             CacheKind::File => Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://")))),
             CacheKind::Http => Transport::Http(http::HttpTransport::new(base.clone(), client.clone(), settings)),
         };
-        BinaryCache { url: base.clone(), transport, info }
+        BinaryCache { url: base.clone(), transport, info, health: retry::Health::default(), retry: retry::RetryPolicy::new(settings.download_attempts) }
     }
 
     /// Fetches and parses `nix-cache-info` of `url`; a cache without one is taken to serve
     /// `/nix/store` at priority 50, as Nix does.
     pub async fn fetch_cache_info(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<CacheInfo, CacheError> {
         let probe = BinaryCache::new(url, client, settings, default_info());
-        let info = match probe.get("nix-cache-info").await? {
+        // The caller reports a failure here (the cache is then left out): no health warning.
+        let info = match probe.fetch("nix-cache-info").await? {
             None => default_info(),
             Some(bytes) => {
                 let text = String::from_utf8(bytes).map_err(|_| probe.info_error("not UTF-8 text"))?;
@@ -84,11 +99,33 @@ impl BinaryCache {
         &self.info
     }
 
+    /// Fetches a whole file, unless the cache was given up on; a failure that concerns the
+    /// whole cache gives it up (see [`retry::Health`]).
     async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
+        self.health.check(&self.url)?;
+        let result = self.fetch(rel).await;
+        self.health.observe(&self.url, result)
+    }
+
+    async fn fetch(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
         match &self.transport {
             Transport::File(t) => t.get(rel).await,
             Transport::Http(t) => t.get(rel).await,
         }
+    }
+
+    /// The number of attempts a download from this cache gets (`download-attempts`); 1 for
+    /// `file://` caches, whose reads do not fail transiently.
+    pub fn download_attempts(&self) -> u32 {
+        match &self.transport {
+            Transport::File(_) => 1,
+            Transport::Http(_) => self.retry.attempts,
+        }
+    }
+
+    /// The wait before attempt `attempt + 1` of a download from this cache.
+    pub fn backoff(&self, attempt: u32) -> std::time::Duration {
+        self.retry.backoff(attempt, None)
     }
 
     /// The URL of the narinfo of `path`.
@@ -124,11 +161,13 @@ impl BinaryCache {
 
     /// Opens the (compressed) NAR of `narinfo` for streaming; `None` when the file is gone.
     /// The reader must be used on a blocking thread.
-    pub async fn open_nar(&self, narinfo: &NarInfo) -> Result<Option<Box<dyn Read + Send>>, CacheError> {
-        match &self.transport {
-            Transport::File(t) => t.open(&narinfo.url),
-            Transport::Http(t) => t.open(&narinfo.url).await,
-        }
+    pub async fn open_nar(&self, narinfo: &NarInfo) -> Result<Option<NarStream>, CacheError> {
+        self.health.check(&self.url)?;
+        let result = match &self.transport {
+            Transport::File(t) => t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default() })),
+            Transport::Http(t) => t.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe })),
+        };
+        self.health.observe(&self.url, result)
     }
 }
 

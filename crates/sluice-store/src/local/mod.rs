@@ -76,6 +76,9 @@ pub enum LocalStoreError {
     /// A `.drv` path's contents are not a derivation.
     #[error("{path}: {source}")]
     Derivation { path: String, #[source] source: DerivationError },
+    /// A batch's durability sync or registration transaction failed; the path was removed.
+    #[error("cannot register {path}: {reason}")]
+    Registration { path: String, reason: String },
     /// A [`PendingPath`] was used out of order or for another path.
     #[error("adding {path}: {what}")]
     Misuse { path: String, what: &'static str },
@@ -209,6 +212,60 @@ impl LocalStore {
         Ok(Some(pending))
     }
 
+    /// Commits unpacked paths, given in dependency order (a path's references are valid or
+    /// earlier in `batch`): each is verified and moved into place as by
+    /// [`PendingPath::commit`], then one `syncfs` makes them durable and one transaction
+    /// registers all that were placed. Returns one result per path, in order; a path that
+    /// fails (or depends on one that failed) is not registered and nothing is left at its
+    /// final path. If the `syncfs` or the transaction fails, every placed path fails.
+    pub fn commit_all(&self, batch: Vec<(PendingPath, ValidPathInfo)>) -> Vec<Result<(), LocalStoreError>> {
+        let mut placed = BTreeSet::new();
+        let mut results = Vec::with_capacity(batch.len());
+        let mut outputs = Vec::with_capacity(batch.len());
+        for (pending, info) in &batch {
+            let failed_ref = info.references.iter().find(|r| batch.iter().any(|(p, _)| p.path == **r && !placed.contains(*r)) && **r != info.path);
+            let result = match failed_ref {
+                Some(r) => Err(LocalStoreError::MissingReference { path: pending.shown(), reference: self.store_dir.display_path(r) }),
+                None => pending.place(info, &placed),
+            };
+            match result {
+                Ok(out) => {
+                    placed.insert(info.path.clone());
+                    outputs.push(out);
+                    results.push(Ok(()));
+                }
+                Err(e) => {
+                    outputs.push(Vec::new());
+                    results.push(Err(e));
+                }
+            }
+        }
+        let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> = batch
+            .iter()
+            .zip(outputs)
+            .filter(|((_, info), _)| placed.contains(&info.path))
+            .map(|((_, info), out)| (info, out))
+            .collect();
+        if items.is_empty() {
+            return results;
+        }
+        let store_fd = self.store_fd.as_fd();
+        let registered = syncfs(store_fd)
+            .map_err(|e| io_err("syncing the file system of", &self.layout.real_store_dir)(e.into()))
+            .and_then(|()| self.registry.register_all(&items));
+        if let Err(e) = registered {
+            let message = e.to_string();
+            for ((pending, info), result) in batch.iter().zip(results.iter_mut()) {
+                if placed.contains(&info.path) {
+                    // Nothing stays at a store path's location unregistered.
+                    let _ = tree::remove_tree(store_fd, pending.path.base_name().as_bytes());
+                    *result = Err(LocalStoreError::Registration { path: pending.shown(), reason: message.clone() });
+                }
+            }
+        }
+        results
+    }
+
     /// Adds `path` from its NAR: [`begin_add`](Self::begin_add), [`PendingPath::unpack`],
     /// [`PendingPath::commit`]. Returns `false` (reading nothing) if the path is already
     /// valid.
@@ -258,8 +315,18 @@ impl PendingPath {
     /// renames it to its final path and registers `info` in one transaction. Fails (leaving
     /// nothing at the final path) if a reference other than the path itself is not valid.
     /// The tree's contents and its rename are made durable (`syncfs` of the store's file
-    /// system) before the registration is committed.
+    /// system) before the registration is committed. [`LocalStore::commit_all`] does the same
+    /// for many paths with one `syncfs` and one transaction.
     pub fn commit(self, info: &ValidPathInfo) -> Result<(), LocalStoreError> {
+        let store = Arc::clone(&self.store);
+        let shown = self.shown();
+        store.commit_all(vec![(self, info.clone())]).pop().unwrap_or(Err(LocalStoreError::Misuse { path: shown, what: "no commit result" }))
+    }
+
+    /// Verifies the unpacked tree against `info`, checks that every reference is valid or in
+    /// `batch`, canonicalises the tree and renames it to its final path. Returns the
+    /// derivation outputs to register.
+    fn place(&self, info: &ValidPathInfo, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
         if info.path != self.path {
             return Err(LocalStoreError::Misuse { path: shown, what: "committed with the info of another path" });
@@ -277,27 +344,17 @@ impl PendingPath {
         if unpacked.nar_size != info.nar_size {
             return Err(LocalStoreError::SizeMismatch { path: shown, expected: info.nar_size, actual: unpacked.nar_size });
         }
-        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != self.path).collect();
+        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != self.path && !batch.contains(*r)).collect();
         let valid = self.store.registry.valid_paths(others.iter().copied())?;
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
         }
         let outputs = self.derivation_outputs()?;
-
         let store_fd = self.store.store_fd.as_fd();
-        let real_path = self.store.real_path(&self.path);
         canonicalise::canonicalise(store_fd, self.temp_name.as_bytes()).map_err(io_err("canonicalising", &self.temp_path()))?;
         renameat(store_fd, self.temp_name.as_str(), store_fd, self.path.base_name())
-            .map_err(|e| io_err("renaming into place", &real_path)(e.into()))?;
-        let registered = syncfs(store_fd)
-            .map_err(|e| io_err("syncing the file system of", &real_path)(e.into()))
-            .and_then(|()| self.store.registry.register(info, &outputs));
-        if registered.is_err() {
-            // Nothing stays at a store path's location unregistered; the registration error
-            // is the one to report.
-            let _ = tree::remove_tree(store_fd, self.path.base_name().as_bytes());
-        }
-        registered
+            .map_err(|e| io_err("renaming into place", &self.store.real_path(&self.path))(e.into()))?;
+        Ok(outputs)
     }
 
     /// For a `.drv` path, the outputs with a path named in the unpacked derivation.

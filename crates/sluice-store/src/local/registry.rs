@@ -17,9 +17,11 @@ use super::schema::Database;
 use super::LocalStoreError;
 use crate::path_info::ValidPathInfo;
 
-const QUERY_PATH_INFO: &str =
-    "select id, hash, registrationTime, deriver, narSize, ultimate, sigs, ca from ValidPaths where path = ?";
-const QUERY_REFERENCES: &str = "select path from Refs join ValidPaths on reference = id where referrer = ?";
+/// A path's row and its references (space-separated: store paths contain no spaces) in one
+/// statement, so that a lookup takes the database's read lock once.
+const QUERY_PATH_INFO: &str = "select id, hash, registrationTime, deriver, narSize, ultimate, sigs, ca, \
+     (select group_concat(r.path, ' ') from Refs join ValidPaths r on reference = r.id where referrer = v.id) \
+     from ValidPaths v where path = ?";
 const QUERY_REFERRERS: &str =
     "select path from Refs join ValidPaths on referrer = id where reference = (select id from ValidPaths where path = ?)";
 const QUERY_ID: &str = "select id from ValidPaths where path = ?";
@@ -28,8 +30,8 @@ const REGISTER_VALID_PATH: &str = "insert into ValidPaths (path, hash, registrat
 const ADD_REFERENCE: &str = "insert or replace into Refs (referrer, reference) values (?, ?)";
 const ADD_DERIVATION_OUTPUT: &str = "insert or replace into DerivationOutputs (drv, id, path) values (?, ?, ?)";
 
-/// The `ValidPaths` row of a path, as stored.
-type Row = (i64, String, i64, Option<String>, Option<i64>, Option<i64>, Option<String>, Option<String>);
+/// The `ValidPaths` row of a path, as stored, and its references.
+type Row = (i64, String, i64, Option<String>, Option<i64>, Option<i64>, Option<String>, Option<String>, Option<String>);
 
 /// The database of one store, behind a mutex (SQLite connections are not `Sync`).
 pub(super) struct Registry {
@@ -43,14 +45,14 @@ impl Registry {
         Registry { db: Mutex::new(db), db_path, store_dir }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Database> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, Database> {
         // A panic while holding the lock cannot leave a transaction open (it rolls back on
         // drop), so the connection is still usable.
         self.db.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Maps an SQLite error to [`LocalStoreError::Db`], describing the operation.
-    fn sql_err<F: FnOnce() -> String>(&self, what: F) -> impl FnOnce(rusqlite::Error) -> LocalStoreError {
+    pub(super) fn sql_err<F: FnOnce() -> String>(&self, what: F) -> impl FnOnce(rusqlite::Error) -> LocalStoreError {
         let db = self.db_path.clone();
         move |source| LocalStoreError::Db { db, what: what(), source }
     }
@@ -59,12 +61,12 @@ impl Registry {
         LocalStoreError::Corrupt { db: self.db_path.clone(), what }
     }
 
-    fn display(&self, path: &StorePath) -> String {
+    pub(super) fn display(&self, path: &StorePath) -> String {
         self.store_dir.display_path(path)
     }
 
     /// Parses a full store path read from the database.
-    fn parse_path(&self, text: &str, column: &str) -> Result<StorePath, LocalStoreError> {
+    pub(super) fn parse_path(&self, text: &str, column: &str) -> Result<StorePath, LocalStoreError> {
         self.store_dir.parse_path(text).map_err(|e| self.corrupt(format!("{column} {text:?}: {e}")))
     }
 
@@ -72,22 +74,19 @@ impl Registry {
     pub(super) fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> {
         let shown = self.display(path);
         let err = || format!("querying the registration of {shown}");
-        let (row, references) = {
+        let row: Option<Row> = {
             let db = self.lock();
             let mut stmt = db.conn.prepare_cached(QUERY_PATH_INFO).map_err(self.sql_err(err))?;
-            let row: Option<Row> = stmt
-                .query_row([&shown], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?)))
-                .optional()
-                .map_err(self.sql_err(err))?;
-            let Some(row) = row else {
-                return Ok(None);
-            };
-            let mut stmt = db.conn.prepare_cached(QUERY_REFERENCES).map_err(self.sql_err(err))?;
-            let references: Vec<String> =
-                stmt.query_map([row.0], |r| r.get(0)).and_then(|rows| rows.collect()).map_err(self.sql_err(err))?;
-            (row, references)
+            stmt.query_row([&shown], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?, r.get(8)?))
+            })
+            .optional()
+            .map_err(self.sql_err(err))?
         };
-        let (_, hash, registration_time, deriver, nar_size, ultimate, sigs, ca) = row;
+        let Some((_, hash, registration_time, deriver, nar_size, ultimate, sigs, ca, references)) = row else {
+            return Ok(None);
+        };
+        let references = references.unwrap_or_default();
         let nar_hash = Hash::parse(&hash).map_err(|e| self.corrupt(format!("hash of {shown}: {e}")))?;
         let nar_size = u64::try_from(nar_size.unwrap_or(0))
             .map_err(|_| self.corrupt(format!("narSize of {shown} is negative")))?;
@@ -95,7 +94,7 @@ impl Registry {
             path: path.clone(),
             nar_hash,
             nar_size,
-            references: references.iter().map(|r| self.parse_path(r, "reference")).collect::<Result<_, _>>()?,
+            references: references.split(' ').filter(|r| !r.is_empty()).map(|r| self.parse_path(r, "reference")).collect::<Result<_, _>>()?,
             deriver: deriver.filter(|d| !d.is_empty()).map(|d| self.parse_path(&d, "deriver")).transpose()?,
             registration_time,
             ultimate: ultimate == Some(1),
@@ -130,7 +129,7 @@ impl Registry {
     }
 
     /// Runs a query selecting full store paths, with at most one parameter.
-    fn paths(&self, sql: &str, param: Option<&str>, what: impl Fn() -> String) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+    pub(super) fn paths(&self, sql: &str, param: Option<&str>, what: impl Fn() -> String) -> Result<BTreeSet<StorePath>, LocalStoreError> {
         let rows: Vec<String> = {
             let db = self.lock();
             let mut stmt = db.conn.prepare_cached(sql).map_err(self.sql_err(&what))?;
@@ -141,15 +140,25 @@ impl Registry {
         rows.iter().map(|p| self.parse_path(p, "path")).collect()
     }
 
-    /// Registers `info` in one transaction: its `ValidPaths` row, its references (the path
-    /// itself included, if listed) and, for a derivation, its `outputs`. Fails with
-    /// [`LocalStoreError::MissingReference`] if another reference is not valid. A
+    /// Registers `items` in one transaction, in the order given: each path's `ValidPaths`
+    /// row, its references (the path itself included, if listed) and, for a derivation, its
+    /// outputs. A reference must be valid already or come earlier in `items`; otherwise the
+    /// whole transaction fails with [`LocalStoreError::MissingReference`]. A
     /// `registration_time` of 0 means now.
-    pub(super) fn register(&self, info: &ValidPathInfo, outputs: &[(String, StorePath)]) -> Result<(), LocalStoreError> {
-        let shown = self.display(&info.path);
-        let err = || format!("registering {shown}");
+    pub(super) fn register_all(&self, items: &[(&ValidPathInfo, Vec<(String, StorePath)>)]) -> Result<(), LocalStoreError> {
+        let err = || format!("registering {} paths", items.len());
         let mut db = self.lock();
         let tx = db.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(self.sql_err(err))?;
+        for (info, outputs) in items {
+            self.insert(&tx, info, outputs)?;
+        }
+        tx.commit().map_err(self.sql_err(err))
+    }
+
+    /// Inserts one path's rows within `tx`.
+    fn insert(&self, tx: &rusqlite::Transaction<'_>, info: &ValidPathInfo, outputs: &[(String, StorePath)]) -> Result<(), LocalStoreError> {
+        let shown = self.display(&info.path);
+        let err = || format!("registering {shown}");
         let mut reference_ids = Vec::with_capacity(info.references.len());
         {
             let mut query_id = tx.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?;
@@ -183,16 +192,14 @@ impl Registry {
         if info.references.contains(&info.path) {
             reference_ids.push(id);
         }
-        {
-            let mut add_reference = tx.prepare_cached(ADD_REFERENCE).map_err(self.sql_err(err))?;
-            for reference_id in reference_ids {
-                add_reference.execute([id, reference_id]).map_err(self.sql_err(err))?;
-            }
-            let mut add_output = tx.prepare_cached(ADD_DERIVATION_OUTPUT).map_err(self.sql_err(err))?;
-            for (name, output) in outputs {
-                add_output.execute(params![id, name, self.display(output)]).map_err(self.sql_err(err))?;
-            }
+        let mut add_reference = tx.prepare_cached(ADD_REFERENCE).map_err(self.sql_err(err))?;
+        for reference_id in reference_ids {
+            add_reference.execute([id, reference_id]).map_err(self.sql_err(err))?;
         }
-        tx.commit().map_err(self.sql_err(err))
+        let mut add_output = tx.prepare_cached(ADD_DERIVATION_OUTPUT).map_err(self.sql_err(err))?;
+        for (name, output) in outputs {
+            add_output.execute(params![id, name, self.display(output)]).map_err(self.sql_err(err))?;
+        }
+        Ok(())
     }
 }

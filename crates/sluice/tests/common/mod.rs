@@ -2,8 +2,12 @@
 //! Nix 2.8 in isolated environments, and real nginx serving a cache (`shared/bin/cache-server`).
 #![allow(dead_code)]
 
+mod scripted;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+pub use scripted::{closed_port, Scripted};
 
 /// The read-only shared data directory next to the repository.
 pub fn shared() -> PathBuf {
@@ -122,4 +126,56 @@ impl Drop for CacheServer {
             .args(["stop", "--port", &self.port.to_string(), "--state-base", self.state.to_str().unwrap()])
             .output();
     }
+}
+
+/// A case's directory under `shared/cases`.
+pub fn case_dir(case: &str) -> PathBuf {
+    shared().join("cases").join(case)
+}
+
+/// `(variant, store path)` rows of a case's `paths.txt` (first and last columns).
+pub fn case_paths(case: &str) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(case_dir(case).join("paths.txt")).unwrap();
+    text.lines()
+        .filter(|l| l.contains("/nix/store/"))
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let path = words.iter().find(|w| w.starts_with("/nix/store/")).unwrap();
+            let variant = if words[0].starts_with("cache") { words[1] } else { words[0] };
+            (variant.to_string(), path.to_string())
+        })
+        .collect()
+}
+
+/// The one key a case's paths are signed with.
+pub fn case_key(case: &str) -> String {
+    std::fs::read_to_string(case_dir(case).join("trusted-public-key.txt")).unwrap().trim().to_string()
+}
+
+/// Entries of the store directory under `root`.
+pub fn store_entries(root: &Path) -> Vec<String> {
+    match std::fs::read_dir(root.join("nix/store")) {
+        Ok(rd) => rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Asserts that `path` is neither registered nor present, and nothing temporary is left.
+pub fn assert_absent(tmp: &Path, root: &Path, path: &str) {
+    let base = path.trim_start_matches("/nix/store/");
+    let entries = store_entries(root);
+    assert!(!entries.iter().any(|e| e.contains(&base[..32])), "{path}: something was left in the store: {entries:?}");
+    let o = nix(tmp, "nix-store", &["--store", root.to_str().unwrap(), "--check-validity", path]);
+    assert!(!o.status.success(), "{path} is registered");
+}
+
+/// `sluice copy` of `paths` into the store under `root` from `substituters` (space-separated),
+/// trusting `key`, with extra `--option NAME VALUE` pairs.
+pub fn copy_with(tmp: &Path, root: &Path, substituters: &str, key: &str, options: &[(&str, &str)], paths: &[&str]) -> Output {
+    let mut args = vec!["copy", "--substituters", substituters, "--to", root.to_str().unwrap(), "--trusted-public-keys", key];
+    for (k, v) in options {
+        args.extend(["--option", k, v]);
+    }
+    args.extend(paths);
+    sluice(tmp, &args)
 }

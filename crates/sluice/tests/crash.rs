@@ -1,0 +1,63 @@
+//! Crashes (issue 6, kind 8): `sluice copy` of the corpus closure is killed with SIGKILL at
+//! many moments, each run continuing the previous one's store; a final run completes. Then
+//! real Nix's `nix-store --verify --check-contents` is clean, every path of the closure is
+//! valid, and no temporary tree (`.<name>.sluice`) or `.lock` file remains.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Kill moments, in ms after the start: spread over a copy's whole run (a few ms: opening the
+/// store; later: mid-download, mid-unpack, mid-registration), in a fixed pseudo-random order.
+fn delays(n: usize, max_ms: u64) -> Vec<u64> {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let span = max_ms * (i as u64 + 1) / n as u64;
+            5 + x % span.max(1)
+        })
+        .collect()
+}
+
+fn leftovers(root: &std::path::Path) -> Vec<String> {
+    store_entries(root).into_iter().filter(|e| e.starts_with('.') || e.ends_with(".lock")).collect()
+}
+
+#[test]
+fn kill_9_at_random_moments_then_rerun() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let url = format!("file://{}", corpus().join("cache-xz").display());
+    let args = ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
+    let mut killed = 0;
+    for (i, delay) in delays(20, 2500).into_iter().enumerate() {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp.path(), "");
+        let mut child = cmd.args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(delay) {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            killed += 1;
+        }
+        let status = child.wait().unwrap();
+        eprintln!("iteration {i}: {delay} ms, {status}");
+    }
+    assert!(killed >= 10, "only {killed} of 20 runs were killed mid-copy");
+    let o = sluice(tmp.path(), &args);
+    check(&o, "the rerun after the crashes");
+    assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), TOP).len(), 1056);
+    assert_nix_verifies(tmp.path(), &root);
+    assert_eq!(leftovers(&root), Vec::<String>::new());
+}

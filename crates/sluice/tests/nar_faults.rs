@@ -1,0 +1,136 @@
+//! NAR structure and integrity end to end (cases 04, 06): absurd declared lengths are refused
+//! quickly without memory following them, illegal or unsorted entries and writes through a
+//! symlink are refused, the `Compression` field must agree with the bytes, a proxy's
+//! `Content-Encoding: gzip` is decoded, and a wrong FileSize only warns (the content is
+//! verified by the signed NarHash). Nothing is ever left at a refused path's final place.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const C04: &str = "04-nar-bogus-lengths";
+const C06: &str = "06-nar-directory-entries";
+
+/// `sluice copy` of `path` from case `case`'s cache under `/usr/bin/time`: the output, the
+/// peak RSS of the sluice process in KiB, and the wall time.
+fn copy_measured(tmp: &Path, root: &Path, case: &str, path: &str) -> (Output, u64, Duration) {
+    let rss = tmp.join("rss");
+    let url = format!("file://{}", case_dir(case).join("cache").display());
+    let mut cmd = Command::new("/usr/bin/time");
+    isolate(&mut cmd, tmp, "");
+    cmd.args(["-f", "%M", "-o", rss.to_str().unwrap(), env!("CARGO_BIN_EXE_sluice")]);
+    cmd.args(["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), path]);
+    let started = Instant::now();
+    let o = cmd.output().unwrap();
+    let took = started.elapsed();
+    let kib = std::fs::read_to_string(&rss).unwrap().lines().last().unwrap().trim().parse().unwrap();
+    (o, kib, took)
+}
+
+/// Asserts that copying `path` failed with an error naming the path and containing one of `reasons`.
+fn assert_refused(o: &Output, path: &str, reasons: &[&str]) {
+    assert_eq!(o.status.code(), Some(1), "{path} must be refused");
+    let err = stderr(o);
+    let line = err.lines().find(|l| l.starts_with("error:") && l.contains(path)).unwrap_or_else(|| panic!("{path}: {err}"));
+    assert!(reasons.iter().any(|r| line.contains(r)), "{path}: expected one of {reasons:?} in {line}");
+}
+
+#[test]
+fn bogus_lengths_are_refused_without_following_them() {
+    let reasons: &[(&str, &[&str])] = &[
+        ("no-magic", &["not a NAR", "magic"]),
+        ("huge-token", &["too long"]),
+        ("big-token", &["too long"]),
+        ("huge-contents", &["unexpected end", "NarSize"]),
+        ("truncated", &["unexpected end", "NarSize"]),
+    ];
+    for (variant, path) in case_paths(C04) {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let (o, kib, took) = copy_measured(tmp.path(), &root, C04, &path);
+        let expected = reasons.iter().find(|(v, _)| *v == variant).unwrap().1;
+        assert_refused(&o, &path, expected);
+        assert!(kib < 64 * 1024, "{variant}: peak RSS {kib} KiB");
+        assert!(took < Duration::from_secs(2), "{variant}: took {took:?}");
+        assert_absent(tmp.path(), &root, &path);
+    }
+}
+
+#[test]
+fn directory_entry_rules_of_case_06() {
+    let outside = Path::new("/tmp/sluice-case06-outside");
+    for (variant, path) in case_paths(C06) {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let (o, _, _) = copy_measured(tmp.path(), &root, C06, &path);
+        match variant.as_str() {
+            "ok-prefix-names" => {
+                check(&o, &variant);
+                let out = root.join(&path[1..]);
+                for f in ["foo/bar.h", "foo-", "foo.h"] {
+                    assert!(out.join(f).exists(), "{f} missing");
+                }
+                assert_nix_verifies(tmp.path(), &root);
+            }
+            "unsorted" | "duplicate-file" | "dup-symlink-then-dir" | "dup-symlink-then-file" => assert_refused(&o, &path, &["sorted", "duplicate"]),
+            _ => assert_refused(&o, &path, &["invalid file name", "name"]),
+        }
+        if variant != "ok-prefix-names" {
+            assert_absent(tmp.path(), &root, &path);
+        }
+        assert!(!outside.join("pwned").exists() && !outside.join("pwned2").exists() && !outside.join("pwned3").exists(), "{variant} wrote outside");
+    }
+}
+
+/// A writable copy of case 12's cache with `edit` applied to the narinfo of `variant`.
+fn edited_cache(tmp: &Path, variant: &str, edit: impl Fn(String) -> String) -> (String, String) {
+    let cache = tmp.join("cache");
+    copy_dir(&case_dir("12-http-truncated-body").join("cache"), &cache);
+    let path = case_paths("12-http-truncated-body").into_iter().find(|(v, _)| v == variant).unwrap().1;
+    let file = cache.join(format!("{}.narinfo", &path[11..43]));
+    std::fs::write(&file, edit(std::fs::read_to_string(&file).unwrap())).unwrap();
+    (format!("file://{}", cache.display()), path)
+}
+
+#[test]
+fn compression_field_must_match_the_bytes() {
+    for (variant, from, to, reason) in [("xz", "Compression: xz", "Compression: zstd", "Compression is zstd but the data starts like xz"), ("plain", "Compression: none", "Compression: bzip2", "Compression is bzip2")] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (url, path) = edited_cache(tmp.path(), variant, |t| t.replace(from, to));
+        let root = tmp.path().join("root");
+        let o = copy_with(tmp.path(), &root, &url, &case_key("12-http-truncated-body"), &[], &[&path]);
+        assert_refused(&o, &path, &[reason]);
+        assert!(stderr(&o).contains(&url), "names the cache");
+        assert_absent(tmp.path(), &root, &path);
+    }
+}
+
+#[test]
+fn wrong_file_size_only_warns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, path) = edited_cache(tmp.path(), "xz", |t| t.replace("FileSize: 300552", "FileSize: 12345"));
+    let root = tmp.path().join("root");
+    let o = copy_with(tmp.path(), &root, &url, &case_key("12-http-truncated-body"), &[], &[&path]);
+    check(&o, "copy with a wrong FileSize");
+    let err = stderr(&o);
+    assert!(err.lines().any(|l| l.contains("FileSize is 12345") && l.contains("300552")), "{err}");
+    assert_nix_verifies(tmp.path(), &root);
+}
+
+#[test]
+fn proxy_content_encoding_is_decoded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rules = tmp.path().join("rules.json");
+    std::fs::write(&rules, r#"[{"path": "/.*", "gzip": true}]"#).unwrap();
+    let case = "12-http-truncated-body";
+    let server = Scripted::start(&case_dir(case).join("cache"), Some(&rules), 0, &tmp.path().join("log"));
+    let root = tmp.path().join("root");
+    let paths: Vec<String> = case_paths(case).into_iter().map(|(_, p)| p).collect();
+    let refs: Vec<&str> = paths.iter().map(String::as_str).collect();
+    check(&copy_with(tmp.path(), &root, &server.url, &case_key(case), &[], &refs), "copy through a gzip-encoding proxy");
+    assert_nix_verifies(tmp.path(), &root);
+}

@@ -1,0 +1,190 @@
+//! narinfo and `nix-cache-info` content, end to end through `sluice copy` (cases 01, 02):
+//! optional FileHash/FileSize, required fields named in errors, hash encodings, line format,
+//! fallback to the next cache after a corrupt narinfo, a narinfo for another path, an HTML
+//! page served with 200, the forms of `URL`, and broken `nix-cache-info` files.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+const C01: &str = "01-narinfo-compressed-without-filehash";
+const C02: &str = "02-narinfo-field-validation";
+const OK: &str = "/nix/store/j2yfr439465w3qg0kz6c1h1x6x5hf4zp-ok-baseline";
+
+/// A writable copy of case 02's cache under `tmp` (at `tmp/sub`).
+fn cache_copy(tmp: &Path, sub: &str) -> PathBuf {
+    let dir = tmp.join(sub);
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    copy_dir(&case_dir(C02).join("cache"), &dir);
+    dir
+}
+
+fn narinfo_file(cache: &Path, path: &str) -> PathBuf {
+    cache.join(format!("{}.narinfo", &path["/nix/store/".len()..][..32]))
+}
+
+fn file_url(dir: &Path) -> String {
+    format!("file://{}", dir.display())
+}
+
+#[test]
+fn compressed_without_filehash_is_accepted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let url = file_url(&case_dir(C01).join("cache"));
+    let paths = ["/nix/store/s6h0lhk28lyfid0044hvxdjibflfgvfz-pkg-xz", "/nix/store/8w9n7zvscigkn8iz190bcd8ajlx7qnwi-pkg-zstd"];
+    check(&copy_with(tmp.path(), &root, &url, &case_key(C01), &[], &paths), "copy of case 01");
+    for p in paths {
+        let out = root.join(&p[1..]);
+        let hello = std::fs::metadata(out.join("bin/hello")).unwrap();
+        assert_eq!((hello.len(), hello.permissions().mode() & 0o777), (21, 0o555));
+        assert_eq!(std::fs::metadata(out.join("share/doc.txt")).unwrap().len(), 950);
+        let info = nix_path_info(tmp.path(), root.to_str().unwrap(), p);
+        // sha256:15bz31488rh4v6mi43l6pf8n6mdzcljlcpv3s1y5gy1yc910gcc8, as Nix 2.8 prints it.
+        assert_eq!(info[0]["narHash"], "sha256-iLEHQmI++Fd80GNfRiVlv1VjkbuGDhKr2QRmhEgYf5U=");
+        assert_eq!(info[0]["narSize"], 1808);
+    }
+    assert_nix_verifies(tmp.path(), &root);
+}
+
+#[test]
+fn field_rules_of_case_02() {
+    let url = file_url(&case_dir(C02).join("cache"));
+    let accept = ["ok-baseline", "unknown-fields", "narhash-base16", "narhash-sri", "deriver-unknown", "compression-absent"];
+    let reject = [
+        ("narsize-zero", "NarSize"),
+        ("narsize-missing", "NarSize"),
+        ("narsize-negative", "NarSize"),
+        ("narhash-missing", "NarHash"),
+        ("narhash-bad-b32", "NarHash"),
+        ("url-missing", "URL"),
+        ("storepath-missing", "StorePath"),
+        ("references-twice", "References"),
+        ("no-final-newline", "\\n"),
+        ("crlf", "\\r"),
+    ];
+    let rows = case_paths(C02);
+    assert_eq!(rows.len(), accept.len() + reject.len());
+    for (variant, path) in rows {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let o = copy_with(tmp.path(), &root, &url, &case_key(C02), &[], &[&path]);
+        if accept.contains(&variant.as_str()) {
+            check(&o, &variant);
+            let info = nix_path_info(tmp.path(), root.to_str().unwrap(), &path);
+            // sha256:0b3v1wdsz9144w0dq1r0ys0bw55ycjn9l2x4njymrj59zfhkg5rm, as Nix 2.8 prints it.
+            assert_eq!(info[0]["narHash"], "sha256-NZc3ofupyFy9tKQLmqxkvhS+gPYgB9wAJySkrxsPeyw=", "{variant}: hash normalised");
+            assert!(info[0]["deriver"].is_null(), "{variant}: no deriver");
+        } else {
+            let field = reject.iter().find(|(v, _)| *v == variant).unwrap_or_else(|| panic!("unknown variant {variant}")).1;
+            assert_eq!(o.status.code(), Some(1), "{variant} must be refused");
+            let err = stderr(&o);
+            let line = err.lines().find(|l| l.starts_with("error:") && l.contains(&path)).unwrap_or_else(|| panic!("{variant}: {err}"));
+            assert!(line.contains(field) && line.contains(&url), "{variant}: names {field} and the URL: {line}");
+            assert_absent(tmp.path(), &root, &path);
+        }
+    }
+}
+
+#[test]
+fn corrupt_narinfo_falls_back_to_the_next_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = cache_copy(tmp.path(), "good");
+    let path = "/nix/store/2gdfjrc61r0ayxndbzqw5yd1jbdpfi0m-narsize-zero";
+    let file = narinfo_file(&good, path);
+    let fixed = std::fs::read_to_string(&file).unwrap().replace("NarSize: 0\n", "NarSize: 136\n");
+    std::fs::write(&file, fixed).unwrap();
+    let bad = file_url(&case_dir(C02).join("cache"));
+    let root = tmp.path().join("root");
+    // The fixed narinfo's signature no longer matches (NarSize is signed): trust by hash only.
+    let o = copy_with(tmp.path(), &root, &format!("{bad} {}", file_url(&good)), &case_key(C02), &[("require-sigs", "false")], &[path]);
+    check(&o, "fallback after a corrupt narinfo");
+    let err = stderr(&o);
+    assert!(err.lines().any(|l| l.to_lowercase().contains("warn") && l.contains(&bad) && l.contains("NarSize")), "the corrupt narinfo is logged: {err}");
+    assert_nix_verifies(tmp.path(), &root);
+}
+
+#[test]
+fn narinfo_for_another_path_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = cache_copy(tmp.path(), "c");
+    let other = "/nix/store/8lkcxl53llk5fi2gsvl23y2i1zmr8zjr-unknown-fields";
+    std::fs::copy(narinfo_file(&cache, other), narinfo_file(&cache, OK)).unwrap();
+    let root = tmp.path().join("root");
+    let o = copy_with(tmp.path(), &root, &file_url(&cache), &case_key(C02), &[], &[OK]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains(&format!("narinfo is for {other}, not the requested {OK}")), "{err}");
+    assert_absent(tmp.path(), &root, OK);
+}
+
+#[test]
+fn html_page_with_200_is_not_a_narinfo() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rules = tmp.path().join("rules.json");
+    std::fs::write(&rules, r#"[{"path": "/[0-9a-z]{32}\\.narinfo", "body": "<html><body>Welcome to our captive portal</body></html>\n"}]"#).unwrap();
+    let portal = Scripted::start(&case_dir(C02).join("cache"), Some(&rules), 0, &tmp.path().join("log"));
+    let root = tmp.path().join("root");
+    let alone = copy_with(tmp.path(), &root, &portal.url, &case_key(C02), &[], &[OK]);
+    assert_eq!(alone.status.code(), Some(1));
+    let err = stderr(&alone);
+    assert!(err.contains(&format!("{}/{}.narinfo", portal.url, &OK[11..43])) && err.contains("invalid narinfo"), "{err}");
+    assert_absent(tmp.path(), &root, OK);
+    let subs = format!("{} {}", portal.url, file_url(&case_dir(C02).join("cache")));
+    check(&copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]), "fallback after an HTML narinfo");
+    assert!(portal.requests(|p| p.starts_with("/nar/")).is_empty(), "the portal's page was never used as a narinfo");
+}
+
+#[test]
+fn url_forms_under_a_path_prefix() {
+    for form in ["nar/plain.nar", "nar/plain.nar?download=1", "ABSOLUTE/prefix/nar/plain.nar", "/prefix/nar/plain.nar"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_copy(tmp.path(), "www/prefix");
+        let server = Scripted::start(&tmp.path().join("www"), None, 0, &tmp.path().join("log"));
+        let url = form.replace("ABSOLUTE", &server.url);
+        let file = narinfo_file(&cache, OK);
+        let text = std::fs::read_to_string(&file).unwrap().replace("URL: nar/plain.nar\n", &format!("URL: {url}\n"));
+        std::fs::write(&file, text).unwrap();
+        let root = tmp.path().join("root");
+        check(&copy_with(tmp.path(), &root, &format!("{}/prefix", server.url), &case_key(C02), &[], &[OK]), form);
+        let gets = server.requests(|p| p.starts_with("/prefix/nar/plain.nar"));
+        assert_eq!(gets.len(), 1, "{form}: {gets:?}");
+        assert_nix_verifies(tmp.path(), &root);
+    }
+}
+
+#[test]
+fn broken_nix_cache_info() {
+    let good = file_url(&case_dir(C02).join("cache"));
+    let variants: [(&str, Option<&str>, Option<&str>); 4] = [
+        ("missing", None, None),
+        ("garbage", Some("\u{1}\u{2}<html>not: a cache\n\u{ff}junk"), None),
+        ("wrong-store-dir", Some("StoreDir: /gnu/store\n"), Some("store directory /gnu/store")),
+        ("bad-priority", Some("StoreDir: /nix/store\nPriority: high\n"), Some("Priority \"high\"")),
+    ];
+    for (name, content, refusal) in variants {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_copy(tmp.path(), "c");
+        match content {
+            None => std::fs::remove_file(cache.join("nix-cache-info")).unwrap(),
+            Some(c) => std::fs::write(cache.join("nix-cache-info"), c).unwrap(),
+        }
+        let root = tmp.path().join("root");
+        let o = copy_with(tmp.path(), &root, &file_url(&cache), &case_key(C02), &[], &[OK]);
+        let err = stderr(&o);
+        match refusal {
+            None => check(&o, name),
+            Some(reason) => {
+                assert_eq!(o.status.code(), Some(1), "{name}");
+                let warn = err.lines().find(|l| l.contains("warning") && l.contains(&file_url(&cache))).unwrap_or_else(|| panic!("{name}: {err}"));
+                assert!(warn.contains(reason), "{name}: {warn}");
+                // The cache is left out; the next one still serves the path.
+                let subs = format!("{} {good}", file_url(&cache));
+                check(&copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]), name);
+            }
+        }
+    }
+}
