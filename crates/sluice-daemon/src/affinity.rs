@@ -40,6 +40,55 @@ impl Drop for Pinned {
     }
 }
 
+/// Ops between two looks at where a followed client runs.
+const FOLLOW_INTERVAL: u32 = 32;
+
+/// Keeps a connection's worker on the CPU its client last ran on (for clients that send no
+/// CPU, i.e. every Nix since 2.6): before every [`FOLLOW_INTERVAL`]th operation it reads the
+/// client's CPU from `/proc/<pid>/stat` and re-pins the worker if the client moved. Dropping
+/// it restores the worker's previous affinity.
+pub(crate) struct Follower {
+    pid: i32,
+    cpu: Option<usize>,
+    ops: u32,
+    _restore: Option<Pinned>,
+}
+
+impl Follower {
+    /// Follows the client process `pid`.
+    pub(crate) fn new(pid: i32) -> Self {
+        Follower { pid, cpu: None, ops: 0, _restore: None }
+    }
+
+    /// Called before each operation.
+    pub(crate) fn tick(&mut self) {
+        self.ops = self.ops.wrapping_add(1);
+        if self.ops % FOLLOW_INTERVAL != 1 {
+            return;
+        }
+        let Some(cpu) = client_cpu(self.pid) else { return };
+        if self.cpu == Some(cpu) {
+            return;
+        }
+        if self._restore.is_none() {
+            self._restore = Pinned::to_cpu(cpu as u64);
+            self.cpu = self._restore.as_ref().map(|_| cpu);
+        } else {
+            let mut set = CpuSet::new();
+            set.set(cpu);
+            self.cpu = sched_setaffinity(None, &set).ok().map(|()| cpu);
+        }
+    }
+}
+
+/// The CPU process `pid` last ran on (field 39 of `/proc/<pid>/stat`).
+fn client_cpu(pid: i32) -> Option<usize> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name start with field 3 (state).
+    let cpu = stat.rsplit_once(')')?.1.split_whitespace().nth(39 - 3)?.parse().ok()?;
+    (cpu < CpuSet::MAX_CPU).then_some(cpu)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -55,5 +104,12 @@ mod tests {
         }
         assert_eq!(sched_getaffinity(None).unwrap().count(), before.count());
         assert!(Pinned::to_cpu(1 << 40).is_none());
+    }
+
+    #[test]
+    fn finds_a_process_cpu() {
+        let own = client_cpu(std::process::id() as i32).expect("own CPU");
+        assert!(sched_getaffinity(None).unwrap().is_set(own));
+        assert_eq!(client_cpu(-1), None);
     }
 }

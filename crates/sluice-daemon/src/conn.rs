@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::{read_store_path, read_u64, ProtocolVersion, StderrWriter, WireError};
-use sluice_store::local::LocalStore;
+use sluice_store::local::{LocalStore, TempRootsFile};
 
-use crate::affinity::Pinned;
+use crate::affinity::{Follower, Pinned};
 use crate::handshake::{greet, HandshakeError};
 use crate::options::ClientOptions;
 use crate::trust::Peer;
@@ -63,6 +63,9 @@ pub(crate) struct Conn<'d> {
     pub version: ProtocolVersion,
     pub peer: Peer,
     pub options: ClientOptions,
+    /// This connection's temporary GC roots (created at the first root; they end with the
+    /// connection, as a `nix-daemon` child's do).
+    pub temp_roots: Option<TempRootsFile>,
 }
 
 impl Conn<'_> {
@@ -93,6 +96,16 @@ impl Conn<'_> {
         Ok(())
     }
 
+    /// Makes `path` a temporary GC root for the rest of the connection, in the file Nix's
+    /// collector reads.
+    pub(crate) fn add_temp_root(&mut self, path: &StorePath) -> Result<(), Fail> {
+        let roots = match &mut self.temp_roots {
+            Some(roots) => roots,
+            None => self.temp_roots.insert(self.daemon.store().temp_roots_file().map_err(op_err)?),
+        };
+        roots.add(path).map_err(op_err)
+    }
+
     /// Sends a log line (`NEXT`) at once.
     pub(crate) fn log(&mut self, line: &str) -> io::Result<()> {
         self.stderr().next(&mut self.w, &format!("{line}\n"))?;
@@ -101,8 +114,8 @@ impl Conn<'_> {
 }
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
-/// connection in the daemon's log.
-pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<dyn Write + Send>, peer: Peer, label: &str) {
+/// connection in the daemon's log; `client_pid` is the peer process, if known.
+pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<dyn Write + Send>, peer: Peer, client_pid: Option<i32>, label: &str) {
     let mut r = BufReader::with_capacity(64 * 1024, reader);
     let mut w = BufWriter::with_capacity(64 * 1024, writer);
     let greeting = match greet(&mut r, &mut w, peer.trusted) {
@@ -116,7 +129,7 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<d
             return;
         }
     };
-    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer };
+    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, temp_roots: None };
     if !conn.peer.allowed {
         let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
         tracing::warn!("{label}: {msg}");
@@ -124,6 +137,7 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<d
         return;
     }
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
+    let mut follower = client_pid.filter(|_| greeting.cpu.is_none() && daemon.follow_client_cpu).map(Follower::new);
     tracing::debug!("{label}: protocol {} user {} trusted {}", conn.version, conn.peer.name, conn.peer.trusted);
     if let Err(e) = conn.stderr().last(&mut conn.w).and_then(|()| conn.w.flush()) {
         tracing::debug!("{label}: client gone: {e}");
@@ -140,6 +154,9 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<d
             }
         };
         ops += 1;
+        if let Some(f) = &mut follower {
+            f.tick();
+        }
         match crate::ops::dispatch(&mut conn, op) {
             Ok(()) => {}
             Err(Fail::Op(msg)) => {

@@ -59,15 +59,29 @@ pub struct Daemon {
     config: RawConfig,
     users: trust::Users,
     runtime: tokio::runtime::Runtime,
-    temp_roots: roots::TempRoots,
     /// Activity ids: the daemon's pid in the high 32 bits, as Nix does, then a counter.
     next_activity: AtomicU64,
+    /// Whether workers of clients that send no CPU follow the client's CPU.
+    follow_client_cpu: bool,
+}
+
+/// Daemon options beyond the store and its settings.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DaemonOptions {
+    /// Keep the worker of a client that sends no CPU hint on the CPU that client runs on
+    /// (read from `/proc` every few operations), as the old affinity hint would.
+    pub follow_client_cpu: bool,
 }
 
 impl Daemon {
     /// Opens the local store whose `nix/store` and `nix/var/nix` are under `root`, with the
     /// daemon settings `config` (`trusted-users`, `allowed-users`, `substituters`, …).
     pub fn open(root: &Path, config: RawConfig) -> Result<Arc<Self>, DaemonError> {
+        Self::open_with(root, config, DaemonOptions::default())
+    }
+
+    /// [`open`](Self::open) with `options`.
+    pub fn open_with(root: &Path, config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
         let store = Arc::new(LocalStore::open(root)?);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -81,8 +95,8 @@ impl Daemon {
             users: trust::Users::from_config(&config),
             config,
             runtime,
-            temp_roots: roots::TempRoots::default(),
             next_activity: AtomicU64::new(u64::from(std::process::id()) << 32),
+            follow_client_cpu: options.follow_client_cpu,
         }))
     }
 

@@ -1,11 +1,10 @@
 //! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot, AddIndirectRoot, AddPermRoot,
-//! SyncWithGC, FindRoots. sluice has no garbage collector: temporary roots are kept in the
-//! daemon's memory (and reported by FindRoots as `{temp}`); indirect roots are Nix's
-//! `gcroots/auto/<hash>` symlinks, so that Nix's own collector honours them.
+//! SyncWithGC, FindRoots. sluice has no garbage collector, but Nix's may run on the same
+//! store: temporary roots go to a per-connection file under `temproots` (see
+//! [`sluice_store::local::TempRootsFile`]) and indirect roots are Nix's `gcroots/auto/<hash>`
+//! symlinks, so that Nix's collector honours both.
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use sluice_nix::base32;
 use sluice_nix::hash::{Hash, HashAlgo};
@@ -14,14 +13,10 @@ use sluice_nix::wire::{read_string, write_bytes, write_u64};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
-/// Temporary roots added by clients while the daemon runs.
-#[derive(Debug, Default)]
-pub(crate) struct TempRoots(Mutex<BTreeSet<StorePath>>);
-
 /// AddTempRoot: path → 1.
 pub(crate) fn add_temp_root(c: &mut Conn) -> OpResult {
     let path = c.read_path("path")?;
-    c.daemon.temp_roots.0.lock().unwrap_or_else(|p| p.into_inner()).insert(path);
+    c.add_temp_root(&path)?;
     c.reply(|w, _| write_u64(w, 1))
 }
 
@@ -71,12 +66,12 @@ fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
 
 /// FindRoots: → count, then (link, store path) pairs: the symlinks under `gcroots` (following
 /// one indirection, as `gcroots/auto` links do) that lead into the store, and the temporary
-/// roots as `{temp}`.
+/// roots of every live process and connection as `{temp:<id>}`.
 pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
     let mut roots: Vec<(String, StorePath)> = Vec::new();
     scan(c, &c.daemon.state_dir.join("gcroots"), 0, &mut roots);
-    for p in c.daemon.temp_roots.0.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        roots.push(("{temp}".to_owned(), p.clone()));
+    for (path, labels) in c.store().find_temp_roots().map_err(op_err)? {
+        roots.extend(labels.into_iter().map(|label| (label, path.clone())));
     }
     c.reply(|w, dir| {
         write_u64(w, roots.len() as u64)?;

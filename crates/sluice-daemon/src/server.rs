@@ -35,8 +35,8 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
                 continue;
             }
         };
-        let peer = match rustix::net::sockopt::get_socket_peercred(&stream) {
-            Ok(cred) => daemon.users.peer(cred.uid.as_raw(), cred.gid.as_raw()),
+        let (peer, pid) = match rustix::net::sockopt::get_socket_peercred(&stream) {
+            Ok(cred) => (daemon.users.peer(cred.uid.as_raw(), cred.gid.as_raw()), cred.pid.as_raw_nonzero().get()),
             Err(e) => {
                 tracing::warn!("connection {n}: cannot read the peer's credentials: {e}; closed");
                 continue;
@@ -53,7 +53,7 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
         let label = format!("connection {n} ({})", peer.name);
         let spawned = std::thread::Builder::new()
             .name(format!("sluice-worker-{n}"))
-            .spawn(move || conn::serve(&daemon, Box::new(reader), Box::new(stream), peer, &label));
+            .spawn(move || conn::serve(&daemon, Box::new(reader), Box::new(stream), peer, Some(pid), &label));
         if let Err(e) = spawned {
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
         }
@@ -64,6 +64,6 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
 /// Serves one client on standard input and output, then returns.
 pub fn serve_stdio(daemon: Arc<Daemon>) -> Result<(), DaemonError> {
     let peer = Peer { name: "stdio client".into(), trusted: true, allowed: true };
-    conn::serve(&daemon, Box::new(std::io::stdin()), Box::new(std::io::stdout()), peer, "stdio");
+    conn::serve(&daemon, Box::new(std::io::stdin()), Box::new(std::io::stdout()), peer, None, "stdio");
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! answers are written back in batches. This is the batch `querySubstitutablePathInfos` of
 //! Nix's founding design; `missing`, `copy` and `path-info -r` use it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -23,6 +23,20 @@ use crate::narinfo_cache::{Cached, NarInfoCache};
 pub struct Substituter {
     pub cache: BinaryCache,
     pub disk_id: Option<i64>,
+    /// Narinfo answers fetched while the cache was being opened (by hash part), taken by
+    /// the first lookup of each path instead of a request.
+    pub prefetched: std::sync::Mutex<HashMap<String, Result<Option<String>, CacheError>>>,
+}
+
+impl Substituter {
+    /// A substituter with nothing prefetched.
+    pub fn new(cache: BinaryCache, disk_id: Option<i64>) -> Self {
+        Substituter { cache, disk_id, prefetched: Default::default() }
+    }
+
+    fn take_prefetched(&self, path: &StorePath) -> Option<Result<Option<String>, CacheError>> {
+        self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(path.hash_part())
+    }
 }
 
 /// What the engine learnt about one path of the closure.
@@ -59,8 +73,54 @@ enum Answer {
     Fetch(tokio::task::JoinHandle<Result<Option<String>, CacheError>>),
 }
 
+/// The state of one closure walk.
+#[derive(Default)]
+struct Walk {
+    seen: HashSet<StorePath>,
+    /// Lookups under way.
+    pending: FuturesUnordered<BoxFuture<'static, Outcome>>,
+    /// Paths waiting for a network slot, deepest (then newest) first.
+    waiting: BinaryHeap<Waiting>,
+    /// Depth of each path seen (references of a path at depth d are at d + 1).
+    depth: HashMap<StorePath, usize>,
+    /// Paths queued so far (orders equal depths, newest first).
+    queued: u64,
+    /// Lookups under way that wait on the network.
+    network: usize,
+}
+
+/// A path waiting for a network slot, with its disk-cache answers.
+struct Waiting {
+    depth: usize,
+    seq: u64,
+    path: StorePath,
+    known: Vec<Option<Cached>>,
+}
+
+impl PartialEq for Waiting {
+    fn eq(&self, other: &Self) -> bool {
+        (self.depth, self.seq) == (other.depth, other.seq)
+    }
+}
+
+impl Eq for Waiting {}
+
+impl PartialOrd for Waiting {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Waiting {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.depth, self.seq).cmp(&(other.depth, other.seq))
+    }
+}
+
 struct Outcome {
     path: StorePath,
+    /// Whether the lookup used the network (and so a slot of the budget).
+    network: bool,
     event: ClosureEvent,
     /// Fresh network answers to record: (disk id, hash part, narinfo text or absent).
     records: Vec<(i64, String, Option<String>)>,
@@ -77,20 +137,23 @@ impl ClosureQuery {
     /// `events` as answers arrive. Returns when the whole closure is known (or `events` is
     /// closed by the receiver).
     pub async fn run(&self, roots: Vec<StorePath>, events: mpsc::UnboundedSender<ClosureEvent>) {
-        let mut seen: HashSet<StorePath> = HashSet::new();
-        let mut pending = FuturesUnordered::new();
+        let mut walk = Walk::default();
         let mut records = Vec::new();
-        self.enqueue(roots, &mut seen, &mut pending, &events);
-        while let Some(outcome) = pending.next().await {
-            let Outcome { path, event, records: new } = outcome;
+        self.enqueue(roots, 0, &mut walk, &events);
+        self.fill(&mut walk);
+        while let Some(outcome) = walk.pending.next().await {
+            let Outcome { path, event, records: new, network } = outcome;
+            walk.network -= network as usize;
             records.extend(new);
             if records.len() >= RECORD_BATCH {
                 self.flush(&mut records).await;
             }
             if let ClosureEvent::Found { narinfo, .. } = &event {
                 let refs: Vec<StorePath> = narinfo.references.iter().filter(|r| **r != path).cloned().collect();
-                self.enqueue(refs, &mut seen, &mut pending, &events);
+                let depth = walk.depth.get(&path).map_or(0, |d| d + 1);
+                self.enqueue(refs, depth, &mut walk, &events);
             }
+            self.fill(&mut walk);
             if events.send(event).is_err() {
                 return;
             }
@@ -111,14 +174,10 @@ impl ClosureQuery {
         }
     }
 
-    fn enqueue(
-        &self,
-        paths: Vec<StorePath>,
-        seen: &mut HashSet<StorePath>,
-        pending: &mut FuturesUnordered<BoxFuture<'static, Outcome>>,
-        events: &mpsc::UnboundedSender<ClosureEvent>,
-    ) {
-        let new: Vec<StorePath> = paths.into_iter().filter(|p| seen.insert(p.clone())).collect();
+    /// Takes in newly discovered paths: valid ones are reported, ones every substituter has a
+    /// fresh disk-cache answer for are resolved at once, the rest wait for a network slot.
+    fn enqueue(&self, paths: Vec<StorePath>, depth: usize, walk: &mut Walk, events: &mpsc::UnboundedSender<ClosureEvent>) {
+        let new: Vec<StorePath> = paths.into_iter().filter(|p| walk.seen.insert(p.clone())).collect();
         if new.is_empty() {
             return;
         }
@@ -127,23 +186,54 @@ impl ClosureQuery {
         for v in valid {
             let _ = events.send(ClosureEvent::Valid(v));
         }
-        let cached = self.cached_answers(&rest);
+        let mut cached = self.cached_answers(&rest);
         for path in rest {
-            let answers = self
-                .substituters
-                .iter()
-                .enumerate()
-                .map(|(i, _)| match cached.get(&(i, path.hash_part().to_string())) {
-                    Some(c) => Answer::Cached(c.clone()),
-                    None => {
-                        let subs = self.substituters.clone();
-                        let p = path.clone();
-                        Answer::Fetch(tokio::spawn(async move { subs[i].cache.narinfo_text(&p).await }))
-                    }
-                })
-                .collect();
-            pending.push(Box::pin(resolve(self.substituters.clone(), self.store_dir.clone(), path, answers)));
+            let known: Vec<Option<Cached>> = (0..self.substituters.len()).map(|i| cached.remove(&(i, path.hash_part().to_string()))).collect();
+            walk.depth.insert(path.clone(), depth);
+            if known.iter().all(Option::is_some) {
+                self.start(path, known, walk);
+            } else {
+                walk.queued += 1;
+                walk.waiting.push(Waiting { depth, seq: walk.queued, path, known });
+            }
         }
+    }
+
+    /// Starts waiting lookups, deepest first (then newest), while the network budget allows:
+    /// the long chains of a closure start early instead of queueing behind a wide level (no
+    /// per-level barrier, and no FIFO one either).
+    fn fill(&self, walk: &mut Walk) {
+        let budget = self.substituters.iter().map(|s| s.cache.capacity()).min().unwrap_or(1).max(1);
+        while walk.network < budget {
+            let Some(Waiting { path, known, .. }) = walk.waiting.pop() else { break };
+            self.start(path, known, walk);
+        }
+    }
+
+    /// Starts the lookup of `path`: cached answers as they are, a request to every other
+    /// substituter at once.
+    fn start(&self, path: StorePath, known: Vec<Option<Cached>>, walk: &mut Walk) {
+        let network = known.iter().any(Option::is_none);
+        let answers = known
+            .into_iter()
+            .enumerate()
+            .map(|(i, k)| match k {
+                Some(c) => Answer::Cached(c),
+                None => {
+                    let subs = self.substituters.clone();
+                    let p = path.clone();
+                    let early = subs[i].take_prefetched(&p);
+                    Answer::Fetch(tokio::spawn(async move {
+                        match early {
+                            Some(answer) => answer,
+                            None => subs[i].cache.narinfo_text(&p).await,
+                        }
+                    }))
+                }
+            })
+            .collect();
+        walk.network += network as usize;
+        walk.pending.push(Box::pin(resolve(self.substituters.clone(), self.store_dir.clone(), path, answers, network)));
     }
 
     /// Fresh disk-cache answers for `paths`, keyed by (substituter index, hash part).
@@ -164,7 +254,7 @@ impl ClosureQuery {
 
 /// Takes the answer of the highest-priority substituter that has `path`, waiting on a
 /// lower-priority one only while every higher one lacks it or failed; cancels the rest.
-async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePath, answers: Vec<Answer>) -> Outcome {
+async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePath, answers: Vec<Answer>, network: bool) -> Outcome {
     let mut records = Vec::new();
     let mut errors: Vec<Arc<CacheError>> = Vec::new();
     let mut answers = answers.into_iter().enumerate();
@@ -197,12 +287,12 @@ async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePa
                         h.abort();
                     }
                 }
-                return Outcome { path, event: ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: i }, records };
+                return Outcome { path, event: ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: i }, records, network };
             }
             Ok(None) => {}
             Err(e) => errors.push(Arc::new(e)),
         }
     }
     let event = if errors.is_empty() { ClosureEvent::Unknown(path.clone()) } else { ClosureEvent::Failed { path: path.clone(), errors } };
-    Outcome { path, event, records }
+    Outcome { path, event, records, network }
 }

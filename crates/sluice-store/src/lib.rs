@@ -4,6 +4,7 @@
 
 pub mod local;
 pub mod path_info;
+pub mod remote;
 pub mod binary_cache;
 pub mod closure;
 pub mod compression;

@@ -42,4 +42,20 @@ impl ValidPathInfo {
             ca: narinfo.ca.clone(),
         }
     }
+
+    /// The record for a path's metadata as the worker protocol carries it (a registration
+    /// time beyond `i64` is clamped).
+    pub fn from_wire(info: sluice_nix::wire::PathInfo) -> Self {
+        ValidPathInfo {
+            path: info.path,
+            nar_hash: info.nar_hash,
+            nar_size: info.nar_size,
+            references: info.references,
+            deriver: info.deriver,
+            registration_time: i64::try_from(info.registration_time).unwrap_or(i64::MAX),
+            ultimate: info.ultimate,
+            sigs: info.sigs,
+            ca: info.ca.map(|c| c.to_string()),
+        }
+    }
 }

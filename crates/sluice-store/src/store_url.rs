@@ -12,7 +12,13 @@ pub enum StoreUrl {
     Local { root: PathBuf },
     /// A binary cache.
     BinaryCache(CacheUrl),
+    /// A daemon's Unix socket: `unix://PATH`, or `daemon` for the default socket
+    /// (`$NIX_DAEMON_SOCKET_PATH`, else `/nix/var/nix/daemon-socket/socket`).
+    Daemon { socket: PathBuf },
 }
+
+/// The default daemon socket.
+pub const DEFAULT_DAEMON_SOCKET: &str = "/nix/var/nix/daemon-socket/socket";
 
 /// A binary cache's URL: `base` has no trailing slash and no query; `priority` overrides the
 /// cache's `nix-cache-info` (`?priority=N`).
@@ -30,7 +36,7 @@ pub enum CacheKind { File, Http }
 /// Why a store URL was rejected.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StoreUrlError {
-    #[error("unsupported store URL {0:?} (expected local, local?root=DIR, an absolute path, file://, http:// or https://)")]
+    #[error("unsupported store URL {0:?} (expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http:// or https://)")]
     Unsupported(String),
     #[error("store URL {url:?}: parameter {param} has the invalid value {value:?}")]
     BadParam { url: String, param: &'static str, value: String },
@@ -45,6 +51,16 @@ impl StoreUrl {
         };
         let params: Vec<(&str, &str)> = query.split('&').filter(|p| !p.is_empty()).map(|p| p.split_once('=').unwrap_or((p, ""))).collect();
         let param = |name: &str| params.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+        if main == "daemon" {
+            let socket = std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from);
+            return Ok(StoreUrl::Daemon { socket });
+        }
+        if let Some(socket) = main.strip_prefix("unix://") {
+            if !socket.starts_with('/') {
+                return Err(StoreUrlError::Unsupported(url.to_string()));
+            }
+            return Ok(StoreUrl::Daemon { socket: PathBuf::from(socket) });
+        }
         if main == "local" || main.starts_with('/') {
             let root = match (param("root"), main) {
                 (Some(r), _) => PathBuf::from(r),
@@ -93,6 +109,8 @@ mod tests {
             StoreUrl::BinaryCache(CacheUrl { base: "https://cache.nixos.org".into(), kind: CacheKind::Http, priority: None })
         );
         assert!(StoreUrl::parse("s4://x").is_err());
+        assert_eq!(StoreUrl::parse("unix:///tmp/d/socket?real=/x").unwrap(), StoreUrl::Daemon { socket: "/tmp/d/socket".into() });
+        assert!(StoreUrl::parse("unix://relative").is_err());
         assert!(StoreUrl::parse("file://relative").is_err());
         assert!(StoreUrl::parse("http://x?priority=high").is_err());
     }

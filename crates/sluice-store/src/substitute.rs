@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use crate::binary_cache::{BinaryCache, NarStream};
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
-use crate::local::{LocalStore, LocalStoreError, PendingPath, Unpacked};
+use crate::local::{LocalStore, LocalStoreError, PendingPath, TryAdd, Unpacked};
 use crate::narinfo_cache::NarInfoCache;
 use crate::path_info::ValidPathInfo;
 
@@ -166,6 +166,8 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec
     while let Some(event) = rx.recv().await {
         match event {
             ClosureEvent::Valid(path) => {
+                // A copy killed between registering a path and releasing its lock left the lock file.
+                shared.dest.clear_stale_lock(&path);
                 shared.lock_report().already_valid += 1;
                 shared.gate.set(&path, State::Valid);
             }
@@ -336,11 +338,29 @@ impl Shared {
         Ok(())
     }
 
-    /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree, holding a
-    /// job slot per attempt. A transfer cut short (reset, stall, fewer bytes than announced)
-    /// is downloaded again after a backoff, up to the cache's `download-attempts`. `None`
-    /// when the path became valid meanwhile.
+    /// Takes `path`'s lock in the destination without blocking a thread: while another
+    /// process holds it, waits (asynchronously, holding nothing else) and retries. `None` when
+    /// the path is or became valid.
+    async fn lock_path(&self, path: &StorePath) -> Result<Option<PendingPath>, Attempt> {
+        let mut wait = std::time::Duration::from_millis(5);
+        loop {
+            let (dest, p) = (self.dest.clone(), path.clone());
+            let tried = tokio::task::spawn_blocking(move || dest.try_begin_add(&p)).await.map_err(|e| Attempt::Final(e.to_string()))?;
+            match tried.map_err(|e| Attempt::Final(e.to_string()))? {
+                TryAdd::Valid => return Ok(None),
+                TryAdd::Pending(pending) => return Ok(Some(pending)),
+                TryAdd::Busy => tokio::time::sleep(wait).await,
+            }
+            wait = (wait * 2).min(std::time::Duration::from_millis(200));
+        }
+    }
+
+    /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree: takes
+    /// the path's lock first, then a job slot per attempt. A transfer cut short (reset, stall,
+    /// fewer bytes than announced) is downloaded again after a backoff, up to the cache's
+    /// `download-attempts`. `None` when the path became valid meanwhile.
     async fn fetch_nar(&self, cache: &BinaryCache, narinfo: &NarInfo, compression: Compression, flat_algo: Option<HashAlgo>, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+        let Some(mut pending) = self.lock_path(&narinfo.store_path).await? else { return Ok(None) };
         let attempts = cache.download_attempts();
         let mut attempt = 0;
         loop {
@@ -351,33 +371,33 @@ impl Shared {
                 Ok(None) => return Err(Attempt::TryNext(format!("{url}: NAR not found (404)"))),
                 Err(e) => return Err(Attempt::TryNext(e.to_string())),
             };
-            let dest = self.dest.clone();
-            let path = narinfo.store_path.clone();
             let observer = self.observer.clone();
             let unpack_url = url.to_string();
             let nar_size = narinfo.nar_size;
-            let unpacked = tokio::task::spawn_blocking(move || -> Result<Option<(PendingPath, Unpacked, u64)>, String> {
-                let Some(mut pending) = dest.begin_add(&path).map_err(|e| e.to_string())? else { return Ok(None) };
+            let (returned, unpacked) = tokio::task::spawn_blocking(move || {
                 let mut counting = Counting { inner: reader, observer, total: 0 };
-                let decoder = compression.decoder(&mut counting).map_err(|e| format!("{unpack_url}: {e}"))?;
-                let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
-                let unpacked = pending.unpack(&mut nar, flat_algo).map_err(|e| format!("{unpack_url}: {e}"))?;
-                drop(nar);
-                Ok(Some((pending, unpacked, counting.total)))
+                let result = match compression.decoder(&mut counting) {
+                    Ok(decoder) => {
+                        let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
+                        pending.unpack(&mut nar, flat_algo).map_err(|e| format!("{unpack_url}: {e}"))
+                    }
+                    Err(e) => Err(format!("{unpack_url}: {e}")),
+                };
+                let total = counting.total;
+                (pending, result.map(|u| (u, total)))
             })
             .await
             .map_err(|e| Attempt::Final(e.to_string()))?;
+            pending = returned;
             drop(permit);
             let error = match unpacked {
-                Ok(done) => {
+                Ok((unpacked, got)) => {
                     // FileSize/FileHash are unsigned hints; the content was verified against the
                     // signed NarHash/NarSize, so a mismatch is only worth a warning.
-                    if let (Some((_, _, got)), Some(declared)) = (&done, narinfo.file_size) {
-                        if *got != declared {
-                            tracing::warn!("{url}: FileSize is {declared} bytes but {got} were downloaded; the NAR itself matches its NarHash");
-                        }
+                    if let Some(declared) = narinfo.file_size.filter(|d| *d != got) {
+                        tracing::warn!("{url}: FileSize is {declared} bytes but {got} were downloaded; the NAR itself matches its NarHash");
                     }
-                    return Ok(done);
+                    return Ok(Some((pending, unpacked, got)));
                 }
                 Err(e) => e,
             };

@@ -5,13 +5,17 @@
 use std::sync::Arc;
 
 use futures::future::join_all;
-use sluice_nix::store_path::StoreDir;
+use sluice_nix::cache_info::CacheInfo;
+use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::closure::{ClosureQuery, Substituter};
 use crate::config::Settings;
 use crate::narinfo_cache::NarInfoCache;
 use crate::store_url::{CacheUrl, StoreUrl};
+
+/// Most root narinfos fetched alongside `nix-cache-info`.
+pub const MAX_PREFETCH: usize = 64;
 
 /// Why a substituter URL was not used.
 #[derive(Debug, thiserror::Error)]
@@ -28,30 +32,51 @@ pub enum SubstituterError {
 pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
     match StoreUrl::parse(url)? {
         StoreUrl::BinaryCache(c) => Ok(c),
-        StoreUrl::Local { .. } => Err(SubstituterError::NotACache { url: url.to_string() }),
+        StoreUrl::Local { .. } | StoreUrl::Daemon { .. } => Err(SubstituterError::NotACache { url: url.to_string() }),
     }
 }
 
-async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk: Option<&NarInfoCache>, store_dir: &StoreDir) -> Result<Substituter, SubstituterError> {
+async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk: Option<&NarInfoCache>, store_dir: &StoreDir, prefetch: &[StorePath]) -> Result<Substituter, SubstituterError> {
     let curl = cache_url(url)?;
     let cached = disk.and_then(|d| d.cache_info(&curl.base).map_err(|e| tracing::warn!("{e}")).ok().flatten());
-    let (disk_id, info) = match cached {
-        Some((id, info)) => (Some(id), info),
+    let (disk_id, cache) = match cached {
+        Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, settings, info)),
         None => {
-            let info = BinaryCache::fetch_cache_info(&curl, client, settings).await?;
+            let mut cache = BinaryCache::new(&curl, client, settings, CacheInfo::default());
+            // The narinfos of the roots travel alongside nix-cache-info: one round trip for both.
+            let roots = &prefetch[..prefetch.len().min(MAX_PREFETCH)];
+            let (info, answers) = futures::join!(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p))));
+            let info = info?;
             let id = disk.and_then(|d| d.record_cache(&curl.base, &info).map_err(|e| tracing::warn!("{e}")).ok());
-            (id, info)
+            cache.set_info(info);
+            let sub = Substituter::new(cache, id);
+            sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
+            sub.cache.check_store_dir(store_dir)?;
+            return Ok(sub);
         }
     };
-    let cache = BinaryCache::new(&curl, client, settings, info);
     cache.check_store_dir(store_dir)?;
-    Ok(Substituter { cache, disk_id })
+    Ok(Substituter::new(cache, disk_id))
 }
 
 /// Opens `urls` as substituters for `store_dir`, sorted by priority. Returns the usable ones
 /// and one error per cache left out.
 pub async fn open(urls: &[String], settings: &Settings, client: &reqwest::Client, disk: Option<&NarInfoCache>, store_dir: &StoreDir) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    let results = join_all(urls.iter().map(|u| open_one(u, settings, client, disk, store_dir))).await;
+    open_prefetching(urls, settings, client, disk, store_dir, &[]).await
+}
+
+/// Like [`open`], and asks each cache whose `nix-cache-info` is not in the disk cache for the
+/// narinfos of `prefetch` (at most [`MAX_PREFETCH`]) at the same time, so that a cold closure
+/// query does not spend a round trip on `nix-cache-info` alone.
+pub async fn open_prefetching(
+    urls: &[String],
+    settings: &Settings,
+    client: &reqwest::Client,
+    disk: Option<&NarInfoCache>,
+    store_dir: &StoreDir,
+    prefetch: &[StorePath],
+) -> (Vec<Substituter>, Vec<SubstituterError>) {
+    let results = join_all(urls.iter().map(|u| open_one(u, settings, client, disk, store_dir, prefetch))).await;
     let (mut subs, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

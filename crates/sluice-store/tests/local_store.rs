@@ -513,6 +513,15 @@ fn derivations_register_their_outputs() {
     assert!(!expected.is_empty());
     assert_eq!(outputs, expected);
     assert!(outputs.iter().any(|(_, p)| p == "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8"));
+
+    // The same table through the store's API, both ways.
+    let map: Vec<(String, String)> = store.query_derivation_output_map(&drv.store_path).unwrap().into_iter().map(|(n, p)| (n, shown(&p))).collect();
+    assert_eq!(map, expected);
+    let glibc = store_dir().parse_path("/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8").unwrap();
+    assert_eq!(store.query_valid_derivers(&glibc).unwrap(), BTreeSet::from([drv.store_path.clone()]));
+    let not_an_output = infos.iter().find(|i| wanted.contains(&i.store_path) && !i.store_path.is_derivation()).unwrap();
+    assert!(store.query_valid_derivers(&not_an_output.store_path).unwrap().is_empty());
+    assert!(matches!(store.query_derivation_output_map(&glibc), Err(LocalStoreError::NotValid { .. })));
 }
 
 #[test]
@@ -539,4 +548,137 @@ fn begin_add_waits_for_a_lock_held_by_another_process() {
     pending.unpack(&mut nar.as_slice(), None).unwrap();
     pending.commit(&info).unwrap();
     assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]), "lock file left behind");
+}
+
+#[test]
+fn commit_all_registers_a_batch_and_fails_only_the_dependents_of_a_bad_path() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let cache = subset_cache();
+    let infos = cache_infos(&cache);
+    // A path with dependents inside the subset, given a wrong NarHash.
+    let bad = infos.iter().find(|i| infos.iter().any(|j| j.store_path != i.store_path && j.references.contains(&i.store_path))).unwrap().store_path.clone();
+    let mut batch = Vec::new();
+    for info in &infos {
+        let mut vpi = path_info(info);
+        if vpi.path == bad {
+            vpi.nar_hash = Hash::digest_bytes(HashAlgo::Sha256, b"not this NAR");
+        }
+        let mut pending = store.begin_add(&vpi.path).unwrap().unwrap();
+        pending.unpack(&mut &nar_bytes(&cache, info)[..], None).unwrap();
+        batch.push((pending, vpi));
+    }
+    let results = store.commit_all(batch);
+    // Which paths have `bad` in their closure (the subset is in dependency order).
+    let mut tainted = BTreeSet::from([bad.clone()]);
+    for info in &infos {
+        if info.references.iter().any(|r| tainted.contains(r)) {
+            tainted.insert(info.store_path.clone());
+        }
+    }
+    assert!(tainted.len() > 1, "the bad path has dependents");
+    for (info, result) in infos.iter().zip(&results) {
+        let p = &info.store_path;
+        match result {
+            Err(LocalStoreError::HashMismatch { .. }) => assert_eq!(*p, bad),
+            Err(LocalStoreError::MissingReference { .. }) => assert!(tainted.contains(p) && *p != bad, "{p}"),
+            Ok(()) => assert!(!tainted.contains(p) && store.is_valid_path(p).unwrap(), "{p}"),
+            Err(e) => panic!("unexpected error for {p}: {e}"),
+        }
+        assert_eq!(store.is_valid_path(p).unwrap(), !tainted.contains(p));
+    }
+    let expected: BTreeSet<String> = infos.iter().filter(|i| !tainted.contains(&i.store_path)).map(|i| i.store_path.base_name().to_string()).collect();
+    assert_eq!(store_entries(&root), expected, "only the registered paths are in the store directory");
+    verify_with_nix(&root, tmp.path());
+}
+
+#[test]
+fn signatures_and_hash_part_lookup() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let added = add_subset(&store);
+    assert_eq!(store.root(), root.as_path());
+    assert_eq!(store.state_dir(), root.join("nix/var/nix").as_path());
+
+    for info in &added {
+        assert_eq!(store.query_path_from_hash_part(info.path.hash_part()).unwrap().as_ref(), Some(&info.path));
+    }
+    // A hash part just below a valid one (its last digit decremented) finds nothing, even
+    // though the index seek lands on that valid path.
+    let first = &added[0].path;
+    let mut below = first.hash_part().to_owned();
+    let last = below.pop().unwrap();
+    let alphabet = sluice_nix::base32::ALPHABET;
+    let pos = alphabet.iter().position(|c| char::from(*c) == last).unwrap();
+    below.push(char::from(alphabet[(pos + 31) % 32]));
+    assert!(pos > 0 || below != first.hash_part());
+    assert_eq!(store.query_path_from_hash_part(&below).unwrap(), None);
+    assert_eq!(store.query_path_from_hash_part("short").unwrap(), None);
+
+    // Signatures are added as a set to those the path has, and Nix sees them.
+    let target = &added[0];
+    let before = store.query_path_info(&target.path).unwrap().unwrap().sigs;
+    let new: BTreeSet<String> = ["test-key-1:AAAA".to_owned(), "test-key-2:BBBB".to_owned()].into();
+    store.add_signatures(&target.path, &new).unwrap();
+    store.add_signatures(&target.path, &new).unwrap();
+    let after = store.query_path_info(&target.path).unwrap().unwrap().sigs;
+    assert_eq!(after, before.union(&new).cloned().collect::<BTreeSet<_>>());
+    let json = nix_path_infos(&root, &target.path, tmp.path());
+    let sigs: BTreeSet<String> =
+        json[&shown(&target.path)]["signatures"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_owned()).collect();
+    assert_eq!(sigs, after);
+    let missing = store_dir().parse_path("/nix/store/00000000000000000000000000000000-missing").unwrap();
+    assert!(matches!(store.add_signatures(&missing, &new), Err(LocalStoreError::NotValid { .. })));
+}
+
+#[test]
+fn temp_roots_are_honoured_by_nix_garbage_collector() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let added = add_subset(&store);
+    // A path that others refer to (so its referrers are outside its closure) is the root.
+    let top = added.iter().find(|i| added.iter().any(|j| j.path != i.path && j.references.contains(&i.path))).unwrap().path.clone();
+    let closure: BTreeSet<StorePath> = {
+        let mut seen = BTreeSet::from([top.clone()]);
+        let mut todo = vec![top.clone()];
+        while let Some(p) = todo.pop() {
+            for r in store.query_path_info(&p).unwrap().unwrap().references {
+                if seen.insert(r.clone()) {
+                    todo.push(r);
+                }
+            }
+        }
+        seen
+    };
+    let outside: Vec<&StorePath> = added.iter().map(|i| &i.path).filter(|p| !closure.contains(*p)).collect();
+    assert!(!outside.is_empty(), "the subset should have paths outside the top's closure");
+
+    let mut roots = store.temp_roots_file().unwrap();
+    roots.add(&top).unwrap();
+    roots.add(&top).unwrap();
+    let id = roots.path().file_name().unwrap().to_str().unwrap().to_owned();
+    assert_eq!(std::fs::read(roots.path()).unwrap(), format!("{}\0", shown(&top)).into_bytes(), "written once");
+    let found = store.find_temp_roots().unwrap();
+    assert_eq!(found.get(&top), Some(&BTreeSet::from([format!("{{temp:{id}}}")])));
+
+    let r = root.to_str().unwrap();
+    let printed = String::from_utf8(nix_ok("nix-store", &["--store", r, "--gc", "--print-roots"], tmp.path())).unwrap();
+    assert!(printed.contains(&format!("{{temp:{id}}} -> {}", shown(&top))), "{printed}");
+    // Nix's collector runs (and deletes) while the roots file is held: the closure stays.
+    nix_ok("nix-store", &["--store", r, "--gc"], tmp.path());
+    for p in &closure {
+        assert!(store.is_valid_path(p).unwrap(), "{p} was collected although rooted");
+        assert!(store.real_path(p).exists());
+    }
+    for p in &outside {
+        assert!(!store.is_valid_path(p).unwrap(), "{p} is not rooted and should have been collected");
+    }
+    let file = roots.path().to_owned();
+    drop(roots);
+    assert!(!file.exists(), "the roots file outlived its holder");
+    nix_ok("nix-store", &["--store", r, "--gc"], tmp.path());
+    assert!(!store.is_valid_path(&top).unwrap(), "the root ended with its holder");
 }

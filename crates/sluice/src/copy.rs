@@ -45,7 +45,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let started = Instant::now();
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
-        let query = setup::closure_query(&urls, &settings, &store_dir, setup::validity(Some(dest.clone()))).await?;
+        let query = setup::closure_query(&urls, &settings, &store_dir, setup::validity(Some(dest.clone())), &roots).await?;
         Ok::<_, String>(copy_closure(query, dest.clone(), roots.clone(), opts, progress.clone()).await)
     })?;
     progress.finish();

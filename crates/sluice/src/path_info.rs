@@ -12,6 +12,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure::{ClosureEvent, ClosureQuery};
 use sluice_store::local::LocalStore;
 use sluice_store::path_info::ValidPathInfo;
+use sluice_store::remote::RemoteStore;
 use sluice_store::store_url::StoreUrl;
 use tokio::sync::mpsc;
 
@@ -55,7 +56,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         StoreUrl::Local { root } => {
             let store = LocalStore::open(&root).map_err(|e| e.to_string())?;
             let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
-            local_entries(&store, roots, args.recursive)?
+            store_entries(roots, args.recursive, |p| store.query_path_info(p).map_err(|e| e.to_string()))?
+        }
+        StoreUrl::Daemon { socket } => {
+            let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
+            let roots = setup::parse_paths(&store_dir, &args.paths)?;
+            store_entries(roots, args.recursive, |p| store.query_path_info(p).map_err(|e| e.to_string()))?
         }
         StoreUrl::BinaryCache(_) => {
             let roots = setup::parse_paths(&store_dir, &args.paths)?;
@@ -90,7 +96,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 
 type Entries = (BTreeMap<StorePath, Entry>, Vec<StorePath>);
 
-fn local_entries(store: &LocalStore, roots: Vec<StorePath>, recursive: bool) -> Result<Entries, String> {
+/// The entries of `roots` (and their closures when `recursive`) from a store's `query`.
+fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&StorePath) -> Result<Option<ValidPathInfo>, String>) -> Result<Entries, String> {
     let mut entries = BTreeMap::new();
     let mut missing = Vec::new();
     let mut queue = roots;
@@ -98,7 +105,7 @@ fn local_entries(store: &LocalStore, roots: Vec<StorePath>, recursive: bool) -> 
         if entries.contains_key(&path) {
             continue;
         }
-        match store.query_path_info(&path).map_err(|e| e.to_string())? {
+        match query(&path)? {
             Some(info) => {
                 if recursive {
                     queue.extend(info.references.iter().cloned());
@@ -117,7 +124,7 @@ fn cache_entries(args: &Args, store_dir: &StoreDir, roots: Vec<StorePath>) -> Re
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
     rt.block_on(async {
-        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, setup::validity(None)).await?;
+        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, setup::validity(None), &roots).await?;
         if query.substituters.is_empty() {
             return Err(format!("cannot open binary cache {}", args.store));
         }

@@ -68,7 +68,7 @@ pub fn parse_paths(store_dir: &StoreDir, args: &[String]) -> Result<Vec<StorePat
 pub fn open_local(url: &str) -> Result<Arc<LocalStore>, String> {
     match StoreUrl::parse(url).map_err(|e| e.to_string())? {
         StoreUrl::Local { root } => LocalStore::open(&root).map(Arc::new).map_err(|e| e.to_string()),
-        StoreUrl::BinaryCache(_) => Err(format!("{url}: this command needs a local store here")),
+        StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => Err(format!("{url}: this command needs a local store here")),
     }
 }
 
@@ -85,11 +85,12 @@ pub fn validity(dest: Option<Arc<LocalStore>>) -> ValidityCheck {
     })
 }
 
-/// Opens the substituters `urls` with the disk cache, printing a warning for each left out.
-pub async fn closure_query(urls: &[String], settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck) -> Result<ClosureQuery, String> {
+/// Opens the substituters `urls` with the disk cache, printing a warning for each left out;
+/// the narinfos of `roots` are asked for alongside each cache's `nix-cache-info`.
+pub async fn closure_query(urls: &[String], settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck, roots: &[StorePath]) -> Result<ClosureQuery, String> {
     let client = binary_cache::http::client(settings)?;
     let disk = substituters::open_disk_cache(settings);
-    let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref(), store_dir).await;
+    let (subs, errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), store_dir, roots).await;
     for e in errors {
         eprintln!("warning: substituter left out: {e}");
     }
@@ -112,4 +113,20 @@ pub fn destination(flags: &CacheFlags, url: &str, paths: &[String]) -> Result<De
     let store_dir = store.store_dir().clone();
     let roots = parse_paths(&store_dir, paths)?;
     Ok(Destination { settings, store, store_dir, roots })
+}
+
+/// Whether a daemon client pins itself and its daemon worker to one CPU when no `lock-cpu`
+/// setting says otherwise (chosen from `bench/daemon`'s measurement; see docs/benchmarks.md).
+pub const LOCK_CPU_DEFAULT: bool = true;
+
+/// The `lock-cpu` setting (nix.conf, `NIX_CONFIG`): `true` or `false`, else
+/// [`LOCK_CPU_DEFAULT`].
+pub fn lock_cpu() -> Result<bool, String> {
+    let config = RawConfig::from_environment().map_err(|e| e.to_string())?;
+    match config.get("lock-cpu") {
+        None => Ok(LOCK_CPU_DEFAULT),
+        Some("true") => Ok(true),
+        Some("false") => Ok(false),
+        Some(other) => Err(format!("setting lock-cpu: {other:?} is not a Boolean (true or false)")),
+    }
 }

@@ -25,10 +25,6 @@ fn delays(n: usize, max_ms: u64) -> Vec<u64> {
         .collect()
 }
 
-fn leftovers(root: &std::path::Path) -> Vec<String> {
-    store_entries(root).into_iter().filter(|e| e.starts_with('.') || e.ends_with(".lock")).collect()
-}
-
 #[test]
 fn kill_9_at_random_moments_then_rerun() {
     let tmp = tempfile::tempdir().unwrap();
@@ -59,5 +55,6 @@ fn kill_9_at_random_moments_then_rerun() {
     check(&o, "the rerun after the crashes");
     assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), TOP).len(), 1056);
     assert_nix_verifies(tmp.path(), &root);
-    assert_eq!(leftovers(&root), Vec::<String>::new());
+    assert_eq!(store_leftovers(&root), Vec::<String>::new());
+    assert_eq!(registered_rows(&root), (1056, 1056));
 }

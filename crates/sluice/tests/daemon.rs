@@ -243,3 +243,149 @@ fn worker_protocol_handshake_case_19() {
     assert_eq!(unknown.matches("'ERROR'").count(), 1, "{unknown}");
     assert!(unknown.contains("after op 999: [('ERROR', 'invalid operation 999')]") && unknown.contains("connection ended"), "{unknown}");
 }
+
+/// `Cpus_allowed_list` of each of process `pid`'s daemon worker threads (`sluice-worker-N`).
+fn worker_cpus(pid: u32) -> Vec<String> {
+    let mut lists = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("sluice-worker") {
+            continue;
+        }
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        if let Some(list) = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")) {
+            lists.push(list.trim().to_owned());
+        }
+    }
+    lists
+}
+
+/// Waits (up to 10 s) until one of the daemon's workers may run exactly on `cpus`.
+fn wait_for_worker_on(pid: u32, cpus: &str) {
+    let start = Instant::now();
+    loop {
+        let lists = worker_cpus(pid);
+        if lists.iter().any(|l| l == cpus) {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no worker of the daemon runs on CPUs {cpus}: {lists:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn u64s(values: &[u64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn read_u64(s: &mut impl std::io::Read) -> u64 {
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b).unwrap();
+    u64::from_le_bytes(b)
+}
+
+/// The CPUs this test may use, as `Cpus_allowed_list` shows them, and the last one of them.
+fn own_cpus() -> (String, usize) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_owned();
+    let last = list.rsplit([',', '-']).next().unwrap().parse().unwrap();
+    (list, last)
+}
+
+/// A client of the Nix 1.6–2.5 kind (protocol 1.32 here) that sends affinity flag 1 and a
+/// CPU over a real socket: the worker serving it is pinned to that CPU for the connection; a
+/// client sending flag 0 gets an unpinned worker. sluice's own client with `lock-cpu` pins
+/// itself and its worker the same way.
+#[test]
+fn old_style_client_gets_its_worker_pinned() {
+    use std::io::Write;
+    let env = Env::new();
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, "");
+    let pid = daemon.child.id();
+    let socket = env.path("socket");
+    let (all_cpus, cpu) = own_cpus();
+
+    let mut old = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    old.write_all(&u64s(&[0x6e69_7863])).unwrap();
+    assert_eq!(read_u64(&mut old), 0x6478_696f);
+    assert_eq!(read_u64(&mut old), 0x125, "the daemon speaks 1.37");
+    // Version 1.32, affinity flag 1 and the CPU, reserveSpace 0.
+    old.write_all(&u64s(&[0x120, 1, cpu as u64, 0])).unwrap();
+    assert_eq!(read_u64(&mut old), 0x616c_7473, "LAST (no version string below 1.33)");
+    wait_for_worker_on(pid, &cpu.to_string());
+    // The pinned connection works: IsValidPath of a path the store lacks answers 0.
+    let path = b"/nix/store/00000000000000000000000000000000-missing";
+    let mut request = u64s(&[1, path.len() as u64]);
+    request.extend_from_slice(path);
+    request.resize(request.len().next_multiple_of(8), 0);
+    old.write_all(&request).unwrap();
+    assert_eq!((read_u64(&mut old), read_u64(&mut old)), (0x616c_7473, 0));
+
+    // Flag 0: the new worker keeps the daemon's affinity.
+    let mut plain = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    plain.write_all(&u64s(&[0x6e69_7863])).unwrap();
+    assert_eq!((read_u64(&mut plain), read_u64(&mut plain)), (0x6478_696f, 0x125));
+    plain.write_all(&u64s(&[0x120, 0, 0])).unwrap();
+    assert_eq!(read_u64(&mut plain), 0x616c_7473);
+    let lists = worker_cpus(pid);
+    assert_eq!(lists.len(), 2, "{lists:?}");
+    if all_cpus != cpu.to_string() {
+        assert!(lists.contains(&all_cpus), "the flag-0 worker should be unpinned: {lists:?}");
+    }
+    drop((old, plain));
+
+    // sluice's own client with lock-cpu: pinned to its current CPU, and so is its worker.
+    let socket2 = socket.clone();
+    let (client_cpu, valid) = std::thread::spawn(move || {
+        let mut store = sluice_store::remote::RemoteStore::connect(&socket2, true).unwrap();
+        let cpu = store.pinned_cpu().expect("the client pinned itself");
+        wait_for_worker_on(pid, &cpu.to_string());
+        let missing = store.store_dir().parse_path("/nix/store/00000000000000000000000000000000-missing").unwrap();
+        (cpu, store.is_valid_path(&missing).unwrap())
+    })
+    .join()
+    .unwrap();
+    assert!(client_cpu <= cpu);
+    assert!(!valid);
+}
+
+/// Nix 2.26 (`nix-modern`, protocol 1.38, negotiated down to 1.37) as a client: the same
+/// answers as Nix 2.8 through the same daemon.
+#[test]
+fn nix_2_26_client_matches_nix_2_8() {
+    let env = Env::new();
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, "");
+    let key = cache_key();
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    env.nix("nix", &["copy", "--from", &cache, "--to", &daemon.url, &glibc, "--option", "trusted-public-keys", &key]);
+    // The chroot's Nix reads .drv files from the daemon's store itself (/tmp is visible in it).
+    let modern_url = format!("{}?real={}", daemon.url, env.path("root/nix/store").display());
+    let modern = |args: &[&str]| -> String {
+        let out = env.cmd(&format!("{SHARED}/bin/nix-modern")).current_dir(env.path("")).args(args).output().unwrap();
+        assert!(out.status.success(), "nix-modern {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        format!("{}{}", String::from_utf8(out.stdout).unwrap(), String::from_utf8_lossy(&out.stderr))
+    };
+    let ping = modern(&["nix", "store", "ping", "--store", &modern_url]);
+    assert!(ping.contains("2.8.0 (sluice") && ping.contains("Trusted: 1"), "{ping}");
+    let only_stdout = |s: String| s.lines().filter(|l| l.starts_with("/nix/store/")).collect::<Vec<_>>().join("\n");
+    let via_modern = only_stdout(modern(&["nix-store", "--store", &modern_url, "-qR", &glibc]));
+    assert_eq!(via_modern, env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]).trim_end());
+    assert!(via_modern.lines().count() > 1);
+
+    let file = env.path("hello.txt");
+    std::fs::write(&file, "hello from Nix 2.26\n").unwrap();
+    let f = file.to_str().unwrap();
+    let added = only_stdout(modern(&["nix-store", "--store", &modern_url, "--add", f]));
+    assert_eq!(added, env.nix("nix-store", &["--store", &daemon.url, "--add", f]).trim_end());
+
+    let wl = env.path("workload");
+    let ok = Command::new(format!("{SHARED}/bench/gen-instantiate-workload")).arg(&wl).arg("20").stdout(Stdio::null()).status().unwrap();
+    assert!(ok.success());
+    let wl = wl.to_str().unwrap();
+    let drv = only_stdout(modern(&["nix-instantiate", "--store", &modern_url, wl]));
+    assert!(drv.ends_with("-system.drv"), "{drv}");
+    assert_eq!(drv, env.nix("nix-instantiate", &["--store", &daemon.url, wl]).trim_end());
+    let info = modern(&["nix", "path-info", "--store", &modern_url, "--json", &drv]);
+    assert!(info.contains("\"ca\"") && info.contains("text:sha256:"), "{info}");
+}

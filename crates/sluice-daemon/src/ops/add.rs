@@ -48,6 +48,7 @@ pub(super) fn add_to_store(c: &mut Conn) -> OpResult {
     let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, &name, m, references, &mut framed));
     finish_framed(&mut framed)?;
     let info = to_wire(result?)?;
+    c.add_temp_root(&info.path)?;
     let version = c.version;
     c.reply(|w, dir| write_keyed_path_info(w, dir, version, &info))
 }
@@ -75,6 +76,7 @@ fn add_to_store_legacy(c: &mut Conn) -> OpResult {
             add_content(c.store(), &name, method, Default::default(), &mut root.contents)?
         }
     };
+    c.add_temp_root(&info.path)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 
@@ -84,6 +86,7 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
     let text = read_bytes(&mut c.r, MAX_TEXT, "text")?;
     let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
     let info = add_content(c.store(), &name, Ingestion::Text, references, &mut text.as_slice())?;
+    c.add_temp_root(&info.path)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 
@@ -109,6 +112,7 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
         checked?;
         add_nar(&store, &info, &mut Tunnel { r: &mut c.r, w: &mut c.w })?;
     }
+    c.add_temp_root(&info.path)?;
     c.reply(|_, _| Ok(()))
 }
 
@@ -120,13 +124,18 @@ pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
     let settings = c.options.settings()?;
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
-    let result = add_each(&store, &settings, dont_check_sigs, &mut framed);
+    let mut added = Vec::new();
+    let result = add_each(&store, &settings, dont_check_sigs, &mut framed, &mut added);
     finish_framed(&mut framed)?;
+    for path in &added {
+        c.add_temp_root(path)?;
+    }
     result?;
     c.reply(|_, _| Ok(()))
 }
 
-fn add_each(store: &Arc<LocalStore>, settings: &Settings, dont_check_sigs: bool, stream: &mut dyn Read) -> Result<(), Fail> {
+/// Adds each path of an AddMultipleToStore payload, collecting the paths now valid in `added`.
+fn add_each(store: &Arc<LocalStore>, settings: &Settings, dont_check_sigs: bool, stream: &mut dyn Read, added: &mut Vec<StorePath>) -> Result<(), Fail> {
     let dir = store.store_dir();
     let count = read_u64(stream, "path count")?;
     if count > MAX_PATHS {
@@ -139,6 +148,7 @@ fn add_each(store: &Arc<LocalStore>, settings: &Settings, dont_check_sigs: bool,
             check_trust(&info, settings, dir)?;
         }
         add_nar(store, &info, &mut stream.take(info.nar_size))?;
+        added.push(info.path);
     }
     Ok(())
 }

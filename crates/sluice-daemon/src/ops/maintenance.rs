@@ -2,7 +2,7 @@
 //! not offer (CollectGarbage, OptimiseStore), which read their arguments and fail clearly.
 
 use sluice_nix::hash::{HashAlgo, Hasher};
-use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool};
+use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool, write_u64};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
@@ -66,12 +66,12 @@ pub(super) fn nar_from_path(c: &mut Conn) -> OpResult {
 /// AddSignatures: path, signatures → 1. Only for trusted clients.
 pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
     let path = c.read_path("path")?;
-    read_strings(&mut c.r, 1 << 16, 4096, "signatures")?;
+    let sigs = read_strings(&mut c.r, 1 << 16, 4096, "signatures")?;
     if !c.peer.trusted {
         return Err(Fail::Op("you are not privileged to add signatures".into()));
     }
-    let shown = c.dir().display_path(&path);
-    Err(Fail::Op(format!("cannot add signatures to '{shown}': the sluice store cannot change a registered path's signatures yet")))
+    c.store().add_signatures(&path, &sigs.into_iter().collect()).map_err(op_err)?;
+    c.reply(|w, _| write_u64(w, 1))
 }
 
 /// CollectGarbage: action, paths, ignoreLiveness, maxFreed and three obsolete fields; always

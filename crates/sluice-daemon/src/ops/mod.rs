@@ -71,15 +71,5 @@ pub(crate) fn to_wire(info: ValidPathInfo) -> Result<PathInfo, Fail> {
 
 /// The store form of a path info received from a client.
 pub(crate) fn from_wire(info: PathInfo) -> ValidPathInfo {
-    ValidPathInfo {
-        path: info.path,
-        nar_hash: info.nar_hash,
-        nar_size: info.nar_size,
-        references: info.references,
-        deriver: info.deriver,
-        registration_time: i64::try_from(info.registration_time).unwrap_or(i64::MAX),
-        ultimate: info.ultimate,
-        sigs: info.sigs,
-        ca: info.ca.map(|c| c.to_string()),
-    }
+    ValidPathInfo::from_wire(info)
 }

@@ -134,8 +134,7 @@ pub(super) fn add_content(store: &Arc<LocalStore>, name: &str, method: Ingestion
         sigs: BTreeSet::new(),
         ca: Some(ca.to_string()),
     };
-    store.add_nar(&info, &mut nar).map_err(op_err)?;
-    store.query_path_info(&info.path).map_err(op_err)?.ok_or_else(|| Fail::Op(format!("{} vanished after being added", dir.display_path(&info.path))))
+    store.add_nar_if_missing(&info, &mut nar).map_err(op_err)
 }
 
 /// Seconds since the epoch.

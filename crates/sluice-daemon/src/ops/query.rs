@@ -1,8 +1,6 @@
 //! Read-only queries: validity, path info, referrers, all paths, hash-part lookup, derivers
 //! and derivation outputs (Nix 2.8 `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases).
 
-use std::collections::BTreeSet;
-
 use sluice_nix::derivation::parse_outputs;
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::{read_bool, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
@@ -70,37 +68,27 @@ pub(super) fn all_valid_paths(c: &mut Conn) -> OpResult {
 /// QueryPathFromHashPart: hash part → the valid path with it, or the empty string.
 pub(super) fn path_from_hash_part(c: &mut Conn) -> OpResult {
     let hash_part = read_string(&mut c.r, 64, "hash part")?;
-    let found = if hash_part.len() == sluice_nix::store_path::HASH_PART_LEN {
-        c.store().query_all_valid_paths().map_err(op_err)?.into_iter().find(|p| p.hash_part() == hash_part)
-    } else {
-        None
-    };
+    let found = c.store().query_path_from_hash_part(&hash_part).map_err(op_err)?;
     c.reply(|w, dir| write_optional_store_path(w, dir, found.as_ref()))
 }
 
-/// QueryValidDerivers: output path → the valid derivations that name it as an output (here:
-/// its registered deriver, when that is valid and lists the path among its outputs).
+/// QueryValidDerivers: output path → the valid derivations registered as producing it.
 pub(super) fn valid_derivers(c: &mut Conn) -> OpResult {
     let path = c.read_path("path")?;
-    let mut derivers = BTreeSet::new();
-    if let Some(drv) = c.store().query_path_info(&path).map_err(op_err)?.and_then(|i| i.deriver) {
-        if derivation_outputs(c, &drv)?.is_some_and(|outs| outs.iter().any(|(_, p)| p.as_ref() == Some(&path))) {
-            derivers.insert(drv);
-        }
-    }
+    let derivers = c.store().query_valid_derivers(&path).map_err(op_err)?;
     c.reply(|w, dir| write_store_path_set(w, dir, derivers.iter()))
 }
 
-/// QueryDerivationOutputMap: derivation path → output name → output path (empty when the
-/// derivation does not fix it).
+/// QueryDerivationOutputMap: derivation path → output name → output path, as registered
+/// (Nix 2.8 without `ca-derivations`: outputs whose path is not fixed are absent).
 pub(super) fn derivation_output_map(c: &mut Conn) -> OpResult {
     let drv = c.read_path("derivation path")?;
-    let outputs = derivation_outputs(c, &drv)?.ok_or_else(|| Fail::Op(format!("path '{}' is not valid", c.dir().display_path(&drv))))?;
+    let outputs = c.store().query_derivation_output_map(&drv).map_err(op_err)?;
     c.reply(|w, dir| {
         write_u64(w, outputs.len() as u64)?;
         for (name, path) in &outputs {
             write_bytes(w, name.as_bytes())?;
-            write_optional_store_path(w, dir, path.as_ref())?;
+            write_optional_store_path(w, dir, Some(path))?;
         }
         Ok(())
     })

@@ -13,6 +13,7 @@ mod error;
 mod framed;
 mod primitives;
 mod stderr;
+mod stderr_read;
 mod types;
 mod version;
 
@@ -23,6 +24,7 @@ pub use primitives::{
     write_string_pairs, write_strings, write_u64,
 };
 pub use stderr::{ActivityField, StderrWriter};
+pub use stderr_read::{read_stderr_message, StderrMessage};
 pub use types::{
     read_content_address, read_derived_paths, read_optional_store_path, read_store_path, read_store_path_set,
     read_unkeyed_path_info, read_keyed_path_info, write_build_result, write_content_address, write_derived_path,

@@ -15,6 +15,7 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::pool::ClientPool;
 use super::retry::RetryPolicy;
 use super::transfer::TransferProbe;
 use super::CacheError;
@@ -53,7 +54,7 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
 #[derive(Debug)]
 pub struct HttpTransport {
     base: String,
-    client: reqwest::Client,
+    pool: ClientPool,
     limit: Arc<Semaphore>,
     /// Permits `limit` started with (`http-connections`).
     connections: usize,
@@ -79,12 +80,21 @@ impl HttpTransport {
     pub fn new(base: String, client: reqwest::Client, settings: &Settings) -> Self {
         HttpTransport {
             base,
-            client,
+            pool: ClientPool::new(client, settings),
             limit: Arc::new(Semaphore::new(settings.http_connections.max(1))),
             connections: settings.http_connections.max(1),
             h2: AtomicBool::new(false),
             stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
             retry: RetryPolicy::new(settings.download_attempts),
+        }
+    }
+
+    /// Requests worth having in flight at once: `http-connections` over HTTP/1.1, the stream
+    /// limit times the connections once the cache speaks HTTP/2.
+    pub fn capacity(&self) -> usize {
+        match self.h2.load(Ordering::Relaxed) {
+            true => H2_STREAMS * self.pool.connections(),
+            false => self.connections,
         }
     }
 
@@ -127,13 +137,19 @@ impl HttpTransport {
     /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
     async fn send_once(&self, url: &str) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
         let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
-        let resp = match tokio::time::timeout(self.stall, self.client.get(url).send()).await {
+        if self.base.starts_with("https://") {
+            // HTTPS servers mostly speak HTTP/2: open the other connections alongside the
+            // first, so that they are up before the closure fans out.
+            self.pool.grow_for_h2(&self.base);
+        }
+        let resp = match tokio::time::timeout(self.stall, self.pool.next().get(url).send()).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
         };
         if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
-            self.limit.add_permits(H2_STREAMS.saturating_sub(self.connections));
+            self.pool.grow_for_h2(&self.base);
+            self.limit.add_permits((H2_STREAMS * self.pool.connections()).saturating_sub(self.connections));
         }
         let status = resp.status().as_u16();
         match status {

@@ -5,6 +5,7 @@
 mod error;
 pub mod file;
 pub mod http;
+mod pool;
 pub mod retry;
 pub mod transfer;
 
@@ -16,6 +17,9 @@ use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 pub use error::CacheError;
+
+/// Concurrent reads from a `file://` cache.
+pub const FILE_CAPACITY: usize = 256;
 pub use transfer::TransferProbe;
 
 use crate::config::Settings;
@@ -34,6 +38,8 @@ pub struct BinaryCache {
     url: String,
     transport: Transport,
     info: CacheInfo,
+    /// `?priority=` of the URL.
+    priority_override: Option<u64>,
     health: retry::Health,
     retry: retry::RetryPolicy,
 }
@@ -48,30 +54,44 @@ pub struct NarStream {
 }
 
 impl BinaryCache {
-    /// A cache for `url` whose `nix-cache-info` is already known (from the disk cache or
-    /// [`BinaryCache::fetch_cache_info`]); `?priority=` overrides it.
-    pub fn new(url: &CacheUrl, client: &reqwest::Client, settings: &Settings, mut info: CacheInfo) -> Self {
+    /// A cache for `url` with `info` as its `nix-cache-info` (from the disk cache, or a default
+    /// until [`BinaryCache::fetch_cache_info`] has answered); `?priority=` overrides it.
+    pub fn new(url: &CacheUrl, client: &reqwest::Client, settings: &Settings, info: CacheInfo) -> Self {
         let CacheUrl { base, kind, priority } = url;
-        if let Some(p) = priority {
-            info.priority = *p;
-        }
         let transport = match kind {
             CacheKind::File => Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://")))),
             CacheKind::Http => Transport::Http(http::HttpTransport::new(base.clone(), client.clone(), settings)),
         };
-        BinaryCache { url: base.clone(), transport, info, health: retry::Health::default(), retry: retry::RetryPolicy::new(settings.download_attempts) }
+        let mut cache = BinaryCache {
+            url: base.clone(),
+            transport,
+            info,
+            priority_override: *priority,
+            health: retry::Health::default(),
+            retry: retry::RetryPolicy::new(settings.download_attempts),
+        };
+        cache.set_info(cache.info.clone());
+        cache
     }
 
-    /// Fetches and parses `nix-cache-info` of `url`; a cache without one is taken to serve
-    /// `/nix/store` at priority 50, as Nix does.
-    pub async fn fetch_cache_info(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<CacheInfo, CacheError> {
-        let probe = BinaryCache::new(url, client, settings, default_info());
+    /// Replaces the cache's `nix-cache-info` (keeping a `?priority=` override).
+    pub fn set_info(&mut self, mut info: CacheInfo) {
+        if let Some(p) = self.priority_override {
+            info.priority = p;
+        }
+        self.info = info;
+    }
+
+    /// Fetches and parses the cache's `nix-cache-info` over its own transport (so that the
+    /// connection it opens serves the narinfo requests that follow); a cache without one is
+    /// taken to serve `/nix/store` at priority 50, as Nix does.
+    pub async fn fetch_cache_info(&self) -> Result<CacheInfo, CacheError> {
         // The caller reports a failure here (the cache is then left out): no health warning.
-        let info = match probe.fetch("nix-cache-info").await? {
-            None => default_info(),
+        let info = match self.fetch("nix-cache-info").await? {
+            None => CacheInfo::default(),
             Some(bytes) => {
-                let text = String::from_utf8(bytes).map_err(|_| probe.info_error("not UTF-8 text"))?;
-                CacheInfo::parse(&text).map_err(|e| probe.info_error(&e.to_string()))?
+                let text = String::from_utf8(bytes).map_err(|_| self.info_error("not UTF-8 text"))?;
+                CacheInfo::parse(&text).map_err(|e| self.info_error(&e.to_string()))?
             }
         };
         Ok(info)
@@ -128,6 +148,15 @@ impl BinaryCache {
         self.retry.backoff(attempt, None)
     }
 
+    /// Requests worth having in flight at once to this cache ([`FILE_CAPACITY`] for a local
+    /// directory).
+    pub fn capacity(&self) -> usize {
+        match &self.transport {
+            Transport::File(_) => FILE_CAPACITY,
+            Transport::Http(t) => t.capacity(),
+        }
+    }
+
     /// The URL of the narinfo of `path`.
     pub fn narinfo_url(&self, path: &StorePath) -> String {
         format!("{}/{}.narinfo", self.url, path.hash_part())
@@ -171,6 +200,3 @@ impl BinaryCache {
     }
 }
 
-fn default_info() -> CacheInfo {
-    CacheInfo { store_dir: "/nix/store".into(), want_mass_query: false, priority: 50 }
-}

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{flock, FlockOperation};
 
 /// Opens (creating if missing) a lock file the way Nix does: read-write, mode 0600, close-on-exec.
-fn open_lock_file(path: &Path) -> io::Result<File> {
+pub(super) fn open_lock_file(path: &Path) -> io::Result<File> {
     OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)
 }
 
@@ -43,21 +43,50 @@ pub(super) struct PathLock {
     lock_path: PathBuf,
 }
 
+/// `<real_path>.lock`.
+fn lock_path(real_path: &Path) -> PathBuf {
+    let mut lock_path = real_path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    PathBuf::from(lock_path)
+}
+
 impl PathLock {
     /// Locks `<real_path>.lock`, blocking while another process or thread holds it.
     pub(super) fn acquire(real_path: &Path) -> io::Result<Self> {
-        let mut lock_path = real_path.as_os_str().to_owned();
-        lock_path.push(".lock");
-        let lock_path = PathBuf::from(lock_path);
+        Self::lock(real_path, FlockOperation::LockExclusive).map(|l| l.expect("a blocking flock does not return EWOULDBLOCK"))
+    }
+
+    /// Locks `<real_path>.lock` if nobody holds it; `None` when another process or thread does.
+    pub(super) fn try_acquire(real_path: &Path) -> io::Result<Option<Self>> {
+        Self::lock(real_path, FlockOperation::NonBlockingLockExclusive)
+    }
+
+    fn lock(real_path: &Path, op: FlockOperation) -> io::Result<Option<Self>> {
+        let lock_path = lock_path(real_path);
         loop {
             let file = open_lock_file(&lock_path)?;
-            flock_blocking(&file, FlockOperation::LockExclusive)?;
+            match flock_blocking(&file, op) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                r => r?,
+            }
             // A non-empty lock file was deleted by its previous holder after we opened it:
             // others may already hold a lock on a new file at the same name.
             if file.metadata()?.len() == 0 {
-                return Ok(PathLock { file, lock_path });
+                return Ok(Some(PathLock { file, lock_path }));
             }
         }
+    }
+}
+
+/// Removes `<real_path>.lock` if a killed process left it behind: only when nobody holds it
+/// (a non-blocking exclusive `flock` succeeds) and it was not already released (empty), using
+/// the same unlink-then-mark protocol as a holder's release. Best effort; never blocks.
+pub(super) fn clear_stale(real_path: &Path) {
+    let lock_path = lock_path(real_path);
+    let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&lock_path) else { return };
+    if flock(&file, FlockOperation::NonBlockingLockExclusive).is_ok() && file.metadata().is_ok_and(|m| m.len() == 0) {
+        let _ = std::fs::remove_file(&lock_path);
+        let _ = file.write_all(b"d");
     }
 }
 

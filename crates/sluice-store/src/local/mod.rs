@@ -9,17 +9,21 @@
 //! references are valid. Nothing appears at a store path's location before its contents are
 //! complete and durable, and a tree found there unregistered (after a crash) is replaced.
 
+mod api;
 mod canonicalise;
 mod dump;
 mod fs_nar;
 mod layout;
 mod lock;
+mod queries;
 mod registry;
 mod schema;
+mod temp_roots;
 mod tree;
 mod unpack;
 
 pub use fs_nar::{dump_fs_path, restore_nar};
+pub use temp_roots::TempRootsFile;
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -104,6 +108,16 @@ pub struct Unpacked {
     pub flat_hash: Option<Hash>,
 }
 
+/// What [`LocalStore::try_begin_add`] found.
+pub enum TryAdd {
+    /// The path is valid already.
+    Valid,
+    /// Another process or thread is adding it.
+    Busy,
+    /// The lock is ours: unpack and commit.
+    Pending(PendingPath),
+}
+
 /// A store path being added: holds the per-path lock and a temporary directory inside the
 /// store directory. Dropping it without `commit` removes the temporary tree and the lock.
 /// (It owns an `Arc` of its store so that it can move between threads and tasks while it
@@ -185,6 +199,12 @@ impl LocalStore {
         dump::dump(self.store_fd.as_fd(), path.base_name().as_bytes(), &mut writer).map_err(io_err("dumping", &real_path))
     }
 
+    /// Removes the lock file of the valid path `path` if a killed process left it (nobody
+    /// holds it). Cheap when there is none: one failed `open`.
+    pub fn clear_stale_lock(&self, path: &StorePath) {
+        lock::clear_stale(&self.real_path(path));
+    }
+
     /// Takes the per-path lock for `path` (blocking while another process holds it). Returns
     /// `None` when the path is already valid (possibly added meanwhile by the holder).
     /// Otherwise removes whatever an interrupted addition left: an unregistered tree at the
@@ -195,6 +215,27 @@ impl LocalStore {
         }
         let real_path = self.real_path(path);
         let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
+        self.start_add(path, lock)
+    }
+
+    /// [`LocalStore::begin_add`] without blocking: [`TryAdd::Busy`] while another process
+    /// (or thread) holds the path's lock, so that a caller can wait without tying up a thread
+    /// and without holding other resources (two copies sharing a store would otherwise be
+    /// able to starve each other).
+    pub fn try_begin_add(self: &Arc<Self>, path: &StorePath) -> Result<TryAdd, LocalStoreError> {
+        if self.is_valid_path(path)? {
+            return Ok(TryAdd::Valid);
+        }
+        let real_path = self.real_path(path);
+        match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
+            None => Ok(TryAdd::Busy),
+            Some(lock) => Ok(self.start_add(path, lock)?.map_or(TryAdd::Valid, TryAdd::Pending)),
+        }
+    }
+
+    /// With `path`'s lock held: `None` if it became valid, else a cleaned-up [`PendingPath`].
+    fn start_add(self: &Arc<Self>, path: &StorePath, lock: PathLock) -> Result<Option<PendingPath>, LocalStoreError> {
+        let real_path = self.real_path(path);
         if self.is_valid_path(path)? {
             return Ok(None);
         }

@@ -179,3 +179,35 @@ pub fn copy_with(tmp: &Path, root: &Path, substituters: &str, key: &str, options
     args.extend(paths);
     sluice(tmp, &args)
 }
+
+/// Entries of the store directory that a finished run must not leave: temporary trees
+/// (`.<name>.sluice`, anything hidden except Nix's `.links`) and `.lock` files.
+pub fn store_leftovers(root: &Path) -> Vec<String> {
+    store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock")).collect()
+}
+
+/// `(rows, distinct paths)` of the `ValidPaths` table of the store under `root`.
+pub fn registered_rows(root: &Path) -> (u64, u64) {
+    let db = root.join("nix/var/nix/db/db.sqlite");
+    let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); print(*c.execute('select count(*), count(distinct path) from ValidPaths').fetchone())";
+    let o = Command::new("python3").args(["-c", script]).arg(&db).output().unwrap();
+    check(&o, "reading ValidPaths");
+    let text = String::from_utf8_lossy(&o.stdout);
+    let mut n = text.split_whitespace().map(|w| w.parse().unwrap());
+    (n.next().unwrap(), n.next().unwrap())
+}
+
+/// The store path of the corpus whose name ends with `-{name}` (from cache-xz's narinfos).
+pub fn corpus_path(name: &str) -> String {
+    let suffix = format!("-{name}");
+    for e in std::fs::read_dir(corpus().join("cache-xz")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "narinfo") {
+            let text = std::fs::read_to_string(&p).unwrap();
+            if let Some(sp) = text.lines().find_map(|l| l.strip_prefix("StorePath: ")).filter(|sp| sp.ends_with(&suffix)) {
+                return sp.to_string();
+            }
+        }
+    }
+    panic!("no corpus path named {name}");
+}

@@ -1,0 +1,87 @@
+//! [`LocalStore`] operations a daemon needs beyond adding and querying paths: where the store
+//! lives, temporary GC roots, signatures, derivation outputs, the hash-part lookup, and
+//! content-addressed additions that return the path's info whether or not it was valid.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sluice_nix::store_path::StorePath;
+
+use super::temp_roots::{self, TempRootsFile};
+use super::{LocalStore, LocalStoreError};
+use crate::path_info::ValidPathInfo;
+
+impl LocalStore {
+    /// The store's root directory (`/` for the system store; `DIR` of `local?root=DIR`).
+    pub fn root(&self) -> &Path {
+        self.layout.state_dir.ancestors().nth(3).unwrap_or(Path::new("/"))
+    }
+
+    /// The state directory, `<root>/nix/var/nix` (GC roots, temporary roots, profiles, db).
+    pub fn state_dir(&self) -> &Path {
+        &self.layout.state_dir
+    }
+
+    /// A new file of temporary roots that Nix's garbage collector honours, named after the
+    /// calling thread; its roots last until it is dropped.
+    pub fn temp_roots_file(&self) -> Result<TempRootsFile, LocalStoreError> {
+        TempRootsFile::create(&self.layout.state_dir, &self.store_dir)
+    }
+
+    /// The temporary roots of every live holder (Nix's and sluice's), each path with the
+    /// `{temp:<id>}` labels of its holders.
+    pub fn find_temp_roots(&self) -> Result<BTreeMap<StorePath, BTreeSet<String>>, LocalStoreError> {
+        temp_roots::find(&self.layout.state_dir, &self.store_dir)
+    }
+
+    /// Adds `sigs` to the valid path `path`'s signatures (keeping those it has). Fails with
+    /// [`LocalStoreError::NotValid`] if it is not registered.
+    pub fn add_signatures(&self, path: &StorePath, sigs: &BTreeSet<String>) -> Result<(), LocalStoreError> {
+        self.registry.add_signatures(path, sigs)
+    }
+
+    /// The valid derivations registered as producing `path` (Nix's `queryValidDerivers`).
+    pub fn query_valid_derivers(&self, path: &StorePath) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        self.registry.valid_derivers(path)
+    }
+
+    /// Output name → path of the valid derivation `drv`, from the registry (Nix 2.8's
+    /// `queryPartialDerivationOutputMap` without `ca-derivations`). Fails with
+    /// [`LocalStoreError::NotValid`] if `drv` is not registered.
+    pub fn query_derivation_output_map(&self, drv: &StorePath) -> Result<BTreeMap<String, StorePath>, LocalStoreError> {
+        self.registry.derivation_outputs(drv)?.ok_or_else(|| LocalStoreError::NotValid { path: self.store_dir.display_path(drv) })
+    }
+
+    /// The valid path whose hash part is `hash_part`, by one index seek (Nix's
+    /// `queryPathFromHashPart`); `None` for no such path or a malformed hash part.
+    pub fn query_path_from_hash_part(&self, hash_part: &str) -> Result<Option<StorePath>, LocalStoreError> {
+        self.registry.path_from_hash_part(self.store_dir.as_str(), hash_part)
+    }
+
+    /// Adds `info`'s path from the NAR in `nar` unless it is valid, and returns its
+    /// registration either way: the existing one (nothing is read from `nar`), or `info` as
+    /// registered (a registration time of 0 becomes now). One validity lookup when the path
+    /// is valid.
+    pub fn add_nar_if_missing(self: &Arc<Self>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<ValidPathInfo, LocalStoreError> {
+        if let Some(existing) = self.query_path_info(&info.path)? {
+            return Ok(existing);
+        }
+        match self.begin_add(&info.path)? {
+            // Added by another process meanwhile.
+            None => self.query_path_info(&info.path)?.ok_or_else(|| LocalStoreError::NotValid { path: self.store_dir.display_path(&info.path) }),
+            Some(mut pending) => {
+                pending.unpack(nar, None)?;
+                pending.commit(info)?;
+                let mut registered = info.clone();
+                if registered.registration_time == 0 {
+                    registered.registration_time =
+                        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+                }
+                Ok(registered)
+            }
+        }
+    }
+}

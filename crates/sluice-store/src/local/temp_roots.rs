@@ -1,0 +1,172 @@
+//! Temporary GC roots that Nix's garbage collector honours (Nix 2.8 `src/libstore/gc.cc`:
+//! `createTempRootsFile`, `addTempRoot`, `findTempRoots`). A holder keeps an exclusive
+//! `flock` on `<state>/temproots/<id>` for as long as it lives and appends each root as a
+//! full store path followed by a NUL byte; the collector treats a file it can lock as stale.
+//! While a collector runs it holds `<state>/gc.lock` exclusively and listens on
+//! `<state>/gc-socket/socket`: a root added then is sent to it (path and a newline; it answers
+//! one byte) before it is written to the file.
+//!
+//! Nix names the file after its process id. sluice gives each holder its own file named after
+//! the id of the thread that creates it (a daemon keeps one per connection, so that a
+//! connection's roots end with it, as they end with a `nix-daemon` child process). Thread
+//! and process ids share one number space, so the name is a number no live process uses, as
+//! Nix's collector (`std::stoi` on the name) expects.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{flock, FlockOperation};
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+use super::{io_err, LocalStoreError};
+
+/// A file of temporary roots, locked while this value lives; dropping it deletes the file (the
+/// roots end).
+#[derive(Debug)]
+pub struct TempRootsFile {
+    file: File,
+    path: PathBuf,
+    /// `<state>/gc.lock`, opened once.
+    gc_lock: File,
+    gc_socket: PathBuf,
+    store_dir: StoreDir,
+    /// Roots already written, so that each is written once.
+    written: HashSet<StorePath>,
+}
+
+impl TempRootsFile {
+    /// Creates `<state_dir>/temproots/<thread id>` and locks it, replacing a stale file of
+    /// that name.
+    pub(super) fn create(state_dir: &Path, store_dir: &StoreDir) -> Result<Self, LocalStoreError> {
+        let id = rustix::thread::gettid().as_raw_nonzero();
+        let path = state_dir.join("temproots").join(id.to_string());
+        let file = loop {
+            // No live process can own a file with our id: whatever is there is stale.
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing the stale temporary roots file", &path)(e)),
+                _ => {}
+            }
+            let file = super::lock::open_lock_file(&path).map_err(io_err("creating the temporary roots file", &path))?;
+            lock(&file, FlockOperation::LockExclusive).map_err(io_err("locking", &path))?;
+            // A collector that found the file unlocked deleted it and wrote "d" into it
+            // before we locked it: start again with a new file.
+            if file.metadata().map_err(io_err("reading the size of", &path))?.len() == 0 {
+                break file;
+            }
+        };
+        let gc_lock_path = state_dir.join("gc.lock");
+        let gc_lock = super::lock::open_lock_file(&gc_lock_path).map_err(io_err("opening the GC lock", &gc_lock_path))?;
+        Ok(TempRootsFile {
+            file,
+            path,
+            gc_lock,
+            gc_socket: state_dir.join("gc-socket/socket"),
+            store_dir: store_dir.clone(),
+            written: HashSet::new(),
+        })
+    }
+
+    /// The file's path (`<state>/temproots/<id>`).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes `path` a temporary root until this value is dropped. Costs nothing for a path
+    /// added before; otherwise takes the GC lock shared (or, while a collector runs, tells it
+    /// over its socket) and appends the path to the file.
+    pub fn add(&mut self, path: &StorePath) -> Result<(), LocalStoreError> {
+        if self.written.contains(path) {
+            return Ok(());
+        }
+        let shown = self.store_dir.display_path(path);
+        loop {
+            if flock(&self.gc_lock, FlockOperation::NonBlockingLockShared).is_ok() {
+                break;
+            }
+            // A collector holds the lock: it must learn of the root now, as it will not
+            // read the file again. If it has just finished, the lock is free on the next try.
+            match self.tell_collector(&shown) {
+                Ok(()) => break,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused || e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err("sending a temporary root to the garbage collector at", &self.gc_socket)(e)),
+            }
+        }
+        let written = self.file.write_all(format!("{shown}\0").as_bytes());
+        // Released whether or not the root was written (an unlock of an unheld lock is a no-op).
+        let _ = flock(&self.gc_lock, FlockOperation::Unlock);
+        written.map_err(io_err("writing a temporary root to", &self.path))?;
+        self.written.insert(path.clone());
+        Ok(())
+    }
+
+    /// Sends one root to a running collector and waits for its one-byte answer.
+    fn tell_collector(&self, shown: &str) -> io::Result<()> {
+        let mut socket = UnixStream::connect(&self.gc_socket)?;
+        socket.write_all(format!("{shown}\n").as_bytes())?;
+        let mut ack = [0u8; 1];
+        socket.read_exact(&mut ack)
+    }
+}
+
+impl Drop for TempRootsFile {
+    fn drop(&mut self) {
+        // As Nix's LocalStore destructor: the file goes, then closing it releases the lock.
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            tracing::warn!("removing the temporary roots file {}: {e}", self.path.display());
+        }
+    }
+}
+
+/// `flock` that blocks until granted, retrying on `EINTR`.
+fn lock(file: &File, op: FlockOperation) -> io::Result<()> {
+    loop {
+        match flock(file, op) {
+            Err(rustix::io::Errno::INTR) => continue,
+            other => return other.map_err(io::Error::from),
+        }
+    }
+}
+
+/// The temporary roots of live holders (files under `<state>/temproots` that are locked),
+/// by path, each with the holders' `{temp:<id>}` labels as Nix's `findTempRoots` reports
+/// them. Stale files are skipped (the collector deletes them). Paths that do not parse are
+/// skipped too.
+pub(super) fn find(state_dir: &Path, store_dir: &StoreDir) -> Result<BTreeMap<StorePath, BTreeSet<String>>, LocalStoreError> {
+    let dir = state_dir.join("temproots");
+    let mut roots: BTreeMap<StorePath, BTreeSet<String>> = BTreeMap::new();
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(roots),
+        Err(e) => return Err(io_err("listing", &dir)(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(io_err("listing", &dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        let mut file = match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_err("opening the temporary roots file", &path)(e)),
+        };
+        if flock(&file, FlockOperation::NonBlockingLockExclusive).is_ok() {
+            continue; // stale: its holder is gone
+        }
+        let mut contents = Vec::new();
+        file.read_to_end(&mut contents).map_err(io_err("reading the temporary roots file", &path))?;
+        let label = format!("{{temp:{}}}", name.split(|c: char| !c.is_ascii_digit()).next().unwrap_or(""));
+        // Only NUL-terminated entries: a trailing fragment is a write in progress.
+        let complete = contents.rsplitn(2, |b| *b == 0).nth(1).unwrap_or(&[]);
+        for entry in complete.split(|b| *b == 0) {
+            if let Some(p) = std::str::from_utf8(entry).ok().and_then(|s| store_dir.parse_path(s).ok()) {
+                roots.entry(p).or_default().insert(label.clone());
+            }
+        }
+    }
+    Ok(roots)
+}

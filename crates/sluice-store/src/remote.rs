@@ -1,0 +1,196 @@
+//! A client of a Nix daemon (`sluice daemon` or `nix-daemon`) over its Unix socket: the
+//! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`), with
+//! the old CPU-affinity hint. With `lock-cpu`, the client pins its thread to the CPU it is
+//! running on and sends that CPU in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as
+//! Nix 1.6–2.5 did), so that a daemon which honours it (sluice does) runs the connection's
+//! worker on the same CPU and each round trip avoids a cross-CPU wake-up.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::wire::{
+    read_bool, read_stderr_message, read_string, read_u64, read_unkeyed_path_info, write_bytes, write_u64, ProtocolVersion, StderrMessage,
+    WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
+};
+
+use crate::path_info::ValidPathInfo;
+
+/// The protocol version this client speaks: 1.34 (Nix 2.8's), so that no 1.35+ field is
+/// expected; the daemon answers with min(its version, ours) as a whole.
+pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 34);
+
+/// The oldest daemon this client talks to (1.21: path info with signatures, no legacy forms).
+const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
+
+const OP_IS_VALID_PATH: u64 = 1;
+const OP_QUERY_PATH_INFO: u64 = 26;
+
+/// Errors talking to a daemon. Each names the socket and what was being done.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The socket could not be connected to.
+    #[error("connecting to the daemon at {}: {source}", socket.display())]
+    Connect { socket: PathBuf, #[source] source: std::io::Error },
+    /// Reading from or writing to the connection failed.
+    #[error("daemon at {}: {what}: {source}", socket.display())]
+    Io { socket: PathBuf, what: &'static str, #[source] source: std::io::Error },
+    /// The daemon sent something malformed.
+    #[error("daemon at {}: {what}: {source}", socket.display())]
+    Wire { socket: PathBuf, what: &'static str, #[source] source: WireError },
+    /// The peer is not a daemon this client can talk to.
+    #[error("daemon at {}: {message}", socket.display())]
+    Protocol { message: String, socket: PathBuf },
+    /// The daemon reported that the operation failed.
+    #[error("daemon at {}: {what}: {message}", socket.display())]
+    Daemon { socket: PathBuf, what: &'static str, message: String },
+}
+
+/// A connection to a daemon. Not shareable between threads: the worker protocol is one
+/// request at a time.
+pub struct RemoteStore {
+    socket: PathBuf,
+    r: BufReader<UnixStream>,
+    w: BufWriter<UnixStream>,
+    version: ProtocolVersion,
+    store_dir: StoreDir,
+    daemon_version: Option<String>,
+    pinned_cpu: Option<usize>,
+}
+
+impl RemoteStore {
+    /// Connects to the daemon at `socket` and greets it. With `lock_cpu`, first pins the
+    /// calling thread to the CPU it runs on (if that fails, the connection goes on unpinned
+    /// and sends no hint) and asks the daemon to run its worker there.
+    pub fn connect(socket: &Path, lock_cpu: bool) -> Result<Self, RemoteError> {
+        let stream = UnixStream::connect(socket).map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
+        let reader = stream.try_clone().map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
+        let mut store = RemoteStore {
+            socket: socket.to_owned(),
+            r: BufReader::with_capacity(64 * 1024, reader),
+            w: BufWriter::with_capacity(64 * 1024, stream),
+            version: CLIENT_VERSION,
+            store_dir: StoreDir::default(),
+            daemon_version: None,
+            pinned_cpu: if lock_cpu { pin_to_current_cpu() } else { None },
+        };
+        store.greet()?;
+        Ok(store)
+    }
+
+    /// The negotiated protocol version.
+    pub fn version(&self) -> ProtocolVersion {
+        self.version
+    }
+
+    /// The daemon's version string (sent by daemons ≥ 1.33).
+    pub fn daemon_version(&self) -> Option<&str> {
+        self.daemon_version.as_deref()
+    }
+
+    /// The CPU this client pinned itself to and named to the daemon, if any.
+    pub fn pinned_cpu(&self) -> Option<usize> {
+        self.pinned_cpu
+    }
+
+    /// The store directory paths are shown in (`/nix/store`).
+    pub fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
+    /// Whether `path` is valid in the daemon's store.
+    pub fn is_valid_path(&mut self, path: &StorePath) -> Result<bool, RemoteError> {
+        self.request(OP_IS_VALID_PATH, path, "IsValidPath")?;
+        let valid = read_bool(&mut self.r, "validity");
+        valid.map_err(self.wire_err("reading the IsValidPath result"))
+    }
+
+    /// The registration of `path`, or `None` if it is not valid.
+    pub fn query_path_info(&mut self, path: &StorePath) -> Result<Option<ValidPathInfo>, RemoteError> {
+        self.request(OP_QUERY_PATH_INFO, path, "QueryPathInfo")?;
+        let what = "reading the QueryPathInfo result";
+        if !read_bool(&mut self.r, "validity").map_err(self.wire_err(what))? {
+            return Ok(None);
+        }
+        let info = read_unkeyed_path_info(&mut self.r, &self.store_dir, self.version, path.clone()).map_err(self.wire_err(what))?;
+        Ok(Some(ValidPathInfo::from_wire(info)))
+    }
+
+    /// The greeting: magic numbers, versions, the affinity hint, obsolete reserveSpace, the
+    /// daemon's version string and trust flag, then its startup messages up to `LAST`.
+    fn greet(&mut self) -> Result<(), RemoteError> {
+        let what = "greeting";
+        let io = self.io_err(what);
+        write_u64(&mut self.w, WORKER_MAGIC_1).and_then(|()| self.w.flush()).map_err(io)?;
+        let magic = read_u64(&mut self.r, "daemon magic").map_err(self.wire_err(what))?;
+        if magic != WORKER_MAGIC_2 {
+            return Err(RemoteError::Protocol { message: format!("not a Nix daemon (it answered {magic:#x})"), socket: self.socket.clone() });
+        }
+        let daemon = ProtocolVersion::from_wire(read_u64(&mut self.r, "daemon version").map_err(self.wire_err(what))?);
+        if daemon.major != 1 || daemon < MIN_DAEMON_VERSION {
+            let message = format!("unsupported daemon protocol {daemon} (this client needs 1.21 to 1.x)");
+            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+        }
+        self.version = daemon.min(CLIENT_VERSION);
+        let io = self.io_err(what);
+        write_u64(&mut self.w, CLIENT_VERSION.to_wire()).map_err(&io)?;
+        match self.pinned_cpu {
+            Some(cpu) => write_u64(&mut self.w, 1).and_then(|()| write_u64(&mut self.w, cpu as u64)),
+            None => write_u64(&mut self.w, 0),
+        }
+        .map_err(&io)?;
+        write_u64(&mut self.w, 0).and_then(|()| self.w.flush()).map_err(&io)?;
+        if self.version.at_least(33) {
+            let v = read_string(&mut self.r, 1024, "daemon version string").map_err(self.wire_err(what))?;
+            self.daemon_version = Some(v);
+        }
+        self.finish_stderr(what)
+    }
+
+    /// Sends an operation taking one store path.
+    fn request(&mut self, op: u64, path: &StorePath, what: &'static str) -> Result<(), RemoteError> {
+        let shown = self.store_dir.display_path(path);
+        let io = self.io_err(what);
+        write_u64(&mut self.w, op).and_then(|()| write_bytes(&mut self.w, shown.as_bytes())).and_then(|()| self.w.flush()).map_err(io)?;
+        self.finish_stderr(what)
+    }
+
+    /// Reads stderr messages up to `LAST` (log lines go to the log) or `ERROR`.
+    fn finish_stderr(&mut self, what: &'static str) -> Result<(), RemoteError> {
+        loop {
+            match read_stderr_message(&mut self.r, self.version).map_err(self.wire_err(what))? {
+                StderrMessage::Last => return Ok(()),
+                StderrMessage::Error(message) => return Err(RemoteError::Daemon { socket: self.socket.clone(), what, message }),
+                StderrMessage::Next(line) => tracing::info!("{}", line.trim_end()),
+                StderrMessage::StartActivity { text, .. } if !text.is_empty() => tracing::debug!("{text}"),
+                _ => {}
+            }
+        }
+    }
+
+    fn io_err(&self, what: &'static str) -> impl Fn(std::io::Error) -> RemoteError {
+        let socket = self.socket.clone();
+        move |source| RemoteError::Io { socket: socket.clone(), what, source }
+    }
+
+    fn wire_err(&self, what: &'static str) -> impl FnOnce(WireError) -> RemoteError {
+        let socket = self.socket.clone();
+        move |source| RemoteError::Wire { socket, what, source }
+    }
+}
+
+/// Pins the calling thread to the CPU it is running on; that CPU, or `None` (logged) if it
+/// cannot be done.
+fn pin_to_current_cpu() -> Option<usize> {
+    let cpu = rustix::process::sched_getcpu();
+    let mut set = rustix::process::CpuSet::new();
+    set.set(cpu);
+    match rustix::process::sched_setaffinity(None, &set) {
+        Ok(()) => Some(cpu),
+        Err(e) => {
+            tracing::info!("lock-cpu: cannot pin this thread to CPU {cpu}: {e}");
+            None
+        }
+    }
+}
