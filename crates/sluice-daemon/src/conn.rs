@@ -99,11 +99,7 @@ impl Conn<'_> {
     /// Makes `path` a temporary GC root for the rest of the connection, in the file Nix's
     /// collector reads.
     pub(crate) fn add_temp_root(&mut self, path: &StorePath) -> Result<(), Fail> {
-        let roots = match &mut self.temp_roots {
-            Some(roots) => roots,
-            None => self.temp_roots.insert(self.daemon.store().temp_roots_file().map_err(op_err)?),
-        };
-        roots.add(path).map_err(op_err)
+        add_temp_root(self.daemon.store(), &mut self.temp_roots, path)
     }
 
     /// Sends a log line (`NEXT`) at once.
@@ -111,6 +107,15 @@ impl Conn<'_> {
         self.stderr().next(&mut self.w, &format!("{line}\n"))?;
         self.w.flush()
     }
+}
+
+/// Makes `path` a temporary root in `roots`, creating the file at the first root.
+pub(crate) fn add_temp_root(store: &LocalStore, roots: &mut Option<TempRootsFile>, path: &StorePath) -> Result<(), Fail> {
+    let roots = match roots {
+        Some(roots) => roots,
+        None => roots.insert(store.temp_roots_file().map_err(op_err)?),
+    };
+    roots.add(path).map_err(op_err)
 }
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the

@@ -56,7 +56,7 @@ pub enum ClosureEvent {
 pub type ValidityCheck = Arc<dyn Fn(&[StorePath]) -> HashSet<StorePath> + Send + Sync>;
 
 /// Disk-cache answers are written back once this many have accumulated (and at the end).
-const RECORD_BATCH: usize = 256;
+const RECORD_BATCH: usize = 2048;
 
 /// The closure engine's configuration.
 #[derive(Clone)]
@@ -85,6 +85,8 @@ struct Walk {
     depth: HashMap<StorePath, usize>,
     /// Paths queued so far (orders equal depths, newest first).
     queued: u64,
+    /// Per substituter: whether the disk cache has anything for it (else it is not asked).
+    consult: Vec<bool>,
     /// Lookups under way that wait on the network.
     network: usize,
 }
@@ -137,7 +139,7 @@ impl ClosureQuery {
     /// `events` as answers arrive. Returns when the whole closure is known (or `events` is
     /// closed by the receiver).
     pub async fn run(&self, roots: Vec<StorePath>, events: mpsc::UnboundedSender<ClosureEvent>) {
-        let mut walk = Walk::default();
+        let mut walk = Walk { consult: self.disk_entries(), ..Walk::default() };
         let mut records = Vec::new();
         self.enqueue(roots, 0, &mut walk, &events);
         self.fill(&mut walk);
@@ -186,7 +188,7 @@ impl ClosureQuery {
         for v in valid {
             let _ = events.send(ClosureEvent::Valid(v));
         }
-        let mut cached = self.cached_answers(&rest);
+        let mut cached = self.cached_answers(&rest, &walk.consult);
         for path in rest {
             let known: Vec<Option<Cached>> = (0..self.substituters.len()).map(|i| cached.remove(&(i, path.hash_part().to_string()))).collect();
             walk.depth.insert(path.clone(), depth);
@@ -236,13 +238,25 @@ impl ClosureQuery {
         walk.pending.push(Box::pin(resolve(self.substituters.clone(), self.store_dir.clone(), path, answers, network)));
     }
 
-    /// Fresh disk-cache answers for `paths`, keyed by (substituter index, hash part).
-    fn cached_answers(&self, paths: &[StorePath]) -> HashMap<(usize, String), Cached> {
+    /// Per substituter, whether its disk-cache entries are worth looking up (any exist).
+    fn disk_entries(&self) -> Vec<bool> {
+        self.substituters
+            .iter()
+            .map(|s| match (&self.disk_cache, s.disk_id) {
+                (Some(disk), Some(id)) => disk.has_entries(id).unwrap_or(true),
+                _ => false,
+            })
+            .collect()
+    }
+
+    /// Fresh disk-cache answers for `paths`, keyed by (substituter index, hash part), from
+    /// the substituters `consult` marks.
+    fn cached_answers(&self, paths: &[StorePath], consult: &[bool]) -> HashMap<(usize, String), Cached> {
         let mut out = HashMap::new();
         let Some(disk) = &self.disk_cache else { return out };
         let hashes: Vec<&str> = paths.iter().map(|p| p.hash_part()).collect();
         for (i, sub) in self.substituters.iter().enumerate() {
-            let Some(id) = sub.disk_id else { continue };
+            let Some(id) = sub.disk_id.filter(|_| consult.get(i).copied().unwrap_or(true)) else { continue };
             match disk.lookup(id, &hashes) {
                 Ok(found) => out.extend(found.into_iter().map(|(h, c)| ((i, h), c))),
                 Err(e) => tracing::warn!("{e}"),
@@ -260,22 +274,23 @@ async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePa
     let mut answers = answers.into_iter().enumerate();
     while let Some((i, answer)) = answers.next() {
         let sub = &subs[i];
-        let text = match answer {
-            Answer::Cached(Cached::Present(text)) => Ok(Some(text)),
+        let parse = |text: Option<String>| text.map(|t| sub.cache.parse_narinfo(&path, &store_dir, &t)).transpose();
+        let parsed = match answer {
+            Answer::Cached(Cached::Present(text)) => parse(Some(text)),
             Answer::Cached(Cached::Absent) => Ok(None),
             Answer::Fetch(handle) => {
                 let result = handle.await.unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(&path), source: std::io::Error::other(e) }));
-                if let (Ok(text), Some(id)) = (&result, sub.disk_id) {
+                result.and_then(|text| {
+                    let parsed = parse(text.clone());
                     // Only well-formed narinfos are cached as present.
-                    let valid = text.as_ref().is_none_or(|t| sub.cache.parse_narinfo(&path, &store_dir, t).is_ok());
-                    if valid {
-                        records.push((id, path.hash_part().to_string(), text.clone()));
+                    if let (Ok(_), Some(id)) = (&parsed, sub.disk_id) {
+                        records.push((id, path.hash_part().to_string(), text));
                     }
-                }
-                result
+                    parsed
+                })
             }
         };
-        match text.and_then(|t| t.map(|t| sub.cache.parse_narinfo(&path, &store_dir, &t)).transpose()) {
+        match parsed {
             Ok(Some(narinfo)) => {
                 // Failures of higher-priority caches are skipped, but not silently (those that
                 // disabled a whole cache were reported once already).

@@ -9,6 +9,7 @@ pub mod binary_cache;
 pub mod closure;
 pub mod compression;
 pub mod config;
+pub mod job_queue;
 pub mod narinfo_cache;
 pub mod store_url;
 pub mod substitute;

@@ -83,7 +83,9 @@ impl NarInfoCache {
         }
         let conn = Connection::open(path).map_err(err)?;
         conn.busy_timeout(std::time::Duration::from_secs(60)).map_err(err)?;
-        conn.execute_batch("pragma journal_mode = wal; pragma synchronous = normal; pragma foreign_keys = on;").map_err(err)?;
+        // A cache, like Nix's (`SQLite::isCache`): no fsync; a lost write is only a lookup
+        // made again.
+        conn.execute_batch("pragma journal_mode = wal; pragma synchronous = off; pragma foreign_keys = on;").map_err(err)?;
         conn.execute_batch(SCHEMA).map_err(err)?;
         Ok(NarInfoCache {
             path: path.to_path_buf(),
@@ -123,6 +125,11 @@ impl NarInfoCache {
             |r| r.get(0),
         )
         .map_err(|e| self.err(e))
+    }
+
+    /// Whether anything is recorded for cache `cache` (a cold cache's lookups can be skipped).
+    pub fn has_entries(&self, cache: i64) -> Result<bool, DiskCacheError> {
+        self.conn().query_row("select exists (select 1 from NARs where cache = ?)", [cache], |r| r.get(0)).map_err(|e| self.err(e))
     }
 
     /// The fresh cached answers of cache `cache` for `hash_parts`, in one query per 500.

@@ -24,6 +24,10 @@ pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 34);
 /// The oldest daemon this client talks to (1.21: path info with signatures, no legacy forms).
 const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
 
+/// Most requests written before their replies are read (≈ 100 bytes each: far below a Unix
+/// socket's send buffer).
+pub const PIPELINE: usize = 256;
+
 const OP_IS_VALID_PATH: u64 = 1;
 const OP_QUERY_PATH_INFO: u64 = 26;
 
@@ -61,8 +65,9 @@ pub struct RemoteStore {
 
 impl RemoteStore {
     /// Connects to the daemon at `socket` and greets it. With `lock_cpu`, first pins the
-    /// calling thread to the CPU it runs on (if that fails, the connection goes on unpinned
-    /// and sends no hint) and asks the daemon to run its worker there.
+    /// calling thread, for the rest of its life, to the CPU it runs on (if that fails, the
+    /// connection goes on unpinned and sends no hint) and asks the daemon to run its worker
+    /// there.
     pub fn connect(socket: &Path, lock_cpu: bool) -> Result<Self, RemoteError> {
         let stream = UnixStream::connect(socket).map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
         let reader = stream.try_clone().map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
@@ -109,6 +114,33 @@ impl RemoteStore {
     /// The registration of `path`, or `None` if it is not valid.
     pub fn query_path_info(&mut self, path: &StorePath) -> Result<Option<ValidPathInfo>, RemoteError> {
         self.request(OP_QUERY_PATH_INFO, path, "QueryPathInfo")?;
+        self.read_path_info(path)
+    }
+
+    /// The registrations of `paths` (`None` for each that is not valid), in order. The
+    /// requests are pipelined: up to [`PIPELINE`] are written at once and then their replies
+    /// read, so a batch costs one round trip per [`PIPELINE`] paths instead of one per path.
+    /// (The daemon serves requests one after another, in order; a batch's requests fit in the
+    /// socket's buffer, so writing them never waits for replies to be read.) After an error
+    /// the rest of the batch's replies are unread: drop the connection.
+    pub fn query_path_infos(&mut self, paths: &[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, RemoteError> {
+        let mut infos = Vec::with_capacity(paths.len());
+        for chunk in paths.chunks(PIPELINE) {
+            let io = self.io_err("QueryPathInfo");
+            for path in chunk {
+                write_u64(&mut self.w, OP_QUERY_PATH_INFO).and_then(|()| write_bytes(&mut self.w, self.store_dir.display_path(path).as_bytes())).map_err(&io)?;
+            }
+            self.w.flush().map_err(&io)?;
+            for path in chunk {
+                self.finish_stderr("QueryPathInfo")?;
+                infos.push(self.read_path_info(path)?);
+            }
+        }
+        Ok(infos)
+    }
+
+    /// Reads a QueryPathInfo result (after `LAST`) for `path`.
+    fn read_path_info(&mut self, path: &StorePath) -> Result<Option<ValidPathInfo>, RemoteError> {
         let what = "reading the QueryPathInfo result";
         if !read_bool(&mut self.r, "validity").map_err(self.wire_err(what))? {
             return Ok(None);

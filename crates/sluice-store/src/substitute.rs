@@ -16,11 +16,12 @@ use sluice_nix::hash::HashAlgo;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::binary_cache::{BinaryCache, NarStream};
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
+use crate::job_queue::JobQueue;
 use crate::local::{LocalStore, LocalStoreError, PendingPath, TryAdd, Unpacked};
 use crate::narinfo_cache::NarInfoCache;
 use crate::path_info::ValidPathInfo;
@@ -45,6 +46,9 @@ pub trait Observer: Send + Sync {
     fn done(&self, _path: &StorePath) {}
     /// A path failed, with the reason.
     fn failed(&self, _path: &StorePath, _reason: &str) {}
+    /// Something the user should know that did not fail a path (e.g. a substituter's bad NAR
+    /// before another substituter's good one was used).
+    fn warning(&self, _message: &str) {}
 }
 
 /// What a copy did. Sizes in bytes.
@@ -101,7 +105,8 @@ struct Shared {
     disk: Option<Arc<NarInfoCache>>,
     opts: SubstituteOptions,
     gate: Gate,
-    jobs: Semaphore,
+    /// NAR download slots, largest NAR first.
+    jobs: Arc<JobQueue>,
     observer: Arc<dyn Observer>,
     report: Mutex<CopyReport>,
     /// Paths ready to be registered (their references are valid).
@@ -151,7 +156,7 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec
         dest,
         subs: query.substituters.clone(),
         disk: query.disk_cache.clone(),
-        jobs: Semaphore::new(opts.jobs.max(1)),
+        jobs: JobQueue::new(opts.jobs),
         opts,
         gate: Gate::default(),
         observer,
@@ -268,6 +273,7 @@ impl Shared {
         let mut candidate = Some((narinfo, first));
         let mut next = first + 1;
         let mut refetched = Vec::new();
+        let mut last_failed = None;
         loop {
             if let Some((narinfo, i)) = candidate.take() {
                 match self.try_substituter(store_dir, &narinfo, i).await {
@@ -275,6 +281,7 @@ impl Shared {
                     Err(Attempt::Final(e)) => return Err(format!("{shown}: {e}")),
                     Err(Attempt::TryNext(e)) => {
                         errors.push(e);
+                        last_failed = Some(i);
                         // A stale disk-cache entry gets one more try with the fresh narinfo.
                         if !refetched.contains(&i) {
                             refetched.push(i);
@@ -291,7 +298,14 @@ impl Shared {
             next += 1;
             match sub.cache.narinfo_text(&path).await {
                 Ok(Some(text)) => match sub.cache.parse_narinfo(&path, store_dir, &text) {
-                    Ok(ni) => candidate = Some((Arc::new(ni), i)),
+                    Ok(ni) => {
+                        // A cache that was given up on was reported once already.
+                        let reported = last_failed.is_some_and(|j: usize| self.subs[j].cache.is_disabled());
+                        if let Some(last) = errors.last().filter(|_| !reported) {
+                            self.observer.warning(&format!("{shown}: {last}; trying {}", sub.cache.url()));
+                        }
+                        candidate = Some((Arc::new(ni), i));
+                    }
                     Err(e) => errors.push(e.to_string()),
                 },
                 Ok(None) => {}
@@ -365,7 +379,7 @@ impl Shared {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let permit = self.jobs.acquire().await.map_err(|e| Attempt::Final(e.to_string()))?;
+            let permit = self.jobs.acquire(narinfo.file_size.unwrap_or(narinfo.nar_size)).await;
             let NarStream { reader, probe } = match cache.open_nar(narinfo).await {
                 Ok(Some(r)) => r,
                 Ok(None) => return Err(Attempt::TryNext(format!("{url}: NAR not found (404)"))),
@@ -444,7 +458,11 @@ impl Shared {
             let names: Vec<&str> = narinfo.signatures.iter().map(|s| s.split(':').next().unwrap_or("")).collect();
             return Err(match names.is_empty() {
                 true => "no signature, and signatures are required".to_string(),
-                false => format!("no valid signature by a trusted key (signed by: {})", names.join(", ")),
+                false => format!(
+                    "no valid signature by a trusted key (signed by: {}; trusted: {})",
+                    names.join(", "),
+                    self.opts.trusted_keys.keys().iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
+                ),
             });
         }
         Ok(match ca {

@@ -54,6 +54,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         eprintln!("error: {reason}");
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
+    // Roots that failed have their reason printed already; others are named here.
     let missing: Vec<_> = roots.iter().filter(|r| !valid.contains(*r)).collect();
     if args.json {
         let json = serde_json::json!({
@@ -75,7 +76,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         report.already_valid,
         report.failed.len()
     );
-    for m in &missing {
+    for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
         eprintln!("error: {} is not valid in {}", store_dir.display_path(m), args.to);
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })

@@ -56,12 +56,12 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         StoreUrl::Local { root } => {
             let store = LocalStore::open(&root).map_err(|e| e.to_string())?;
             let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
-            store_entries(roots, args.recursive, |p| store.query_path_info(p).map_err(|e| e.to_string()))?
+            store_entries(roots, args.recursive, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
         }
         StoreUrl::Daemon { socket } => {
             let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
             let roots = setup::parse_paths(&store_dir, &args.paths)?;
-            store_entries(roots, args.recursive, |p| store.query_path_info(p).map_err(|e| e.to_string()))?
+            store_entries(roots, args.recursive, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
         }
         StoreUrl::BinaryCache(_) => {
             let roots = setup::parse_paths(&store_dir, &args.paths)?;
@@ -77,7 +77,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         println!("{}", Value::Array(array));
     } else {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
-        for (path, e) in &entries {
+        for path in topo_sorted(&entries) {
+            let e = &entries[path];
             let mut line = store_dir.display_path(path);
             if args.size || args.closure_size {
                 line = format!("{line:width$}");
@@ -96,24 +97,28 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 
 type Entries = (BTreeMap<StorePath, Entry>, Vec<StorePath>);
 
-/// The entries of `roots` (and their closures when `recursive`) from a store's `query`.
-fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&StorePath) -> Result<Option<ValidPathInfo>, String>) -> Result<Entries, String> {
+/// The entries of `roots` (and their closures when `recursive`) from a store's `query`, which
+/// answers a batch of paths at once, in order: the closure is walked breadth-first, one batch
+/// per level, so that a daemon client pipelines each level's requests.
+fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, String>) -> Result<Entries, String> {
     let mut entries = BTreeMap::new();
     let mut missing = Vec::new();
-    let mut queue = roots;
-    while let Some(path) = queue.pop() {
-        if entries.contains_key(&path) {
-            continue;
-        }
-        match query(&path)? {
-            Some(info) => {
-                if recursive {
-                    queue.extend(info.references.iter().cloned());
+    let mut seen: BTreeSet<StorePath> = roots.iter().cloned().collect();
+    let mut level: Vec<StorePath> = seen.iter().cloned().collect();
+    while !level.is_empty() {
+        let mut next = Vec::new();
+        for (path, info) in level.iter().zip(query(&level)?) {
+            match info {
+                Some(info) => {
+                    if recursive {
+                        next.extend(info.references.iter().filter(|r| seen.insert((*r).clone())).cloned());
+                    }
+                    entries.insert(path.clone(), Entry { info, narinfo: None });
                 }
-                entries.insert(path, Entry { info, narinfo: None });
+                None => missing.push(path.clone()),
             }
-            None => missing.push(path),
         }
+        level = next;
     }
     Ok((entries, missing))
 }
@@ -169,6 +174,28 @@ async fn lookup_each(query: &ClosureQuery, roots: Vec<StorePath>, tx: mpsc::Unbo
     }
 }
 
+
+/// The entries with every path after its references, as Nix's `topoSortPaths` orders them
+/// (`src/libutil/topo-sort.hh`): a depth-first walk in path order, each path emitted after the
+/// references among the entries.
+fn topo_sorted(entries: &BTreeMap<StorePath, Entry>) -> Vec<&StorePath> {
+    fn visit<'a>(path: &'a StorePath, entries: &'a BTreeMap<StorePath, Entry>, seen: &mut BTreeSet<&'a StorePath>, out: &mut Vec<&'a StorePath>) {
+        if !seen.insert(path) {
+            return;
+        }
+        for r in entries[path].info.references.iter().filter(|r| *r != path) {
+            if let Some((key, _)) = entries.get_key_value(r) {
+                visit(key, entries, seen, out);
+            }
+        }
+        out.push(path);
+    }
+    let (mut seen, mut out) = (BTreeSet::new(), Vec::new());
+    for path in entries.keys() {
+        visit(path, entries, &mut seen, &mut out);
+    }
+    out
+}
 
 /// (closure NAR size, closure download size) of each entry, from the entries' references.
 fn closure_sizes(entries: &BTreeMap<StorePath, Entry>) -> BTreeMap<StorePath, (u64, u64)> {

@@ -73,6 +73,13 @@ impl Observer for Progress {
         }
     }
 
+    fn warning(&self, message: &str) {
+        match &self.bar {
+            Some(bar) => bar.suspend(|| eprintln!("warning: {message}")),
+            None => eprintln!("warning: {message}"),
+        }
+    }
+
     fn failed(&self, _path: &StorePath, _reason: &str) {
         if let Some(bar) = &self.bar {
             bar.inc(1);

@@ -60,8 +60,26 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
 }
 
 /// Parses command-line store paths (full paths in the store directory, or paths inside them).
+/// A path outside the store directory is followed through symbolic links (such as `./result`)
+/// until it lands in it, as Nix's `followLinksToStorePath` does.
 pub fn parse_paths(store_dir: &StoreDir, args: &[String]) -> Result<Vec<StorePath>, String> {
-    args.iter().map(|a| store_dir.to_store_path(a).map_err(|e| format!("{a}: {e}"))).collect()
+    args.iter().map(|a| store_dir.to_store_path(&follow_links(store_dir, a)).map_err(|e| format!("{a}: {e}"))).collect()
+}
+
+/// Follows symbolic links from `arg` (at most 40) until the path is in `store_dir`.
+fn follow_links(store_dir: &StoreDir, arg: &str) -> String {
+    let mut path = std::path::PathBuf::from(arg);
+    for _ in 0..40 {
+        let text = path.to_string_lossy();
+        if text.starts_with(&format!("{}/", store_dir.as_str())) {
+            break;
+        }
+        match std::fs::read_link(&path) {
+            Ok(target) => path = path.parent().map_or(target.clone(), |dir| dir.join(&target)),
+            Err(_) => break,
+        }
+    }
+    path.to_string_lossy().into_owned()
 }
 
 /// Opens a local store URL.

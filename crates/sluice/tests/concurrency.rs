@@ -9,17 +9,21 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn spawn_copy(tmp: &std::path::Path, root: &std::path::Path, paths: &[&str]) -> Child {
+/// Starts a copy whose standard error goes to a file (a pipe nobody drains while another
+/// copy is awaited would block it, holding its locks).
+fn spawn_copy(tmp: &std::path::Path, root: &std::path::Path, name: &str, paths: &[&str]) -> (Child, std::path::PathBuf) {
     let url = format!("file://{}", corpus().join("cache-xz").display());
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     isolate(&mut cmd, tmp, "");
     cmd.args(["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key()]);
-    cmd.args(paths).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    let log = tmp.join(format!("{name}.log"));
+    let child = cmd.args(paths).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+    (child, log)
 }
 
-fn wait_ok(child: Child, what: &str) {
-    let o = child.wait_with_output().unwrap();
-    check(&o, what);
+fn wait_ok((mut child, log): (Child, std::path::PathBuf), what: &str) {
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{what} failed ({status}): {}", std::fs::read_to_string(&log).unwrap_or_default());
 }
 
 #[test]
@@ -30,10 +34,10 @@ fn overlapping_copies_into_one_store() {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("root");
         let children = [
-            spawn_copy(tmp.path(), &root, &[TOP]),
-            spawn_copy(tmp.path(), &root, &[&glibc, &bash]),
-            spawn_copy(tmp.path(), &root, &[&bash, TOP]),
-            spawn_copy(tmp.path(), &root, &[&glibc]),
+            spawn_copy(tmp.path(), &root, "a", &[TOP]),
+            spawn_copy(tmp.path(), &root, "b", &[&glibc, &bash]),
+            spawn_copy(tmp.path(), &root, "c", &[&bash, TOP]),
+            spawn_copy(tmp.path(), &root, "d", &[&glibc]),
         ];
         for (i, c) in children.into_iter().enumerate() {
             wait_ok(c, &format!("round {round}, copy {i}"));
@@ -57,7 +61,7 @@ fn daemon_adds_while_a_copy_runs() {
         assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let copy = spawn_copy(tmp.path(), &root, &[TOP]);
+    let copy = spawn_copy(tmp.path(), &root, "copy", &[TOP]);
     let store = format!("unix://{}", socket.display());
     let mut added = Vec::new();
     for i in 0..12 {

@@ -19,7 +19,7 @@ use sluice_nix::wire::{
     FramedReader, ProtocolVersion,
 };
 use sluice_store::config::Settings;
-use sluice_store::local::LocalStore;
+use sluice_store::local::{LocalStore, TempRootsFile};
 use sluice_store::path_info::ValidPathInfo;
 
 use super::payload::{add_content, Ingestion, RootFile};
@@ -45,10 +45,10 @@ pub(super) fn add_to_store(c: &mut Conn) -> OpResult {
     read_bool(&mut c.r, "repair flag")?;
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
-    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, &name, m, references, &mut framed));
+    let roots = &mut c.temp_roots;
+    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, roots, &name, m, references, &mut framed));
     finish_framed(&mut framed)?;
     let info = to_wire(result?)?;
-    c.add_temp_root(&info.path)?;
     let version = c.version;
     c.reply(|w, dir| write_keyed_path_info(w, dir, version, &info))
 }
@@ -69,14 +69,13 @@ fn add_to_store_legacy(c: &mut Conn) -> OpResult {
     parse(Tee { inner: &mut c.r, copy: &mut nar }, &mut Discard).map_err(|e| Fail::Fatal(format!("reading the NAR to add: {e}")))?;
     io::Seek::rewind(&mut nar).map_err(op_err)?;
     let info = match method {
-        Ingestion::Nar(_) => add_content(c.store(), &name, method, Default::default(), &mut nar)?,
+        Ingestion::Nar(_) => add_content(c.daemon.store(), &mut c.temp_roots, &name, method, Default::default(), &mut nar)?,
         _ => {
             let mut root = RootFile::new();
             parse(&mut nar, &mut root).map_err(op_err)?;
-            add_content(c.store(), &name, method, Default::default(), &mut root.contents)?
+            add_content(c.daemon.store(), &mut c.temp_roots, &name, method, Default::default(), &mut root.contents)?
         }
     };
-    c.add_temp_root(&info.path)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 
@@ -85,8 +84,7 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
     let name = read_string(&mut c.r, MAX_NAME, "name")?;
     let text = read_bytes(&mut c.r, MAX_TEXT, "text")?;
     let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
-    let info = add_content(c.store(), &name, Ingestion::Text, references, &mut text.as_slice())?;
-    c.add_temp_root(&info.path)?;
+    let info = add_content(c.daemon.store(), &mut c.temp_roots, &name, Ingestion::Text, references, &mut text.as_slice())?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 
@@ -103,6 +101,8 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
     let settings = c.options.settings()?;
     let store = Arc::clone(c.store());
     let checked = if dont_check_sigs { Ok(()) } else { check_trust(&info, &settings, store.store_dir()) };
+    // Rooted before its validity is looked at (as Nix's `LocalStore::addToStore`).
+    let checked = checked.and_then(|()| c.add_temp_root(&info.path));
     if c.version.at_least(23) {
         let mut framed = FramedReader::new(&mut c.r);
         let result = checked.and_then(|()| add_nar(&store, &info, &mut framed));
@@ -112,7 +112,6 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
         checked?;
         add_nar(&store, &info, &mut Tunnel { r: &mut c.r, w: &mut c.w })?;
     }
-    c.add_temp_root(&info.path)?;
     c.reply(|_, _| Ok(()))
 }
 
@@ -124,18 +123,15 @@ pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
     let settings = c.options.settings()?;
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
-    let mut added = Vec::new();
-    let result = add_each(&store, &settings, dont_check_sigs, &mut framed, &mut added);
+    let roots = &mut c.temp_roots;
+    let result = add_each(&store, roots, &settings, dont_check_sigs, &mut framed);
     finish_framed(&mut framed)?;
-    for path in &added {
-        c.add_temp_root(path)?;
-    }
     result?;
     c.reply(|_, _| Ok(()))
 }
 
-/// Adds each path of an AddMultipleToStore payload, collecting the paths now valid in `added`.
-fn add_each(store: &Arc<LocalStore>, settings: &Settings, dont_check_sigs: bool, stream: &mut dyn Read, added: &mut Vec<StorePath>) -> Result<(), Fail> {
+/// Adds each path of an AddMultipleToStore payload, rooting each in `roots` first.
+fn add_each(store: &Arc<LocalStore>, roots: &mut Option<TempRootsFile>, settings: &Settings, dont_check_sigs: bool, stream: &mut dyn Read) -> Result<(), Fail> {
     let dir = store.store_dir();
     let count = read_u64(stream, "path count")?;
     if count > MAX_PATHS {
@@ -147,8 +143,8 @@ fn add_each(store: &Arc<LocalStore>, settings: &Settings, dont_check_sigs: bool,
         if !dont_check_sigs {
             check_trust(&info, settings, dir)?;
         }
+        crate::conn::add_temp_root(store, roots, &info.path)?;
         add_nar(store, &info, &mut stream.take(info.nar_size))?;
-        added.push(info.path);
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::{NarPath, NarVisitor};
 use sluice_nix::store_path::StorePath;
-use sluice_store::local::LocalStore;
+use sluice_store::local::{LocalStore, TempRootsFile};
 use sluice_store::path_info::ValidPathInfo;
 use tempfile::SpooledTempFile;
 
@@ -85,8 +85,17 @@ fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher
 }
 
 /// Adds `data` as `name` with `references` by `method`; returns the path's info (also when it
-/// was valid already, in which case nothing is unpacked).
-pub(super) fn add_content(store: &Arc<LocalStore>, name: &str, method: Ingestion, references: BTreeSet<StorePath>, data: &mut dyn Read) -> Result<ValidPathInfo, Fail> {
+/// was valid already, in which case nothing is unpacked). The path is made a temporary root
+/// in `roots` before its validity is looked at, as Nix's `addToStoreFromDump` does, so that a
+/// collector cannot delete it between the look-up and the client's use of it.
+pub(super) fn add_content(
+    store: &Arc<LocalStore>,
+    roots: &mut Option<TempRootsFile>,
+    name: &str,
+    method: Ingestion,
+    references: BTreeSet<StorePath>,
+    data: &mut dyn Read,
+) -> Result<ValidPathInfo, Fail> {
     let algo = match method {
         Ingestion::Text => HashAlgo::Sha256,
         Ingestion::Flat(a) | Ingestion::Nar(a) => a,
@@ -101,6 +110,7 @@ pub(super) fn add_content(store: &Arc<LocalStore>, name: &str, method: Ingestion
     let dir = store.store_dir();
     let self_ref = false;
     let path = ca.store_path(dir, name, &references.iter().cloned().collect::<Vec<_>>(), self_ref).map_err(op_err)?;
+    crate::conn::add_temp_root(store, roots, &path)?;
     if let Some(info) = store.query_path_info(&path).map_err(op_err)? {
         return Ok(info);
     }

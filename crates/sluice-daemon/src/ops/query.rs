@@ -94,8 +94,11 @@ pub(super) fn derivation_output_map(c: &mut Conn) -> OpResult {
     })
 }
 
+/// A derivation's outputs by name, with their paths when the derivation fixes them.
+pub(super) type DrvOutputs = Vec<(String, Option<StorePath>)>;
+
 /// The outputs named in a valid derivation (read from the store), or `None` if it is not valid.
-pub(super) fn derivation_outputs(c: &Conn, drv: &StorePath) -> Result<Option<Vec<(String, Option<StorePath>)>>, Fail> {
+pub(super) fn derivation_outputs(c: &Conn, drv: &StorePath) -> Result<Option<DrvOutputs>, Fail> {
     if !drv.is_derivation() || !c.store().is_valid_path(drv).map_err(op_err)? {
         return Ok(None);
     }

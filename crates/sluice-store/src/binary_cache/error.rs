@@ -6,7 +6,9 @@ pub enum CacheError {
     /// An HTTP status that is neither success nor absence; `body` is a prefix of the answer.
     #[error("{url}: HTTP status {status}{}", body_suffix(body))]
     Status { url: String, status: u16, body: String },
-    #[error("{url}: {source}")]
+    /// A failed request; the message carries the whole chain of causes (connection refused,
+    /// certificate not trusted, …), which reqwest's own message leaves out.
+    #[error("{url}: {}", causes(source))]
     Transport { url: String, #[source] source: reqwest::Error },
     #[error("{url}: {source}")]
     Io { url: String, #[source] source: std::io::Error },
@@ -23,6 +25,21 @@ pub enum CacheError {
     Disabled { url: String, reason: String },
 }
 
+/// `error: cause: cause …`, without repeating a cause already contained in the one before.
+fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        let c = cause.to_string();
+        if !text.contains(&c) {
+            text.push_str(": ");
+            text.push_str(&c);
+        }
+        next = cause.source();
+    }
+    text
+}
+
 fn body_suffix(body: &str) -> String {
     match body.is_empty() {
         true => String::new(),
@@ -36,7 +53,8 @@ impl CacheError {
     pub fn is_transient(&self) -> bool {
         match self {
             CacheError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
-            CacheError::Transport { source, .. } => !source.is_builder() && !source.is_redirect(),
+            // An untrusted certificate stays untrusted however often it is presented.
+            CacheError::Transport { source, .. } => !source.is_builder() && !source.is_redirect() && !causes(source).contains("certificate"),
             CacheError::Io { source, .. } => !matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidData),
             _ => false,
         }

@@ -134,6 +134,11 @@ impl BinaryCache {
         }
     }
 
+    /// Whether the cache was given up on for the rest of this run.
+    pub fn is_disabled(&self) -> bool {
+        self.health.check(&self.url).is_err()
+    }
+
     /// The number of attempts a download from this cache gets (`download-attempts`); 1 for
     /// `file://` caches, whose reads do not fail transiently.
     pub fn download_attempts(&self) -> u32 {

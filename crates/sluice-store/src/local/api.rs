@@ -26,7 +26,8 @@ impl LocalStore {
     }
 
     /// A new file of temporary roots that Nix's garbage collector honours, named after the
-    /// calling thread; its roots last until it is dropped.
+    /// calling thread; its roots last until it is dropped. A thread holds at most one at a
+    /// time (a second one replaces the first's file).
     pub fn temp_roots_file(&self) -> Result<TempRootsFile, LocalStoreError> {
         TempRootsFile::create(&self.layout.state_dir, &self.store_dir)
     }

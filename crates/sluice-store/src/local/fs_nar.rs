@@ -9,7 +9,7 @@ use std::path::Path;
 use sluice_nix::nar::reader::{parse, NarError};
 use sluice_nix::nar::writer::NarWriter;
 
-use super::{dump, unpack};
+use super::{dump, tree, unpack};
 
 /// The parent directory of `path` (opened without following symlinks) and `path`'s name.
 fn parent_and_name(path: &Path) -> io::Result<(std::os::fd::OwnedFd, &[u8])> {
@@ -32,10 +32,21 @@ pub fn dump_fs_path(path: &Path, out: &mut dyn Write) -> io::Result<()> {
 }
 
 /// Unpacks the NAR read from `nar` at `dest`, which must not exist yet; returns the NAR's
-/// size in bytes. Regular files are read-only (0444, or 0555 if executable), as in a store.
+/// size in bytes. Files are created as `nix-store --restore` creates them (0666, or 0777 if
+/// executable, less the umask).
+/// A NAR that turns out to be invalid leaves nothing at `dest`.
 pub fn restore_nar(nar: &mut dyn Read, dest: &Path) -> Result<u64, NarError> {
     use std::os::fd::AsFd;
     let (dir, name) = parent_and_name(dest).map_err(|source| NarError::Io { offset: 0, source })?;
-    let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None);
-    parse(nar, &mut unpacker)
+    if rustix::fs::statat(dir.as_fd(), name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW).is_ok() {
+        let source = io::Error::new(io::ErrorKind::AlreadyExists, format!("{} exists already", dest.display()));
+        return Err(NarError::Io { offset: 0, source });
+    }
+    let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None, unpack::FileModes::RESTORE);
+    let result = parse(nar, &mut unpacker);
+    if result.is_err() {
+        // The parse error is the one to report.
+        let _ = tree::remove_tree(dir.as_fd(), name);
+    }
+    result
 }

@@ -342,7 +342,7 @@ impl PendingPath {
     fn unpack_into_temp(&self, nar: &mut dyn Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> {
         let shown = self.shown();
         let mut reader = HashingReader::new(nar, HashAlgo::Sha256);
-        let mut unpacker = unpack::Unpacker::new(self.store.store_fd.as_fd(), self.temp_name.as_bytes(), flat_algo);
+        let mut unpacker = unpack::Unpacker::new(self.store.store_fd.as_fd(), self.temp_name.as_bytes(), flat_algo, unpack::FileModes::STORE);
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
         if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.path)))? {

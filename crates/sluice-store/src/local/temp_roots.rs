@@ -83,14 +83,19 @@ impl TempRootsFile {
         }
         let shown = self.store_dir.display_path(path);
         loop {
-            if flock(&self.gc_lock, FlockOperation::NonBlockingLockShared).is_ok() {
-                break;
+            match flock(&self.gc_lock, FlockOperation::NonBlockingLockShared) {
+                Ok(()) => break,
+                Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(io_err("taking the GC lock", &self.gc_socket.with_file_name("gc.lock"))(e.into())),
             }
             // A collector holds the lock: it must learn of the root now, as it will not
-            // read the file again. If it has just finished, the lock is free on the next try.
+            // read the file again. If it is starting (no socket yet) or has just finished
+            // (the lock is free again), try again shortly.
             match self.tell_collector(&shown) {
                 Ok(()) => break,
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused || e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused || e.kind() == io::ErrorKind::NotFound => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
                 Err(e) => return Err(io_err("sending a temporary root to the garbage collector at", &self.gc_socket)(e)),
             }
         }

@@ -3,8 +3,8 @@
 //! exclusively (`O_CREAT|O_EXCL`, `mkdirat`, `symlinkat`) relative to its parent's descriptor,
 //! so nothing existing is overwritten and no symlink is ever followed.
 //!
-//! Files are created with their final permissions (0444, or 0555 if executable); directories
-//! stay writable (0755) until canonicalisation.
+//! Files are created with the permissions of a [`FileModes`] (in a store: 0444, or 0555 if
+//! executable, final at once); directories stay writable (0755) until canonicalisation.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -24,12 +24,27 @@ pub(super) struct Unpacker<'a> {
     open_dirs: Vec<OwnedFd>,
     flat_algo: Option<HashAlgo>,
     flat_hash: Option<Hash>,
+    modes: FileModes,
+}
+
+/// The permissions regular files are created with (before the umask).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FileModes {
+    pub regular: u32,
+    pub executable: u32,
+}
+
+impl FileModes {
+    /// Store objects: read-only from the start.
+    pub(super) const STORE: FileModes = FileModes { regular: 0o444, executable: 0o555 };
+    /// `nix-store --restore`: writable files, as Nix's `restorePath` creates them.
+    pub(super) const RESTORE: FileModes = FileModes { regular: 0o666, executable: 0o777 };
 }
 
 impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
-    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>) -> Self {
-        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None }
+    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes) -> Self {
+        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes }
     }
 
     /// The hash of the root regular file's contents, if one was asked for and the root is a
@@ -75,7 +90,7 @@ fn display(path: &NarPath) -> String {
 impl NarVisitor for Unpacker<'_> {
     fn regular(&mut self, path: &NarPath, executable: bool, size: u64, _offset: u64, contents: &mut dyn Read) -> io::Result<()> {
         let (dir, name) = self.slot(path)?;
-        let mode = Mode::from_raw_mode(if executable { 0o555 } else { 0o444 });
+        let mode = Mode::from_raw_mode(if executable { self.modes.executable } else { self.modes.regular });
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let mut file = File::from(openat(dir, name, flags, mode).map_err(|e| at(path)(e.into()))?);
         let mut hasher = self.flat_algo.filter(|_| path.is_empty()).map(Hasher::new);

@@ -1,0 +1,65 @@
+//! Streaming with bounded memory: a 1 GiB NAR made by real Nix (`nix-store --add` of a
+//! generated file, `nix copy` into a zstd `file://` cache) is substituted by `sluice copy`
+//! with a peak RSS far below the NAR's size, and real Nix verifies the result.
+
+mod common;
+
+use std::io::Write;
+use std::process::Command;
+
+use common::*;
+
+/// Bytes of the generated file (the NAR is 120 bytes longer).
+const SIZE: usize = 1 << 30;
+/// The peak RSS the copy must stay under, in KiB.
+const MAX_RSS_KIB: i64 = 100 * 1024;
+
+#[test]
+fn one_gib_nar_streams_in_bounded_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("big-blob");
+    {
+        // Not all zeros, so the compressor and the decompressor do real work.
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&file).unwrap());
+        let mut block = vec![0u8; 1 << 20];
+        for i in 0..SIZE / block.len() {
+            for (j, b) in block.iter_mut().enumerate().step_by(4096) {
+                *b = (i + j) as u8;
+            }
+            f.write_all(&block).unwrap();
+        }
+    }
+    let src = tmp.path().join("src");
+    let out = nix(tmp.path(), "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
+    check(&out, "nix-store --add");
+    let path = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    std::fs::remove_file(&file).unwrap();
+    let cache = format!("file://{}?compression=zstd", tmp.path().join("cache").display());
+    check(&nix(tmp.path(), "nix", &["copy", "--from", src.to_str().unwrap(), "--to", &cache, &path]), "nix copy to the cache");
+    std::fs::remove_dir_all(&src).ok();
+
+    let dest = tmp.path().join("dest");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp.path(), "");
+    let cache_url = format!("file://{}", tmp.path().join("cache").display());
+    cmd.args(["copy", "--from", &cache_url, "--to", dest.to_str().unwrap(), "--no-check-sigs", &path]);
+    let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let (status, rss_kib) = wait_with_rss(child);
+    assert!(status == 0, "sluice copy of the 1 GiB NAR failed");
+    assert!(rss_kib < MAX_RSS_KIB, "peak RSS {rss_kib} KiB for a 1 GiB NAR (limit {MAX_RSS_KIB} KiB)");
+    assert_nix_verifies(tmp.path(), &dest);
+    let len = std::fs::metadata(dest.join("nix/store").join(path.trim_start_matches("/nix/store/"))).unwrap().len();
+    assert_eq!(len, SIZE as u64);
+}
+
+/// Waits for `child`; its exit code and peak RSS in KiB (from `wait4`'s resource usage).
+fn wait_with_rss(child: std::process::Child) -> (i32, i64) {
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0i32;
+    // SAFETY: `rusage` is plain old data, so all-zero is a valid value.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 on our own child with valid out-pointers.
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert!(r > 0, "wait4 failed");
+    (libc::WEXITSTATUS(status), usage.ru_maxrss)
+}
