@@ -24,9 +24,10 @@ pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 34);
 /// The oldest daemon this client talks to (1.21: path info with signatures, no legacy forms).
 const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
 
-/// Most requests written before their replies are read (≈ 100 bytes each: far below a Unix
-/// socket's send buffer).
-pub const PIPELINE: usize = 256;
+/// Most request bytes written before their replies are read: well below a Unix socket's send
+/// buffer (≈ 208 KiB by default), so that writing a batch never waits for the daemon, which
+/// may itself be waiting for its replies to be read.
+pub const PIPELINE_BYTES: usize = 64 << 10;
 
 const OP_IS_VALID_PATH: u64 = 1;
 const OP_QUERY_PATH_INFO: u64 = 26;
@@ -118,23 +119,28 @@ impl RemoteStore {
     }
 
     /// The registrations of `paths` (`None` for each that is not valid), in order. The
-    /// requests are pipelined: up to [`PIPELINE`] are written at once and then their replies
-    /// read, so a batch costs one round trip per [`PIPELINE`] paths instead of one per path.
-    /// (The daemon serves requests one after another, in order; a batch's requests fit in the
-    /// socket's buffer, so writing them never waits for replies to be read.) After an error
+    /// requests are pipelined: up to [`PIPELINE_BYTES`] of them are written at once and then
+    /// their replies read, so a batch costs one round trip per few hundred paths instead of
+    /// one per path (the daemon serves requests one after another, in order). After an error
     /// the rest of the batch's replies are unread: drop the connection.
     pub fn query_path_infos(&mut self, paths: &[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, RemoteError> {
         let mut infos = Vec::with_capacity(paths.len());
-        for chunk in paths.chunks(PIPELINE) {
+        let mut rest = paths;
+        while !rest.is_empty() {
             let io = self.io_err("QueryPathInfo");
-            for path in chunk {
-                write_u64(&mut self.w, OP_QUERY_PATH_INFO).and_then(|()| write_bytes(&mut self.w, self.store_dir.display_path(path).as_bytes())).map_err(&io)?;
+            let (mut sent, mut bytes) = (0, 0);
+            while sent < rest.len() && bytes < PIPELINE_BYTES {
+                let shown = self.store_dir.display_path(&rest[sent]);
+                write_u64(&mut self.w, OP_QUERY_PATH_INFO).and_then(|()| write_bytes(&mut self.w, shown.as_bytes())).map_err(&io)?;
+                bytes += 16 + shown.len().next_multiple_of(8);
+                sent += 1;
             }
             self.w.flush().map_err(&io)?;
-            for path in chunk {
+            for path in &rest[..sent] {
                 self.finish_stderr("QueryPathInfo")?;
                 infos.push(self.read_path_info(path)?);
             }
+            rest = &rest[sent..];
         }
         Ok(infos)
     }

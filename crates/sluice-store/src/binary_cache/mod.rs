@@ -87,14 +87,20 @@ impl BinaryCache {
     /// taken to serve `/nix/store` at priority 50, as Nix does.
     pub async fn fetch_cache_info(&self) -> Result<CacheInfo, CacheError> {
         // The caller reports a failure here (the cache is then left out): no health warning.
-        let info = match self.fetch("nix-cache-info").await? {
+        self.health.opening();
+        let info = self.fetch_cache_info_once().await;
+        self.health.opened(&self.url, info.is_ok());
+        info
+    }
+
+    async fn fetch_cache_info_once(&self) -> Result<CacheInfo, CacheError> {
+        Ok(match self.fetch("nix-cache-info").await? {
             None => CacheInfo::default(),
             Some(bytes) => {
                 let text = String::from_utf8(bytes).map_err(|_| self.info_error("not UTF-8 text"))?;
                 CacheInfo::parse(&text).map_err(|e| self.info_error(&e.to_string()))?
             }
-        };
-        Ok(info)
+        })
     }
 
     fn info_error(&self, what: &str) -> CacheError {

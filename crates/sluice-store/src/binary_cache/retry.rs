@@ -2,6 +2,7 @@
 //! exponential backoff up to `download-attempts` times; a cache whose request still fails (or
 //! that refuses our credentials) is skipped for the rest of the run, with one warning.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -31,10 +32,14 @@ impl RetryPolicy {
     }
 }
 
-/// Whether a cache is still used in this run.
+/// Whether a cache is still used in this run. While its `nix-cache-info` is being fetched
+/// (see [`Health::opening`]) failures disable it without a warning: if the cache cannot be
+/// opened its caller reports that, otherwise the warning follows when opening ends.
 #[derive(Debug, Default)]
 pub struct Health {
     disabled: OnceLock<String>,
+    opening: AtomicBool,
+    warned: AtomicBool,
 }
 
 impl Health {
@@ -50,11 +55,33 @@ impl Health {
     /// (the first one prints the warning). Returns the result unchanged.
     pub fn observe<T>(&self, url: &str, result: Result<T, CacheError>) -> Result<T, CacheError> {
         if let Err(e) = &result {
-            if e.disables_cache() && self.disabled.set(e.to_string()).is_ok() {
-                tracing::warn!("substituter {url} is not used for the rest of this run: {e}");
+            if e.disables_cache() && self.disabled.set(e.to_string()).is_ok() && !self.opening.load(Ordering::SeqCst) {
+                self.warn(url);
             }
         }
         result
+    }
+
+    /// Marks the start of opening the cache.
+    pub fn opening(&self) {
+        self.opening.store(true, Ordering::SeqCst);
+    }
+
+    /// Marks the end of opening: when it succeeded, a failure seen meanwhile is warned about
+    /// now; when it failed, the caller reports the cache as left out and no warning follows.
+    pub fn opened(&self, url: &str, ok: bool) {
+        self.opening.store(false, Ordering::SeqCst);
+        if !ok {
+            self.warned.store(true, Ordering::SeqCst);
+        } else if self.disabled.get().is_some() {
+            self.warn(url);
+        }
+    }
+
+    fn warn(&self, url: &str) {
+        if let Some(reason) = self.disabled.get().filter(|_| !self.warned.swap(true, Ordering::SeqCst)) {
+            tracing::warn!("substituter {url} is not used for the rest of this run: {reason}");
+        }
     }
 }
 
@@ -84,5 +111,21 @@ mod tests {
         assert!(h.observe::<()>("http://c", Err(auth)).is_err());
         let err = h.check("http://c").unwrap_err().to_string();
         assert!(err.contains("http://c") && err.contains("401") && err.contains("token expired"), "{err}");
+    }
+
+    #[test]
+    fn failures_while_opening_are_not_warned_twice() {
+        let refused = || CacheError::Status { url: "http://c/x.narinfo".into(), status: 503, body: String::new() };
+        let h = Health::default();
+        h.opening();
+        assert!(h.observe::<()>("http://c", Err(refused())).is_err());
+        assert!(!h.warned.load(Ordering::SeqCst), "no warning while opening");
+        h.opened("http://c", false);
+        assert!(h.warned.load(Ordering::SeqCst), "left out: the caller's warning is the one");
+        let h = Health::default();
+        h.opening();
+        assert!(h.observe::<()>("http://c", Err(refused())).is_err());
+        h.opened("http://c", true);
+        assert!(h.warned.load(Ordering::SeqCst) && h.check("http://c").is_err(), "warned once opening succeeded");
     }
 }

@@ -41,7 +41,11 @@ impl Layout {
         if !gcroots.exists() {
             mkdir(&gcroots)?;
             let link = gcroots.join("profiles");
-            std::os::unix::fs::symlink(&profiles, &link).map_err(|e| (link, e))?;
+            // Another process opening the new store at the same moment may have made it first.
+            match std::os::unix::fs::symlink(&profiles, &link) {
+                Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err((link, e)),
+                _ => {}
+            }
         }
         let user = user_name();
         for per_user in [profiles.join("per-user"), gcroots.join("per-user")] {
