@@ -16,6 +16,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::mpsc;
 
 use crate::binary_cache::{BinaryCache, CacheError};
+use crate::by_key::ByKey;
 use crate::narinfo_cache::{Cached, NarInfoCache};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
@@ -91,33 +92,9 @@ struct Walk {
     network: usize,
 }
 
-/// A path waiting for a network slot, with its disk-cache answers.
-struct Waiting {
-    depth: usize,
-    seq: u64,
-    path: StorePath,
-    known: Vec<Option<Cached>>,
-}
-
-impl PartialEq for Waiting {
-    fn eq(&self, other: &Self) -> bool {
-        (self.depth, self.seq) == (other.depth, other.seq)
-    }
-}
-
-impl Eq for Waiting {}
-
-impl PartialOrd for Waiting {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Waiting {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.depth, self.seq).cmp(&(other.depth, other.seq))
-    }
-}
+/// A path waiting for a network slot, with its disk-cache answers, keyed by (depth, order of
+/// discovery): the deepest, then the newest, comes first.
+type Waiting = ByKey<(usize, u64), (StorePath, Vec<Option<Cached>>)>;
 
 struct Outcome {
     path: StorePath,
@@ -196,7 +173,7 @@ impl ClosureQuery {
                 self.start(path, known, walk);
             } else {
                 walk.queued += 1;
-                walk.waiting.push(Waiting { depth, seq: walk.queued, path, known });
+                walk.waiting.push(ByKey { key: (depth, walk.queued), value: (path, known) });
             }
         }
     }
@@ -207,7 +184,7 @@ impl ClosureQuery {
     fn fill(&self, walk: &mut Walk) {
         let budget = self.substituters.iter().map(|s| s.cache.capacity()).min().unwrap_or(1).max(1);
         while walk.network < budget {
-            let Some(Waiting { path, known, .. }) = walk.waiting.pop() else { break };
+            let Some(ByKey { value: (path, known), .. }) = walk.waiting.pop() else { break };
             self.start(path, known, walk);
         }
     }

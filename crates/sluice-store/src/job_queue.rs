@@ -2,10 +2,13 @@
 //! at once, the biggest waiting one starts next, so the long downloads overlap with the many
 //! small ones instead of forming the tail of a copy.
 
+use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
+
+use crate::by_key::ByKey;
 
 /// A bounded set of slots; [`JobQueue::acquire`] waits for one.
 pub struct JobQueue {
@@ -14,37 +17,12 @@ pub struct JobQueue {
 
 struct State {
     free: usize,
-    /// Waiters by (size, earlier first).
     waiting: BinaryHeap<Waiter>,
     next_seq: u64,
 }
 
-struct Waiter {
-    size: u64,
-    seq: u64,
-    wake: oneshot::Sender<()>,
-}
-
-impl PartialEq for Waiter {
-    fn eq(&self, other: &Self) -> bool {
-        (self.size, self.seq) == (other.size, other.seq)
-    }
-}
-
-impl Eq for Waiter {}
-
-impl PartialOrd for Waiter {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Waiter {
-    /// Larger sizes first; among equal sizes, the earlier request.
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.size.cmp(&other.size).then(other.seq.cmp(&self.seq))
-    }
-}
+/// A waiting job: larger sizes first; among equal sizes, the earlier request.
+type Waiter = ByKey<(u64, Reverse<u64>), oneshot::Sender<()>>;
 
 /// A held slot; dropping it hands the slot to the largest waiter.
 pub struct JobPermit {
@@ -72,7 +50,7 @@ impl JobQueue {
             let (wake, rx) = oneshot::channel();
             state.next_seq += 1;
             let seq = state.next_seq;
-            state.waiting.push(Waiter { size, seq, wake });
+            state.waiting.push(ByKey { key: (size, Reverse(seq)), value: wake });
             rx
         };
         // The sender lives in the queue until a slot is handed over, so this only fails if the
@@ -84,7 +62,7 @@ impl JobQueue {
     fn release(&self) {
         let mut state = self.lock();
         while let Some(w) = state.waiting.pop() {
-            if w.wake.send(()).is_ok() {
+            if w.value.send(()).is_ok() {
                 return;
             }
         }

@@ -6,6 +6,7 @@ pub mod local;
 pub mod path_info;
 pub mod remote;
 pub mod binary_cache;
+mod by_key;
 pub mod closure;
 pub mod compression;
 pub mod config;

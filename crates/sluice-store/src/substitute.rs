@@ -180,7 +180,15 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec
                 shared.observer.queued(&narinfo.store_path, narinfo.file_size.unwrap_or(0), narinfo.nar_size);
                 let shared = shared.clone();
                 let store_dir = query.store_dir.clone();
-                tasks.spawn(async move { shared.substitute(store_dir, narinfo, cache).await });
+                tasks.spawn(async move {
+                    // A bug must fail its path (and so its dependents), not leave them waiting.
+                    let path = narinfo.store_path.clone();
+                    let shown = store_dir.display_path(&path);
+                    let job = std::panic::AssertUnwindSafe(shared.clone().substitute(store_dir, narinfo, cache));
+                    if futures::FutureExt::catch_unwind(job).await.is_err() {
+                        shared.fail(&path, format!("{shown}: internal error (a panic) while substituting it"));
+                    }
+                });
             }
             ClosureEvent::Unknown(path) => {
                 let reason = format!("{}: no substituter has this path", query.store_dir.display_path(&path));

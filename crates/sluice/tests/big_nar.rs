@@ -46,6 +46,7 @@ fn one_gib_nar_streams_in_bounded_memory() {
     let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let (status, rss_kib) = wait_with_rss(child);
     assert!(status == 0, "sluice copy of the 1 GiB NAR failed");
+    eprintln!("sluice copy of a 1 GiB NAR: peak RSS {} MiB", rss_kib / 1024);
     assert!(rss_kib < MAX_RSS_KIB, "peak RSS {rss_kib} KiB for a 1 GiB NAR (limit {MAX_RSS_KIB} KiB)");
     assert_nix_verifies(tmp.path(), &dest);
     let len = std::fs::metadata(dest.join("nix/store").join(path.trim_start_matches("/nix/store/"))).unwrap().len();
