@@ -30,7 +30,7 @@ impl Observer for Forward {
     fn queued(&self, path: &StorePath, _: u64, _: u64) {
         let _ = self.0.send(Progress::Started(path.clone()));
     }
-    fn done(&self, path: &StorePath) {
+    fn done(&self, path: &StorePath, _: u64) {
         let _ = self.0.send(Progress::Done(path.clone()));
     }
     fn failed(&self, path: &StorePath, _: &str) {

@@ -40,10 +40,10 @@ pub struct SubstituteOptions {
 pub trait Observer: Send + Sync {
     /// A path will be substituted: its compressed and NAR sizes in bytes (0 if unknown).
     fn queued(&self, _path: &StorePath, _download: u64, _nar: u64) {}
-    /// `bytes` more compressed bytes arrived.
-    fn downloaded(&self, _bytes: u64) {}
-    /// A path became valid in the destination.
-    fn done(&self, _path: &StorePath) {}
+    /// `bytes` more compressed bytes arrived from the cache at `cache` (its URL).
+    fn downloaded(&self, _cache: &str, _bytes: u64) {}
+    /// A path became valid in the destination; its NAR (`nar_size` bytes) was unpacked.
+    fn done(&self, _path: &StorePath, _nar_size: u64) {}
     /// A path failed, with the reason.
     fn failed(&self, _path: &StorePath, _reason: &str) {}
     /// Something the user should know that did not fail a path (e.g. a substituter's bad NAR
@@ -212,6 +212,8 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec
 struct Counting<R> {
     inner: R,
     observer: Arc<dyn Observer>,
+    /// The URL of the cache the bytes come from.
+    cache: String,
     total: u64,
 }
 
@@ -219,7 +221,7 @@ impl<R: Read> Read for Counting<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
         self.total += n as u64;
-        self.observer.downloaded(n as u64);
+        self.observer.downloaded(&self.cache, n as u64);
         Ok(n)
     }
 }
@@ -264,9 +266,10 @@ impl Shared {
 
     async fn substitute(self: Arc<Self>, store_dir: StoreDir, narinfo: Arc<NarInfo>, cache: usize) {
         let path = narinfo.store_path.clone();
+        let nar_size = narinfo.nar_size;
         match self.substitute_from(&store_dir, narinfo, cache).await {
             Ok(()) => {
-                self.observer.done(&path);
+                self.observer.done(&path, nar_size);
                 self.gate.set(&path, State::Valid);
             }
             Err(reason) => self.fail(&path, reason),
@@ -394,10 +397,11 @@ impl Shared {
                 Err(e) => return Err(Attempt::TryNext(e.to_string())),
             };
             let observer = self.observer.clone();
+            let cache_url = cache.url().to_string();
             let unpack_url = url.to_string();
             let nar_size = narinfo.nar_size;
             let (returned, unpacked) = tokio::task::spawn_blocking(move || {
-                let mut counting = Counting { inner: reader, observer, total: 0 };
+                let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0 };
                 let result = match compression.decoder(&mut counting) {
                     Ok(decoder) => {
                         let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });

@@ -14,11 +14,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// mimalloc instead of glibc's malloc: the closure engine and HTTP/2 allocate many small
-/// short-lived objects from several threads (glibc's malloc took a fifth of the CPU of a
-/// 100,000-path query).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// sluice: the store side of Nix — substituter, local store, daemon.
 #[derive(Parser)]

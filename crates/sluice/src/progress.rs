@@ -1,8 +1,11 @@
-//! Progress rendering: a live bar on a terminal (paths done/total, bytes downloaded, rate),
-//! plain lines otherwise. Fed by the substitution pipeline's observer calls.
+//! Progress rendering: a live bar on a terminal (paths done/total, bytes downloaded and
+//! unpacked, the download rate of each cache), plain lines otherwise. Fed by the substitution
+//! pipeline's observer calls.
 
+use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -14,6 +17,9 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     store_dir: StoreDir,
     downloaded: AtomicU64,
+    unpacked: AtomicU64,
+    /// Compressed bytes per cache URL.
+    per_cache: Mutex<BTreeMap<String, u64>>,
     started: Instant,
 }
 
@@ -27,7 +33,14 @@ impl Progress {
             );
             bar
         });
-        Progress { bar, store_dir, downloaded: AtomicU64::new(0), started: Instant::now() }
+        Progress {
+            bar,
+            store_dir,
+            downloaded: AtomicU64::new(0),
+            unpacked: AtomicU64::new(0),
+            per_cache: Mutex::new(BTreeMap::new()),
+            started: Instant::now(),
+        }
     }
 
     /// Compressed bytes downloaded so far.
@@ -43,9 +56,20 @@ impl Progress {
     }
 
     fn message(&self) -> String {
-        let bytes = self.downloaded() as f64;
         let secs = self.started.elapsed().as_secs_f64().max(1e-3);
-        format!("{:.1} MiB downloaded, {:.1} MiB/s", bytes / MIB, bytes / MIB / secs)
+        let rates: Vec<String> = self
+            .per_cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(cache, bytes)| format!("{cache} {:.1} MiB/s", *bytes as f64 / MIB / secs))
+            .collect();
+        format!(
+            "{:.1} MiB downloaded ({}), {:.1} MiB unpacked",
+            self.downloaded() as f64 / MIB,
+            rates.join(", "),
+            self.unpacked.load(Ordering::Relaxed) as f64 / MIB
+        )
     }
 }
 
@@ -59,11 +83,15 @@ impl Observer for Progress {
         }
     }
 
-    fn downloaded(&self, bytes: u64) {
+    fn downloaded(&self, cache: &str, bytes: u64) {
         self.downloaded.fetch_add(bytes, Ordering::Relaxed);
+        if self.bar.is_some() {
+            *self.per_cache.lock().unwrap_or_else(|p| p.into_inner()).entry(cache.to_string()).or_default() += bytes;
+        }
     }
 
-    fn done(&self, path: &StorePath) {
+    fn done(&self, path: &StorePath, nar_size: u64) {
+        self.unpacked.fetch_add(nar_size, Ordering::Relaxed);
         match &self.bar {
             Some(bar) => {
                 bar.inc(1);

@@ -54,9 +54,14 @@ pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
     Settings::from_raw(&raw).map_err(|e| e.to_string())
 }
 
+/// Threads for blocking work (unpacking, SQLite, locks). Tokio's default of 512 let a copy of
+/// 1056 paths start a thread per path lock at once, hundreds of threads each with its own
+/// allocator arena.
+const MAX_BLOCKING_THREADS: usize = 32;
+
 /// A multi-threaded runtime for one command.
 pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| format!("cannot start the runtime: {e}"))
+    tokio::runtime::Builder::new_multi_thread().max_blocking_threads(MAX_BLOCKING_THREADS).enable_all().build().map_err(|e| format!("cannot start the runtime: {e}"))
 }
 
 /// Parses command-line store paths (full paths in the store directory, or paths inside them).
