@@ -162,7 +162,7 @@ impl Settings {
         if let Some(v) = raw.get("http-connections") {
             s.http_connections = parse_num("http-connections", v)? as usize;
         }
-        let env_cert = ["NIX_SSL_CERT_FILE", "SSL_CERT_FILE"].iter().find_map(|k| std::env::var_os(k));
+        let env_cert = ["NIX_SSL_CERT_FILE", "SSL_CERT_FILE"].iter().find_map(std::env::var_os);
         s.ssl_cert_file = raw.get("ssl-cert-file").map(PathBuf::from).or(env_cert.map(PathBuf::from));
         Ok(s)
     }

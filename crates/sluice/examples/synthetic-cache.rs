@@ -67,9 +67,9 @@ fn main() -> Result<(), String> {
         if let (Some(start), Some(next_start)) = (first_of_level(level), first_of_level(level + 1)) {
             let next_end = first_of_level(level + 2).unwrap_or(n);
             let width = first_of_level(level + 1).unwrap_or(n) - start;
-            for j in next_start..next_end {
+            for (j, p) in paths.iter().enumerate().take(next_end).skip(next_start) {
                 if (j - next_start) % width == i - start {
-                    refs.insert(paths[j].clone());
+                    refs.insert(p.clone());
                 }
             }
             for _ in 0..rng.below(5) {

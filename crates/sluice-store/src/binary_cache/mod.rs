@@ -29,7 +29,7 @@ use crate::store_url::{CacheKind, CacheUrl};
 #[derive(Debug)]
 pub enum Transport {
     File(file::FileTransport),
-    Http(http::HttpTransport),
+    Http(Box<http::HttpTransport>),
 }
 
 /// A binary cache: its URL, transport and `nix-cache-info`.
@@ -60,7 +60,7 @@ impl BinaryCache {
         let CacheUrl { base, kind, priority } = url;
         let transport = match kind {
             CacheKind::File => Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://")))),
-            CacheKind::Http => Transport::Http(http::HttpTransport::new(base.clone(), client.clone(), settings)),
+            CacheKind::Http => Transport::Http(Box::new(http::HttpTransport::new(base.clone(), client.clone(), settings))),
         };
         let mut cache = BinaryCache {
             url: base.clone(),

@@ -7,6 +7,7 @@ mod scripted;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[allow(unused_imports)]
 pub use scripted::{closed_port, Scripted};
 
 /// The read-only shared data directory next to the repository.
