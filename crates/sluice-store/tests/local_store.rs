@@ -682,3 +682,27 @@ fn temp_roots_are_honoured_by_nix_garbage_collector() {
     nix_ok("nix-store", &["--store", r, "--gc"], tmp.path());
     assert!(!store.is_valid_path(&top).unwrap(), "the root ended with its holder");
 }
+
+#[test]
+fn concurrent_first_opens_of_a_new_store_all_succeed() {
+    // Regression: a reader could see the `schema` file created but still empty ("store schema
+    // version \"\"") while another process was writing it.
+    for _ in 0..20 {
+        let tmp = Scratch::new();
+        let root = tmp.path().join("root");
+        let barrier = Arc::new(Barrier::new(8));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (root, barrier) = (root.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    LocalStore::open(&root).map(|_| ()).map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap().unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(root.join("nix/var/nix/db/schema")).unwrap(), "10");
+    }
+}

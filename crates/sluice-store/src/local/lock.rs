@@ -29,6 +29,12 @@ fn flock_blocking(file: &File, op: FlockOperation) -> io::Result<()> {
 /// Opens `path` (creating it) and holds a shared lock on it for as long as the returned file is
 /// open. Nix holds `db/big-lock` this way while a store is open, and takes it exclusively only
 /// to upgrade the schema.
+/// Turns the lock held on `file` into an exclusive (`true`) or shared lock, blocking until
+/// granted (the conversion is not atomic, as with `flock`).
+pub(super) fn relock(file: &File, exclusive: bool) -> io::Result<()> {
+    flock_blocking(file, if exclusive { FlockOperation::LockExclusive } else { FlockOperation::LockShared })
+}
+
 pub(super) fn hold_shared(path: &Path) -> io::Result<File> {
     let file = open_lock_file(path)?;
     flock_blocking(&file, FlockOperation::LockShared)?;

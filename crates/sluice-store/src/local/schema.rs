@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
 
-use super::lock::hold_shared;
+use super::lock::{hold_shared, relock};
 use super::{io_err, LocalStoreError};
 
 /// The schema version Nix 2.8 writes and reads (`nixSchemaVersion`).
@@ -77,12 +77,19 @@ pub(super) fn open(db_dir: &Path) -> Result<Database, LocalStoreError> {
 
     let schema_path = db_dir.join("schema");
     let db_path = db_dir.join("db.sqlite");
-    let new_store = match fs::read_to_string(&schema_path) {
-        Ok(text) if text.trim() == SCHEMA_VERSION.to_string() => false,
-        Ok(text) => return Err(LocalStoreError::Schema { path: schema_path, found: text.trim().to_owned() }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => true,
-        Err(e) => return Err(io_err("reading", &schema_path)(e)),
+    let read_schema = || match fs::read_to_string(&schema_path) {
+        Ok(text) if text.trim() == SCHEMA_VERSION.to_string() => Ok(false),
+        Ok(text) => Err(LocalStoreError::Schema { path: schema_path.clone(), found: text.trim().to_owned() }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(true),
+        Err(e) => Err(io_err("reading", &schema_path)(e)),
     };
+    // A new store is created under the exclusive big-lock, as Nix does, so that processes
+    // opening it at the same moment wait and then find it complete.
+    let mut new_store = read_schema()?;
+    if new_store {
+        relock(&big_lock, true).map_err(io_err("locking", &big_lock_path))?;
+        new_store = read_schema()?;
+    }
 
     let db_err = |what: &'static str| {
         let db = db_path.clone();
@@ -101,7 +108,15 @@ pub(super) fn open(db_dir: &Path) -> Result<Database, LocalStoreError> {
     conn.pragma_update_and_check(None, "wal_autocheckpoint", 40000, |_| Ok(())).map_err(db_err("setting the auto-checkpoint interval"))?;
     if new_store {
         conn.execute_batch(SCHEMA_SQL).map_err(db_err("creating the schema"))?;
-        fs::write(&schema_path, SCHEMA_VERSION.to_string()).map_err(io_err("writing", &schema_path))?;
+        // Written under another name and renamed, so that a process opening the new store at
+        // the same moment sees no file or the whole version, never an empty one.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let temp = db_dir.join(format!(".schema.{}.{n}", std::process::id()));
+        fs::write(&temp, SCHEMA_VERSION.to_string())
+            .and_then(|()| fs::rename(&temp, &schema_path))
+            .map_err(io_err("writing", &schema_path))?;
     }
+    relock(&big_lock, false).map_err(io_err("locking", &big_lock_path))?;
     Ok(Database { conn, _big_lock: big_lock })
 }
