@@ -85,3 +85,53 @@ fn copy_subset_of_every_compression() {
         assert_eq!(got.len(), 25, "cache-subset-{comp}: the 25-path closure");
     }
 }
+
+/// Nodes get Nix's canonical metadata as they are unpacked, whatever the umask: mode 0444 or
+/// 0555 on files and directories, mtime 1 on everything (symlinks included). Regression: with
+/// the metadata set at creation instead of in a second walk, a umask of 077 would otherwise
+/// leave files 0400/0500.
+#[test]
+fn copy_gives_canonical_metadata_under_a_strict_umask() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let url = format!("file://{}", corpus().join("cache-subset-none").display());
+    let mut cmd = std::process::Command::new("sh");
+    isolate(&mut cmd, tmp.path(), "");
+    let key = corpus_key();
+    cmd.args(["-c", "umask 077 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_sluice"), "copy", "--from", &url, "--to", root.to_str().unwrap()]);
+    cmd.args(["--trusted-public-keys", &key, &corpus_path("hexurvend-wrapper")]);
+    check(&cmd.output().unwrap(), "sluice copy under umask 077");
+    let store = root.join("nix/store");
+    let mut seen = (0, 0, 0);
+    for entry in std::fs::read_dir(&store).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap();
+        if !name.ends_with(".lock") && !name.starts_with('.') {
+            assert_canonical(&path, &mut seen);
+        }
+    }
+    let (files, dirs, links) = seen;
+    assert!(files > 25 && dirs > 5 && links > 0, "the closure has files ({files}), directories ({dirs}) and symlinks ({links})");
+}
+
+/// Asserts canonical metadata on `path` and below; counts (files, directories, symlinks).
+fn assert_canonical(path: &Path, seen: &mut (usize, usize, usize)) {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    assert_eq!(meta.mtime(), 1, "mtime of {}", path.display());
+    if meta.file_type().is_symlink() {
+        seen.2 += 1;
+        return;
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if meta.is_dir() {
+        seen.1 += 1;
+        assert_eq!(mode, 0o555, "mode of {}", path.display());
+        for entry in std::fs::read_dir(path).unwrap() {
+            assert_canonical(&entry.unwrap().path(), seen);
+        }
+    } else {
+        seen.0 += 1;
+        assert!(mode == 0o444 || mode == 0o555, "{} has mode {mode:o}", path.display());
+    }
+}

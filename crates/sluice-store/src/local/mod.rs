@@ -4,13 +4,12 @@
 //!
 //! Adding a path: [`LocalStore::begin_add`] takes the per-path lock (`<path>.lock`, flock, as
 //! Nix's `PathLocks`), [`PendingPath`] unpacks a NAR into a temporary directory in the store
-//! directory while hashing it, [`PendingPath::commit`] checks NarHash and NarSize,
-//! canonicalises, renames into place and registers the path in one transaction once all its
+//! directory while hashing it and gives every node Nix's canonical metadata as it is made,
+//! [`PendingPath::commit`] checks NarHash and NarSize, renames into place and registers the path in one transaction once all its
 //! references are valid. Nothing appears at a store path's location before its contents are
 //! complete and durable, and a tree found there unregistered (after a crash) is replaced.
 
 mod api;
-mod canonicalise;
 mod dump;
 mod fs_nar;
 mod layout;
@@ -352,9 +351,9 @@ impl PendingPath {
         Ok(Unpacked { nar_hash, nar_size, flat_hash: unpacker.flat_hash() })
     }
 
-    /// Checks `info.nar_hash`/`nar_size` against what was unpacked, canonicalises the tree,
-    /// renames it to its final path and registers `info` in one transaction. Fails (leaving
-    /// nothing at the final path) if a reference other than the path itself is not valid.
+    /// Checks `info.nar_hash`/`nar_size` against what was unpacked, renames the tree to its
+    /// final path and registers `info` in one transaction. Fails (leaving nothing at the final
+    /// path) if a reference other than the path itself is not valid.
     /// The tree's contents and its rename are made durable (`syncfs` of the store's file
     /// system) before the registration is committed. [`LocalStore::commit_all`] does the same
     /// for many paths with one `syncfs` and one transaction.
@@ -365,8 +364,8 @@ impl PendingPath {
     }
 
     /// Verifies the unpacked tree against `info`, checks that every reference is valid or in
-    /// `batch`, canonicalises the tree and renames it to its final path. Returns the
-    /// derivation outputs to register.
+    /// `batch`, and renames the tree to its final path. Returns the derivation outputs to
+    /// register.
     fn place(&self, info: &ValidPathInfo, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
         if info.path != self.path {
@@ -392,7 +391,6 @@ impl PendingPath {
         }
         let outputs = self.derivation_outputs()?;
         let store_fd = self.store.store_fd.as_fd();
-        canonicalise::canonicalise(store_fd, self.temp_name.as_bytes()).map_err(io_err("canonicalising", &self.temp_path()))?;
         renameat(store_fd, self.temp_name.as_str(), store_fd, self.path.base_name())
             .map_err(|e| io_err("renaming into place", &self.store.real_path(&self.path))(e.into()))?;
         Ok(outputs)

@@ -3,14 +3,20 @@
 //! exclusively (`O_CREAT|O_EXCL`, `mkdirat`, `symlinkat`) relative to its parent's descriptor,
 //! so nothing existing is overwritten and no symlink is ever followed.
 //!
-//! Files are created with the permissions of a [`FileModes`] (in a store: 0444, or 0555 if
-//! executable, final at once); directories stay writable (0755) until canonicalisation.
+//! Files are created with the permissions of a [`FileModes`]. For a store
+//! ([`FileModes::STORE`]) every node gets Nix's canonical metadata as it is made
+//! (`canonicalisePathMetaData`, `src/libstore/local-store.cc`): mtime 1 (one second into the
+//! epoch) on files, symlinks and directories; mode 0444, or 0555 if executable, on files; 0555
+//! on directories, set when their last entry has been made. No second walk over the tree is
+//! needed. Ownership is left alone: everything is created by this process.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use rustix::fs::{mkdirat, openat, symlinkat, Mode, OFlags};
+use std::sync::OnceLock;
+
+use rustix::fs::{fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlags, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::{NarPath, NarVisitor};
 
@@ -27,18 +33,44 @@ pub(super) struct Unpacker<'a> {
     modes: FileModes,
 }
 
-/// The permissions regular files are created with (before the umask).
+/// The permissions regular files are created with (before the umask), and whether nodes get
+/// the store's canonical metadata.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct FileModes {
     pub regular: u32,
     pub executable: u32,
+    /// Mtime 1 everywhere, exact modes despite the umask, read-only directories.
+    pub canonical: bool,
 }
 
 impl FileModes {
-    /// Store objects: read-only from the start.
-    pub(super) const STORE: FileModes = FileModes { regular: 0o444, executable: 0o555 };
+    /// Store objects: read-only and canonical from the start.
+    pub(super) const STORE: FileModes = FileModes { regular: 0o444, executable: 0o555, canonical: true };
     /// `nix-store --restore`: writable files, as Nix's `restorePath` creates them.
-    pub(super) const RESTORE: FileModes = FileModes { regular: 0o666, executable: 0o777 };
+    pub(super) const RESTORE: FileModes = FileModes { regular: 0o666, executable: 0o777, canonical: false };
+}
+
+/// Nix's `mtimeStore`, in seconds since the epoch.
+const MTIME_STORE: i64 = 1;
+
+/// Access time untouched, modification time [`MTIME_STORE`].
+fn store_times() -> Timestamps {
+    Timestamps {
+        last_access: Timespec { tv_sec: 0, tv_nsec: UTIME_OMIT },
+        last_modification: Timespec { tv_sec: MTIME_STORE, tv_nsec: 0 },
+    }
+}
+
+/// Whether the process umask clears any of the bits 0555, so that a created file's mode must
+/// be set again. Read once from `/proc/self/status` (sluice never changes its umask); when it
+/// cannot be read, assume it does.
+fn umask_strips_store_bits() -> bool {
+    static STRIPS: OnceLock<bool> = OnceLock::new();
+    *STRIPS.get_or_init(|| {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let umask = status.lines().find_map(|l| l.strip_prefix("Umask:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
+        umask.is_none_or(|m| m & 0o555 != 0)
+    })
 }
 
 impl<'a> Unpacker<'a> {
@@ -108,6 +140,12 @@ impl NarVisitor for Unpacker<'_> {
             file.write_all(&buf[..n]).map_err(at(path))?;
             left -= n as u64;
         }
+        if self.modes.canonical {
+            if umask_strips_store_bits() {
+                fchmod(&file, mode).map_err(|e| at(path)(e.into()))?;
+            }
+            futimens(&file, &store_times()).map_err(|e| at(path)(e.into()))?;
+        }
         self.flat_hash = hasher.map(Hasher::finish);
         Ok(())
     }
@@ -117,7 +155,11 @@ impl NarVisitor for Unpacker<'_> {
         if target.is_empty() || target.contains(&0) {
             return Err(invalid(path, "symlink target is empty or contains NUL"));
         }
-        symlinkat(target, dir, name).map_err(|e| at(path)(e.into()))
+        symlinkat(target, dir, name).map_err(|e| at(path)(e.into()))?;
+        if self.modes.canonical {
+            utimensat(dir, name, &store_times(), AtFlags::SYMLINK_NOFOLLOW).map_err(|e| at(path)(e.into()))?;
+        }
+        Ok(())
     }
 
     fn directory_start(&mut self, path: &NarPath) -> io::Result<()> {
@@ -132,7 +174,12 @@ impl NarVisitor for Unpacker<'_> {
         if self.open_dirs.len() != path.len() + 1 {
             return Err(invalid(path, "end of a directory that is not open"));
         }
-        self.open_dirs.pop();
+        let dir = self.open_dirs.pop().expect("checked above");
+        if self.modes.canonical {
+            // After the last entry, which changed the directory's mtime.
+            fchmod(&dir, Mode::from_raw_mode(0o555)).map_err(|e| at(path)(e.into()))?;
+            futimens(&dir, &store_times()).map_err(|e| at(path)(e.into()))?;
+        }
         Ok(())
     }
 }
