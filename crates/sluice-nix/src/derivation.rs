@@ -205,7 +205,7 @@ mod tests {
             }
             let compressed = std::fs::File::open(dir.join(field("URL: "))).unwrap();
             let mut contents = FileContents::default();
-            reader::parse(xz2::read::XzDecoder::new(compressed), &mut contents).unwrap();
+            reader::parse(liblzma::read::XzDecoder::new(compressed), &mut contents).unwrap();
             let outputs = parse_outputs(&store_dir(), &contents.0).unwrap_or_else(|e| panic!("{store_path}: {e}"));
             drvs.insert(store_path, outputs);
         }

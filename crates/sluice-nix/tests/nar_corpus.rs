@@ -158,7 +158,7 @@ fn xz_nars_match_truth() {
         let info = NarInfo::parse(&dir, &read_string(&shared(&format!("corpus/cache-xz/{}.narinfo", sp.hash_part())))).unwrap();
         let xz = read(&shared(&format!("corpus/cache-xz/{}", info.url)));
         let mut nar = Vec::new();
-        std::io::Read::read_to_end(&mut xz2::read::XzDecoder::new(&xz[..]), &mut nar).unwrap();
+        std::io::Read::read_to_end(&mut liblzma::read::XzDecoder::new(&xz[..]), &mut nar).unwrap();
         let h = Hash::digest_bytes(HashAlgo::Sha256, &nar);
         assert_eq!((h.to_nix32(), h.to_base16()), (hash32.to_owned(), hex.to_owned()), "{path}");
         assert_eq!((nar.len().to_string(), nar.len().to_string()), (nar_size.to_owned(), bytes.to_owned()));

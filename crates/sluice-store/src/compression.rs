@@ -75,7 +75,7 @@ impl Compression {
         }
         Ok(match self {
             Compression::None => Box::new(buf),
-            Compression::Xz => Box::new(xz2::bufread::XzDecoder::new_multi_decoder(buf)),
+            Compression::Xz => Box::new(liblzma::bufread::XzDecoder::new_multi_decoder(buf)),
             Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(buf)?),
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),

@@ -492,7 +492,7 @@ fn derivations_register_their_outputs() {
     }
     for info in infos.iter().filter(|i| wanted.contains(&i.store_path)) {
         let compressed = File::open(cache.join(&info.url)).unwrap();
-        let mut nar = xz2::read::XzDecoder::new(compressed);
+        let mut nar = liblzma::read::XzDecoder::new(compressed);
         assert!(store.add_nar(&path_info(info), &mut nar).unwrap());
     }
     verify_with_nix(&root, tmp.path());
