@@ -63,6 +63,12 @@ pub fn encode(bytes: &[u8]) -> String {
     out
 }
 
+/// Whether every byte of `s` is a nixbase32 digit. For a store path's hash part (32 digits,
+/// exactly 160 bits) that is all [`decode`] would check, without allocating.
+pub fn is_digits(s: &str) -> bool {
+    s.bytes().all(|c| digit_value(c).is_some())
+}
+
 /// Decodes a nixbase32 string; rejects invalid characters and non-zero high bits.
 pub fn decode(s: &str) -> Result<Vec<u8>, Base32Error> {
     let n = decoded_len(s.len()).ok_or(Base32Error::InvalidLength(s.len()))?;

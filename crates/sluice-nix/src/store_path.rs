@@ -57,7 +57,8 @@ impl StorePath {
             (Some(h), Some(r)) => (h, r),
             _ => return Err(StorePathError::BadHashPart(s.to_owned())),
         };
-        if base32::decode(hash).is_err() {
+        // 32 digits encode exactly 160 bits: any digits decode.
+        if !base32::is_digits(hash) {
             return Err(StorePathError::BadHashPart(s.to_owned()));
         }
         let name = rest

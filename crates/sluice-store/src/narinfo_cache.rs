@@ -3,7 +3,8 @@
 //! cache's `nix-cache-info`. Like Nix's `binary-cache-v6.sqlite` (`src/libstore/nar-info-disk-cache.cc`)
 //! but sluice's own file: `$XDG_CACHE_HOME/sluice/narinfo-v1.sqlite` (default `~/.cache`).
 //! Reads and writes are batched: one query per batch of hash parts, one transaction per batch
-//! of answers.
+//! of answers, written by an upsert (`insert or replace` would delete and reinsert, which
+//! needs a statement journal: 57 KB of allocation and copying per answer).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -165,7 +166,10 @@ impl NarInfoCache {
         let tx = conn.transaction().map_err(|e| self.err(e))?;
         {
             let mut stmt = tx
-                .prepare_cached("insert or replace into NARs (cache, hashPart, timestamp, present, narinfo) values (?, ?, ?, ?, ?)")
+                .prepare_cached(
+                    "insert into NARs (cache, hashPart, timestamp, present, narinfo) values (?, ?, ?, ?, ?) on conflict (cache, hashPart) \
+                     do update set timestamp = excluded.timestamp, present = excluded.present, narinfo = excluded.narinfo",
+                )
                 .map_err(|e| self.err(e))?;
             let t = now();
             for (cache, hash, text) in answers {
@@ -205,5 +209,8 @@ mod tests {
         assert_eq!(got.len(), 1);
         cache.forget(id, "a").unwrap();
         assert!(cache.lookup(id, &["a"]).unwrap().is_empty());
+        // A new answer replaces the old one (the upsert's conflict branch).
+        cache.record(&[(id, "b".into(), Some("now present".into()))]).unwrap();
+        assert_eq!(cache.lookup(id, &["b"]).unwrap().get("b"), Some(&Cached::Present("now present".into())));
     }
 }

@@ -54,6 +54,9 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
 #[derive(Debug)]
 pub struct HttpTransport {
     base: String,
+    /// `base` with a trailing slash, parsed once: the URLs below it are joined onto it, which
+    /// parses only their relative part.
+    base_dir: Option<reqwest::Url>,
     pool: ClientPool,
     limit: Arc<Semaphore>,
     /// Permits `limit` started with (`http-connections`).
@@ -79,6 +82,7 @@ impl HttpTransport {
     /// A transport for cache `base` (no trailing slash).
     pub fn new(base: String, client: reqwest::Client, settings: &Settings) -> Self {
         HttpTransport {
+            base_dir: reqwest::Url::parse(&format!("{base}/")).ok(),
             base,
             pool: ClientPool::new(client, settings),
             limit: Arc::new(Semaphore::new(settings.http_connections.max(1))),
@@ -142,7 +146,12 @@ impl HttpTransport {
             // first, so that they are up before the closure fans out.
             self.pool.grow_for_h2(&self.base);
         }
-        let resp = match tokio::time::timeout(self.stall, self.pool.next().get(url).send()).await {
+        let below_base = url.strip_prefix(self.base.as_str()).and_then(|r| r.strip_prefix('/'));
+        let request = match self.base_dir.as_ref().zip(below_base).and_then(|(dir, rel)| dir.join(rel).ok()) {
+            Some(parsed) => self.pool.next().get(parsed),
+            None => self.pool.next().get(url),
+        };
+        let resp = match tokio::time::timeout(self.stall, request.send()).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),

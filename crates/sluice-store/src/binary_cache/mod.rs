@@ -183,10 +183,9 @@ impl BinaryCache {
 
     /// Parses narinfo text fetched for `path`, checking that it describes `path`.
     pub fn parse_narinfo(&self, path: &StorePath, store_dir: &StoreDir, text: &str) -> Result<NarInfo, CacheError> {
-        let url = self.narinfo_url(path);
-        let info = NarInfo::parse(store_dir, text).map_err(|source| CacheError::NarInfo { url: url.clone(), source })?;
+        let info = NarInfo::parse(store_dir, text).map_err(|source| CacheError::NarInfo { url: self.narinfo_url(path), source })?;
         if info.store_path != *path {
-            return Err(CacheError::WrongStorePath { url, expected: store_dir.display_path(path), got: store_dir.display_path(&info.store_path) });
+            return Err(CacheError::WrongStorePath { url: self.narinfo_url(path), expected: store_dir.display_path(path), got: store_dir.display_path(&info.store_path) });
         }
         Ok(info)
     }
