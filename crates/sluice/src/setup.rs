@@ -54,10 +54,9 @@ pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
     Settings::from_raw(&raw).map_err(|e| e.to_string())
 }
 
-/// Threads for blocking work (unpacking, SQLite, locks): the NAR jobs (64 by default) and
-/// some to spare. Tokio's default of 512 let a copy of
-/// 1056 paths start a thread per path lock at once, hundreds of threads each with its own
-/// allocator arena.
+/// Threads for blocking work (unpacking, SQLite, locks): NAR jobs beyond this wait for a
+/// thread with their response open. Tokio's default of 512 let a copy of 1056 paths start a
+/// thread per path lock at once, hundreds of threads each with its own allocator arena.
 const MAX_BLOCKING_THREADS: usize = 96;
 
 /// A multi-threaded runtime for one command.
