@@ -19,7 +19,8 @@ use crate::Daemon;
 
 /// The buffered reading side of a connection.
 pub(crate) type Reader = BufReader<Box<dyn Read + Send>>;
-/// The buffered writing side of a connection (flushed after every reply and message).
+/// The buffered writing side of a connection (flushed after every message, and after every
+/// reply that leaves no request waiting in the read buffer).
 pub(crate) type Writer = BufWriter<Box<dyn Write + Send>>;
 
 /// How an operation failed.
@@ -88,11 +89,16 @@ impl Conn<'_> {
         Ok(read_store_path(&mut self.r, dir, what)?)
     }
 
-    /// Sends `LAST`, then the result written by `result`, and flushes.
+    /// Sends `LAST`, then the result written by `result`. Flushes unless the client has
+    /// already sent more requests (they are in the read buffer): a pipelining client then gets
+    /// its replies in one write per batch, not one per operation. The replies go out at the
+    /// latest when the buffer is drained, before the worker waits for input again.
     pub(crate) fn reply(&mut self, result: impl FnOnce(&mut Writer, &StoreDir) -> io::Result<()>) -> OpResult {
         self.stderr().last(&mut self.w)?;
         result(&mut self.w, self.daemon.store().store_dir())?;
-        self.w.flush()?;
+        if self.r.buffer().is_empty() {
+            self.w.flush()?;
+        }
         Ok(())
     }
 
