@@ -209,7 +209,8 @@ fn transport_errors_name_their_cause() {
 }
 
 /// `nix-store --restore` creates files 0644/0755 (then umask); `sluice nar restore` makes them
-/// read-only (0444/0555), unlike the tool it mirrors. Store canonicalisation is a separate step.
+/// read-only (0444/0555), unlike the tool it mirrors. Canonical store metadata is given only
+/// when unpacking into a store.
 #[test]
 fn nar_restore_modes_match_nix() {
     use std::os::unix::fs::PermissionsExt;
