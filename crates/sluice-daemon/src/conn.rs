@@ -19,8 +19,7 @@ use crate::Daemon;
 
 /// The buffered reading side of a connection.
 pub(crate) type Reader = BufReader<Box<dyn Read + Send>>;
-/// The buffered writing side of a connection (flushed after every message, and after every
-/// reply that leaves no request waiting in the read buffer).
+/// The buffered writing side of a connection (flushed after every reply and message).
 pub(crate) type Writer = BufWriter<Box<dyn Write + Send>>;
 
 /// How an operation failed.
@@ -89,16 +88,11 @@ impl Conn<'_> {
         Ok(read_store_path(&mut self.r, dir, what)?)
     }
 
-    /// Sends `LAST`, then the result written by `result`. Flushes unless the client has
-    /// already sent more requests (they are in the read buffer): a pipelining client then gets
-    /// its replies in one write per batch, not one per operation. The replies go out at the
-    /// latest when the buffer is drained, before the worker waits for input again.
+    /// Sends `LAST`, then the result written by `result`, and flushes.
     pub(crate) fn reply(&mut self, result: impl FnOnce(&mut Writer, &StoreDir) -> io::Result<()>) -> OpResult {
         self.stderr().last(&mut self.w)?;
         result(&mut self.w, self.daemon.store().store_dir())?;
-        if self.r.buffer().is_empty() {
-            self.w.flush()?;
-        }
+        self.w.flush()?;
         Ok(())
     }
 
