@@ -59,6 +59,7 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
+    raise_open_file_limit();
     let result = match cli.command {
         Command::Copy(a) => copy::run(a),
         Command::Missing(a) => missing::run(a),
@@ -72,6 +73,20 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit. A copy holds one lock file per path
+/// it has yet to register, and the daemon one socket per client: a 1056-path copy failed with
+/// `Too many open files` under the common soft limit of 1024 (hard limits are far higher).
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
     }
 }

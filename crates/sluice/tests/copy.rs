@@ -86,32 +86,46 @@ fn copy_subset_of_every_compression() {
     }
 }
 
-/// Nodes get Nix's canonical metadata as they are unpacked, whatever the umask: mode 0444 or
-/// 0555 on files and directories, mtime 1 on everything (symlinks included). Regression: with
-/// the metadata set at creation instead of in a second walk, a umask of 077 would otherwise
-/// leave files 0400/0500.
+/// Nodes get Nix's canonical metadata as they are unpacked, whatever the umask or a default
+/// ACL on the store's parent: mode 0444 or 0555 on files and directories, mtime 1 on
+/// everything (symlinks included). Regressions: with the metadata set at creation instead of
+/// in a second walk, umask 077 left files 0400/0500 and a default ACL `o::---` left them
+/// 0440/0550. And under a soft open-file limit of 1024 the copy of the corpus ran out of
+/// descriptors (one lock file per path waiting to be registered).
 #[test]
 fn copy_gives_canonical_metadata_under_a_strict_umask() {
     let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    let url = format!("file://{}", corpus().join("cache-subset-none").display());
-    let mut cmd = std::process::Command::new("sh");
-    isolate(&mut cmd, tmp.path(), "");
+    let acl_parent = tmp.path().join("acl");
+    std::fs::create_dir(&acl_parent).unwrap();
+    // `setfacl -d -m o::--- acl`: user::rwx, group::r-x, other::--- as the default ACL.
+    let set_acl = "import os, struct, sys\n\
+                   e = lambda tag, perm: struct.pack('<HHI', tag, perm, 0xffffffff)\n\
+                   os.setxattr(sys.argv[1], 'system.posix_acl_default', struct.pack('<I', 2) + e(1, 7) + e(4, 5) + e(0x20, 0))";
+    let o = std::process::Command::new("python3").args(["-c", set_acl, acl_parent.to_str().unwrap()]).output().unwrap();
+    check(&o, "setting a default ACL");
     let key = corpus_key();
-    cmd.args(["-c", "umask 077 && exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_sluice"), "copy", "--from", &url, "--to", root.to_str().unwrap()]);
-    cmd.args(["--trusted-public-keys", &key, &corpus_path("hexurvend-wrapper")]);
-    check(&cmd.output().unwrap(), "sluice copy under umask 077");
-    let store = root.join("nix/store");
-    let mut seen = (0, 0, 0);
-    for entry in std::fs::read_dir(&store).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_str().unwrap();
-        if !name.ends_with(".lock") && !name.starts_with('.') {
-            assert_canonical(&path, &mut seen);
+    for (umask, root, cache, top) in [
+        ("077", tmp.path().join("root"), "cache-subset-none", corpus_path("hexurvend-wrapper")),
+        ("022", acl_parent.join("root"), "cache-zstd", TOP.to_string()),
+    ] {
+        let url = format!("file://{}", corpus().join(cache).display());
+        let mut cmd = std::process::Command::new("sh");
+        isolate(&mut cmd, tmp.path(), "");
+        let script = format!("umask {umask} && ulimit -Sn 1024 && exec \"$0\" \"$@\"");
+        cmd.args(["-c", &script, env!("CARGO_BIN_EXE_sluice"), "copy", "--from", &url, "--to", root.to_str().unwrap()]);
+        cmd.args(["--trusted-public-keys", &key, &top]);
+        check(&cmd.output().unwrap(), &format!("sluice copy under umask {umask}"));
+        let mut seen = (0, 0, 0);
+        for entry in std::fs::read_dir(root.join("nix/store")).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_str().unwrap();
+            if !name.ends_with(".lock") && !name.starts_with('.') {
+                assert_canonical(&path, &mut seen);
+            }
         }
+        let (files, dirs, links) = seen;
+        assert!(files > 25 && dirs > 5 && links > 0, "{cache}: files ({files}), directories ({dirs}) and symlinks ({links})");
     }
-    let (files, dirs, links) = seen;
-    assert!(files > 25 && dirs > 5 && links > 0, "the closure has files ({files}), directories ({dirs}) and symlinks ({links})");
 }
 
 /// Asserts canonical metadata on `path` and below; counts (files, directories, symlinks).

@@ -14,8 +14,6 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use std::sync::OnceLock;
-
 use rustix::fs::{fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlags, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::{NarPath, NarVisitor};
@@ -39,7 +37,8 @@ pub(super) struct Unpacker<'a> {
 pub(super) struct FileModes {
     pub regular: u32,
     pub executable: u32,
-    /// Mtime 1 everywhere, exact modes despite the umask, read-only directories.
+    /// Mtime 1 everywhere, exact modes despite the umask or a default ACL, read-only
+    /// directories.
     pub canonical: bool,
 }
 
@@ -59,18 +58,6 @@ fn store_times() -> Timestamps {
         last_access: Timespec { tv_sec: 0, tv_nsec: UTIME_OMIT },
         last_modification: Timespec { tv_sec: MTIME_STORE, tv_nsec: 0 },
     }
-}
-
-/// Whether the process umask clears any of the bits 0555, so that a created file's mode must
-/// be set again. Read once from `/proc/self/status` (sluice never changes its umask); when it
-/// cannot be read, assume it does.
-fn umask_strips_store_bits() -> bool {
-    static STRIPS: OnceLock<bool> = OnceLock::new();
-    *STRIPS.get_or_init(|| {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let umask = status.lines().find_map(|l| l.strip_prefix("Umask:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
-        umask.is_none_or(|m| m & 0o555 != 0)
-    })
 }
 
 impl<'a> Unpacker<'a> {
@@ -141,9 +128,9 @@ impl NarVisitor for Unpacker<'_> {
             left -= n as u64;
         }
         if self.modes.canonical {
-            if umask_strips_store_bits() {
-                fchmod(&file, mode).map_err(|e| at(path)(e.into()))?;
-            }
+            // The mode asked of `openat` is cut by the umask or replaced by a default ACL of
+            // the store directory: set it exactly.
+            fchmod(&file, mode).map_err(|e| at(path)(e.into()))?;
             futimens(&file, &store_times()).map_err(|e| at(path)(e.into()))?;
         }
         self.flat_hash = hasher.map(Hasher::finish);
@@ -166,6 +153,11 @@ impl NarVisitor for Unpacker<'_> {
         let (dir, name) = self.slot(path)?;
         mkdirat(dir, name, Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
         let fd = open_dir(dir, name).map_err(at(path))?;
+        if self.modes.canonical {
+            // Writable by its owner until its last entry is made, whatever the umask (0222
+            // would leave it 0555 and unfillable).
+            fchmod(&fd, Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
+        }
         self.open_dirs.push(fd);
         Ok(())
     }
