@@ -102,16 +102,23 @@ impl HttpTransport {
         }
     }
 
-    /// The absolute URL of `rel`: relative to the cache, root-relative, or already absolute.
+    /// `rel` (relative to the cache, root-relative, or already absolute) as an absolute URL,
+    /// joined onto the cache URL parsed once: only `rel` is parsed. `None` if it does not parse.
+    fn url_of(&self, rel: &str) -> Option<reqwest::Url> {
+        self.base_dir.as_ref()?.join(rel).ok()
+    }
+
+    /// The absolute URL of `rel`, as text (see [`Self::url_of`]).
     pub fn resolve(&self, rel: &str) -> String {
-        if rel.contains("://") {
-            rel.to_string()
-        } else if rel.starts_with('/') {
-            let origin_end = self.base.find("://").map(|i| i + 3).and_then(|s| self.base[s..].find('/').map(|j| s + j)).unwrap_or(self.base.len());
-            format!("{}{}", &self.base[..origin_end], rel)
-        } else {
-            format!("{}/{}", self.base, rel)
-        }
+        self.url_of(rel).map_or_else(|| format!("{}/{}", self.base, rel), String::from)
+    }
+
+    /// [`Self::url_of`], or an error naming the URL that does not parse (not retried).
+    fn request_url(&self, rel: &str) -> Result<reqwest::Url, CacheError> {
+        self.url_of(rel).ok_or_else(|| CacheError::Io {
+            url: self.resolve(rel),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not a valid URL"),
+        })
     }
 
     /// Runs `once` until it succeeds, fails for good, or used up the attempts; transient
@@ -139,19 +146,15 @@ impl HttpTransport {
 
     /// One request: the response when it is a success, `None` for absence, or the failure
     /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
-    async fn send_once(&self, url: &str) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+    async fn send_once(&self, target: &reqwest::Url) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+        let url = target.as_str();
         let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
         if self.base.starts_with("https://") {
             // HTTPS servers mostly speak HTTP/2: open the other connections alongside the
             // first, so that they are up before the closure fans out.
             self.pool.grow_for_h2(&self.base);
         }
-        let below_base = url.strip_prefix(self.base.as_str()).and_then(|r| r.strip_prefix('/'));
-        let request = match self.base_dir.as_ref().zip(below_base).and_then(|(dir, rel)| dir.join(rel).ok()) {
-            Some(parsed) => self.pool.next().get(parsed),
-            None => self.pool.next().get(url),
-        };
-        let resp = match tokio::time::timeout(self.stall, request.send()).await {
+        let resp = match tokio::time::timeout(self.stall, self.pool.next().get(target.clone()).send()).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
@@ -175,13 +178,14 @@ impl HttpTransport {
     /// Fetches a whole (small) file; `None` on 404, 403 or 410. Transient failures, including
     /// a body cut short, are retried with backoff, `download-attempts` times in all.
     pub async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
-        let url = self.resolve(rel);
+        let target = self.request_url(rel)?;
+        let url = target.as_str();
         self.retrying(|| async {
-            let (resp, _permit) = self.send_once(&url).await?;
+            let (resp, _permit) = self.send_once(&target).await?;
             let Some(resp) = resp else { return Ok(None) };
-            let gzip = content_encoding(&url, &resp)?;
-            let body = read_body(&url, resp, self.stall).await?;
-            Ok(Some(if gzip { gunzip(&url, &body)? } else { body }))
+            let gzip = content_encoding(url, &resp)?;
+            let body = read_body(url, resp, self.stall).await?;
+            Ok(Some(if gzip { gunzip(url, &body)? } else { body }))
         })
         .await
     }
@@ -191,10 +195,11 @@ impl HttpTransport {
     /// arrives for `stalled-download-timeout` seconds. The probe tells whether the body was
     /// cut short; the caller retries the whole download if so.
     pub async fn open(&self, rel: &str) -> Result<Option<(Box<dyn Read + Send>, TransferProbe)>, CacheError> {
-        let url = self.resolve(rel);
-        let (resp, permit) = self.retrying(|| self.send_once(&url)).await?;
+        let target = self.request_url(rel)?;
+        let url = target.as_str();
+        let (resp, permit) = self.retrying(|| self.send_once(&target)).await?;
         let Some(resp) = resp else { return Ok(None) };
-        let gzip = content_encoding(&url, &resp)?;
+        let gzip = content_encoding(url, &resp)?;
         let stall = self.stall;
         let expected = resp.content_length();
         let body = resp.bytes_stream().map_err(std::io::Error::other);
@@ -206,7 +211,7 @@ impl HttpTransport {
             }
         }));
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(body));
-        let (reader, probe) = TransferProbe::watch(&url, expected, reader);
+        let (reader, probe) = TransferProbe::watch(url, expected, reader);
         let reader: Box<dyn Read + Send> = match gzip {
             true => Box::new(LazyGunzip::Pending(Some(reader))),
             false => Box::new(reader),
