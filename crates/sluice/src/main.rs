@@ -14,7 +14,6 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-
 /// sluice: the store side of Nix — substituter, local store, daemon.
 #[derive(Parser)]
 #[command(name = "sluice", version, about)]
