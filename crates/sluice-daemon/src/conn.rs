@@ -4,7 +4,7 @@
 //! with one `ERROR` and the connection is closed, since the stream cannot be resynchronised;
 //! a failing operation whose request was read completely leaves the connection usable.
 
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufReader, Write};
 use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -12,15 +12,17 @@ use sluice_nix::wire::{read_store_path, read_u64, ProtocolVersion, StderrWriter,
 use sluice_store::local::{LocalStore, TempRootsFile};
 
 use crate::affinity::{Follower, Pinned};
+use crate::duplex::{duplex, ClientInput, Input, Output};
 use crate::handshake::{greet, HandshakeError};
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::Daemon;
 
 /// The buffered reading side of a connection.
-pub(crate) type Reader = BufReader<Box<dyn Read + Send>>;
-/// The buffered writing side of a connection (flushed after every reply and message).
-pub(crate) type Writer = BufWriter<Box<dyn Write + Send>>;
+pub(crate) type Reader = BufReader<Input>;
+/// The buffered writing side of a connection: sent when the worker waits for the client's
+/// next request (see [`crate::duplex`]), or at once by `flush`.
+pub(crate) type Writer = Output;
 
 /// How an operation failed.
 #[derive(Debug)]
@@ -88,11 +90,11 @@ impl Conn<'_> {
         Ok(read_store_path(&mut self.r, dir, what)?)
     }
 
-    /// Sends `LAST`, then the result written by `result`, and flushes.
+    /// Writes `LAST`, then the result written by `result`. They are sent when the worker
+    /// next waits for the client.
     pub(crate) fn reply(&mut self, result: impl FnOnce(&mut Writer, &StoreDir) -> io::Result<()>) -> OpResult {
         self.stderr().last(&mut self.w)?;
         result(&mut self.w, self.daemon.store().store_dir())?;
-        self.w.flush()?;
         Ok(())
     }
 
@@ -120,9 +122,9 @@ pub(crate) fn add_temp_root(store: &LocalStore, roots: &mut Option<TempRootsFile
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
 /// connection in the daemon's log; `client_pid` is the peer process, if known.
-pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<dyn Write + Send>, peer: Peer, client_pid: Option<i32>, label: &str) {
-    let mut r = BufReader::with_capacity(64 * 1024, reader);
-    let mut w = BufWriter::with_capacity(64 * 1024, writer);
+pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<dyn Write + Send>, peer: Peer, client_pid: Option<i32>, label: &str) {
+    let (input, mut w) = duplex(reader, writer);
+    let mut r = BufReader::with_capacity(64 * 1024, input);
     let greeting = match greet(&mut r, &mut w, peer.trusted) {
         Ok(g) => g,
         Err(HandshakeError::BadMagic(m)) => {
@@ -166,7 +168,7 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<d
             Ok(()) => {}
             Err(Fail::Op(msg)) => {
                 tracing::debug!("{label}: op {op} failed: {msg}");
-                if let Err(e) = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush()) {
+                if let Err(e) = conn.stderr().error(&mut conn.w, &msg) {
                     tracing::debug!("{label}: client gone: {e}");
                     break;
                 }
@@ -181,6 +183,9 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn Read + Send>, writer: Box<d
                 break;
             }
         }
+    }
+    if let Err(e) = conn.w.flush() {
+        tracing::debug!("{label}: client gone: {e}");
     }
     tracing::debug!("{label}: {ops} operations");
 }

@@ -10,6 +10,7 @@
 
 mod affinity;
 mod conn;
+mod duplex;
 mod handshake;
 mod ops;
 mod options;

@@ -355,6 +355,40 @@ fn old_style_client_gets_its_worker_pinned() {
     assert!(!valid);
 }
 
+/// A client that pipelines: two requests and the first half of a third in one write. Both
+/// replies must arrive while the worker waits for the rest of the third (a worker that held
+/// replies back until the next request was complete would leave this client waiting forever),
+/// and the third is answered once complete.
+#[test]
+fn pipelined_requests_get_their_replies_before_the_next_request_is_complete() {
+    use std::io::Write;
+    let env = Env::new();
+    let cache = env.cache();
+    let _daemon = env.daemon("root", &cache, "");
+    let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
+    client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    client.write_all(&u64s(&[0x6e69_7863])).unwrap();
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x6478_696f, 0x125));
+    // 1.34: affinity flag 0, reserveSpace 0; the daemon sends its version string, then LAST.
+    client.write_all(&u64s(&[0x122, 0, 0])).unwrap();
+    let len = read_u64(&mut client);
+    let mut version = vec![0u8; (len as usize).next_multiple_of(8)];
+    std::io::Read::read_exact(&mut client, &mut version).unwrap();
+    assert_eq!(read_u64(&mut client), 0x616c_7473);
+
+    let path = b"/nix/store/00000000000000000000000000000000-missing";
+    let mut request = u64s(&[1, path.len() as u64]);
+    request.extend_from_slice(path);
+    request.resize(request.len().next_multiple_of(8), 0);
+    client.write_all(&[request.as_slice(), request.as_slice(), &request[..12]].concat()).unwrap();
+    for n in 1..=2 {
+        let reply = (read_u64(&mut client), read_u64(&mut client));
+        assert_eq!(reply, (0x616c_7473, 0), "reply {n}: LAST, then false");
+    }
+    client.write_all(&request[12..]).unwrap();
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x616c_7473, 0), "reply 3");
+}
+
 /// Nix 2.26 (`nix-modern`, protocol 1.38, negotiated down to 1.37) as a client: the same
 /// answers as Nix 2.8 through the same daemon.
 #[test]
