@@ -4,7 +4,7 @@
 //! with one `ERROR` and the connection is closed, since the stream cannot be resynchronised;
 //! a failing operation whose request was read completely leaves the connection usable.
 
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -88,6 +88,23 @@ impl Conn<'_> {
     pub(crate) fn read_path(&mut self, what: &'static str) -> Result<StorePath, Fail> {
         let dir = self.daemon.store().store_dir();
         Ok(read_store_path(&mut self.r, dir, what)?)
+    }
+
+    /// Whether the read buffer already holds a whole next request for operation `op` whose
+    /// one argument is a string of at most `max` bytes (such as a store path). If so, the
+    /// operation number is consumed and the argument is what is read next; if not, nothing is
+    /// consumed. Reads nothing from the client.
+    pub(crate) fn take_buffered_request(&mut self, op: u64, max: u64) -> bool {
+        let buf = self.r.buffer();
+        let word = |at: usize| buf.get(at..at + 8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map(u64::from_le_bytes);
+        let whole = match (word(0), word(8)) {
+            (Some(o), Some(len)) if o == op && len <= max => buf.len() as u64 >= 16 + len.next_multiple_of(8),
+            _ => false,
+        };
+        if whole {
+            self.r.consume(8);
+        }
+        whole
     }
 
     /// Writes `LAST`, then the result written by `result`. They are sent when the worker

@@ -355,6 +355,48 @@ fn old_style_client_gets_its_worker_pinned() {
     assert!(!valid);
 }
 
+/// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
+/// flag 0, reserveSpace 0; the daemon sends its version string, then `LAST`).
+fn raw_client_1_34(env: &Env) -> std::os::unix::net::UnixStream {
+    use std::io::Write;
+    let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
+    client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    client.write_all(&u64s(&[0x6e69_7863])).unwrap();
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x6478_696f, 0x125));
+    client.write_all(&u64s(&[0x122, 0, 0])).unwrap();
+    read_string(&mut client);
+    assert_eq!(read_u64(&mut client), 0x616c_7473);
+    client
+}
+
+fn read_string(s: &mut impl std::io::Read) -> Vec<u8> {
+    let len = read_u64(s) as usize;
+    let mut bytes = vec![0u8; len.next_multiple_of(8)];
+    s.read_exact(&mut bytes).unwrap();
+    bytes.truncate(len);
+    bytes
+}
+
+/// A request: operation `op`, then its arguments (numbers, or strings with their length and
+/// padding).
+fn request(op: u64, args: &[Result<u64, &[u8]>]) -> Vec<u8> {
+    let mut out = u64s(&[op]);
+    for arg in args {
+        match arg {
+            Ok(n) => out.extend(u64s(&[*n])),
+            Err(s) => {
+                out.extend(u64s(&[s.len() as u64]));
+                out.extend_from_slice(s);
+                out.resize(out.len().next_multiple_of(8), 0);
+            }
+        }
+    }
+    out
+}
+
+const LAST: u64 = 0x616c_7473;
+const MISSING: &[u8] = b"/nix/store/00000000000000000000000000000000-missing";
+
 /// A client that pipelines: two requests and the first half of a third in one write. Both
 /// replies must arrive while the worker waits for the rest of the third (a worker that held
 /// replies back until the next request was complete would leave this client waiting forever),
@@ -365,28 +407,57 @@ fn pipelined_requests_get_their_replies_before_the_next_request_is_complete() {
     let env = Env::new();
     let cache = env.cache();
     let _daemon = env.daemon("root", &cache, "");
-    let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
-    client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    client.write_all(&u64s(&[0x6e69_7863])).unwrap();
-    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x6478_696f, 0x125));
-    // 1.34: affinity flag 0, reserveSpace 0; the daemon sends its version string, then LAST.
-    client.write_all(&u64s(&[0x122, 0, 0])).unwrap();
-    let len = read_u64(&mut client);
-    let mut version = vec![0u8; (len as usize).next_multiple_of(8)];
-    std::io::Read::read_exact(&mut client, &mut version).unwrap();
-    assert_eq!(read_u64(&mut client), 0x616c_7473);
-
-    let path = b"/nix/store/00000000000000000000000000000000-missing";
-    let mut request = u64s(&[1, path.len() as u64]);
-    request.extend_from_slice(path);
-    request.resize(request.len().next_multiple_of(8), 0);
-    client.write_all(&[request.as_slice(), request.as_slice(), &request[..12]].concat()).unwrap();
+    let mut client = raw_client_1_34(&env);
+    let is_valid = request(1, &[Err(MISSING)]);
+    client.write_all(&[is_valid.as_slice(), is_valid.as_slice(), &is_valid[..12]].concat()).unwrap();
     for n in 1..=2 {
         let reply = (read_u64(&mut client), read_u64(&mut client));
-        assert_eq!(reply, (0x616c_7473, 0), "reply {n}: LAST, then false");
+        assert_eq!(reply, (LAST, 0), "reply {n}: LAST, then false");
     }
-    client.write_all(&request[12..]).unwrap();
-    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x616c_7473, 0), "reply 3");
+    client.write_all(&is_valid[12..]).unwrap();
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 0), "reply 3");
+}
+
+/// QueryPathInfo requests sent together (answered in one database transaction) each get
+/// their own reply, in order: valid, missing, valid.
+#[test]
+fn pipelined_path_info_requests_are_answered_in_order() {
+    use std::io::Write;
+    let env = Env::new();
+    let cache = env.cache();
+    let _daemon = env.daemon("root", &cache, "");
+    let mut client = raw_client_1_34(&env);
+    // AddTextToStore: name, text, no references.
+    client.write_all(&request(8, &[Err(b"greeting"), Err(b"hello"), Ok(0)])).unwrap();
+    assert_eq!(read_u64(&mut client), LAST);
+    let added = read_string(&mut client);
+    assert!(added.ends_with(b"-greeting"), "{}", String::from_utf8_lossy(&added));
+
+    let query = |path: &[u8]| request(26, &[Err(path)]);
+    client.write_all(&[query(&added), query(MISSING), query(&added)].concat()).unwrap();
+    let mut infos = Vec::new();
+    for n in 1..=3 {
+        assert_eq!(read_u64(&mut client), LAST, "reply {n}");
+        if n == 2 {
+            assert_eq!(read_u64(&mut client), 0, "the missing path is not valid");
+            continue;
+        }
+        assert_eq!(read_u64(&mut client), 1, "reply {n} is valid");
+        let deriver = read_string(&mut client);
+        let nar_hash = String::from_utf8(read_string(&mut client)).unwrap();
+        let references = read_u64(&mut client);
+        let _registration_time = read_u64(&mut client);
+        let nar_size = read_u64(&mut client);
+        let ultimate = read_u64(&mut client);
+        let sigs = read_u64(&mut client);
+        let ca = String::from_utf8(read_string(&mut client)).unwrap();
+        // The NAR of a 5-byte regular file is 120 bytes.
+        assert_eq!((deriver.len(), references, nar_size, ultimate, sigs), (0, 0, 120, 0, 0), "reply {n}");
+        assert_eq!(nar_hash.len(), 64, "base16 sha256: {nar_hash}");
+        assert!(ca.starts_with("text:sha256:"), "{ca}");
+        infos.push((nar_hash, ca));
+    }
+    assert_eq!(infos[0], infos[1]);
 }
 
 /// Nix 2.26 (`nix-modern`, protocol 1.38, negotiated down to 1.37) as a client: the same

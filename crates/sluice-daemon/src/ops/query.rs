@@ -3,7 +3,8 @@
 
 use sluice_nix::derivation::parse_outputs;
 use sluice_nix::store_path::StorePath;
-use sluice_nix::wire::{read_bool, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
+use sluice_store::path_info::ValidPathInfo;
+use sluice_nix::wire::{read_bool, MAX_PATH_LEN, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
 
 use super::to_wire;
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -34,13 +35,37 @@ pub(super) fn valid_paths(c: &mut Conn) -> OpResult {
     c.reply(|w, dir| write_store_path_set(w, dir, valid.iter()))
 }
 
+/// QueryPathInfo's operation number.
+const QUERY_PATH_INFO: u64 = 26;
+/// Most QueryPathInfo requests answered together.
+const PATH_INFO_BATCH: usize = 1024;
+
 /// QueryPathInfo: path → (≥ 1.17) bool then the unkeyed info; before 1.17 an invalid path
-/// is an error.
+/// is an error. Further QueryPathInfo requests that have already arrived whole (from a client
+/// that pipelines) are answered with this one, their paths read from the database in one
+/// transaction; each gets its own reply, in order.
 pub(super) fn path_info(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
-    let info = c.store().query_path_info(&path).map_err(op_err)?.map(to_wire).transpose()?;
+    let mut paths = vec![c.read_path("path")?];
+    while paths.len() < PATH_INFO_BATCH && c.take_buffered_request(QUERY_PATH_INFO, MAX_PATH_LEN) {
+        paths.push(c.read_path("path")?);
+    }
+    let infos = c.store().query_path_infos(&paths);
+    let count = paths.len();
+    for (n, (path, info)) in paths.iter().zip(infos).enumerate() {
+        match info.map_err(op_err).and_then(|info| answer_path_info(c, path, info)) {
+            // An earlier request's failure is reported in its place; `serve` reports the last.
+            Err(Fail::Op(msg)) if n + 1 < count => c.stderr().error(&mut c.w, &msg)?,
+            Err(e) => return Err(e),
+            Ok(()) => {}
+        }
+    }
+    Ok(())
+}
+
+/// The reply to one QueryPathInfo of `path`, whose registration is `info`.
+fn answer_path_info(c: &mut Conn, path: &StorePath, info: Option<ValidPathInfo>) -> OpResult {
     let version = c.version;
-    match info {
+    match info.map(to_wire).transpose()? {
         Some(info) => c.reply(|w, dir| {
             if version.at_least(17) {
                 write_bool(w, true)?;
@@ -48,7 +73,7 @@ pub(super) fn path_info(c: &mut Conn) -> OpResult {
             write_unkeyed_path_info(w, dir, version, &info)
         }),
         None if version.at_least(17) => c.reply(|w, _| write_bool(w, false)),
-        None => Err(Fail::Op(format!("path '{}' is not valid", c.dir().display_path(&path)))),
+        None => Err(Fail::Op(format!("path '{}' is not valid", c.dir().display_path(path)))),
     }
 }
 

@@ -11,7 +11,7 @@ use crate::hash::{Hash, HashAlgo};
 use crate::store_path::{StoreDir, StorePath};
 
 /// Longest store path string accepted (store directory + `/` + base name), in bytes.
-const MAX_PATH_LEN: u64 = 4096;
+pub const MAX_PATH_LEN: u64 = 4096;
 /// Longest content address, hash, signature or output-name list accepted, in bytes.
 const MAX_SHORT_LEN: u64 = 4096;
 /// Most references, signatures or derived paths accepted in one list.

@@ -166,14 +166,21 @@ impl LocalStore {
         self.registry.query_path_info(path)
     }
 
+    /// The registrations of `paths`, in order (`None` for a path that is not valid), read in
+    /// one database transaction: cheaper than a [`query_path_info`](Self::query_path_info)
+    /// per path. Each path's failure (a corrupt row) is its own.
+    pub fn query_path_infos(&self, paths: &[StorePath]) -> Vec<Result<Option<ValidPathInfo>, LocalStoreError>> {
+        self.registry.query_path_infos(paths)
+    }
+
     /// Whether `path` is registered.
     pub fn is_valid_path(&self, path: &StorePath) -> Result<bool, LocalStoreError> {
-        Ok(!self.registry.valid_paths([path])?.is_empty())
+        Ok(!self.registry.valid_paths(std::iter::once(path))?.is_empty())
     }
 
     /// The subset of `paths` that is valid, in one query batch.
     pub fn query_valid_paths(&self, paths: &[StorePath]) -> Result<BTreeSet<StorePath>, LocalStoreError> {
-        self.registry.valid_paths(paths)
+        self.registry.valid_paths(paths.iter())
     }
 
     /// The valid paths that reference `path` (including `path` itself if it is

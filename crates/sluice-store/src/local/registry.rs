@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rusqlite::{params, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use sluice_nix::hash::Hash;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
@@ -73,16 +73,40 @@ impl Registry {
     /// The registration of `path`, or `None` if it is not valid.
     pub(super) fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> {
         let shown = self.display(path);
-        let err = || format!("querying the registration of {shown}");
-        let row: Option<Row> = {
+        let row = self.row(&self.lock().conn, &shown)?;
+        self.info_from_row(path, &shown, row)
+    }
+
+    /// The registrations of `paths`, in order, read in one transaction: one read lock of the
+    /// database for all, instead of one per statement. A failure affects only its own path.
+    pub(super) fn query_path_infos(&self, paths: &[StorePath]) -> Vec<Result<Option<ValidPathInfo>, LocalStoreError>> {
+        let shown: Vec<String> = paths.iter().map(|p| self.display(p)).collect();
+        let rows: Vec<_> = {
             let db = self.lock();
-            let mut stmt = db.conn.prepare_cached(QUERY_PATH_INFO).map_err(self.sql_err(err))?;
-            stmt.query_row([&shown], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?, r.get(8)?))
-            })
-            .optional()
-            .map_err(self.sql_err(err))?
+            let _snapshot = self.read_transaction(&db.conn, paths.len());
+            shown.iter().map(|s| self.row(&db.conn, s)).collect()
         };
+        paths.iter().zip(&shown).zip(rows).map(|((path, shown), row)| self.info_from_row(path, shown, row?)).collect()
+    }
+
+    /// An explicit read transaction on `conn` when `statements` (more than one) are about to
+    /// run; ends when dropped. Without one, SQLite locks and unlocks the database around
+    /// every statement. `None` if beginning one failed: the statements then lock one by one.
+    fn read_transaction<'c>(&self, conn: &'c Connection, statements: usize) -> Option<rusqlite::Transaction<'c>> {
+        (statements > 1).then(|| conn.unchecked_transaction().ok()).flatten()
+    }
+
+    /// The `ValidPaths` row and references of the path shown as `shown`.
+    fn row(&self, conn: &Connection, shown: &str) -> Result<Option<Row>, LocalStoreError> {
+        let err = || format!("querying the registration of {shown}");
+        let mut stmt = conn.prepare_cached(QUERY_PATH_INFO).map_err(self.sql_err(err))?;
+        stmt.query_row([shown], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?, r.get(8)?)))
+            .optional()
+            .map_err(self.sql_err(err))
+    }
+
+    /// The path info of `path` (shown as `shown`) from its row.
+    fn info_from_row(&self, path: &StorePath, shown: &str, row: Option<Row>) -> Result<Option<ValidPathInfo>, LocalStoreError> {
         let Some((_, hash, registration_time, deriver, nar_size, ultimate, sigs, ca, references)) = row else {
             return Ok(None);
         };
@@ -103,10 +127,11 @@ impl Registry {
         }))
     }
 
-    /// The subset of `paths` that is valid, read under one lock of the connection.
-    pub(super) fn valid_paths<'p>(&self, paths: impl IntoIterator<Item = &'p StorePath>) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+    /// The subset of `paths` that is valid, read in one transaction.
+    pub(super) fn valid_paths<'p>(&self, paths: impl ExactSizeIterator<Item = &'p StorePath>) -> Result<BTreeSet<StorePath>, LocalStoreError> {
         let err = || "querying path validity".to_owned();
         let db = self.lock();
+        let _snapshot = self.read_transaction(&db.conn, paths.len());
         let mut stmt = db.conn.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?;
         let mut valid = BTreeSet::new();
         for path in paths {
