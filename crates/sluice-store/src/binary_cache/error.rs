@@ -40,6 +40,21 @@ fn causes(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// Whether `error` or one of its causes is an `EMFILE`, `ENFILE`, `ENOMEM` or `ENOBUFS`. An
+/// `io::Error` wrapping another error is looked into too (its `source` skips the wrapped one).
+fn is_shortage(error: &(dyn std::error::Error + 'static)) -> bool {
+    use rustix::io::Errno;
+    if let Some(io) = error.downcast_ref::<std::io::Error>() {
+        if matches!(Errno::from_io_error(io), Some(Errno::MFILE | Errno::NFILE | Errno::NOMEM | Errno::NOBUFS)) {
+            return true;
+        }
+        if let Some(inner) = io.get_ref() {
+            return is_shortage(inner);
+        }
+    }
+    error.source().is_some_and(is_shortage)
+}
+
 fn body_suffix(body: &str) -> String {
     match body.is_empty() {
         true => String::new(),
@@ -62,8 +77,21 @@ impl CacheError {
 
     /// Whether the failure concerns the whole cache rather than one file: it stayed transient
     /// through every attempt, or the cache refused our credentials (401, 407). Such a cache is
-    /// skipped for the rest of the run.
+    /// skipped for the rest of the run. A shortage of this machine's resources (see
+    /// [`is_local_shortage`](Self::is_local_shortage)) says nothing about the cache.
     pub fn disables_cache(&self) -> bool {
-        self.is_transient() || matches!(self, CacheError::Status { status: 401 | 407, .. })
+        (self.is_transient() && !self.is_local_shortage()) || matches!(self, CacheError::Status { status: 401 | 407, .. })
+    }
+
+    /// Whether this process ran short of a local resource while talking to the cache: open
+    /// files (`EMFILE`, `ENFILE`), memory (`ENOMEM`) or socket buffers (`ENOBUFS`), found
+    /// anywhere in the chain of causes. Retrying may succeed once other transfers end.
+    pub fn is_local_shortage(&self) -> bool {
+        let source: &(dyn std::error::Error + 'static) = match self {
+            CacheError::Transport { source, .. } => source,
+            CacheError::Io { source, .. } => source,
+            _ => return false,
+        };
+        is_shortage(source)
     }
 }

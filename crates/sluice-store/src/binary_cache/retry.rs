@@ -113,6 +113,25 @@ mod tests {
         assert!(err.contains("http://c") && err.contains("401") && err.contains("token expired"), "{err}");
     }
 
+    /// Running out of file descriptors while reading a NAR (seen in a copy under a soft limit
+    /// of 1024 open files) is retried but does not make the run give up on the cache.
+    #[test]
+    fn a_local_shortage_does_not_disable_the_cache() {
+        let h = Health::default();
+        for errno in [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE, rustix::io::Errno::NOMEM] {
+            let io = std::io::Error::from_raw_os_error(errno.raw_os_error());
+            let wrapped = std::io::Error::other(io);
+            let e = CacheError::Io { url: "file:///c/nar/x.nar.xz".into(), source: wrapped };
+            assert!(e.is_transient() && e.is_local_shortage(), "{e}");
+            assert!(h.observe::<()>("file:///c", Err(e)).is_err());
+            assert!(h.check("file:///c").is_ok(), "{errno:?} disabled the cache");
+        }
+        let reset = CacheError::Io { url: "file:///c/nar/x.nar.xz".into(), source: std::io::ErrorKind::ConnectionReset.into() };
+        assert!(!reset.is_local_shortage());
+        assert!(h.observe::<()>("file:///c", Err(reset)).is_err());
+        assert!(h.check("file:///c").is_err(), "other transient failures still disable it");
+    }
+
     #[test]
     fn failures_while_opening_are_not_warned_twice() {
         let refused = || CacheError::Status { url: "http://c/x.narinfo".into(), status: 503, body: String::new() };
