@@ -418,11 +418,27 @@ fn pipelined_requests_get_their_replies_before_the_next_request_is_complete() {
     assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 0), "reply 3");
 }
 
+/// The fields of a QueryPathInfo reply after `LAST` and `1` (protocol 1.34) that identify the
+/// path's contents: NAR hash (base16), NAR size, content address; checks the others are empty.
+fn read_path_info(client: &mut impl std::io::Read) -> (String, u64, String) {
+    let deriver = read_string(client);
+    let nar_hash = String::from_utf8(read_string(client)).unwrap();
+    let references = read_u64(client);
+    let _registration_time = read_u64(client);
+    let nar_size = read_u64(client);
+    let ultimate = read_u64(client);
+    let sigs = read_u64(client);
+    let ca = String::from_utf8(read_string(client)).unwrap();
+    assert_eq!((deriver.len(), references, ultimate, sigs), (0, 0, 0, 0));
+    (nar_hash, nar_size, ca)
+}
+
 /// QueryPathInfo requests sent together (answered in one database transaction) each get
-/// their own reply, in order: valid, missing, valid.
+/// their own reply, in order: valid, missing, valid. A malformed request among them ends the
+/// connection with an error, after the replies to the requests before it.
 #[test]
 fn pipelined_path_info_requests_are_answered_in_order() {
-    use std::io::Write;
+    use std::io::{Read, Write};
     let env = Env::new();
     let cache = env.cache();
     let _daemon = env.daemon("root", &cache, "");
@@ -435,29 +451,23 @@ fn pipelined_path_info_requests_are_answered_in_order() {
 
     let query = |path: &[u8]| request(26, &[Err(path)]);
     client.write_all(&[query(&added), query(MISSING), query(&added)].concat()).unwrap();
-    let mut infos = Vec::new();
-    for n in 1..=3 {
-        assert_eq!(read_u64(&mut client), LAST, "reply {n}");
-        if n == 2 {
-            assert_eq!(read_u64(&mut client), 0, "the missing path is not valid");
-            continue;
-        }
-        assert_eq!(read_u64(&mut client), 1, "reply {n} is valid");
-        let deriver = read_string(&mut client);
-        let nar_hash = String::from_utf8(read_string(&mut client)).unwrap();
-        let references = read_u64(&mut client);
-        let _registration_time = read_u64(&mut client);
-        let nar_size = read_u64(&mut client);
-        let ultimate = read_u64(&mut client);
-        let sigs = read_u64(&mut client);
-        let ca = String::from_utf8(read_string(&mut client)).unwrap();
-        // The NAR of a 5-byte regular file is 120 bytes.
-        assert_eq!((deriver.len(), references, nar_size, ultimate, sigs), (0, 0, 120, 0, 0), "reply {n}");
-        assert_eq!(nar_hash.len(), 64, "base16 sha256: {nar_hash}");
-        assert!(ca.starts_with("text:sha256:"), "{ca}");
-        infos.push((nar_hash, ca));
-    }
-    assert_eq!(infos[0], infos[1]);
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 1), "reply 1");
+    let first = read_path_info(&mut client);
+    // The NAR of a 5-byte regular file is 120 bytes.
+    assert_eq!(first.1, 120);
+    assert_eq!(first.0.len(), 64, "base16 sha256: {}", first.0);
+    assert!(first.2.starts_with("text:sha256:"), "{}", first.2);
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 0), "reply 2: not valid");
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 1), "reply 3");
+    assert_eq!(read_path_info(&mut client), first);
+
+    client.write_all(&[query(&added), query(b"/nix/store/not-a-store-path")].concat()).unwrap();
+    assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 1), "the request before the malformed one");
+    assert_eq!(read_path_info(&mut client), first);
+    assert_eq!(read_u64(&mut client), 0x6378_7470, "STDERR_ERROR for the malformed one");
+    let mut rest = Vec::new();
+    client.read_to_end(&mut rest).unwrap();
+    assert!(String::from_utf8_lossy(&rest).contains("not-a-store-path"), "the error names the path");
 }
 
 /// Nix 2.26 (`nix-modern`, protocol 1.38, negotiated down to 1.37) as a client: the same

@@ -46,17 +46,26 @@ const PATH_INFO_BATCH: usize = 1024;
 /// transaction; each gets its own reply, in order.
 pub(super) fn path_info(c: &mut Conn) -> OpResult {
     let mut paths = vec![c.read_path("path")?];
-    while paths.len() < PATH_INFO_BATCH && c.take_buffered_request(QUERY_PATH_INFO, MAX_PATH_LEN) {
-        paths.push(c.read_path("path")?);
+    // A later request that cannot be read ends the connection, after the earlier ones' replies.
+    let mut unreadable = None;
+    while unreadable.is_none() && paths.len() < PATH_INFO_BATCH && c.take_buffered_request(QUERY_PATH_INFO, MAX_PATH_LEN) {
+        match c.read_path("path") {
+            Ok(path) => paths.push(path),
+            Err(e) => unreadable = Some(e),
+        }
     }
-    let infos = c.store().query_path_infos(&paths);
-    let count = paths.len();
-    for (n, (path, info)) in paths.iter().zip(infos).enumerate() {
+    answer_path_infos(c, &paths)?;
+    unreadable.map_or(Ok(()), Err)
+}
+
+/// The replies to QueryPathInfo requests for `paths`, in order; a request that fails gets
+/// its `ERROR` in its place, as `serve` would send it.
+fn answer_path_infos(c: &mut Conn, paths: &[StorePath]) -> OpResult {
+    let infos = c.store().query_path_infos(paths);
+    for (path, info) in paths.iter().zip(infos) {
         match info.map_err(op_err).and_then(|info| answer_path_info(c, path, info)) {
-            // An earlier request's failure is reported in its place; `serve` reports the last.
-            Err(Fail::Op(msg)) if n + 1 < count => c.stderr().error(&mut c.w, &msg)?,
-            Err(e) => return Err(e),
-            Ok(()) => {}
+            Err(Fail::Op(msg)) => c.stderr().error(&mut c.w, &msg)?,
+            other => other?,
         }
     }
     Ok(())
