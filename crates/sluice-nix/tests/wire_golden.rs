@@ -307,3 +307,20 @@ fn nar_hash_forms_and_bad_input() {
     }
     assert_eq!(info.nar_hash.algo(), HashAlgo::Sha256);
 }
+
+/// `drv-output.json`: derivation output ids, each a string on the wire.
+#[test]
+fn drv_outputs() {
+    for kind in ["worker-protocol", "common-protocol"] {
+        let (bin, json) = data(kind, "drv-output");
+        let mut r = bin.as_slice();
+        let mut out = Vec::new();
+        for s in strings(&json) {
+            let id = DrvOutput::parse(&read_string(&mut r, 1000, "id").unwrap()).unwrap();
+            assert_eq!(id.to_string(), s);
+            write_bytes(&mut out, id.to_string().as_bytes()).unwrap();
+        }
+        assert!(r.is_empty());
+        assert_eq!(out, bin, "{kind}");
+    }
+}

@@ -1,14 +1,16 @@
 //! The Nix worker protocol's wire formats (client ↔ `nix-daemon`), over `Read`/`Write`.
 //! Sources: Nix `src/libutil/serialise.{hh,cc}` (integers, strings, framed streams),
 //! `src/libstore/worker-protocol.{hh,cc}` and `worker-protocol-connection.cc` (versions,
-//! stderr channel, per-type serialisers), `src/libstore/common-protocol.cc`, and for the
-//! 2.8 era `src/libstore/daemon.cc` and `path-info.cc` (`ValidPathInfo::write`).
+//! stderr channel, per-type serialisers), `src/libstore/common-protocol.cc`,
+//! `src/libstore/derivations.cc` (basic derivations), and for the 2.8 era
+//! `src/libstore/daemon.cc` and `path-info.cc` (`ValidPathInfo::write`).
 //!
 //! Every integer is a u64 little-endian; a string is its u64 length, its bytes, and zero
 //! padding to a multiple of 8. Readers take a maximum length for every string and list and
 //! never allocate more than they have actually received, so a declared length cannot take
 //! memory; exceeding a bound is a [`WireError::TooLong`] naming the field.
 
+mod derivation;
 mod error;
 mod framed;
 mod primitives;
@@ -17,6 +19,7 @@ mod stderr_read;
 mod types;
 mod version;
 
+pub use derivation::{read_basic_derivation, write_basic_derivation, BasicDerivation, DerivationOutput, DrvOutput, OutputKind};
 pub use error::WireError;
 pub use framed::{FramedReader, FramedWriter, MAX_FRAME_LEN};
 pub use primitives::{
