@@ -358,15 +358,24 @@ fn old_style_client_gets_its_worker_pinned() {
 /// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
 /// flag 0, reserveSpace 0; the daemon sends its version string, then `LAST`).
 fn raw_client_1_34(env: &Env) -> std::os::unix::net::UnixStream {
+    raw_client(env, 34).0
+}
+
+/// A raw client connection after the greeting as protocol 1.`minor` (≥ 1.30), with the
+/// daemon's trusted flag (≥ 1.35: 1 trusted, 2 not).
+fn raw_client(env: &Env, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
     use std::io::Write;
     let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
     client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     client.write_all(&u64s(&[0x6e69_7863])).unwrap();
     assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x6478_696f, 0x125));
-    client.write_all(&u64s(&[0x122, 0, 0])).unwrap();
-    read_string(&mut client);
+    client.write_all(&u64s(&[0x100 | minor, 0, 0])).unwrap();
+    if minor >= 33 {
+        read_string(&mut client);
+    }
+    let trusted = (minor >= 35).then(|| read_u64(&mut client));
     assert_eq!(read_u64(&mut client), 0x616c_7473);
-    client
+    (client, trusted)
 }
 
 fn read_string(s: &mut impl std::io::Read) -> Vec<u8> {
@@ -509,4 +518,164 @@ fn nix_2_26_client_matches_nix_2_8() {
     assert_eq!(drv, env.nix("nix-instantiate", &["--store", &daemon.url, wl]).trim_end());
     let info = modern(&["nix", "path-info", "--store", &modern_url, "--json", &drv]);
     assert!(info.contains("\"ca\"") && info.contains("text:sha256:"), "{info}");
+}
+
+/// Reads stderr messages up to the operation's end: `Ok` at `LAST` (its result follows), or
+/// the message of an `ERROR` (protocol ≥ 1.26 form). Log lines and activities are skipped.
+fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
+    fn fields(s: &mut impl std::io::Read) {
+        for _ in 0..read_u64(s) {
+            match read_u64(s) {
+                0 => {
+                    read_u64(s);
+                }
+                1 => {
+                    read_string(s);
+                }
+                t => panic!("activity field type {t}"),
+            }
+        }
+    }
+    loop {
+        match read_u64(s) {
+            LAST => return Ok(()),
+            0x6378_7470 => {
+                assert_eq!(read_string(s), b"Error");
+                read_u64(s);
+                read_string(s);
+                let msg = String::from_utf8(read_string(s)).unwrap();
+                assert_eq!((read_u64(s), read_u64(s)), (0, 0), "no position, no traces");
+                return Err(msg);
+            }
+            0x6f6c_6d67 => {
+                read_string(s);
+            }
+            0x5354_5254 => {
+                read_u64(s);
+                read_u64(s);
+                read_u64(s);
+                read_string(s);
+                fields(s);
+                read_u64(s);
+            }
+            0x5354_4f50 => {
+                read_u64(s);
+            }
+            0x5253_4c54 => {
+                read_u64(s);
+                read_u64(s);
+                fields(s);
+            }
+            tag => panic!("unexpected stderr message {tag:#x}"),
+        }
+    }
+}
+
+/// IsValidPath of `path` on `client`, which must still be usable: the answer.
+fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
+    use std::io::Write;
+    client.write_all(&request(1, &[Err(path)])).unwrap();
+    assert_eq!(until_last(client), Ok(()));
+    read_u64(client)
+}
+
+/// AddTextToStore of `text` as `name` (no references): the new path.
+fn add_text(client: &mut std::os::unix::net::UnixStream, name: &str, text: &str) -> Vec<u8> {
+    use std::io::Write;
+    client.write_all(&request(8, &[Err(name.as_bytes()), Err(text.as_bytes()), Ok(0)])).unwrap();
+    assert_eq!(until_last(client), Ok(()));
+    read_string(client)
+}
+
+/// A BuildDerivation request for `drv` with one output `out` (path, hash algorithm, hash),
+/// no inputs, two arguments, one environment variable, build mode normal.
+fn build_derivation(drv: &[u8], out: [&[u8]; 3]) -> Vec<u8> {
+    let [path, algo, hash] = out;
+    request(36, &[Err(drv), Ok(1), Err(b"out"), Err(path), Err(algo), Err(hash), Ok(0), Err(b"x86_64-linux"), Err(b"/bin/sh"), Ok(2), Err(b"-c"), Err(b"echo hi > $out"), Ok(1), Err(b"out"), Err(path), Ok(0)])
+}
+
+/// A build result as protocol 1.37 sends it: status, message and built outputs (id →
+/// realisation JSON). Nothing was built: times built 0, deterministic, started and stopped at
+/// the same moment, no CPU times.
+fn read_build_result(s: &mut impl std::io::Read) -> (u64, String, Vec<(String, String)>) {
+    let status = read_u64(s);
+    let msg = String::from_utf8(read_string(s)).unwrap();
+    let (times_built, non_deterministic, start, stop) = (read_u64(s), read_u64(s), read_u64(s), read_u64(s));
+    assert_eq!((times_built, non_deterministic), (0, 0));
+    assert!(start > 0 && start == stop, "{start} {stop}");
+    assert_eq!((read_u64(s), read_u64(s)), (0, 0), "no CPU times");
+    let outputs = (0..read_u64(s)).map(|_| (String::from_utf8(read_string(s)).unwrap(), String::from_utf8(read_string(s)).unwrap())).collect();
+    (status, msg, outputs)
+}
+
+/// A daemon on a fresh store (with `extra_config`) and a protocol 1.37 client of it, which
+/// the daemon must tell its trusted flag `trusted` (1 trusted, 2 not), with the path of a
+/// text file `x` (`hi\n`) that the client added.
+fn daemon_and_client_1_37(env: &Env, extra_config: &str, trusted: u64) -> (Daemon, std::os::unix::net::UnixStream, Vec<u8>) {
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, extra_config);
+    let (mut client, flag) = raw_client(env, 37);
+    assert_eq!(flag, Some(trusted), "the trusted flag");
+    let out = add_text(&mut client, "x", "hi\n");
+    (daemon, client, out)
+}
+
+const DRV: &[u8] = b"/nix/store/00000000000000000000000000000000-x.drv";
+const ZERO_ID: &str = "sha256:0000000000000000000000000000000000000000000000000000000000000000!out";
+
+/// BuildDerivation (op 36) from a trusted client (the tests run as root, the default
+/// `trusted-users`): an output already valid → AlreadyValid; one the corpus cache has →
+/// Substituted; one nobody has → MiscFailure saying that sluice does not build. The
+/// connection stays usable after each.
+#[test]
+fn build_derivation_realises_outputs_by_substitution_only() {
+    use std::io::Write;
+    let env = Env::new();
+    // Root is trusted by default.
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "", 1);
+    client.write_all(&build_derivation(DRV, [&out, b"", b""])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg, outputs) = read_build_result(&mut client);
+    assert_eq!((status, msg.as_str()), (2, ""), "AlreadyValid");
+    let base = std::str::from_utf8(&out).unwrap().strip_prefix("/nix/store/").unwrap();
+    let realisation = format!(r#"{{"dependentRealisations":{{}},"id":"{ZERO_ID}","outPath":"{base}","signatures":[]}}"#);
+    assert_eq!(outputs, [(ZERO_ID.to_owned(), realisation)]);
+    assert_eq!(is_valid(&mut client, &out), 1);
+
+    let cached = store_path_of(&env.path("bin-cache"), "py14wj21zshnib43vh5f66ihm7rx610h");
+    assert_eq!(is_valid(&mut client, cached.as_bytes()), 0);
+    client.write_all(&build_derivation(DRV, [cached.as_bytes(), b"", b""])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg, outputs) = read_build_result(&mut client);
+    assert_eq!((status, msg.as_str(), outputs.len()), (1, "", 1), "Substituted");
+    assert_eq!(is_valid(&mut client, cached.as_bytes()), 1);
+
+    client.write_all(&build_derivation(DRV, [MISSING, b"", b""])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg, outputs) = read_build_result(&mut client);
+    assert_eq!(status, 9, "MiscFailure");
+    assert_eq!(
+        msg,
+        "cannot build '/nix/store/00000000000000000000000000000000-x.drv': the sluice daemon does not build derivations \
+         (outputs not valid and not substitutable: out (/nix/store/00000000000000000000000000000000-missing))"
+    );
+    assert!(outputs.is_empty());
+    assert_eq!(is_valid(&mut client, MISSING), 0);
+
+    // Not a derivation: an error, and the connection goes on.
+    client.write_all(&build_derivation(MISSING, [&out, b"", b""])).unwrap();
+    let err = until_last(&mut client).unwrap_err();
+    assert_eq!(err, "cannot build '/nix/store/00000000000000000000000000000000-missing': it is not a derivation (its name does not end in .drv)");
+    assert_eq!(is_valid(&mut client, &out), 1);
+
+    // Protocol 1.34 (Nix 2.8): the result without CPU times.
+    let mut old = raw_client_1_34(&env);
+    old.write_all(&build_derivation(DRV, [&out, b"", b""])).unwrap();
+    assert_eq!(until_last(&mut old), Ok(()));
+    let (status, msg) = (read_u64(&mut old), read_string(&mut old));
+    let _times = (read_u64(&mut old), read_u64(&mut old), read_u64(&mut old), read_u64(&mut old));
+    assert_eq!((status, msg.as_slice(), read_u64(&mut old)), (2, &b""[..], 1), "AlreadyValid, one built output");
+    read_string(&mut old);
+    assert_eq!(String::from_utf8(read_string(&mut old)).unwrap().matches(base).count(), 1);
+    assert_eq!(is_valid(&mut old, &out), 1);
 }

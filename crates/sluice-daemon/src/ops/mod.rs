@@ -1,8 +1,9 @@
 //! The worker-protocol operations, by number (`WorkerProto::Op` in Nix's
 //! `worker-protocol.hh`), grouped by kind: queries, additions, realisation (substitution),
-//! GC roots, maintenance.
+//! BuildDerivation, GC roots, maintenance.
 
 mod add;
+mod build;
 mod maintenance;
 mod payload;
 mod query;
@@ -40,6 +41,7 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
         33 => query::valid_derivers(c),
         34 => maintenance::optimise_store(c),
         35 => maintenance::verify_store(c),
+        36 => build::build_derivation(c),
         37 => maintenance::add_signatures(c),
         38 => maintenance::nar_from_path(c),
         39 => add::add_to_store_nar(c),

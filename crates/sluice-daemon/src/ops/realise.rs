@@ -1,7 +1,8 @@
 //! Realising paths by substitution: EnsurePath, QueryMissing, QuerySubstitutablePaths,
-//! QuerySubstitutablePathInfos, BuildPaths and BuildPathsWithResults. sluice does not build:
-//! a derivation output that no substituter has is reported as needing a build and fails
-//! BuildPaths with a message saying so.
+//! QuerySubstitutablePathInfos, BuildPaths and BuildPathsWithResults (BuildDerivation, in
+//! `build`, shares its helpers). sluice does not build: a derivation output that no
+//! substituter has is reported as needing a build and fails BuildPaths with a message saying
+//! so.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -206,6 +207,41 @@ pub(super) fn substitutable_path_infos(c: &mut Conn) -> OpResult {
     })
 }
 
+/// The build modes the daemon accepts: only normal (it cannot repair or check by rebuilding).
+pub(super) fn normal_mode_only(mode: BuildMode) -> Result<(), Fail> {
+    if mode != BuildMode::Normal {
+        return Err(Fail::Op(format!("build mode {mode:?} is not supported by the sluice daemon (it only substitutes)")));
+    }
+    Ok(())
+}
+
+/// Which of `paths` are valid before and after substituting the missing ones.
+pub(super) fn realise_by_substitution(c: &mut Conn, paths: &[StorePath]) -> Result<(BTreeSet<StorePath>, BTreeSet<StorePath>), Fail> {
+    let before = c.store().query_valid_paths(paths).map_err(op_err)?;
+    let missing: Vec<StorePath> = paths.iter().filter(|p| !before.contains(*p)).cloned().collect();
+    if missing.is_empty() {
+        return Ok((before.clone(), before));
+    }
+    substitute(c, missing)?;
+    let after = c.store().query_valid_paths(paths).map_err(op_err)?;
+    Ok((before, after))
+}
+
+/// A build result of `status` with `error_msg`, started and stopped now, nothing built.
+pub(super) fn build_result(status: BuildStatus, error_msg: String) -> BuildResult {
+    let now = super::payload::now().max(0) as u64;
+    BuildResult { status, error_msg, times_built: 0, is_non_deterministic: false, start_time: now, stop_time: now, cpu_user: None, cpu_system: None, built_outputs: BTreeMap::new() }
+}
+
+/// AlreadyValid if every one of `paths` was valid in `valid_before`, else Substituted.
+pub(super) fn realised_status(paths: &[StorePath], valid_before: &BTreeSet<StorePath>) -> BuildStatus {
+    if paths.iter().all(|p| valid_before.contains(p)) {
+        BuildStatus::AlreadyValid
+    } else {
+        BuildStatus::Substituted
+    }
+}
+
 /// BuildPaths (derived paths, (≥ 1.15) build mode → 1) and BuildPathsWithResults (→ one
 /// keyed build result per derived path). Paths are realised by substitution only.
 pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
@@ -214,27 +250,18 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
     if mode == BuildMode::Repair && !c.peer.trusted {
         return Err(Fail::Fatal("repairing is not allowed because you are not in 'trusted-users'".into()));
     }
-    if mode != BuildMode::Normal {
-        return Err(Fail::Op(format!("build mode {mode:?} is not supported by the sluice daemon (it only substitutes)")));
-    }
+    normal_mode_only(mode)?;
     let wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
-    let valid_before = c.store().query_valid_paths(&all).map_err(op_err)?;
-    let missing: Vec<StorePath> = all.iter().filter(|p| !valid_before.contains(*p)).cloned().collect();
-    if !missing.is_empty() {
-        substitute(c, missing)?;
-    }
-    let valid = c.store().query_valid_paths(&all).map_err(op_err)?;
-    let now = super::payload::now().max(0) as u64;
+    let (valid_before, valid) = realise_by_substitution(c, &all)?;
     let dir = c.dir().clone();
     let results: Vec<BuildResult> = targets
         .iter()
         .zip(wanted)
         .map(|(t, w)| {
-            let failure = |status, msg: String| BuildResult { status, error_msg: msg, times_built: 0, is_non_deterministic: false, start_time: now, stop_time: now, cpu_user: None, cpu_system: None, built_outputs: BTreeMap::new() };
             let paths = match w {
                 Ok(p) => p,
-                Err(msg) => return failure(BuildStatus::MiscFailure, msg),
+                Err(msg) => return build_result(BuildStatus::MiscFailure, msg),
             };
             let absent: Vec<String> = paths.iter().filter(|p| !valid.contains(*p)).map(|p| dir.display_path(p)).collect();
             if !absent.is_empty() {
@@ -246,12 +273,12 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
                         absent.join(", ")
                     ),
                 };
-                return failure(BuildStatus::MiscFailure, msg);
+                return build_result(BuildStatus::MiscFailure, msg);
             }
-            let status = if paths.iter().all(|p| valid_before.contains(p)) { BuildStatus::AlreadyValid } else { BuildStatus::Substituted };
-            let mut res = failure(status, String::new());
+            let mut res = build_result(realised_status(&paths, &valid_before), String::new());
             if let DerivedPath::Built { drv, .. } = t {
-                res.built_outputs = realisations(c, drv, &paths);
+                let outputs = derivation_outputs(c, drv).ok().flatten().unwrap_or_default();
+                res.built_outputs = built_outputs(outputs.iter().filter_map(|(name, p)| p.as_ref().filter(|p| paths.contains(p)).map(|p| (name.as_str(), p))));
             }
             res
         })
@@ -273,14 +300,12 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
     })
 }
 
-/// The built-outputs map of a realised derivation as protocol ≥ 1.28 carries it:
-/// `<hash>!<output>` → realisation JSON. The derivation hash is a placeholder of zeros (old
-/// clients only use the output name and path, as current Nix also relies on).
-fn realisations(c: &Conn, drv: &StorePath, paths: &[StorePath]) -> BTreeMap<String, String> {
-    let outputs = derivation_outputs(c, drv).ok().flatten().unwrap_or_default();
+/// The built-outputs map of a realised derivation's `(output name, path)` pairs as protocol
+/// ≥ 1.28 carries it: `<hash>!<output>` → realisation JSON. The derivation hash is a
+/// placeholder of zeros (old clients only use the output name and path, as current Nix also
+/// relies on).
+pub(super) fn built_outputs<'a>(outputs: impl Iterator<Item = (&'a str, &'a StorePath)>) -> BTreeMap<String, String> {
     outputs
-        .into_iter()
-        .filter_map(|(name, p)| p.filter(|p| paths.contains(p)).map(|p| (name, p)))
         .map(|(name, p)| {
             let id = format!("sha256:{}!{name}", "0".repeat(64));
             let json = serde_json::json!({ "dependentRealisations": {}, "id": id, "outPath": p.base_name(), "signatures": [] });

@@ -1,0 +1,51 @@
+//! BuildDerivation (Nix `daemon.cc`, `wopBuildDerivation`): the client sends a derivation
+//! itself, as a remote builder receives it. sluice does not build, so its outputs are
+//! realised by substitution only, with the helpers BuildPaths uses.
+
+use sluice_nix::store_path::{StorePath, StorePathError};
+use sluice_nix::wire::{read_basic_derivation, write_build_result, BuildMode, BuildStatus};
+
+use super::realise::{build_result, built_outputs, normal_mode_only, realise_by_substitution, realised_status};
+use crate::conn::{Conn, Fail, OpResult};
+
+/// BuildDerivation: derivation path, the derivation in wire form (`BasicDerivation`), build
+/// mode → a build result in the negotiated version's form: AlreadyValid if every output path
+/// is valid, Substituted if substitution made them all valid, else MiscFailure naming the
+/// outputs that are missing. Fixed outputs' paths are computed from their hash, not taken from
+/// the client. An untrusted client whose input-addressed derivation would have to be built
+/// gets Nix's refusal instead, as an operation error.
+pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
+    let drv_path = c.read_path("derivation path")?;
+    let drv = read_basic_derivation(&mut c.r, c.daemon.store().store_dir())?;
+    let mode = BuildMode::read(&mut c.r)?;
+    let dir = c.dir().clone();
+    let shown = dir.display_path(&drv_path);
+    let cannot = |why: &dyn std::fmt::Display| Fail::Op(format!("cannot build '{shown}': {why}"));
+    let name = drv_path.name().strip_suffix(".drv").ok_or_else(|| cannot(&"it is not a derivation (its name does not end in .drv)"))?;
+    normal_mode_only(mode)?;
+    let outputs = drv.outputs.iter().map(|o| Ok((o.name.as_str(), o.path(&dir, name)?))).collect::<Result<Vec<(&str, Option<StorePath>)>, StorePathError>>().map_err(|e| cannot(&e))?;
+    let known: Vec<StorePath> = outputs.iter().filter_map(|(_, p)| p.clone()).collect();
+    let (valid_before, valid) = realise_by_substitution(c, &known)?;
+    let missing: Vec<String> = outputs
+        .iter()
+        .filter_map(|(output, path)| match path {
+            Some(p) if valid.contains(p) => None,
+            Some(p) => Some(format!("{output} ({})", dir.display_path(p))),
+            None => Some(format!("{output} (content-addressed or deferred: no path before it is built)")),
+        })
+        .collect();
+    let result = if outputs.is_empty() {
+        build_result(BuildStatus::MiscFailure, format!("cannot build '{shown}': the derivation has no outputs"))
+    } else if missing.is_empty() {
+        let mut res = build_result(realised_status(&known, &valid_before), String::new());
+        res.built_outputs = built_outputs(outputs.iter().filter_map(|(output, path)| path.as_ref().map(|p| (*output, p))));
+        res
+    } else if !c.peer.trusted && !drv.is_content_addressed() {
+        return Err(Fail::Op("you are not privileged to build input-addressed derivations".into()));
+    } else {
+        let why = format!("the sluice daemon does not build derivations (outputs not valid and not substitutable: {})", missing.join(", "));
+        build_result(BuildStatus::MiscFailure, format!("cannot build '{shown}': {why}"))
+    };
+    let version = c.version;
+    c.reply(|w, _| write_build_result(w, version, &result))
+}
