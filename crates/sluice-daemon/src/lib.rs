@@ -56,6 +56,8 @@ pub struct Daemon {
     store: Arc<LocalStore>,
     /// `<root>/nix/var/nix`: GC roots live under it.
     state_dir: PathBuf,
+    /// `<root>/nix/var/log/nix`: build logs (Nix's `logDir` of a store with a root directory).
+    log_dir: PathBuf,
     /// The daemon's settings (nix.conf, `NIX_CONFIG`); clients' overrides apply on top.
     config: RawConfig,
     users: trust::Users,
@@ -93,6 +95,7 @@ impl Daemon {
         Ok(Arc::new(Daemon {
             store,
             state_dir: root.join("nix/var/nix"),
+            log_dir: root.join("nix/var/log/nix"),
             users: trust::Users::from_config(&config),
             config,
             runtime,

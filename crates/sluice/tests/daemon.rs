@@ -679,3 +679,101 @@ fn build_derivation_realises_outputs_by_substitution_only() {
     assert_eq!(String::from_utf8(read_string(&mut old)).unwrap().matches(base).count(), 1);
     assert_eq!(is_valid(&mut old, &out), 1);
 }
+
+/// The three frames of a framed stream holding `text` in two parts, and its terminator.
+fn framed(text: &[u8]) -> Vec<u8> {
+    let (a, b) = text.split_at(text.len() / 2);
+    let mut out = Vec::new();
+    for part in [a, b, &[][..]] {
+        out.extend(u64s(&[part.len() as u64]));
+        out.extend_from_slice(part);
+    }
+    out
+}
+
+/// AddBuildLog (op 45) from a trusted client: the log is stored bzip2-compressed where Nix
+/// looks for it, and real Nix 2.8 prints it (`nix log --store <root>`). A second log for the
+/// same derivation leaves the first; a path that is not a derivation is refused; the
+/// connection stays usable after each. Real Nix 2.8 adds a log too (`nix store copy-log`).
+#[test]
+fn add_build_log_is_stored_where_nix_reads_it() {
+    use std::io::{Read, Write};
+    let env = Env::new();
+    let (daemon, mut client, _) = daemon_and_client_1_37(&env, "", 1);
+    // A derivation, so that `nix log` can read it.
+    let aterm = r#"Derive([("out","/nix/store/00000000000000000000000000000000-hello","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","/nix/store/00000000000000000000000000000000-hello")])"#;
+    let drv = String::from_utf8(add_text(&mut client, "hello.drv", aterm)).unwrap();
+    let base = drv.strip_prefix("/nix/store/").unwrap();
+    let text = "building 'hello'...\nhello from the build\n";
+    // Nix clients send the base name.
+    client.write_all(&[request(45, &[Err(base.as_bytes())]), framed(text.as_bytes())].concat()).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    assert_eq!(is_valid(&mut client, drv.as_bytes()), 1);
+
+    let file = env.path("root/nix/var/log/nix/drvs").join(&base[..2]).join(format!("{}.bz2", &base[2..]));
+    let mut stored = String::new();
+    bzip2::read::BzDecoder::new(std::fs::File::open(&file).unwrap()).read_to_string(&mut stored).unwrap();
+    assert_eq!(stored, text);
+    let root = env.path("root");
+    assert_eq!(env.nix("nix", &["log", "--store", root.to_str().unwrap(), &drv]), text);
+
+    // A second log: kept as it was (as Nix does); a full store path is accepted too.
+    client.write_all(&[request(45, &[Err(drv.as_bytes())]), framed(b"another build\n")].concat()).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    assert_eq!(env.nix("nix-store", &["--store", root.to_str().unwrap(), "--read-log", &drv]), text);
+
+    // Not a derivation: refused after the log is read, and the connection goes on.
+    client.write_all(&[request(45, &[Err(b"00000000000000000000000000000000-missing")]), framed(b"log\n")].concat()).unwrap();
+    assert_eq!(until_last(&mut client), Err("cannot add a build log for '/nix/store/00000000000000000000000000000000-missing': it is not a derivation".to_owned()));
+    assert_eq!(is_valid(&mut client, drv.as_bytes()), 1);
+
+    // Real Nix 2.8 as the client: `nix store copy-log` from a direct store that has a log.
+    let direct = env.path("direct");
+    let file = env.path("hello.drv");
+    std::fs::write(&file, aterm.replace("00000000000000000000000000000000-hello", "cb96vlc61mbs44an6dc04vkjh9avpzsc-hello")).unwrap();
+    let direct_store = direct.to_str().unwrap();
+    let other = env.nix("nix-store", &["--store", direct_store, "--add", file.to_str().unwrap()]).trim_end().to_owned();
+    let other_base = other.strip_prefix("/nix/store/").unwrap();
+    let log_dir = direct.join("nix/var/log/nix/drvs").join(&other_base[..2]);
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let mut encoder = bzip2::write::BzEncoder::new(std::fs::File::create(log_dir.join(format!("{}.bz2", &other_base[2..]))).unwrap(), bzip2::Compression::default());
+    encoder.write_all(b"copied by nix store copy-log\n").unwrap();
+    encoder.finish().unwrap();
+    env.nix("nix", &["store", "copy-log", "--store", direct_store, "--from", direct_store, "--to", &daemon.url, &other]);
+    assert_eq!(env.nix("nix-store", &["--store", root.to_str().unwrap(), "--read-log", &other]), "copied by nix store copy-log\n");
+}
+
+/// An untrusted client (root not in `trusted-users`): AddBuildLog is refused and nothing is
+/// stored; BuildDerivation of an input-addressed derivation that would have to be built is
+/// refused as Nix refuses it, while one whose outputs are valid is answered, and a
+/// fixed-output one gets the build failure. The connection stays usable after each.
+#[test]
+fn untrusted_client_cannot_add_logs_or_build_input_addressed_derivations() {
+    use std::io::Write;
+    let env = Env::new();
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "trusted-users = nobody-in-particular", 2);
+
+    client.write_all(&[request(45, &[Err(&DRV[11..])]), framed(b"a log\n")].concat()).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not privileged to add logs".to_owned()));
+    assert!(!env.path("root/nix/var/log/nix/drvs").exists());
+    assert_eq!(is_valid(&mut client, &out), 1);
+
+    client.write_all(&build_derivation(DRV, [MISSING, b"", b""])).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not privileged to build input-addressed derivations".to_owned()));
+    assert_eq!(is_valid(&mut client, &out), 1);
+
+    client.write_all(&build_derivation(DRV, [&out, b"", b""])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_build_result(&mut client).0, 2, "AlreadyValid");
+
+    // A fixed output (flat, the sha256 of "1"): its path is computed, not taken from the client.
+    let hash = b"6b86b273ff34fce19d6b804eff5a3f5747ada4eaa22f1d49c01e52ddb7875b4b";
+    client.write_all(&build_derivation(DRV, [MISSING, b"sha256", hash])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg, _) = read_build_result(&mut client);
+    assert_eq!(status, 9, "MiscFailure: {msg}");
+    assert!(msg.contains("does not build derivations") && msg.contains("-x)") && !msg.contains("-missing"), "{msg}");
+    assert_eq!(is_valid(&mut client, &out), 1);
+}

@@ -166,7 +166,7 @@ fn add_nar(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) ->
 
 /// Reads the rest of a framed payload after an operation, so that the next request can be
 /// read; a broken stream is fatal.
-fn finish_framed(framed: &mut FramedReader<&mut Reader>) -> Result<(), Fail> {
+pub(super) fn finish_framed(framed: &mut FramedReader<&mut Reader>) -> Result<(), Fail> {
     framed.drain().map(|_| ()).map_err(|e| Fail::Fatal(format!("reading the framed data: {e}")))
 }
 

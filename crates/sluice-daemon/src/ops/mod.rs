@@ -1,9 +1,10 @@
 //! The worker-protocol operations, by number (`WorkerProto::Op` in Nix's
 //! `worker-protocol.hh`), grouped by kind: queries, additions, realisation (substitution),
-//! BuildDerivation, GC roots, maintenance.
+//! BuildDerivation, build logs, GC roots, maintenance.
 
 mod add;
 mod build;
+mod log;
 mod maintenance;
 mod payload;
 mod query;
@@ -48,6 +49,7 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
         40 => realise::query_missing(c),
         41 => query::derivation_output_map(c),
         44 => add::add_multiple_to_store(c),
+        45 => log::add_build_log(c),
         46 => realise::build_paths(c, true),
         47 => roots::add_perm_root(c),
         _ => Err(Fail::Fatal(format!("invalid operation {op}"))),
