@@ -777,3 +777,35 @@ fn untrusted_client_cannot_add_logs_or_build_input_addressed_derivations() {
     assert!(msg.contains("does not build derivations") && msg.contains("-x)") && !msg.contains("-missing"), "{msg}");
     assert_eq!(is_valid(&mut client, &out), 1);
 }
+
+/// QueryRealisation (op 43) and RegisterDrvOutput (op 42) in both forms (before 1.31: plain
+/// output paths and an id with a base name; from 1.31: realisation JSON): no realisation is
+/// found, registering one is refused, a malformed id is an error; the connection stays
+/// usable after each.
+#[test]
+fn realisations_are_never_found_and_cannot_be_registered() {
+    use std::io::Write;
+    let env = Env::new();
+    let cache = env.cache();
+    let _daemon = env.daemon("root", &cache, "");
+    let id = "sha256:15e3c560894cbb27085cf65b5a2ecb18488c999497f4531b6907a7581ce6d527!out";
+    let refused = format!("cannot register the realisation of {id}: the sluice daemon does not support content-addressed derivations");
+    for minor in [30, 37] {
+        let (mut client, _) = raw_client(&env, minor);
+        client.write_all(&request(43, &[Err(id.as_bytes())])).unwrap();
+        assert_eq!(until_last(&mut client), Ok(()), "1.{minor}");
+        assert_eq!(read_u64(&mut client), 0, "1.{minor}: no realisation");
+        assert_eq!(is_valid(&mut client, MISSING), 0);
+
+        client.write_all(&request(43, &[Err(b"sha256:abc!out")])).unwrap();
+        let err = until_last(&mut client).unwrap_err();
+        assert!(err.starts_with("invalid derivation output id: \"sha256:abc!out\""), "{err}");
+        assert_eq!(is_valid(&mut client, MISSING), 0);
+
+        let json = format!(r#"{{"dependentRealisations":{{}},"id":"{id}","outPath":"00000000000000000000000000000000-missing","signatures":[]}}"#);
+        let register = if minor >= 31 { request(42, &[Err(json.as_bytes())]) } else { request(42, &[Err(id.as_bytes()), Err(b"00000000000000000000000000000000-missing")]) };
+        client.write_all(&register).unwrap();
+        assert_eq!(until_last(&mut client), Err(refused.clone()), "1.{minor}");
+        assert_eq!(is_valid(&mut client, MISSING), 0);
+    }
+}

@@ -1,6 +1,7 @@
 //! The worker-protocol operations, by number (`WorkerProto::Op` in Nix's
 //! `worker-protocol.hh`), grouped by kind: queries, additions, realisation (substitution),
-//! BuildDerivation, build logs, GC roots, maintenance.
+//! BuildDerivation, build logs, realisations of content-addressed derivations, GC roots,
+//! maintenance.
 
 mod add;
 mod build;
@@ -8,6 +9,7 @@ mod log;
 mod maintenance;
 mod payload;
 mod query;
+mod realisation;
 mod realise;
 
 use sluice_nix::content_address::ContentAddress;
@@ -48,6 +50,8 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
         39 => add::add_to_store_nar(c),
         40 => realise::query_missing(c),
         41 => query::derivation_output_map(c),
+        42 => realisation::register_drv_output(c),
+        43 => realisation::query_realisation(c),
         44 => add::add_multiple_to_store(c),
         45 => log::add_build_log(c),
         46 => realise::build_paths(c, true),
