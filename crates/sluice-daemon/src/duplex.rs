@@ -62,7 +62,11 @@ impl Write for Output {
             out.send()?;
         }
         if data.len() >= OUTPUT_CAPACITY {
-            return out.sink.write(data);
+            // Flushed too: a sink with its own buffer (standard output is line-buffered) would
+            // otherwise keep the tail, and nothing would send it before the worker waits.
+            out.sink.write_all(data)?;
+            out.sink.flush()?;
+            return Ok(data.len());
         }
         out.pending.extend_from_slice(data);
         Ok(data.len())
@@ -147,6 +151,28 @@ mod tests {
         input.read_exact(&mut next).unwrap();
         assert_eq!(&next, b"next");
         assert_eq!(&answer.join().unwrap(), b"reply");
+    }
+
+    /// A large write to a sink that buffers by itself (as `--stdio`'s line-buffered standard
+    /// output does) still reaches the client before the worker waits for it.
+    #[test]
+    fn a_large_write_through_a_buffering_sink_is_not_held_back() {
+        let (ours, client) = UnixStream::pair().unwrap();
+        ours.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+        let sink = io::LineWriter::new(ours.try_clone().unwrap());
+        let (mut input, mut output) = duplex(Box::new(ours), Box::new(sink));
+        let mut data = vec![b'x'; 2 * OUTPUT_CAPACITY];
+        data[2 * OUTPUT_CAPACITY - 10] = b'\n';
+        output.write_all(&data).unwrap();
+        let expected = data.len();
+        let answer = std::thread::spawn(move || {
+            let mut got = vec![0u8; expected];
+            (&client).read_exact(&mut got).unwrap();
+            (&client).write_all(b"next").unwrap();
+        });
+        let mut next = [0u8; 4];
+        input.read_exact(&mut next).expect("the client never got the whole reply");
+        answer.join().unwrap();
     }
 
     #[test]
