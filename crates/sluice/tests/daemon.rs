@@ -427,6 +427,24 @@ fn pipelined_requests_get_their_replies_before_the_next_request_is_complete() {
     assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 0), "reply 3");
 }
 
+/// A pipelined quick request's reply does not wait behind a slow request sent with it: here
+/// EnsurePath of a path the store lacks, whose substituter accepts connections and never
+/// answers.
+#[test]
+fn a_reply_is_not_held_back_by_a_slow_request_after_it() {
+    use std::io::Write;
+    let env = Env::new();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let cache = format!("http://{}", silent.local_addr().unwrap());
+    let _daemon = env.daemon("root", &cache, "");
+    let mut client = raw_client_1_34(&env);
+    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    client.write_all(&[request(1, &[Err(MISSING)]), request(10, &[Err(MISSING)])].concat()).unwrap();
+    let reply = (read_u64(&mut client), read_u64(&mut client));
+    assert_eq!(reply, (LAST, 0), "IsValidPath is answered while EnsurePath waits for the cache");
+    drop(silent);
+}
+
 /// The fields of a QueryPathInfo reply after `LAST` and `1` (protocol 1.34) that identify the
 /// path's contents: NAR hash (base16), NAR size, content address; checks the others are empty.
 fn read_path_info(client: &mut impl std::io::Read) -> (String, u64, String) {

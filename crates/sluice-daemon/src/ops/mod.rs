@@ -60,6 +60,13 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
     }
 }
 
+/// Whether operation `op` only reads the database or the connection's state, so that replies
+/// to pipelined requests before it may wait to leave together with its own. Before any other
+/// operation (an addition, a substitution, a scan of the GC roots, …) they are sent first.
+pub(crate) fn is_quick(op: u64) -> bool {
+    matches!(op, 1 | 6 | 11 | 13 | 19 | 26 | 29 | 33 | 41 | 43)
+}
+
 /// The wire form of a store's path info. Fails if the database holds an unparsable content
 /// address.
 pub(crate) fn to_wire(info: ValidPathInfo) -> Result<PathInfo, Fail> {
