@@ -109,12 +109,8 @@ fn copy_gives_canonical_metadata_under_a_strict_umask() {
         ("022", acl_parent.join("root"), "cache-zstd", TOP.to_string()),
     ] {
         let url = format!("file://{}", corpus().join(cache).display());
-        let mut cmd = std::process::Command::new("sh");
-        isolate(&mut cmd, tmp.path(), "");
-        let script = format!("umask {umask} && ulimit -Sn 1024 && exec \"$0\" \"$@\"");
-        cmd.args(["-c", &script, env!("CARGO_BIN_EXE_sluice"), "copy", "--from", &url, "--to", root.to_str().unwrap()]);
-        cmd.args(["--trusted-public-keys", &key, &top]);
-        check(&cmd.output().unwrap(), &format!("sluice copy under umask {umask}"));
+        let args = ["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &key, &top];
+        check(&sluice_after(tmp.path(), &format!("umask {umask} && ulimit -Sn 1024"), &args), &format!("sluice copy under umask {umask}"));
         let mut seen = (0, 0, 0);
         for entry in std::fs::read_dir(root.join("nix/store")).unwrap() {
             let path = entry.unwrap().path();

@@ -50,6 +50,14 @@ pub fn sluice(tmp: &Path, args: &[&str]) -> Output {
     cmd.args(args).output().unwrap()
 }
 
+/// `sluice ARGS` in an isolated environment under `tmp`, run by `sh` after the shell commands
+/// `setup` (such as `umask 077 && ulimit -n 256`).
+pub fn sluice_after(tmp: &Path, setup: &str, args: &[&str]) -> Output {
+    let mut cmd = Command::new("sh");
+    isolate(&mut cmd, tmp, "");
+    cmd.args(["-c", &format!("{setup} && exec \"$0\" \"$@\""), env!("CARGO_BIN_EXE_sluice")]).args(args).output().unwrap()
+}
+
 /// Real Nix 2.8's `PROG ARGS` in an isolated environment under `tmp`. Fails the test with a
 /// clear message when Nix is not installed (CI installs Debian's nix-bin).
 pub fn nix(tmp: &Path, prog: &str, args: &[&str]) -> Output {
