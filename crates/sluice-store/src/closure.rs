@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
+use crate::fd_budget::FdBudget;
 use crate::narinfo_cache::{Cached, NarInfoCache};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
@@ -90,6 +91,8 @@ struct Walk {
     consult: Vec<bool>,
     /// Lookups under way that wait on the network.
     network: usize,
+    /// Most such lookups the open-file budget allows (each may open a file per substituter).
+    fd_slots: usize,
 }
 
 /// A path waiting for a network slot, with its disk-cache answers, keyed by (depth, order of
@@ -116,7 +119,8 @@ impl ClosureQuery {
     /// `events` as answers arrive. Returns when the whole closure is known (or `events` is
     /// closed by the receiver).
     pub async fn run(&self, roots: Vec<StorePath>, events: mpsc::UnboundedSender<ClosureEvent>) {
-        let mut walk = Walk { consult: self.disk_entries(), ..Walk::default() };
+        let fd_slots = FdBudget::current().lookups / self.substituters.len().max(1);
+        let mut walk = Walk { consult: self.disk_entries(), fd_slots, ..Walk::default() };
         let mut records = Vec::new();
         self.enqueue(roots, 0, &mut walk, &events);
         self.fill(&mut walk);
@@ -182,7 +186,7 @@ impl ClosureQuery {
     /// the long chains of a closure start early instead of queueing behind a wide level (no
     /// per-level barrier, and no FIFO one either).
     fn fill(&self, walk: &mut Walk) {
-        let budget = self.substituters.iter().map(|s| s.cache.capacity()).min().unwrap_or(1).max(1);
+        let budget = self.substituters.iter().map(|s| s.cache.capacity()).min().unwrap_or(1).min(walk.fd_slots).max(1);
         while walk.network < budget {
             let Some(ByKey { value: (path, known), .. }) = walk.waiting.pop() else { break };
             self.start(path, known, walk);

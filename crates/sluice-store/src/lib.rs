@@ -10,6 +10,7 @@ mod by_key;
 pub mod closure;
 pub mod compression;
 pub mod config;
+pub mod fd_budget;
 pub mod job_queue;
 pub mod narinfo_cache;
 pub mod store_url;

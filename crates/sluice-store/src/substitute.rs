@@ -6,6 +6,29 @@
 //! references are valid, so registration follows dependency order. A path whose NAR fails is
 //! fetched from the next substituter that has it; a path that cannot be had fails its
 //! dependents, never their valid dependencies.
+//!
+//! Open files. A path holds its lock file open from before its NAR is unpacked into the
+//! temporary tree (which only the lock protects) until it is registered, so held locks are
+//! bounded by permits ([`LockPermits`]), as many as the open-file limit allows when the copy
+//! starts ([`FdBudget`]; download jobs are capped by it too). A path found while a permit is
+//! free takes it at once (it is *eager*) and is downloaded before its references are valid, as
+//! above. A path found while none is free is *deferred*: it waits for its references holding
+//! nothing, then queues for a permit, first come, first served. An eager path whose NAR is
+//! unpacked but whose references are not valid yet gives up its tree, lock and permit as soon
+//! as a path is queued for a permit (it is preempted), and goes on as a deferred path: its
+//! NAR is downloaded again once its references are valid.
+//!
+//! Why this cannot deadlock: a deferred path holds a permit only with its references valid,
+//! and so only for a download and a registration; an eager one also while it waits for its
+//! references, but not while a path is queued. Suppose no path became valid or failed any
+//! more. Downloads and registrations end, so every holder would be an eager path waiting
+//! for its references, and nobody could be queued (or the holders would give way to the first
+//! queued path, whose references are valid, and it would finish). Yet the closure has a
+//! pending path none of whose references is pending (its graph is acyclic): it fails if one
+//! failed; otherwise, deferred, it would be queued, and eager, it would finish. So some path
+//! always finishes. A path is preempted at most once (it is deferred afterwards), so
+//! preemption costs it at most one more download. When the budget exceeds the closure (a
+//! high limit), no path is ever deferred or preempted: the copy runs as it did without one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
@@ -16,11 +39,12 @@ use sluice_nix::hash::HashAlgo;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit};
 
 use crate::binary_cache::{BinaryCache, NarStream};
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
+use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
 use crate::local::{LocalStore, LocalStoreError, PendingPath, TryAdd, Unpacked};
 use crate::narinfo_cache::NarInfoCache;
@@ -107,6 +131,8 @@ struct Shared {
     gate: Gate,
     /// NAR download slots, largest NAR first.
     jobs: Arc<JobQueue>,
+    /// Permits to hold a path lock (see the module documentation).
+    locks: LockPermits,
     observer: Arc<dyn Observer>,
     report: Mutex<CopyReport>,
     /// Paths ready to be registered (their references are valid).
@@ -151,12 +177,14 @@ async fn registrar(dest: Arc<LocalStore>, mut rx: mpsc::UnboundedReceiver<Commit
 pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
     let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
     let registrar_task = tokio::spawn(registrar(dest.clone(), registrar_rx));
+    let budget = FdBudget::current();
     let shared = Arc::new(Shared {
         registrar: registrar_tx,
         dest,
         subs: query.substituters.clone(),
         disk: query.disk_cache.clone(),
-        jobs: JobQueue::new(opts.jobs),
+        jobs: JobQueue::new(opts.jobs.min(budget.jobs)),
+        locks: LockPermits::new(budget.locks),
         opts,
         gate: Gate::default(),
         observer,
@@ -285,10 +313,17 @@ impl Shared {
         let mut next = first + 1;
         let mut refetched = Vec::new();
         let mut last_failed = None;
+        let mut eager = true;
         loop {
             if let Some((narinfo, i)) = candidate.take() {
-                match self.try_substituter(store_dir, &narinfo, i).await {
+                match self.try_substituter(store_dir, &narinfo, i, &mut eager).await {
                     Ok(()) => return Ok(()),
+                    Err(Attempt::Yielded) => {
+                        tracing::debug!("{shown}: gave its lock up to a queued path; downloading it again once its references are valid");
+                        eager = false;
+                        candidate = Some((narinfo, i));
+                        continue;
+                    }
                     Err(Attempt::Final(e)) => return Err(format!("{shown}: {e}")),
                     Err(Attempt::TryNext(e)) => {
                         errors.push(e);
@@ -326,7 +361,9 @@ impl Shared {
         Err(format!("{shown}: {}", errors.join("; ")))
     }
 
-    async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize) -> Result<(), Attempt> {
+    /// Substitutes `narinfo`'s path from substituter `i`, admitted eagerly or not (see
+    /// [`Shared::admit`]).
+    async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, eager: &mut bool) -> Result<(), Attempt> {
         let cache = &self.subs[i].cache;
         let ca_check = self.check_trust(store_dir, narinfo).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
         let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
@@ -335,18 +372,15 @@ impl Shared {
             CaCheck::Flat(h) => Some(h.algo()),
             CaCheck::None => None,
         };
+        // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
+        let _permit = self.admit(store_dir, narinfo, eager).await?;
         let Some((pending, unpacked, downloaded)) = self.fetch_nar(cache, narinfo, compression, flat_algo, &url).await? else { return Ok(()) };
         if let CaCheck::Flat(expected) = &ca_check {
             if unpacked.flat_hash.as_ref() != Some(expected) {
                 return Err(Attempt::TryNext(format!("{url}: content does not match its content address {}", narinfo.ca.as_deref().unwrap_or(""))));
             }
         }
-        // Wait for the references, then register.
-        for r in narinfo.references.iter().filter(|r| **r != narinfo.store_path) {
-            if !self.gate.wait_valid(r).await {
-                return Err(Attempt::Final(format!("its reference {} could not be substituted", store_dir.display_path(r))));
-            }
-        }
+        self.wait_references(store_dir, narinfo, *eager).await?;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let info = ValidPathInfo::from_narinfo(narinfo, now);
         let nar_size = unpacked.nar_size;
@@ -361,6 +395,42 @@ impl Shared {
         report.downloaded += downloaded;
         report.unpacked += nar_size;
         Ok(())
+    }
+
+    /// A permit to hold the lock of `narinfo`'s path. While `eager`, one is taken at once if
+    /// free; otherwise the path becomes deferred (`eager` is cleared): it waits for its
+    /// references holding nothing, then queues for a permit.
+    async fn admit(&self, store_dir: &StoreDir, narinfo: &NarInfo, eager: &mut bool) -> Result<OwnedSemaphorePermit, Attempt> {
+        if *eager {
+            if let Some(permit) = self.locks.try_take() {
+                return Ok(permit);
+            }
+            *eager = false;
+        }
+        self.wait_references(store_dir, narinfo, false).await?;
+        Ok(self.locks.take().await)
+    }
+
+    /// Waits until every reference of `narinfo`'s path (but itself) is valid. If
+    /// `preemptible`, gives up ([`Attempt::Yielded`]) instead as soon as a path is queued for
+    /// a lock permit.
+    async fn wait_references(&self, store_dir: &StoreDir, narinfo: &NarInfo, preemptible: bool) -> Result<(), Attempt> {
+        let references = async {
+            for r in narinfo.references.iter().filter(|r| **r != narinfo.store_path) {
+                if !self.gate.wait_valid(r).await {
+                    return Err(Attempt::Final(format!("its reference {} could not be substituted", store_dir.display_path(r))));
+                }
+            }
+            Ok(())
+        };
+        if !preemptible {
+            return references.await;
+        }
+        tokio::select! {
+            biased;
+            done = references => done,
+            () = self.locks.contended() => Err(Attempt::Yielded),
+        }
     }
 
     /// Takes `path`'s lock in the destination without blocking a thread: while another
@@ -496,4 +566,6 @@ enum Attempt {
     TryNext(String),
     /// No substituter can (a reference failed, the pipeline broke).
     Final(String),
+    /// The path gave its lock up to a path queued for a permit: to be tried again.
+    Yielded,
 }

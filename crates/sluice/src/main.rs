@@ -76,9 +76,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// Raises the soft limit on open files to the hard limit. A copy holds one lock file per path
-/// it has yet to register, and the daemon one socket per client: a 1056-path copy failed with
-/// `Too many open files` under the common soft limit of 1024 (hard limits are far higher).
+/// Raises the soft limit on open files to the hard limit. A copy holds a lock file per path it
+/// has downloaded and yet to register, as many as its budget allows (`sluice_store::fd_budget`:
+/// half the limit), and the daemon one socket per client: under the common soft limit of 1024
+/// (hard limits are far higher) a 1056-path copy would run short of locks and download its
+/// paths in dependency order, some of them twice.
 fn raise_open_file_limit() {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.

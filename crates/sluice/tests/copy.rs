@@ -124,6 +124,29 @@ fn copy_gives_canonical_metadata_under_a_strict_umask() {
     }
 }
 
+/// A hard limit on open files far below the size of the closure (1056 paths) fails no path:
+/// the path locks held at once are bounded by the limit, not by the closure. Under 256 files
+/// sluice holds at most 96 locks; under 48, the fewest it ever allows (8 locks, 1 download).
+/// Regression: under `ulimit -n 1024`, hundreds of the corpus's paths failed with `Too many
+/// open files` (a lock file per path found, held until it was registered).
+#[test]
+fn copy_of_a_closure_larger_than_the_open_file_limit() {
+    let url = format!("file://{}", corpus().join("cache-zstd").display());
+    let key = corpus_key();
+    for limit in [256, 48] {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        // `ulimit -n` lowers the hard limit too: sluice cannot raise its soft limit past it.
+        let args = ["copy", "--json", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &key, TOP];
+        let o = sluice_after(tmp.path(), &format!("ulimit -n {limit}"), &args);
+        check(&o, &format!("sluice copy under ulimit -n {limit}"));
+        let report: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(report["failed"], serde_json::json!({}), "ulimit -n {limit}: no path failed");
+        assert_eq!(report["substituted"].as_array().map(Vec::len), Some(1056), "ulimit -n {limit}: every path was copied");
+        assert_nix_verifies(tmp.path(), &root);
+    }
+}
+
 /// Asserts canonical metadata on `path` and below; counts (files, directories, symlinks).
 fn assert_canonical(path: &Path, seen: &mut (usize, usize, usize)) {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
