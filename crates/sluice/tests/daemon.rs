@@ -3,6 +3,8 @@
 //! store prepared identically; and the worker-protocol handshake driver of case 19. These
 //! tests need Nix on `PATH` and fail (never skip) without it.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -66,18 +68,27 @@ impl Env {
     /// Starts `sluice daemon` on `<tmp>/socket` for the store at `<tmp>/<root>`, with the
     /// corpus cache as its substituter and `extra_config` lines.
     fn daemon(&self, root: &str, cache: &str, extra_config: &str) -> Daemon {
+        self.daemon_limited(root, cache, extra_config, None)
+    }
+
+    /// [`Env::daemon`], with its limit on open files (soft and hard, as `ulimit -n` sets
+    /// them) lowered to `open_files` if given.
+    fn daemon_limited(&self, root: &str, cache: &str, extra_config: &str, open_files: Option<u64>) -> Daemon {
         let socket = self.path("socket");
         let config = format!("substituters = {cache}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
-        let child = self
-            .cmd(sluice())
-            .env("NIX_CONFIG", config)
-            .args(["daemon", "--socket"])
-            .arg(&socket)
-            .arg("--store")
-            .arg(self.path(root))
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut cmd = self.cmd(sluice());
+        cmd.env("NIX_CONFIG", config).args(["daemon", "--socket"]).arg(&socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
+        if let Some(n) = open_files {
+            let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
+            // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                });
+            }
+        }
+        let child = cmd.spawn().unwrap();
         let start = Instant::now();
         while !socket.exists() {
             assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
@@ -190,6 +201,24 @@ fn real_nix_clients_match_direct_mode() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("checking path existence"));
     let out = env.cmd("nix-store").args(["--store", &daemon.url, "--verify", "--check-contents"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `nix-store -r` of the corpus's whole closure (1056 paths) through a daemon whose hard
+/// limit on open files is far below that: every path is substituted. Regression: the
+/// daemon's substitution held a lock file per path found until the path was registered, and
+/// most paths failed with `Too many open files`.
+#[test]
+fn daemon_substitutes_a_closure_larger_than_its_open_file_limit() {
+    let env = Env::new();
+    let cache_dir = Path::new(SHARED).join("corpus/cache-zstd").canonicalize().unwrap();
+    let cache = format!("file://{}", cache_dir.display());
+    let daemon = env.daemon_limited("root", &cache, "", Some(256));
+    let top = store_path_of(&cache_dir, "433r6hrfzj8vvazpcnl77q6m3lm3vw3g");
+    let key = cache_key();
+    let realised = env.nix("nix-store", &["--store", &daemon.url, "-r", &top, "--option", "substituters", &cache, "--option", "trusted-public-keys", &key]);
+    assert_eq!(realised.trim(), top);
+    assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-qR", &top]).lines().count(), 1056, "the whole closure is valid");
+    common::assert_nix_verifies(env.dir.path(), &env.path("root"));
 }
 
 #[test]
