@@ -181,13 +181,6 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<d
         if let Some(f) = &mut follower {
             f.tick();
         }
-        // Replies to earlier pipelined requests wait only behind an operation that is quick.
-        if !crate::ops::is_quick(op) {
-            if let Err(e) = conn.w.flush() {
-                tracing::debug!("{label}: client gone: {e}");
-                break;
-            }
-        }
         match crate::ops::dispatch(&mut conn, op) {
             Ok(()) => {}
             Err(Fail::Op(msg)) => {

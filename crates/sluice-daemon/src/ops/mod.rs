@@ -19,52 +19,63 @@ use sluice_store::path_info::ValidPathInfo;
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::{options, roots};
 
-/// Runs operation `op` on `c`. An unknown number is fatal to the connection (its arguments
-/// cannot be skipped).
-pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
-    match op {
-        1 => query::is_valid_path(c),
-        6 => query::referrers(c),
-        7 => add::add_to_store(c),
-        8 => add::add_text_to_store(c),
-        9 => realise::build_paths(c, false),
-        10 => realise::ensure_path(c),
-        11 => roots::add_temp_root(c),
-        12 => roots::add_indirect_root(c),
-        13 => roots::sync_with_gc(c),
-        14 => roots::find_roots(c),
-        19 => options::set_options(c),
-        20 => maintenance::collect_garbage(c),
-        23 => query::all_valid_paths(c),
-        26 => query::path_info(c),
-        29 => query::path_from_hash_part(c),
-        30 => realise::substitutable_path_infos(c),
-        31 => query::valid_paths(c),
-        32 => realise::substitutable_paths(c),
-        33 => query::valid_derivers(c),
-        34 => maintenance::optimise_store(c),
-        35 => maintenance::verify_store(c),
-        36 => build::build_derivation(c),
-        37 => maintenance::add_signatures(c),
-        38 => maintenance::nar_from_path(c),
-        39 => add::add_to_store_nar(c),
-        40 => realise::query_missing(c),
-        41 => query::derivation_output_map(c),
-        42 => realisation::register_drv_output(c),
-        43 => realisation::query_realisation(c),
-        44 => add::add_multiple_to_store(c),
-        45 => log::add_build_log(c),
-        46 => realise::build_paths(c, true),
-        47 => roots::add_perm_root(c),
-        _ => Err(Fail::Fatal(format!("invalid operation {op}"))),
-    }
+/// QueryPathInfo's number (its handler also takes further QueryPathInfo requests already read).
+const QUERY_PATH_INFO: u64 = 26;
+
+/// An operation's handler.
+type Handler = fn(&mut Conn) -> OpResult;
+
+/// The handler of operation `op`, and whether the operation is quick: it only reads the
+/// database or the connection's state, so that replies to pipelined requests before it may wait
+/// to leave together with its own. `None` for an unknown number.
+fn handler(op: u64) -> Option<(Handler, bool)> {
+    Some(match op {
+        1 => (query::is_valid_path, true),
+        6 => (query::referrers, true),
+        7 => (add::add_to_store, false),
+        8 => (add::add_text_to_store, false),
+        9 => (|c: &mut Conn| realise::build_paths(c, false), false),
+        10 => (realise::ensure_path, false),
+        11 => (roots::add_temp_root, true),
+        12 => (roots::add_indirect_root, false),
+        13 => (roots::sync_with_gc, true),
+        14 => (roots::find_roots, false),
+        19 => (options::set_options, true),
+        20 => (maintenance::collect_garbage, false),
+        23 => (query::all_valid_paths, false),
+        QUERY_PATH_INFO => (query::path_info, true),
+        29 => (query::path_from_hash_part, true),
+        30 => (realise::substitutable_path_infos, false),
+        31 => (query::valid_paths, false),
+        32 => (realise::substitutable_paths, false),
+        33 => (query::valid_derivers, true),
+        34 => (maintenance::optimise_store, false),
+        35 => (maintenance::verify_store, false),
+        36 => (build::build_derivation, false),
+        37 => (maintenance::add_signatures, false),
+        38 => (maintenance::nar_from_path, false),
+        39 => (add::add_to_store_nar, false),
+        40 => (realise::query_missing, false),
+        41 => (query::derivation_output_map, true),
+        42 => (realisation::register_drv_output, false),
+        43 => (realisation::query_realisation, true),
+        44 => (add::add_multiple_to_store, false),
+        45 => (log::add_build_log, false),
+        46 => (|c: &mut Conn| realise::build_paths(c, true), false),
+        47 => (roots::add_perm_root, false),
+        _ => return None,
+    })
 }
 
-/// Whether operation `op` only reads the database or the connection's state, so that replies
-/// to pipelined requests before it may wait to leave together with its own. Before any other
-/// operation (an addition, a substitution, a scan of the GC roots, …) they are sent first.
-pub(crate) fn is_quick(op: u64) -> bool {
-    matches!(op, 1 | 6 | 11 | 13 | 19 | 26 | 29 | 33 | 41 | 43)
+/// Runs operation `op` on `c`. Before an operation that is not quick (an addition, a
+/// substitution, a scan of the GC roots, …) replies still waiting are sent. An unknown number
+/// is fatal to the connection (its arguments cannot be skipped).
+pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
+    let Some((run, quick)) = handler(op) else { return Err(Fail::Fatal(format!("invalid operation {op}"))) };
+    if !quick {
+        std::io::Write::flush(&mut c.w)?;
+    }
+    run(c)
 }
 
 /// The wire form of a store's path info. Fails if the database holds an unparsable content

@@ -35,8 +35,6 @@ pub(super) fn valid_paths(c: &mut Conn) -> OpResult {
     c.reply(|w, dir| write_store_path_set(w, dir, valid.iter()))
 }
 
-/// QueryPathInfo's operation number.
-const QUERY_PATH_INFO: u64 = 26;
 /// Most QueryPathInfo requests answered together.
 const PATH_INFO_BATCH: usize = 1024;
 
@@ -48,7 +46,7 @@ pub(super) fn path_info(c: &mut Conn) -> OpResult {
     let mut paths = vec![c.read_path("path")?];
     // A later request that cannot be read ends the connection, after the earlier ones' replies.
     let mut unreadable = None;
-    while unreadable.is_none() && paths.len() < PATH_INFO_BATCH && c.take_buffered_request(QUERY_PATH_INFO, MAX_PATH_LEN) {
+    while unreadable.is_none() && paths.len() < PATH_INFO_BATCH && c.take_buffered_request(super::QUERY_PATH_INFO, MAX_PATH_LEN) {
         match c.read_path("path") {
             Ok(path) => paths.push(path),
             Err(e) => unreadable = Some(e),
