@@ -393,6 +393,12 @@ fn raw_client_1_34(env: &Env) -> std::os::unix::net::UnixStream {
     raw_client(env, 34).0
 }
 
+/// `env`'s daemon on the corpus cache, and a raw 1.34 client connected to it.
+fn daemon_and_client_1_34(env: &Env) -> (Daemon, std::os::unix::net::UnixStream) {
+    let daemon = env.daemon("root", &env.cache(), "");
+    (daemon, raw_client_1_34(env))
+}
+
 /// A raw client connection after the greeting as protocol 1.`minor` (≥ 1.30), with the
 /// daemon's trusted flag (≥ 1.35: 1 trusted, 2 not).
 fn raw_client(env: &Env, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
@@ -446,9 +452,7 @@ const MISSING: &[u8] = b"/nix/store/00000000000000000000000000000000-missing";
 fn pipelined_requests_get_their_replies_before_the_next_request_is_complete() {
     use std::io::Write;
     let env = Env::new();
-    let cache = env.cache();
-    let _daemon = env.daemon("root", &cache, "");
-    let mut client = raw_client_1_34(&env);
+    let (_daemon, mut client) = daemon_and_client_1_34(&env);
     let is_valid = request(1, &[Err(MISSING)]);
     client.write_all(&[is_valid.as_slice(), is_valid.as_slice(), &is_valid[..12]].concat()).unwrap();
     for n in 1..=2 {
@@ -499,13 +503,8 @@ fn read_path_info(client: &mut impl std::io::Read) -> (String, u64, String) {
 fn pipelined_path_info_requests_are_answered_in_order() {
     use std::io::{Read, Write};
     let env = Env::new();
-    let cache = env.cache();
-    let _daemon = env.daemon("root", &cache, "");
-    let mut client = raw_client_1_34(&env);
-    // AddTextToStore: name, text, no references.
-    client.write_all(&request(8, &[Err(b"greeting"), Err(b"hello"), Ok(0)])).unwrap();
-    assert_eq!(read_u64(&mut client), LAST);
-    let added = read_string(&mut client);
+    let (_daemon, mut client) = daemon_and_client_1_34(&env);
+    let added = add_text(&mut client, "greeting", "hello");
     assert!(added.ends_with(b"-greeting"), "{}", String::from_utf8_lossy(&added));
 
     let query = |path: &[u8]| request(26, &[Err(path)]);
