@@ -23,8 +23,15 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io("removing the stale socket")(e)),
         _ => {}
     }
-    let listener = UnixListener::bind(socket).map_err(io("binding"))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666)).map_err(io("setting the mode of"))?;
+    // Bound (which also listens) and given its mode under a temporary name, then renamed: a
+    // client that waits for the socket file to appear never finds one that refuses it.
+    let mut temp = socket.as_os_str().to_owned();
+    temp.push(format!(".tmp-{}", std::process::id()));
+    let temp = std::path::PathBuf::from(temp);
+    let _ = std::fs::remove_file(&temp);
+    let listener = UnixListener::bind(&temp).map_err(io("binding"))?;
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o666)).map_err(io("setting the mode of"))?;
+    std::fs::rename(&temp, socket).map_err(io("moving the new socket into place at"))?;
     tracing::info!("listening on {}", socket.display());
     for (n, stream) in listener.incoming().enumerate() {
         let stream = match stream {
