@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::{read_store_path, read_u64, ProtocolVersion, StderrWriter, WireError};
-use sluice_store::local::{LocalStore, TempRootsFile};
+use sluice_store::local::{LocalStore, TempRoots};
 
 use crate::affinity::{Follower, Pinned};
 use crate::duplex::{duplex, ClientInput, Input, Output};
@@ -65,9 +65,9 @@ pub(crate) struct Conn<'d> {
     pub version: ProtocolVersion,
     pub peer: Peer,
     pub options: ClientOptions,
-    /// This connection's temporary GC roots (created at the first root; they end with the
-    /// connection, as a `nix-daemon` child's do).
-    pub temp_roots: Option<TempRootsFile>,
+    /// This connection's temporary GC roots (the file is created at the first root; they end
+    /// with the connection, as a `nix-daemon` child's do).
+    pub temp_roots: TempRoots,
 }
 
 impl Conn<'_> {
@@ -118,7 +118,7 @@ impl Conn<'_> {
     /// Makes `path` a temporary GC root for the rest of the connection, in the file Nix's
     /// collector reads.
     pub(crate) fn add_temp_root(&mut self, path: &StorePath) -> Result<(), Fail> {
-        add_temp_root(self.daemon.store(), &mut self.temp_roots, path)
+        self.temp_roots.add(path).map_err(op_err)
     }
 
     /// Sends a log line (`NEXT`) at once.
@@ -126,15 +126,6 @@ impl Conn<'_> {
         self.stderr().next(&mut self.w, &format!("{line}\n"))?;
         self.w.flush()
     }
-}
-
-/// Makes `path` a temporary root in `roots`, creating the file at the first root.
-pub(crate) fn add_temp_root(store: &LocalStore, roots: &mut Option<TempRootsFile>, path: &StorePath) -> Result<(), Fail> {
-    let roots = match roots {
-        Some(roots) => roots,
-        None => roots.insert(store.temp_roots_file().map_err(op_err)?),
-    };
-    roots.add(path).map_err(op_err)
 }
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
@@ -153,7 +144,7 @@ pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<d
             return;
         }
     };
-    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, temp_roots: None };
+    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, temp_roots: daemon.store().temp_roots() };
     if !conn.peer.allowed {
         let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
         tracing::warn!("{label}: {msg}");

@@ -1,7 +1,7 @@
 //! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot, AddIndirectRoot, AddPermRoot,
 //! SyncWithGC, FindRoots. sluice has no garbage collector, but Nix's may run on the same
 //! store: temporary roots go to a per-connection file under `temproots` (see
-//! [`sluice_store::local::TempRootsFile`]) and indirect roots are Nix's `gcroots/auto/<hash>`
+//! [`sluice_store::local::TempRoots`]) and indirect roots are Nix's `gcroots/auto/<hash>`
 //! symlinks, so that Nix's collector honours both.
 
 use std::path::{Path, PathBuf};

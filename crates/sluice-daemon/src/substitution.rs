@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::StorePath;
-use sluice_store::closure::{ClosureEvent, ClosureQuery};
+use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
-use sluice_store::local::LocalStore;
+use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_store::substitute::{copy_closure, CopyReport, Observer, SubstituteOptions};
 use sluice_store::{binary_cache, substituters};
 use tokio::sync::mpsc;
@@ -39,8 +39,9 @@ impl Observer for Forward {
 }
 
 /// Opens the substituters of `settings` (none when `use_substitutes` is off). Caches that
-/// cannot be used are logged and left out, as Nix does.
-async fn closure_query(store: &Arc<LocalStore>, settings: &Settings, use_substitutes: bool) -> Result<ClosureQuery, String> {
+/// cannot be used are logged and left out, as Nix does. Paths whose validity is looked up
+/// are made temporary roots in `roots` first, if given (for a substitution).
+async fn closure_query(store: &Arc<LocalStore>, settings: &Settings, use_substitutes: bool, roots: Option<TempRoots>) -> Result<ClosureQuery, String> {
     let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
     let client = binary_cache::http::client(settings)?;
     let disk = substituters::open_disk_cache(settings);
@@ -48,13 +49,7 @@ async fn closure_query(store: &Arc<LocalStore>, settings: &Settings, use_substit
     for e in errors {
         tracing::warn!("substituter left out: {e}");
     }
-    let valid_store = Arc::clone(store);
-    let is_valid = Arc::new(move |paths: &[StorePath]| {
-        valid_store.query_valid_paths(paths).map(|s| s.into_iter().collect()).unwrap_or_else(|e| {
-            tracing::warn!("{e}");
-            Default::default()
-        })
-    });
+    let is_valid = closure::validity_in(Some(Arc::clone(store)), roots);
     Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store.store_dir().clone(), is_valid })
 }
 
@@ -62,7 +57,7 @@ async fn closure_query(store: &Arc<LocalStore>, settings: &Settings, use_substit
 /// followed).
 pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Vec<StorePath>) -> Result<Vec<ClosureEvent>, String> {
     daemon.runtime.block_on(async {
-        let query = closure_query(&daemon.store, settings, use_substitutes).await?;
+        let query = closure_query(&daemon.store, settings, use_substitutes, None).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         let mut events = Vec::new();
@@ -74,16 +69,18 @@ pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool,
     })
 }
 
-/// Substitutes the closures of `roots` into the store, calling `progress` on the worker
-/// thread as paths start and finish.
-pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Vec<StorePath>, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
-    let keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
-    let opts = SubstituteOptions { jobs: settings.http_connections.clamp(1, 16), require_sigs: settings.require_sigs, trusted_keys: keys };
+/// Substitutes the closures of `paths` into the store, calling `progress` on the worker
+/// thread as paths start and finish. Every path of the closures is a temporary root in
+/// `roots` (the connection's) from before its validity is looked at.
+pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
+    let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
+    let policy = SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys };
+    let opts = SubstituteOptions { jobs: settings.http_connections.clamp(1, 16), policy };
     daemon.runtime.block_on(async {
-        let query = closure_query(&daemon.store, settings, use_substitutes).await?;
+        let query = closure_query(&daemon.store, settings, use_substitutes, Some(roots.clone())).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let store = Arc::clone(&daemon.store);
-        let task = tokio::spawn(copy_closure(query, store, roots, opts, Arc::new(Forward(tx))));
+        let task = tokio::spawn(copy_closure(query, store, roots.clone(), paths, opts, Arc::new(Forward(tx))));
         while let Some(p) = rx.recv().await {
             progress(p);
         }

@@ -41,8 +41,9 @@ pub struct NarInfo {
     pub deriver: Option<StorePath>,
     /// `Sig:` lines verbatim (`keyname:base64`).
     pub signatures: Vec<String>,
-    /// `CA:` verbatim (`fixed:r:sha256:…`, `text:sha256:…`).
-    pub ca: Option<String>,
+    /// `CA:` (`fixed:r:sha256:…`, `text:sha256:…`), parsed; printed back in Nix's form
+    /// (nixbase32) whatever encoding the file used.
+    pub ca: Option<ContentAddress>,
     /// `System:` (old Nix versions), verbatim.
     pub system: Option<String>,
 }
@@ -152,10 +153,7 @@ impl NarInfo {
                 "Deriver" => deriver = Some(parse_base_name("Deriver", value)?),
                 "System" => system = Some(value.to_owned()),
                 "Sig" => signatures.push(value.to_owned()),
-                "CA" => {
-                    ContentAddress::parse(value).map_err(|e| field_err("CA", e.to_string()))?;
-                    ca = Some(value.to_owned());
-                }
+                "CA" => ca = Some(ContentAddress::parse(value).map_err(|e| field_err("CA", e.to_string()))?),
                 _ => {}
             }
         }
@@ -225,23 +223,10 @@ impl NarInfo {
         refs
     }
 
-    /// The parsed `CA:` field, if any (it was validated by [`NarInfo::parse`]).
-    pub fn content_address(&self) -> Option<ContentAddress> {
-        self.ca.as_deref().and_then(|c| ContentAddress::parse(c).ok())
-    }
-
-    /// `1;<store path>;<NarHash nixbase32>;<NarSize>;<comma-separated references>`.
-    /// Store path and references are full paths; references sorted; the hash is always
+    /// The signature fingerprint ([`crate::path_info::fingerprint`]): the hash is always
     /// printed as `sha256:<nixbase32>` whatever encoding the file used.
     pub fn fingerprint(&self, store_dir: &StoreDir) -> String {
-        let refs: Vec<String> = self.sorted_references().into_iter().map(|r| store_dir.display_path(r)).collect();
-        format!(
-            "1;{};{};{};{}",
-            store_dir.display_path(&self.store_path),
-            self.nar_hash.to_nix32_prefixed(),
-            self.nar_size,
-            refs.join(",")
-        )
+        crate::path_info::fingerprint(store_dir, &self.store_path, &self.nar_hash, self.nar_size, self.references.iter())
     }
 }
 

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::*;
 
@@ -168,13 +169,13 @@ fn handshake() {
     }
 }
 
-fn path_info(j: &Value) -> PathInfo {
-    PathInfo {
+fn path_info(j: &Value) -> ValidPathInfo {
+    ValidPathInfo {
         path: j.get("path").and_then(Value::as_str).map(sp).unwrap_or_else(|| sp("00000000000000000000000000000000-unkeyed")),
         deriver: j["deriver"].as_str().map(sp),
         nar_hash: Hash::parse_sri(j["narHash"].as_str().unwrap()).unwrap(),
         references: strings(&j["references"]).into_iter().map(sp).collect(),
-        registration_time: j["registrationTime"].as_u64().unwrap(),
+        registration_time: j["registrationTime"].as_i64().unwrap(),
         nar_size: j["narSize"].as_u64().unwrap(),
         ultimate: j["ultimate"].as_bool().unwrap(),
         sigs: j["signatures"].as_array().unwrap().iter().map(|s| format!("{}:{}", s["keyName"].as_str().unwrap(), s["sig"].as_str().unwrap())).collect(),
@@ -186,7 +187,7 @@ fn path_info(j: &Value) -> PathInfo {
 fn valid_path_infos() {
     for (name, minor, keyed) in [("valid-path-info-1.15", 15, true), ("valid-path-info-1.16", 16, true), ("unkeyed-valid-path-info-1.15", 15, false)] {
         let (bin, json) = data("worker-protocol", name);
-        let infos: Vec<PathInfo> = json.as_array().unwrap().iter().map(path_info).map(|mut i| {
+        let infos: Vec<ValidPathInfo> = json.as_array().unwrap().iter().map(path_info).map(|mut i| {
             if minor < 16 {
                 (i.ultimate, i.sigs, i.ca) = (false, BTreeSet::new(), None);
             }

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
+use crate::local::{LocalStore, TempRoots};
 use crate::narinfo_cache::{Cached, NarInfoCache};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
@@ -56,6 +57,25 @@ pub enum ClosureEvent {
 
 /// Decides which of a batch of paths are already valid in the destination.
 pub type ValidityCheck = Arc<dyn Fn(&[StorePath]) -> HashSet<StorePath> + Send + Sync>;
+
+/// The validity check against `dest`: for a substitution into it, with `roots` (the copy's
+/// temporary roots), each path is rooted before it is looked up, so that a path found valid
+/// stays so while the copy builds on it; without a store, nothing is valid. A failed
+/// look-up is logged and counts as "not valid" (the path is then substituted, and the store
+/// finds it valid when it adds it).
+pub fn validity_in(dest: Option<Arc<LocalStore>>, roots: Option<TempRoots>) -> ValidityCheck {
+    Arc::new(move |paths: &[StorePath]| -> HashSet<StorePath> {
+        let Some(store) = &dest else { return HashSet::new() };
+        let valid = match &roots {
+            Some(roots) => store.query_valid_paths_rooted(paths, roots),
+            None => store.query_valid_paths(paths),
+        };
+        valid.map(|s| s.into_iter().collect()).unwrap_or_else(|e| {
+            tracing::warn!("{e}");
+            HashSet::new()
+        })
+    })
+}
 
 /// Disk-cache answers are written back once this many have accumulated (and at the end).
 const RECORD_BATCH: usize = 2048;

@@ -3,7 +3,6 @@
 //! narinfo disk cache, the closure engine and the substitution pipeline.
 
 pub mod local;
-pub mod path_info;
 pub mod remote;
 pub mod binary_cache;
 mod by_key;

@@ -15,7 +15,7 @@ use sluice_nix::wire::{
     WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
-use crate::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
 
 /// The protocol version this client speaks: 1.34 (Nix 2.8's), so that no 1.35+ field is
 /// expected; the daemon answers with min(its version, ours) as a whole.
@@ -152,7 +152,7 @@ impl RemoteStore {
             return Ok(None);
         }
         let info = read_unkeyed_path_info(&mut self.r, &self.store_dir, self.version, path.clone()).map_err(self.wire_err(what))?;
-        Ok(Some(ValidPathInfo::from_wire(info)))
+        Ok(Some(info))
     }
 
     /// The greeting: magic numbers, versions, the affinity hint, obsolete reserveSpace, the

@@ -1,5 +1,6 @@
-//! The substitution pipeline: for each path the closure engine finds, check that it is trusted
-//! (a signature by a trusted key, or a content address that matches the path), download its
+//! The substitution pipeline: for each path the closure engine finds, check that it may be
+//! trusted (the local store's [`SignaturePolicy::vouch`], so that an untrusted NAR is not
+//! even downloaded; the store checks it again, with its content, at commit), download its
 //! NAR at once (at most `jobs` at a time, before its references are valid), and stream it
 //! through decompression, hashing and unpacking into a temporary tree. Each path is then
 //! committed — NarHash/NarSize checked, renamed into place and registered — as soon as all its
@@ -34,10 +35,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::sync::{Arc, Mutex};
 
-use sluice_nix::content_address::ContentAddress;
-use sluice_nix::hash::HashAlgo;
 use sluice_nix::narinfo::NarInfo;
-use sluice_nix::signature::TrustedKeys;
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit};
 
@@ -46,18 +45,16 @@ use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
-use crate::local::{LocalStore, LocalStoreError, PendingPath, TryAdd, Unpacked};
+use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Unpacked};
 use crate::narinfo_cache::NarInfoCache;
-use crate::path_info::ValidPathInfo;
 
 /// How paths are trusted and how many are fetched at once.
 #[derive(Debug, Clone)]
 pub struct SubstituteOptions {
     /// NAR downloads in flight at once.
     pub jobs: usize,
-    /// Refuse paths without a trusted signature (unless content-addressed).
-    pub require_sigs: bool,
-    pub trusted_keys: TrustedKeys,
+    /// Who must vouch for a substituted path.
+    pub policy: SignaturePolicy,
 }
 
 /// Receives progress; called from many tasks at once.
@@ -124,6 +121,8 @@ impl Gate {
 /// Everything a path's job needs, shared by all jobs of one copy.
 struct Shared {
     dest: Arc<LocalStore>,
+    /// The copy's temporary roots: every path of the closures from before it is looked at.
+    roots: TempRoots,
     subs: Arc<Vec<Substituter>>,
     /// The narinfo disk cache, to drop stale entries from.
     disk: Option<Arc<NarInfoCache>>,
@@ -142,7 +141,6 @@ struct Shared {
 /// A path whose tree is unpacked and whose references are valid, waiting for registration.
 struct Commit {
     pending: PendingPath,
-    info: ValidPathInfo,
     reply: oneshot::Sender<Result<(), LocalStoreError>>,
 }
 
@@ -152,7 +150,7 @@ const COMMIT_BATCH: usize = 512;
 /// Registers ready paths in batches: whatever has arrived while the previous batch was being
 /// committed goes into the next, with one `syncfs` and one transaction per batch. Every path
 /// in a batch has its references valid already, so the order within a batch is free.
-async fn registrar(dest: Arc<LocalStore>, mut rx: mpsc::UnboundedReceiver<Commit>) {
+async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc::UnboundedReceiver<Commit>) {
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
         while batch.len() < COMMIT_BATCH {
@@ -161,9 +159,9 @@ async fn registrar(dest: Arc<LocalStore>, mut rx: mpsc::UnboundedReceiver<Commit
                 Err(_) => break,
             }
         }
-        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|c| ((c.pending, c.info), c.reply)).unzip();
-        let dest = dest.clone();
-        let results = match tokio::task::spawn_blocking(move || dest.commit_all(items)).await {
+        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|c| (c.pending, c.reply)).unzip();
+        let (dest, policy) = (dest.clone(), policy.clone());
+        let results = match tokio::task::spawn_blocking(move || dest.commit_all(items, &policy)).await {
             Ok(results) => results,
             Err(e) => return tracing::error!("the registrar failed: {e}"),
         };
@@ -173,14 +171,17 @@ async fn registrar(dest: Arc<LocalStore>, mut rx: mpsc::UnboundedReceiver<Commit
     }
 }
 
-/// Copies the closures of `roots` from the substituters of `query` into `dest`.
-pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
+/// Copies the closures of `paths` from the substituters of `query` into `dest`, keeping
+/// every path it adds a temporary root in `roots` (which should be the roots `query`'s
+/// validity check adds paths to, so that a path found valid stays valid).
+pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
     let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
-    let registrar_task = tokio::spawn(registrar(dest.clone(), registrar_rx));
+    let registrar_task = tokio::spawn(registrar(dest.clone(), opts.policy.clone(), registrar_rx));
     let budget = FdBudget::current();
     let shared = Arc::new(Shared {
         registrar: registrar_tx,
         dest,
+        roots,
         subs: query.substituters.clone(),
         disk: query.disk_cache.clone(),
         jobs: JobQueue::new(opts.jobs.min(budget.jobs)),
@@ -193,7 +194,7 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Vec
     let (tx, mut rx) = mpsc::unbounded_channel();
     let engine = {
         let query = query.clone();
-        tokio::spawn(async move { query.run(roots, tx).await })
+        tokio::spawn(async move { query.run(paths, tx).await })
     };
     let mut tasks = tokio::task::JoinSet::new();
     while let Some(event) = rx.recv().await {
@@ -273,12 +274,6 @@ impl<R: Read> Read for SizeLimit<R> {
         self.remaining -= n as u64;
         Ok(n)
     }
-}
-
-/// What the content address of a path asks to be checked after unpacking.
-enum CaCheck {
-    None,
-    Flat(sluice_nix::hash::Hash),
 }
 
 impl Shared {
@@ -365,27 +360,17 @@ impl Shared {
     /// [`Shared::admit`]).
     async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, eager: &mut bool) -> Result<(), Attempt> {
         let cache = &self.subs[i].cache;
-        let ca_check = self.check_trust(store_dir, narinfo).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
+        let info = ValidPathInfo::from_narinfo(narinfo, 0);
+        self.opts.policy.vouch(store_dir, &info).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
         let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
         let url = cache.nar_url(narinfo);
-        let flat_algo = match &ca_check {
-            CaCheck::Flat(h) => Some(h.algo()),
-            CaCheck::None => None,
-        };
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
-        let Some((pending, unpacked, downloaded)) = self.fetch_nar(cache, narinfo, compression, flat_algo, &url).await? else { return Ok(()) };
-        if let CaCheck::Flat(expected) = &ca_check {
-            if unpacked.flat_hash.as_ref() != Some(expected) {
-                return Err(Attempt::TryNext(format!("{url}: content does not match its content address {}", narinfo.ca.as_deref().unwrap_or(""))));
-            }
-        }
+        let Some((pending, unpacked, downloaded)) = self.fetch_nar(cache, narinfo, info, compression, &url).await? else { return Ok(()) };
         self.wait_references(store_dir, narinfo, *eager).await?;
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-        let info = ValidPathInfo::from_narinfo(narinfo, now);
         let nar_size = unpacked.nar_size;
         let (reply, registered) = oneshot::channel();
-        self.registrar.send(Commit { pending, info, reply }).map_err(|_| Attempt::Final("the registrar stopped".into()))?;
+        self.registrar.send(Commit { pending, reply }).map_err(|_| Attempt::Final("the registrar stopped".into()))?;
         registered
             .await
             .map_err(|_| Attempt::Final("the registrar stopped".into()))?
@@ -433,14 +418,14 @@ impl Shared {
         }
     }
 
-    /// Takes `path`'s lock in the destination without blocking a thread: while another
+    /// Takes `info.path`'s lock in the destination without blocking a thread: while another
     /// process holds it, waits (asynchronously, holding nothing else) and retries. `None` when
     /// the path is or became valid.
-    async fn lock_path(&self, path: &StorePath) -> Result<Option<PendingPath>, Attempt> {
+    async fn lock_path(&self, info: &ValidPathInfo) -> Result<Option<PendingPath>, Attempt> {
         let mut wait = std::time::Duration::from_millis(5);
         loop {
-            let (dest, p) = (self.dest.clone(), path.clone());
-            let tried = tokio::task::spawn_blocking(move || dest.try_begin_add(&p)).await.map_err(|e| Attempt::Final(e.to_string()))?;
+            let (dest, info, roots) = (self.dest.clone(), info.clone(), self.roots.clone());
+            let tried = tokio::task::spawn_blocking(move || dest.try_begin_add(info, &roots)).await.map_err(|e| Attempt::Final(e.to_string()))?;
             match tried.map_err(|e| Attempt::Final(e.to_string()))? {
                 TryAdd::Valid => return Ok(None),
                 TryAdd::Pending(pending) => return Ok(Some(pending)),
@@ -454,8 +439,8 @@ impl Shared {
     /// the path's lock first, then a job slot per attempt. A transfer cut short (reset, stall,
     /// fewer bytes than announced) is downloaded again after a backoff, up to the cache's
     /// `download-attempts`. `None` when the path became valid meanwhile.
-    async fn fetch_nar(&self, cache: &BinaryCache, narinfo: &NarInfo, compression: Compression, flat_algo: Option<HashAlgo>, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
-        let Some(mut pending) = self.lock_path(&narinfo.store_path).await? else { return Ok(None) };
+    async fn fetch_nar(&self, cache: &BinaryCache, narinfo: &NarInfo, info: ValidPathInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+        let Some(mut pending) = self.lock_path(&info).await? else { return Ok(None) };
         let attempts = cache.download_attempts();
         let mut attempt = 0;
         loop {
@@ -475,7 +460,7 @@ impl Shared {
                 let result = match compression.decoder(&mut counting) {
                     Ok(decoder) => {
                         let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
-                        pending.unpack(&mut nar, flat_algo).map_err(|e| format!("{unpack_url}: {e}"))
+                        pending.unpack(&mut nar).map_err(|e| format!("{unpack_url}: {e}"))
                     }
                     Err(e) => Err(format!("{unpack_url}: {e}")),
                 };
@@ -523,40 +508,6 @@ impl Shared {
             tracing::warn!("{e}");
         }
         (fresh != *narinfo).then(|| Arc::new(fresh))
-    }
-
-    /// Checks that `narinfo` may be trusted: a valid signature by a trusted key, or a content
-    /// address from which the path follows (then its content must match, checked later).
-    fn check_trust(&self, store_dir: &StoreDir, narinfo: &NarInfo) -> Result<CaCheck, String> {
-        let ca = match &narinfo.ca {
-            Some(text) => Some(ContentAddress::parse(text).map_err(|e| e.to_string())?),
-            None => None,
-        };
-        let self_ref = narinfo.references.contains(&narinfo.store_path);
-        let others: Vec<StorePath> = narinfo.references.iter().filter(|r| **r != narinfo.store_path).cloned().collect();
-        let ca_ok = ca.as_ref().and_then(|ca| ca.store_path(store_dir, narinfo.store_path.name(), &others, self_ref).ok()).is_some_and(|p| p == narinfo.store_path);
-        let signed = !self.opts.require_sigs || self.opts.trusted_keys.count_valid(&narinfo.fingerprint(store_dir), &narinfo.signatures) > 0;
-        if !signed && !ca_ok {
-            let names: Vec<&str> = narinfo.signatures.iter().map(|s| s.split(':').next().unwrap_or("")).collect();
-            return Err(match names.is_empty() {
-                true => "no signature, and signatures are required".to_string(),
-                false => format!(
-                    "no valid signature by a trusted key (signed by: {}; trusted: {})",
-                    names.join(", "),
-                    self.opts.trusted_keys.keys().iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
-                ),
-            });
-        }
-        Ok(match ca {
-            Some(ContentAddress::Fixed { recursive: false, hash }) | Some(ContentAddress::Text(hash)) if ca_ok => CaCheck::Flat(hash),
-            Some(ContentAddress::Fixed { recursive: true, hash }) if ca_ok && !signed => {
-                if hash.algo() == HashAlgo::Sha256 && hash != narinfo.nar_hash {
-                    return Err(format!("NarHash {} does not match its content address {}", narinfo.nar_hash.to_nix32_prefixed(), narinfo.ca.as_deref().unwrap_or("")));
-                }
-                CaCheck::None
-            }
-            _ => CaCheck::None,
-        })
     }
 }
 

@@ -12,11 +12,13 @@ use std::process::{Command, Output};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
+use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::nar::writer::regular_file_nar;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::local::{LocalStore, LocalStoreError};
-use sluice_store::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, TEMP_DIR};
 use tempfile::TempDir;
 
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus");
@@ -133,10 +135,16 @@ fn add_subset(store: &Arc<LocalStore>) -> Vec<ValidPathInfo> {
         .map(|info| {
             let vpi = path_info(info);
             let mut nar = File::open(cache.join(&info.url)).unwrap();
-            assert!(store.add_nar(&vpi, &mut nar).unwrap(), "{} was already valid", vpi.path);
+            assert!(add(&store, &vpi, &mut nar).unwrap(), "{} was already valid", vpi.path);
             vpi
         })
         .collect()
+}
+
+/// Adds `info`'s path from `nar` with signatures not required (the content is still checked),
+/// rooted only for the addition.
+fn add(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<bool, LocalStoreError> {
+    store.add_nar(info.clone(), nar, &SignaturePolicy::unchecked(), &store.temp_roots())
 }
 
 fn open_store(root: &Path) -> Arc<LocalStore> {
@@ -147,12 +155,18 @@ fn shown(path: &StorePath) -> String {
     store_dir().display_path(path)
 }
 
-/// The entries of the real store directory other than `.links`.
+/// The entries of the real store directory other than `.links` and the directory of
+/// temporary trees, which must be empty.
 fn store_entries(root: &Path) -> BTreeSet<String> {
+    let temp = root.join("nix/store").join(TEMP_DIR);
+    if temp.exists() {
+        let left: Vec<_> = std::fs::read_dir(&temp).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "temporary trees left behind: {left:?}");
+    }
     std::fs::read_dir(root.join("nix/store"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|name| name != ".links")
+        .filter(|name| name != ".links" && name != TEMP_DIR)
         .collect()
 }
 
@@ -211,7 +225,7 @@ fn subset_added_by_sluice_is_what_nix_reads() {
         let references: BTreeSet<String> = json["references"].as_array().unwrap().iter().map(|r| r.as_str().unwrap().to_owned()).collect();
         assert_eq!(references, info.references.iter().map(shown).collect());
         assert_eq!(json["deriver"].as_str().map(str::to_owned), info.deriver.as_ref().map(shown));
-        assert_eq!(json["ca"].as_str().map(str::to_owned), info.ca);
+        assert_eq!(json["ca"].as_str().map(str::to_owned), info.ca.as_ref().map(ToString::to_string));
         let sigs: BTreeSet<String> =
             json["signatures"].as_array().map_or_else(Vec::new, Clone::clone).iter().map(|s| s.as_str().unwrap().to_owned()).collect();
         assert_eq!(sigs, info.sigs);
@@ -245,7 +259,7 @@ fn subset_added_by_sluice_is_what_nix_reads() {
 
     // Adding again is a no-op; a second opener sees the same store.
     let again = path_info(&by_path[&glibc]);
-    assert!(!store.add_nar(&again, &mut std::io::empty()).unwrap());
+    assert!(!add(&store, &again, &mut std::io::empty()).unwrap());
     let reopened = open_store(&root);
     let mut paths: Vec<StorePath> = all.iter().cloned().collect();
     paths.push(StorePath::from_base_name("00000000000000000000000000000000-absent").unwrap());
@@ -293,7 +307,7 @@ fn sluice_reads_a_store_nix_wrote() {
     // Nix still reads the store after sluice opened it, and sluice can add to it.
     verify_with_nix(&root, tmp.path());
     let fixture = fixture("varied-tree.nar");
-    assert!(store.add_nar(&fixture.0, &mut fixture.1.as_slice()).unwrap());
+    assert!(add(&store, &fixture.0, &mut fixture.1.as_slice()).unwrap());
     verify_with_nix(&root, tmp.path());
 }
 
@@ -334,7 +348,7 @@ fn fixtures_round_trip_through_the_store() {
     let store = open_store(&root);
     for file in ["varied-tree.nar", "symlink-root.nar", "exec-file-root.nar", "ca-source-dir.nar"] {
         let (info, nar) = fixture(file);
-        assert!(store.add_nar(&info, &mut nar.as_slice()).unwrap());
+        assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
         assert!(dump(&store, &info.path) == nar, "{file}");
         let read = store.query_path_info(&info.path).unwrap().unwrap();
         assert_eq!(read, info);
@@ -349,28 +363,30 @@ fn unpack_hashes_a_root_file_and_can_be_repeated() {
     let root = tmp.path().join("root");
     let store = open_store(&root);
     let (info, nar) = fixture("exec-file-root.nar");
-    let pending = store.begin_add(&info.path).unwrap().unwrap();
-    assert!(matches!(pending.commit(&info), Err(LocalStoreError::Misuse { .. })));
+    let roots = store.temp_roots();
+    let unchecked = SignaturePolicy::unchecked();
+    let pending = store.begin_add(info.clone(), &roots).unwrap().unwrap();
+    assert!(matches!(pending.commit(&unchecked), Err(LocalStoreError::Misuse { .. })));
     assert!(store_entries(&root).is_empty(), "{:?}", store_entries(&root));
 
-    let mut pending = store.begin_add(&info.path).unwrap().unwrap();
-    let truncated = pending.unpack(&mut &nar[..nar.len() - 8], None).unwrap_err();
+    let mut pending = store.begin_add(info.clone(), &roots).unwrap().unwrap();
+    let truncated = pending.unpack(&mut &nar[..nar.len() - 8]).unwrap_err();
     assert!(matches!(truncated, LocalStoreError::Nar { .. }), "{truncated}");
-    let unpacked = pending.unpack(&mut nar.as_slice(), Some(HashAlgo::Sha256)).unwrap();
+    let unpacked = pending.unpack(&mut nar.as_slice()).unwrap();
     assert_eq!(unpacked.nar_hash, info.nar_hash);
     assert_eq!(unpacked.nar_size, info.nar_size);
-    let file = std::fs::read(root.join("nix/store").join(format!(".{}.sluice", info.path.base_name()))).unwrap();
-    assert_eq!(unpacked.flat_hash, Some(Hash::digest_bytes(HashAlgo::Sha256, &file)));
-    assert_eq!(pending.unpack(&mut nar.as_slice(), None).unwrap().flat_hash, None);
-    pending.commit(&info).unwrap();
+    assert_eq!(unpacked.ca_hash, None, "no content address, no content hash");
+    let temp_file = root.join("nix/store").join(TEMP_DIR).join(info.path.base_name());
+    assert!(temp_file.is_file(), "unpacked into the directory of temporary trees");
+    pending.commit(&unchecked).unwrap();
     let meta = std::fs::symlink_metadata(store.real_path(&info.path)).unwrap();
     assert_eq!(meta.permissions().mode() & 0o7777, 0o555);
     assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]));
 
     // A directory root has no flat hash.
     let (dir_info, dir_nar) = fixture("ca-source-dir.nar");
-    let mut pending = store.begin_add(&dir_info.path).unwrap().unwrap();
-    assert_eq!(pending.unpack(&mut dir_nar.as_slice(), Some(HashAlgo::Sha256)).unwrap().flat_hash, None);
+    let mut pending = store.begin_add(dir_info.clone(), &roots).unwrap().unwrap();
+    pending.unpack(&mut dir_nar.as_slice()).unwrap();
     drop(pending);
     assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]), "dropped addition left something");
     assert!(!store.is_valid_path(&dir_info.path).unwrap());
@@ -381,7 +397,7 @@ fn assert_add_fails_cleanly(info: &ValidPathInfo, nar: &[u8], check: impl Fn(&Lo
     let tmp = Scratch::new();
     let root = tmp.path().join("root");
     let store = open_store(&root);
-    let err = store.add_nar(info, &mut &nar[..]).unwrap_err();
+    let err = add(&store, info, &mut &nar[..]).unwrap_err();
     assert!(check(&err), "unexpected error: {err}");
     let message = err.to_string();
     assert!(message.contains(&shown(&info.path)), "error does not name the path: {message}");
@@ -433,9 +449,22 @@ fn stale_unregistered_tree_is_replaced() {
     let root = tmp.path().join("root");
     let store = open_store(&root);
     let (info, nar) = fixture("varied-tree.nar");
+    let (other, _) = fixture("symlink-root.nar");
+    let (busy, _) = fixture("exec-file-root.nar");
     // What a crash between rename and registration, or a half-copied tree, leaves: a
-    // read-only tree at the final path, plus a stale temporary tree.
-    for name in [info.path.base_name().to_owned(), format!(".{}.sluice", info.path.base_name())] {
+    // read-only tree at the final path, plus stale temporary trees, of this path and of
+    // another one; and the temporary tree of a path whose adder (another process) is alive.
+    let temp = format!("{TEMP_DIR}/");
+    let names = [info.path.base_name().to_owned(), temp.clone() + info.path.base_name(), temp.clone() + other.path.base_name(), temp.clone() + busy.path.base_name()];
+    let lock_file = format!("{}.lock", store.real_path(&busy.path).display());
+    let mut holder = Command::new("flock")
+        .args([lock_file.as_str(), "-c", "echo locked; sleep 3"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("flock(1) from util-linux");
+    let mut line = [0u8; 7];
+    holder.stdout.take().unwrap().read_exact(&mut line).unwrap();
+    for name in names {
         let stale = root.join("nix/store").join(name);
         std::fs::create_dir_all(stale.join("sub")).unwrap();
         std::fs::write(stale.join("sub/file"), b"stale").unwrap();
@@ -443,8 +472,18 @@ fn stale_unregistered_tree_is_replaced() {
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
         }
     }
-    assert!(store.add_nar(&info, &mut nar.as_slice()).unwrap());
+    assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     assert!(dump(&store, &info.path) == nar);
+    let temp_dir = root.join("nix/store").join(TEMP_DIR);
+    let left: Vec<_> = std::fs::read_dir(&temp_dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(left, [busy.path.base_name().to_owned()], "only the tree whose adder lives is kept");
+    assert!(holder.wait().unwrap().success());
+    let kept = temp_dir.join(busy.path.base_name());
+    for dir in [kept.join("sub"), kept.clone()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::remove_dir_all(kept).unwrap();
+    let _ = std::fs::remove_file(lock_file);
     assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]));
     verify_with_nix(&root, tmp.path());
 }
@@ -464,7 +503,7 @@ fn concurrent_adders_register_once() {
             let (info, nar, barrier) = (info.clone(), nar.clone(), Arc::clone(&barrier));
             std::thread::spawn(move || {
                 barrier.wait();
-                store.add_nar(&info, &mut nar.as_slice()).unwrap()
+                add(&store, &info, &mut nar.as_slice()).unwrap()
             })
         })
         .collect();
@@ -493,7 +532,7 @@ fn derivations_register_their_outputs() {
     for info in infos.iter().filter(|i| wanted.contains(&i.store_path)) {
         let compressed = File::open(cache.join(&info.url)).unwrap();
         let mut nar = liblzma::read::XzDecoder::new(compressed);
-        assert!(store.add_nar(&path_info(info), &mut nar).unwrap());
+        assert!(add(&store, &path_info(info), &mut nar).unwrap());
     }
     verify_with_nix(&root, tmp.path());
 
@@ -541,12 +580,12 @@ fn begin_add_waits_for_a_lock_held_by_another_process() {
     holder.stdout.take().unwrap().read_exact(&mut line).unwrap();
     assert_eq!(&line, b"locked\n");
     let started = Instant::now();
-    let mut pending = store.begin_add(&info.path).unwrap().unwrap();
+    let mut pending = store.begin_add(info.clone(), &store.temp_roots()).unwrap().unwrap();
     let waited = started.elapsed();
     assert!(holder.wait().unwrap().success());
     assert!(waited.as_millis() >= 500, "begin_add did not wait for the lock holder ({waited:?})");
-    pending.unpack(&mut nar.as_slice(), None).unwrap();
-    pending.commit(&info).unwrap();
+    pending.unpack(&mut nar.as_slice()).unwrap();
+    pending.commit(&SignaturePolicy::unchecked()).unwrap();
     assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]), "lock file left behind");
 }
 
@@ -560,16 +599,17 @@ fn commit_all_registers_a_batch_and_fails_only_the_dependents_of_a_bad_path() {
     // A path with dependents inside the subset, given a wrong NarHash.
     let bad = infos.iter().find(|i| infos.iter().any(|j| j.store_path != i.store_path && j.references.contains(&i.store_path))).unwrap().store_path.clone();
     let mut batch = Vec::new();
+    let roots = store.temp_roots();
     for info in &infos {
         let mut vpi = path_info(info);
         if vpi.path == bad {
             vpi.nar_hash = Hash::digest_bytes(HashAlgo::Sha256, b"not this NAR");
         }
-        let mut pending = store.begin_add(&vpi.path).unwrap().unwrap();
-        pending.unpack(&mut &nar_bytes(&cache, info)[..], None).unwrap();
-        batch.push((pending, vpi));
+        let mut pending = store.begin_add(vpi, &roots).unwrap().unwrap();
+        pending.unpack(&mut &nar_bytes(&cache, info)[..]).unwrap();
+        batch.push(pending);
     }
-    let results = store.commit_all(batch);
+    let results = store.commit_all(batch, &SignaturePolicy::unchecked());
     // Which paths have `bad` in their closure (the subset is in dependency order).
     let mut tainted = BTreeSet::from([bad.clone()]);
     for info in &infos {
@@ -656,17 +696,19 @@ fn temp_roots_are_honoured_by_nix_garbage_collector() {
     let outside: Vec<&StorePath> = added.iter().map(|i| &i.path).filter(|p| !closure.contains(*p)).collect();
     assert!(!outside.is_empty(), "the subset should have paths outside the top's closure");
 
-    let mut roots = store.temp_roots_file().unwrap();
+    let roots = store.temp_roots();
     roots.add(&top).unwrap();
-    roots.add(&top).unwrap();
-    let id = roots.path().file_name().unwrap().to_str().unwrap().to_owned();
-    assert_eq!(std::fs::read(roots.path()).unwrap(), format!("{}\0", shown(&top)).into_bytes(), "written once");
+    roots.clone().add(&top).unwrap();
+    let file = roots.path().unwrap();
+    let id = file.file_name().unwrap().to_str().unwrap().to_owned();
+    assert_eq!(id, format!("{}-{}", std::process::id(), id.split('-').nth(1).unwrap()), "named <pid>-<n>");
+    assert_eq!(std::fs::read(&file).unwrap(), format!("{}\0", shown(&top)).into_bytes(), "written once");
     let found = store.find_temp_roots().unwrap();
-    assert_eq!(found.get(&top), Some(&BTreeSet::from([format!("{{temp:{id}}}")])));
+    assert_eq!(found.get(&top), Some(&BTreeSet::from([format!("{{temp:{}}}", std::process::id())])));
 
     let r = root.to_str().unwrap();
     let printed = String::from_utf8(nix_ok("nix-store", &["--store", r, "--gc", "--print-roots"], tmp.path())).unwrap();
-    assert!(printed.contains(&format!("{{temp:{id}}} -> {}", shown(&top))), "{printed}");
+    assert!(printed.contains(&format!("{{temp:{}}} -> {}", std::process::id(), shown(&top))), "{printed}");
     // Nix's collector runs (and deletes) while the roots file is held: the closure stays.
     nix_ok("nix-store", &["--store", r, "--gc"], tmp.path());
     for p in &closure {
@@ -676,7 +718,6 @@ fn temp_roots_are_honoured_by_nix_garbage_collector() {
     for p in &outside {
         assert!(!store.is_valid_path(p).unwrap(), "{p} is not rooted and should have been collected");
     }
-    let file = roots.path().to_owned();
     drop(roots);
     assert!(!file.exists(), "the roots file outlived its holder");
     nix_ok("nix-store", &["--store", r, "--gc"], tmp.path());
@@ -705,4 +746,115 @@ fn concurrent_first_opens_of_a_new_store_all_succeed() {
         }
         assert_eq!(std::fs::read_to_string(root.join("nix/var/nix/db/schema")).unwrap(), "10");
     }
+}
+
+/// An info claiming `ca` for `name` with `references` (self-reference with `self_ref`), with
+/// the NAR hash and size of `nar` (honest about the NAR, whatever it holds).
+fn ca_info(ca: ContentAddress, name: &str, references: &[StorePath], self_ref: bool, nar: &[u8]) -> ValidPathInfo {
+    let path = ca.store_path(&store_dir(), name, references, self_ref).unwrap();
+    let mut refs: BTreeSet<StorePath> = references.iter().cloned().collect();
+    if self_ref {
+        refs.insert(path.clone());
+    }
+    ValidPathInfo {
+        path,
+        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, nar),
+        nar_size: nar.len() as u64,
+        references: refs,
+        deriver: None,
+        registration_time: 0,
+        ultimate: false,
+        sigs: BTreeSet::new(),
+        ca: Some(ca),
+    }
+}
+
+/// The verification boundary computes every content address from the content, for every
+/// form and hash algorithm, whoever vouches for the path: a mismatch is refused with Nix's
+/// message naming both hashes, leaves nothing, and the honest content is accepted.
+#[test]
+fn content_addresses_are_checked_against_the_content() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let roots = store.temp_roots();
+    let real = b"the real content\n".as_slice();
+    let other = b"other content\n".as_slice();
+    let (real_nar, other_nar) = (regular_file_nar(real, false), regular_file_nar(other, false));
+    let strict = SignaturePolicy { require_sigs: true, trusted_keys: Default::default() };
+    let text_ref = ca_info(ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, b"ref")), "ref", &[], false, &regular_file_nar(b"ref", false));
+    assert!(store.add_nar(text_ref.clone(), &mut regular_file_nar(b"ref", false).as_slice(), &strict, &roots).unwrap(), "a CA path needs no signature");
+    let cases: Vec<(&str, ContentAddress, &[StorePath])> = vec![
+        ("nar-sha256", ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha256, &real_nar) }, &[]),
+        ("nar-sha1", ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha1, &real_nar) }, &[]),
+        ("nar-sha512", ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha512, &real_nar) }, &[]),
+        ("flat-sha256", ContentAddress::Fixed { recursive: false, hash: Hash::digest_bytes(HashAlgo::Sha256, real) }, &[]),
+        ("flat-md5", ContentAddress::Fixed { recursive: false, hash: Hash::digest_bytes(HashAlgo::Md5, real) }, &[]),
+        ("text", ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, real)), std::slice::from_ref(&text_ref.path)),
+    ];
+    for (name, ca, refs) in cases {
+        let forged = ca_info(ca.clone(), name, refs, false, &other_nar);
+        for policy in [&strict, &SignaturePolicy::unchecked()] {
+            let err = store.add_nar(forged.clone(), &mut other_nar.as_slice(), policy, &roots).unwrap_err();
+            let message = err.to_string();
+            assert!(matches!(err, LocalStoreError::CaMismatch { .. }), "{name}: {message}");
+            assert!(message.starts_with(&format!("ca hash mismatch importing path '{}';", shown(&forged.path))), "{message}");
+            assert!(message.contains(&format!("specified: {}", ca.hash().to_nix32_prefixed())), "{message}");
+            assert!(!store.is_valid_path(&forged.path).unwrap());
+            assert!(!store.real_path(&forged.path).exists(), "{name}: something left at the path");
+        }
+        let honest = ca_info(ca, name, refs, false, &real_nar);
+        assert!(store.add_nar(honest.clone(), &mut real_nar.as_slice(), &strict, &roots).unwrap(), "{name}");
+        assert_eq!(store.query_path_info(&honest.path).unwrap().unwrap().ca, honest.ca);
+    }
+    // The message names the hash that was computed.
+    let ca = ContentAddress::Fixed { recursive: false, hash: Hash::digest_bytes(HashAlgo::Sha256, real) };
+    let err = store.add_nar(ca_info(ca, "named", &[], false, &other_nar), &mut other_nar.as_slice(), &strict, &roots).unwrap_err();
+    assert!(err.to_string().contains(&format!("got:       {}", Hash::digest_bytes(HashAlgo::Sha256, other).to_nix32_prefixed())), "{err}");
+    // A content address that does not yield the path is refused, even unchecked.
+    let mut moved = ca_info(ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha256, &real_nar) }, "moved", &[], false, &real_nar);
+    moved.path = store_dir().parse_path("/nix/store/00000000000000000000000000000001-moved").unwrap();
+    let err = store.add_nar(moved.clone(), &mut real_nar.as_slice(), &SignaturePolicy::unchecked(), &roots).unwrap_err();
+    assert!(matches!(err, LocalStoreError::CaPath { .. }), "{err}");
+    // Without a content address or a signature, a strict policy refuses (before unpacking
+    // anything is fine too, but the store refuses at commit whatever the caller did).
+    let mut plain = moved;
+    plain.ca = None;
+    let err = store.add_nar(plain.clone(), &mut real_nar.as_slice(), &strict, &roots).unwrap_err();
+    assert!(err.to_string().contains("lacks a signature by a trusted key"), "{err}");
+    assert!(!store.real_path(&plain.path).exists());
+    store_entries(&root);
+    verify_with_nix(&root, tmp.path());
+}
+
+/// A recursive content address of a path that refers to itself is the NAR's hash modulo the
+/// path's hash part (Nix's `HashModuloSink`): such a path is accepted, and the same NAR
+/// claimed without the self-reference is not.
+#[test]
+fn self_referencing_content_address_is_hashed_modulo_the_hash_part() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let roots = store.temp_roots();
+    // A file that names its own store path: its hash part sits at a known offset, zeroed
+    // while hashing.
+    let prefix = b"#!/bin/sh\nexec /nix/store/".to_vec();
+    let template = [prefix.clone(), vec![0u8; 32], b"-self/bin/x \"$@\"\n".to_vec()].concat();
+    let zeroed_nar = regular_file_nar(&template, true);
+    let at = zeroed_nar.windows(prefix.len()).position(|w| w == prefix.as_slice()).unwrap() + prefix.len();
+    let mut modulo = zeroed_nar.clone();
+    modulo.extend_from_slice(format!("|{at}").as_bytes());
+    let ca = ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha256, &modulo) };
+    let path = ca.store_path(&store_dir(), "self", &[], true).unwrap();
+    let mut nar = zeroed_nar.clone();
+    nar[at..at + 32].copy_from_slice(path.hash_part().as_bytes());
+    let info = ca_info(ca.clone(), "self", &[], true, &nar);
+    assert_eq!(info.path, path);
+    let strict = SignaturePolicy { require_sigs: true, trusted_keys: Default::default() };
+    assert!(store.add_nar(info.clone(), &mut nar.as_slice(), &strict, &roots).unwrap());
+    verify_with_nix(&root, tmp.path());
+    // The zeroed NAR under the same claim does not match (its hash part is not there).
+    let other = ca_info(ContentAddress::Fixed { recursive: true, hash: ca.hash().clone() }, "self2", &[], true, &zeroed_nar);
+    let err = store.add_nar(other, &mut zeroed_nar.as_slice(), &strict, &roots).unwrap_err();
+    assert!(matches!(err, LocalStoreError::CaMismatch { .. }), "{err}");
 }

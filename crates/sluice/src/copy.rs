@@ -4,8 +4,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_store::substitute::{copy_closure, SubstituteOptions};
 use sluice_nix::signature::TrustedKeys;
+use sluice_store::closure;
+use sluice_store::local::SignaturePolicy;
+use sluice_store::substitute::{copy_closure, SubstituteOptions};
 
 use crate::progress::{Progress, MIB};
 use crate::setup::{self, CacheFlags};
@@ -46,13 +48,17 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         None => settings.substituters.clone(),
     };
     let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
-    let opts = SubstituteOptions { jobs: args.jobs, require_sigs: settings.require_sigs, trusted_keys };
+    let opts = SubstituteOptions { jobs: args.jobs, policy: SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys } };
+    // The run's temporary roots: every path of the closures from before its validity is
+    // looked at, until the run ends.
+    let temp_roots = dest.temp_roots();
     let progress = Arc::new(Progress::new(store_dir.clone(), args.json));
     let started = Instant::now();
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
-        let query = setup::closure_query(&urls, &settings, &store_dir, setup::validity(Some(dest.clone())), &roots).await?;
-        Ok::<_, String>(copy_closure(query, dest.clone(), roots.clone(), opts, progress.clone()).await)
+        let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
+        let query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        Ok::<_, String>(copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()).await)
     })?;
     progress.finish();
     let secs = started.elapsed().as_secs_f64();

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::process::ExitCode;
 
-use sluice_store::closure::ClosureEvent;
+use sluice_store::closure::{self, ClosureEvent};
 use tokio::sync::mpsc;
 
 use crate::progress::MIB;
@@ -33,7 +33,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar) = (0u64, 0u64);
     rt.block_on(async {
-        let query = setup::closure_query(&settings.substituters, &settings, &store_dir, setup::validity(Some(dest.clone())), &roots).await?;
+        let query = setup::closure_query(&settings.substituters, &settings, &store_dir, closure::validity_in(Some(dest.clone()), None), &roots).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         while let Some(event) = rx.recv().await {

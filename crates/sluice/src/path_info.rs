@@ -9,9 +9,9 @@ use std::sync::Arc;
 use serde_json::{json, Map, Value};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::closure::{ClosureEvent, ClosureQuery};
+use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::local::LocalStore;
-use sluice_store::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_store::remote::RemoteStore;
 use sluice_store::store_url::StoreUrl;
 use tokio::sync::mpsc;
@@ -129,7 +129,7 @@ fn cache_entries(args: &Args, store_dir: &StoreDir, roots: Vec<StorePath>) -> Re
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
     rt.block_on(async {
-        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, setup::validity(None), &roots).await?;
+        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, closure::validity_in(None, None), &roots).await?;
         if query.substituters.is_empty() {
             return Err(format!("cannot open binary cache {}", args.store));
         }
@@ -226,7 +226,7 @@ fn to_json(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -> Val
     o.insert("narSize".into(), json!(info.nar_size));
     o.insert("references".into(), json!(info.references.iter().map(|r| store_dir.display_path(r)).collect::<Vec<_>>()));
     if let Some(ca) = &info.ca {
-        o.insert("ca".into(), json!(ca));
+        o.insert("ca".into(), json!(ca.to_string()));
     }
     if let Some((nar, _)) = closure {
         o.insert("closureSize".into(), json!(nar));

@@ -1,7 +1,6 @@
 //! What every networked command shares: settings from nix.conf and flags, the store URL, the
 //! HTTP client, the substituters, the disk cache and the destination's validity check.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -93,19 +92,6 @@ pub fn open_local(url: &str) -> Result<Arc<LocalStore>, String> {
         StoreUrl::Local { root } => LocalStore::open(&root).map(Arc::new).map_err(|e| e.to_string()),
         StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => Err(format!("{url}: this command needs a local store here")),
     }
-}
-
-/// A validity check against a local store, or "nothing is valid" without one.
-pub fn validity(dest: Option<Arc<LocalStore>>) -> ValidityCheck {
-    Arc::new(move |paths: &[StorePath]| -> HashSet<StorePath> {
-        match &dest {
-            Some(store) => store.query_valid_paths(paths).map(|s| s.into_iter().collect()).unwrap_or_else(|e| {
-                tracing::warn!("{e}");
-                HashSet::new()
-            }),
-            None => HashSet::new(),
-        }
-    })
 }
 
 /// Opens the substituters `urls` with the disk cache, printing a warning for each left out;

@@ -2,28 +2,26 @@
 //! AddTextToStore, AddToStoreNar (framed ≥ 1.23, pulled with `STDERR_READ` before) and
 //! AddMultipleToStore (Nix 2.8 `daemon.cc`, `Store::addMultipleToStore`).
 //!
-//! Input-addressed paths (AddToStoreNar, AddMultipleToStore) need a trusted signature or a
-//! matching content address unless the client is trusted and asks not to check (as Nix's
-//! `dontCheckSigs`, ignored for untrusted clients).
+//! Every path goes through the store's verification boundary (`PendingPath::commit`): its NAR
+//! hash and size, its content address checked against the content, and a signature by a
+//! trusted key or a content address, unless signatures are not required: `require-sigs =
+//! false`, or a trusted client's `dontCheckSigs` (ignored for untrusted clients, as in Nix's
+//! `daemon.cc`).
 
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use sluice_nix::content_address::ContentAddress;
 use sluice_nix::nar::reader::parse;
 use sluice_nix::nar::Discard;
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::signature::TrustedKeys;
-use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::{
     read_bool, read_bytes, read_keyed_path_info, read_store_path_set, read_string, read_u64, write_bytes, write_keyed_path_info, write_u64,
     FramedReader, ProtocolVersion,
 };
-use sluice_store::config::Settings;
-use sluice_store::local::{LocalStore, TempRootsFile};
-use sluice_store::path_info::ValidPathInfo;
+use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 
 use super::payload::{add_content, Ingestion, RootFile};
-use super::{from_wire, to_wire};
 use crate::conn::{op_err, Conn, Fail, OpResult, Reader, Writer};
 
 /// Longest name of a new path (Nix's limit is 211 characters; the store path check says why).
@@ -44,11 +42,12 @@ pub(super) fn add_to_store(c: &mut Conn) -> OpResult {
     let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
     read_bool(&mut c.r, "repair flag")?;
     let store = Arc::clone(c.store());
+    let policy = policy(c, false)?;
     let mut framed = FramedReader::new(&mut c.r);
-    let roots = &mut c.temp_roots;
-    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, roots, &name, m, references, &mut framed));
+    let roots = &c.temp_roots;
+    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, roots, &policy, &name, m, references, &mut framed));
     finish_framed(&mut framed)?;
-    let info = to_wire(result?)?;
+    let info = result?;
     let version = c.version;
     c.reply(|w, dir| write_keyed_path_info(w, dir, version, &info))
 }
@@ -68,12 +67,13 @@ fn add_to_store_legacy(c: &mut Conn) -> OpResult {
     let mut nar = tempfile::SpooledTempFile::new(16 << 20);
     parse(Tee { inner: &mut c.r, copy: &mut nar }, &mut Discard).map_err(|e| Fail::Fatal(format!("reading the NAR to add: {e}")))?;
     io::Seek::rewind(&mut nar).map_err(op_err)?;
+    let policy = policy(c, false)?;
     let info = match method {
-        Ingestion::Nar(_) => add_content(c.daemon.store(), &mut c.temp_roots, &name, method, Default::default(), &mut nar)?,
+        Ingestion::Nar(_) => add_content(c.daemon.store(), &c.temp_roots, &policy, &name, method, Default::default(), &mut nar)?,
         _ => {
             let mut root = RootFile::new();
             parse(&mut nar, &mut root).map_err(op_err)?;
-            add_content(c.daemon.store(), &mut c.temp_roots, &name, method, Default::default(), &mut root.contents)?
+            add_content(c.daemon.store(), &c.temp_roots, &policy, &name, method, Default::default(), &mut root.contents)?
         }
     };
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
@@ -84,7 +84,8 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
     let name = read_string(&mut c.r, MAX_NAME, "name")?;
     let text = read_bytes(&mut c.r, MAX_TEXT, "text")?;
     let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
-    let info = add_content(c.daemon.store(), &mut c.temp_roots, &name, Ingestion::Text, references, &mut text.as_slice())?;
+    let policy = policy(c, false)?;
+    let info = add_content(c.daemon.store(), &c.temp_roots, &policy, &name, Ingestion::Text, references, &mut text.as_slice())?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 
@@ -92,25 +93,22 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
 /// NAR size, ultimate, signatures, content address), repair, dontCheckSigs, then the NAR
 /// (framed ≥ 1.23, else pulled with `STDERR_READ`). Replies `LAST` with no result.
 pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
-    let mut info = from_wire(read_keyed_path_info(&mut c.r, c.daemon.store().store_dir(), ProtocolVersion::new(1, 16))?);
+    let mut info = read_keyed_path_info(&mut c.r, c.daemon.store().store_dir(), ProtocolVersion::new(1, 16))?;
     read_bool(&mut c.r, "repair flag")?;
-    let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")? && c.peer.trusted;
+    let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")?;
     if !c.peer.trusted {
         info.ultimate = false;
     }
-    let settings = c.options.settings()?;
+    let policy = policy(c, dont_check_sigs);
     let store = Arc::clone(c.store());
-    let checked = if dont_check_sigs { Ok(()) } else { check_trust(&info, &settings, store.store_dir()) };
-    // Rooted before its validity is looked at (as Nix's `LocalStore::addToStore`).
-    let checked = checked.and_then(|()| c.add_temp_root(&info.path));
+    let roots = c.temp_roots.clone();
     if c.version.at_least(23) {
         let mut framed = FramedReader::new(&mut c.r);
-        let result = checked.and_then(|()| add_nar(&store, &info, &mut framed));
+        let result = policy.and_then(|policy| add_nar(&store, &roots, &policy, info, &mut framed));
         finish_framed(&mut framed)?;
         result?;
     } else {
-        checked?;
-        add_nar(&store, &info, &mut Tunnel { r: &mut c.r, w: &mut c.w })?;
+        add_nar(&store, &roots, &policy?, info, &mut Tunnel { r: &mut c.r, w: &mut c.w })?;
     }
     c.reply(|_, _| Ok(()))
 }
@@ -119,47 +117,57 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
 /// its keyed info (1.16 form) followed by its NAR. Replies `LAST` with no result.
 pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
     read_bool(&mut c.r, "repair flag")?;
-    let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")? && c.peer.trusted;
-    let settings = c.options.settings()?;
+    let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")?;
+    let policy = policy(c, dont_check_sigs);
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
-    let roots = &mut c.temp_roots;
-    let result = add_each(&store, roots, &settings, dont_check_sigs, &mut framed);
+    let result = policy.and_then(|policy| add_each(&store, &c.temp_roots, &policy, &mut framed));
     finish_framed(&mut framed)?;
     result?;
     c.reply(|_, _| Ok(()))
 }
 
-/// Adds each path of an AddMultipleToStore payload, rooting each in `roots` first.
-fn add_each(store: &Arc<LocalStore>, roots: &mut Option<TempRootsFile>, settings: &Settings, dont_check_sigs: bool, stream: &mut dyn Read) -> Result<(), Fail> {
+/// The signatures an addition by this client needs: the daemon's `require-sigs` and
+/// `trusted-public-keys`, waived by `dont_check_sigs` only for a trusted client (Nix's
+/// `daemon.cc`: `if (!trusted) dontCheckSigs = false`).
+fn policy(c: &Conn, dont_check_sigs: bool) -> Result<SignaturePolicy, Fail> {
+    let settings = c.options.settings()?;
+    let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| Fail::Op(format!("trusted-public-keys: {e}")))?;
+    Ok(SignaturePolicy { require_sigs: settings.require_sigs && !(dont_check_sigs && c.peer.trusted), trusted_keys })
+}
+
+/// Adds each path of an AddMultipleToStore payload.
+fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, stream: &mut dyn Read) -> Result<(), Fail> {
     let dir = store.store_dir();
     let count = read_u64(stream, "path count")?;
     if count > MAX_PATHS {
         return Err(Fail::Fatal(format!("AddMultipleToStore: {count} paths, more than the maximum of {MAX_PATHS}")));
     }
     for _ in 0..count {
-        let mut info = from_wire(read_keyed_path_info(stream, dir, ProtocolVersion::new(1, 16))?);
+        let mut info = read_keyed_path_info(stream, dir, ProtocolVersion::new(1, 16))?;
         info.ultimate = false;
-        if !dont_check_sigs {
-            check_trust(&info, settings, dir)?;
-        }
-        crate::conn::add_temp_root(store, roots, &info.path)?;
-        add_nar(store, &info, &mut stream.take(info.nar_size))?;
+        let nar_size = info.nar_size;
+        add_nar(store, roots, policy, info, &mut stream.take(nar_size))?;
     }
     Ok(())
 }
 
-/// Adds `info`'s path from the NAR in `nar` unless it is valid already (then `nar` is
-/// skipped, so that whatever follows it can be read).
-fn add_nar(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<(), Fail> {
-    match store.begin_add(&info.path).map_err(op_err)? {
+/// Adds `info`'s path from the NAR in `nar` under `policy` unless it is valid already (then
+/// `nar` is skipped, so that whatever follows it can be read). A path refused by the store's
+/// verification boundary fails the operation; the rest of its NAR is then left unread (the
+/// caller drains a framed stream).
+fn add_nar(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, info: ValidPathInfo, nar: &mut dyn Read) -> Result<(), Fail> {
+    let shown = store.store_dir().display_path(&info.path);
+    // Refused before its NAR is unpacked, if nobody vouches for it.
+    policy.vouch(store.store_dir(), &info).map_err(op_err)?;
+    match store.begin_add(info, roots).map_err(op_err)? {
         None => {
-            io::copy(nar, &mut io::sink()).map_err(|e| Fail::Fatal(format!("reading the NAR of {}: {e}", store.store_dir().display_path(&info.path))))?;
+            io::copy(nar, &mut io::sink()).map_err(|e| Fail::Fatal(format!("reading the NAR of {shown}: {e}")))?;
             Ok(())
         }
         Some(mut pending) => {
-            pending.unpack(nar, None).map_err(op_err)?;
-            pending.commit(info).map_err(op_err)
+            pending.unpack(nar).map_err(op_err)?;
+            pending.commit(policy).map_err(op_err)
         }
     }
 }
@@ -168,30 +176,6 @@ fn add_nar(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) ->
 /// read; a broken stream is fatal.
 pub(super) fn finish_framed(framed: &mut FramedReader<&mut Reader>) -> Result<(), Fail> {
     framed.drain().map(|_| ()).map_err(|e| Fail::Fatal(format!("reading the framed data: {e}")))
-}
-
-/// Whether `info` may be added without the client's word: a signature by a trusted key, a
-/// content address that yields its path, or `require-sigs = false`.
-fn check_trust(info: &ValidPathInfo, settings: &Settings, dir: &StoreDir) -> Result<(), Fail> {
-    if !settings.require_sigs {
-        return Ok(());
-    }
-    let shown = dir.display_path(&info.path);
-    if let Some(ca) = info.ca.as_deref().and_then(|c| ContentAddress::parse(c).ok()) {
-        let others: Vec<StorePath> = info.references.iter().filter(|r| **r != info.path).cloned().collect();
-        let self_ref = others.len() != info.references.len();
-        if ca.store_path(dir, info.path.name(), &others, self_ref).ok().as_ref() == Some(&info.path) {
-            return Ok(());
-        }
-    }
-    let keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| Fail::Op(format!("trusted-public-keys: {e}")))?;
-    let refs: Vec<String> = info.references.iter().map(|r| dir.display_path(r)).collect();
-    let fingerprint = format!("1;{shown};{};{};{}", info.nar_hash.to_nix32_prefixed(), info.nar_size, refs.join(","));
-    if keys.count_valid(&fingerprint, &info.sigs) > 0 {
-        Ok(())
-    } else {
-        Err(Fail::Op(format!("cannot add path '{shown}' because it lacks a signature by a trusted key")))
-    }
 }
 
 /// Copies what is read from `inner` into `copy` (to keep the NAR that the parser reads).

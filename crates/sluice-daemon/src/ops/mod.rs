@@ -12,11 +12,7 @@ mod query;
 mod realisation;
 mod realise;
 
-use sluice_nix::content_address::ContentAddress;
-use sluice_nix::wire::PathInfo;
-use sluice_store::path_info::ValidPathInfo;
-
-use crate::conn::{op_err, Conn, Fail, OpResult};
+use crate::conn::{Conn, Fail, OpResult};
 use crate::{options, roots};
 
 /// QueryPathInfo's number (its handler also takes further QueryPathInfo requests already read).
@@ -76,26 +72,4 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
         std::io::Write::flush(&mut c.w)?;
     }
     run(c)
-}
-
-/// The wire form of a store's path info. Fails if the database holds an unparsable content
-/// address.
-pub(crate) fn to_wire(info: ValidPathInfo) -> Result<PathInfo, Fail> {
-    let ca = info.ca.as_deref().map(ContentAddress::parse).transpose().map_err(op_err)?;
-    Ok(PathInfo {
-        path: info.path,
-        deriver: info.deriver,
-        nar_hash: info.nar_hash,
-        references: info.references,
-        registration_time: info.registration_time.max(0) as u64,
-        nar_size: info.nar_size,
-        ultimate: info.ultimate,
-        sigs: info.sigs,
-        ca,
-    })
-}
-
-/// The store form of a path info received from a client.
-pub(crate) fn from_wire(info: PathInfo) -> ValidPathInfo {
-    ValidPathInfo::from_wire(info)
 }

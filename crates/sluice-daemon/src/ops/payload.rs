@@ -12,8 +12,8 @@ use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::{NarPath, NarVisitor};
 use sluice_nix::store_path::StorePath;
-use sluice_store::local::{LocalStore, TempRootsFile};
-use sluice_store::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use tempfile::SpooledTempFile;
 
 use crate::conn::{op_err, Fail};
@@ -87,10 +87,12 @@ fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher
 /// Adds `data` as `name` with `references` by `method`; returns the path's info (also when it
 /// was valid already, in which case nothing is unpacked). The path is made a temporary root
 /// in `roots` before its validity is looked at, as Nix's `addToStoreFromDump` does, so that a
-/// collector cannot delete it between the look-up and the client's use of it.
+/// collector cannot delete it between the look-up and the client's use of it. The store
+/// checks the content address computed here against the unpacked content again.
 pub(super) fn add_content(
     store: &Arc<LocalStore>,
-    roots: &mut Option<TempRootsFile>,
+    roots: &TempRoots,
+    policy: &SignaturePolicy,
     name: &str,
     method: Ingestion,
     references: BTreeSet<StorePath>,
@@ -110,7 +112,7 @@ pub(super) fn add_content(
     let dir = store.store_dir();
     let self_ref = false;
     let path = ca.store_path(dir, name, &references.iter().cloned().collect::<Vec<_>>(), self_ref).map_err(op_err)?;
-    crate::conn::add_temp_root(store, roots, &path)?;
+    roots.add(&path).map_err(op_err)?;
     if let Some(info) = store.query_path_info(&path).map_err(op_err)? {
         return Ok(info);
     }
@@ -142,9 +144,9 @@ pub(super) fn add_content(
         registration_time: now(),
         ultimate: false,
         sigs: BTreeSet::new(),
-        ca: Some(ca.to_string()),
+        ca: Some(ca),
     };
-    store.add_nar_if_missing(&info, &mut nar).map_err(op_err)
+    store.add_nar_if_missing(info, &mut nar, policy, roots).map_err(op_err)
 }
 
 /// Seconds since the epoch.

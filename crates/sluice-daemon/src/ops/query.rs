@@ -3,10 +3,9 @@
 
 use sluice_nix::derivation::parse_outputs;
 use sluice_nix::store_path::StorePath;
-use sluice_store::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::{read_bool, MAX_PATH_LEN, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
 
-use super::to_wire;
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// IsValidPath: path → bool.
@@ -72,7 +71,7 @@ fn answer_path_infos(c: &mut Conn, paths: &[StorePath]) -> OpResult {
 /// The reply to one QueryPathInfo of `path`, whose registration is `info`.
 fn answer_path_info(c: &mut Conn, path: &StorePath, info: Option<ValidPathInfo>) -> OpResult {
     let version = c.version;
-    match info.map(to_wire).transpose()? {
+    match info {
         Some(info) => c.reply(|w, dir| {
             if version.at_least(17) {
                 write_bool(w, true)?;

@@ -33,7 +33,7 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
     let daemon = c.daemon;
     let dir = daemon.store().store_dir().clone();
     let w = &mut c.w;
-    let result = substitution::copy(daemon, &settings, c.options.use_substitutes, paths, |p| {
+    let result = substitution::copy(daemon, &settings, c.options.use_substitutes, &c.temp_roots.clone(), paths, |p| {
         let r = match p {
             Progress::Started(path) => {
                 let id = daemon.activity_id();

@@ -33,7 +33,7 @@ pub use types::{MAX_PATH_LEN,
     read_unkeyed_path_info, read_keyed_path_info, write_build_result, write_content_address, write_derived_path,
     write_keyed_build_result, write_keyed_path_info, write_optional_store_path, write_store_path,
     write_store_path_set, write_trusted_flag, write_unkeyed_path_info, BuildMode, BuildResult, BuildStatus,
-    DerivedPath, OutputsSpec, PathInfo,
+    DerivedPath, OutputsSpec,
 };
 pub use version::ProtocolVersion;
 

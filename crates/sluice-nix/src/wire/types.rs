@@ -8,6 +8,7 @@ use super::primitives::{read_bool, read_count, read_string, read_u64, write_bool
 use super::{ProtocolVersion, WireError};
 use crate::content_address::ContentAddress;
 use crate::hash::{Hash, HashAlgo};
+use crate::path_info::ValidPathInfo;
 use crate::store_path::{StoreDir, StorePath};
 
 /// Longest store path string accepted (store directory + `/` + base name), in bytes.
@@ -87,29 +88,14 @@ pub fn write_trusted_flag(w: &mut (impl Write + ?Sized), trusted: Option<bool>) 
     })
 }
 
-/// A path's metadata as the protocol carries it (`ValidPathInfo`; without `path`,
-/// `UnkeyedValidPathInfo`). Times in seconds since the epoch, sizes in bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PathInfo {
-    pub path: StorePath,
-    pub deriver: Option<StorePath>,
-    /// The NAR's hash (sha256; written in base16 without the algorithm).
-    pub nar_hash: Hash,
-    pub references: BTreeSet<StorePath>,
-    pub registration_time: u64,
-    pub nar_size: u64,
-    pub ultimate: bool,
-    pub sigs: BTreeSet<String>,
-    pub ca: Option<ContentAddress>,
-}
-
 /// Writes the unkeyed part of `info` (everything but `path`) for protocol `version`; the
 /// ultimate flag, signatures and content address only from 1.16.
-pub fn write_unkeyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, info: &PathInfo) -> io::Result<()> {
+pub fn write_unkeyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, info: &ValidPathInfo) -> io::Result<()> {
     write_optional_store_path(w, dir, info.deriver.as_ref())?;
     write_bytes(w, info.nar_hash.to_base16().as_bytes())?;
     write_store_path_set(w, dir, info.references.iter())?;
-    write_u64(w, info.registration_time)?;
+    // A time before the epoch does not occur; Nix writes `time_t` as an unsigned number.
+    write_u64(w, u64::try_from(info.registration_time).unwrap_or(0))?;
     write_u64(w, info.nar_size)?;
     if version.at_least(16) {
         write_bool(w, info.ultimate)?;
@@ -123,7 +109,7 @@ pub fn write_unkeyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, ve
 }
 
 /// Writes `info` with its path first (`ValidPathInfo`).
-pub fn write_keyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, info: &PathInfo) -> io::Result<()> {
+pub fn write_keyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, info: &ValidPathInfo) -> io::Result<()> {
     write_store_path(w, dir, &info.path)?;
     write_unkeyed_path_info(w, dir, version, info)
 }
@@ -131,12 +117,13 @@ pub fn write_keyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, vers
 /// Reads the unkeyed part of a path's metadata for `path` (the inverse of
 /// [`write_unkeyed_path_info`]). The NAR hash may be base16, nixbase32 or base64, with or
 /// without a `sha256:` prefix, as Nix's `Hash::parseAny` accepts.
-pub fn read_unkeyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion, path: StorePath) -> Result<PathInfo, WireError> {
+pub fn read_unkeyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion, path: StorePath) -> Result<ValidPathInfo, WireError> {
     let deriver = read_optional_store_path(r, dir, "deriver")?;
     let hash_text = read_string(r, MAX_SHORT_LEN, "NAR hash")?;
     let nar_hash = parse_nar_hash(&hash_text)?;
     let references = read_store_path_set(r, dir, "references")?;
-    let registration_time = read_u64(r, "registration time")?;
+    // Beyond `i64` (no real time) is clamped.
+    let registration_time = i64::try_from(read_u64(r, "registration time")?).unwrap_or(i64::MAX);
     let nar_size = read_u64(r, "NAR size")?;
     let (mut ultimate, mut sigs, mut ca) = (false, BTreeSet::new(), None);
     if version.at_least(16) {
@@ -147,11 +134,11 @@ pub fn read_unkeyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, vers
         }
         ca = read_content_address(r, "content address")?;
     }
-    Ok(PathInfo { path, deriver, nar_hash, references, registration_time, nar_size, ultimate, sigs, ca })
+    Ok(ValidPathInfo { path, deriver, nar_hash, references, registration_time, nar_size, ultimate, sigs, ca })
 }
 
 /// Reads a path and its metadata (the inverse of [`write_keyed_path_info`]).
-pub fn read_keyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion) -> Result<PathInfo, WireError> {
+pub fn read_keyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion) -> Result<ValidPathInfo, WireError> {
     let path = read_store_path(r, dir, "store path")?;
     read_unkeyed_path_info(r, dir, version, path)
 }

@@ -6,13 +6,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use sluice_nix::store_path::StorePath;
 
-use super::temp_roots::{self, TempRootsFile};
+use super::temp_roots::{self, TempRoots};
+use super::SignaturePolicy;
 use super::{LocalStore, LocalStoreError};
-use crate::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
 
 impl LocalStore {
     /// The store's root directory (`/` for the system store; `DIR` of `local?root=DIR`).
@@ -25,11 +25,10 @@ impl LocalStore {
         &self.layout.state_dir
     }
 
-    /// A new file of temporary roots that Nix's garbage collector honours, named after the
-    /// calling thread; its roots last until it is dropped. A thread holds at most one at a
-    /// time (a second one replaces the first's file).
-    pub fn temp_roots_file(&self) -> Result<TempRootsFile, LocalStoreError> {
-        TempRootsFile::create(&self.layout.state_dir, &self.store_dir)
+    /// A new holder of temporary roots that Nix's garbage collector honours; its file is made
+    /// at the first root, and the roots last until its last clone is dropped.
+    pub fn temp_roots(&self) -> TempRoots {
+        TempRoots::new(&self.layout.state_dir, &self.store_dir)
     }
 
     /// The temporary roots of every live holder (Nix's and sluice's), each path with the
@@ -62,27 +61,20 @@ impl LocalStore {
         self.registry.path_from_hash_part(self.store_dir.as_str(), hash_part)
     }
 
-    /// Adds `info`'s path from the NAR in `nar` unless it is valid, and returns its
-    /// registration either way: the existing one (nothing is read from `nar`), or `info` as
-    /// registered (a registration time of 0 becomes now). One validity lookup when the path
-    /// is valid.
-    pub fn add_nar_if_missing(self: &Arc<Self>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<ValidPathInfo, LocalStoreError> {
-        if let Some(existing) = self.query_path_info(&info.path)? {
+    /// Adds `info`'s path from the NAR in `nar` under `policy` unless it is valid, and returns
+    /// its registration either way (nothing is read from `nar` for a valid path). The path is
+    /// made a temporary root in `roots` before its validity is looked at.
+    pub fn add_nar_if_missing(self: &Arc<Self>, info: ValidPathInfo, nar: &mut dyn Read, policy: &SignaturePolicy, roots: &TempRoots) -> Result<ValidPathInfo, LocalStoreError> {
+        roots.add(&info.path)?;
+        let path = info.path.clone();
+        if let Some(existing) = self.query_path_info(&path)? {
             return Ok(existing);
         }
-        match self.begin_add(&info.path)? {
-            // Added by another process meanwhile.
-            None => self.query_path_info(&info.path)?.ok_or_else(|| LocalStoreError::NotValid { path: self.store_dir.display_path(&info.path) }),
-            Some(mut pending) => {
-                pending.unpack(nar, None)?;
-                pending.commit(info)?;
-                let mut registered = info.clone();
-                if registered.registration_time == 0 {
-                    registered.registration_time =
-                        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-                }
-                Ok(registered)
-            }
+        // `None`: added by another process meanwhile.
+        if let Some(mut pending) = self.begin_add(info, roots)? {
+            pending.unpack(nar)?;
+            pending.commit(policy)?;
         }
+        self.query_path_info(&path)?.ok_or_else(|| LocalStoreError::NotValid { path: self.store_dir.display_path(&path) })
     }
 }

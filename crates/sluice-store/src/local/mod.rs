@@ -2,12 +2,21 @@
 //! with Nix's schema version 10) so that real Nix reads what sluice writes and vice versa.
 //! Source of the layout and schema: Nix `src/libstore/local-store.cc`, `schema.sql`.
 //!
-//! Adding a path: [`LocalStore::begin_add`] takes the per-path lock (`<path>.lock`, flock, as
-//! Nix's `PathLocks`), [`PendingPath`] unpacks a NAR into a temporary directory in the store
-//! directory while hashing it and gives every node Nix's canonical metadata as it is made,
-//! [`PendingPath::commit`] checks NarHash and NarSize, renames into place and registers the path in one transaction once all its
-//! references are valid. Nothing appears at a store path's location before its contents are
-//! complete and durable, and a tree found there unregistered (after a crash) is replaced.
+//! Adding a path: [`LocalStore::begin_add`] makes the path a temporary GC root of the caller's
+//! [`TempRoots`] and takes the per-path lock (`<path>.lock`, flock, as Nix's `PathLocks`);
+//! [`PendingPath`] unpacks a NAR into a temporary tree while hashing it and gives every node
+//! Nix's canonical metadata as it is made; [`PendingPath::commit`] passes the verification
+//! boundary ([`verify`](self::verify): hashes, content address, signatures), renames the tree
+//! into place and registers the path in one transaction once all its references are valid.
+//! Nothing appears at a store path's location before its contents are complete, verified and
+//! durable, and a tree found there unregistered (after a crash) is replaced.
+//!
+//! Temporary trees live in one directory of the store directory, [`TEMP_DIR`], named like a
+//! store path so that Nix's garbage collector spares it while a holder of temporary roots
+//! roots its hash part (every adding holder does), and deletes it with whatever a killed run
+//! left once nobody does. A tree there is named after its path's base name and belongs to
+//! the holder of that path's lock; the first addition of each opened store removes the
+//! trees whose lock nobody holds.
 
 mod api;
 mod dump;
@@ -20,28 +29,37 @@ mod schema;
 mod temp_roots;
 mod tree;
 mod unpack;
+mod verify;
 
 pub use fs_nar::{dump_fs_path, restore_nar};
-pub use temp_roots::TempRootsFile;
+pub use temp_roots::TempRoots;
+pub use verify::{SignaturePolicy, Vouched};
 
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
-use rustix::fs::{open, openat, renameat, syncfs, Mode, OFlags};
+use rustix::fs::{mkdirat, open, openat, renameat, syncfs, Mode, OFlags};
 use sluice_nix::derivation::{parse_outputs, DerivationError};
-use sluice_nix::hash::{Hash, HashAlgo, HashingReader};
+use sluice_nix::hash::{Hash, HashingReader, Hasher};
+use sluice_nix::hash_modulo::ModuloHasher;
 use sluice_nix::nar::reader::{parse, NarError};
 use sluice_nix::nar::writer::NarWriter;
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::path_info::ValidPathInfo;
 use layout::Layout;
 use lock::PathLock;
 use registry::Registry;
+use verify::CaHashing;
+
+/// The directory of temporary trees in the store directory (see the module documentation).
+/// Its hash part is a temporary root of every holder that adds paths.
+pub const TEMP_DIR: &str = "00000000000000000000000000000000-sluice-unpacking";
 
 /// Errors of the local store. Each names the store path or file concerned.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +88,15 @@ pub enum LocalStoreError {
     /// The unpacked NAR's size (bytes) is not the one the path's info claims.
     #[error("NAR size mismatch for {path}: expected {expected} bytes, got {actual} bytes")]
     SizeMismatch { path: String, expected: u64, actual: u64 },
+    /// The unpacked content's hash is not the one its content address carries (Nix's words).
+    #[error("ca hash mismatch importing path '{path}';\n  specified: {specified}\n  got:       {actual}")]
+    CaMismatch { path: String, specified: String, actual: String },
+    /// The content address does not yield the path for its name and references.
+    #[error("cannot add path '{path}': its content address {ca} implies {implied}")]
+    CaPath { path: String, ca: String, implied: String },
+    /// Nobody the policy trusts vouches for the path (Nix's words, then who signed it).
+    #[error("cannot add path '{path}' because it lacks a signature by a trusted key ({detail})")]
+    Untrusted { path: String, detail: String },
     /// A path cannot be registered before its references are valid.
     #[error("cannot register {path}: its reference {reference} is not valid")]
     MissingReference { path: String, reference: String },
@@ -95,16 +122,20 @@ pub struct LocalStore {
     /// The real store directory, opened once: every node of a store path is reached from it.
     store_fd: OwnedFd,
     registry: Registry,
+    /// Removal of the temporary trees killed runs left, at the first addition.
+    stale_trees: Once,
 }
 
-/// What unpacking a NAR produced: the NAR's own hash and size, and for a NAR whose root is a
-/// regular file, the hash of that file's contents (for flat and text content addresses).
+/// What unpacking a NAR produced: the NAR's own hash (sha256) and size, and the hash its
+/// path's content address asks for, computed from the content (`None` without a content
+/// address, for a `fixed:r:sha256` one without self-reference, which is the NAR hash, and
+/// for a flat one whose NAR root is not a regular file).
 #[derive(Debug, Clone)]
 pub struct Unpacked {
     pub nar_hash: Hash,
     /// Bytes of the NAR.
     pub nar_size: u64,
-    pub flat_hash: Option<Hash>,
+    pub ca_hash: Option<Hash>,
 }
 
 /// What [`LocalStore::try_begin_add`] found.
@@ -117,20 +148,22 @@ pub enum TryAdd {
     Pending(PendingPath),
 }
 
-/// A store path being added: holds the per-path lock and a temporary directory inside the
-/// store directory. Dropping it without `commit` removes the temporary tree and the lock.
-/// (It owns an `Arc` of its store so that it can move between threads and tasks while it
-/// waits for its references to become valid.)
+/// A store path being added with the info its source claims: holds the per-path lock, the
+/// caller's temporary roots (the path and [`TEMP_DIR`] among them) and the temporary tree
+/// `TEMP_DIR/<base name>`. Dropping it without `commit` removes the temporary tree and the
+/// lock. (It owns an `Arc` of its store so that it can move between threads and tasks while
+/// it waits for its references to become valid.)
 pub struct PendingPath {
     store: Arc<LocalStore>,
-    path: StorePath,
-    /// Name of the temporary tree in the store directory: `.<base name>.sluice`. Only the
-    /// holder of the path's lock uses it, so it needs no unique suffix, and a leftover one is
-    /// found without listing the store directory.
-    temp_name: String,
+    info: ValidPathInfo,
+    /// [`TEMP_DIR`], opened after it was rooted. Only the holder of the path's lock uses the
+    /// tree named after the path there.
+    temp_dir: OwnedFd,
     unpacked: Option<Unpacked>,
     /// Released (and its file deleted) after `Drop::drop` has removed the temporary tree.
     _lock: PathLock,
+    /// Keeps the roots until the path is registered or given up.
+    _roots: TempRoots,
 }
 
 impl LocalStore {
@@ -147,7 +180,7 @@ impl LocalStore {
         let db = schema::open(&layout.db_dir)?;
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, store_fd, registry })
+        Ok(LocalStore { store_dir, layout, store_fd, registry, stale_trees: Once::new() })
     }
 
     /// The logical store directory (`/nix/store`).
@@ -211,69 +244,115 @@ impl LocalStore {
         lock::clear_stale(&self.real_path(path));
     }
 
-    /// Takes the per-path lock for `path` (blocking while another process holds it). Returns
-    /// `None` when the path is already valid (possibly added meanwhile by the holder).
-    /// Otherwise removes whatever an interrupted addition left: an unregistered tree at the
-    /// path's location and this path's temporary tree.
-    pub fn begin_add(self: &Arc<Self>, path: &StorePath) -> Result<Option<PendingPath>, LocalStoreError> {
-        if self.is_valid_path(path)? {
+    /// Makes `info.path` a temporary root in `roots`, then takes its per-path lock (blocking
+    /// while another process holds it). Returns `None` when the path is already valid
+    /// (possibly added meanwhile by the holder). Otherwise removes whatever an interrupted
+    /// addition left: an unregistered tree at the path's location and its temporary tree.
+    pub fn begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+        roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
+        if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
-        let real_path = self.real_path(path);
+        let real_path = self.real_path(&info.path);
         let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
-        self.start_add(path, lock)
+        self.start_add(info, lock, roots)
     }
 
     /// [`LocalStore::begin_add`] without blocking: [`TryAdd::Busy`] while another process
     /// (or thread) holds the path's lock, so that a caller can wait without tying up a thread
     /// and without holding other resources (two copies sharing a store would otherwise be
     /// able to starve each other).
-    pub fn try_begin_add(self: &Arc<Self>, path: &StorePath) -> Result<TryAdd, LocalStoreError> {
-        if self.is_valid_path(path)? {
+    pub fn try_begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
+        if self.is_valid_path(&info.path)? {
             return Ok(TryAdd::Valid);
         }
-        let real_path = self.real_path(path);
+        let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
-            Some(lock) => Ok(self.start_add(path, lock)?.map_or(TryAdd::Valid, TryAdd::Pending)),
+            Some(lock) => Ok(self.start_add(info, lock, roots)?.map_or(TryAdd::Valid, TryAdd::Pending)),
         }
     }
 
-    /// With `path`'s lock held: `None` if it became valid, else a cleaned-up [`PendingPath`].
-    fn start_add(self: &Arc<Self>, path: &StorePath, lock: PathLock) -> Result<Option<PendingPath>, LocalStoreError> {
-        let real_path = self.real_path(path);
-        if self.is_valid_path(path)? {
+    /// The subset of `paths` that is valid, after making every one of them a temporary root
+    /// in `roots` (Nix's order), so that a collector cannot delete a path found valid while
+    /// the caller builds on it.
+    pub fn query_valid_paths_rooted(&self, paths: &[StorePath], roots: &TempRoots) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+        roots.add_all(paths)?;
+        self.query_valid_paths(paths)
+    }
+
+    /// [`TEMP_DIR`] as a store path, for rooting.
+    fn temp_dir_path(&self) -> StorePath {
+        StorePath::from_base_name(TEMP_DIR).expect("TEMP_DIR is a valid base name")
+    }
+
+    /// With `info.path`'s lock held: `None` if it became valid, else a cleaned-up
+    /// [`PendingPath`].
+    fn start_add(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+        let real_path = self.real_path(&info.path);
+        if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
-        if tree::remove_tree(self.store_fd.as_fd(), path.base_name().as_bytes()).map_err(io_err("removing", &real_path))? {
+        if tree::remove_tree(self.store_fd.as_fd(), info.path.base_name().as_bytes()).map_err(io_err("removing", &real_path))? {
             tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
         }
-        let pending = PendingPath {
-            store: Arc::clone(self),
-            path: path.clone(),
-            temp_name: format!(".{}.sluice", path.base_name()),
-            unpacked: None,
-            _lock: lock,
-        };
+        let temp_dir = self.open_temp_dir()?;
+        let pending = PendingPath { store: Arc::clone(self), info, temp_dir, unpacked: None, _lock: lock, _roots: roots.clone() };
         pending.remove_temp()?;
         Ok(Some(pending))
     }
 
+    /// Opens [`TEMP_DIR`] (rooted by the caller), creating it if missing; the first time, also
+    /// removes the trees there whose path's lock nobody holds (left by a killed run).
+    fn open_temp_dir(&self) -> Result<OwnedFd, LocalStoreError> {
+        let path = self.layout.real_store_dir.join(TEMP_DIR);
+        match mkdirat(self.store_fd.as_fd(), TEMP_DIR, Mode::RWXU) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(io_err("creating", &path)(e.into())),
+        }
+        let dir = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
+        self.stale_trees.call_once(|| self.remove_stale_trees(dir.as_fd()));
+        Ok(dir)
+    }
+
+    /// Removes the trees in the temporary directory `dir` whose path's lock can be taken:
+    /// their adder is gone. Best effort: a failure is logged.
+    fn remove_stale_trees(&self, dir: std::os::fd::BorrowedFd<'_>) {
+        let names = match tree::sorted_entries(dir) {
+            Ok(names) => names,
+            Err(e) => return tracing::warn!("listing {}: {e}", self.layout.real_store_dir.join(TEMP_DIR).display()),
+        };
+        for name in names {
+            let Ok(lock) = PathLock::try_acquire(&self.layout.real_store_dir.join(std::ffi::OsStr::from_bytes(&name))) else { continue };
+            if lock.is_none() {
+                continue; // its adder is at work
+            }
+            match tree::remove_tree(dir, &name) {
+                Ok(_) => tracing::info!("removed the temporary tree {} left by an interrupted addition", String::from_utf8_lossy(&name)),
+                Err(e) => tracing::warn!("removing the temporary tree {}: {e}", String::from_utf8_lossy(&name)),
+            }
+        }
+    }
+
     /// Commits unpacked paths, given in dependency order (a path's references are valid or
-    /// earlier in `batch`): each is verified and moved into place as by
-    /// [`PendingPath::commit`], then one `syncfs` makes them durable and one transaction
-    /// registers all that were placed. Returns one result per path, in order; a path that
-    /// fails (or depends on one that failed) is not registered and nothing is left at its
-    /// final path. If the `syncfs` or the transaction fails, every placed path fails.
-    pub fn commit_all(&self, batch: Vec<(PendingPath, ValidPathInfo)>) -> Vec<Result<(), LocalStoreError>> {
+    /// earlier in `batch`): each passes the verification boundary under `policy` and is moved
+    /// into place as by [`PendingPath::commit`], then one `syncfs` makes them durable and one
+    /// transaction registers all that were placed (a registration time of 0 becomes now, as
+    /// in Nix's `registerValidPath`).
+    /// Returns one result per path, in order; a path that fails (or depends on one that
+    /// failed) is not registered and nothing is left at its final path. If the `syncfs` or the
+    /// transaction fails, every placed path fails.
+    pub fn commit_all(&self, batch: Vec<PendingPath>, policy: &SignaturePolicy) -> Vec<Result<(), LocalStoreError>> {
         let mut placed = BTreeSet::new();
         let mut results = Vec::with_capacity(batch.len());
         let mut outputs = Vec::with_capacity(batch.len());
-        for (pending, info) in &batch {
-            let failed_ref = info.references.iter().find(|r| batch.iter().any(|(p, _)| p.path == **r && !placed.contains(*r)) && **r != info.path);
+        for pending in &batch {
+            let info = &pending.info;
+            let failed_ref = info.references.iter().find(|r| batch.iter().any(|p| p.info.path == **r && !placed.contains(*r)) && **r != info.path);
             let result = match failed_ref {
                 Some(r) => Err(LocalStoreError::MissingReference { path: pending.shown(), reference: self.store_dir.display_path(r) }),
-                None => pending.place(info, &placed),
+                None => pending.place(policy, &placed),
             };
             match result {
                 Ok(out) => {
@@ -287,12 +366,8 @@ impl LocalStore {
                 }
             }
         }
-        let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> = batch
-            .iter()
-            .zip(outputs)
-            .filter(|((_, info), _)| placed.contains(&info.path))
-            .map(|((_, info), out)| (info, out))
-            .collect();
+        let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> =
+            batch.iter().zip(outputs).filter(|(p, _)| placed.contains(&p.info.path)).map(|(p, out)| (&p.info, out)).collect();
         if items.is_empty() {
             return results;
         }
@@ -302,10 +377,10 @@ impl LocalStore {
             .and_then(|()| self.registry.register_all(&items));
         if let Err(e) = registered {
             let message = e.to_string();
-            for ((pending, info), result) in batch.iter().zip(results.iter_mut()) {
-                if placed.contains(&info.path) {
+            for (pending, result) in batch.iter().zip(results.iter_mut()) {
+                if placed.contains(&pending.info.path) {
                     // Nothing stays at a store path's location unregistered.
-                    let _ = tree::remove_tree(store_fd, pending.path.base_name().as_bytes());
+                    let _ = tree::remove_tree(store_fd, pending.info.path.base_name().as_bytes());
                     *result = Err(LocalStoreError::Registration { path: pending.shown(), reason: message.clone() });
                 }
             }
@@ -313,29 +388,33 @@ impl LocalStore {
         results
     }
 
-    /// Adds `path` from its NAR: [`begin_add`](Self::begin_add), [`PendingPath::unpack`],
-    /// [`PendingPath::commit`]. Returns `false` (reading nothing) if the path is already
-    /// valid.
-    pub fn add_nar(self: &Arc<Self>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<bool, LocalStoreError> {
-        let Some(mut pending) = self.begin_add(&info.path)? else {
+    /// Adds `info`'s path from its NAR under `policy`: [`begin_add`](Self::begin_add),
+    /// [`PendingPath::unpack`], [`PendingPath::commit`]. Returns `false` (reading nothing)
+    /// if the path is already valid.
+    pub fn add_nar(self: &Arc<Self>, info: ValidPathInfo, nar: &mut dyn Read, policy: &SignaturePolicy, roots: &TempRoots) -> Result<bool, LocalStoreError> {
+        let Some(mut pending) = self.begin_add(info, roots)? else {
             return Ok(false);
         };
-        pending.unpack(nar, None)?;
-        pending.commit(info)?;
+        pending.unpack(nar)?;
+        pending.commit(policy)?;
         Ok(true)
     }
 }
 
 impl PendingPath {
-    /// Unpacks the NAR read from `nar` into the temporary directory, hashing it (sha256) as it
-    /// goes; `flat_algo` asks for the hash of a root regular file's contents. Reads exactly
-    /// the NAR and fails on trailing bytes. On failure the temporary tree is removed, so the
-    /// path can be unpacked again (e.g. from another source); a second call replaces the
-    /// first's tree.
-    pub fn unpack(&mut self, nar: &mut dyn std::io::Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> {
+    /// The info the path is being added with.
+    pub fn info(&self) -> &ValidPathInfo {
+        &self.info
+    }
+
+    /// Unpacks the NAR read from `nar` into the temporary tree, hashing it (sha256, and what
+    /// the info's content address needs) as it goes. Reads exactly the NAR and fails on
+    /// trailing bytes. On failure the temporary tree is removed, so the path can be unpacked
+    /// again (e.g. from another source); a second call replaces the first's tree.
+    pub fn unpack(&mut self, nar: &mut dyn Read) -> Result<Unpacked, LocalStoreError> {
         self.unpacked = None;
         self.remove_temp()?;
-        let result = self.unpack_into_temp(nar, flat_algo);
+        let result = self.unpack_into_temp(nar);
         if result.is_err() {
             // The unpack error is the one to report.
             let _ = self.remove_temp();
@@ -345,72 +424,73 @@ impl PendingPath {
         Ok(unpacked)
     }
 
-    fn unpack_into_temp(&self, nar: &mut dyn Read, flat_algo: Option<HashAlgo>) -> Result<Unpacked, LocalStoreError> {
+    fn unpack_into_temp(&self, nar: &mut dyn Read) -> Result<Unpacked, LocalStoreError> {
         let shown = self.shown();
-        let mut reader = HashingReader::new(nar, HashAlgo::Sha256);
-        let mut unpacker = unpack::Unpacker::new(self.store.store_fd.as_fd(), self.temp_name.as_bytes(), flat_algo, unpack::FileModes::STORE);
+        let hashing = verify::ca_hashing(&self.info);
+        let (flat_algo, nar_hasher) = match &hashing {
+            Some(CaHashing::Flat(algo)) => (Some(*algo), None),
+            Some(CaHashing::Nar { algo, modulo: Some(m) }) => (None, Some(ContentHasher::Modulo(ModuloHasher::new(*algo, m.as_bytes())))),
+            Some(CaHashing::Nar { algo, modulo: None }) => (None, Some(ContentHasher::Plain(Hasher::new(*algo)))),
+            Some(CaHashing::NarHash) | None => (None, None),
+        };
+        let mut reader = HashingReader::new(ContentHashingReader { inner: nar, hasher: nar_hasher }, sluice_nix::hash::HashAlgo::Sha256);
+        let name = self.info.path.base_name().as_bytes();
+        let mut unpacker = unpack::Unpacker::new(self.temp_dir.as_fd(), name, flat_algo, unpack::FileModes::STORE);
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
-        if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.path)))? {
+        if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.info.path)))? {
             return Err(LocalStoreError::TrailingData { path: shown });
         }
-        let (nar_hash, _) = reader.finish();
-        Ok(Unpacked { nar_hash, nar_size, flat_hash: unpacker.flat_hash() })
+        let (nar_hash, content) = reader.finish();
+        let ca_hash = match content.hasher {
+            Some(h) => Some(h.finish()),
+            None => unpacker.flat_hash(),
+        };
+        Ok(Unpacked { nar_hash, nar_size, ca_hash })
     }
 
-    /// Checks `info.nar_hash`/`nar_size` against what was unpacked, renames the tree to its
-    /// final path and registers `info` in one transaction. Fails (leaving nothing at the final
-    /// path) if a reference other than the path itself is not valid.
-    /// The tree's contents and its rename are made durable (`syncfs` of the store's file
-    /// system) before the registration is committed. [`LocalStore::commit_all`] does the same
-    /// for many paths with one `syncfs` and one transaction.
-    pub fn commit(self, info: &ValidPathInfo) -> Result<(), LocalStoreError> {
+    /// Passes the verification boundary under `policy`, renames the tree to its final path
+    /// and registers the path in one transaction. Fails (leaving nothing at the final path)
+    /// if the path fails verification or a reference other than the path itself is not
+    /// valid. The tree's contents and its rename are made durable (`syncfs` of the store's
+    /// file system) before the registration is committed. [`LocalStore::commit_all`] does
+    /// the same for many paths with one `syncfs` and one transaction.
+    pub fn commit(self, policy: &SignaturePolicy) -> Result<(), LocalStoreError> {
         let store = Arc::clone(&self.store);
         let shown = self.shown();
-        store.commit_all(vec![(self, info.clone())]).pop().unwrap_or(Err(LocalStoreError::Misuse { path: shown, what: "no commit result" }))
+        store.commit_all(vec![self], policy).pop().unwrap_or(Err(LocalStoreError::Misuse { path: shown, what: "no commit result" }))
     }
 
-    /// Verifies the unpacked tree against `info`, checks that every reference is valid or in
-    /// `batch`, and renames the tree to its final path. Returns the derivation outputs to
-    /// register.
-    fn place(&self, info: &ValidPathInfo, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+    /// Verifies the unpacked tree against the info (see [`verify`](self::verify)), checks
+    /// that every reference is valid or in `batch`, and renames the tree to its final path.
+    /// Returns the derivation outputs to register.
+    fn place(&self, policy: &SignaturePolicy, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
-        if info.path != self.path {
-            return Err(LocalStoreError::Misuse { path: shown, what: "committed with the info of another path" });
-        }
+        let info = &self.info;
         let Some(unpacked) = &self.unpacked else {
             return Err(LocalStoreError::Misuse { path: shown, what: "committed before a successful unpack" });
         };
-        if unpacked.nar_hash != info.nar_hash {
-            return Err(LocalStoreError::HashMismatch {
-                path: shown,
-                expected: info.nar_hash.to_nix32_prefixed(),
-                actual: unpacked.nar_hash.to_nix32_prefixed(),
-            });
-        }
-        if unpacked.nar_size != info.nar_size {
-            return Err(LocalStoreError::SizeMismatch { path: shown, expected: info.nar_size, actual: unpacked.nar_size });
-        }
-        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != self.path && !batch.contains(*r)).collect();
+        verify::verify(&self.store.store_dir, info, unpacked, policy)?;
+        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != info.path && !batch.contains(*r)).collect();
         let valid = self.store.registry.valid_paths(others.iter().copied())?;
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
         }
         let outputs = self.derivation_outputs()?;
-        let store_fd = self.store.store_fd.as_fd();
-        renameat(store_fd, self.temp_name.as_str(), store_fd, self.path.base_name())
-            .map_err(|e| io_err("renaming into place", &self.store.real_path(&self.path))(e.into()))?;
+        let name = info.path.base_name();
+        renameat(self.temp_dir.as_fd(), name, self.store.store_fd.as_fd(), name)
+            .map_err(|e| io_err("renaming into place", &self.store.real_path(&info.path))(e.into()))?;
         Ok(outputs)
     }
 
     /// For a `.drv` path, the outputs with a path named in the unpacked derivation.
     fn derivation_outputs(&self) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
-        if !self.path.is_derivation() {
+        if !self.info.path.is_derivation() {
             return Ok(Vec::new());
         }
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let mut aterm = Vec::new();
-        openat(self.store.store_fd.as_fd(), self.temp_name.as_str(), flags, Mode::empty())
+        openat(self.temp_dir.as_fd(), self.info.path.base_name(), flags, Mode::empty())
             .map_err(io::Error::from)
             .and_then(|fd| File::from(fd).read_to_end(&mut aterm))
             .map_err(io_err("reading the derivation", &self.temp_path()))?;
@@ -421,17 +501,17 @@ impl PendingPath {
 
     /// Removes the temporary tree, if any.
     fn remove_temp(&self) -> Result<(), LocalStoreError> {
-        tree::remove_tree(self.store.store_fd.as_fd(), self.temp_name.as_bytes()).map_err(io_err("removing", &self.temp_path()))?;
+        tree::remove_tree(self.temp_dir.as_fd(), self.info.path.base_name().as_bytes()).map_err(io_err("removing", &self.temp_path()))?;
         Ok(())
     }
 
     fn temp_path(&self) -> PathBuf {
-        self.store.layout.real_store_dir.join(&self.temp_name)
+        self.store.layout.real_store_dir.join(TEMP_DIR).join(self.info.path.base_name())
     }
 
     /// The full store path, for messages.
     fn shown(&self) -> String {
-        self.store.store_dir.display_path(&self.path)
+        self.store.store_dir.display_path(&self.info.path)
     }
 }
 
@@ -440,6 +520,44 @@ impl Drop for PendingPath {
         if let Err(e) = self.remove_temp() {
             tracing::warn!("{e}");
         }
+    }
+}
+
+/// A content hash over the NAR ([`CaHashing::Nar`]).
+enum ContentHasher {
+    Plain(Hasher),
+    Modulo(ModuloHasher),
+}
+
+impl ContentHasher {
+    fn update(&mut self, data: &[u8]) {
+        match self {
+            ContentHasher::Plain(h) => h.update(data),
+            ContentHasher::Modulo(h) => h.update(data),
+        }
+    }
+
+    fn finish(self) -> Hash {
+        match self {
+            ContentHasher::Plain(h) => h.finish(),
+            ContentHasher::Modulo(h) => h.finish(),
+        }
+    }
+}
+
+/// A reader that feeds what passes through it to a content hasher, if any.
+struct ContentHashingReader<'a> {
+    inner: &'a mut dyn Read,
+    hasher: Option<ContentHasher>,
+}
+
+impl Read for ContentHashingReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if let Some(h) = &mut self.hasher {
+            h.update(&buf[..n]);
+        }
+        Ok(n)
     }
 }
 

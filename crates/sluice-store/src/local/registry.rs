@@ -10,12 +10,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::Hash;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use super::schema::Database;
 use super::LocalStoreError;
-use crate::path_info::ValidPathInfo;
+use sluice_nix::path_info::ValidPathInfo;
 
 /// A path's row and its references (space-separated: store paths contain no spaces) in one
 /// statement, so that a lookup takes the database's read lock once.
@@ -123,7 +124,10 @@ impl Registry {
             registration_time,
             ultimate: ultimate == Some(1),
             sigs: sigs.iter().flat_map(|s| s.split(' ')).filter(|s| !s.is_empty()).map(str::to_owned).collect(),
-            ca: ca.filter(|c| !c.is_empty()),
+            ca: ca
+                .filter(|c| !c.is_empty())
+                .map(|c| ContentAddress::parse(&c).map_err(|e| self.corrupt(format!("content address of {shown}: {e}"))))
+                .transpose()?,
         }))
     }
 
@@ -209,7 +213,7 @@ impl Registry {
                     (info.nar_size != 0).then_some(info.nar_size as i64),
                     info.ultimate.then_some(1),
                     (!sigs.is_empty()).then_some(sigs),
-                    info.ca,
+                    info.ca.as_ref().map(ContentAddress::to_string),
                 ])
             })
             .map_err(self.sql_err(err))?;

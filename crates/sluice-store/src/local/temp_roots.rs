@@ -4,29 +4,79 @@
 //! full store path followed by a NUL byte; the collector treats a file it can lock as stale.
 //! While a collector runs it holds `<state>/gc.lock` exclusively and listens on
 //! `<state>/gc-socket/socket`: a root added then is sent to it (path and a newline; it answers
-//! one byte) before it is written to the file.
+//! one byte) before it is written to the file. The collector keeps roots by hash part: a root
+//! protects every name with the same hash part (the path's lock file too).
 //!
-//! Nix names the file after its process id. sluice gives each holder its own file named after
-//! the id of the thread that creates it (a daemon keeps one per connection, so that a
-//! connection's roots end with it, as they end with a `nix-daemon` child process). Thread
-//! and process ids share one number space, so the name is a number no live process uses, as
-//! Nix's collector (`std::stoi` on the name) expects.
+//! Nix names the file after its process id. sluice gives each holder ([`TempRoots`]) its own
+//! file, `<pid>-<n>` with `n` counting the holders this process made (a daemon keeps one per
+//! connection, so that a connection's roots end with it, as they end with a `nix-daemon`
+//! child process). Nix's collector reads the leading number as the owner's process id
+//! (`std::stoi`).
+//!
+//! Roots are added before the paths they protect are looked at (Nix's order: `addTempRoot`,
+//! then `isValidPath`): a collector that is deleting the path at that moment finishes first
+//! (it answers a socket root only after its deletion of that hash part ends), so the path is
+//! then seen as invalid and added again.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use rustix::fs::{flock, FlockOperation};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use super::{io_err, LocalStoreError};
 
+/// The temporary roots of one holder (a `sluice copy` run, a daemon connection), shared by
+/// the threads and tasks working for it: cloning shares the roots. The file is created at
+/// the first root and deleted (the roots end) when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub struct TempRoots {
+    file: Arc<Mutex<Option<TempRootsFile>>>,
+    state_dir: Arc<Path>,
+    store_dir: StoreDir,
+}
+
+impl TempRoots {
+    pub(super) fn new(state_dir: &Path, store_dir: &StoreDir) -> Self {
+        TempRoots { file: Arc::default(), state_dir: state_dir.into(), store_dir: store_dir.clone() }
+    }
+
+    /// Makes `path` a temporary root until the last clone of this holder is dropped (see
+    /// [`TempRoots::add_all`]).
+    pub fn add(&self, path: &StorePath) -> Result<(), LocalStoreError> {
+        self.add_all(std::slice::from_ref(path))
+    }
+
+    /// Makes `paths` temporary roots until the last clone of this holder is dropped. Costs
+    /// nothing for paths added before; the others are written in one `write` under one
+    /// shared GC lock (or, while a collector runs, sent to it one by one first).
+    pub fn add_all(&self, paths: &[StorePath]) -> Result<(), LocalStoreError> {
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let file = match &mut *file {
+            Some(f) => f,
+            None => file.insert(TempRootsFile::create(&self.state_dir, &self.store_dir)?),
+        };
+        file.add_all(paths)
+    }
+
+    /// The file's path (`<state>/temproots/<pid>-<n>`), once a root was added.
+    pub fn path(&self) -> Option<PathBuf> {
+        self.file.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|f| f.path.clone())
+    }
+}
+
+/// Holders made by this process, for the file names.
+static HOLDERS: AtomicU64 = AtomicU64::new(0);
+
 /// A file of temporary roots, locked while this value lives; dropping it deletes the file (the
 /// roots end).
 #[derive(Debug)]
-pub struct TempRootsFile {
+struct TempRootsFile {
     file: File,
     path: PathBuf,
     /// `<state>/gc.lock`, opened once.
@@ -38,11 +88,11 @@ pub struct TempRootsFile {
 }
 
 impl TempRootsFile {
-    /// Creates `<state_dir>/temproots/<thread id>` and locks it, replacing a stale file of
+    /// Creates `<state_dir>/temproots/<pid>-<n>` and locks it, replacing a stale file of
     /// that name.
-    pub(super) fn create(state_dir: &Path, store_dir: &StoreDir) -> Result<Self, LocalStoreError> {
-        let id = rustix::thread::gettid().as_raw_nonzero();
-        let path = state_dir.join("temproots").join(id.to_string());
+    fn create(state_dir: &Path, store_dir: &StoreDir) -> Result<Self, LocalStoreError> {
+        let id = format!("{}-{}", std::process::id(), HOLDERS.fetch_add(1, Ordering::Relaxed));
+        let path = state_dir.join("temproots").join(id);
         let file = loop {
             // No live process can own a file with our id: whatever is there is stale.
             match std::fs::remove_file(&path) {
@@ -69,29 +119,33 @@ impl TempRootsFile {
         })
     }
 
-    /// The file's path (`<state>/temproots/<id>`).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Makes `path` a temporary root until this value is dropped. Costs nothing for a path
-    /// added before; otherwise takes the GC lock shared (or, while a collector runs, tells it
-    /// over its socket) and appends the path to the file.
-    pub fn add(&mut self, path: &StorePath) -> Result<(), LocalStoreError> {
-        if self.written.contains(path) {
+    /// Writes the paths of `paths` not written before, in one `write`, under the GC lock
+    /// taken shared; while a collector holds it, each is first sent to the collector over its
+    /// socket (it will not read the file again).
+    fn add_all(&mut self, paths: &[StorePath]) -> Result<(), LocalStoreError> {
+        let new: Vec<&StorePath> = paths.iter().filter(|p| !self.written.contains(*p)).collect();
+        if new.is_empty() {
             return Ok(());
         }
-        let shown = self.store_dir.display_path(path);
+        let shown: Vec<String> = new.iter().map(|p| self.store_dir.display_path(p)).collect();
+        let mut told = 0;
         loop {
             match flock(&self.gc_lock, FlockOperation::NonBlockingLockShared) {
                 Ok(()) => break,
                 Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(io_err("taking the GC lock", &self.gc_socket.with_file_name("gc.lock"))(e.into())),
             }
-            // A collector holds the lock: it must learn of the root now, as it will not
-            // read the file again. If it is starting (no socket yet) or has just finished
-            // (the lock is free again), try again shortly.
-            match self.tell_collector(&shown) {
+            // A collector holds the lock: it must learn of the roots now. If it is starting
+            // (no socket yet) or has just finished (the lock is free again), try again
+            // shortly.
+            let mut tell = || -> io::Result<()> {
+                for p in &shown[told..] {
+                    self.tell_collector(p)?;
+                    told += 1;
+                }
+                Ok(())
+            };
+            match tell() {
                 Ok(()) => break,
                 Err(e) if e.kind() == io::ErrorKind::ConnectionRefused || e.kind() == io::ErrorKind::NotFound => {
                     std::thread::sleep(std::time::Duration::from_millis(1));
@@ -99,11 +153,16 @@ impl TempRootsFile {
                 Err(e) => return Err(io_err("sending a temporary root to the garbage collector at", &self.gc_socket)(e)),
             }
         }
-        let written = self.file.write_all(format!("{shown}\0").as_bytes());
-        // Released whether or not the root was written (an unlock of an unheld lock is a no-op).
+        let mut text = Vec::new();
+        for p in &shown {
+            text.extend_from_slice(p.as_bytes());
+            text.push(0);
+        }
+        let written = self.file.write_all(&text);
+        // Released whether or not the roots were written (an unlock of an unheld lock is a no-op).
         let _ = flock(&self.gc_lock, FlockOperation::Unlock);
-        written.map_err(io_err("writing a temporary root to", &self.path))?;
-        self.written.insert(path.clone());
+        written.map_err(io_err("writing temporary roots to", &self.path))?;
+        self.written.extend(new.into_iter().cloned());
         Ok(())
     }
 

@@ -1,0 +1,140 @@
+//! The verification boundary: the one decision of whether a path may become valid. Every
+//! addition to a local store — substitution, the daemon's add operations of every form, CLI
+//! copies — ends in [`super::PendingPath::commit`], which calls [`verify`] on what was
+//! actually unpacked; there is no other way to register a path.
+//!
+//! A path is admitted when (Nix 2.8/2.26 `LocalStore::addToStore`, `ValidPathInfo::
+//! checkSignatures`, `isContentAddressed`):
+//! - its NAR hash and size are those of the unpacked NAR;
+//! - if it has a content address, the address yields the path for its name and references,
+//!   and the hash the address carries is the one computed from the unpacked content (the NAR
+//!   for `fixed:r:`, modulo the path's own hash part when it refers to itself; the file for
+//!   `fixed:` and `text:`), whoever vouches for the path: an address is a fact about the
+//!   content, not a permission;
+//! - it is vouched for ([`SignaturePolicy`]): a signature by a trusted key over its
+//!   fingerprint, or a content address (checked as above), or the caller may add unsigned
+//!   paths (`require-sigs = false`, or a trusted client that asked not to check);
+//! - its references other than itself are valid (checked by the caller, in the same step).
+
+use sluice_nix::content_address::ContentAddress;
+use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::signature::TrustedKeys;
+use sluice_nix::store_path::StoreDir;
+
+use super::{LocalStoreError, Unpacked};
+
+/// Who must vouch for a path that is added: the signatures that count, if any are required.
+#[derive(Debug, Clone)]
+pub struct SignaturePolicy {
+    /// Nix's `require-sigs`; false also for a trusted client's `dontCheckSigs`.
+    pub require_sigs: bool,
+    /// `trusted-public-keys`.
+    pub trusted_keys: TrustedKeys,
+}
+
+/// Why a path's info is accepted before its content is seen ([`SignaturePolicy::vouch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vouched {
+    /// No signature is required.
+    Unchecked,
+    /// Signed by a trusted key.
+    Signed,
+    /// Content-addressed: its content will be checked against the address.
+    ContentAddressed,
+}
+
+/// How the content hash of a content-addressed path is computed while its NAR is unpacked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum CaHashing {
+    /// `fixed:r:sha256` without a self-reference: the NAR hash itself.
+    NarHash,
+    /// `fixed:r:<algo>`: the NAR with `algo`; modulo the path's hash part if it refers to itself.
+    Nar { algo: HashAlgo, modulo: Option<String> },
+    /// `fixed:<algo>` and `text:sha256`: the contents of the NAR's root regular file.
+    Flat(HashAlgo),
+}
+
+impl SignaturePolicy {
+    /// A policy that requires no signature (a trusted client's `dontCheckSigs`).
+    pub fn unchecked() -> Self {
+        SignaturePolicy { require_sigs: false, trusted_keys: TrustedKeys::default() }
+    }
+
+    /// Whether `info` may be added as far as its claims go: [`Vouched`], or
+    /// [`LocalStoreError::Untrusted`] naming the signers and the trusted keys. A
+    /// [`Vouched::ContentAddressed`] path is admitted only if [`verify`] then finds its
+    /// content matching.
+    pub fn vouch(&self, store_dir: &StoreDir, info: &ValidPathInfo) -> Result<Vouched, LocalStoreError> {
+        if !self.require_sigs {
+            return Ok(Vouched::Unchecked);
+        }
+        if self.trusted_keys.count_valid(&info.fingerprint(store_dir), &info.sigs) > 0 {
+            return Ok(Vouched::Signed);
+        }
+        if info.content_addressed_path(store_dir).as_ref() == Some(&info.path) {
+            return Ok(Vouched::ContentAddressed);
+        }
+        let signers: Vec<&str> = info.sigs.iter().map(|s| s.split(':').next().unwrap_or("")).collect();
+        let detail = if signers.is_empty() {
+            "it has no signature".to_owned()
+        } else {
+            let trusted: Vec<&str> = self.trusted_keys.keys().iter().map(|k| k.name()).collect();
+            format!("signed by: {}; trusted: {}", signers.join(", "), if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") })
+        };
+        Err(LocalStoreError::Untrusted { path: store_dir.display_path(&info.path), detail })
+    }
+}
+
+/// What must be hashed, besides the NAR's sha256, to check `info`'s content address.
+pub(super) fn ca_hashing(info: &ValidPathInfo) -> Option<CaHashing> {
+    Some(match info.ca.as_ref()? {
+        ContentAddress::Fixed { recursive: true, hash } => {
+            let modulo = info.has_self_reference().then(|| info.path.hash_part().to_owned());
+            match (hash.algo(), modulo) {
+                (HashAlgo::Sha256, None) => CaHashing::NarHash,
+                (algo, modulo) => CaHashing::Nar { algo, modulo },
+            }
+        }
+        ContentAddress::Fixed { recursive: false, hash } => CaHashing::Flat(hash.algo()),
+        ContentAddress::Text(_) => CaHashing::Flat(HashAlgo::Sha256),
+    })
+}
+
+/// The verification boundary (see the module documentation), for `info` against what was
+/// `unpacked` for it. References are the caller's part.
+pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpacked, policy: &SignaturePolicy) -> Result<(), LocalStoreError> {
+    let shown = || store_dir.display_path(&info.path);
+    if unpacked.nar_hash != info.nar_hash {
+        return Err(LocalStoreError::HashMismatch {
+            path: shown(),
+            expected: info.nar_hash.to_nix32_prefixed(),
+            actual: unpacked.nar_hash.to_nix32_prefixed(),
+        });
+    }
+    if unpacked.nar_size != info.nar_size {
+        return Err(LocalStoreError::SizeMismatch { path: shown(), expected: info.nar_size, actual: unpacked.nar_size });
+    }
+    if let Some(ca) = &info.ca {
+        let implied = info.content_addressed_path(store_dir);
+        if implied.as_ref() != Some(&info.path) {
+            return Err(LocalStoreError::CaPath {
+                path: shown(),
+                ca: ca.to_string(),
+                implied: implied.map_or_else(|| "no valid path (impossible with these references)".to_owned(), |p| store_dir.display_path(&p)),
+            });
+        }
+        let actual: Option<&Hash> = match ca_hashing(info) {
+            Some(CaHashing::NarHash) => Some(&unpacked.nar_hash),
+            _ => unpacked.ca_hash.as_ref(),
+        };
+        if actual != Some(ca.hash()) {
+            return Err(LocalStoreError::CaMismatch {
+                path: shown(),
+                specified: ca.hash().to_nix32_prefixed(),
+                actual: actual.map_or_else(|| "nothing: the NAR's root is not a regular file".to_owned(), Hash::to_nix32_prefixed),
+            });
+        }
+    }
+    policy.vouch(store_dir, info).map(|_| ())
+}
