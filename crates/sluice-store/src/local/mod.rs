@@ -124,6 +124,9 @@ pub struct LocalStore {
     registry: Registry,
     /// Removal of the temporary trees killed runs left, at the first addition.
     stale_trees: Once,
+    /// [`TEMP_DIR`], opened at the first addition; opened again if a collector deleted it
+    /// while nobody rooted it (see [`LocalStore::open_temp_dir`]).
+    temp_dir: std::sync::Mutex<Option<Arc<OwnedFd>>>,
 }
 
 /// What unpacking a NAR produced: the NAR's own hash (sha256) and size, and the hash its
@@ -156,9 +159,10 @@ pub enum TryAdd {
 pub struct PendingPath {
     store: Arc<LocalStore>,
     info: ValidPathInfo,
-    /// [`TEMP_DIR`], opened after it was rooted. Only the holder of the path's lock uses the
-    /// tree named after the path there.
-    temp_dir: OwnedFd,
+    /// [`TEMP_DIR`], opened after it was rooted (shared by all additions: a pending path
+    /// holds one open file, its lock). Only the holder of the path's lock uses the tree named
+    /// after the path there.
+    temp_dir: Arc<OwnedFd>,
     unpacked: Option<Unpacked>,
     /// Released (and its file deleted) after `Drop::drop` has removed the temporary tree.
     _lock: PathLock,
@@ -180,7 +184,7 @@ impl LocalStore {
         let db = schema::open(&layout.db_dir)?;
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, store_fd, registry, stale_trees: Once::new() })
+        Ok(LocalStore { store_dir, layout, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default() })
     }
 
     /// The logical store directory (`/nix/store`).
@@ -303,16 +307,24 @@ impl LocalStore {
         Ok(Some(pending))
     }
 
-    /// Opens [`TEMP_DIR`] (rooted by the caller), creating it if missing; the first time, also
-    /// removes the trees there whose path's lock nobody holds (left by a killed run).
-    fn open_temp_dir(&self) -> Result<OwnedFd, LocalStoreError> {
+    /// [`TEMP_DIR`] (rooted by the caller), created if missing. The open directory is kept;
+    /// if Nix's collector deleted it meanwhile (while nobody rooted it: its link count is 0
+    /// now, and a collector that was deleting it finished before the caller's root was taken),
+    /// it is made again. The first time, also removes the trees there whose path's lock
+    /// nobody holds (left by a killed run).
+    fn open_temp_dir(&self) -> Result<Arc<OwnedFd>, LocalStoreError> {
         let path = self.layout.real_store_dir.join(TEMP_DIR);
+        let mut cached = self.temp_dir.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(dir) = cached.as_ref().filter(|d| rustix::fs::fstat(d.as_fd()).is_ok_and(|st| st.st_nlink > 0)) {
+            return Ok(Arc::clone(dir));
+        }
         match mkdirat(self.store_fd.as_fd(), TEMP_DIR, Mode::RWXU) {
             Ok(()) | Err(rustix::io::Errno::EXIST) => {}
             Err(e) => return Err(io_err("creating", &path)(e.into())),
         }
-        let dir = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
+        let dir = Arc::new(tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?);
         self.stale_trees.call_once(|| self.remove_stale_trees(dir.as_fd()));
+        *cached = Some(Arc::clone(&dir));
         Ok(dir)
     }
 
