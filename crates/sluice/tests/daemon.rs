@@ -858,3 +858,226 @@ fn realisations_are_never_found_and_cannot_be_registered() {
         assert_eq!(is_valid(&mut client, MISSING), 0);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Untrusted clients, op by op (docs/daemon-trust.md): real clients run as `nobody` (the daemon
+// sees its uid with SO_PEERCRED); ops no CLI reaches use the raw helpers above with root made
+// untrusted by `trusted-users` (the same decision in the daemon: `Peer::trusted`).
+
+/// Makes `env` usable by `nobody`: its directories reachable, a home and cache it may write.
+fn open_to_nobody(env: &Env) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+    mode(env.dir.path(), 0o755);
+    mode(&env.path("conf"), 0o755);
+    for d in ["nobody-home", "nobody-cache"] {
+        std::fs::create_dir_all(env.path(d)).unwrap();
+        std::os::unix::fs::chown(env.path(d), Some(65534), Some(65534)).unwrap();
+    }
+}
+
+/// The output of a Nix 2.8 command run as `nobody` with `env`'s isolated configuration:
+/// (success, stdout, stderr).
+fn as_nobody(env: &Env, program: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new("runuser").args(["-u", "nobody", "--"]).args(nobody_env(env)).arg(program).args(args).env_remove("NIX_REMOTE").output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// [`as_nobody`] with Nix 2.26 (`nix-modern`: runuser inside its chroot, which sees /tmp).
+fn modern_as_nobody(env: &Env, program: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(format!("{SHARED}/bin/nix-modern"))
+        .current_dir(env.path(""))
+        .args(["runuser", "-u", "nobody", "--"])
+        .args(nobody_env(env))
+        .arg(program)
+        .args(args)
+        .env_remove("NIX_REMOTE")
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// [`as_nobody`] as root (trusted by default), Nix 2.8 or (`modern`) 2.26.
+fn as_root(env: &Env, modern: bool, program: &str, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = if modern {
+        let mut c = env.cmd(&format!("{SHARED}/bin/nix-modern"));
+        c.current_dir(env.path("")).arg(program);
+        c
+    } else {
+        env.cmd(program)
+    };
+    let out = cmd.args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn nobody_env(env: &Env) -> Vec<String> {
+    vec![
+        "env".into(),
+        format!("HOME={}", env.path("nobody-home").display()),
+        format!("XDG_CACHE_HOME={}", env.path("nobody-cache").display()),
+        format!("NIX_CONF_DIR={}", env.path("conf").display()),
+        "NIX_CONFIG=substituters =\nexperimental-features = nix-command".into(),
+    ]
+}
+
+/// The daemon's store entries (names under `<root>/nix/store`), to show that a refusal
+/// changed nothing.
+fn store_entries(env: &Env, root: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(env.path(root).join("nix/store"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| !n.starts_with('.')).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Real Nix 2.8 clients as `nobody` (untrusted), one op after another: what Nix lets an
+/// untrusted client do works, and what Nix refuses is refused with Nix's message, leaving the
+/// store as it was.
+#[test]
+fn untrusted_nix_2_8_client_as_nobody_gets_nix_rights() {
+    let env = Env::new();
+    let cache = env.cache();
+    open_to_nobody(&env);
+    let daemon = env.daemon("root", &cache, "");
+    let url = daemon.url.as_str();
+    let key = cache_key();
+    let data = store_path_of(&env.path("bin-cache"), "2363xkmjdz47l55sjw25vx7081mz5qj0");
+
+    // AddToStore: allowed.
+    let file = env.path("nobody.txt");
+    std::fs::write(&file, "added by nobody\n").unwrap();
+    let (ok, added, err) = as_nobody(&env, "nix-store", &["--store", url, "--add", file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let added = added.trim().to_owned();
+    assert!(added.starts_with("/nix/store/") && added.ends_with("-nobody.txt"), "{added}");
+
+    // SetOptions: a restricted setting and an untrusted substituter are ignored with Nix's
+    // warnings; the daemon's own substituter is accepted (EnsurePath/BuildPaths substitute).
+    let (ok, out, err) =
+        as_nobody(&env, "nix-store", &["--store", url, "-r", &data, "--option", "substituters", &format!("{cache} file:///nonexistent-cache"), "--option", "trusted-public-keys", &key, "--option", "require-sigs", "false"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), data);
+    assert!(err.contains("ignoring untrusted substituter 'file:///nonexistent-cache', you are not a trusted user."), "{err}");
+    assert!(err.contains("ignoring the client-specified setting 'require-sigs', because it is a restricted setting and you are not a trusted user"), "{err}");
+    assert!(err.contains("ignoring the client-specified setting 'trusted-public-keys', because it is a restricted setting and you are not a trusted user"), "{err}");
+    let before = store_entries(&env, "root");
+
+    // BuildPaths with repair: refused.
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "-r", "--repair", &data]);
+    assert!(!ok);
+    assert!(err.contains("repairing is not allowed because you are not in 'trusted-users'"), "{err}");
+
+    // VerifyStore with repair: refused; without: allowed.
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--verify", "--repair"]);
+    assert!(!ok);
+    assert!(err.contains("you are not privileged to repair paths"), "{err}");
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--verify", "--check-contents"]);
+    assert!(ok, "{err}");
+
+    // AddSignatures: refused (Nix 2.8; Nix ≥ 2.17 allows it), no signature added.
+    let sk = env.path("nobody-home/sk");
+    env.nix("nix-store", &["--generate-binary-cache-key", "nobody-1", sk.to_str().unwrap(), env.path("nobody-home/pk").to_str().unwrap()]);
+    std::os::unix::fs::chown(&sk, Some(65534), None).unwrap();
+    let (ok, _, err) = as_nobody(&env, "nix", &["store", "sign", "--store", url, "--key-file", sk.to_str().unwrap(), &added]);
+    assert!(!ok);
+    assert!(err.contains("you are not privileged to add signatures"), "{err}");
+    let info = env.nix("nix", &["path-info", "--json", "--store", url, &added]);
+    assert!(!info.contains("nobody-1"), "{info}");
+
+    // AddToStoreNar (nix-store --import of an unsigned export): refused.
+    let direct = format!("local?root={}", env.path("direct").display());
+    let dep = store_path_of(&env.path("bin-cache"), "py14wj21zshnib43vh5f66ihm7rx610h");
+    env.nix("nix", &["copy", "--from", &cache, "--to", &direct, &dep, "--option", "trusted-public-keys", &key]);
+    let export = env.cmd("nix-store").args(["--store", &direct, "--export", &dep]).output().unwrap();
+    let export_file = env.path("export");
+    std::fs::write(&export_file, &export.stdout).unwrap();
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .args(nobody_env(&env))
+        .args(["nix-store", "--store", url, "--import"])
+        .stdin(std::fs::File::open(&export_file).unwrap())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("cannot add path '{dep}' because it lacks a signature by a trusted key")), "{err}");
+
+    // CollectGarbage: ignoring liveness is refused as Nix refuses it (to anyone); sluice has
+    // no collector otherwise.
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--delete", "--ignore-liveness", &added]);
+    assert!(!ok);
+    assert!(err.contains("you are not allowed to ignore liveness"), "{err}");
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--gc"]);
+    assert!(!ok);
+    assert!(err.contains("garbage collection is not supported by the sluice daemon"), "{err}");
+    assert_eq!(store_entries(&env, "root"), before, "refusals change nothing");
+
+    // FindRoots: another connection's temporary root is `{censored}` for nobody, labelled
+    // for root.
+    use std::io::Write;
+    let (mut holder, _) = raw_client(&env, 37);
+    holder.write_all(&request(11, &[Err(data.as_bytes())])).unwrap();
+    assert_eq!(until_last(&mut holder), Ok(()));
+    assert_eq!(read_u64(&mut holder), 1);
+    let (ok, roots, err) = as_nobody(&env, "nix-store", &["--store", url, "--gc", "--print-roots"]);
+    assert!(ok, "{err}");
+    assert!(roots.lines().any(|l| l == format!("{{censored}} -> {data}")), "{roots}");
+    assert!(!roots.contains("{temp:"), "{roots}");
+    let roots = env.nix("nix-store", &["--store", url, "--gc", "--print-roots"]);
+    assert!(roots.lines().any(|l| l.starts_with("{temp:") && l.ends_with(&format!(" -> {data}"))), "{roots}");
+    drop(holder);
+
+    // The handshake tells the client it is not trusted (Nix 2.26 shows it).
+    let (ok, out, err) = modern_as_nobody(&env, "nix", &["store", "ping", "--store", url]);
+    assert!(ok, "{err}");
+    assert!(format!("{out}{err}").contains("Trusted: 0"), "{out}{err}");
+    // Nix 2.26 as nobody: the same refusals.
+    let (ok, _, err) = modern_as_nobody(&env, "nix-store", &["--store", url, "--verify", "--repair"]);
+    assert!(!ok);
+    assert!(err.contains("you are not privileged to repair paths"), "{err}");
+    let (ok, _, err) = modern_as_nobody(&env, "nix-store", &["--store", url, "-r", "--repair", &data]);
+    assert!(!ok);
+    assert!(err.contains("repairing is not allowed because you are not in 'trusted-users'"), "{err}");
+    assert_eq!(store_entries(&env, "root"), before, "refusals change nothing");
+}
+
+/// Ops no CLI reaches, as an untrusted client (root, not in `trusted-users`): AddPermRoot is
+/// refused before its arguments are read (Nix 2.26: the connection ends) and no symlink is
+/// made; AddTempRoot and AddIndirectRoot are allowed; CollectGarbage ignoring liveness and
+/// VerifyStore with repair are refused and the connection goes on.
+#[test]
+fn untrusted_raw_client_gets_nix_rights() {
+    use std::io::Write;
+    let env = Env::new();
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "trusted-users = nobody-in-particular", 2);
+    let link = env.path("perm-root");
+    client.write_all(&request(47, &[Err(&out), Err(link.to_str().unwrap().as_bytes())])).unwrap();
+    assert_eq!(
+        until_last(&mut client),
+        Err("you are not privileged to create perm roots\n\nhint: you can just do this client-side without special privileges, and probably want to do that instead.".to_owned())
+    );
+    assert!(std::fs::symlink_metadata(&link).is_err(), "no root was made");
+    let mut rest = Vec::new();
+    assert_eq!(std::io::Read::read_to_end(&mut client, &mut rest).unwrap_or(0), 0, "connection closed");
+
+    let (mut client, _) = raw_client(&env, 37);
+    client.write_all(&request(11, &[Err(&out)])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    std::os::unix::fs::symlink(std::str::from_utf8(&out).unwrap(), &link).unwrap();
+    client.write_all(&request(12, &[Err(link.to_str().unwrap().as_bytes())])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    let auto: Vec<_> = std::fs::read_dir(env.path("root/nix/var/nix/gcroots/auto")).unwrap().flatten().map(|e| std::fs::read_link(e.path()).unwrap()).collect();
+    assert_eq!(auto, [link.clone()]);
+
+    client.write_all(&request(20, &[Ok(3), Ok(1), Err(&out), Ok(1), Ok(0), Ok(0), Ok(0), Ok(0)])).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not allowed to ignore liveness".to_owned()));
+    assert_eq!(is_valid(&mut client, &out), 1);
+    client.write_all(&request(35, &[Ok(0), Ok(1)])).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not privileged to repair paths".to_owned()));
+    assert_eq!(is_valid(&mut client, &out), 1);
+    // BuildPathsWithResults with repair: refused as BuildPaths (Nix closes the connection).
+    client.write_all(&request(46, &[Ok(1), Err(&out), Ok(1)])).unwrap();
+    assert_eq!(until_last(&mut client), Err("repairing is not allowed because you are not in 'trusted-users'".to_owned()));
+}
