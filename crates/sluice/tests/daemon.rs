@@ -1081,3 +1081,233 @@ fn untrusted_raw_client_gets_nix_rights() {
     client.write_all(&request(46, &[Ok(1), Err(&out), Ok(1)])).unwrap();
     assert_eq!(until_last(&mut client), Err("repairing is not allowed because you are not in 'trusted-users'".to_owned()));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Forged content addresses. A content address is a fact about the content, not a permission:
+// a path whose claimed CA yields its store path but whose NAR holds other content (with an
+// honest NarHash/NarSize for that other content, unsigned) must be refused, for trusted and
+// untrusted clients alike, with Nix's `ca hash mismatch importing path '…';\n  specified: …\n
+// got:       …` (LocalStore::addToStore). These tests fail until the store's single
+// verification boundary checks content addresses.
+
+use sluice_nix::content_address::ContentAddress;
+use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::nar::writer::regular_file_nar;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+/// One forged path: what the daemon must refuse, and the hashes the refusal must name.
+struct Forgery {
+    path: StorePath,
+    /// The NAR served for the path (other content), and the references claimed.
+    nar: Vec<u8>,
+    references: Vec<StorePath>,
+    ca: ContentAddress,
+    /// `sha256:<nix32>` of what the CA claims and of what the NAR really holds.
+    specified: String,
+    got: String,
+}
+
+/// The three forms: `fixed:r:sha256` (a NAR), `fixed:sha256` (a flat file) and
+/// `text:sha256` with a reference (to `dep`, an honest text path).
+fn forgeries(dep: &StorePath) -> Vec<Forgery> {
+    let dir = StoreDir::default();
+    let sha = |b: &[u8]| Hash::digest_bytes(HashAlgo::Sha256, b);
+    let (real, other) = (&b"the real content\n"[..], &b"other content\n"[..]);
+    let nar = regular_file_nar(other, false);
+    let mut out = Vec::new();
+    let recursive = ContentAddress::Fixed { recursive: true, hash: sha(&regular_file_nar(real, false)) };
+    let flat = ContentAddress::Fixed { recursive: false, hash: sha(real) };
+    let real_text = format!("refers to {}\n", dir.display_path(dep));
+    let text = ContentAddress::Text(sha(real_text.as_bytes()));
+    for (name, ca, refs, got) in
+        [("forged-nar", recursive, vec![], sha(&nar)), ("forged-flat", flat, vec![], sha(other)), ("forged-text", text, vec![dep.clone()], sha(other))]
+    {
+        let path = ca.store_path(&dir, name, &refs, false).unwrap();
+        out.push(Forgery { path, nar: nar.clone(), references: refs, specified: ca.hash().to_nix32_prefixed(), got: got.to_nix32_prefixed(), ca });
+    }
+    out
+}
+
+/// An honest text path `dep` (referenced by the text forgery): its CA matches its NAR.
+fn honest_dep() -> (StorePath, Vec<u8>, ContentAddress) {
+    let contents = b"an honest dependency\n";
+    let ca = ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, contents));
+    (ca.store_path(&StoreDir::default(), "honest-dep", &[], false).unwrap(), regular_file_nar(contents, false), ca)
+}
+
+/// Writes an unsigned, uncompressed binary cache at `dir` serving `entries` (path, NAR,
+/// references, CA), each narinfo describing its NAR honestly. Owned by `nobody` (a Nix client
+/// opening a file:// store creates directories in it).
+fn write_cache(dir: &Path, entries: &[(&StorePath, &[u8], &[StorePath], &ContentAddress)]) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir.join("nar")).unwrap();
+    std::fs::write(dir.join("nix-cache-info"), "StoreDir: /nix/store\nWantMassQuery: 1\nPriority: 40\n").unwrap();
+    for (path, nar, refs, ca) in entries {
+        let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, nar);
+        let url = format!("nar/{}.nar", nar_hash.to_nix32());
+        std::fs::write(dir.join(&url), nar).unwrap();
+        let refs: Vec<&str> = refs.iter().map(StorePath::base_name).collect();
+        let text = format!(
+            "StorePath: /nix/store/{}\nURL: {url}\nCompression: none\nNarHash: {}\nNarSize: {}\nReferences: {}\nCA: {ca}\n",
+            path.base_name(),
+            nar_hash.to_nix32_prefixed(),
+            nar.len(),
+            refs.join(" ")
+        );
+        std::fs::write(dir.join(format!("{}.narinfo", path.hash_part())), text).unwrap();
+    }
+    for entry in walk(dir) {
+        let mode = if entry.is_dir() { 0o755 } else { 0o644 };
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).unwrap();
+        std::os::unix::fs::chown(&entry, Some(65534), Some(65534)).unwrap();
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![dir.to_owned()];
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+/// Checks that `forgery` was refused with Nix's message and left nothing behind; returns
+/// what is wrong, if anything.
+fn check_refused(env: &Env, who: &str, f: &Forgery, result: (bool, String, String)) -> Option<String> {
+    let (ok, _, err) = result;
+    let shown = format!("/nix/store/{}", f.path.base_name());
+    let mut wrong = Vec::new();
+    if ok {
+        wrong.push("accepted".to_owned());
+    }
+    for part in [&shown, &f.specified, &f.got] {
+        if !err.contains(part.as_str()) {
+            wrong.push(format!("the error does not name {part}"));
+        }
+    }
+    if !err.contains("hash mismatch") {
+        wrong.push("the error does not say 'hash mismatch'".into());
+    }
+    if std::fs::symlink_metadata(env.path("root/nix/store").join(f.path.base_name())).is_ok() {
+        wrong.push(format!("root/nix/store/{} exists", f.path.base_name()));
+    }
+    let (mut client, _) = raw_client(env, 37);
+    if is_valid(&mut client, shown.as_bytes()) != 0 {
+        wrong.push("the path is valid".into());
+    }
+    (!wrong.is_empty()).then(|| format!("{who}, {} ({}): {}\n  client stderr: {}", f.ca, shown, wrong.join("; "), err.trim()))
+}
+
+/// `nix copy --no-check-sigs --from file://CACHE --to unix://SOCKET P` of each forgery by
+/// `run` (a client as some user), each into a fresh daemon store; panics listing every
+/// forgery that was not refused as it must be.
+fn forged_copies_are_refused(who: &str, run: impl Fn(&Env, &[&str]) -> (bool, String, String)) {
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    let mut failures = Vec::new();
+    for f in forgeries(&dep) {
+        let env = Env::new();
+        open_to_nobody(&env);
+        let cache_dir = env.path("forged-cache");
+        write_cache(&cache_dir, &[(&dep, &dep_nar, &[], &dep_ca), (&f.path, &f.nar, &f.references, &f.ca)]);
+        let cache = format!("file://{}", cache_dir.display());
+        let daemon = env.daemon("root", &env.cache(), "");
+        let shown = format!("/nix/store/{}", f.path.base_name());
+        let result = run(&env, &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &shown]);
+        failures.extend(check_refused(&env, who, &f, result));
+        // The reference: Nix 2.8's own local store refuses the same copy with that message.
+        let direct = format!("local?root={}", env.path("direct").display());
+        let (ok, _, err) = as_root(&env, false, "nix", &["copy", "--no-check-sigs", "--from", &cache, "--to", &direct, &shown]);
+        // (The client indents the message's continuation lines.)
+        let expected = [format!("ca hash mismatch importing path '{shown}';\n"), format!("specified: {}\n", f.specified), format!("got:       {}\n", f.got)];
+        assert!(!ok && expected.iter().all(|e| err.contains(e.as_str())), "Nix's own store: {err}");
+        // Nix 2.8 leaves the unpacked tree on disk (restorePath into the real path, then the
+        // check); it is not valid. sluice must not leave it at all.
+        assert!(!as_root(&env, false, "nix-store", &["--store", &direct, "--check-validity", &shown]).0, "not valid in Nix's store");
+    }
+    assert!(failures.is_empty(), "forged content addresses not refused as Nix refuses them:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn forged_ca_nix_2_8_copy_as_nobody_is_refused() {
+    forged_copies_are_refused("Nix 2.8 as nobody", |env, args| as_nobody(env, "nix", args));
+}
+
+#[test]
+fn forged_ca_nix_2_26_copy_as_nobody_is_refused() {
+    forged_copies_are_refused("Nix 2.26 as nobody", |env, args| modern_as_nobody(env, "nix", args));
+}
+
+#[test]
+fn forged_ca_nix_2_8_copy_as_root_is_refused() {
+    forged_copies_are_refused("Nix 2.8 as root (trusted)", |env, args| as_root(env, false, "nix", args));
+}
+
+#[test]
+fn forged_ca_nix_2_26_copy_as_root_is_refused() {
+    forged_copies_are_refused("Nix 2.26 as root (trusted)", |env, args| as_root(env, true, "nix", args));
+}
+
+/// The keyed path info of `f` as AddToStoreNar and AddMultipleToStore send it (1.16 form).
+fn wire_info(path: &StorePath, nar: &[u8], refs: &[StorePath], ca: &ContentAddress) -> Vec<u8> {
+    let shown = format!("/nix/store/{}", path.base_name());
+    let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, nar).to_base16();
+    let refs: Vec<String> = refs.iter().map(|r| format!("/nix/store/{}", r.base_name())).collect();
+    let mut args: Vec<Result<u64, &[u8]>> = vec![Err(shown.as_bytes()), Err(b""), Err(nar_hash.as_bytes()), Ok(refs.len() as u64)];
+    args.extend(refs.iter().map(|r| Err(r.as_bytes())));
+    let ca = ca.to_string();
+    args.extend([Ok(0), Ok(nar.len() as u64), Ok(0), Ok(0), Err(ca.as_bytes())]);
+    request(0, &args)[8..].to_vec()
+}
+
+/// AddToStoreNar (op 39, one path) and AddMultipleToStore (op 44) of each forgery by raw
+/// clients, trusted (root by default) and untrusted (root not in `trusted-users`), both asking
+/// not to check signatures: refused with Nix's message, nothing stored, connection usable.
+#[test]
+fn forged_ca_add_to_store_nar_and_add_multiple_are_refused() {
+    use std::io::Write;
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    let mut failures = Vec::new();
+    for (who, config, flag) in [("trusted raw client", "", 1), ("untrusted raw client", "trusted-users = nobody-in-particular", 2)] {
+        for op in [39u64, 44] {
+            let env = Env::new();
+            let daemon = env.daemon("root", &env.cache(), config);
+            let (mut client, trusted) = raw_client(&env, 37);
+            assert_eq!(trusted, Some(flag));
+            // The honest dependency first (a valid content address: accepted).
+            let mut add = request(39, &[])[..8].to_vec();
+            add.extend(wire_info(&dep, &dep_nar, &[], &dep_ca));
+            add.extend(u64s(&[0, 1]));
+            add.extend(framed(&dep_nar));
+            client.write_all(&add).unwrap();
+            assert_eq!(until_last(&mut client), Ok(()), "{who}: the honest path");
+            for f in forgeries(&dep) {
+                let mut req = Vec::new();
+                if op == 39 {
+                    req.extend(u64s(&[39]));
+                    req.extend(wire_info(&f.path, &f.nar, &f.references, &f.ca));
+                    req.extend(u64s(&[0, 1]));
+                    req.extend(framed(&f.nar));
+                } else {
+                    req.extend(u64s(&[44, 0, 1]));
+                    let mut payload = u64s(&[1]);
+                    payload.extend(wire_info(&f.path, &f.nar, &f.references, &f.ca));
+                    payload.extend_from_slice(&f.nar);
+                    req.extend(framed(&payload));
+                }
+                client.write_all(&req).unwrap();
+                let result = match until_last(&mut client) {
+                    Ok(()) => (true, String::new(), String::new()),
+                    Err(msg) => (false, String::new(), msg),
+                };
+                failures.extend(check_refused(&env, &format!("{who}, op {op}"), &f, result));
+                assert_eq!(is_valid(&mut client, MISSING), 0, "the connection goes on");
+            }
+            drop(daemon);
+        }
+    }
+    assert!(failures.is_empty(), "forged content addresses not refused as Nix refuses them:\n{}", failures.join("\n"));
+}
