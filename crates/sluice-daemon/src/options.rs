@@ -1,7 +1,8 @@
-//! SetOptions (op 19): the client's settings for the rest of the connection (Nix 2.8
-//! `ClientSettings` in `daemon.cc`). Overrides apply on top of the daemon's own settings; an
-//! untrusted client may only set a few harmless ones and substituters the daemon already
-//! trusts, and is told about everything else it tried.
+//! SetOptions (op 19): the client's settings for the rest of the connection (Nix
+//! `ClientSettings::apply` in `daemon.cc`). Overrides apply on top of the daemon's own
+//! settings; an untrusted client may only set a few harmless ones and `substituters` (or its
+//! alias `binary-caches`) to daemon-trusted ones, and is warned (as Nix ≥ 2.13 warns; 2.8 only
+//! logged it at debug level) about everything else it tried. See `docs/daemon-trust.md`.
 
 use sluice_nix::wire::{read_string_pairs, read_u64};
 use sluice_store::config::{RawConfig, Settings};
@@ -9,8 +10,10 @@ use sluice_store::config::{RawConfig, Settings};
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::Daemon;
 
-/// Settings an untrusted client may still change (as in Nix).
-const UNPRIVILEGED: [&str; 3] = ["build-timeout", "build-repeat", "connect-timeout"];
+/// Settings an untrusted client may still change: Nix 2.8's `build-timeout`, `build-repeat`
+/// and `connect-timeout`, and 2.26's `max-silent-time` and `poll-interval` (2.26 dropped
+/// `build-repeat`). `builders` may also be set, to the empty string only.
+const UNPRIVILEGED: [&str; 5] = ["build-timeout", "build-repeat", "max-silent-time", "poll-interval", "connect-timeout"];
 /// Settings never taken from clients: they describe the client's side or the daemon itself.
 const IGNORED: [&str; 4] = ["experimental-features", "extra-experimental-features", "ssh-auth-sock", "store"];
 
@@ -48,14 +51,21 @@ pub(crate) fn set_options(c: &mut Conn) -> OpResult {
     options.use_substitutes = fields[11] != 0;
     let mut warnings = Vec::new();
     for (name, value) in overrides {
+        // `binary-caches` is Nix's old alias of `substituters`.
+        let name = match name.as_str() {
+            "binary-caches" => "substituters".to_owned(),
+            "extra-binary-caches" => "extra-substituters".to_owned(),
+            _ => name,
+        };
         if IGNORED.contains(&name.as_str()) {
             continue;
         }
         if c.peer.trusted || UNPRIVILEGED.contains(&name.as_str()) || (name == "builders" && value.is_empty()) {
             options.raw.set(&name, &value);
-        } else if name == "substituters" || name == "extra-substituters" {
+        } else if name == "substituters" {
+            // Nix's `setSubstituters`: the setting itself or an alias, not `extra-substituters`.
             let accepted = trusted_substituters(&c.daemon.config, &value, &mut warnings);
-            options.raw.set(&name, &accepted.join(" "));
+            options.raw.set("substituters", &accepted.join(" "));
         } else {
             warnings.push(format!(
                 "ignoring the client-specified setting '{name}', because it is a restricted setting and you are not a trusted user"
@@ -80,7 +90,10 @@ fn trusted_substituters(daemon: &RawConfig, value: &str, warnings: &mut Vec<Stri
         } else if !s.ends_with('/') && trusted.contains(&format!("{s}/").as_str()) {
             out.push(format!("{s}/"));
         } else {
-            warnings.push(format!("ignoring untrusted substituter '{s}', you are not a trusted user"));
+            warnings.push(format!(
+                "ignoring untrusted substituter '{s}', you are not a trusted user.\n\
+                 Run `man nix.conf` for more information on the `substituters` configuration option."
+            ));
         }
     }
     out

@@ -36,9 +36,18 @@ pub(crate) fn add_indirect_root(c: &mut Conn) -> OpResult {
     c.reply(|w, _| write_u64(w, 1))
 }
 
+/// Nix 2.26's refusal of AddPermRoot to an untrusted client.
+pub(crate) const PERM_ROOT_REFUSED: &str =
+    "you are not privileged to create perm roots\n\nhint: you can just do this client-side without special privileges, and probably want to do that instead.";
+
 /// AddPermRoot (≥ 1.36): store path, root path → the root path, after making it a symlink to
-/// the store path and an indirect root.
+/// the store path and an indirect root. Only for trusted clients: the daemon would create the
+/// symlink with its own rights. As Nix 2.26, an untrusted client is refused before its
+/// arguments are read, so the connection ends after the error.
 pub(crate) fn add_perm_root(c: &mut Conn) -> OpResult {
+    if !c.peer.trusted {
+        return Err(Fail::Fatal(PERM_ROOT_REFUSED.into()));
+    }
     let path = c.read_path("store path")?;
     let root = read_string(&mut c.r, 4096, "root path")?;
     if !root.starts_with('/') || root.starts_with(&format!("{}/", c.dir().as_str())) {
@@ -64,14 +73,26 @@ fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
         .map_err(|e| Fail::Op(format!("creating the root {}: {e}", link.display())))
 }
 
+/// What Nix shows an untrusted client instead of a temporary or runtime root's label (which
+/// would tell it about other users' processes).
+const CENSORED: &str = "{censored}";
+
 /// FindRoots: → count, then (link, store path) pairs: the symlinks under `gcroots` (following
 /// one indirection, as `gcroots/auto` links do) that lead into the store, and the temporary
-/// roots of every live process and connection as `{temp:<id>}`.
+/// roots of every live process and connection as `{temp:<id>}`, or `{censored}` for an
+/// untrusted client (Nix: `findRoots(!trusted)`), once per path as Nix's set of links holds it.
 pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
     let mut roots: Vec<(String, StorePath)> = Vec::new();
     scan(c, &c.daemon.state_dir.join("gcroots"), 0, &mut roots);
+    let censor = !c.peer.trusted;
     for (path, labels) in c.store().find_temp_roots().map_err(op_err)? {
-        roots.extend(labels.into_iter().map(|label| (label, path.clone())));
+        if censor {
+            if !labels.is_empty() {
+                roots.push((CENSORED.to_owned(), path));
+            }
+        } else {
+            roots.extend(labels.into_iter().map(|label| (label, path.clone())));
+        }
     }
     c.reply(|w, dir| {
         write_u64(w, roots.len() as u64)?;

@@ -795,9 +795,8 @@ fn add_build_log_is_stored_where_nix_reads_it() {
 }
 
 /// An untrusted client (root not in `trusted-users`): AddBuildLog is refused and nothing is
-/// stored; BuildDerivation of an input-addressed derivation that would have to be built is
-/// refused as Nix refuses it, while one whose outputs are valid is answered, and a
-/// fixed-output one gets the build failure. The connection stays usable after each.
+/// stored; BuildDerivation of an input-addressed derivation is refused as Nix refuses it, even
+/// one whose outputs are valid, and a fixed-output one gets the build failure. The connection stays usable after each.
 #[test]
 fn untrusted_client_cannot_add_logs_or_build_input_addressed_derivations() {
     use std::io::Write;
@@ -813,9 +812,10 @@ fn untrusted_client_cannot_add_logs_or_build_input_addressed_derivations() {
     assert_eq!(until_last(&mut client), Err("you are not privileged to build input-addressed derivations".to_owned()));
     assert_eq!(is_valid(&mut client, &out), 1);
 
+    // Refused even when its outputs are valid (Nix refuses before looking at them).
     client.write_all(&build_derivation(DRV, [&out, b"", b""])).unwrap();
-    assert_eq!(until_last(&mut client), Ok(()));
-    assert_eq!(read_build_result(&mut client).0, 2, "AlreadyValid");
+    assert_eq!(until_last(&mut client), Err("you are not privileged to build input-addressed derivations".to_owned()));
+    assert_eq!(is_valid(&mut client, &out), 1);
 
     // A fixed output (flat, the sha256 of "1"): its path is computed, not taken from the client.
     let hash = b"6b86b273ff34fce19d6b804eff5a3f5747ada4eaa22f1d49c01e52ddb7875b4b";
@@ -857,4 +857,457 @@ fn realisations_are_never_found_and_cannot_be_registered() {
         assert_eq!(until_last(&mut client), Err(refused.clone()), "1.{minor}");
         assert_eq!(is_valid(&mut client, MISSING), 0);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Untrusted clients, op by op (docs/daemon-trust.md): real clients run as `nobody` (the daemon
+// sees its uid with SO_PEERCRED); ops no CLI reaches use the raw helpers above with root made
+// untrusted by `trusted-users` (the same decision in the daemon: `Peer::trusted`).
+
+/// Makes `env` usable by `nobody`: its directories reachable, a home and cache it may write.
+fn open_to_nobody(env: &Env) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+    mode(env.dir.path(), 0o755);
+    mode(&env.path("conf"), 0o755);
+    for d in ["nobody-home", "nobody-cache"] {
+        std::fs::create_dir_all(env.path(d)).unwrap();
+        std::os::unix::fs::chown(env.path(d), Some(65534), Some(65534)).unwrap();
+    }
+}
+
+/// The output of a Nix 2.8 command run as `nobody` with `env`'s isolated configuration:
+/// (success, stdout, stderr).
+fn as_nobody(env: &Env, program: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new("runuser").args(["-u", "nobody", "--"]).args(nobody_env(env)).arg(program).args(args).env_remove("NIX_REMOTE").output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// [`as_nobody`] with Nix 2.26 (`nix-modern`: runuser inside its chroot, which sees /tmp).
+fn modern_as_nobody(env: &Env, program: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(format!("{SHARED}/bin/nix-modern"))
+        .current_dir(env.path(""))
+        .args(["runuser", "-u", "nobody", "--"])
+        .args(nobody_env(env))
+        .arg(program)
+        .args(args)
+        .env_remove("NIX_REMOTE")
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// [`as_nobody`] as root (trusted by default), Nix 2.8 or (`modern`) 2.26.
+fn as_root(env: &Env, modern: bool, program: &str, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = if modern {
+        let mut c = env.cmd(&format!("{SHARED}/bin/nix-modern"));
+        c.current_dir(env.path("")).arg(program);
+        c
+    } else {
+        env.cmd(program)
+    };
+    let out = cmd.args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn nobody_env(env: &Env) -> Vec<String> {
+    vec![
+        "env".into(),
+        format!("HOME={}", env.path("nobody-home").display()),
+        format!("XDG_CACHE_HOME={}", env.path("nobody-cache").display()),
+        format!("NIX_CONF_DIR={}", env.path("conf").display()),
+        "NIX_CONFIG=substituters =\nexperimental-features = nix-command".into(),
+    ]
+}
+
+/// The daemon's store entries (names under `<root>/nix/store`), to show that a refusal
+/// changed nothing.
+fn store_entries(env: &Env, root: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(env.path(root).join("nix/store"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| !n.starts_with('.')).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Real Nix 2.8 clients as `nobody` (untrusted), one op after another: what Nix lets an
+/// untrusted client do works, and what Nix refuses is refused with Nix's message, leaving the
+/// store as it was.
+#[test]
+fn untrusted_nix_2_8_client_as_nobody_gets_nix_rights() {
+    let env = Env::new();
+    let cache = env.cache();
+    open_to_nobody(&env);
+    let daemon = env.daemon("root", &cache, "");
+    let url = daemon.url.as_str();
+    let key = cache_key();
+    let data = store_path_of(&env.path("bin-cache"), "2363xkmjdz47l55sjw25vx7081mz5qj0");
+
+    // AddToStore: allowed.
+    let file = env.path("nobody.txt");
+    std::fs::write(&file, "added by nobody\n").unwrap();
+    let (ok, added, err) = as_nobody(&env, "nix-store", &["--store", url, "--add", file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let added = added.trim().to_owned();
+    assert!(added.starts_with("/nix/store/") && added.ends_with("-nobody.txt"), "{added}");
+
+    // SetOptions: a restricted setting and an untrusted substituter are ignored with Nix's
+    // warnings; the daemon's own substituter is accepted (EnsurePath/BuildPaths substitute).
+    let (ok, out, err) =
+        as_nobody(&env, "nix-store", &["--store", url, "-r", &data, "--option", "substituters", &format!("{cache} file:///nonexistent-cache"), "--option", "trusted-public-keys", &key, "--option", "require-sigs", "false"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), data);
+    assert!(err.contains("ignoring untrusted substituter 'file:///nonexistent-cache', you are not a trusted user."), "{err}");
+    assert!(err.contains("ignoring the client-specified setting 'require-sigs', because it is a restricted setting and you are not a trusted user"), "{err}");
+    assert!(err.contains("ignoring the client-specified setting 'trusted-public-keys', because it is a restricted setting and you are not a trusted user"), "{err}");
+    let before = store_entries(&env, "root");
+
+    // BuildPaths with repair: refused.
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "-r", "--repair", &data]);
+    assert!(!ok);
+    assert!(err.contains("repairing is not allowed because you are not in 'trusted-users'"), "{err}");
+
+    // VerifyStore with repair: refused; without: allowed.
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--verify", "--repair"]);
+    assert!(!ok);
+    assert!(err.contains("you are not privileged to repair paths"), "{err}");
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--verify", "--check-contents"]);
+    assert!(ok, "{err}");
+
+    // AddSignatures: refused (Nix 2.8; Nix ≥ 2.17 allows it), no signature added.
+    let sk = env.path("nobody-home/sk");
+    env.nix("nix-store", &["--generate-binary-cache-key", "nobody-1", sk.to_str().unwrap(), env.path("nobody-home/pk").to_str().unwrap()]);
+    std::os::unix::fs::chown(&sk, Some(65534), None).unwrap();
+    let (ok, _, err) = as_nobody(&env, "nix", &["store", "sign", "--store", url, "--key-file", sk.to_str().unwrap(), &added]);
+    assert!(!ok);
+    assert!(err.contains("you are not privileged to add signatures"), "{err}");
+    let info = env.nix("nix", &["path-info", "--json", "--store", url, &added]);
+    assert!(!info.contains("nobody-1"), "{info}");
+
+    // AddToStoreNar (nix-store --import of an unsigned export): refused.
+    let direct = format!("local?root={}", env.path("direct").display());
+    let dep = store_path_of(&env.path("bin-cache"), "py14wj21zshnib43vh5f66ihm7rx610h");
+    env.nix("nix", &["copy", "--from", &cache, "--to", &direct, &dep, "--option", "trusted-public-keys", &key]);
+    let export = env.cmd("nix-store").args(["--store", &direct, "--export", &dep]).output().unwrap();
+    let export_file = env.path("export");
+    std::fs::write(&export_file, &export.stdout).unwrap();
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .args(nobody_env(&env))
+        .args(["nix-store", "--store", url, "--import"])
+        .stdin(std::fs::File::open(&export_file).unwrap())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("cannot add path '{dep}' because it lacks a signature by a trusted key")), "{err}");
+
+    // CollectGarbage: ignoring liveness is refused as Nix refuses it (to anyone); sluice has
+    // no collector otherwise.
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--delete", "--ignore-liveness", &added]);
+    assert!(!ok);
+    assert!(err.contains("you are not allowed to ignore liveness"), "{err}");
+    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--gc"]);
+    assert!(!ok);
+    assert!(err.contains("garbage collection is not supported by the sluice daemon"), "{err}");
+    assert_eq!(store_entries(&env, "root"), before, "refusals change nothing");
+
+    // FindRoots: another connection's temporary root is `{censored}` for nobody, labelled
+    // for root.
+    use std::io::Write;
+    let (mut holder, _) = raw_client(&env, 37);
+    holder.write_all(&request(11, &[Err(data.as_bytes())])).unwrap();
+    assert_eq!(until_last(&mut holder), Ok(()));
+    assert_eq!(read_u64(&mut holder), 1);
+    let (ok, roots, err) = as_nobody(&env, "nix-store", &["--store", url, "--gc", "--print-roots"]);
+    assert!(ok, "{err}");
+    assert!(roots.lines().any(|l| l == format!("{{censored}} -> {data}")), "{roots}");
+    assert!(!roots.contains("{temp:"), "{roots}");
+    let roots = env.nix("nix-store", &["--store", url, "--gc", "--print-roots"]);
+    assert!(roots.lines().any(|l| l.starts_with("{temp:") && l.ends_with(&format!(" -> {data}"))), "{roots}");
+    drop(holder);
+
+    // The handshake tells the client it is not trusted (Nix 2.26 shows it).
+    let (ok, out, err) = modern_as_nobody(&env, "nix", &["store", "ping", "--store", url]);
+    assert!(ok, "{err}");
+    assert!(format!("{out}{err}").contains("Trusted: 0"), "{out}{err}");
+    // Nix 2.26 as nobody: the same refusals.
+    let (ok, _, err) = modern_as_nobody(&env, "nix-store", &["--store", url, "--verify", "--repair"]);
+    assert!(!ok);
+    assert!(err.contains("you are not privileged to repair paths"), "{err}");
+    let (ok, _, err) = modern_as_nobody(&env, "nix-store", &["--store", url, "-r", "--repair", &data]);
+    assert!(!ok);
+    assert!(err.contains("repairing is not allowed because you are not in 'trusted-users'"), "{err}");
+    assert_eq!(store_entries(&env, "root"), before, "refusals change nothing");
+}
+
+/// Ops no CLI reaches, as an untrusted client (root, not in `trusted-users`): AddPermRoot is
+/// refused before its arguments are read (Nix 2.26: the connection ends) and no symlink is
+/// made; AddTempRoot and AddIndirectRoot are allowed; CollectGarbage ignoring liveness and
+/// VerifyStore with repair are refused and the connection goes on.
+#[test]
+fn untrusted_raw_client_gets_nix_rights() {
+    use std::io::Write;
+    let env = Env::new();
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "trusted-users = nobody-in-particular", 2);
+    let link = env.path("perm-root");
+    client.write_all(&request(47, &[Err(&out), Err(link.to_str().unwrap().as_bytes())])).unwrap();
+    assert_eq!(
+        until_last(&mut client),
+        Err("you are not privileged to create perm roots\n\nhint: you can just do this client-side without special privileges, and probably want to do that instead.".to_owned())
+    );
+    assert!(std::fs::symlink_metadata(&link).is_err(), "no root was made");
+    let mut rest = Vec::new();
+    assert_eq!(std::io::Read::read_to_end(&mut client, &mut rest).unwrap_or(0), 0, "connection closed");
+
+    let (mut client, _) = raw_client(&env, 37);
+    client.write_all(&request(11, &[Err(&out)])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    std::os::unix::fs::symlink(std::str::from_utf8(&out).unwrap(), &link).unwrap();
+    client.write_all(&request(12, &[Err(link.to_str().unwrap().as_bytes())])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    let auto: Vec<_> = std::fs::read_dir(env.path("root/nix/var/nix/gcroots/auto")).unwrap().flatten().map(|e| std::fs::read_link(e.path()).unwrap()).collect();
+    assert_eq!(auto, [link.clone()]);
+
+    client.write_all(&request(20, &[Ok(3), Ok(1), Err(&out), Ok(1), Ok(0), Ok(0), Ok(0), Ok(0)])).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not allowed to ignore liveness".to_owned()));
+    assert_eq!(is_valid(&mut client, &out), 1);
+    client.write_all(&request(35, &[Ok(0), Ok(1)])).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not privileged to repair paths".to_owned()));
+    assert_eq!(is_valid(&mut client, &out), 1);
+    // BuildPathsWithResults with repair: refused as BuildPaths (Nix closes the connection).
+    client.write_all(&request(46, &[Ok(1), Err(&out), Ok(1)])).unwrap();
+    assert_eq!(until_last(&mut client), Err("repairing is not allowed because you are not in 'trusted-users'".to_owned()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forged content addresses. A content address is a fact about the content, not a permission:
+// a path whose claimed CA yields its store path but whose NAR holds other content (with an
+// honest NarHash/NarSize for that other content, unsigned) must be refused, for trusted and
+// untrusted clients alike, with Nix's `ca hash mismatch importing path '…';\n  specified: …\n
+// got:       …` (LocalStore::addToStore). These tests fail until the store's single
+// verification boundary checks content addresses.
+
+use sluice_nix::content_address::ContentAddress;
+use sluice_nix::hash::{Hash, HashAlgo};
+use sluice_nix::nar::writer::regular_file_nar;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+/// One forged path: what the daemon must refuse, and the hashes the refusal must name.
+struct Forgery {
+    path: StorePath,
+    /// The NAR served for the path (other content), and the references claimed.
+    nar: Vec<u8>,
+    references: Vec<StorePath>,
+    ca: ContentAddress,
+    /// `sha256:<nix32>` of what the CA claims and of what the NAR really holds.
+    specified: String,
+    got: String,
+}
+
+/// The three forms: `fixed:r:sha256` (a NAR), `fixed:sha256` (a flat file) and
+/// `text:sha256` with a reference (to `dep`, an honest text path).
+fn forgeries(dep: &StorePath) -> Vec<Forgery> {
+    let dir = StoreDir::default();
+    let sha = |b: &[u8]| Hash::digest_bytes(HashAlgo::Sha256, b);
+    let (real, other) = (&b"the real content\n"[..], &b"other content\n"[..]);
+    let nar = regular_file_nar(other, false);
+    let mut out = Vec::new();
+    let recursive = ContentAddress::Fixed { recursive: true, hash: sha(&regular_file_nar(real, false)) };
+    let flat = ContentAddress::Fixed { recursive: false, hash: sha(real) };
+    let real_text = format!("refers to {}\n", dir.display_path(dep));
+    let text = ContentAddress::Text(sha(real_text.as_bytes()));
+    for (name, ca, refs, got) in
+        [("forged-nar", recursive, vec![], sha(&nar)), ("forged-flat", flat, vec![], sha(other)), ("forged-text", text, vec![dep.clone()], sha(other))]
+    {
+        let path = ca.store_path(&dir, name, &refs, false).unwrap();
+        out.push(Forgery { path, nar: nar.clone(), references: refs, specified: ca.hash().to_nix32_prefixed(), got: got.to_nix32_prefixed(), ca });
+    }
+    out
+}
+
+/// An honest text path `dep` (referenced by the text forgery): its CA matches its NAR.
+fn honest_dep() -> (StorePath, Vec<u8>, ContentAddress) {
+    let contents = b"an honest dependency\n";
+    let ca = ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, contents));
+    (ca.store_path(&StoreDir::default(), "honest-dep", &[], false).unwrap(), regular_file_nar(contents, false), ca)
+}
+
+/// Writes an unsigned, uncompressed binary cache at `dir` serving `entries` (path, NAR,
+/// references, CA), each narinfo describing its NAR honestly. Owned by `nobody` (a Nix client
+/// opening a file:// store creates directories in it).
+fn write_cache(dir: &Path, entries: &[(&StorePath, &[u8], &[StorePath], &ContentAddress)]) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir.join("nar")).unwrap();
+    std::fs::write(dir.join("nix-cache-info"), "StoreDir: /nix/store\nWantMassQuery: 1\nPriority: 40\n").unwrap();
+    for (path, nar, refs, ca) in entries {
+        let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, nar);
+        let url = format!("nar/{}.nar", nar_hash.to_nix32());
+        std::fs::write(dir.join(&url), nar).unwrap();
+        let refs: Vec<&str> = refs.iter().map(StorePath::base_name).collect();
+        let text = format!(
+            "StorePath: /nix/store/{}\nURL: {url}\nCompression: none\nNarHash: {}\nNarSize: {}\nReferences: {}\nCA: {ca}\n",
+            path.base_name(),
+            nar_hash.to_nix32_prefixed(),
+            nar.len(),
+            refs.join(" ")
+        );
+        std::fs::write(dir.join(format!("{}.narinfo", path.hash_part())), text).unwrap();
+    }
+    for entry in walk(dir) {
+        let mode = if entry.is_dir() { 0o755 } else { 0o644 };
+        std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(mode)).unwrap();
+        std::os::unix::fs::chown(&entry, Some(65534), Some(65534)).unwrap();
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![dir.to_owned()];
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+/// Checks that `forgery` was refused with Nix's message and left nothing behind; returns
+/// what is wrong, if anything.
+fn check_refused(env: &Env, who: &str, f: &Forgery, result: (bool, String, String)) -> Option<String> {
+    let (ok, _, err) = result;
+    let shown = format!("/nix/store/{}", f.path.base_name());
+    let mut wrong = Vec::new();
+    if ok {
+        wrong.push("accepted".to_owned());
+    }
+    for part in [&shown, &f.specified, &f.got] {
+        if !err.contains(part.as_str()) {
+            wrong.push(format!("the error does not name {part}"));
+        }
+    }
+    if !err.contains("hash mismatch") {
+        wrong.push("the error does not say 'hash mismatch'".into());
+    }
+    if std::fs::symlink_metadata(env.path("root/nix/store").join(f.path.base_name())).is_ok() {
+        wrong.push(format!("root/nix/store/{} exists", f.path.base_name()));
+    }
+    let (mut client, _) = raw_client(env, 37);
+    if is_valid(&mut client, shown.as_bytes()) != 0 {
+        wrong.push("the path is valid".into());
+    }
+    (!wrong.is_empty()).then(|| format!("{who}, {} ({}): {}\n  client stderr: {}", f.ca, shown, wrong.join("; "), err.trim()))
+}
+
+/// `nix copy --no-check-sigs --from file://CACHE --to unix://SOCKET P` of each forgery by
+/// `run` (a client as some user), each into a fresh daemon store; panics listing every
+/// forgery that was not refused as it must be.
+fn forged_copies_are_refused(who: &str, run: impl Fn(&Env, &[&str]) -> (bool, String, String)) {
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    let mut failures = Vec::new();
+    for f in forgeries(&dep) {
+        let env = Env::new();
+        open_to_nobody(&env);
+        let cache_dir = env.path("forged-cache");
+        write_cache(&cache_dir, &[(&dep, &dep_nar, &[], &dep_ca), (&f.path, &f.nar, &f.references, &f.ca)]);
+        let cache = format!("file://{}", cache_dir.display());
+        let daemon = env.daemon("root", &env.cache(), "");
+        let shown = format!("/nix/store/{}", f.path.base_name());
+        let result = run(&env, &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &shown]);
+        failures.extend(check_refused(&env, who, &f, result));
+        // The reference: Nix 2.8's own local store refuses the same copy with that message.
+        let direct = format!("local?root={}", env.path("direct").display());
+        let (ok, _, err) = as_root(&env, false, "nix", &["copy", "--no-check-sigs", "--from", &cache, "--to", &direct, &shown]);
+        // (The client indents the message's continuation lines.)
+        let expected = [format!("ca hash mismatch importing path '{shown}';\n"), format!("specified: {}\n", f.specified), format!("got:       {}\n", f.got)];
+        assert!(!ok && expected.iter().all(|e| err.contains(e.as_str())), "Nix's own store: {err}");
+        // Nix 2.8 leaves the unpacked tree on disk (restorePath into the real path, then the
+        // check); it is not valid. sluice must not leave it at all.
+        assert!(!as_root(&env, false, "nix-store", &["--store", &direct, "--check-validity", &shown]).0, "not valid in Nix's store");
+    }
+    assert!(failures.is_empty(), "forged content addresses not refused as Nix refuses them:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn forged_ca_nix_2_8_copy_as_nobody_is_refused() {
+    forged_copies_are_refused("Nix 2.8 as nobody", |env, args| as_nobody(env, "nix", args));
+}
+
+#[test]
+fn forged_ca_nix_2_26_copy_as_nobody_is_refused() {
+    forged_copies_are_refused("Nix 2.26 as nobody", |env, args| modern_as_nobody(env, "nix", args));
+}
+
+#[test]
+fn forged_ca_nix_2_8_copy_as_root_is_refused() {
+    forged_copies_are_refused("Nix 2.8 as root (trusted)", |env, args| as_root(env, false, "nix", args));
+}
+
+#[test]
+fn forged_ca_nix_2_26_copy_as_root_is_refused() {
+    forged_copies_are_refused("Nix 2.26 as root (trusted)", |env, args| as_root(env, true, "nix", args));
+}
+
+/// The keyed path info of `f` as AddToStoreNar and AddMultipleToStore send it (1.16 form).
+fn wire_info(path: &StorePath, nar: &[u8], refs: &[StorePath], ca: &ContentAddress) -> Vec<u8> {
+    let shown = format!("/nix/store/{}", path.base_name());
+    let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, nar).to_base16();
+    let refs: Vec<String> = refs.iter().map(|r| format!("/nix/store/{}", r.base_name())).collect();
+    let mut args: Vec<Result<u64, &[u8]>> = vec![Err(shown.as_bytes()), Err(b""), Err(nar_hash.as_bytes()), Ok(refs.len() as u64)];
+    args.extend(refs.iter().map(|r| Err(r.as_bytes())));
+    let ca = ca.to_string();
+    args.extend([Ok(0), Ok(nar.len() as u64), Ok(0), Ok(0), Err(ca.as_bytes())]);
+    request(0, &args)[8..].to_vec()
+}
+
+/// AddToStoreNar (op 39, one path) and AddMultipleToStore (op 44) of each forgery by raw
+/// clients, trusted (root by default) and untrusted (root not in `trusted-users`), both asking
+/// not to check signatures: refused with Nix's message, nothing stored, connection usable.
+#[test]
+fn forged_ca_add_to_store_nar_and_add_multiple_are_refused() {
+    use std::io::Write;
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    let mut failures = Vec::new();
+    for (who, config, flag) in [("trusted raw client", "", 1), ("untrusted raw client", "trusted-users = nobody-in-particular", 2)] {
+        for op in [39u64, 44] {
+            let env = Env::new();
+            let daemon = env.daemon("root", &env.cache(), config);
+            let (mut client, trusted) = raw_client(&env, 37);
+            assert_eq!(trusted, Some(flag));
+            // The honest dependency first (a valid content address: accepted).
+            let mut add = request(39, &[])[..8].to_vec();
+            add.extend(wire_info(&dep, &dep_nar, &[], &dep_ca));
+            add.extend(u64s(&[0, 1]));
+            add.extend(framed(&dep_nar));
+            client.write_all(&add).unwrap();
+            assert_eq!(until_last(&mut client), Ok(()), "{who}: the honest path");
+            for f in forgeries(&dep) {
+                let mut req = Vec::new();
+                if op == 39 {
+                    req.extend(u64s(&[39]));
+                    req.extend(wire_info(&f.path, &f.nar, &f.references, &f.ca));
+                    req.extend(u64s(&[0, 1]));
+                    req.extend(framed(&f.nar));
+                } else {
+                    req.extend(u64s(&[44, 0, 1]));
+                    let mut payload = u64s(&[1]);
+                    payload.extend(wire_info(&f.path, &f.nar, &f.references, &f.ca));
+                    payload.extend_from_slice(&f.nar);
+                    req.extend(framed(&payload));
+                }
+                client.write_all(&req).unwrap();
+                let result = match until_last(&mut client) {
+                    Ok(()) => (true, String::new(), String::new()),
+                    Err(msg) => (false, String::new(), msg),
+                };
+                failures.extend(check_refused(&env, &format!("{who}, op {op}"), &f, result));
+                assert_eq!(is_valid(&mut client, MISSING), 0, "the connection goes on");
+            }
+            drop(daemon);
+        }
+    }
+    assert!(failures.is_empty(), "forged content addresses not refused as Nix refuses them:\n{}", failures.join("\n"));
 }

@@ -12,8 +12,9 @@ use crate::conn::{Conn, Fail, OpResult};
 /// mode → a build result in the negotiated version's form: AlreadyValid if every output path
 /// is valid, Substituted if substitution made them all valid, else MiscFailure naming the
 /// outputs that are missing. Fixed outputs' paths are computed from their hash, not taken from
-/// the client. An untrusted client whose input-addressed derivation would have to be built
-/// gets Nix's refusal instead, as an operation error.
+/// the client. An untrusted client may only send content-addressed (fixed, floating or
+/// impure) derivations: any other gets Nix's refusal, as an operation error, whether or not
+/// its outputs are valid (Nix `daemon.cc`: `if (!(drvType.isCA() || trusted)) throw`).
 pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
     let drv_path = c.read_path("derivation path")?;
     let drv = read_basic_derivation(&mut c.r, c.daemon.store().store_dir())?;
@@ -22,6 +23,9 @@ pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
     let shown = dir.display_path(&drv_path);
     let cannot = |why: &dyn std::fmt::Display| Fail::Op(format!("cannot build '{shown}': {why}"));
     let name = drv_path.name().strip_suffix(".drv").ok_or_else(|| cannot(&"it is not a derivation (its name does not end in .drv)"))?;
+    if !c.peer.trusted && !drv.is_content_addressed() {
+        return Err(Fail::Op("you are not privileged to build input-addressed derivations".into()));
+    }
     normal_mode_only(mode)?;
     let outputs = drv.outputs.iter().map(|o| Ok((o.name.as_str(), o.path(&dir, name)?))).collect::<Result<Vec<(&str, Option<StorePath>)>, StorePathError>>().map_err(|e| cannot(&e))?;
     let known: Vec<StorePath> = outputs.iter().filter_map(|(_, p)| p.clone()).collect();
@@ -40,8 +44,6 @@ pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
         let mut res = build_result(realised_status(&known, &valid_before), String::new());
         res.built_outputs = built_outputs(outputs.iter().filter_map(|(output, path)| path.as_ref().map(|p| (*output, p))));
         res
-    } else if !c.peer.trusted && !drv.is_content_addressed() {
-        return Err(Fail::Op("you are not privileged to build input-addressed derivations".into()));
     } else {
         let why = format!("the sluice daemon does not build derivations (outputs not valid and not substitutable: {})", missing.join(", "));
         build_result(BuildStatus::MiscFailure, format!("cannot build '{shown}': {why}"))

@@ -63,7 +63,8 @@ pub(super) fn nar_from_path(c: &mut Conn) -> OpResult {
     Ok(())
 }
 
-/// AddSignatures: path, signatures → 1. Only for trusted clients.
+/// AddSignatures: path, signatures → 1. Only for trusted clients, as in Nix 2.8 (Nix ≥ 2.17
+/// lets any allowed user add signatures; see `docs/daemon-trust.md`).
 pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
     let path = c.read_path("path")?;
     let sigs = read_strings(&mut c.r, 1 << 16, 4096, "signatures")?;
@@ -75,14 +76,19 @@ pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
 }
 
 /// CollectGarbage: action, paths, ignoreLiveness, maxFreed and three obsolete fields; always
-/// fails (sluice has no garbage collector; run `nix-store --gc` on the store directly).
+/// fails: with Nix's refusal if ignoreLiveness is set (for any client, as Nix), else because
+/// sluice has no garbage collector (run `nix-store --gc` on the store directly).
 pub(super) fn collect_garbage(c: &mut Conn) -> OpResult {
     read_u64(&mut c.r, "GC action")?;
     read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths to delete")?;
-    read_bool(&mut c.r, "ignoreLiveness flag")?;
+    let ignore_liveness = read_bool(&mut c.r, "ignoreLiveness flag")?;
     read_u64(&mut c.r, "maxFreed")?;
     for _ in 0..3 {
         read_u64(&mut c.r, "obsolete GC field")?;
+    }
+    // Nix refuses this for every client, trusted or not.
+    if ignore_liveness {
+        return Err(Fail::Op("you are not allowed to ignore liveness".into()));
     }
     Err(Fail::Op("garbage collection is not supported by the sluice daemon (run nix-store --gc on the store directly)".into()))
 }
