@@ -51,8 +51,8 @@ pub(crate) fn add_perm_root(c: &mut Conn) -> OpResult {
 
 fn indirect_root(c: &Conn, link: &str) -> Result<(), Fail> {
     let hash = Hash::digest_bytes(HashAlgo::Sha1, link.as_bytes());
-    let auto = c.daemon.state_dir.join("gcroots/auto").join(base32::encode(hash.digest()));
-    std::fs::create_dir_all(c.daemon.state_dir.join("gcroots/auto")).map_err(op_err)?;
+    let auto = c.daemon.store.state_dir().join("gcroots/auto").join(base32::encode(hash.digest()));
+    std::fs::create_dir_all(c.daemon.store.state_dir().join("gcroots/auto")).map_err(op_err)?;
     replace_symlink(&auto, Path::new(link))
 }
 
@@ -69,7 +69,7 @@ fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
 /// roots of every live process and connection as `{temp:<id>}`.
 pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
     let mut roots: Vec<(String, StorePath)> = Vec::new();
-    scan(c, &c.daemon.state_dir.join("gcroots"), 0, &mut roots);
+    scan(c, &c.daemon.store.state_dir().join("gcroots"), 0, &mut roots);
     for (path, labels) in c.store().find_temp_roots().map_err(op_err)? {
         roots.extend(labels.into_iter().map(|label| (label, path.clone())));
     }

@@ -15,20 +15,22 @@ use super::{LocalStore, LocalStoreError};
 use crate::path_info::ValidPathInfo;
 
 impl LocalStore {
-    /// The store's root directory (`/` for the system store; `DIR` of `local?root=DIR`).
-    pub fn root(&self) -> &Path {
-        self.layout.state_dir.ancestors().nth(3).unwrap_or(Path::new("/"))
-    }
-
-    /// The state directory, `<root>/nix/var/nix` (GC roots, temporary roots, profiles, db).
+    /// The state directory: `state=`, by default `<root>/nix/var/nix` (GC roots, temporary
+    /// roots, profiles, db).
     pub fn state_dir(&self) -> &Path {
         &self.layout.state_dir
+    }
+
+    /// The build-log directory: `log=`, by default `<root>/nix/var/log/nix`.
+    pub fn log_dir(&self) -> &Path {
+        &self.layout.log_dir
     }
 
     /// A new file of temporary roots that Nix's garbage collector honours, named after the
     /// calling thread; its roots last until it is dropped. A thread holds at most one at a
     /// time (a second one replaces the first's file).
     pub fn temp_roots_file(&self) -> Result<TempRootsFile, LocalStoreError> {
+        self.ensure_writable("create a file of temporary roots")?;
         TempRootsFile::create(&self.layout.state_dir, &self.store_dir)
     }
 
@@ -41,6 +43,7 @@ impl LocalStore {
     /// Adds `sigs` to the valid path `path`'s signatures (keeping those it has). Fails with
     /// [`LocalStoreError::NotValid`] if it is not registered.
     pub fn add_signatures(&self, path: &StorePath, sigs: &BTreeSet<String>) -> Result<(), LocalStoreError> {
+        self.ensure_writable("add signatures")?;
         self.registry.add_signatures(path, sigs)
     }
 
