@@ -35,24 +35,30 @@ fn copy_to(tmp: &Path, to: &str, keyless: bool) -> Output {
     sluice(tmp, &args)
 }
 
+/// A directory's entries with their modification times, sorted.
+type Entries = Vec<(String, SystemTime)>;
+
+/// The entries of `dir` (none if it is missing) with their modification times, sorted,
+/// leaving out SQLite's transient `-wal`, `-shm` and `-journal` files.
+fn entries(dir: &Path) -> Entries {
+    let mut v: Entries = std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().filter_map(|e| Some((e.file_name().to_string_lossy().into_owned(), e.metadata().ok()?.modified().ok()?))).collect())
+        .unwrap_or_default();
+    v.retain(|(name, _)| ![".sqlite-wal", ".sqlite-shm", ".sqlite-journal"].iter().any(|s| name.ends_with(s)));
+    v.sort();
+    v
+}
+
 /// What a write into the system store would change, seen without changing anything (nothing is
 /// created, so the test does not depend on `/nix` existing): which of `/nix`, `/nix/store`,
 /// `/nix/var/nix` and its `db` exist, the entries and modification time of `/nix/store`, and
-/// the database files with their modification times. SQLite's transient `-wal`, `-shm` and
-/// `-journal` files are left out: another process opening the system store with real Nix
-/// makes and removes them without writing.
-fn system_store_snapshot() -> [(&'static str, bool, Option<SystemTime>, Vec<(String, SystemTime)>); 4] {
-    let entries = |dir: &str| -> Vec<(String, SystemTime)> {
-        let mut v: Vec<_> = std::fs::read_dir(dir)
-            .map(|rd| rd.flatten().filter_map(|e| Some((e.file_name().to_string_lossy().into_owned(), e.metadata().ok()?.modified().ok()?))).collect())
-            .unwrap_or_default();
-        v.retain(|(name, _)| ![".sqlite-wal", ".sqlite-shm", ".sqlite-journal"].iter().any(|s| name.ends_with(s)));
-        v.sort();
-        v
-    };
+/// the database files with their modification times (without SQLite's transient files:
+/// another process opening the system store with real Nix makes and removes them without
+/// writing).
+fn system_store_snapshot() -> [(&'static str, bool, Option<SystemTime>, Entries); 4] {
     ["/nix", "/nix/var/nix", "/nix/store", "/nix/var/nix/db"].map(|dir| {
         let modified = (dir == "/nix/store").then(|| std::fs::metadata(dir).ok()?.modified().ok()).flatten();
-        let listed = if dir == "/nix/store" || dir == "/nix/var/nix/db" { entries(dir) } else { Vec::new() };
+        let listed = if dir == "/nix/store" || dir == "/nix/var/nix/db" { entries(Path::new(dir)) } else { Vec::new() };
         (dir, Path::new(dir).exists(), modified, listed)
     })
 }
@@ -116,11 +122,6 @@ fn read_only_store_is_read_and_never_written() {
     assert_eq!(String::from_utf8_lossy(&listed.stdout).trim(), s.top);
 
     let db = root.join("nix/var/nix/db");
-    let entries = |dir: &Path| -> Vec<(String, SystemTime)> {
-        let mut v: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| (e.file_name().to_string_lossy().into_owned(), e.metadata().unwrap().modified().unwrap())).collect();
-        v.sort();
-        v
-    };
     let (db_before, store_before) = (entries(&db), entries(&root.join("nix/store")));
     let o = copy_to(tmp.path(), &read_only, false);
     assert_eq!(o.status.code(), Some(1), "a copy into a read-only store should fail:\n{}", stderr(&o));
