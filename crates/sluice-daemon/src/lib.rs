@@ -19,12 +19,13 @@ mod server;
 mod substitution;
 mod trust;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use sluice_store::config::RawConfig;
 use sluice_store::local::{LocalStore, LocalStoreError};
+use sluice_store::store_url::LocalStoreConfig;
 
 pub use server::{serve_socket, serve_stdio};
 
@@ -54,10 +55,6 @@ pub enum DaemonError {
 /// substitution.
 pub struct Daemon {
     store: Arc<LocalStore>,
-    /// `<root>/nix/var/nix`: GC roots live under it.
-    state_dir: PathBuf,
-    /// `<root>/nix/var/log/nix`: build logs (Nix's `logDir` of a store with a root directory).
-    log_dir: PathBuf,
     /// The daemon's settings (nix.conf, `NIX_CONFIG`); clients' overrides apply on top.
     config: RawConfig,
     users: trust::Users,
@@ -77,15 +74,21 @@ pub struct DaemonOptions {
 }
 
 impl Daemon {
-    /// Opens the local store whose `nix/store` and `nix/var/nix` are under `root`, with the
-    /// daemon settings `config` (`trusted-users`, `allowed-users`, `substituters`, …).
-    pub fn open(root: &Path, config: RawConfig) -> Result<Arc<Self>, DaemonError> {
-        Self::open_with(root, config, DaemonOptions::default())
+    /// Opens the local store `store` (Nix's `LocalStoreConfig`, `src/libstore/local-store.hh`)
+    /// with the daemon settings `config` (`trusted-users`, `allowed-users`, `substituters`, …).
+    /// The store's `require-sigs`, when given, replaces that setting in `config`. A read-only
+    /// store is refused: connections write temporary roots.
+    pub fn open(store: &LocalStoreConfig, config: RawConfig) -> Result<Arc<Self>, DaemonError> {
+        Self::open_with(store, config, DaemonOptions::default())
     }
 
     /// [`open`](Self::open) with `options`.
-    pub fn open_with(root: &Path, config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
-        let store = Arc::new(LocalStore::open(root)?);
+    pub fn open_with(store: &LocalStoreConfig, mut config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
+        if let Some(require) = store.require_sigs {
+            config.set("require-sigs", if require { "true" } else { "false" });
+        }
+        let store = Arc::new(LocalStore::open(store)?);
+        store.ensure_writable("serve it (the daemon writes temporary roots)")?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("sluice-substitute")
@@ -94,8 +97,6 @@ impl Daemon {
             .map_err(DaemonError::Runtime)?;
         Ok(Arc::new(Daemon {
             store,
-            state_dir: root.join("nix/var/nix"),
-            log_dir: root.join("nix/var/log/nix"),
             users: trust::Users::from_config(&config),
             config,
             runtime,

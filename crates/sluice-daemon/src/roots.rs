@@ -60,8 +60,8 @@ pub(crate) fn add_perm_root(c: &mut Conn) -> OpResult {
 
 fn indirect_root(c: &Conn, link: &str) -> Result<(), Fail> {
     let hash = Hash::digest_bytes(HashAlgo::Sha1, link.as_bytes());
-    let auto = c.daemon.state_dir.join("gcroots/auto").join(base32::encode(hash.digest()));
-    std::fs::create_dir_all(c.daemon.state_dir.join("gcroots/auto")).map_err(op_err)?;
+    let auto = c.daemon.store.state_dir().join("gcroots/auto").join(base32::encode(hash.digest()));
+    std::fs::create_dir_all(c.daemon.store.state_dir().join("gcroots/auto")).map_err(op_err)?;
     replace_symlink(&auto, Path::new(link))
 }
 
@@ -83,7 +83,7 @@ const CENSORED: &str = "{censored}";
 /// untrusted client (Nix: `findRoots(!trusted)`), once per path as Nix's set of links holds it.
 pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
     let mut roots: Vec<(String, StorePath)> = Vec::new();
-    scan(c, &c.daemon.state_dir.join("gcroots"), 0, &mut roots);
+    scan(c, &c.daemon.store.state_dir().join("gcroots"), 0, &mut roots);
     let censor = !c.peer.trusted;
     for (path, labels) in c.store().find_temp_roots().map_err(op_err)? {
         if censor {

@@ -1,117 +1,501 @@
-//! Store URLs as Nix writes them (`src/libstore/store-api.cc`, `openStore`): `local`,
-//! `local?root=DIR`, a bare absolute path (same as `local?root=PATH`), `file:///dir`,
-//! `http://…`, `https://…`. Query parameters other than `root` and `priority` are ignored, as
-//! Nix ignores unknown store settings with a warning.
+//! Store URLs as Nix writes them (`src/libstore/store-reference.cc`, `store-api.cc`
+//! `openStore`, Nix 2.26): `local`, a bare absolute path (the same as `local?root=PATH`),
+//! `file:///dir`, `http://…`, `https://…`, `daemon` and `unix://PATH`, each followed by
+//! `?name=value&…` parameters (percent-decoded, as Nix's `decodeQuery` in `src/libutil/url.cc`).
+//!
+//! Every parameter Nix 2.26 accepts for a kind of store is accepted here for that kind, read as
+//! Nix reads its setting type (`src/libutil/config.cc`): Booleans `true`/`yes`/`1` and
+//! `false`/`no`/`0`; integers with an optional `K`/`M`/`G`/`T` suffix
+//! (`string2IntWithUnitPrefix`); paths must be absolute and are canonicalised (`canonPath`), and
+//! may not be empty (except `root`, where empty means none). Anything else is an error naming
+//! the URL, the parameter and the value, raised before any store is opened: an unknown
+//! parameter (Nix only warns), a parameter of another kind of store, one given twice, one
+//! without `=`, a bad value. (Nix ignores a parameter without `=` with a warning and keeps the
+//! first of two with the same name.)
+//!
+//! | parameter | Nix source | stores | in sluice |
+//! |---|---|---|---|
+//! | `store` | `store-dir-config.hh` | all | must be `/nix/store`: sluice's store directory is fixed, anything else is refused |
+//! | `priority` | `store-api.hh` | all | caches: overrides `nix-cache-info` (must be ≥ 0); others: accepted, no effect (only substituters have one) |
+//! | `want-mass-query` | `store-api.hh` | all | caches: overrides `nix-cache-info`; others: accepted, no effect |
+//! | `trusted` | `store-api.hh` | all | caches: [`CommonParams::trusted`]; others: accepted, no effect |
+//! | `path-info-cache-size`, `system-features` | `store-api.hh` | all | accepted, no effect (sluice keeps no path-info cache and does not build) |
+//! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | local, daemon | local: where the store lives ([`LocalFsDirs`]); daemon: accepted, no effect (sluice's daemon client only queries) |
+//! | `read-only` | `local-store.hh` | local | nothing is created or written; adding paths is refused |
+//! | `require-sigs` | `local-store.hh` | local | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting) |
+//! | `max-connections`, `max-connection-age` | `remote-store.hh` | daemon | accepted, no effect (sluice's client holds one connection) |
+//! | `compression`, `write-nar-listing`, `index-debug-info`, `secret-key`, `local-nar-cache`, `parallel-compression`, `compression-level` | `binary-cache-store.hh` | caches | accepted, no effect: they govern writing to a cache and Nix's NAR accessor, and sluice only reads caches |
+//!
+//! `http-binary-cache-store.hh`, `local-binary-cache-store.hh` and `uds-remote-store.hh` add no
+//! parameters of their own. S3 (`s3://`, `s3-binary-cache-store.hh`), SSH and overlay stores are
+//! not supported, so their parameters are not either. Parameters accepted with no effect are
+//! kept, validated, in [`CommonParams::unused`]; none of them changes what Nix would do with the
+//! store in the operations sluice performs, so none is refused.
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
 
 /// A parsed store URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreUrl {
-    /// A local store whose `nix/store` and `nix/var/nix` live under `root` (`/` for `local`).
-    Local { root: PathBuf },
+    /// A local store (`local`, `local?root=DIR`, `/DIR`).
+    Local(LocalStoreConfig),
     /// A binary cache.
     BinaryCache(CacheUrl),
-    /// A daemon's Unix socket: `unix://PATH`, or `daemon` for the default socket
-    /// (`$NIX_DAEMON_SOCKET_PATH`, else `/nix/var/nix/daemon-socket/socket`).
-    Daemon { socket: PathBuf },
+    /// A daemon's Unix socket: `unix://PATH`, or `daemon` (and `unix://`) for the default
+    /// socket (`$NIX_DAEMON_SOCKET_PATH`, else `/nix/var/nix/daemon-socket/socket`).
+    Daemon { socket: PathBuf, common: CommonParams },
 }
 
 /// The default daemon socket.
 pub const DEFAULT_DAEMON_SOCKET: &str = "/nix/var/nix/daemon-socket/socket";
 
-/// A binary cache's URL: `base` has no trailing slash and no query; `priority` overrides the
-/// cache's `nix-cache-info` (`?priority=N`).
+/// The only logical store directory sluice supports (the `store` parameter).
+pub const STORE_DIR: &str = "/nix/store";
+
+/// Parameters of Nix's `StoreConfig` (`src/libstore/store-api.hh`) that every store takes,
+/// and the accepted parameters sluice does not act on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommonParams {
+    /// `priority=N`: a substituter's priority (lower is preferred); overrides a cache's
+    /// `nix-cache-info`.
+    pub priority: Option<u64>,
+    /// `want-mass-query=BOOL`: overrides a cache's `nix-cache-info`.
+    pub want_mass_query: Option<bool>,
+    /// `trusted=BOOL` (default false): paths from this substituter may be used without a
+    /// signature by a trusted key (Nix's `isTrusted`).
+    pub trusted: bool,
+    /// Parameters Nix accepts for this kind of store that sluice does not act on (see the
+    /// module doc), by name, with their values as given.
+    pub unused: BTreeMap<String, String>,
+}
+
+/// Where a local file-system store keeps its files: Nix's `LocalFSStoreConfig`
+/// (`src/libstore/local-fs-store.hh`). Without `root`, the system store's directories.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalFsDirs {
+    /// `root=DIR`: the directory the defaults below are under.
+    pub root: Option<PathBuf>,
+    /// `state=DIR`, default `<root>/nix/var/nix`: the database, GC roots, temporary roots.
+    pub state: PathBuf,
+    /// `log=DIR`, default `<root>/nix/var/log/nix`: build logs.
+    pub log: PathBuf,
+    /// `real=DIR`, default `<root>/nix/store`: where the store's paths are on disk.
+    pub real: PathBuf,
+}
+
+impl LocalFsDirs {
+    /// The directories of a store under `root` (`None`: the system store), as Nix's defaults.
+    pub fn under(root: Option<&Path>) -> Self {
+        let base = root.unwrap_or(Path::new("/"));
+        LocalFsDirs { root: root.map(Path::to_owned), state: base.join("nix/var/nix"), log: base.join("nix/var/log/nix"), real: base.join("nix/store") }
+    }
+}
+
+/// A local store's configuration: Nix's `LocalStoreConfig` (`src/libstore/local-store.hh`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalStoreConfig {
+    pub dirs: LocalFsDirs,
+    /// `read-only=BOOL` (default false): open without creating or writing anything (no lock,
+    /// the database opened immutable); adding paths is refused.
+    pub read_only: bool,
+    /// `require-sigs=BOOL`: whether paths copied into this store need a trusted signature;
+    /// `None` leaves it to the `require-sigs` setting.
+    pub require_sigs: Option<bool>,
+    pub common: CommonParams,
+}
+
+impl LocalStoreConfig {
+    /// The writable store under `root` (`local?root=ROOT`) with every other parameter at its
+    /// default.
+    pub fn with_root(root: &Path) -> Self {
+        LocalStoreConfig { dirs: LocalFsDirs::under(Some(root)), read_only: false, require_sigs: None, common: CommonParams::default() }
+    }
+}
+
+/// A binary cache's URL: `base` has no trailing slash and no query.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheUrl {
     pub base: String,
     pub kind: CacheKind,
-    pub priority: Option<u64>,
+    pub common: CommonParams,
 }
 
 /// The transport of a binary cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheKind { File, Http }
 
-/// Why a store URL was rejected.
+/// Why a store URL was rejected. Each names the URL as given.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StoreUrlError {
     #[error("unsupported store URL {0:?} (expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http:// or https://)")]
     Unsupported(String),
-    #[error("store URL {url:?}: parameter {param} has the invalid value {value:?}")]
-    BadParam { url: String, param: &'static str, value: String },
+    #[error("store URL {url:?}: unknown parameter {param:?}")]
+    UnknownParam { url: String, param: String },
+    #[error("store URL {url:?}: parameter {param:?} is not one of a {kind}")]
+    WrongKind { url: String, param: String, kind: &'static str },
+    #[error("store URL {url:?}: parameter {param:?} is given twice")]
+    Duplicate { url: String, param: String },
+    #[error("store URL {url:?}: {text:?} is not a name=value parameter")]
+    Malformed { url: String, text: String },
+    #[error("store URL {url:?}: parameter {param:?} has the invalid value {value:?}: {reason}")]
+    BadParam { url: String, param: String, value: String, reason: &'static str },
 }
 
+/// The kinds of store (a bit set), for the parameters each takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kinds(u8);
+
+const LOCAL: Kinds = Kinds(1);
+const CACHE: Kinds = Kinds(2);
+const DAEMON: Kinds = Kinds(4);
+const ALL: Kinds = Kinds(7);
+const LOCAL_FS: Kinds = Kinds(LOCAL.0 | DAEMON.0);
+
+impl Kinds {
+    fn name(self) -> &'static str {
+        match self {
+            LOCAL => "local store",
+            CACHE => "binary cache",
+            _ => "daemon store",
+        }
+    }
+}
+
+/// How Nix reads a setting's value (`src/libutil/config.cc`).
+#[derive(Debug, Clone, Copy)]
+enum Type { Bool, Int, Path, OptionalPath, Text }
+
+/// Every parameter Nix 2.26 accepts, its type and the stores that take it (see the module doc
+/// for the Nix header each comes from).
+const PARAMS: &[(&str, Type, Kinds)] = &[
+    ("store", Type::Path, ALL),
+    ("path-info-cache-size", Type::Int, ALL),
+    ("trusted", Type::Bool, ALL),
+    ("priority", Type::Int, ALL),
+    ("want-mass-query", Type::Bool, ALL),
+    ("system-features", Type::Text, ALL),
+    ("root", Type::OptionalPath, LOCAL_FS),
+    ("state", Type::Path, LOCAL_FS),
+    ("log", Type::Path, LOCAL_FS),
+    ("real", Type::Path, LOCAL_FS),
+    ("require-sigs", Type::Bool, LOCAL),
+    ("read-only", Type::Bool, LOCAL),
+    ("max-connections", Type::Int, DAEMON),
+    ("max-connection-age", Type::Int, DAEMON),
+    ("compression", Type::Text, CACHE),
+    ("write-nar-listing", Type::Bool, CACHE),
+    ("index-debug-info", Type::Bool, CACHE),
+    ("secret-key", Type::Text, CACHE),
+    ("local-nar-cache", Type::Text, CACHE),
+    ("parallel-compression", Type::Bool, CACHE),
+    ("compression-level", Type::Int, CACHE),
+];
+
 impl StoreUrl {
-    /// Parses a store URL.
+    /// Parses a store URL and its parameters; see the module doc for what is accepted.
     pub fn parse(url: &str) -> Result<Self, StoreUrlError> {
-        let (main, query) = match url.split_once('?') {
-            Some((m, q)) => (m, q),
-            None => (url, ""),
-        };
-        let params: Vec<(&str, &str)> = query.split('&').filter(|p| !p.is_empty()).map(|p| p.split_once('=').unwrap_or((p, ""))).collect();
-        let param = |name: &str| params.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
-        if main == "daemon" {
-            let socket = std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from);
-            return Ok(StoreUrl::Daemon { socket });
-        }
-        if let Some(socket) = main.strip_prefix("unix://") {
-            if !socket.starts_with('/') {
-                return Err(StoreUrlError::Unsupported(url.to_string()));
-            }
-            return Ok(StoreUrl::Daemon { socket: PathBuf::from(socket) });
-        }
-        if main == "local" || main.starts_with('/') {
-            let root = match (param("root"), main) {
-                (Some(r), _) => PathBuf::from(r),
-                (None, "local") => PathBuf::from("/"),
-                (None, path) => PathBuf::from(path),
-            };
-            return Ok(StoreUrl::Local { root });
-        }
-        let kind = if let Some(dir) = main.strip_prefix("file://") {
-            if !dir.starts_with('/') {
-                return Err(StoreUrlError::Unsupported(url.to_string()));
-            }
-            CacheKind::File
-        } else if main.starts_with("http://") || main.starts_with("https://") {
-            CacheKind::Http
+        let (main, query) = url.split_once('?').unwrap_or((url, ""));
+        let kind = if main == "daemon" || main.starts_with("unix://") {
+            DAEMON
+        } else if main == "local" || main.starts_with('/') {
+            LOCAL
+        } else if main.starts_with("file://") || main.starts_with("http://") || main.starts_with("https://") {
+            CACHE
         } else {
             return Err(StoreUrlError::Unsupported(url.to_string()));
         };
-        let priority = match param("priority") {
-            Some(v) => Some(v.parse().map_err(|_| StoreUrlError::BadParam { url: url.to_string(), param: "priority", value: v.to_string() })?),
+        let mut q = Query::parse(url, query, kind)?;
+        match kind {
+            LOCAL => {
+                let root = match q.take("root") {
+                    Some(v) => q.optional_path("root", &v)?,
+                    None => (main != "local").then(|| canon_path(main)).flatten(),
+                };
+                let mut dirs = LocalFsDirs::under(root.as_deref());
+                q.take_dirs(&mut dirs)?;
+                let read_only = q.take_bool("read-only")?.unwrap_or(false);
+                let require_sigs = q.take_bool("require-sigs")?;
+                Ok(StoreUrl::Local(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))
+            }
+            DAEMON => {
+                let socket = match main.strip_prefix("unix://").unwrap_or("") {
+                    "" => std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from),
+                    path if path.starts_with('/') => PathBuf::from(path),
+                    _ => return Err(StoreUrlError::Unsupported(url.to_string())),
+                };
+                Ok(StoreUrl::Daemon { socket, common: q.finish()? })
+            }
+            _ => {
+                if main.strip_prefix("file://").is_some_and(|dir| !dir.starts_with('/')) {
+                    return Err(StoreUrlError::Unsupported(url.to_string()));
+                }
+                let kind = if main.starts_with("file://") { CacheKind::File } else { CacheKind::Http };
+                Ok(StoreUrl::BinaryCache(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, common: q.finish()? }))
+            }
+        }
+    }
+}
+
+/// A URL's parameters, checked against [`PARAMS`] for its kind of store, taken one by one
+/// into typed fields; the rest are validated and kept by [`Query::finish`].
+struct Query<'a> {
+    url: &'a str,
+    params: BTreeMap<String, String>,
+}
+
+impl<'a> Query<'a> {
+    fn parse(url: &'a str, query: &str, kind: Kinds) -> Result<Self, StoreUrlError> {
+        let mut params = BTreeMap::new();
+        for text in query.split('&').filter(|p| !p.is_empty()) {
+            let malformed = || StoreUrlError::Malformed { url: url.to_string(), text: text.to_string() };
+            let (name, value) = text.split_once('=').ok_or_else(malformed)?;
+            let (name, value) = (percent_decode(name).ok_or_else(malformed)?, percent_decode(value).ok_or_else(malformed)?);
+            match PARAMS.iter().find(|(n, _, _)| *n == name) {
+                None => return Err(StoreUrlError::UnknownParam { url: url.to_string(), param: name }),
+                Some((_, _, kinds)) if kinds.0 & kind.0 == 0 => return Err(StoreUrlError::WrongKind { url: url.to_string(), param: name, kind: kind.name() }),
+                Some(_) => {}
+            }
+            if params.contains_key(&name) {
+                return Err(StoreUrlError::Duplicate { url: url.to_string(), param: name });
+            }
+            params.insert(name, value);
+        }
+        Ok(Query { url, params })
+    }
+
+    fn take(&mut self, name: &str) -> Option<String> {
+        self.params.remove(name)
+    }
+
+    fn bad(&self, param: &str, value: &str, reason: &'static str) -> StoreUrlError {
+        StoreUrlError::BadParam { url: self.url.to_string(), param: param.to_string(), value: value.to_string(), reason }
+    }
+
+    /// `BaseSetting<bool>::parse`.
+    fn bool(&self, name: &str, value: &str) -> Result<bool, StoreUrlError> {
+        match value {
+            "true" | "yes" | "1" => Ok(true),
+            "false" | "no" | "0" => Ok(false),
+            _ => Err(self.bad(name, value, "not a Boolean (true, yes, 1, false, no or 0)")),
+        }
+    }
+
+    /// `string2IntWithUnitPrefix`: an integer, optionally followed by K, M, G or T.
+    fn int(&self, name: &str, value: &str) -> Result<i64, StoreUrlError> {
+        let bad = || self.bad(name, value, "not an integer (optionally followed by K, M, G or T)");
+        let (digits, shift) = match value.as_bytes().last().map(u8::to_ascii_uppercase) {
+            Some(b'K') => (&value[..value.len() - 1], 10),
+            Some(b'M') => (&value[..value.len() - 1], 20),
+            Some(b'G') => (&value[..value.len() - 1], 30),
+            Some(b'T') => (&value[..value.len() - 1], 40),
+            _ => (value, 0),
+        };
+        let n: i64 = digits.parse().map_err(|_| bad())?;
+        n.checked_mul(1 << shift).ok_or_else(bad)
+    }
+
+    /// `PathSetting::parse`: a non-empty absolute path, canonicalised.
+    fn path(&self, name: &str, value: &str) -> Result<PathBuf, StoreUrlError> {
+        self.optional_path(name, value)?.ok_or_else(|| self.bad(name, value, "a path cannot be empty"))
+    }
+
+    /// `OptionalPathSetting::parse`: empty is none.
+    fn optional_path(&self, name: &str, value: &str) -> Result<Option<PathBuf>, StoreUrlError> {
+        if value.is_empty() {
+            return Ok(None);
+        }
+        canon_path(value).map(Some).ok_or_else(|| self.bad(name, value, "not an absolute path"))
+    }
+
+    fn check(&self, name: &str, value: &str, ty: Type) -> Result<(), StoreUrlError> {
+        match ty {
+            Type::Bool => self.bool(name, value).map(drop),
+            Type::Int => self.int(name, value).map(drop),
+            Type::Path => self.path(name, value).map(drop),
+            Type::OptionalPath => self.optional_path(name, value).map(drop),
+            Type::Text => Ok(()),
+        }
+    }
+
+    fn take_bool(&mut self, name: &str) -> Result<Option<bool>, StoreUrlError> {
+        self.take(name).map(|v| self.bool(name, &v)).transpose()
+    }
+
+    /// `state`, `log` and `real` over the defaults in `dirs`.
+    fn take_dirs(&mut self, dirs: &mut LocalFsDirs) -> Result<(), StoreUrlError> {
+        for (name, dir) in [("state", &mut dirs.state), ("log", &mut dirs.log), ("real", &mut dirs.real)] {
+            if let Some(v) = self.take(name) {
+                *dir = self.path(name, &v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the [`CommonParams`], checks `store` and validates and keeps the rest.
+    fn finish(mut self) -> Result<CommonParams, StoreUrlError> {
+        if let Some(v) = self.take("store") {
+            if self.path("store", &v)? != Path::new(STORE_DIR) {
+                return Err(self.bad("store", &v, "sluice supports only the store directory /nix/store"));
+            }
+        }
+        let priority = match self.take("priority") {
+            Some(v) => Some(u64::try_from(self.int("priority", &v)?).map_err(|_| self.bad("priority", &v, "sluice takes only priorities of 0 or more"))?),
             None => None,
         };
-        Ok(StoreUrl::BinaryCache(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, priority }))
+        let want_mass_query = self.take_bool("want-mass-query")?;
+        let trusted = self.take_bool("trusted")?.unwrap_or(false);
+        for (name, value) in &self.params {
+            let ty = PARAMS.iter().find(|(n, _, _)| n == name).map_or(Type::Text, |(_, ty, _)| *ty);
+            self.check(name, value, ty)?;
+        }
+        Ok(CommonParams { priority, want_mass_query, trusted, unused: self.params })
     }
+}
+
+/// Nix's `canonPath` without following symbolic links: `None` for a relative path; `.`, `..`
+/// and repeated or trailing slashes removed.
+fn canon_path(path: &str) -> Option<PathBuf> {
+    if !path.starts_with('/') {
+        return None;
+    }
+    let mut out = PathBuf::from("/");
+    for c in Path::new(path).components() {
+        match c {
+            Component::Normal(name) => out.push(name),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    Some(out)
+}
+
+/// Nix's `percentDecode`: `%XX` escapes decoded; `None` for a malformed one or a result that is
+/// not UTF-8.
+fn percent_decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn local(url: &str) -> LocalStoreConfig {
+        match StoreUrl::parse(url) {
+            Ok(StoreUrl::Local(c)) => c,
+            other => panic!("{url}: {other:?}"),
+        }
+    }
+
+    fn cache(url: &str) -> CacheUrl {
+        match StoreUrl::parse(url) {
+            Ok(StoreUrl::BinaryCache(c)) => c,
+            other => panic!("{url}: {other:?}"),
+        }
+    }
+
+    fn err(url: &str) -> String {
+        StoreUrl::parse(url).expect_err(url).to_string()
+    }
+
     #[test]
     fn local_forms() {
-        assert_eq!(StoreUrl::parse("local").unwrap(), StoreUrl::Local { root: "/".into() });
-        assert_eq!(StoreUrl::parse("local?root=/tmp/r").unwrap(), StoreUrl::Local { root: "/tmp/r".into() });
-        assert_eq!(StoreUrl::parse("/tmp/r").unwrap(), StoreUrl::Local { root: "/tmp/r".into() });
+        let system = local("local");
+        assert_eq!(system.dirs, LocalFsDirs { root: None, state: "/nix/var/nix".into(), log: "/nix/var/log/nix".into(), real: "/nix/store".into() });
+        assert!(!system.read_only);
+        assert_eq!(system.require_sigs, None);
+        assert_eq!(local("local?root=/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
+        assert_eq!(local("/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
+        assert_eq!(local("/tmp/r?root=/tmp/s").dirs.root, Some("/tmp/s".into()));
+        assert_eq!(
+            local("local?root=/tmp/r/./x//&real=/big/store/&state=/tmp/../var/st&log=/l").dirs,
+            LocalFsDirs { root: Some("/tmp/r/x".into()), state: "/var/st".into(), log: "/l".into(), real: "/big/store".into() }
+        );
+        let c = local("local?read-only=true&require-sigs=0&store=/nix//store/&priority=5&trusted=yes&want-mass-query=no&path-info-cache-size=1K&system-features=kvm");
+        assert!(c.read_only);
+        assert_eq!(c.require_sigs, Some(false));
+        assert_eq!(c.common.priority, Some(5));
+        assert!(c.common.trusted);
+        assert_eq!(c.common.want_mass_query, Some(false));
+        let unused: Vec<(&str, &str)> = c.common.unused.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(unused, [("path-info-cache-size", "1K"), ("system-features", "kvm")]);
+        assert_eq!(local("local?root=").dirs.root, None, "an empty root is none, as Nix's OptionalPathSetting");
+        assert_eq!(local("local?root=%2Ftmp%2Fr").dirs.root, Some("/tmp/r".into()), "percent-decoded");
     }
 
     #[test]
     fn cache_forms() {
         assert_eq!(
-            StoreUrl::parse("file:///srv/cache/?priority=10").unwrap(),
-            StoreUrl::BinaryCache(CacheUrl { base: "file:///srv/cache".into(), kind: CacheKind::File, priority: Some(10) })
+            cache("file:///srv/cache/?priority=10"),
+            CacheUrl { base: "file:///srv/cache".into(), kind: CacheKind::File, common: CommonParams { priority: Some(10), ..Default::default() } }
         );
-        assert_eq!(
-            StoreUrl::parse("https://cache.nixos.org").unwrap(),
-            StoreUrl::BinaryCache(CacheUrl { base: "https://cache.nixos.org".into(), kind: CacheKind::Http, priority: None })
-        );
-        assert!(StoreUrl::parse("s4://x").is_err());
-        assert_eq!(StoreUrl::parse("unix:///tmp/d/socket?real=/x").unwrap(), StoreUrl::Daemon { socket: "/tmp/d/socket".into() });
-        assert!(StoreUrl::parse("unix://relative").is_err());
-        assert!(StoreUrl::parse("file://relative").is_err());
-        assert!(StoreUrl::parse("http://x?priority=high").is_err());
+        assert_eq!(cache("https://cache.nixos.org"), CacheUrl { base: "https://cache.nixos.org".into(), kind: CacheKind::Http, common: CommonParams::default() });
+        let c = cache("http://x?trusted=1&want-mass-query=true&priority=2K&compression=zstd&write-nar-listing=1&index-debug-info=0&secret-key=/k&local-nar-cache=/c&parallel-compression=true&compression-level=-1");
+        assert_eq!((c.common.trusted, c.common.want_mass_query, c.common.priority), (true, Some(true), Some(2048)));
+        let names: Vec<&str> = c.common.unused.keys().map(String::as_str).collect();
+        assert_eq!(names, ["compression", "compression-level", "index-debug-info", "local-nar-cache", "parallel-compression", "secret-key", "write-nar-listing"]);
+    }
+
+    #[test]
+    fn daemon_forms() {
+        let socket = |url: &str| match StoreUrl::parse(url) {
+            Ok(StoreUrl::Daemon { socket, common }) => (socket, common.unused.len()),
+            other => panic!("{url}: {other:?}"),
+        };
+        assert_eq!(socket("unix:///tmp/d/socket?real=/x&root=/r&state=/s&log=/l&max-connections=4&max-connection-age=60"), ("/tmp/d/socket".into(), 6));
+        if std::env::var_os("NIX_DAEMON_SOCKET_PATH").is_none() {
+            assert_eq!(socket("daemon?store=/nix/store"), (DEFAULT_DAEMON_SOCKET.into(), 0));
+            assert_eq!(socket("unix://"), (DEFAULT_DAEMON_SOCKET.into(), 0));
+        }
+    }
+
+    #[test]
+    fn unsupported_forms() {
+        for url in ["s4://x", "s3://bucket", "ssh://host", "unix://relative", "file://relative", "relative/path"] {
+            assert_eq!(StoreUrl::parse(url), Err(StoreUrlError::Unsupported(url.into())));
+        }
+    }
+
+    #[test]
+    fn refusals_name_url_parameter_and_value() {
+        assert_eq!(err("local?rot=/tmp/x"), r#"store URL "local?rot=/tmp/x": unknown parameter "rot""#);
+        assert_eq!(err("https://c?root=/r"), r#"store URL "https://c?root=/r": parameter "root" is not one of a binary cache"#);
+        assert_eq!(err("local?compression=xz"), r#"store URL "local?compression=xz": parameter "compression" is not one of a local store"#);
+        assert_eq!(err("daemon?read-only=true"), r#"store URL "daemon?read-only=true": parameter "read-only" is not one of a daemon store"#);
+        assert_eq!(err("local?root=/a&root=/b"), r#"store URL "local?root=/a&root=/b": parameter "root" is given twice"#);
+        assert_eq!(err("local?read-only"), r#"store URL "local?read-only": "read-only" is not a name=value parameter"#);
+        assert_eq!(err("local?root=%zz"), r#"store URL "local?root=%zz": "root=%zz" is not a name=value parameter"#);
+        let bad = |url: &str, param: &str, value: &str| {
+            let e = err(url);
+            assert!(e.starts_with(&format!("store URL {url:?}: parameter {param:?} has the invalid value {value:?}: ")), "{e}");
+            e
+        };
+        assert!(bad("local?read-only=maybe", "read-only", "maybe").ends_with("not a Boolean (true, yes, 1, false, no or 0)"));
+        assert!(bad("local?root=tmp/x", "root", "tmp/x").ends_with("not an absolute path"));
+        assert!(bad("/tmp/r?state=", "state", "").ends_with("a path cannot be empty"));
+        bad("local?real=rel", "real", "rel");
+        bad("local?require-sigs=2", "require-sigs", "2");
+        assert!(bad("http://x?priority=high", "priority", "high").ends_with("not an integer (optionally followed by K, M, G or T)"));
+        assert!(bad("http://x?priority=-1", "priority", "-1").ends_with("sluice takes only priorities of 0 or more"));
+        bad("http://x?compression-level=fast", "compression-level", "fast");
+        bad("unix:///s?max-connections=many", "max-connections", "many");
+        bad("local?path-info-cache-size=1X", "path-info-cache-size", "1X");
+        assert!(bad("local?store=/foo/store&root=/tmp/x", "store", "/foo/store").ends_with("sluice supports only the store directory /nix/store"));
+        bad("file:///c?store=/gnu/store", "store", "/gnu/store");
     }
 }

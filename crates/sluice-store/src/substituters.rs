@@ -32,7 +32,7 @@ pub enum SubstituterError {
 pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
     match StoreUrl::parse(url)? {
         StoreUrl::BinaryCache(c) => Ok(c),
-        StoreUrl::Local { .. } | StoreUrl::Daemon { .. } => Err(SubstituterError::NotACache { url: url.to_string() }),
+        StoreUrl::Local(_) | StoreUrl::Daemon { .. } => Err(SubstituterError::NotACache { url: url.to_string() }),
     }
 }
 

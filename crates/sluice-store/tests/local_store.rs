@@ -19,6 +19,7 @@ use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, TEMP_DIR};
+use sluice_store::store_url::LocalStoreConfig;
 use tempfile::TempDir;
 
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus");
@@ -148,7 +149,7 @@ fn add(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) -> Res
 }
 
 fn open_store(root: &Path) -> Arc<LocalStore> {
-    Arc::new(LocalStore::open(root).unwrap())
+    Arc::new(LocalStore::open(&LocalStoreConfig::with_root(root)).unwrap())
 }
 
 fn shown(path: &StorePath) -> String {
@@ -639,8 +640,8 @@ fn signatures_and_hash_part_lookup() {
     let root = tmp.path().join("root");
     let store = open_store(&root);
     let added = add_subset(&store);
-    assert_eq!(store.root(), root.as_path());
     assert_eq!(store.state_dir(), root.join("nix/var/nix").as_path());
+    assert_eq!(store.log_dir(), root.join("nix/var/log/nix").as_path());
 
     for info in &added {
         assert_eq!(store.query_path_from_hash_part(info.path.hash_part()).unwrap().as_ref(), Some(&info.path));
@@ -737,7 +738,7 @@ fn concurrent_first_opens_of_a_new_store_all_succeed() {
                 let (root, barrier) = (root.clone(), barrier.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    LocalStore::open(&root).map(|_| ()).map_err(|e| e.to_string())
+                    LocalStore::open(&LocalStoreConfig::with_root(&root)).map(|_| ()).map_err(|e| e.to_string())
                 })
             })
             .collect();
@@ -857,4 +858,78 @@ fn self_referencing_content_address_is_hashed_modulo_the_hash_part() {
     let other = ca_info(ContentAddress::Fixed { recursive: true, hash: ca.hash().clone() }, "self2", &[], true, &zeroed_nar);
     let err = store.add_nar(other, &mut zeroed_nar.as_slice(), &strict, &roots).unwrap_err();
     assert!(matches!(err, LocalStoreError::CaMismatch { .. }), "{err}");
+}
+
+/// A snapshot of every entry under `dir`: relative path, size and modification time.
+fn tree_snapshot(dir: &Path) -> BTreeMap<PathBuf, (u64, i64, i64)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            out.insert(path.strip_prefix(dir).unwrap().to_path_buf(), (meta.len(), meta.mtime(), meta.mtime_nsec()));
+            if meta.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// `read-only=true` (Nix's `local-store.hh`): queries work, adding is refused before anything
+/// is written, and nothing in the store changes (not even a lock file); a store that does not
+/// exist is not created.
+#[test]
+fn read_only_store_reads_and_refuses_writes() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let added = add_subset(&open_store(&root));
+    let before = tree_snapshot(&root);
+
+    let mut config = LocalStoreConfig::with_root(&root);
+    config.read_only = true;
+    let store = Arc::new(LocalStore::open(&config).unwrap());
+    let all: BTreeSet<StorePath> = added.iter().map(|i| i.path.clone()).collect();
+    assert_eq!(store.query_all_valid_paths().unwrap(), all);
+    let info = store.query_path_info(&added[0].path).unwrap().unwrap();
+    assert_eq!((&info.nar_hash, info.nar_size, &info.references, &info.sigs), (&added[0].nar_hash, added[0].nar_size, &added[0].references, &added[0].sigs));
+    let mut dumped = Vec::new();
+    store.dump_path(&added[0].path, &mut dumped).unwrap();
+    assert_eq!(dumped, nar_bytes(&subset_cache(), &cache_infos(&subset_cache())[0]));
+
+    let fresh = StorePath::from_base_name("00000000000000000000000000000000-not-there").unwrap();
+    let refusal = |e: LocalStoreError| match e {
+        LocalStoreError::ReadOnly { store, what } => format!("{}: {what}", store.display()),
+        other => panic!("expected a read-only refusal, got {other}"),
+    };
+    let real = root.join("nix/store");
+    assert_eq!(refusal(store.begin_add(ValidPathInfo { path: fresh.clone(), ..added[0].clone() }, &store.temp_roots()).err().unwrap()), format!("{}: add paths", real.display()));
+    assert!(matches!(store.try_begin_add(ValidPathInfo { path: fresh.clone(), ..added[0].clone() }, &store.temp_roots()), Err(LocalStoreError::ReadOnly { .. })));
+    assert_eq!(refusal(store.add_signatures(&added[0].path, &BTreeSet::from(["k:sig".to_string()])).unwrap_err()), format!("{}: add signatures", real.display()));
+    drop(store);
+    assert_eq!(tree_snapshot(&root), before, "a read-only store was changed");
+
+    let mut missing = LocalStoreConfig::with_root(&tmp.path().join("absent"));
+    missing.read_only = true;
+    assert!(LocalStore::open(&missing).is_err());
+    assert!(!tmp.path().join("absent").exists(), "a read-only open created the store");
+}
+
+/// `state=` and `real=` (Nix's `local-fs-store.hh`) put the database and the paths where
+/// asked, and nothing under the default `<root>/nix`.
+#[test]
+fn state_and_real_directories_are_honoured() {
+    let tmp = Scratch::new();
+    let mut config = LocalStoreConfig::with_root(&tmp.path().join("root"));
+    config.dirs.state = tmp.path().join("state");
+    config.dirs.real = tmp.path().join("paths");
+    let store = Arc::new(LocalStore::open(&config).unwrap());
+    let added = add_subset(&store);
+    assert_eq!(store.real_path(&added[0].path), tmp.path().join("paths").join(added[0].path.base_name()));
+    assert!(store.real_path(&added[0].path).exists());
+    assert_eq!(store.state_dir(), tmp.path().join("state"));
+    assert!(tmp.path().join("state/db/db.sqlite").is_file());
+    assert!(tmp.path().join("state/gcroots").is_dir());
+    assert!(!tmp.path().join("root").exists(), "nothing is under the root when state and real are elsewhere");
 }

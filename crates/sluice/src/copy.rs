@@ -18,7 +18,8 @@ pub struct Args {
     /// The binary cache to copy from (default: the configured substituters, by priority).
     #[arg(long)]
     from: Option<String>,
-    /// The store to copy into (`local`, `local?root=DIR` or an absolute path).
+    /// The store to copy into (`local`, `local?root=DIR` or an absolute path, with the local
+    /// store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`, …).
     #[arg(long)]
     to: String,
     /// NAR downloads in flight at once (each streams through its own decoder and unpacker).
@@ -43,6 +44,7 @@ pub struct Args {
 /// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.to, &args.paths)?;
+    dest.ensure_writable("copy paths into it").map_err(|e| format!("{}: {e}", args.to))?;
     let urls = match &args.from {
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),

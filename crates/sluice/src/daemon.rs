@@ -16,7 +16,8 @@ pub struct Args {
     /// Serve one client on standard input and output (as `nix-daemon --stdio`).
     #[arg(long)]
     stdio: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store).
+    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store), with
+    /// the local store's parameters (`state`, `real`, `require-sigs`, …).
     #[arg(long, default_value = "local")]
     store: String,
     /// Keep each connection's worker on the CPU its client runs on, for clients that send no
@@ -27,13 +28,13 @@ pub struct Args {
 
 /// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let root = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
-        StoreUrl::Local { root } => root,
+    let store = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+        StoreUrl::Local(config) => config,
         StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => return Err(format!("{}: the daemon serves a local store, not a binary cache or another daemon", args.store)),
     };
     let config = RawConfig::from_environment().map_err(|e| e.to_string())?;
     let options = sluice_daemon::DaemonOptions { follow_client_cpu: args.follow_client_cpu };
-    let daemon = sluice_daemon::Daemon::open_with(&root, config, options).map_err(|e| e.to_string())?;
+    let daemon = sluice_daemon::Daemon::open_with(&store, config, options).map_err(|e| e.to_string())?;
     let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };
     served.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)

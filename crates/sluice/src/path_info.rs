@@ -53,12 +53,12 @@ struct Entry {
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let store_dir = StoreDir::default();
     let (entries, missing) = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
-        StoreUrl::Local { root } => {
-            let store = LocalStore::open(&root).map_err(|e| e.to_string())?;
+        StoreUrl::Local(config) => {
+            let store = LocalStore::open(&config).map_err(|e| e.to_string())?;
             let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
             store_entries(roots, args.recursive, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
         }
-        StoreUrl::Daemon { socket } => {
+        StoreUrl::Daemon { socket, .. } => {
             let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
             let roots = setup::parse_paths(&store_dir, &args.paths)?;
             store_entries(roots, args.recursive, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?

@@ -7,7 +7,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure::{ClosureQuery, ValidityCheck};
 use sluice_store::config::{RawConfig, Settings};
 use sluice_store::local::LocalStore;
-use sluice_store::store_url::StoreUrl;
+use sluice_store::store_url::{LocalStoreConfig, StoreUrl};
 use sluice_store::{binary_cache, substituters};
 
 /// Flags shared by the commands that talk to binary caches; they win over nix.conf.
@@ -86,10 +86,11 @@ fn follow_links(store_dir: &StoreDir, arg: &str) -> String {
     path.to_string_lossy().into_owned()
 }
 
-/// Opens a local store URL.
-pub fn open_local(url: &str) -> Result<Arc<LocalStore>, String> {
+/// Parses a store URL that must name a local store (all its parameters checked, nothing
+/// opened yet).
+pub fn local_config(url: &str) -> Result<LocalStoreConfig, String> {
     match StoreUrl::parse(url).map_err(|e| e.to_string())? {
-        StoreUrl::Local { root } => LocalStore::open(&root).map(Arc::new).map_err(|e| e.to_string()),
+        StoreUrl::Local(config) => Ok(config),
         StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => Err(format!("{url}: this command needs a local store here")),
     }
 }
@@ -115,10 +116,16 @@ pub struct Destination {
     pub roots: Vec<StorePath>,
 }
 
-/// Reads the settings, opens the local store `url` and parses `paths`.
+/// Reads the settings, opens the local store `url` and parses `paths`. The URL's
+/// `require-sigs` replaces the setting (Nix's `LocalStoreConfig::requireSigs` defaults to it),
+/// but `--no-check-sigs` still wins, as Nix's `checkSigs` does.
 pub fn destination(flags: &CacheFlags, url: &str, paths: &[String]) -> Result<Destination, String> {
-    let settings = settings(flags)?;
-    let store = open_local(url)?;
+    let config = local_config(url)?;
+    let mut settings = settings(flags)?;
+    if let Some(require) = config.require_sigs {
+        settings.require_sigs = require && !flags.no_check_sigs;
+    }
+    let store = LocalStore::open(&config).map(Arc::new).map_err(|e| e.to_string())?;
     let store_dir = store.store_dir().clone();
     let roots = parse_paths(&store_dir, paths)?;
     Ok(Destination { settings, store, store_dir, roots })

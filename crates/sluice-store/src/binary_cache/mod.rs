@@ -40,6 +40,8 @@ pub struct BinaryCache {
     info: CacheInfo,
     /// `?priority=` of the URL.
     priority_override: Option<u64>,
+    /// `?want-mass-query=` of the URL.
+    want_mass_query_override: Option<bool>,
     health: retry::Health,
     retry: retry::RetryPolicy,
 }
@@ -55,9 +57,11 @@ pub struct NarStream {
 
 impl BinaryCache {
     /// A cache for `url` with `info` as its `nix-cache-info` (from the disk cache, or a default
-    /// until [`BinaryCache::fetch_cache_info`] has answered); `?priority=` overrides it.
+    /// until [`BinaryCache::fetch_cache_info`] has answered); `?priority=` and
+    /// `?want-mass-query=` override it, as Nix's `BinaryCacheStore::init`
+    /// (`src/libstore/binary-cache-store.cc`) takes its values only as defaults.
     pub fn new(url: &CacheUrl, client: &reqwest::Client, settings: &Settings, info: CacheInfo) -> Self {
-        let CacheUrl { base, kind, priority } = url;
+        let CacheUrl { base, kind, common } = url;
         let transport = match kind {
             CacheKind::File => Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://")))),
             CacheKind::Http => Transport::Http(Box::new(http::HttpTransport::new(base.clone(), client.clone(), settings))),
@@ -66,7 +70,8 @@ impl BinaryCache {
             url: base.clone(),
             transport,
             info,
-            priority_override: *priority,
+            priority_override: common.priority,
+            want_mass_query_override: common.want_mass_query,
             health: retry::Health::default(),
             retry: retry::RetryPolicy::new(settings.download_attempts),
         };
@@ -74,10 +79,13 @@ impl BinaryCache {
         cache
     }
 
-    /// Replaces the cache's `nix-cache-info` (keeping a `?priority=` override).
+    /// Replaces the cache's `nix-cache-info` (keeping the URL's overrides).
     pub fn set_info(&mut self, mut info: CacheInfo) {
         if let Some(p) = self.priority_override {
             info.priority = p;
+        }
+        if let Some(w) = self.want_mass_query_override {
+            info.want_mass_query = w;
         }
         self.info = info;
     }
@@ -120,7 +128,7 @@ impl BinaryCache {
         &self.url
     }
 
-    /// The cache's `nix-cache-info` (priority possibly overridden by the URL).
+    /// The cache's `nix-cache-info` (priority and want-mass-query possibly overridden by the URL).
     pub fn info(&self) -> &CacheInfo {
         &self.info
     }

@@ -15,14 +15,15 @@ use super::{LocalStore, LocalStoreError};
 use sluice_nix::path_info::ValidPathInfo;
 
 impl LocalStore {
-    /// The store's root directory (`/` for the system store; `DIR` of `local?root=DIR`).
-    pub fn root(&self) -> &Path {
-        self.layout.state_dir.ancestors().nth(3).unwrap_or(Path::new("/"))
-    }
-
-    /// The state directory, `<root>/nix/var/nix` (GC roots, temporary roots, profiles, db).
+    /// The state directory: `state=`, by default `<root>/nix/var/nix` (GC roots, temporary
+    /// roots, profiles, db).
     pub fn state_dir(&self) -> &Path {
         &self.layout.state_dir
+    }
+
+    /// The build-log directory: `log=`, by default `<root>/nix/var/log/nix`.
+    pub fn log_dir(&self) -> &Path {
+        &self.layout.log_dir
     }
 
     /// A new holder of temporary roots that Nix's garbage collector honours; its file is made
@@ -40,6 +41,7 @@ impl LocalStore {
     /// Adds `sigs` to the valid path `path`'s signatures (keeping those it has). Fails with
     /// [`LocalStoreError::NotValid`] if it is not registered.
     pub fn add_signatures(&self, path: &StorePath, sigs: &BTreeSet<String>) -> Result<(), LocalStoreError> {
+        self.ensure_writable("add signatures")?;
         self.registry.add_signatures(path, sigs)
     }
 

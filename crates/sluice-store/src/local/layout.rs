@@ -3,28 +3,33 @@
 //! `nix/var/nix/{profiles,temproots,db,gcroots}`, the symlink `gcroots/profiles` →
 //! `profiles`, `profiles/per-user` and `gcroots/per-user` (mode 0755) and the current user's
 //! directory in each. (`userpool` is only created by Nix when it builds with build users;
-//! `db/reserved` is disk space Nix reserves for itself on its first open.)
+//! `db/reserved` is disk space Nix reserves for itself on its first open.) The directories are
+//! the store URL's `real` and `state` ([`LocalFsDirs`], Nix's `local-fs-store.hh`).
 
 use std::fs::{self, DirBuilder};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-/// Where a store rooted at `root` keeps its files.
+use crate::store_url::LocalFsDirs;
+
+/// Where a store keeps its files.
 #[derive(Debug, Clone)]
 pub(super) struct Layout {
-    /// `<root>/nix/store`.
+    /// `real` (default `<root>/nix/store`).
     pub(super) real_store_dir: PathBuf,
-    /// `<root>/nix/var/nix`.
+    /// `state` (default `<root>/nix/var/nix`).
     pub(super) state_dir: PathBuf,
-    /// `<root>/nix/var/nix/db`.
+    /// `<state>/db`.
     pub(super) db_dir: PathBuf,
+    /// `log` (default `<root>/nix/var/log/nix`); not created here (Nix creates it when it
+    /// first writes a build log).
+    pub(super) log_dir: PathBuf,
 }
 
 impl Layout {
-    pub(super) fn new(root: &Path) -> Self {
-        let state_dir = root.join("nix/var/nix");
-        Layout { real_store_dir: root.join("nix/store"), db_dir: state_dir.join("db"), state_dir }
+    pub(super) fn new(dirs: &LocalFsDirs) -> Self {
+        Layout { real_store_dir: dirs.real.clone(), db_dir: dirs.state.join("db"), state_dir: dirs.state.clone(), log_dir: dirs.log.clone() }
     }
 
     /// Creates the missing directories. Returns the first failure with the directory it

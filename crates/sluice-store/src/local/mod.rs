@@ -1,6 +1,8 @@
 //! The local store: Nix's on-disk layout (`<root>/nix/store`, `<root>/nix/var/nix/db/db.sqlite`
-//! with Nix's schema version 10) so that real Nix reads what sluice writes and vice versa.
-//! Source of the layout and schema: Nix `src/libstore/local-store.cc`, `schema.sql`.
+//! with Nix's schema version 10, or the store URL's `real` and `state` directories) so that
+//! real Nix reads what sluice writes and vice versa. Source of the layout and schema: Nix
+//! `src/libstore/local-store.cc`, `schema.sql`; of the configuration, `local-store.hh` and
+//! `local-fs-store.hh` ([`LocalStoreConfig`]).
 //!
 //! Adding a path: [`LocalStore::begin_add`] makes the path a temporary GC root of the caller's
 //! [`TempRoots`] and takes the per-path lock (`<path>.lock`, flock, as Nix's `PathLocks`);
@@ -52,6 +54,7 @@ use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
+use crate::store_url::LocalStoreConfig;
 use layout::Layout;
 use lock::PathLock;
 use registry::Registry;
@@ -112,13 +115,18 @@ pub enum LocalStoreError {
     /// A [`PendingPath`] was used out of order or for another path.
     #[error("adding {path}: {what}")]
     Misuse { path: String, what: &'static str },
+    /// The store was opened with `read-only=true` and the operation would write to it.
+    #[error("the store in {} is read-only (read-only=true): cannot {what}", store.display())]
+    ReadOnly { store: PathBuf, what: &'static str },
 }
 
-/// A local Nix store rooted at `root` (`/` for the system store; a chroot store
-/// `local?root=DIR` otherwise). Safe to share between threads.
+/// A local Nix store: the system store (`local`), a chroot store (`local?root=DIR`), or one
+/// with its own `real`/`state`/`log` directories. Safe to share between threads.
 pub struct LocalStore {
     store_dir: StoreDir,
     layout: Layout,
+    /// `read-only=true`: nothing may be written.
+    read_only: bool,
     /// The real store directory, opened once: every node of a store path is reached from it.
     store_fd: OwnedFd,
     registry: Registry,
@@ -171,20 +179,33 @@ pub struct PendingPath {
 }
 
 impl LocalStore {
-    /// Opens (creating the layout, database and `schema` file if missing) the store whose
-    /// `nix/store` and `nix/var/nix/db` live under `root`. Holds a shared lock on
-    /// `db/big-lock` while open, as Nix does.
-    pub fn open(root: &Path) -> Result<Self, LocalStoreError> {
-        let root = std::path::absolute(root).map_err(io_err("resolving", root))?;
-        let layout = Layout::new(&root);
-        layout.create().map_err(|(path, source)| LocalStoreError::Io { what: "creating", path, source })?;
+    /// Opens the store `config` describes: its paths in `config.dirs.real`, its database in
+    /// `<config.dirs.state>/db`. Creates the layout, database and `schema` file if missing and
+    /// holds a shared lock on `db/big-lock` while open, as Nix does; with `read_only`, creates
+    /// and locks nothing and opens the database immutable (Nix's `read-only` mode, which still
+    /// creates missing directories). `config.require_sigs` is for the copying code to apply.
+    pub fn open(config: &LocalStoreConfig) -> Result<Self, LocalStoreError> {
+        let layout = Layout::new(&config.dirs);
+        if !config.read_only {
+            layout.create().map_err(|(path, source)| LocalStoreError::Io { what: "creating", path, source })?;
+        }
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
         let store_fd = open(&layout.real_store_dir, flags, Mode::empty())
             .map_err(|e| io_err("opening", &layout.real_store_dir)(e.into()))?;
-        let db = schema::open(&layout.db_dir)?;
+        let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default() })
+        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default() })
+    }
+
+    /// Fails with [`LocalStoreError::ReadOnly`] if the store was opened read-only: every
+    /// operation that writes calls it first, and so can a caller before it starts work that
+    /// would end in a write.
+    pub fn ensure_writable(&self, what: &'static str) -> Result<(), LocalStoreError> {
+        if self.read_only {
+            return Err(LocalStoreError::ReadOnly { store: self.layout.real_store_dir.clone(), what });
+        }
+        Ok(())
     }
 
     /// The logical store directory (`/nix/store`).
@@ -243,8 +264,12 @@ impl LocalStore {
     }
 
     /// Removes the lock file of the valid path `path` if a killed process left it (nobody
-    /// holds it). Cheap when there is none: one failed `open`.
+    /// holds it). Cheap when there is none: one failed `open`. Does nothing in a read-only
+    /// store.
     pub fn clear_stale_lock(&self, path: &StorePath) {
+        if self.read_only {
+            return;
+        }
         lock::clear_stale(&self.real_path(path));
     }
 
@@ -253,6 +278,7 @@ impl LocalStore {
     /// (possibly added meanwhile by the holder). Otherwise removes whatever an interrupted
     /// addition left: an unregistered tree at the path's location and its temporary tree.
     pub fn begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+        self.ensure_writable("add paths")?;
         roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
         if self.is_valid_path(&info.path)? {
             return Ok(None);
@@ -267,6 +293,7 @@ impl LocalStore {
     /// and without holding other resources (two copies sharing a store would otherwise be
     /// able to starve each other).
     pub fn try_begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        self.ensure_writable("add paths")?;
         roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
         if self.is_valid_path(&info.path)? {
             return Ok(TryAdd::Valid);

@@ -64,10 +64,46 @@ create table if not exists DerivationOutputs (
 create index if not exists IndexDerivationOutputs on DerivationOutputs(path);
 ";
 
-/// An open store database and the shared `big-lock` held while it is open.
+/// An open store database and the shared `big-lock` held while it is open (none when it is
+/// read-only).
 pub(super) struct Database {
     pub(super) conn: Connection,
-    _big_lock: fs::File,
+    _big_lock: Option<fs::File>,
+}
+
+/// Opens the existing database in `db_dir` as Nix's `read-only` mode does
+/// (`src/libstore/local-store.cc`, `openDB`): SQLite's `immutable` mode, no big-lock, nothing
+/// created or changed.
+pub(super) fn open_read_only(db_dir: &Path) -> Result<Database, LocalStoreError> {
+    let schema_path = db_dir.join("schema");
+    let db_path = db_dir.join("db.sqlite");
+    let found = fs::read_to_string(&schema_path).map_err(io_err("reading (the store is read-only, so it is not created)", &schema_path))?;
+    if found.trim() != SCHEMA_VERSION.to_string() {
+        return Err(LocalStoreError::Schema { path: schema_path, found: found.trim().to_owned() });
+    }
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let uri = format!("file:{}?immutable=1", uri_path(&db_path));
+    let db_err = |what: &'static str| {
+        let db = db_path.clone();
+        move |source| LocalStoreError::Db { db, what: what.to_owned(), source }
+    };
+    let conn = Connection::open_with_flags(&uri, flags).map_err(db_err("opening read-only"))?;
+    conn.set_prepared_statement_cache_capacity(32);
+    conn.pragma_update(None, "foreign_keys", 1).map_err(db_err("enabling foreign keys"))?;
+    Ok(Database { conn, _big_lock: None })
+}
+
+/// `path` for an SQLite `file:` URI: `?`, `#` and `%` percent-encoded.
+fn uri_path(path: &Path) -> String {
+    let text = path.to_string_lossy();
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '?' | '#' | '%' => out.push_str(&format!("%{:02X}", c as u32)),
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 /// Opens (creating if the store is new) the database in `db_dir`.
@@ -118,5 +154,5 @@ pub(super) fn open(db_dir: &Path) -> Result<Database, LocalStoreError> {
             .map_err(io_err("writing", &schema_path))?;
     }
     relock(&big_lock, false).map_err(io_err("locking", &big_lock_path))?;
-    Ok(Database { conn, _big_lock: big_lock })
+    Ok(Database { conn, _big_lock: Some(big_lock) })
 }
