@@ -369,6 +369,11 @@ fn copy_problems(status: Option<ExitStatus>, out: &Path, err: &Path, what: &str)
 
 /// 1. The collector loop (Nix `which`) during `sluice copy` of the corpus closure.
 fn collector_during_copy(which: Collector) {
+    collector_during("copy", which, copy_command);
+}
+
+/// The collector loop (Nix `which`) during the copy `copier(tmp, root, cache URL)`.
+fn collector_during(name: &str, which: Collector, copier: fn(&Path, &Path, &str) -> Command) {
     for rep in 0..reps() {
         let tmp = scratch();
         let (tmp, root) = (tmp.path(), tmp.path().join("root"));
@@ -376,11 +381,11 @@ fn collector_during_copy(which: Collector) {
         let server = slow_cache(tmp);
         let gc = CollectorLoop::start(tmp, which, &root);
         let from = Instant::now();
-        let (mut child, out, err) = spawn_logged(copy_command(tmp, &root, &server.url), tmp, "copy");
+        let (mut child, out, err) = spawn_logged(copier(tmp, &root, &server.url), tmp, "copy");
         let status = wait_until(&mut child, from + Duration::from_secs(120));
         let to = Instant::now();
         let runs = gc.finish();
-        let what = format!("copy beside the {which:?} collector, run {rep}");
+        let what = format!("{name} beside the {which:?} collector, run {rep}");
         let mut problems = copy_problems(status, &out, &err, &what);
         problems.extend(collector_problems(&runs, from, to, &what));
         problems.extend(store_problems(tmp, &root, &what));
@@ -400,6 +405,28 @@ fn copy_beside_nix_2_26_collector_loop() {
         return;
     }
     collector_during_copy(Collector::Nix2_26);
+}
+
+/// A baseline, not a requirement (ignored): real Nix 2.8's own `nix copy` through the same
+/// harness. It is not safe either: on 2026-12-01 it failed after 50 s ("path
+/// '…-staden-3.12.15' is not valid"), the collector having deleted 3 of its store paths and 1
+/// `.lock` file in 607 collections (sluice at the time: hundreds of paths in 4 or 5). Why was
+/// not analysed; one known collector-side race: Nix's collector checks a path's temporary root
+/// while visiting it, not again before deleting it (NixOS/nix#15469, merged as #15992), so a
+/// root added in between is ignored. A rare failure of the tests above after the GC-safety
+/// change may therefore be the collector's; rerun with `SLUICE_SOAK` to tell.
+///
+///     cargo test -p sluice --test gc_concurrency baseline -- --ignored --nocapture
+#[test]
+#[ignore = "baseline: fails on Nix 2.8 itself (collector race), about a minute"]
+fn baseline_nix_2_8_copy_beside_nix_2_8_collector_loop() {
+    fn nix_copy(tmp: &Path, root: &Path, from: &str) -> Command {
+        let mut cmd = Command::new("nix");
+        isolate(&mut cmd, tmp, "");
+        cmd.args(["copy", "--from", from, "--to", root.to_str().unwrap(), "--option", "trusted-public-keys", &corpus_key(), TOP]);
+        cmd
+    }
+    collector_during("nix copy (baseline)", Collector::Nix2_8, nix_copy);
 }
 
 /// 2. The collector loop (Nix 2.8) during `nix-store --store unix://S -r TOP` (Nix 2.8), which
@@ -481,14 +508,19 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
     for rep in 0..reps() {
         let tmp = scratch();
         let tmp = tmp.path();
+        let t_test = Instant::now();
+        let stage = |name: &str| eprintln!("kill -9, run {rep}: {name} at {:.1} s", t_test.elapsed().as_secs_f64());
         let server = slow_cache(tmp);
         let what = format!("kill -9, run {rep}");
+        stage("cache server up");
         let mut killed_store = None;
         for attempt in 0..3 {
             let root = tmp.join(format!("root-{attempt}"));
             let (mut child, _, err) = spawn_logged(copy_command(tmp, &root, &server.url), tmp, &format!("killed-{attempt}"));
             let t0 = Instant::now();
-            while copied_so_far(&err) < 150 && child.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(60) {
+            // 150 paths reported copied (about half-way at RTT 20 ms), or 1.5 s if sluice
+            // stops printing `copied path` lines; the check below wants some paths registered.
+            while copied_so_far(&err) < 150 && child.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_millis(1500) {
                 std::thread::sleep(Duration::from_millis(5));
             }
             let running = child.try_wait().unwrap().is_none();
@@ -516,6 +548,7 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         );
         assert!(!left.is_empty(), "{what}: the kill left nothing behind, so the cleanup is not exercised");
 
+        stage("killed");
         // Nix's collector on a copy of the killed store, every valid path rooted.
         let gc_root = tmp.join("gc-root");
         copy_dir(&root, &gc_root);
@@ -524,7 +557,14 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         }
         let c = collect(tmp, Collector::Nix2_8, &gc_root, 0);
         let mut problems = Vec::new();
-        eprintln!("{what}: the collector after the kill ({:?}) deleted {} names: {}", c.status, c.deleted.len(), first(&c.deleted, 8));
+        let not_leftover: Vec<&String> = c.deleted.iter().filter(|n| !left.contains(n)).collect();
+        eprintln!(
+            "{what}: the collector after the kill ({:?}) deleted {} names: {}; of them not among the leftovers: {}",
+            c.status,
+            c.deleted.len(),
+            first(&c.deleted, 8),
+            first(&not_leftover, 8)
+        );
         if !c.status.is_some_and(|s| s.success()) {
             problems.push(format!("{what}: collector after the kill: {:?}: {}", c.status, c.stderr));
         }
@@ -538,6 +578,7 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
             problems.push(format!("{what}: left after Nix's collector: {}", first(&left_gc, 8)));
         }
 
+        stage("collected and verified the copy");
         // The next run on the killed store copies one leaf path the killed run did not
         // register: it must remove the killed run's temporary trees, all of them, not only
         // the ones of paths it copies itself. (Stale `<path>.lock` files are tolerated here:
@@ -551,18 +592,24 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         if !now_valid.contains(&leaf) || now_valid.len() != valid.len() + 1 {
             problems.push(format!("{what}: after the next run, {} valid paths (want {} + the leaf {leaf})", now_valid.len(), valid.len()));
         }
-        let trees: Vec<String> = leftovers(&root, &now_valid).into_iter().filter(|n| !n.ends_with(".lock")).collect();
+        // Also tolerated here: a closure path's own directory, present but not registered (the
+        // kill came between its rename into place and its registration; Nix leaves those too,
+        // until it next substitutes the path).
+        let closure = closure();
+        let trees: Vec<String> = leftovers(&root, &now_valid).into_iter().filter(|n| !n.ends_with(".lock") && !closure.contains(&format!("/nix/store/{n}"))).collect();
         eprintln!("{what}: after the next run (one leaf), {} leftovers other than .lock files: {}", trees.len(), first(&trees, 8));
         if !trees.is_empty() {
             problems.push(format!("{what}: the next run (one leaf) left the killed run's temporary trees: {}", first(&trees, 8)));
         }
 
+        stage("next run done");
         // The full rerun on the killed store itself.
         let from = Instant::now();
         let (mut child, out, err) = spawn_logged(copy_command(tmp, &root, &zstd_cache()), tmp, "rerun");
         let status = wait_until(&mut child, from + Duration::from_secs(120));
         problems.extend(copy_problems(status, &out, &err, &format!("{what}, rerun")));
         problems.extend(store_problems(tmp, &root, &format!("{what}, after the rerun")));
+        stage("rerun verified");
         assert_no_problems(&problems);
     }
 }
