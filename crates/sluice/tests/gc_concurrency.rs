@@ -29,6 +29,15 @@
 //! protects the closure from a collection that starts between the copy's exit and the loop
 //! noticing it.
 //!
+//! What Nix's collector (2.8 and 2.26 alike, observed) does in the store directory: it deletes
+//! every name that is not `.links` or a live path — `.lock` files (also of valid, rooted
+//! paths), hidden names such as `.<name>.sluice`, any other name — except names whose hash
+//! part is a temporary root: a root on `<hash>-x` also keeps `<hash>-x.lock` and `<hash>-y`,
+//! but never a hidden `.<hash>-x…` (not parsed as a store path, so deleted unchecked).
+//!
+//! The copies fetch from nginx behind latency-proxy (RTT 20 ms, a few seconds for the
+//! closure) so that at least 3 collections overlap each; a file:// copy took under a second.
+//!
 //! Each test runs once (`SLUICE_SOAK=N` repeats each N times) under hard timeouts. Soak:
 //!
 //!     SLUICE_SOAK=20 cargo test -p sluice --test gc_concurrency -- --test-threads 1 --nocapture
