@@ -23,11 +23,14 @@
 //! those of dead processes itself, so a check after a collector loop would prove nothing.
 //!
 //! Why the collector cannot delete the finished closure after the copy exits (when sluice's
-//! temporary roots are gone): each test adds a permanent root `gcroots/gc-test-top` → the
-//! top-level path before starting. Nix skips roots to invalid paths, so during the copy it
-//! protects nothing (the top-level path is registered last); once the copy is complete, it
-//! protects the closure from a collection that starts between the copy's exit and the loop
-//! noticing it.
+//! temporary roots are gone): each test holds a temporary root on the top-level path for the
+//! whole test, from a process of its own (`flock` holding `temproots/<pid>-holder`), as a
+//! user's shell holding a result would. A permanent root (`gcroots/…` → top) is not enough:
+//! a collection that reads the permanent roots while the top-level path is not valid yet
+//! skips it, and if the copy then finishes and exits before that collection reads the
+//! temporary roots, nothing protects the closure (Nix 2.26 was seen deleting all 1056 paths
+//! this way; Nix's protocol assumes a permanent root is made while its path is valid or
+//! temporarily rooted by a live process).
 //!
 //! What Nix's collector (2.8 and 2.26 alike, observed) does in the store directory: it deletes
 //! every name that is not `.links` or a live path — `.lock` files (also of valid, rooted
@@ -328,12 +331,33 @@ fn collector_problems(runs: &[Collection], from: Instant, to: Instant, what: &st
     problems
 }
 
-/// A fresh store under `root` as Nix creates it (one Nix 2.8 collection), with the permanent
-/// root `gcroots/gc-test-top` → the top-level path (see the module comment).
-fn prepare_store(tmp: &Path, root: &Path) {
+/// A fresh store under `root` as Nix creates it (one Nix 2.8 collection), with a temporary
+/// root on the top-level path held by a `flock` process until the returned holder is
+/// dropped (see the module comment).
+fn prepare_store(tmp: &Path, root: &Path) -> RootHolder {
     let mut cmd = nix_store(tmp, Collector::Nix2_8, root, &["--gc"]);
     check(&cmd.output().unwrap(), "the first nix-store --gc");
-    std::os::unix::fs::symlink(TOP, root.join("nix/var/nix/gcroots/gc-test-top")).unwrap();
+    let file = root.join(format!("nix/var/nix/temproots/{}-holder", std::process::id()));
+    std::fs::write(&file, format!("{TOP}\0")).unwrap();
+    let mut child = Command::new("flock")
+        .args(["--exclusive", file.to_str().unwrap(), "-c", "echo locked; exec sleep 600"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("flock(1) from util-linux");
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line, "locked\n");
+    RootHolder(child)
+}
+
+/// The process holding the test's temporary root; killed when dropped.
+struct RootHolder(std::process::Child);
+
+impl Drop for RootHolder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// `sluice copy --json` of the corpus closure from the cache `from` into `root`.
@@ -386,7 +410,7 @@ fn collector_during(name: &str, which: Collector, copier: fn(&Path, &Path, &str)
     for rep in 0..reps() {
         let tmp = scratch();
         let (tmp, root) = (tmp.path(), tmp.path().join("root"));
-        prepare_store(tmp, &root);
+        let _holder = prepare_store(tmp, &root);
         let server = slow_cache(tmp);
         let gc = CollectorLoop::start(tmp, which, &root);
         let from = Instant::now();
@@ -438,14 +462,28 @@ fn baseline_nix_2_8_copy_beside_nix_2_8_collector_loop() {
     collector_during("nix copy (baseline)", Collector::Nix2_8, nix_copy);
 }
 
-/// 2. The collector loop (Nix 2.8) during `nix-store --store unix://S -r TOP` (Nix 2.8), which
-///    `sluice daemon` serves by substituting from the zstd cache (nginx, RTT 20 ms).
+/// 2. The collector loop (Nix 2.8, and 2.26) during `nix-store --store unix://S -r TOP`
+///    (Nix 2.8), which `sluice daemon` serves by substituting from the zstd cache (nginx,
+///    RTT 20 ms).
 #[test]
 fn daemon_substitution_beside_nix_2_8_collector_loop() {
+    daemon_substitution_beside(Collector::Nix2_8);
+}
+
+#[test]
+fn daemon_substitution_beside_nix_2_26_collector_loop() {
+    if let Err(reason) = nix_modern_ready() {
+        eprintln!("SKIPPED: Nix 2.26 is not available: {reason}");
+        return;
+    }
+    daemon_substitution_beside(Collector::Nix2_26);
+}
+
+fn daemon_substitution_beside(which: Collector) {
     for rep in 0..reps() {
         let tmp = scratch();
         let (tmp, root) = (tmp.path(), tmp.path().join("root"));
-        prepare_store(tmp, &root);
+        let _holder = prepare_store(tmp, &root);
         let socket = tmp.join("socket");
         let server = slow_cache(tmp);
         let cache = server.url.clone();
@@ -459,7 +497,7 @@ fn daemon_substitution_beside_nix_2_8_collector_loop() {
             assert!(t0.elapsed() < Duration::from_secs(20), "the daemon did not create its socket");
             std::thread::sleep(Duration::from_millis(20));
         }
-        let gc = CollectorLoop::start(tmp, Collector::Nix2_8, &root);
+        let gc = CollectorLoop::start(tmp, which, &root);
         let store = format!("unix://{}", socket.display());
         let mut client = Command::new("nix-store");
         isolate(&mut client, tmp, "");
@@ -469,7 +507,7 @@ fn daemon_substitution_beside_nix_2_8_collector_loop() {
         let status = wait_until(&mut child, from + Duration::from_secs(120));
         let to = Instant::now();
         let runs = gc.finish();
-        let what = format!("daemon substitution beside the Nix2_8 collector, run {rep}");
+        let what = format!("daemon substitution beside the {which:?} collector, run {rep}");
         let mut problems = Vec::new();
         let printed = std::fs::read_to_string(&out).unwrap_or_default();
         let client_err = std::fs::read_to_string(&err).unwrap_or_default();
