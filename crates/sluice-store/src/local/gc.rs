@@ -112,13 +112,16 @@ fn lock_shared(shared: &SharedState) -> MutexGuard<'_, Shared> {
     shared.0.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The roots server's connections, each with the thread serving it.
+type Clients = Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>>;
+
 /// The roots server on `<state>/gc-socket/socket`, stopped (connections shut down, threads
 /// joined) when dropped.
 struct RootsServer {
     socket: PathBuf,
     shared: SharedState,
     stop: Arc<std::sync::atomic::AtomicBool>,
-    clients: Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>>,
+    clients: Clients,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -133,7 +136,7 @@ impl RootsServer {
         let listener = UnixListener::bind(&socket).map_err(io_err("binding the garbage collector's socket", &socket))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).map_err(io_err("setting the mode of", &socket))?;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let clients: Arc<Mutex<Vec<(UnixStream, JoinHandle<()>)>>> = Arc::default();
+        let clients: Clients = Arc::default();
         let (stop2, clients2, shared2, store_dir) = (Arc::clone(&stop), Arc::clone(&clients), Arc::clone(&shared), store.store_dir.clone());
         let thread = std::thread::spawn(move || {
             for conn in listener.incoming() {
@@ -659,5 +662,16 @@ impl Collection<'_> {
         let overhead = std::fs::metadata(&links).map_err(io_err("getting status of", &links))?.blocks() as i64 * 512;
         (self.log)(&format!("note: currently hard linking saves {:.2} MiB", (unshared - actual - overhead) as f64 / (1024.0 * 1024.0)));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::store_paths_in;
+
+    #[test]
+    fn store_paths_in_an_environment() {
+        let env = b"PATH=/r/nix/store/abc-x/bin:/r/nix/store/:/usr/bin\0X=/r/nix/store/Zq\0Y=/r/nix/store/9z-y.drv?a=b";
+        assert_eq!(store_paths_in(env, b"/r/nix/store/"), ["/r/nix/store/abc-x", "/r/nix/store/9z-y.drv?a=b"]);
     }
 }
