@@ -1,14 +1,12 @@
 //! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot, AddIndirectRoot, AddPermRoot,
-//! SyncWithGC, FindRoots. sluice has no garbage collector, but Nix's may run on the same
-//! store: temporary roots go to a per-connection file under `temproots` (see
+//! SyncWithGC, FindRoots. Temporary roots go to a per-connection file under `temproots` (see
 //! [`sluice_store::local::TempRoots`]) and indirect roots are Nix's `gcroots/auto/<hash>`
-//! symlinks, so that Nix's collector honours both.
+//! symlinks, so that sluice's collector and Nix's both honour them.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sluice_nix::base32;
 use sluice_nix::hash::{Hash, HashAlgo};
-use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::{read_string, write_bytes, write_u64};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -73,60 +71,20 @@ fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
         .map_err(|e| Fail::Op(format!("creating the root {}: {e}", link.display())))
 }
 
-/// What Nix shows an untrusted client instead of a temporary or runtime root's label (which
-/// would tell it about other users' processes).
-const CENSORED: &str = "{censored}";
-
-/// FindRoots: → count, then (link, store path) pairs: the symlinks under `gcroots` (following
-/// one indirection, as `gcroots/auto` links do) that lead into the store, and the temporary
-/// roots of every live process and connection as `{temp:<id>}`, or `{censored}` for an
-/// untrusted client (Nix: `findRoots(!trusted)`), once per path as Nix's set of links holds it.
+/// FindRoots: → count, then (link, store path) pairs, as Nix's `findRoots(!trusted)` finds
+/// them (see [`sluice_store::local::LocalStore::find_roots`]): an indirect root is listed as
+/// the user's link (`/home/u/result`), not as its `gcroots/auto` entry; runtime and temporary
+/// roots are labelled `{censored}` for an untrusted client.
 pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
-    let mut roots: Vec<(String, StorePath)> = Vec::new();
-    scan(c, &c.daemon.store.state_dir().join("gcroots"), 0, &mut roots);
-    let censor = !c.peer.trusted;
-    for (path, labels) in c.store().find_temp_roots().map_err(op_err)? {
-        if censor {
-            if !labels.is_empty() {
-                roots.push((CENSORED.to_owned(), path));
-            }
-        } else {
-            roots.extend(labels.into_iter().map(|label| (label, path.clone())));
-        }
-    }
+    let roots = c.store().find_roots(!c.peer.trusted).map_err(op_err)?;
     c.reply(|w, dir| {
-        write_u64(w, roots.len() as u64)?;
-        for (link, path) in &roots {
-            write_bytes(w, link.as_bytes())?;
-            write_bytes(w, dir.display_path(path).as_bytes())?;
+        write_u64(w, roots.values().map(|links| links.len() as u64).sum())?;
+        for (path, links) in &roots {
+            for link in links {
+                write_bytes(w, link.as_bytes())?;
+                write_bytes(w, dir.display_path(path).as_bytes())?;
+            }
         }
         Ok(())
     })
-}
-
-fn scan(c: &Conn, dir: &Path, depth: usize, out: &mut Vec<(String, StorePath)>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
-        if meta.is_dir() && depth < 16 {
-            scan(c, &path, depth + 1, out);
-        } else if meta.file_type().is_symlink() {
-            if let Some(store_path) = resolve(c, &path) {
-                out.push((path.display().to_string(), store_path));
-            }
-        }
-    }
-}
-
-/// The store path a root link leads to, through at most one more symlink.
-fn resolve(c: &Conn, link: &Path) -> Option<StorePath> {
-    let mut target: PathBuf = std::fs::read_link(link).ok()?;
-    for _ in 0..2 {
-        if let Ok(p) = c.dir().to_store_path(&target.to_string_lossy()) {
-            return c.store().is_valid_path(&p).ok()?.then_some(p);
-        }
-        target = std::fs::read_link(&target).ok()?;
-    }
-    None
 }

@@ -115,6 +115,12 @@ pub struct Settings {
     pub narinfo_cache_negative_ttl: u64,
     /// CA bundle for HTTPS (`ssl-cert-file`, `NIX_SSL_CERT_FILE`, `SSL_CERT_FILE`).
     pub ssl_cert_file: Option<PathBuf>,
+    /// `keep-outputs` (alias `gc-keep-outputs`, default false): the collector keeps the
+    /// outputs of live derivations.
+    pub keep_outputs: bool,
+    /// `keep-derivations` (alias `gc-keep-derivations`, default true): the collector keeps
+    /// the derivations of live outputs.
+    pub keep_derivations: bool,
 }
 
 impl Default for Settings {
@@ -130,6 +136,8 @@ impl Default for Settings {
             narinfo_cache_positive_ttl: 30 * 24 * 3600,
             narinfo_cache_negative_ttl: 3600,
             ssl_cert_file: None,
+            keep_outputs: false,
+            keep_derivations: true,
         }
     }
 }
@@ -157,6 +165,13 @@ impl Settings {
         ] {
             if let Some(v) = raw.get(name) {
                 *field = parse_num(name, v)?;
+            }
+        }
+        for (names, field) in [(["keep-outputs", "gc-keep-outputs"], &mut s.keep_outputs), (["keep-derivations", "gc-keep-derivations"], &mut s.keep_derivations)] {
+            for name in names {
+                if let Some(v) = raw.get(name) {
+                    *field = parse_bool(name, v)?;
+                }
             }
         }
         if let Some(v) = raw.get("http-connections") {

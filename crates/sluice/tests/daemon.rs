@@ -207,6 +207,113 @@ fn real_nix_clients_match_direct_mode() {
 /// limit on open files is far below that: every path is substituted. Regression: the
 /// daemon's substitution held a lock file per path found until the path was registered, and
 /// most paths failed with `Too many open files`.
+/// Garbage collection through `sluice daemon` and through Nix 2.8 itself (direct mode) on two
+/// stores filled alike, with the same roots: a user's indirect root (`home/result`, made by
+/// `--add-root`), a profile with two generations, a dead added file, a stray name in the store
+/// directory. Compared: `--print-live`, `--print-dead`, `-q --roots` (the user's link, not
+/// its `gcroots/auto` entry), `nix store delete` of a live path (refused, Nix's message) and
+/// of a dead one, `nix store gc --max`, then `nix-collect-garbage -d` (the old generation
+/// goes, then its paths): the same paths deleted, the same bytes freed, the same store left.
+#[test]
+fn garbage_collection_matches_nix() {
+    let env = Env::new();
+    let cache = env.cache();
+    let cache_dir = env.path("bin-cache");
+    let daemon = env.daemon("root", &cache, "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let key = cache_key();
+    let all: Vec<String> = std::fs::read_dir(&cache_dir)
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().to_str().and_then(|n| n.strip_suffix(".narinfo")).map(|h| store_path_of(&cache_dir, h)))
+        .collect();
+    let glibc = store_path_of(&cache_dir, "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let libgcc = store_path_of(&cache_dir, "py14wj21zshnib43vh5f66ihm7rx610h");
+    let file = env.path("dead.txt");
+    std::fs::write(&file, "nobody roots this\n").unwrap();
+    let generation_one = env.path("generation-one.txt");
+    std::fs::write(&generation_one, "the first generation of a profile\n").unwrap();
+    let result = env.path("home/result");
+    // Per store: its URL, its root directory, and a command runner whose client state (the
+    // profiles nix-collect-garbage -d edits) is that store's.
+    let stores = [(daemon.url.clone(), env.path("root")), (direct.clone(), env.path("direct"))];
+    let run = |url: &str, root: &Path, program: &str, args: &[&str]| {
+        let out = env.cmd(program).env("NIX_STATE_DIR", root.join("nix/var/nix")).args(["--store", url]).args(args).output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).replace(root.to_str().unwrap(), "ROOT");
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    };
+    let ok = |(ok, out, err): (bool, String, String)| {
+        assert!(ok, "{err}");
+        out
+    };
+    for (url, root) in &stores {
+        env.nix("nix", &[&["copy", "--from", &cache, "--to", url, "--option", "trusted-public-keys", &key][..], &all.iter().map(String::as_str).collect::<Vec<_>>()].concat());
+        ok(run(url, root, "nix-store", &["--add", file.to_str().unwrap()]));
+        ok(run(url, root, "nix-store", &["-r", &glibc, "--add-root", result.to_str().unwrap(), "--indirect"]));
+        let profile = root.join("nix/var/nix/profiles/test");
+        let first = ok(run(url, root, "nix-store", &["--add", generation_one.to_str().unwrap()]));
+        for generation in [first.trim(), &libgcc] {
+            ok(run(url, root, "nix-env", &["-p", profile.to_str().unwrap(), "--set", generation]));
+        }
+    }
+    let both = |program: &str, args: &[&str]| -> Vec<(bool, String, String)> { stores.iter().map(|(url, root)| run(url, root, program, args)).collect() };
+    // sluice's directory of temporary trees (`TEMP_DIR`) is only in the store sluice fills.
+    let sorted = |s: &str| s.lines().filter(|l| !l.contains("-sluice-unpacking")).map(str::to_owned).collect::<std::collections::BTreeSet<_>>();
+
+    for listing in ["--print-live", "--print-dead"] {
+        let out = both("nix-store", &["--gc", listing]);
+        assert_eq!(sorted(&ok(out[0].clone())), sorted(&ok(out[1].clone())), "nix-store --gc {listing}");
+        assert!(!out[0].1.is_empty(), "{listing}");
+    }
+    let roots = both("nix-store", &["-q", "--roots", &glibc]);
+    assert_eq!(sorted(&ok(roots[0].clone())), sorted(&ok(roots[1].clone())));
+    assert!(roots[0].1.lines().any(|l| l == format!("{} -> {glibc}", result.display())), "{}", roots[0].1);
+    assert!(!roots[0].1.contains("gcroots/auto"), "{}", roots[0].1);
+
+    // nix store delete: a live path is refused with Nix's message, a dead one goes.
+    for (ok_, _, err) in both("nix", &["store", "delete", &glibc]) {
+        assert!(!ok_);
+        assert!(err.contains(&format!("Cannot delete path '{glibc}' since it is still alive")), "{err}");
+    }
+    let dead_file = ok(run(&daemon.url, &stores[0].1, "nix-store", &["--add", file.to_str().unwrap()])).trim().to_owned();
+    for (ok_, _, err) in both("nix", &["store", "delete", &dead_file]) {
+        assert!(ok_, "{err}");
+    }
+
+    // nix store gc --max 1: stops after the first deletion; what went was dead.
+    let dead_before = sorted(&ok(run(&daemon.url, &stores[0].1, "nix-store", &["--gc", "--print-dead"])));
+    for (ok_, _, err) in both("nix", &["store", "gc", "--max", "1"]) {
+        assert!(ok_, "{err}");
+        let deleted: Vec<&str> = err.lines().filter_map(|l| l.strip_prefix("deleting '").and_then(|l| l.strip_suffix('\''))).filter(|l| !l.contains("-sluice-unpacking")).collect();
+        assert!(!deleted.is_empty() && deleted.len() < dead_before.len(), "{err}");
+        assert!(deleted.iter().all(|p| dead_before.contains(*p)), "{deleted:?} not all in {dead_before:?}");
+    }
+    // Let both stores hold the same again before the full collection.
+    let left = sorted(&ok(run(&daemon.url, &stores[0].1, "nix-store", &["--gc", "--print-dead"])));
+    let left_direct = sorted(&ok(run(&direct, &stores[1].1, "nix-store", &["--gc", "--print-dead"])));
+    for p in left_direct.symmetric_difference(&left) {
+        let (url, root) = if left.contains(p) { &stores[0] } else { &stores[1] };
+        ok(run(url, root, "nix", &["store", "delete", p]));
+    }
+
+    // nix-collect-garbage -d: the old generation goes, then everything dead, a stray name too.
+    for (_, root) in &stores {
+        std::fs::write(root.join("nix/store/stray-file"), "x").unwrap();
+    }
+    let out = both("nix-collect-garbage", &["-d"]);
+    let summary = |err: &str| err.lines().filter(|l| l.contains("store paths deleted")).map(str::to_owned).collect::<Vec<_>>();
+    let deleted = |err: &str| sorted(&err.lines().filter(|l| l.starts_with("deleting '")).collect::<Vec<_>>().join("\n"));
+    assert!(out[0].0 && out[1].0, "{}\n{}", out[0].2, out[1].2);
+    assert_eq!(deleted(&out[0].2), deleted(&out[1].2), "paths deleted");
+    assert_eq!(summary(&out[0].2), summary(&out[1].2), "paths and bytes freed");
+    assert!(deleted(&out[0].2).contains("deleting '/nix/store/stray-file'"), "{}", out[0].2);
+    assert!(out[0].2.contains("-generation-one.txt'"), "the old generation's path: {}", out[0].2);
+    let listing = |root: &Path| std::fs::read_dir(root.join("nix/store")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(listing(&stores[0].1), listing(&stores[1].1), "store directories");
+    let live = both("nix-store", &["--gc", "--print-live"]);
+    assert_eq!(sorted(&ok(live[0].clone())), sorted(&ok(live[1].clone())));
+    common::assert_nix_verifies(env.dir.path(), &stores[0].1);
+}
+
 #[test]
 fn daemon_substitutes_a_closure_larger_than_its_open_file_limit() {
     let env = Env::new();
@@ -1002,15 +1109,15 @@ fn untrusted_nix_2_8_client_as_nobody_gets_nix_rights() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot add path '{dep}' because it lacks a signature by a trusted key")), "{err}");
 
-    // CollectGarbage: ignoring liveness is refused as Nix refuses it (to anyone); sluice has
-    // no collector otherwise.
+    // CollectGarbage: ignoring liveness is refused as Nix refuses it (to anyone); an
+    // untrusted client may collect (here: only list the dead paths).
     let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--delete", "--ignore-liveness", &added]);
     assert!(!ok);
     assert!(err.contains("you are not allowed to ignore liveness"), "{err}");
-    let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--gc"]);
-    assert!(!ok);
-    assert!(err.contains("garbage collection is not supported by the sluice daemon"), "{err}");
-    assert_eq!(store_entries(&env, "root"), before, "refusals change nothing");
+    let (ok, dead, err) = as_nobody(&env, "nix-store", &["--store", url, "--gc", "--print-dead"]);
+    assert!(ok, "{err}");
+    assert!(dead.lines().any(|l| l == added), "{dead}");
+    assert_eq!(store_entries(&env, "root"), before, "refusals and listings change nothing");
 
     // FindRoots: another connection's temporary root is `{censored}` for nobody, labelled
     // for root.

@@ -205,6 +205,29 @@ fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
 enum Collector {
     Nix2_8,
     Nix2_26,
+    /// sluice's collector: Nix 2.8's `nix-store --gc` through a `sluice daemon` of its own
+    /// (`<tmp>/collector.sock`), another process than the writers.
+    Sluice,
+}
+
+/// The socket of the `sluice daemon` that collects for [`Collector::Sluice`].
+fn collector_socket(tmp: &Path) -> PathBuf {
+    tmp.join("collector.sock")
+}
+
+/// Starts `sluice daemon` on `socket` for the store `root`, logged under `tmp` as `name`, and
+/// waits for its socket.
+fn start_sluice_daemon(tmp: &Path, root: &Path, socket: &Path, config: &str, name: &str) -> (Child, PathBuf) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, config);
+    cmd.args(["daemon", "--socket", socket.to_str().unwrap(), "--store", root.to_str().unwrap()]);
+    let (daemon, _, err) = spawn_logged(cmd, tmp, name);
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (daemon, err)
 }
 
 fn nix_modern() -> PathBuf {
@@ -229,7 +252,7 @@ fn nix_modern_ready() -> Result<(), String> {
 /// `nix-store --store ROOT ARGS` of the given Nix, isolated under `tmp`.
 fn nix_store(tmp: &Path, which: Collector, root: &Path, args: &[&str]) -> Command {
     let mut cmd = match which {
-        Collector::Nix2_8 => Command::new("nix-store"),
+        Collector::Nix2_8 | Collector::Sluice => Command::new("nix-store"),
         Collector::Nix2_26 => {
             let mut c = Command::new(nix_modern());
             c.arg("nix-store").current_dir(tmp);
@@ -237,7 +260,11 @@ fn nix_store(tmp: &Path, which: Collector, root: &Path, args: &[&str]) -> Comman
         }
     };
     isolate(&mut cmd, tmp, "");
-    cmd.args(["--store", root.to_str().unwrap()]).args(args);
+    let store = match which {
+        Collector::Sluice => format!("unix://{}", collector_socket(tmp).display()),
+        _ => root.display().to_string(),
+    };
+    cmd.args(["--store", &store]).args(args);
     cmd
 }
 
@@ -267,11 +294,14 @@ fn collect(tmp: &Path, which: Collector, root: &Path, n: usize) -> Collection {
 struct CollectorLoop {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<Vec<Collection>>,
+    /// The collecting `sluice daemon` of [`Collector::Sluice`].
+    daemon: Option<Child>,
 }
 
 impl CollectorLoop {
     /// Starts the loop and returns after its first collection.
     fn start(tmp: &Path, which: Collector, root: &Path) -> CollectorLoop {
+        let daemon = matches!(which, Collector::Sluice).then(|| start_sluice_daemon(tmp, root, &collector_socket(tmp), "", "collector-daemon").0);
         let stop = Arc::new(AtomicBool::new(false));
         let started = Arc::new(AtomicBool::new(false));
         let (tmp, root, flag, first_done) = (tmp.to_path_buf(), root.to_path_buf(), stop.clone(), started.clone());
@@ -289,13 +319,18 @@ impl CollectorLoop {
             assert!(t0.elapsed() < Duration::from_secs(70), "the first collection did not finish");
             std::thread::sleep(Duration::from_millis(10));
         }
-        CollectorLoop { stop, thread }
+        CollectorLoop { stop, thread, daemon }
     }
 
     /// Stops the loop (after the collection under way) and returns every collection.
     fn finish(self) -> Vec<Collection> {
         self.stop.store(true, Ordering::SeqCst);
-        self.thread.join().expect("the collector thread panicked")
+        let runs = self.thread.join().expect("the collector thread panicked");
+        if let Some(mut daemon) = self.daemon {
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+        }
+        runs
     }
 }
 
@@ -305,7 +340,12 @@ fn collector_problems(runs: &[Collection], from: Instant, to: Instant, what: &st
     let mut problems = Vec::new();
     let overlapping = runs.iter().filter(|c| c.start < to && c.end > from).count();
     let failed: Vec<String> = runs.iter().filter(|c| !c.status.is_some_and(|s| s.success())).map(|c| format!("{:?}: {}", c.status, c.stderr.lines().last().unwrap_or(""))).collect();
-    let deleted: Vec<&String> = runs.iter().flat_map(|c| &c.deleted).collect();
+    // The directory of temporary trees is garbage whenever nobody roots it: before the run's
+    // first addition roots it, and after the run exits. A collection deleting it then is
+    // right (a root sent meanwhile waits for the deletion to end, and the run makes it
+    // again); deleting it while a tree in it is in use would fail that path, which the
+    // run's exit status and the validity checks catch.
+    let deleted: Vec<&String> = runs.iter().flat_map(|c| c.deleted.iter().filter(|n| n.as_str() != sluice_store::local::TEMP_DIR)).collect();
     let deleted_paths = deleted.iter().filter(|n| !n.starts_with('.') && !n.ends_with(".lock")).count();
     let deleted_hidden = deleted.iter().filter(|n| n.starts_with('.')).count();
     let deleted_locks = deleted.iter().filter(|n| n.ends_with(".lock")).count();
@@ -432,6 +472,11 @@ fn copy_beside_nix_2_8_collector_loop() {
 }
 
 #[test]
+fn copy_beside_sluice_collector_loop() {
+    collector_during_copy(Collector::Sluice);
+}
+
+#[test]
 fn copy_beside_nix_2_26_collector_loop() {
     if let Err(reason) = nix_modern_ready() {
         eprintln!("SKIPPED: Nix 2.26 is not available: {reason}");
@@ -479,6 +524,12 @@ fn daemon_substitution_beside_nix_2_26_collector_loop() {
     daemon_substitution_beside(Collector::Nix2_26);
 }
 
+/// 3. sluice's collector loop (another `sluice daemon`) during the same substitution.
+#[test]
+fn daemon_substitution_beside_sluice_collector_loop() {
+    daemon_substitution_beside(Collector::Sluice);
+}
+
 fn daemon_substitution_beside(which: Collector) {
     for rep in 0..reps() {
         let tmp = scratch();
@@ -488,15 +539,8 @@ fn daemon_substitution_beside(which: Collector) {
         let server = slow_cache(tmp);
         let cache = server.url.clone();
         let key = corpus_key();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        isolate(&mut cmd, tmp, &format!("substituters = {cache}\ntrusted-public-keys = {key}\n"));
-        cmd.args(["daemon", "--socket", socket.to_str().unwrap(), "--store", root.to_str().unwrap()]);
-        let (mut daemon, _, daemon_err) = spawn_logged(cmd, tmp, "daemon");
-        let t0 = Instant::now();
-        while !socket.exists() {
-            assert!(t0.elapsed() < Duration::from_secs(20), "the daemon did not create its socket");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let config = format!("substituters = {cache}\ntrusted-public-keys = {key}\n");
+        let (mut daemon, daemon_err) = start_sluice_daemon(tmp, &root, &socket, &config, "daemon");
         let gc = CollectorLoop::start(tmp, which, &root);
         let store = format!("unix://{}", socket.display());
         let mut client = Command::new("nix-store");

@@ -1,8 +1,9 @@
-//! Store maintenance: VerifyStore, NarFromPath, AddSignatures, and the operations sluice does
-//! not offer (CollectGarbage, OptimiseStore), which read their arguments and fail clearly.
+//! Store maintenance: CollectGarbage, VerifyStore, NarFromPath, AddSignatures, and
+//! OptimiseStore, which sluice does not offer (it fails clearly).
 
 use sluice_nix::hash::{HashAlgo, Hasher};
-use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool, write_u64};
+use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool, write_bytes, write_u64};
+use sluice_store::local::{GcAction, GcOptions};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
@@ -75,22 +76,40 @@ pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
     c.reply(|w, _| write_u64(w, 1))
 }
 
-/// CollectGarbage: action, paths, ignoreLiveness, maxFreed and three obsolete fields; always
-/// fails: with Nix's refusal if ignoreLiveness is set (for any client, as Nix), else because
-/// sluice has no garbage collector (run `nix-store --gc` on the store directly).
+/// CollectGarbage: action, paths, ignoreLiveness, maxFreed and three obsolete fields →
+/// the paths (live, dead or deleted), the bytes freed and an obsolete 0 (Nix `daemon.cc`,
+/// `wopCollectGarbage`). ignoreLiveness is refused to every client, as Nix does; untrusted
+/// clients may collect. `keep-outputs` and `keep-derivations` are the connection's settings.
+/// The collector's progress lines reach the client as log lines.
 pub(super) fn collect_garbage(c: &mut Conn) -> OpResult {
-    read_u64(&mut c.r, "GC action")?;
-    read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths to delete")?;
+    let action = read_u64(&mut c.r, "GC action")?;
+    let paths_to_delete = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths to delete")?;
     let ignore_liveness = read_bool(&mut c.r, "ignoreLiveness flag")?;
-    read_u64(&mut c.r, "maxFreed")?;
+    let max_freed = read_u64(&mut c.r, "maxFreed")?;
     for _ in 0..3 {
         read_u64(&mut c.r, "obsolete GC field")?;
     }
-    // Nix refuses this for every client, trusted or not.
+    let action = GcAction::from_wire(action).ok_or_else(|| Fail::Op(format!("invalid GC action {action}")))?;
     if ignore_liveness {
         return Err(Fail::Op("you are not allowed to ignore liveness".into()));
     }
-    Err(Fail::Op("garbage collection is not supported by the sluice daemon (run nix-store --gc on the store directly)".into()))
+    let settings = c.options.settings()?;
+    let options = GcOptions { action, paths_to_delete, max_freed, keep_outputs: settings.keep_outputs, keep_derivations: settings.keep_derivations };
+    let store = std::sync::Arc::clone(c.store());
+    let results = store
+        .collect_garbage(&options, &mut |line| {
+            // A client gone is noticed when the result is written.
+            let _ = c.log(line);
+        })
+        .map_err(op_err)?;
+    c.reply(|w, _| {
+        write_u64(w, results.paths.len() as u64)?;
+        for p in &results.paths {
+            write_bytes(w, p.as_bytes())?;
+        }
+        write_u64(w, results.bytes_freed)?;
+        write_u64(w, 0)
+    })
 }
 
 /// OptimiseStore: always fails (sluice does not deduplicate files).

@@ -23,6 +23,7 @@
 mod api;
 mod dump;
 mod fs_nar;
+mod gc;
 mod layout;
 mod lock;
 mod queries;
@@ -34,6 +35,7 @@ mod unpack;
 mod verify;
 
 pub use fs_nar::{dump_fs_path, restore_nar};
+pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, Vouched};
 
@@ -115,6 +117,12 @@ pub enum LocalStoreError {
     /// A [`PendingPath`] was used out of order or for another path.
     #[error("adding {path}: {what}")]
     Misuse { path: String, what: &'static str },
+    /// The collector found a path to delete still referenced (Nix's `PathInUse`).
+    #[error("cannot delete path '{path}' because it is in use by {referrers}")]
+    PathInUse { path: String, referrers: String },
+    /// A path named for deletion is reachable from a root (Nix's words).
+    #[error("Cannot delete path '{path}' since it is still alive. To find out why, use: nix-store --query --roots")]
+    StillAlive { path: String },
     /// The store was opened with `read-only=true` and the operation would write to it.
     #[error("the store in {} is read-only (read-only=true): cannot {what}", store.display())]
     ReadOnly { store: PathBuf, what: &'static str },

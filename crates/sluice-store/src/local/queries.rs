@@ -2,7 +2,7 @@
 //! (`src/libstore/local-store.cc`): signatures added to a valid path (`addSignatures`), the
 //! `DerivationOutputs` table both ways (`queryValidDerivers`,
 //! `queryPartialDerivationOutputMap`) and the indexed hash-part lookup
-//! (`queryPathFromHashPart`).
+//! (`queryPathFromHashPart`), and the collector's invalidation (`invalidatePathChecked`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,6 +18,9 @@ const QUERY_VALID_DERIVERS: &str = "select v.path from DerivationOutputs d join 
 const QUERY_DERIVATION_OUTPUTS: &str =
     "select d.id, d.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where v.path = ?";
 /// The first valid path at or after a prefix: the `path` index makes this a single seek.
+/// Nix's `InvalidatePath`: the foreign keys delete the path's `Refs` (as referrer) and
+/// `DerivationOutputs` rows with it.
+const INVALIDATE_PATH: &str = "delete from ValidPaths where path = ?";
 const QUERY_PATH_FROM_HASH_PART: &str = "select path from ValidPaths where path >= ? limit 1";
 
 impl Registry {
@@ -38,6 +41,27 @@ impl Registry {
         all.extend(sigs.iter().map(String::as_str).filter(|s| !s.is_empty()));
         let joined = all.into_iter().collect::<Vec<_>>().join(" ");
         tx.execute(UPDATE_SIGS, params![(!joined.is_empty()).then_some(&joined), shown]).map_err(self.sql_err(err))?;
+        tx.commit().map_err(self.sql_err(err))
+    }
+
+    /// Unregisters `path` if it is valid and no other valid path references it, in one
+    /// transaction (Nix's `invalidatePathChecked`); fails with [`LocalStoreError::PathInUse`]
+    /// naming the referrers otherwise.
+    pub(super) fn invalidate_checked(&self, path: &StorePath) -> Result<(), LocalStoreError> {
+        let shown = self.display(path);
+        let err = || format!("invalidating {shown}");
+        let mut db = self.lock();
+        let tx = db.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(self.sql_err(err))?;
+        let referrers: Vec<String> = {
+            let mut stmt = tx.prepare_cached(super::registry::QUERY_REFERRERS).map_err(self.sql_err(err))?;
+            let rows = stmt.query_map([&shown], |r| r.get(0));
+            rows.and_then(|rows| rows.collect()).map_err(self.sql_err(err))?
+        };
+        let others: Vec<String> = referrers.into_iter().filter(|r| *r != shown).map(|r| format!("'{r}'")).collect();
+        if !others.is_empty() {
+            return Err(LocalStoreError::PathInUse { path: shown, referrers: others.join(", ") });
+        }
+        tx.execute(INVALIDATE_PATH, [&shown]).map_err(self.sql_err(err))?;
         tx.commit().map_err(self.sql_err(err))
     }
 

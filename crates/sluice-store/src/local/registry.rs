@@ -23,7 +23,7 @@ use sluice_nix::path_info::ValidPathInfo;
 const QUERY_PATH_INFO: &str = "select id, hash, registrationTime, deriver, narSize, ultimate, sigs, ca, \
      (select group_concat(r.path, ' ') from Refs join ValidPaths r on reference = r.id where referrer = v.id) \
      from ValidPaths v where path = ?";
-const QUERY_REFERRERS: &str =
+pub(super) const QUERY_REFERRERS: &str =
     "select path from Refs join ValidPaths on referrer = id where reference = (select id from ValidPaths where path = ?)";
 const QUERY_ID: &str = "select id from ValidPaths where path = ?";
 const QUERY_ALL: &str = "select path from ValidPaths";

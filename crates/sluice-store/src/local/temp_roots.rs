@@ -147,7 +147,16 @@ impl TempRootsFile {
             };
             match tell() {
                 Ok(()) => break,
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused || e.kind() == io::ErrorKind::NotFound => {
+                // Refused or absent: starting, or finished. Cut off (EOF, EPIPE, reset): it
+                // finished while we spoke (Nix's `addTempRoot` restarts on these too).
+                Err(e) if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused
+                        | io::ErrorKind::NotFound
+                        | io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::BrokenPipe
+                        | io::ErrorKind::ConnectionReset
+                ) => {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
                 Err(e) => return Err(io_err("sending a temporary root to the garbage collector at", &self.gc_socket)(e)),
@@ -196,7 +205,7 @@ fn lock(file: &File, op: FlockOperation) -> io::Result<()> {
 
 /// The temporary roots of live holders (files under `<state>/temproots` that are locked),
 /// by path, each with the holders' `{temp:<id>}` labels as Nix's `findTempRoots` reports
-/// them. Stale files are skipped (the collector deletes them). Paths that do not parse are
+/// them. Stale files (unlocked) are deleted, as Nix's `findTempRoots` does. Paths that do not parse are
 /// skipped too.
 pub(super) fn find(state_dir: &Path, store_dir: &StoreDir) -> Result<BTreeMap<StorePath, BTreeSet<String>>, LocalStoreError> {
     let dir = state_dir.join("temproots");
@@ -219,7 +228,12 @@ pub(super) fn find(state_dir: &Path, store_dir: &StoreDir) -> Result<BTreeMap<St
             Err(e) => return Err(io_err("opening the temporary roots file", &path)(e)),
         };
         if flock(&file, FlockOperation::NonBlockingLockExclusive).is_ok() {
-            continue; // stale: its holder is gone
+            // Stale: its holder is gone. Removed as Nix removes it (a holder that opened it
+            // meanwhile sees the mark once it has the lock, and makes a new file).
+            tracing::info!("removing stale temporary roots file '{}'", path.display());
+            let _ = std::fs::remove_file(&path);
+            let _ = file.write_all(b"d");
+            continue;
         }
         let mut contents = Vec::new();
         file.read_to_end(&mut contents).map_err(io_err("reading the temporary roots file", &path))?;

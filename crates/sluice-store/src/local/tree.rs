@@ -35,20 +35,30 @@ pub(super) fn file_type_at(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<Fi
 /// Deletes the tree `name` in `parent`, making read-only directories writable first (store
 /// paths are canonicalised to mode 0555). Returns whether anything was there.
 pub(super) fn remove_tree(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<bool> {
-    let file_type = match file_type_at(parent, name) {
-        Ok(t) => t,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
+    Ok(delete_tree(parent, name)?.is_some())
+}
+
+/// [`remove_tree`], returning the bytes it likely freed (`None` if nothing was there),
+/// counted as Nix's `deletePath` counts them (`src/libutil/util.cc`, `_deletePath`): the size
+/// of each non-directory with one or two links (two: probably also linked from `.links`, whose
+/// copy the collector deletes next).
+pub(super) fn delete_tree(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<Option<u64>> {
+    let st = match statat(parent, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(rustix::io::Errno::NOENT) => return Ok(None),
+        Err(e) => return Err(e.into()),
     };
-    if file_type == FileType::Directory {
+    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
         let dir = open_dir(parent, name)?;
         fchmod(&dir, Mode::from_raw_mode(0o700))?;
+        let mut freed = 0;
         for entry in sorted_entries(dir.as_fd())? {
-            remove_tree(dir.as_fd(), &entry)?;
+            freed += delete_tree(dir.as_fd(), &entry)?.unwrap_or(0);
         }
         unlinkat(parent, name, AtFlags::REMOVEDIR)?;
+        Ok(Some(freed))
     } else {
         unlinkat(parent, name, AtFlags::empty())?;
+        Ok(Some(if st.st_nlink <= 2 { st.st_size as u64 } else { 0 }))
     }
-    Ok(true)
 }
