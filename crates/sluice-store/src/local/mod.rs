@@ -21,6 +21,7 @@
 //! trees whose lock nobody holds.
 
 mod api;
+mod as_store;
 mod dump;
 mod fs_nar;
 mod layout;
@@ -33,6 +34,7 @@ mod tree;
 mod unpack;
 mod verify;
 
+pub use as_store::LocalStoreHandle;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, Vouched};
