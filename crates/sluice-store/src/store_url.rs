@@ -600,7 +600,9 @@ mod tests {
         let c = cache("http://x?trusted=1&want-mass-query=true&priority=2K&compression=zstd&write-nar-listing=1&index-debug-info=0&secret-key=/k&local-nar-cache=/c&parallel-compression=true&compression-level=-1");
         assert_eq!((c.common.trusted, c.common.want_mass_query, c.common.priority), (true, Some(true), Some(2048)));
         let names: Vec<&str> = c.common.unused.keys().map(String::as_str).collect();
-        assert_eq!(names, ["compression", "compression-level", "index-debug-info", "local-nar-cache", "parallel-compression", "secret-key", "write-nar-listing"]);
+        assert_eq!(names, ["index-debug-info", "local-nar-cache"]);
+        let write = CacheWriteParams { compression: crate::compression::Compression::Zstd, compression_level: None, parallel_compression: true, write_nar_listing: true, secret_key_files: vec!["/k".into()] };
+        assert_eq!(c.write, write);
     }
 
     #[test]
@@ -618,7 +620,7 @@ mod tests {
 
     #[test]
     fn unsupported_forms() {
-        for url in ["s4://x", "s3://bucket", "ssh://host", "unix://relative", "file://relative", "relative/path"] {
+        for url in ["s4://x", "s3://", "s3://bucket/dir", "ssh://host", "unix://relative", "file://relative", "relative/path"] {
             assert_eq!(StoreUrl::parse(url), Err(StoreUrlError::Unsupported(url.into())));
         }
     }

@@ -157,7 +157,7 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!(S3::new(&p).bucket_url(), "http://127.0.0.1:9000/b");
-        (p.endpoint, p.path_style, p.region) = (None, false, "eu-west-1".into());
+        (p.endpoint, p.path_style, p.region, p.scheme) = (None, false, "eu-west-1".into(), "https".into());
         assert_eq!(S3::new(&p).bucket_url(), "https://b.s3.eu-west-1.amazonaws.com");
     }
 }
