@@ -1,8 +1,9 @@
-//! NAR decompression by the narinfo's `Compression` field (`xz`, `zstd`, `bzip2`, `br`,
-//! `gzip`, `none`; Nix `src/libutil/compression.cc`), checked against the stream's magic bytes
-//! so that a cache whose field disagrees with its bytes gets a clear error instead of garbage.
+//! NAR compression by the narinfo's `Compression` field (`xz`, `zstd`, `bzip2`, `br`,
+//! `gzip`, `none`; Nix `src/libutil/compression.cc`): decoders checked against the stream's
+//! magic bytes so that a cache whose field disagrees with its bytes gets a clear error instead
+//! of garbage, and encoders for writing a cache (`makeCompressionSink`).
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +54,51 @@ impl Compression {
         }
     }
 
+    /// The extension Nix gives a NAR compressed with this method (`nar/<hash>.nar<ext>`,
+    /// `binary-cache-store.cc` `addToStoreCommon`): none for `none` and, as Nix writes it, for
+    /// `gzip`.
+    pub fn nar_extension(self) -> &'static str {
+        match self {
+            Compression::None | Compression::Gzip => "",
+            Compression::Xz => ".xz",
+            Compression::Zstd => ".zst",
+            Compression::Bzip2 => ".bz2",
+            Compression::Brotli => ".br",
+        }
+    }
+
+    /// Wraps `out` in this method's encoder at `level` (`compression-level`; `None`: the
+    /// library's default, as Nix's -1), on every core when `parallel` (`parallel-compression`:
+    /// xz and zstd; the other methods have no multi-threaded encoder, as in Nix). The encoder
+    /// is finished by [`Encoder::finish`].
+    pub fn encoder<W: Write + Send + 'static>(self, out: W, level: Option<i32>, parallel: bool) -> std::io::Result<Encoder<W>> {
+        let threads = match parallel {
+            true => std::thread::available_parallelism().map_or(1, usize::from) as u32,
+            false => 1,
+        };
+        Ok(match self {
+            Compression::None => Encoder::None(out),
+            Compression::Xz => {
+                let preset = level.map_or(6, |l| l.clamp(0, 9) as u32);
+                let stream = match threads {
+                    1 => liblzma::stream::Stream::new_easy_encoder(preset, liblzma::stream::Check::Crc64)?,
+                    n => liblzma::stream::MtStreamBuilder::new().threads(n).preset(preset).check(liblzma::stream::Check::Crc64).encoder()?,
+                };
+                Encoder::Xz(liblzma::write::XzEncoder::new_stream(out, stream))
+            }
+            Compression::Zstd => {
+                let mut e = zstd::stream::write::Encoder::new(out, level.unwrap_or(zstd::DEFAULT_COMPRESSION_LEVEL))?;
+                if threads > 1 {
+                    e.multithread(threads)?;
+                }
+                Encoder::Zstd(e)
+            }
+            Compression::Bzip2 => Encoder::Bzip2(bzip2::write::BzEncoder::new(out, bzip2::Compression::new(level.map_or(9, |l| l.clamp(1, 9) as u32)))),
+            Compression::Brotli => Encoder::Brotli(Box::new(brotli::CompressorWriter::new(out, 64 * 1024, level.map_or(11, |l| l.clamp(0, 11) as u32), 22))),
+            Compression::Gzip => Encoder::Gzip(flate2::write::GzEncoder::new(out, flate2::Compression::new(level.map_or(6, |l| l.clamp(0, 9) as u32)))),
+        })
+    }
+
     fn detect(head: &[u8]) -> Option<Compression> {
         MAGICS.iter().find(|(_, m)| head.starts_with(m)).map(|(c, _)| *c)
     }
@@ -84,6 +130,57 @@ impl Compression {
     }
 }
 
+/// A compressing writer made by [`Compression::encoder`].
+pub enum Encoder<W: Write> {
+    None(W),
+    Xz(liblzma::write::XzEncoder<W>),
+    Zstd(zstd::stream::write::Encoder<'static, W>),
+    Bzip2(bzip2::write::BzEncoder<W>),
+    Brotli(Box<brotli::CompressorWriter<W>>),
+    Gzip(flate2::write::GzEncoder<W>),
+}
+
+impl<W: Write> Encoder<W> {
+    /// Writes the end of the compressed stream and returns the writer underneath.
+    pub fn finish(self) -> std::io::Result<W> {
+        match self {
+            Encoder::None(w) => Ok(w),
+            Encoder::Xz(e) => e.finish(),
+            Encoder::Zstd(e) => e.finish(),
+            Encoder::Bzip2(e) => e.finish(),
+            Encoder::Brotli(mut e) => {
+                e.flush()?;
+                Ok(e.into_inner())
+            }
+            Encoder::Gzip(e) => e.finish(),
+        }
+    }
+}
+
+impl<W: Write> Write for Encoder<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Encoder::None(w) => w.write(buf),
+            Encoder::Xz(e) => e.write(buf),
+            Encoder::Zstd(e) => e.write(buf),
+            Encoder::Bzip2(e) => e.write(buf),
+            Encoder::Brotli(e) => e.write(buf),
+            Encoder::Gzip(e) => e.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Encoder::None(w) => w.flush(),
+            Encoder::Xz(e) => e.flush(),
+            Encoder::Zstd(e) => e.flush(),
+            Encoder::Bzip2(e) => e.flush(),
+            Encoder::Brotli(e) => e.flush(),
+            Encoder::Gzip(e) => e.flush(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,5 +191,21 @@ mod tests {
         let err = Compression::Zstd.decoder(&xz_bytes[..]).err().unwrap().to_string();
         assert_eq!(err, "Compression is zstd but the data starts like xz");
         assert!(matches!(Compression::parse("lz5"), Err(CompressionError::Unknown(_))));
+    }
+
+    #[test]
+    fn every_encoder_round_trips() {
+        let contents: Vec<u8> = (0..200_000u32).flat_map(|i| (i % 251).to_le_bytes()).collect();
+        let data = sluice_nix::nar::writer::regular_file_nar(&contents, false);
+        for c in [Compression::None, Compression::Xz, Compression::Zstd, Compression::Bzip2, Compression::Brotli, Compression::Gzip] {
+            for parallel in [false, true] {
+                let mut e = c.encoder(Vec::new(), None, parallel).unwrap();
+                e.write_all(&data).unwrap();
+                let packed = e.finish().unwrap();
+                let mut back = Vec::new();
+                c.decoder(&packed[..]).unwrap().read_to_end(&mut back).unwrap();
+                assert_eq!(back, data, "{} parallel={parallel}", c.name());
+            }
+        }
     }
 }

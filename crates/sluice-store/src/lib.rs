@@ -1,6 +1,8 @@
-//! Nix stores and the engines that move store paths between them: the local store (Nix's own
-//! on-disk layout and SQLite database), binary-cache stores (`file://`, `http(s)://`), the
-//! narinfo disk cache, the closure engine and the substitution pipeline.
+//! Nix stores and the engines that move store paths between them: the [`store::Store`]
+//! interface and [`store::open_store`], the local store (Nix's own on-disk layout and SQLite
+//! database), binary-cache stores (`file://`, `http(s)://`, `s3://`), the daemon client, the
+//! narinfo disk cache, the closure engine, the substitution pipeline (caches → local store)
+//! and the push engine (any store → any store).
 
 pub mod local;
 pub mod remote;
@@ -12,6 +14,8 @@ pub mod config;
 pub mod fd_budget;
 pub mod job_queue;
 pub mod narinfo_cache;
+pub mod push;
+pub mod store;
 pub mod store_url;
 pub mod substitute;
 pub mod substituters;

@@ -232,3 +232,57 @@ fn pin_to_current_cpu() -> Option<usize> {
         }
     }
 }
+
+/// A daemon behind the [`Store`](crate::store::Store) interface: one connection, used by one
+/// blocking thread at a time. Only queries are supported: sluice's client does not yet speak
+/// `NarFromPath` or `AddToStoreNar`, so a daemon can be the subject of `path-info` and
+/// `missing` but neither end of a copy.
+pub struct DaemonStore {
+    url: String,
+    store_dir: StoreDir,
+    conn: std::sync::Arc<std::sync::Mutex<RemoteStore>>,
+}
+
+impl DaemonStore {
+    /// Connects to the daemon at `socket` (opened as `url`), without CPU pinning.
+    pub fn connect(url: &str, socket: &Path) -> Result<Self, RemoteError> {
+        let conn = RemoteStore::connect(socket, false)?;
+        Ok(DaemonStore { url: url.to_string(), store_dir: conn.store_dir().clone(), conn: std::sync::Arc::new(std::sync::Mutex::new(conn)) })
+    }
+
+    fn unsupported<T>(&self, what: &'static str) -> crate::store::StoreFuture<'_, T> {
+        let err = crate::store::StoreError::Unsupported { url: self.url.clone(), what };
+        Box::pin(async move { Err(err) })
+    }
+}
+
+impl crate::store::Store for DaemonStore {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> crate::store::StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
+        let (conn, paths) = (self.conn.clone(), paths.to_vec());
+        Box::pin(async move {
+            let infos = tokio::task::spawn_blocking(move || conn.lock().unwrap_or_else(|p| p.into_inner()).query_path_infos(&paths));
+            let infos = infos.await.map_err(|e| crate::store::StoreError::Other(format!("{}: {e}", self.url)))?;
+            Ok(infos?)
+        })
+    }
+
+    fn nar_from_path<'a>(&'a self, _: &'a ValidPathInfo) -> crate::store::StoreFuture<'a, crate::store::NarReader> {
+        self.unsupported("reading a NAR (NarFromPath)")
+    }
+
+    fn add_to_store<'a>(&'a self, _: ValidPathInfo, _: crate::store::NarReader, _: crate::store::PublishGate) -> crate::store::StoreFuture<'a, ()> {
+        self.unsupported("adding a path (AddToStoreNar)")
+    }
+
+    fn parallelism(&self) -> usize {
+        1
+    }
+}

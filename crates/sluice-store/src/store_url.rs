@@ -24,11 +24,13 @@
 //! | `read-only` | `local-store.hh` | local | nothing is created or written; adding paths is refused |
 //! | `require-sigs` | `local-store.hh` | local | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting) |
 //! | `max-connections`, `max-connection-age` | `remote-store.hh` | daemon | accepted, no effect (sluice's client holds one connection) |
-//! | `compression`, `write-nar-listing`, `index-debug-info`, `secret-key`, `local-nar-cache`, `parallel-compression`, `compression-level` | `binary-cache-store.hh` | caches | accepted, no effect: they govern writing to a cache and Nix's NAR accessor, and sluice only reads caches |
+//! | `compression`, `compression-level`, `parallel-compression`, `write-nar-listing`, `secret-key`, `secret-keys` | `binary-cache-store.hh` | caches | how sluice writes to the cache ([`CacheWriteParams`]); `secret-keys` (Nix 2.35) is a comma-separated list of key files |
+//! | `index-debug-info`, `local-nar-cache` | `binary-cache-store.hh` | caches | accepted, no effect (sluice writes no debug-info index and keeps no NAR cache) |
+//! | `region`, `endpoint`, `profile`, `scheme`, `addressing-style`, `multipart-upload`, `multipart-chunk-size`, `multipart-threshold`, `storage-class` | `s3-binary-cache-store.hh` (Nix 2.35) | `s3://` | [`S3Params`] |
 //!
 //! `http-binary-cache-store.hh`, `local-binary-cache-store.hh` and `uds-remote-store.hh` add no
-//! parameters of their own. S3 (`s3://`, `s3-binary-cache-store.hh`), SSH and overlay stores are
-//! not supported, so their parameters are not either. Parameters accepted with no effect are
+//! parameters of their own. SSH and overlay stores are not supported, so their parameters are
+//! not either. Parameters accepted with no effect are
 //! kept, validated, in [`CommonParams::unused`]; none of them changes what Nix would do with the
 //! store in the operations sluice performs, so none is refused.
 
@@ -119,16 +121,64 @@ pub struct CacheUrl {
     pub base: String,
     pub kind: CacheKind,
     pub common: CommonParams,
+    /// How paths are written into the cache.
+    pub write: CacheWriteParams,
 }
 
-/// The transport of a binary cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheKind { File, Http }
+/// The transport of a binary cache (`s3://BUCKET` with its parameters).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheKind { File, Http, S3(S3Params) }
+
+/// The parameters of writing to a binary cache: Nix's `BinaryCacheStoreConfig`
+/// (`src/libstore/binary-cache-store.hh`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheWriteParams {
+    /// `compression=` of NARs: `xz`, `zstd`, `br`, `gzip`, `bzip2` or `none`; default
+    /// [`DEFAULT_COMPRESSION`] (Nix's is `xz`; see the README for why sluice's differs).
+    pub compression: crate::compression::Compression,
+    /// `compression-level=N`; `None` (Nix's -1): the method's default level.
+    pub compression_level: Option<i32>,
+    /// `parallel-compression=BOOL` (default false): compress each NAR on every core (xz, zstd).
+    pub parallel_compression: bool,
+    /// `write-nar-listing=BOOL` (default false): write `<hash part>.ls`, the NAR's listing.
+    pub write_nar_listing: bool,
+    /// `secret-key=FILE` and `secret-keys=FILE,FILE…`: keys each narinfo is signed with.
+    pub secret_key_files: Vec<PathBuf>,
+}
+
+/// The compression sluice writes NARs with when the URL names none.
+pub const DEFAULT_COMPRESSION: crate::compression::Compression = crate::compression::Compression::Zstd;
+
+/// `s3://BUCKET` parameters, as Nix 2.35's `S3BinaryCacheStoreConfig` reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct S3Params {
+    pub bucket: String,
+    /// `region=` (default `us-east-1`), the SigV4 signing region.
+    pub region: String,
+    /// `endpoint=HOST[:PORT]` or a URL; default `s3.<region>.amazonaws.com`.
+    pub endpoint: Option<String>,
+    /// `profile=` of `~/.aws/credentials` (default `$AWS_PROFILE`, else `default`).
+    pub profile: Option<String>,
+    /// `scheme=` for an endpoint without one (default `https`).
+    pub scheme: String,
+    /// `addressing-style=`: `auto` (path style with a custom endpoint, virtual-hosted on AWS),
+    /// `path` or `virtual`.
+    pub path_style: bool,
+    /// `multipart-upload=BOOL` (default false): upload NARs over
+    /// [`S3Params::multipart_threshold`] in parts.
+    pub multipart_upload: bool,
+    /// `multipart-chunk-size=` bytes per part (default 5 MiB, S3's minimum).
+    pub multipart_chunk_size: u64,
+    /// `multipart-threshold=` bytes from which a NAR is uploaded in parts (default 100 MiB).
+    pub multipart_threshold: u64,
+    /// `storage-class=` (`x-amz-storage-class` of uploads), none by default.
+    pub storage_class: Option<String>,
+}
 
 /// Why a store URL was rejected. Each names the URL as given.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StoreUrlError {
-    #[error("unsupported store URL {0:?} (expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http:// or https://)")]
+    #[error("unsupported store URL {0:?} (expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https:// or s3://BUCKET)")]
     Unsupported(String),
     #[error("store URL {url:?}: unknown parameter {param:?}")]
     UnknownParam { url: String, param: String },
@@ -149,7 +199,9 @@ struct Kinds(u8);
 const LOCAL: Kinds = Kinds(1);
 const CACHE: Kinds = Kinds(2);
 const DAEMON: Kinds = Kinds(4);
-const ALL: Kinds = Kinds(7);
+/// `s3://`, a binary cache with parameters of its own.
+const S3: Kinds = Kinds(8);
+const ALL: Kinds = Kinds(15);
 const LOCAL_FS: Kinds = Kinds(LOCAL.0 | DAEMON.0);
 
 impl Kinds {
@@ -157,7 +209,8 @@ impl Kinds {
         match self {
             LOCAL => "local store",
             CACHE => "binary cache",
-            _ => "daemon store",
+            DAEMON => "daemon store",
+            _ => "S3 binary cache",
         }
     }
 }
@@ -190,6 +243,16 @@ const PARAMS: &[(&str, Type, Kinds)] = &[
     ("local-nar-cache", Type::Text, CACHE),
     ("parallel-compression", Type::Bool, CACHE),
     ("compression-level", Type::Int, CACHE),
+    ("secret-keys", Type::Text, CACHE),
+    ("region", Type::Text, S3),
+    ("endpoint", Type::Text, S3),
+    ("profile", Type::Text, S3),
+    ("scheme", Type::Text, S3),
+    ("addressing-style", Type::Text, S3),
+    ("multipart-upload", Type::Bool, S3),
+    ("multipart-chunk-size", Type::Int, S3),
+    ("multipart-threshold", Type::Int, S3),
+    ("storage-class", Type::Text, S3),
 ];
 
 impl StoreUrl {
@@ -202,6 +265,8 @@ impl StoreUrl {
             LOCAL
         } else if main.starts_with("file://") || main.starts_with("http://") || main.starts_with("https://") {
             CACHE
+        } else if main.starts_with("s3://") {
+            Kinds(CACHE.0 | S3.0)
         } else {
             return Err(StoreUrlError::Unsupported(url.to_string()));
         };
@@ -230,8 +295,14 @@ impl StoreUrl {
                 if main.strip_prefix("file://").is_some_and(|dir| !dir.starts_with('/')) {
                     return Err(StoreUrlError::Unsupported(url.to_string()));
                 }
-                let kind = if main.starts_with("file://") { CacheKind::File } else { CacheKind::Http };
-                Ok(StoreUrl::BinaryCache(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, common: q.finish()? }))
+                let kind = match main.strip_prefix("s3://") {
+                    Some(bucket) if bucket.is_empty() || bucket.contains('/') => return Err(StoreUrlError::Unsupported(url.to_string())),
+                    Some(bucket) => CacheKind::S3(q.take_s3(bucket)?),
+                    None if main.starts_with("file://") => CacheKind::File,
+                    None => CacheKind::Http,
+                };
+                let write = q.take_write()?;
+                Ok(StoreUrl::BinaryCache(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, common: q.finish()?, write }))
             }
         }
     }
@@ -332,6 +403,69 @@ impl<'a> Query<'a> {
         Ok(())
     }
 
+    fn take_size(&mut self, name: &str, default: u64) -> Result<u64, StoreUrlError> {
+        match self.take(name) {
+            Some(v) => u64::try_from(self.int(name, &v)?).map_err(|_| self.bad(name, &v, "a size cannot be negative")),
+            None => Ok(default),
+        }
+    }
+
+    /// The parameters of writing to a binary cache ([`CacheWriteParams`]).
+    fn take_write(&mut self) -> Result<CacheWriteParams, StoreUrlError> {
+        let compression = match self.take("compression") {
+            Some(v) => crate::compression::Compression::parse(&v).map_err(|_| self.bad("compression", &v, "not one of xz, zstd, br, gzip, bzip2, none"))?,
+            None => DEFAULT_COMPRESSION,
+        };
+        let compression_level = match self.take("compression-level") {
+            Some(v) => match i32::try_from(self.int("compression-level", &v)?) {
+                Ok(-1) => None,
+                Ok(n) => Some(n),
+                Err(_) => return Err(self.bad("compression-level", &v, "out of range")),
+            },
+            None => None,
+        };
+        let mut secret_key_files = Vec::new();
+        for name in ["secret-key", "secret-keys"] {
+            for file in self.take(name).iter().flat_map(|v| v.split(',')).filter(|f| !f.is_empty()) {
+                secret_key_files.push(self.path(name, file)?);
+            }
+        }
+        Ok(CacheWriteParams {
+            compression,
+            compression_level,
+            parallel_compression: self.take_bool("parallel-compression")?.unwrap_or(false),
+            write_nar_listing: self.take_bool("write-nar-listing")?.unwrap_or(false),
+            secret_key_files,
+        })
+    }
+
+    /// The parameters of an `s3://BUCKET` URL ([`S3Params`]).
+    fn take_s3(&mut self, bucket: &str) -> Result<S3Params, StoreUrlError> {
+        let endpoint = self.take("endpoint").filter(|e| !e.is_empty());
+        let path_style = match self.take("addressing-style").as_deref() {
+            None | Some("auto") => endpoint.is_some(),
+            Some("path") => true,
+            Some("virtual") => false,
+            Some(other) => return Err(self.bad("addressing-style", other, "not one of auto, path, virtual")),
+        };
+        let scheme = self.take("scheme").unwrap_or_else(|| "https".into());
+        if scheme != "http" && scheme != "https" {
+            return Err(self.bad("scheme", &scheme, "not http or https"));
+        }
+        Ok(S3Params {
+            bucket: bucket.to_string(),
+            region: self.take("region").unwrap_or_else(|| "us-east-1".into()),
+            endpoint,
+            profile: self.take("profile").filter(|p| !p.is_empty()),
+            scheme,
+            path_style,
+            multipart_upload: self.take_bool("multipart-upload")?.unwrap_or(false),
+            multipart_chunk_size: self.take_size("multipart-chunk-size", 5 << 20)?,
+            multipart_threshold: self.take_size("multipart-threshold", 100 << 20)?,
+            storage_class: self.take("storage-class").filter(|c| !c.is_empty()),
+        })
+    }
+
     /// Takes the [`CommonParams`], checks `store` and validates and keeps the rest.
     fn finish(mut self) -> Result<CommonParams, StoreUrlError> {
         if let Some(v) = self.take("store") {
@@ -409,6 +543,24 @@ mod tests {
         }
     }
 
+    fn default_write() -> CacheWriteParams {
+        CacheWriteParams { compression: DEFAULT_COMPRESSION, compression_level: None, parallel_compression: false, write_nar_listing: false, secret_key_files: vec![] }
+    }
+
+    #[test]
+    fn write_and_s3_params() {
+        let c = cache("s3://bucket?region=eu-west-1&endpoint=127.0.0.1:9000&scheme=http&compression=xz&compression-level=9&secret-key=/k1&secret-keys=/k2,/k3&multipart-upload=true&multipart-chunk-size=8M");
+        assert_eq!(c.write.compression, crate::compression::Compression::Xz);
+        assert_eq!(c.write.compression_level, Some(9));
+        assert_eq!(c.write.secret_key_files, [PathBuf::from("/k1"), "/k2".into(), "/k3".into()]);
+        let CacheKind::S3(s3) = c.kind else { panic!("{c:?}") };
+        assert_eq!((s3.bucket.as_str(), s3.region.as_str(), s3.endpoint.as_deref(), s3.path_style), ("bucket", "eu-west-1", Some("127.0.0.1:9000"), true));
+        assert_eq!((s3.multipart_upload, s3.multipart_chunk_size, s3.multipart_threshold), (true, 8 << 20, 100 << 20));
+        assert!(err("file:///c?compression=lz5").contains("\"compression\" has the invalid value \"lz5\""));
+        assert!(err("file:///c?region=x").contains("\"region\" is not one of a binary cache"));
+        assert!(err("s3://b?addressing-style=odd").contains("addressing-style"));
+    }
+
     fn err(url: &str) -> String {
         StoreUrl::parse(url).expect_err(url).to_string()
     }
@@ -442,13 +594,15 @@ mod tests {
     fn cache_forms() {
         assert_eq!(
             cache("file:///srv/cache/?priority=10"),
-            CacheUrl { base: "file:///srv/cache".into(), kind: CacheKind::File, common: CommonParams { priority: Some(10), ..Default::default() } }
+            CacheUrl { base: "file:///srv/cache".into(), kind: CacheKind::File, common: CommonParams { priority: Some(10), ..Default::default() }, write: default_write() }
         );
-        assert_eq!(cache("https://cache.nixos.org"), CacheUrl { base: "https://cache.nixos.org".into(), kind: CacheKind::Http, common: CommonParams::default() });
+        assert_eq!(cache("https://cache.nixos.org"), CacheUrl { base: "https://cache.nixos.org".into(), kind: CacheKind::Http, common: CommonParams::default(), write: default_write() });
         let c = cache("http://x?trusted=1&want-mass-query=true&priority=2K&compression=zstd&write-nar-listing=1&index-debug-info=0&secret-key=/k&local-nar-cache=/c&parallel-compression=true&compression-level=-1");
         assert_eq!((c.common.trusted, c.common.want_mass_query, c.common.priority), (true, Some(true), Some(2048)));
         let names: Vec<&str> = c.common.unused.keys().map(String::as_str).collect();
-        assert_eq!(names, ["compression", "compression-level", "index-debug-info", "local-nar-cache", "parallel-compression", "secret-key", "write-nar-listing"]);
+        assert_eq!(names, ["index-debug-info", "local-nar-cache"]);
+        let write = CacheWriteParams { compression: crate::compression::Compression::Zstd, compression_level: None, parallel_compression: true, write_nar_listing: true, secret_key_files: vec!["/k".into()] };
+        assert_eq!(c.write, write);
     }
 
     #[test]
@@ -466,7 +620,7 @@ mod tests {
 
     #[test]
     fn unsupported_forms() {
-        for url in ["s4://x", "s3://bucket", "ssh://host", "unix://relative", "file://relative", "relative/path"] {
+        for url in ["s4://x", "s3://", "s3://bucket/dir", "ssh://host", "unix://relative", "file://relative", "relative/path"] {
             assert_eq!(StoreUrl::parse(url), Err(StoreUrlError::Unsupported(url.into())));
         }
     }

@@ -1,4 +1,6 @@
-//! `sluice copy`: copy the closures of store paths from binary caches into a local store.
+//! `sluice copy`: copy the closures of store paths from binary caches into a local store (the
+//! substitution pipeline), or from any store to any store through the `Store` interface
+//! (`sluice_store::push`): a local store into a binary cache, one cache into another.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -7,6 +9,9 @@ use std::time::Instant;
 use sluice_nix::signature::TrustedKeys;
 use sluice_store::closure;
 use sluice_store::local::SignaturePolicy;
+use sluice_store::push;
+use sluice_store::store::open_store;
+use sluice_store::store_url::StoreUrl;
 use sluice_store::substitute::{copy_closure, SubstituteOptions};
 
 use crate::progress::{Progress, MIB};
@@ -15,11 +20,15 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice copy`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The binary cache to copy from (default: the configured substituters, by priority).
+    /// The store to copy from (default: the configured substituters, by priority): a binary
+    /// cache, or a local store when copying into a binary cache.
     #[arg(long)]
     from: Option<String>,
-    /// The store to copy into (`local`, `local?root=DIR` or an absolute path, with the local
-    /// store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`, …).
+    /// The store to copy into: a local store (`local`, `local?root=DIR` or an absolute path,
+    /// with the local store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`,
+    /// …) or a binary cache (`file://DIR`, `http(s)://…` by PUT, `s3://BUCKET?…`, with
+    /// `compression`, `compression-level`, `parallel-compression`, `secret-key`,
+    /// `write-nar-listing`).
     #[arg(long)]
     to: String,
     /// NAR downloads in flight at once (each streams through its own decoder and unpacker).
@@ -42,7 +51,58 @@ pub struct Args {
 }
 
 /// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
+/// From binary caches into a local store, the substitution pipeline copies; any other pair of
+/// stores goes through the `Store` interface.
 pub fn run(args: Args) -> Result<ExitCode, String> {
+    let into_local = matches!(StoreUrl::parse(&args.to), Ok(StoreUrl::Local(_)));
+    let from_cache = args.from.as_deref().is_none_or(|f| matches!(StoreUrl::parse(f), Ok(StoreUrl::BinaryCache(_))));
+    match into_local && from_cache {
+        true => substitute(args),
+        false => push(args),
+    }
+}
+
+/// Copies between any two stores through the `Store` interface.
+fn push(args: Args) -> Result<ExitCode, String> {
+    let from = args.from.as_deref().ok_or_else(|| format!("{}: copying into a store that is not local needs --from", args.to))?;
+    let settings = setup::settings(&args.cache)?;
+    let started = Instant::now();
+    let rt = setup::runtime()?;
+    let (report, store_dir) = rt.block_on(async {
+        let src = open_store(from, &settings).await.map_err(|e| e.to_string())?;
+        let dst = open_store(&args.to, &settings).await.map_err(|e| e.to_string())?;
+        let roots = setup::parse_paths(src.store_dir(), &args.paths)?;
+        let report = push::copy_closures(src.clone(), dst, &roots).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>((report, src.store_dir().clone()))
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    for (path, reason) in &report.failed {
+        eprintln!("error: {}: {reason}", store_dir.display_path(path));
+    }
+    if args.json {
+        let json = serde_json::json!({
+            "copied": report.copied.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
+            "alreadyValid": report.already_valid,
+            "failed": report.failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<std::collections::BTreeMap<_, _>>(),
+            "narSize": report.nar_bytes,
+            "seconds": secs,
+        });
+        println!("{json}");
+    }
+    eprintln!(
+        "copied {} paths ({:.2} MiB of NAR) to {} in {:.2} s; {} already there, {} failed",
+        report.copied.len(),
+        report.nar_bytes as f64 / MIB,
+        args.to,
+        secs,
+        report.already_valid,
+        report.failed.len()
+    );
+    Ok(if report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Substitutes from binary caches into a local store (the pipeline).
+fn substitute(args: Args) -> Result<ExitCode, String> {
     let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.to, &args.paths)?;
     dest.ensure_writable("copy paths into it").map_err(|e| format!("{}: {e}", args.to))?;
     let urls = match &args.from {

@@ -49,10 +49,12 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::Daemon(_)) {
+    if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_)) {
         // A command whose output is piped into `head` ends quietly when the reader goes away,
         // like other Unix tools, instead of panicking on the write. (The daemon keeps
-        // ignoring SIGPIPE: a client that hangs up must not end it.)
+        // ignoring SIGPIPE: a client that hangs up must not end it; so does `copy`: a server
+        // that answers an upload and closes before reading its body must be an error of that
+        // upload, not the end of the run.)
         // SAFETY: restoring the default disposition of a signal, before any thread starts.
         unsafe {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);

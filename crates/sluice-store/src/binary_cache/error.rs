@@ -20,6 +20,12 @@ pub enum CacheError {
     CacheInfo { url: String, what: String },
     #[error("{url}: cache is for store directory {got}, not {expected}")]
     WrongStoreDir { url: String, expected: String, got: String },
+    /// The server answered an upload with 403, 404 or 410.
+    #[error("{url}: the server refused the upload (HTTP 403, 404 or 410)")]
+    Refused { url: String },
+    /// A secret key file named by `secret-key`/`secret-keys` could not be used.
+    #[error("{url}: secret key {}: {what}", file.display())]
+    SecretKey { url: String, file: std::path::PathBuf, what: String },
     /// The cache failed earlier in this run and is no longer asked.
     #[error("{url}: not used for the rest of this run after an earlier failure: {reason}")]
     Disabled { url: String, reason: String },

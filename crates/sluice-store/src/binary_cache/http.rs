@@ -4,7 +4,9 @@
 //! answered over HTTP/2 (streams multiplexed on one connection). 404, 403 and 410 mean
 //! absence; 5xx, 408, 429, connection failures and stalls are retried with backoff
 //! (`download-attempts`); a body sent with `Content-Encoding: gzip` (by a proxy, unasked) is
-//! decoded.
+//! decoded. Writing (Nix's `HttpBinaryCacheStore::upsertFile`, `http-binary-cache-store.cc`):
+//! `PUT` with the file's `Content-Type`, `HEAD` for whether a file exists; an S3 transport
+//! ([`super::s3`]) is this transport with every request signed.
 
 use std::future::Future;
 use std::io::Read;
@@ -18,8 +20,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::pool::ClientPool;
 use super::retry::RetryPolicy;
 use super::transfer::TransferProbe;
-use super::CacheError;
+use super::{CacheError, Upload};
 use crate::config::Settings;
+
+/// The hex sha256 of an empty body (SigV4's payload hash of `GET` and `HEAD`).
+pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
 /// Concurrent requests to one cache once it speaks HTTP/2 (nginx's default stream limit).
 pub const H2_STREAMS: usize = 128;
@@ -64,6 +69,27 @@ pub struct HttpTransport {
     h2: AtomicBool,
     stall: Duration,
     retry: RetryPolicy,
+    signer: Option<Arc<dyn RequestSigner>>,
+}
+
+/// Signs each request before it is sent (S3's SigV4), given the hex sha256 of its body.
+pub trait RequestSigner: Send + Sync + std::fmt::Debug {
+    /// Adds the authentication headers to `request`; the error says why it cannot be signed.
+    fn sign(&self, request: &mut reqwest::Request, payload_sha256: &str) -> Result<(), String>;
+}
+
+/// What one request sends: the method, and for uploads the body and its `Content-Type`.
+#[derive(Clone, Copy)]
+pub struct Request<'a> {
+    pub method: &'a reqwest::Method,
+    pub body: Option<(&'a Upload, &'a str)>,
+    /// Extra headers (S3's `x-amz-storage-class`).
+    pub headers: &'a [(&'static str, String)],
+}
+
+impl Request<'static> {
+    /// A `GET`.
+    pub const GET: Request<'static> = Request { method: &reqwest::Method::GET, body: None, headers: &[] };
 }
 
 /// A failed attempt, with the server's `Retry-After` if it sent one.
@@ -90,7 +116,14 @@ impl HttpTransport {
             h2: AtomicBool::new(false),
             stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
             retry: RetryPolicy::new(settings.download_attempts),
+            signer: None,
         }
+    }
+
+    /// This transport with every request signed by `signer`.
+    pub fn signed(mut self, signer: Arc<dyn RequestSigner>) -> Self {
+        self.signer = Some(signer);
+        self
     }
 
     /// Requests worth having in flight at once: `http-connections` over HTTP/1.1, the stream
@@ -146,7 +179,7 @@ impl HttpTransport {
 
     /// One request: the response when it is a success, `None` for absence, or the failure
     /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
-    async fn send_once(&self, target: &reqwest::Url) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+    async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
         let url = target.as_str();
         let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
         if self.base.starts_with("https://") {
@@ -154,7 +187,9 @@ impl HttpTransport {
             // first, so that they are up before the closure fans out.
             self.pool.grow_for_h2(&self.base);
         }
-        let resp = match tokio::time::timeout(self.stall, self.pool.next().get(target.clone()).send()).await {
+        let client = self.pool.next();
+        let request = self.build(client, target, spec).await?;
+        let resp = match tokio::time::timeout(self.stall, client.execute(request)).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
@@ -175,13 +210,65 @@ impl HttpTransport {
         }
     }
 
+    /// Builds the request `spec` for `target`, signed if this transport signs.
+    async fn build(&self, client: &reqwest::Client, target: &reqwest::Url, spec: Request<'_>) -> Result<reqwest::Request, CacheError> {
+        let url = target.as_str();
+        let mut b = client.request(spec.method.clone(), target.clone());
+        for (name, value) in spec.headers {
+            b = b.header(*name, value);
+        }
+        let payload_sha256 = match spec.body {
+            Some((upload, content_type)) => {
+                let body = upload.body().await.map_err(|source| CacheError::Io { url: url.to_string(), source })?;
+                b = b.header(reqwest::header::CONTENT_TYPE, content_type).header(reqwest::header::CONTENT_LENGTH, upload.len()).body(body);
+                if self.signer.is_some() {
+                    b = b.header("content-md5", upload.md5_base64());
+                }
+                upload.sha256_hex()
+            }
+            None => EMPTY_SHA256.to_string(),
+        };
+        let mut request = b.build().map_err(|source| CacheError::Transport { url: url.to_string(), source })?;
+        if let Some(signer) = &self.signer {
+            signer.sign(&mut request, &payload_sha256).map_err(|what| CacheError::Io { url: url.to_string(), source: std::io::Error::other(format!("cannot sign the request: {what}")) })?;
+        }
+        Ok(request)
+    }
+
+    /// Sends `spec` to `rel` (retried as [`Self::get`] is) and returns the answer's status and
+    /// body; `None` on 404, 403 or 410.
+    pub async fn send(&self, rel: &str, spec: Request<'_>) -> Result<Option<(u16, Vec<u8>)>, CacheError> {
+        let target = self.request_url(rel)?;
+        let url = target.as_str();
+        self.retrying(|| async {
+            let (resp, _permit) = self.send_once(&target, spec).await?;
+            let Some(resp) = resp else { return Ok(None) };
+            let status = resp.status().as_u16();
+            Ok(Some((status, read_body(url, resp, self.stall).await?)))
+        })
+        .await
+    }
+
+    /// Whether `rel` exists (`HEAD`: a success status; 404, 403 and 410 are absence).
+    pub async fn exists(&self, rel: &str) -> Result<bool, CacheError> {
+        Ok(self.send(rel, Request { method: &reqwest::Method::HEAD, body: None, headers: &[] }).await?.is_some())
+    }
+
+    /// Creates or replaces `rel` with `upload` (`PUT`, as Nix's `upsertFile`).
+    pub async fn put(&self, rel: &str, upload: &Upload, content_type: &str, headers: &[(&'static str, String)]) -> Result<(), CacheError> {
+        match self.send(rel, Request { method: &reqwest::Method::PUT, body: Some((upload, content_type)), headers }).await? {
+            Some(_) => Ok(()),
+            None => Err(CacheError::Refused { url: self.resolve(rel) }),
+        }
+    }
+
     /// Fetches a whole (small) file; `None` on 404, 403 or 410. Transient failures, including
     /// a body cut short, are retried with backoff, `download-attempts` times in all.
     pub async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
         let target = self.request_url(rel)?;
         let url = target.as_str();
         self.retrying(|| async {
-            let (resp, _permit) = self.send_once(&target).await?;
+            let (resp, _permit) = self.send_once(&target, Request::GET).await?;
             let Some(resp) = resp else { return Ok(None) };
             let gzip = content_encoding(url, &resp)?;
             let body = read_body(url, resp, self.stall).await?;
@@ -197,7 +284,7 @@ impl HttpTransport {
     pub async fn open(&self, rel: &str) -> Result<Option<(Box<dyn Read + Send>, TransferProbe)>, CacheError> {
         let target = self.request_url(rel)?;
         let url = target.as_str();
-        let (resp, permit) = self.retrying(|| self.send_once(&target)).await?;
+        let (resp, permit) = self.retrying(|| self.send_once(&target, Request::GET)).await?;
         let Some(resp) = resp else { return Ok(None) };
         let gzip = content_encoding(url, &resp)?;
         let stall = self.stall;

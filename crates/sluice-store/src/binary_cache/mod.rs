@@ -1,19 +1,24 @@
 //! Binary-cache stores: a cache directory of `nix-cache-info`, `<hash part>.narinfo` files and
-//! NARs, reached over a transport (one per file: [`file`], [`http`]). Layout: Nix
-//! `src/libstore/binary-cache-store.cc`.
+//! NARs, reached over a transport (one per file: [`file`], [`http`], [`s3`], the last being
+//! HTTP with signed requests). Layout: Nix `src/libstore/binary-cache-store.cc`; the
+//! [`Store`](crate::store::Store) interface, reading and writing: [`store`].
 
 mod error;
 pub mod file;
 pub mod http;
 mod pool;
 pub mod retry;
+pub mod s3;
+mod store;
 pub mod transfer;
+pub mod upload;
 
 use std::io::Read;
 use std::path::PathBuf;
 
 use sluice_nix::cache_info::CacheInfo;
 use sluice_nix::narinfo::NarInfo;
+use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 pub use error::CacheError;
@@ -23,13 +28,62 @@ pub const FILE_CAPACITY: usize = 256;
 pub use transfer::TransferProbe;
 
 use crate::config::Settings;
-use crate::store_url::{CacheKind, CacheUrl};
+use crate::store_url::{CacheKind, CacheUrl, CacheWriteParams};
 
-/// How a cache's files are fetched.
+/// How a cache's files are fetched and written.
 #[derive(Debug)]
 pub enum Transport {
     File(file::FileTransport),
-    Http(Box<http::HttpTransport>),
+    /// HTTP(S), and S3 (requests signed; `s3` set).
+    Http { http: Box<http::HttpTransport>, s3: Option<Box<s3::S3>> },
+}
+
+/// What is written to a cache file: small contents, or a prepared (compressed) NAR.
+pub enum Upload {
+    Bytes(bytes::Bytes),
+    Nar(upload::PreparedNar),
+}
+
+impl Upload {
+    /// Bytes to upload.
+    pub fn len(&self) -> u64 {
+        match self {
+            Upload::Bytes(b) => b.len() as u64,
+            Upload::Nar(n) => n.file_size,
+        }
+    }
+
+    /// Whether there is nothing to upload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The hex sha256 of the contents.
+    pub fn sha256_hex(&self) -> String {
+        match self {
+            Upload::Bytes(b) => sluice_nix::hash::Hash::digest_bytes(sluice_nix::hash::HashAlgo::Sha256, b).to_base16(),
+            Upload::Nar(n) => n.file_hash.to_base16(),
+        }
+    }
+
+    /// The base64 MD5 of the contents (`Content-MD5`).
+    pub fn md5_base64(&self) -> String {
+        use base64::Engine as _;
+        use md5::Digest as _;
+        let md5: [u8; 16] = match self {
+            Upload::Bytes(b) => md5::Md5::digest(b).into(),
+            Upload::Nar(n) => n.md5,
+        };
+        base64::engine::general_purpose::STANDARD.encode(md5)
+    }
+
+    /// A request body of the contents (a prepared NAR streams from its file).
+    pub async fn body(&self) -> std::io::Result<reqwest::Body> {
+        Ok(match self {
+            Upload::Bytes(b) => reqwest::Body::from(b.clone()),
+            Upload::Nar(n) => reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(n.file.reopen()?), 256 << 10)),
+        })
+    }
 }
 
 /// A binary cache: its URL, transport and `nix-cache-info`.
@@ -44,6 +98,17 @@ pub struct BinaryCache {
     want_mass_query_override: Option<bool>,
     health: retry::Health,
     retry: retry::RetryPolicy,
+    /// How paths are written.
+    write: CacheWriteParams,
+    /// The store directory the cache serves (sluice's only one, `/nix/store`).
+    store_dir: StoreDir,
+    /// The keys narinfos are signed with (read by [`BinaryCache::open`]).
+    secret_keys: Vec<SecretKey>,
+    /// `nix-cache-info` is known to exist (checked or written before the first addition).
+    initialised: tokio::sync::OnceCell<()>,
+    /// Narinfos answered by [`Store::query_path_infos`](crate::store::Store), for reading
+    /// their NARs.
+    narinfos: std::sync::Mutex<std::collections::HashMap<StorePath, NarInfo>>,
 }
 
 /// An open NAR download: the (still compressed) bytes, and a probe telling after a failure
@@ -61,19 +126,29 @@ impl BinaryCache {
     /// `?want-mass-query=` override it, as Nix's `BinaryCacheStore::init`
     /// (`src/libstore/binary-cache-store.cc`) takes its values only as defaults.
     pub fn new(url: &CacheUrl, client: &reqwest::Client, settings: &Settings, info: CacheInfo) -> Self {
-        let CacheUrl { base, kind, common } = url;
-        let transport = match kind {
-            CacheKind::File => Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://")))),
-            CacheKind::Http => Transport::Http(Box::new(http::HttpTransport::new(base.clone(), client.clone(), settings))),
+        let CacheUrl { base, kind, common, write } = url;
+        let (base, transport) = match kind {
+            CacheKind::File => (base.clone(), Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://"))))),
+            CacheKind::Http => (base.clone(), Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client.clone(), settings)), s3: None }),
+            CacheKind::S3(params) => {
+                let s3 = s3::S3::new(params);
+                let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), settings).signed(s3.signer());
+                (base.clone(), Transport::Http { http: Box::new(http), s3: Some(Box::new(s3)) })
+            }
         };
         let mut cache = BinaryCache {
-            url: base.clone(),
+            url: base,
             transport,
             info,
             priority_override: common.priority,
             want_mass_query_override: common.want_mass_query,
             health: retry::Health::default(),
             retry: retry::RetryPolicy::new(settings.download_attempts),
+            write: write.clone(),
+            store_dir: StoreDir::default(),
+            secret_keys: Vec::new(),
+            initialised: tokio::sync::OnceCell::new(),
+            narinfos: Default::default(),
         };
         cache.set_info(cache.info.clone());
         cache
@@ -144,7 +219,7 @@ impl BinaryCache {
     async fn fetch(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
         match &self.transport {
             Transport::File(t) => t.get(rel).await,
-            Transport::Http(t) => t.get(rel).await,
+            Transport::Http { http, .. } => http.get(rel).await,
         }
     }
 
@@ -158,7 +233,7 @@ impl BinaryCache {
     pub fn download_attempts(&self) -> u32 {
         match &self.transport {
             Transport::File(_) => 1,
-            Transport::Http(_) => self.retry.attempts,
+            Transport::Http { .. } => self.retry.attempts,
         }
     }
 
@@ -172,7 +247,7 @@ impl BinaryCache {
     pub fn capacity(&self) -> usize {
         match &self.transport {
             Transport::File(_) => FILE_CAPACITY,
-            Transport::Http(t) => t.capacity(),
+            Transport::Http { http, .. } => http.capacity(),
         }
     }
 
@@ -201,7 +276,7 @@ impl BinaryCache {
     /// The absolute URL of a narinfo's `URL` field.
     pub fn nar_url(&self, narinfo: &NarInfo) -> String {
         match &self.transport {
-            Transport::Http(t) => t.resolve(&narinfo.url),
+            Transport::Http { http, .. } => http.resolve(&narinfo.url),
             Transport::File(_) => format!("{}/{}", self.url, narinfo.url),
         }
     }
@@ -212,7 +287,7 @@ impl BinaryCache {
         self.health.check(&self.url)?;
         let result = match &self.transport {
             Transport::File(t) => t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default() })),
-            Transport::Http(t) => t.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe })),
+            Transport::Http { http, .. } => http.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe })),
         };
         self.health.observe(&self.url, result)
     }

@@ -21,6 +21,7 @@
 //! trees whose lock nobody holds.
 
 mod api;
+mod as_store;
 mod dump;
 mod fs_nar;
 mod gc;
@@ -34,6 +35,7 @@ mod tree;
 mod unpack;
 mod verify;
 
+pub use as_store::LocalStoreHandle;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use temp_roots::TempRoots;

@@ -1,0 +1,163 @@
+//! `s3://BUCKET` binary caches (Nix's `S3BinaryCacheStore`, `src/libstore/s3-binary-cache-store.cc`;
+//! parameters as Nix 2.35 reads them, see [`S3Params`]): the [`http`](super::http) transport
+//! on the bucket's URL with every request signed with AWS SigV4 (`aws-sigv4`), the body's
+//! sha256 in `x-amz-content-sha256` and, on uploads, its MD5 in `Content-MD5`. The bucket's URL
+//! is `ENDPOINT/BUCKET` in path style (the default with a custom `endpoint`, as Nix's
+//! `addressing-style=auto`) and `BUCKET.ENDPOINT` in virtual-hosted style (the default on AWS,
+//! `s3.REGION.amazonaws.com`). HEAD 403/404 mean absence, as for HTTP.
+//!
+//! Credentials, as the AWS SDK's default chain that Nix uses: with `profile=`, that profile of
+//! the shared credentials file (`$AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`);
+//! otherwise `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`) from the
+//! environment, then the profile `$AWS_PROFILE` (default `default`) of that file. Without any,
+//! requests go unsigned (a public bucket).
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use aws_credential_types::Credentials;
+use aws_sigv4::http_request::{sign, PayloadChecksumKind, SignableBody, SignableRequest, SigningSettings};
+
+use super::http::{HttpTransport, RequestSigner};
+use super::{CacheError, Upload};
+use crate::store_url::S3Params;
+
+/// An S3 bucket: where it is and how requests to it are signed.
+#[derive(Debug)]
+pub struct S3 {
+    params: S3Params,
+}
+
+impl S3 {
+    /// The bucket of `params`.
+    pub fn new(params: &S3Params) -> Self {
+        S3 { params: params.clone() }
+    }
+
+    /// The bucket's URL (no trailing slash), path or virtual-hosted style.
+    pub fn bucket_url(&self) -> String {
+        let p = &self.params;
+        let endpoint = p.endpoint.clone().unwrap_or_else(|| format!("s3.{}.amazonaws.com", p.region));
+        let (scheme, host) = match endpoint.split_once("://") {
+            Some((scheme, host)) => (scheme.to_string(), host.trim_end_matches('/').to_string()),
+            None => (p.scheme.clone(), endpoint.trim_end_matches('/').to_string()),
+        };
+        match p.path_style {
+            true => format!("{scheme}://{host}/{}", p.bucket),
+            false => format!("{scheme}://{}.{host}", p.bucket),
+        }
+    }
+
+    /// The request signer (SigV4 with the credentials found now, or none: unsigned).
+    pub fn signer(&self) -> Arc<dyn RequestSigner> {
+        Arc::new(SigV4 { region: self.params.region.clone(), credentials: find_credentials(self.params.profile.as_deref()) })
+    }
+
+    /// Uploads `rel` with `storage-class` if one is set.
+    pub async fn put(&self, http: &HttpTransport, rel: &str, upload: &Upload, mime: &str) -> Result<(), CacheError> {
+        let headers: Vec<(&'static str, String)> = self.params.storage_class.iter().map(|c| ("x-amz-storage-class", c.clone())).collect();
+        http.put(rel, upload, mime, &headers).await
+    }
+}
+
+/// SigV4 request signing for service `s3`.
+#[derive(Debug)]
+struct SigV4 {
+    region: String,
+    credentials: Option<Credentials>,
+}
+
+impl RequestSigner for SigV4 {
+    fn sign(&self, request: &mut reqwest::Request, payload_sha256: &str) -> Result<(), String> {
+        let Some(credentials) = &self.credentials else { return Ok(()) };
+        let identity = credentials.clone().into();
+        let mut settings = SigningSettings::default();
+        settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
+        let params = aws_sigv4::sign::v4::SigningParams::builder()
+            .identity(&identity)
+            .region(&self.region)
+            .name("s3")
+            .time(SystemTime::now())
+            .settings(settings)
+            .build()
+            .map_err(|e| e.to_string())?
+            .into();
+        let headers: Vec<(String, String)> =
+            request.headers().iter().filter_map(|(n, v)| Some((n.as_str().to_string(), v.to_str().ok()?.to_string()))).collect();
+        let signable = SignableRequest::new(
+            request.method().as_str(),
+            request.url().as_str(),
+            headers.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+            SignableBody::Precomputed(payload_sha256.to_string()),
+        )
+        .map_err(|e| e.to_string())?;
+        let (instructions, _) = sign(signable, &params).map_err(|e| e.to_string())?.into_parts();
+        for (name, value) in instructions.headers() {
+            let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| format!("header {name}: {e}"))?;
+            request.headers_mut().insert(reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| e.to_string())?, value);
+        }
+        Ok(())
+    }
+}
+
+/// The credentials of the default chain (see the module doc); `None` when there are none.
+fn find_credentials(profile: Option<&str>) -> Option<Credentials> {
+    let env = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
+    if profile.is_none() {
+        if let (Some(id), Some(secret)) = (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+            return Some(Credentials::new(id, secret, env("AWS_SESSION_TOKEN"), None, "environment"));
+        }
+    }
+    let file = env("AWS_SHARED_CREDENTIALS_FILE").map(std::path::PathBuf::from).or_else(|| Some(std::path::PathBuf::from(env("HOME")?).join(".aws/credentials")))?;
+    let profile = profile.map(str::to_string).or_else(|| env("AWS_PROFILE")).unwrap_or_else(|| "default".into());
+    let text = std::fs::read_to_string(&file).ok()?;
+    let found = profile_keys(&text, &profile);
+    if found.is_none() {
+        tracing::warn!("{}: no credentials for profile {profile:?}; S3 requests go unsigned", file.display());
+    }
+    found.map(|(id, secret, token)| Credentials::new(id, secret, token, None, "profile"))
+}
+
+/// `aws_access_key_id`, `aws_secret_access_key` and `aws_session_token` of `[profile]` in an
+/// INI credentials file.
+fn profile_keys(text: &str, profile: &str) -> Option<(String, String, Option<String>)> {
+    let (mut in_profile, mut id, mut secret, mut token) = (false, None, None, None);
+    for line in text.lines().map(str::trim).filter(|l| !l.starts_with('#') && !l.starts_with(';')) {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            in_profile = name.trim() == profile;
+        } else if let (true, Some((key, value))) = (in_profile, line.split_once('=')) {
+            let value = Some(value.trim().to_string());
+            match key.trim() {
+                "aws_access_key_id" => id = value,
+                "aws_secret_access_key" => secret = value,
+                "aws_session_token" => token = value,
+                _ => {}
+            }
+        }
+    }
+    Some((id?, secret?, token))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_file_profiles() {
+        let text = "[default]\naws_access_key_id = A\naws_secret_access_key = S\n\n[ci]\n# comment\naws_access_key_id=B\naws_secret_access_key=T\naws_session_token=X\n";
+        assert_eq!(profile_keys(text, "default"), Some(("A".into(), "S".into(), None)));
+        assert_eq!(profile_keys(text, "ci"), Some(("B".into(), "T".into(), Some("X".into()))));
+        assert_eq!(profile_keys(text, "other"), None);
+    }
+
+    #[test]
+    fn bucket_urls() {
+        let mut p = match crate::store_url::StoreUrl::parse("s3://b?endpoint=127.0.0.1:9000&scheme=http").unwrap() {
+            crate::store_url::StoreUrl::BinaryCache(crate::store_url::CacheUrl { kind: crate::store_url::CacheKind::S3(p), .. }) => p,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(S3::new(&p).bucket_url(), "http://127.0.0.1:9000/b");
+        (p.endpoint, p.path_style, p.region, p.scheme) = (None, false, "eu-west-1".into(), "https".into());
+        assert_eq!(S3::new(&p).bucket_url(), "https://b.s3.eu-west-1.amazonaws.com");
+    }
+}

@@ -1,0 +1,214 @@
+//! A binary cache behind the [`Store`] interface, reading and writing as Nix's
+//! `BinaryCacheStore` (`src/libstore/binary-cache-store.cc`) does:
+//!
+//! - `nix-cache-info` is created (`StoreDir: /nix/store`) when missing, before the first
+//!   addition (`BinaryCacheStore::init`);
+//! - an addition (`addToStoreCommon`) compresses the NAR into a temporary file while checking
+//!   it ([`upload::prepare_nar`]), writes `<hash part>.ls` if `write-nar-listing`, uploads
+//!   `nar/<FileHash>.nar<ext>` unless a file of that name exists, and only then — once its
+//!   publish gate opens — writes `<hash part>.narinfo`, signed with every `secret-key`
+//!   (`writeNarInfo`; the info's own signatures are kept).
+
+use sluice_nix::narinfo::NarInfo;
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::signature::SecretKey;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+use super::upload::{self, PreparedNar};
+use super::{BinaryCache, CacheError, Transport, Upload};
+use crate::compression::Compression;
+use crate::config::Settings;
+use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
+use crate::store_url::{CacheUrl, STORE_DIR};
+
+
+const NARINFO_MIME: &str = "text/x-nix-narinfo";
+const NAR_MIME: &str = "application/x-nix-nar";
+const CACHE_INFO_MIME: &str = "text/x-nix-cache-info";
+const LISTING_MIME: &str = "application/json";
+
+impl BinaryCache {
+    /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` (a cache
+    /// without one is taken to serve `/nix/store`, as Nix does) and its secret keys.
+    pub async fn open(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<Self, CacheError> {
+        let mut cache = BinaryCache::new(url, client, settings, Default::default());
+        let info = cache.fetch_cache_info().await?;
+        cache.set_info(info);
+        cache.check_store_dir(&cache.store_dir)?;
+        for file in &url.write.secret_key_files {
+            let bad = |what: String| CacheError::SecretKey { url: cache.url.clone(), file: file.clone(), what };
+            let text = std::fs::read_to_string(file).map_err(|e| bad(e.to_string()))?;
+            cache.secret_keys.push(SecretKey::parse(text.trim()).map_err(|e| bad(e.to_string()))?);
+        }
+        Ok(cache)
+    }
+
+    /// Whether the cache file `rel` exists.
+    pub async fn file_exists(&self, rel: &str) -> Result<bool, CacheError> {
+        match &self.transport {
+            Transport::File(t) => t.exists(rel).await,
+            Transport::Http { http, .. } => http.exists(rel).await,
+        }
+    }
+
+    /// Creates or replaces the cache file `rel` (Nix's `upsertFile`).
+    pub async fn upsert_file(&self, rel: &str, upload: Upload, mime: &str) -> Result<(), CacheError> {
+        match &self.transport {
+            Transport::File(t) => t.put(rel, upload).await,
+            Transport::Http { http, s3: None } => http.put(rel, &upload, mime, &[]).await,
+            Transport::Http { http, s3: Some(s3) } => s3.put(http, rel, &upload, mime).await,
+        }
+    }
+
+    /// Writes `nix-cache-info` unless the cache has one, once.
+    async fn init_for_writing(&self) -> Result<(), CacheError> {
+        self.initialised
+            .get_or_try_init(|| async {
+                if !self.file_exists("nix-cache-info").await? {
+                    let text = format!("StoreDir: {STORE_DIR}\n");
+                    self.upsert_file("nix-cache-info", Upload::Bytes(text.into()), CACHE_INFO_MIME).await?;
+                }
+                Ok(())
+            })
+            .await
+            .map(drop)
+    }
+
+    /// Where NARs are compressed before upload: the cache's own directory for `file://` (so
+    /// that the upload is a rename), the system's temporary directory otherwise.
+    fn staging_dir(&self) -> std::path::PathBuf {
+        match &self.transport {
+            Transport::File(t) => t.dir().to_path_buf(),
+            Transport::Http { .. } => std::env::temp_dir(),
+        }
+    }
+
+    /// The narinfo of an added path: `info` with the prepared NAR's URL, compression and file
+    /// hash, signed with the cache's keys.
+    fn narinfo_for(&self, info: &ValidPathInfo, nar: &PreparedNar, url: String) -> NarInfo {
+        let store_dir = StoreDir::default();
+        let mut signatures: Vec<String> = info.sigs.iter().cloned().collect();
+        for key in &self.secret_keys {
+            let sig = key.sign(&info.fingerprint(&store_dir));
+            if !signatures.contains(&sig) {
+                signatures.push(sig);
+            }
+        }
+        NarInfo {
+            store_path: info.path.clone(),
+            url,
+            compression: self.write.compression.name().to_string(),
+            file_hash: Some(nar.file_hash.clone()),
+            file_size: Some(nar.file_size),
+            nar_hash: info.nar_hash.clone(),
+            nar_size: info.nar_size,
+            references: info.references.iter().cloned().collect(),
+            deriver: info.deriver.clone(),
+            signatures,
+            ca: info.ca.clone(),
+            system: None,
+        }
+    }
+}
+
+impl BinaryCache {
+    /// The info of `path` from its narinfo (kept for [`Store::nar_from_path`]).
+    async fn query_one(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, StoreError> {
+        let Some(text) = self.narinfo_text(path).await? else { return Ok(None) };
+        let narinfo = self.parse_narinfo(path, &self.store_dir, &text)?;
+        let info = ValidPathInfo::from_narinfo(&narinfo, 0);
+        self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(path.clone(), narinfo);
+        Ok(Some(info))
+    }
+}
+
+impl Store for BinaryCache {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
+        // All at once: the transport bounds the requests in flight.
+        Box::pin(async move { futures::future::join_all(paths.iter().map(|path| self.query_one(path))).await.into_iter().collect() })
+    }
+
+    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
+        Box::pin(async move {
+            let known = self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).get(&info.path).cloned();
+            let narinfo = match known {
+                Some(n) => n,
+                None => {
+                    let text = self.narinfo_text(&info.path).await?;
+                    let text = text.ok_or_else(|| StoreError::NotValid { url: self.url.clone(), path: self.store_dir().display_path(&info.path) })?;
+                    self.parse_narinfo(&info.path, self.store_dir(), &text)?
+                }
+            };
+            let nar_url = self.nar_url(&narinfo);
+            let gone = || StoreError::Cache(CacheError::Io { url: nar_url.clone(), source: std::io::Error::new(std::io::ErrorKind::NotFound, "NAR file missing") });
+            let stream = self.open_nar(&narinfo).await?.ok_or_else(gone)?;
+            let compression = Compression::parse(&narinfo.compression).map_err(|e| StoreError::Other(format!("{nar_url}: {e}")))?;
+            Ok(Box::new(LazyDecoder { compression, url: nar_url, state: DecoderState::Pending(Some(stream.reader)) }) as NarReader)
+        })
+    }
+
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.init_for_writing().await?;
+            let (params, dir, info2) = (self.write.clone(), self.staging_dir(), info.clone());
+            let prepared = tokio::task::spawn_blocking(move || upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &dir))
+                .await
+                .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?
+                .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?;
+            let hash_part = info.path.hash_part().to_string();
+            if let Some(listing) = &prepared.listing {
+                self.upsert_file(&format!("{hash_part}.ls"), Upload::Bytes(upload::listing_json(listing).into()), LISTING_MIME).await?;
+            }
+            let url = format!("nar/{}.nar{}", prepared.file_hash.to_nix32(), self.write.compression.nar_extension());
+            let narinfo = self.narinfo_for(&info, &prepared, url.clone());
+            if !self.file_exists(&url).await? {
+                self.upsert_file(&url, Upload::Nar(prepared), NAR_MIME).await?;
+            }
+            publish.await?;
+            let text = narinfo.to_text(self.store_dir());
+            self.upsert_file(&format!("{hash_part}.narinfo"), Upload::Bytes(text.into()), NARINFO_MIME).await?;
+            Ok(())
+        })
+    }
+
+    fn parallelism(&self) -> usize {
+        // Each addition compresses on a blocking thread: more than the cores only queue.
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        self.capacity().min(4 * cores)
+    }
+}
+
+/// A decoder started on the first read (a decoder reads the stream's head when made, which must
+/// not happen on the async thread).
+struct LazyDecoder {
+    compression: Compression,
+    url: String,
+    state: DecoderState,
+}
+
+enum DecoderState {
+    Pending(Option<Box<dyn std::io::Read + Send>>),
+    Active(Box<dyn std::io::Read + Send>),
+}
+
+impl std::io::Read for LazyDecoder {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let DecoderState::Pending(raw) = &mut self.state {
+            let raw = raw.take().ok_or_else(|| std::io::Error::other(format!("{}: decoder failed earlier", self.url)))?;
+            let decoder = self.compression.decoder(raw).map_err(|e| std::io::Error::other(format!("{}: {e}", self.url)))?;
+            self.state = DecoderState::Active(decoder);
+        }
+        match &mut self.state {
+            DecoderState::Active(d) => d.read(buf),
+            DecoderState::Pending(_) => unreachable!("the decoder was just started"),
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! Preparing a NAR for a binary cache, as Nix's `BinaryCacheStore::addToStoreCommon`
+//! (`src/libstore/binary-cache-store.cc`) does, but streaming: the NAR is read once, checked
+//! against the path's `NarHash`/`NarSize` and parsed (for its listing), while it is compressed
+//! into a temporary file whose sha256 (`FileHash`, and S3's `x-amz-content-sha256`), MD5
+//! (S3's `Content-MD5`) and size are computed on the way. Memory: the encoder's window and
+//! 256 KiB of buffers, whatever the NAR's size.
+
+use std::io::{self, BufWriter, Read, Write};
+use std::path::Path;
+
+use md5::Digest as _;
+use sluice_nix::hash::{Hash, HashAlgo, Hasher};
+use sluice_nix::nar::listing::{ListingBuilder, NarEntry};
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::StoreDir;
+
+use crate::store_url::CacheWriteParams;
+
+/// A compressed NAR in a temporary file, ready to upload.
+pub struct PreparedNar {
+    /// The compressed NAR (deleted when dropped, unless persisted).
+    pub file: tempfile::NamedTempFile,
+    /// sha256 of the compressed bytes (`FileHash`).
+    pub file_hash: Hash,
+    /// MD5 of the compressed bytes.
+    pub md5: [u8; 16],
+    /// Bytes of the compressed NAR (`FileSize`).
+    pub file_size: u64,
+    /// The NAR's listing, when `write-nar-listing` asks for it.
+    pub listing: Option<NarEntry>,
+}
+
+/// Why a NAR could not be prepared.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("reading or compressing the NAR of {path}: {source}")]
+    Io { path: String, #[source] source: io::Error },
+    #[error("the NAR of {path} is invalid: {source}")]
+    Nar { path: String, #[source] source: sluice_nix::nar::reader::NarError },
+    #[error("the NAR of {path} does not match its info: NarHash {expected}, NarSize {expected_size}, but the NAR has {actual} and {actual_size} bytes")]
+    Mismatch { path: String, expected: String, expected_size: u64, actual: String, actual_size: u64 },
+}
+
+/// Reads `nar` (the NAR of `info.path`, on a blocking thread), checks it against `info`, and
+/// compresses it into a temporary file in `tmp_dir` as `params` say.
+pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, tmp_dir: &Path) -> Result<PreparedNar, PrepareError> {
+    let path = store_dir.display_path(&info.path);
+    let io_err = |source| PrepareError::Io { path: path.clone(), source };
+    let file = tempfile::Builder::new().prefix(".sluice-upload-").tempfile_in(tmp_dir).map_err(io_err)?;
+    let sink = DigestWriter { inner: BufWriter::with_capacity(128 << 10, file.reopen().map_err(io_err)?), sha256: Hasher::new(HashAlgo::Sha256), md5: md5::Md5::new() };
+    let encoder = params.compression.encoder(sink, params.compression_level, params.parallel_compression).map_err(io_err)?;
+    let mut tee = Tee { inner: nar, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
+    let mut listing = ListingBuilder::default();
+    let parsed = sluice_nix::nar::reader::parse(&mut tee, &mut listing);
+    if let Some(e) = tee.error.take() {
+        return Err(io_err(e));
+    }
+    parsed.map_err(|source| PrepareError::Nar { path: path.clone(), source })?;
+    let nar_size = tee.nar_hash.len();
+    let nar_hash = std::mem::replace(&mut tee.nar_hash, Hasher::new(HashAlgo::Sha256)).finish();
+    if nar_hash != info.nar_hash || nar_size != info.nar_size {
+        return Err(PrepareError::Mismatch { path, expected: info.nar_hash.to_nix32_prefixed(), expected_size: info.nar_size, actual: nar_hash.to_nix32_prefixed(), actual_size: nar_size });
+    }
+    let mut sink = tee.out.finish().map_err(io_err)?;
+    sink.inner.flush().map_err(io_err)?;
+    let file_size = sink.sha256.len();
+    Ok(PreparedNar {
+        file,
+        file_hash: sink.sha256.finish(),
+        md5: sink.md5.finalize().into(),
+        file_size,
+        listing: if params.write_nar_listing { listing.finish() } else { None },
+    })
+}
+
+/// The `.ls` file Nix writes beside a narinfo with `write-nar-listing=true`:
+/// `{"version":1,"root":LISTING}` with the recursive listing and `narOffset`s.
+pub fn listing_json(root: &NarEntry) -> Vec<u8> {
+    let mut out = br#"{"version":1,"root":"#.to_vec();
+    out.extend_from_slice(&root.to_json(true));
+    out.push(b'}');
+    out
+}
+
+/// Passes what is read through a hasher (the NAR hash) and into a writer (the encoder); a
+/// write failure is kept aside, to be reported as itself rather than as a NAR error.
+struct Tee<'a, W: Write> {
+    inner: &'a mut dyn Read,
+    nar_hash: Hasher,
+    out: W,
+    error: Option<io::Error>,
+}
+
+impl<W: Write> Read for Tee<'_, W> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.nar_hash.update(&buf[..n]);
+        if let Err(e) = self.out.write_all(&buf[..n]) {
+            let what = e.to_string();
+            self.error = Some(e);
+            return Err(io::Error::other(what));
+        }
+        Ok(n)
+    }
+}
+
+/// A writer that hashes (sha256, MD5) and counts what goes through it.
+struct DigestWriter<W: Write> {
+    inner: W,
+    sha256: Hasher,
+    md5: md5::Md5,
+}
+
+impl<W: Write> Write for DigestWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.sha256.update(&buf[..n]);
+        self.md5.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}

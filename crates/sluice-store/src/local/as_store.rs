@@ -1,0 +1,111 @@
+//! The local store behind the [`Store`] interface: queries run on blocking threads, a NAR is
+//! dumped into a pipe by a blocking thread while the caller reads it, and additions pass the
+//! one verification boundary ([`LocalStore::begin_add`] → [`PendingPath::unpack`] → after the
+//! publish gate, [`PendingPath::commit`] under the store's signature policy).
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::sync::Arc;
+
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+use super::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots};
+use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
+
+/// NARs unpacked at once into a local store (each on a blocking thread).
+const UNPACK_PARALLELISM: usize = 32;
+
+/// A local store opened for moving paths: the store, the temporary roots every path read or
+/// added is held by for the handle's life, and the signature policy additions pass.
+pub struct LocalStoreHandle {
+    url: String,
+    store: Arc<LocalStore>,
+    roots: TempRoots,
+    policy: SignaturePolicy,
+}
+
+impl LocalStoreHandle {
+    /// A handle on `store` (opened from `url`) adding paths under `policy`.
+    pub fn new(url: &str, store: Arc<LocalStore>, policy: SignaturePolicy) -> Self {
+        let roots = store.temp_roots();
+        LocalStoreHandle { url: url.to_string(), store, roots, policy }
+    }
+}
+
+/// Runs `f` on a blocking thread; a panic there becomes an error naming the store.
+async fn blocking<T: Send + 'static>(url: &str, f: impl FnOnce() -> Result<T, StoreError> + Send + 'static) -> Result<T, StoreError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Other(format!("{url}: {e}")))?
+}
+
+impl Store for LocalStoreHandle {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn store_dir(&self) -> &StoreDir {
+        self.store.store_dir()
+    }
+
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
+        let (store, paths) = (self.store.clone(), paths.to_vec());
+        Box::pin(blocking(&self.url, move || store.query_path_infos(&paths).into_iter().map(|r| r.map_err(StoreError::from)).collect()))
+    }
+
+    fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, std::collections::BTreeSet<StorePath>> {
+        let (store, paths, roots) = (self.store.clone(), paths.to_vec(), self.roots.clone());
+        Box::pin(blocking(&self.url, move || Ok(store.query_valid_paths_rooted(&paths, &roots)?)))
+    }
+
+    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
+        Box::pin(async move {
+            let (read, write) = rustix::pipe::pipe().map_err(|e| StoreError::Other(format!("{}: creating a pipe: {e}", self.url)))?;
+            let (store, path) = (self.store.clone(), info.path.clone());
+            let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut File::from(write)));
+            Ok(Box::new(DumpReader { pipe: File::from(read), dumper: Some(dumper) }) as NarReader)
+        })
+    }
+
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let (store, roots) = (self.store.clone(), self.roots.clone());
+            let pending: Option<PendingPath> = blocking(&self.url, move || {
+                let Some(mut pending) = store.begin_add(info, &roots)? else { return Ok(None) };
+                pending.unpack(&mut nar)?;
+                Ok(Some(pending))
+            })
+            .await?;
+            let Some(pending) = pending else { return Ok(()) };
+            publish.await?;
+            let policy = self.policy.clone();
+            blocking(&self.url, move || Ok(pending.commit(&policy)?)).await
+        })
+    }
+
+    fn parallelism(&self) -> usize {
+        UNPACK_PARALLELISM
+    }
+}
+
+/// The read end of a pipe a blocking thread dumps a NAR into; at its end, the dump's own
+/// failure (if any) is the read's error, so that a cut-short NAR is reported as why it was.
+struct DumpReader {
+    pipe: File,
+    dumper: Option<tokio::task::JoinHandle<Result<(), LocalStoreError>>>,
+}
+
+impl Read for DumpReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.pipe.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            if let Some(dumper) = self.dumper.take() {
+                match futures::executor::block_on(dumper) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(io::Error::other(e)),
+                    Err(e) => return Err(io::Error::other(e)),
+                }
+            }
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,133 @@
+//! Copying closures between any two stores through the [`Store`] interface (Nix's
+//! `copyPaths`, `src/libstore/store-api.cc`, with the order of Nix 2.35's binary-cache
+//! uploads): the closure is found in the source level by level (one batched query per level),
+//! what the destination already has is found in one query and skipped, and every missing path
+//! is then transferred at once, largest NAR first, at most the destination's
+//! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
+//! (its narinfo written, its registration committed) only after every reference it has in the
+//! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
+//! killed.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Read;
+use std::sync::Arc;
+
+use futures::future::{FutureExt, Shared};
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::StorePath;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::store::{NarReader, Store, StoreError};
+
+/// What a copy did.
+#[derive(Debug, Default)]
+pub struct PushReport {
+    /// Paths added to the destination.
+    pub copied: Vec<StorePath>,
+    /// Paths of the closure the destination had already.
+    pub already_valid: usize,
+    /// Paths that could not be added, with the reason.
+    pub failed: BTreeMap<StorePath, String>,
+    /// Bytes of NAR read from the source.
+    pub nar_bytes: u64,
+}
+
+/// The closure of `roots` in `src`: every path's info, found one level of references at a time.
+pub async fn closure_infos(src: &dyn Store, roots: &[StorePath]) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
+    let mut infos = BTreeMap::new();
+    let mut frontier: Vec<StorePath> = roots.to_vec();
+    while !frontier.is_empty() {
+        let answers = src.query_path_infos(&frontier).await?;
+        let mut next = BTreeSet::new();
+        for (path, info) in frontier.iter().zip(answers) {
+            let info = info.ok_or_else(|| StoreError::NotValid { url: src.url().to_string(), path: src.store_dir().display_path(path) })?;
+            next.extend(info.references.iter().filter(|r| !infos.contains_key(*r) && *r != path).cloned());
+            infos.insert(path.clone(), info);
+        }
+        frontier = next.into_iter().filter(|p| !infos.contains_key(p)).collect();
+    }
+    Ok(infos)
+}
+
+/// Whether a path was added: shared by the paths that refer to it.
+type Done = Shared<futures::future::BoxFuture<'static, Result<(), String>>>;
+
+/// Copies the closures of `roots` from `src` to `dst` (see the module doc).
+pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[StorePath]) -> Result<PushReport, StoreError> {
+    let infos = closure_infos(src.as_ref(), roots).await?;
+    let all: Vec<StorePath> = infos.keys().cloned().collect();
+    let present = dst.query_valid_paths(&all).await?;
+    let mut missing: Vec<&ValidPathInfo> = infos.values().filter(|i| !present.contains(&i.path)).collect();
+    missing.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path)));
+    let mut report = PushReport { already_valid: present.len(), ..Default::default() };
+
+    let slots = Arc::new(Semaphore::new(dst.parallelism().max(1)));
+    let mut senders = HashMap::new();
+    let mut done: HashMap<StorePath, Done> = HashMap::new();
+    for info in &missing {
+        let (tx, rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        senders.insert(info.path.clone(), tx);
+        done.insert(info.path.clone(), rx.map(|r| r.unwrap_or_else(|_| Err("the copy stopped".into()))).boxed().shared());
+    }
+    let mut tasks = Vec::with_capacity(missing.len());
+    for info in missing {
+        let gate_refs: Vec<(StorePath, Done)> = info.references.iter().filter(|r| **r != info.path).filter_map(|r| Some((r.clone(), done.get(r)?.clone()))).collect();
+        let store_dir = dst.store_dir().clone();
+        let shown = store_dir.display_path(&info.path);
+        let gate = async move {
+            for (reference, finished) in gate_refs {
+                if finished.await.is_err() {
+                    return Err(StoreError::ReferenceFailed { path: shown, reference: store_dir.display_path(&reference) });
+                }
+            }
+            Ok(())
+        }
+        .boxed();
+        let (src, dst, slots, info, tx) = (src.clone(), dst.clone(), slots.clone(), info.clone(), senders.remove(&info.path));
+        tasks.push(tokio::spawn(async move {
+            let permit = slots.acquire_owned().await.expect("semaphore never closed");
+            let result = async {
+                let nar = src.nar_from_path(&info).await?;
+                let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
+                dst.add_to_store(info.clone(), nar, gate).await
+            }
+            .await;
+            let outcome = result.map_err(|e| e.to_string());
+            if let Some(tx) = tx {
+                let _ = tx.send(outcome.clone());
+            }
+            (info.path, info.nar_size, outcome)
+        }));
+    }
+    for task in tasks {
+        let (path, size, outcome) = task.await.map_err(|e| StoreError::Other(format!("copy task: {e}")))?;
+        match outcome {
+            Ok(()) => {
+                report.copied.push(path);
+                report.nar_bytes += size;
+            }
+            Err(reason) => {
+                report.failed.insert(path, reason);
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// A NAR reader holding one of the destination's transfer slots until the NAR has been read
+/// to its end (or dropped): a path waiting for its references then holds none, so the paths
+/// it waits for can always start.
+struct SlotReader {
+    inner: NarReader,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Read for SlotReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            self.permit = None;
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,114 @@
+//! The one interface every kind of store offers (Nix's `Store`, `src/libstore/store-api.hh`),
+//! as far as moving paths between stores needs it: path infos in batches, valid paths, a NAR as
+//! a stream, adding a path from a NAR stream; and [`open_store`], the one place a store URL
+//! becomes a store. Implemented by the local store ([`crate::local::LocalStoreHandle`]), every
+//! binary-cache transport ([`crate::binary_cache::BinaryCache`]: file, HTTP, S3) and the
+//! daemon client ([`crate::remote::DaemonStore`]).
+//!
+//! The substitution pipeline ([`crate::substitute`]) stays the fast path from binary caches
+//! into a local store; [`crate::push`] moves closures between any two stores through this
+//! interface.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+use crate::binary_cache::{BinaryCache, CacheError};
+use crate::config::Settings;
+use crate::local::{LocalStore, LocalStoreError, LocalStoreHandle};
+use crate::remote::{DaemonStore, RemoteError};
+use crate::store_url::{StoreUrl, StoreUrlError};
+
+/// A future returned by a [`Store`] method.
+pub type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
+
+/// Resolves once a path may become visible in the destination (its references are there), or
+/// fails with the reason it may not (a reference failed).
+pub type PublishGate = BoxFuture<'static, Result<(), StoreError>>;
+
+/// A NAR being read: uncompressed bytes, to be read on a blocking thread.
+pub type NarReader = Box<dyn Read + Send>;
+
+/// Errors of any store; each names the store (URL, socket or directory) and the path.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Url(#[from] StoreUrlError),
+    #[error(transparent)]
+    Local(#[from] LocalStoreError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Daemon(#[from] RemoteError),
+    /// The store cannot do this.
+    #[error("{url}: {what} is not supported by this store")]
+    Unsupported { url: String, what: &'static str },
+    /// A path is not valid in the store it was asked of.
+    #[error("{path} is not valid in {url}")]
+    NotValid { url: String, path: String },
+    /// A path was not added because a path it refers to failed.
+    #[error("{path} not added: its reference {reference} failed")]
+    ReferenceFailed { path: String, reference: String },
+    /// Something else, with its context (a key file, a settings problem).
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A Nix store, shareable between tasks.
+pub trait Store: Send + Sync {
+    /// The store's URL, as given (for messages).
+    fn url(&self) -> &str;
+
+    /// The logical store directory (`/nix/store`).
+    fn store_dir(&self) -> &StoreDir;
+
+    /// The info of each of `paths` (`None` where not valid), in order, asked all at once.
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>>;
+
+    /// Those of `paths` that are valid (Nix's `queryValidPaths`).
+    fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        Box::pin(async move {
+            let infos = self.query_path_infos(paths).await?;
+            Ok(paths.iter().zip(infos).filter(|(_, i)| i.is_some()).map(|(p, _)| p.clone()).collect())
+        })
+    }
+
+    /// The NAR of the valid path `info.path` (Nix's `narFromPath`), uncompressed, as a stream.
+    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader>;
+
+    /// Adds `info.path` from its NAR (Nix's `addToStore(info, source)`), checking the NAR
+    /// against `info`. Everything that makes the path visible to readers (a narinfo, a
+    /// registration) waits for `publish`, and does not happen if it fails; work that does not
+    /// (unpacking, compressing, uploading the NAR) may go ahead.
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()>;
+
+    /// NAR transfers worth running at once against this store.
+    fn parallelism(&self) -> usize;
+}
+
+/// Opens the store `url` with `settings` (Nix's `openStore`): a local or chroot store, a
+/// binary cache (`file://`, `http(s)://`, `s3://`; written to with the URL's compression and
+/// keys, its `nix-cache-info` created when missing once something is added) or a daemon.
+pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>, StoreError> {
+    Ok(match StoreUrl::parse(url)? {
+        StoreUrl::Local(config) => {
+            let store = LocalStore::open(&config).map(Arc::new)?;
+            // `require-sigs=false` in the URL turns the check off; it cannot turn on what the
+            // settings (or `--no-check-sigs`) turned off.
+            let policy = crate::local::SignaturePolicy {
+                require_sigs: config.require_sigs.map_or(settings.require_sigs, |r| r && settings.require_sigs),
+                trusted_keys: sluice_nix::signature::TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| StoreError::Other(format!("trusted-public-keys: {e}")))?,
+            };
+            Arc::new(LocalStoreHandle::new(url, store, policy))
+        }
+        StoreUrl::BinaryCache(curl) => {
+            let client = crate::binary_cache::http::client(settings).map_err(StoreError::Other)?;
+            Arc::new(BinaryCache::open(&curl, &client, settings).await?)
+        }
+        StoreUrl::Daemon { socket, .. } => Arc::new(DaemonStore::connect(url, &socket)?),
+    })
+}

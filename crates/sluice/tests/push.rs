@@ -1,0 +1,231 @@
+//! `sluice copy --from LOCAL --to CACHE`: pushing a chroot store (filled by sluice from the
+//! corpus) into `file://`, HTTP (PUT) and S3 caches, read back by real Nix 2.8 (`nix copy
+//! --from`, `nix-store -r` with the cache as substituter, `nix store verify` against the key
+//! sluice signed with). S3 runs against s3s-fs (`cargo install s3s-fs --version 0.14.1
+//! --features binary`, which `.ci/run` does), started by the tests with and without
+//! credentials.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use common::*;
+
+/// The 25-path subset's root and its paths.
+fn subset() -> (String, BTreeSet<String>) {
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
+    let paths = std::fs::read_to_string(corpus().join("truth/subset-paths.txt")).unwrap().lines().map(str::to_string).collect();
+    (summary["subsetRoot"].as_str().unwrap().to_string(), paths)
+}
+
+/// A chroot store under `tmp/src` holding the closure of `root`, copied by sluice from `cache`.
+fn source_store(tmp: &Path, cache: &str, root: &str) -> PathBuf {
+    let src = tmp.join("src");
+    let from = format!("file://{}", corpus().join(cache).display());
+    check(&sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]), "filling the source store");
+    src
+}
+
+/// A new signing key under `tmp`: (secret key file, public key).
+fn signing_key(tmp: &Path) -> (PathBuf, String) {
+    let secret = sluice(tmp, &["key", "generate", "sluice-push-test-1"]);
+    check(&secret, "key generate");
+    let file = tmp.join("secret.key");
+    std::fs::write(&file, &secret.stdout).unwrap();
+    let mut public = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    let public = public.args(["key", "generate", "--public"]).stdin(std::fs::File::open(&file).unwrap()).output().unwrap();
+    check(&public, "key generate --public");
+    (file, String::from_utf8(public.stdout).unwrap().trim().to_string())
+}
+
+/// Real Nix reads the cache at `url`: `nix copy --from` into a fresh chroot store with only
+/// `public` trusted, `nix store verify` of its signatures, and `nix-store -r` with the cache as
+/// a substituter into another; both stores then hold exactly `paths`.
+fn assert_nix_reads(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTreeSet<String>) {
+    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
+    let keys = format!("trusted-public-keys = {public}\nrequire-sigs = true");
+    let run = |prog: &str, args: &[&str]| {
+        let mut cmd = Command::new(prog);
+        isolate(&mut cmd, tmp, &keys);
+        cmd.args(args).output().unwrap()
+    };
+    check(&run("nix", &["copy", "--from", url, "--to", a.to_str().unwrap(), root]), "nix copy --from the pushed cache");
+    check(&run("nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]), "nix store verify --sigs-needed 1");
+    assert_nix_verifies(tmp, &a);
+    check(&run("nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]), "nix-store -r with the pushed cache as substituter");
+    for store in [&a, &b] {
+        let listed = run("nix", &["path-info", "--store", store.to_str().unwrap(), "-r", root]);
+        check(&listed, "nix path-info -r");
+        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
+        assert_eq!(&got, paths, "paths in {}", store.display());
+    }
+}
+
+/// The narinfos of a `file://` cache directory, by hash part, with their `References:`.
+fn narinfos(dir: &Path) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return out };
+    for entry in entries {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        let Some(hash) = name.strip_suffix(".narinfo") else { continue };
+        let text = std::fs::read_to_string(dir.join(&name)).unwrap();
+        let refs = text.lines().find_map(|l| l.strip_prefix("References:")).unwrap_or("").split_whitespace().map(|r| r[..32].to_string()).collect();
+        out.push((hash.to_string(), refs));
+    }
+    out
+}
+
+#[test]
+fn subset_into_file_cache_xz_with_listing_is_read_by_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, paths) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let (secret, public) = signing_key(tmp.path());
+    let cache = tmp.path().join("cache");
+    let to = format!("file://{}?compression=xz&write-nar-listing=true&secret-key={}", cache.display(), secret.display());
+    check(&sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &to, &root]), "push");
+    assert_eq!(std::fs::read_to_string(cache.join("nix-cache-info")).unwrap(), "StoreDir: /nix/store\n");
+    let infos = narinfos(&cache);
+    assert_eq!(infos.len(), 25);
+    let nars: Vec<_> = std::fs::read_dir(cache.join("nar")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(nars.len(), 25);
+    assert!(nars.iter().all(|n| n.ends_with(".nar.xz")), "{nars:?}");
+    // The listing Nix writes, {"version":1,"root":…} with narOffsets, of every path: what real
+    // Nix lists from the NAR in the cache.
+    for path in &paths {
+        let ls: serde_json::Value = serde_json::from_slice(&std::fs::read(cache.join(format!("{}.ls", &path[11..43]))).unwrap()).unwrap();
+        assert_eq!(ls["version"], 1);
+        let nix_ls = nix(tmp.path(), "nix", &["store", "ls", "--json", "-R", "--store", &format!("file://{}", cache.display()), path]);
+        check(&nix_ls, "nix store ls");
+        assert_eq!(ls["root"], serde_json::from_slice::<serde_json::Value>(&nix_ls.stdout).unwrap(), "{path}");
+    }
+    assert_nix_reads(tmp.path(), &format!("file://{}", cache.display()), &public, &root, &paths);
+    // A second push finds everything there and writes nothing.
+    let again = sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &to, &root]);
+    check(&again, "second push");
+    assert!(stderr(&again).contains("copied 0 paths") && stderr(&again).contains("25 already there"), "{}", stderr(&again));
+}
+
+#[test]
+fn full_corpus_into_file_cache_zstd_is_read_by_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let paths: BTreeSet<String> = std::fs::read_to_string(corpus().join("truth/closure-paths.txt")).unwrap().lines().map(str::to_string).collect();
+    let src = source_store(tmp.path(), "cache-zstd", TOP);
+    let (secret, public) = signing_key(tmp.path());
+    let cache = tmp.path().join("cache");
+    let to = format!("file://{}?secret-key={}", cache.display(), secret.display());
+    check(&sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &to, TOP]), "push");
+    assert_eq!(narinfos(&cache).len(), 1056);
+    assert!(std::fs::read_to_string(cache.join(format!("{}.narinfo", &TOP[11..43]))).unwrap().contains("Compression: zstd\n"));
+    assert_nix_reads(tmp.path(), &format!("file://{}", cache.display()), &public, TOP, &paths);
+}
+
+#[test]
+fn killed_push_leaves_no_narinfo_with_an_incomplete_closure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = source_store(tmp.path(), "cache-zstd", TOP);
+    let cache = tmp.path().join("cache");
+    let to = format!("file://{}?compression=xz&compression-level=9", cache.display());
+    for delay_ms in [150, 400] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp.path(), "");
+        let mut child = cmd.args(["copy", "--from", src.to_str().unwrap(), "--to", &to, TOP]).stderr(Stdio::null()).spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let infos = narinfos(&cache);
+        assert!(infos.len() < 1056, "the push finished before it was killed ({delay_ms} ms)");
+        let have: BTreeSet<&str> = infos.iter().map(|(h, _)| h.as_str()).collect();
+        for (hash, refs) in &infos {
+            for r in refs {
+                assert!(have.contains(r.as_str()), "{hash}.narinfo was written before the narinfo of its reference {r}");
+            }
+        }
+    }
+}
+
+/// An s3s-fs server on a free port over `dir` (with credentials `AKTEST`/`SKTEST` if `auth`).
+struct S3Server {
+    child: Child,
+    port: u16,
+}
+
+impl S3Server {
+    fn start(dir: &Path, auth: bool) -> Self {
+        let bin = std::env::var_os("S3S_FS").map(PathBuf::from).or_else(|| {
+            let cargo_bin = PathBuf::from(std::env::var_os("HOME")?).join(".cargo/bin/s3s-fs");
+            cargo_bin.exists().then_some(cargo_bin)
+        });
+        let bin = bin.unwrap_or_else(|| PathBuf::from("s3s-fs"));
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = Command::new(&bin);
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+        if auth {
+            cmd.args(["--access-key", "AKTEST", "--secret-key", "SKTEST"]);
+        }
+        let child = cmd.arg(dir).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap_or_else(|e| panic!("cannot run {} (cargo install s3s-fs --version 0.14.1 --features binary): {e}", bin.display()));
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return S3Server { child, port };
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("s3s-fs did not start on port {port}");
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn subset_by_http_put_is_read_by_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, paths) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let (secret, public) = signing_key(tmp.path());
+    std::fs::create_dir_all(tmp.path().join("s3/bucket")).unwrap();
+    let server = S3Server::start(&tmp.path().join("s3"), false);
+    let url = format!("http://127.0.0.1:{}/bucket", server.port);
+    check(&sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &format!("{url}?secret-key={}", secret.display()), &root]), "push by PUT");
+    assert_eq!(narinfos(&tmp.path().join("s3/bucket")).len(), 25);
+    assert_nix_reads(tmp.path(), &url, &public, &root, &paths);
+}
+
+#[test]
+fn subset_into_s3_with_credentials_and_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, paths) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let (secret, public) = signing_key(tmp.path());
+    std::fs::create_dir_all(tmp.path().join("s3/bucket")).unwrap();
+    let server = S3Server::start(&tmp.path().join("s3"), true);
+    let s3 = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1", server.port);
+    let push = |env: &[(&str, &str)], url: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp.path(), "");
+        cmd.envs(env.iter().copied()).args(["copy", "--from", src.to_str().unwrap(), "--to", url, &root]).output().unwrap()
+    };
+    // Unsigned requests are refused by the server, and the error names the URL.
+    let refused = push(&[], &s3);
+    assert!(!refused.status.success());
+    assert!(stderr(&refused).contains(&format!("http://127.0.0.1:{}/bucket/nix-cache-info: the server refused the upload", server.port)), "{}", stderr(&refused));
+    // Credentials from the environment.
+    check(&push(&[("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")], &format!("{s3}&secret-key={}&compression=xz", secret.display())), "push to S3");
+    assert_eq!(narinfos(&tmp.path().join("s3/bucket")).len(), 25);
+    // Read back through the substitution pipeline, with credentials from a profile.
+    let aws = tmp.path().join("home/.aws");
+    std::fs::create_dir_all(&aws).unwrap();
+    std::fs::write(aws.join("credentials"), "[default]\naws_access_key_id = WRONG\naws_secret_access_key = WRONG\n[ci]\naws_access_key_id = AKTEST\naws_secret_access_key = SKTEST\n").unwrap();
+    let dst = tmp.path().join("back");
+    let back = sluice(tmp.path(), &["copy", "--from", &format!("{s3}&profile=ci"), "--to", dst.to_str().unwrap(), "--trusted-public-keys", &public, &root]);
+    check(&back, "copy from S3");
+    assert_nix_verifies(tmp.path(), &dst);
+    let listed = nix(tmp.path(), "nix", &["path-info", "--store", dst.to_str().unwrap(), "-r", &root]);
+    assert_eq!(String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
+}
