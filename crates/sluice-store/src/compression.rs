@@ -1,12 +1,15 @@
 //! NAR decompression by the narinfo's `Compression` field (`xz`, `zstd`, `bzip2`, `br`,
-//! `gzip`, `none`; Nix `src/libutil/compression.cc`), checked against the stream's magic bytes
-//! so that a cache whose field disagrees with its bytes gets a clear error instead of garbage.
+//! `gzip`, `lz4`, `lzip`, `none`; Nix `src/libutil/compression.cc` decodes all but `br` and
+//! `none` through libarchive's filters, which is how it reads `lz4` and `lzip` caches),
+//! checked against the stream's magic bytes so that a cache whose field disagrees with its
+//! bytes gets a clear error instead of garbage. zstd and lz4 streams may begin with a
+//! skippable frame (`pzstd` writes one before each frame), which their decoders skip.
 
 use std::io::{BufRead, BufReader, Read};
 
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression { None, Xz, Zstd, Bzip2, Brotli, Gzip }
+pub enum Compression { None, Xz, Zstd, Bzip2, Brotli, Gzip, Lz4, Lzip }
 
 /// Errors choosing or starting a decompressor.
 #[derive(Debug, thiserror::Error)]
@@ -19,8 +22,10 @@ pub enum CompressionError {
     Io(#[from] std::io::Error),
 }
 
-const MAGICS: [(Compression, &[u8]); 5] = [
+const MAGICS: [(Compression, &[u8]); 7] = [
     (Compression::Xz, b"\xfd7zXZ\x00"),
+    (Compression::Lz4, b"\x04\x22\x4d\x18"),
+    (Compression::Lzip, b"LZIP"),
     (Compression::Zstd, b"\x28\xb5\x2f\xfd"),
     (Compression::Bzip2, b"BZh"),
     (Compression::Gzip, b"\x1f\x8b"),
@@ -37,6 +42,8 @@ impl Compression {
             "bzip2" => Compression::Bzip2,
             "br" => Compression::Brotli,
             "gzip" => Compression::Gzip,
+            "lz4" => Compression::Lz4,
+            "lzip" => Compression::Lzip,
             other => return Err(CompressionError::Unknown(other.to_string())),
         })
     }
@@ -50,6 +57,8 @@ impl Compression {
             Compression::Bzip2 => "bzip2",
             Compression::Brotli => "br",
             Compression::Gzip => "gzip",
+            Compression::Lz4 => "lz4",
+            Compression::Lzip => "lzip",
         }
     }
 
@@ -68,6 +77,7 @@ impl Compression {
                 return Err(CompressionError::Mismatch { declared: declared.name(), actual: actual.name() })
             }
             (None, Compression::Brotli) => {}
+            (None, Compression::Zstd | Compression::Lz4) if skippable_frame(head) => {}
             (None, declared) if !head.is_empty() => {
                 return Err(CompressionError::Mismatch { declared: declared.name(), actual: "no known format" })
             }
@@ -80,8 +90,20 @@ impl Compression {
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),
             Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buf)),
+            Compression::Lz4 => Box::new(lz4_flex::frame::FrameDecoder::new(buf)),
+            Compression::Lzip => {
+                // Every member, as `plzip` writes several; no memory limit, as libarchive's.
+                let stream = liblzma::stream::Stream::new_lzip_decoder(u64::MAX, liblzma::stream::CONCATENATED).map_err(std::io::Error::other)?;
+                Box::new(liblzma::bufread::XzDecoder::new_stream(buf, stream))
+            }
         })
     }
+}
+
+/// Whether `head` starts with a skippable frame (magic 0x184D2A50–0x184D2A5F, little
+/// endian), which the zstd and lz4 frame formats share.
+fn skippable_frame(head: &[u8]) -> bool {
+    head.len() >= 4 && head[0] & 0xf0 == 0x50 && head[1..4] == [0x2a, 0x4d, 0x18]
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ pub mod config;
 pub mod fd_budget;
 pub mod job_queue;
 pub mod narinfo_cache;
+pub mod netrc;
 pub mod store_url;
 pub mod substitute;
 pub mod substituters;

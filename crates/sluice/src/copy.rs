@@ -19,18 +19,14 @@ pub struct Args {
     #[arg(long)]
     from: Option<String>,
     /// The store to copy into (`local`, `local?root=DIR` or an absolute path, with the local
-    /// store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`, …).
+    /// store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`, …) [default:
+    /// the `store` setting, whose default is `$NIX_REMOTE` or `auto`].
     #[arg(long)]
-    to: String,
-    /// NAR downloads in flight at once (each streams through its own decoder and unpacker).
-    /// Every NAR costs at least one round trip, so a closure of N small NARs needs about
-    /// N / jobs round trips of downloading: the default, 256, is half of what four HTTP/2
-    /// connections carry at once (nginx: 128 streams each) and took the 1056-path corpus at
-    /// 50 ms from 1.60 s (64 jobs, ⌈1056/64⌉ = 17 round trips) to 1.31 s. Over HTTP/1.1,
-    /// `http-connections` bounds the requests instead. Decoding runs on at most 96 threads,
-    /// each decoder holding at most its dictionary (xz: 8 MiB).
-    #[arg(long, default_value_t = 256)]
-    jobs: usize,
+    to: Option<String>,
+    /// NAR downloads in flight at once, at least 1 (over HTTP/1.1, `http-connections` also
+    /// bounds the requests to each cache).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: u32,
     /// Print a JSON report on standard output.
     #[arg(long)]
     json: bool,
@@ -43,14 +39,15 @@ pub struct Args {
 
 /// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.to, &args.paths)?;
-    dest.ensure_writable("copy paths into it").map_err(|e| format!("{}: {e}", args.to))?;
+    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, args.to.as_deref(), &args.paths)?;
+    let to = args.to.clone().unwrap_or_else(|| settings.store.clone());
+    dest.ensure_writable("copy paths into it").map_err(|e| format!("{to}: {e}"))?;
     let urls = match &args.from {
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),
     };
     let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
-    let opts = SubstituteOptions { jobs: args.jobs, policy: SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys } };
+    let opts = SubstituteOptions { jobs: args.jobs as usize, policy: SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys } };
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();
@@ -91,7 +88,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         report.failed.len()
     );
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
-        eprintln!("error: {} is not valid in {}", store_dir.display_path(m), args.to);
+        eprintln!("error: {} is not valid in {}", store_dir.display_path(m), to);
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -21,9 +21,10 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice path-info`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The store to query: a local store or a binary cache URL.
-    #[arg(long, default_value = "local")]
-    store: String,
+    /// The store to query: a local store, a daemon or a binary cache URL [default: the
+    /// `store` setting, whose default is `$NIX_REMOTE` or `auto`].
+    #[arg(long)]
+    store: Option<String>,
     /// Include the closures of the paths.
     #[arg(short, long)]
     recursive: bool,
@@ -52,7 +53,11 @@ struct Entry {
 /// Runs `sluice path-info`.
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let store_dir = StoreDir::default();
-    let (entries, missing) = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+    let store_url = match &args.store {
+        Some(url) => url.clone(),
+        None => setup::default_store(&args.cache)?,
+    };
+    let (entries, missing) = match StoreUrl::parse(&store_url).map_err(|e| e.to_string())? {
         StoreUrl::Local(config) => {
             let store = LocalStore::open(&config).map_err(|e| e.to_string())?;
             let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
@@ -65,7 +70,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         }
         StoreUrl::BinaryCache(_) => {
             let roots = setup::parse_paths(&store_dir, &args.paths)?;
-            cache_entries(&args, &store_dir, roots)?
+            cache_entries(&args, &store_url, &store_dir, roots)?
         }
     };
     for m in &missing {
@@ -123,15 +128,15 @@ fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&
     Ok((entries, missing))
 }
 
-fn cache_entries(args: &Args, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
+fn cache_entries(args: &Args, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
     let mut flags = args.cache.clone();
     flags.no_check_sigs = true;
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
     rt.block_on(async {
-        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, closure::validity_in(None, None), &roots).await?;
+        let query = setup::closure_query(&[url.to_owned()], &settings, store_dir, closure::validity_in(None, None), &roots).await?;
         if query.substituters.is_empty() {
-            return Err(format!("cannot open binary cache {}", args.store));
+            return Err(format!("cannot open binary cache {url}"));
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = if args.recursive {
