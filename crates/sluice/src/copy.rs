@@ -15,7 +15,9 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice copy`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The binary cache to copy from (default: the configured substituters, by priority).
+    /// The binary cache to copy from [default: the `substituters`, by priority]. As with
+    /// `nix copy --from`, its paths need a trusted signature even with `?trusted=true`,
+    /// which applies to substituters only.
     #[arg(long)]
     from: Option<String>,
     /// The store to copy into (`local`, `local?root=DIR` or an absolute path, with the local
@@ -56,7 +58,13 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
         let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
-        let query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        let mut query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        // `trusted` makes a substituter's paths need no signature; the store `nix copy
+        // --from` copies from is not a substituter, and its paths are checked all the same
+        // (Nix 2.8/2.26 `copyPaths` with `checkSigs`): so is `--from`'s here.
+        if args.from.is_some() {
+            Arc::get_mut(&mut query.substituters).into_iter().flatten().for_each(|s| s.trusted = false);
+        }
         Ok::<_, String>(copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()).await)
     })?;
     progress.finish();
