@@ -57,30 +57,39 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         Some(url) => url.clone(),
         None => setup::default_store(&args.cache)?,
     };
-    let (entries, missing) = match StoreUrl::parse(&store_url).map_err(|e| e.to_string())? {
+    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    // `-S` needs the whole closure of each path even without `-r` (Nix's `computeFSClosure`).
+    let walk = args.recursive || args.closure_size;
+    let (mut entries, missing) = match StoreUrl::parse(&store_url).map_err(|e| e.to_string())? {
         StoreUrl::Local(config) => {
             let store = LocalStore::open(&config).map_err(|e| e.to_string())?;
-            let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
-            store_entries(roots, args.recursive, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
+            store_entries(roots.clone(), walk, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
         }
         StoreUrl::Daemon { socket, .. } => {
             let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
-            let roots = setup::parse_paths(&store_dir, &args.paths)?;
-            store_entries(roots, args.recursive, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
+            store_entries(roots.clone(), walk, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
         }
-        StoreUrl::BinaryCache(_) => {
-            let roots = setup::parse_paths(&store_dir, &args.paths)?;
-            cache_entries(&args, &store_url, &store_dir, roots)?
-        }
+        StoreUrl::BinaryCache(_) => cache_entries(&args.cache, walk, &store_url, &store_dir, roots.clone())?,
     };
+    let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
+    if !args.recursive {
+        entries.retain(|p, _| roots.contains(p));
+    }
+    if args.json {
+        // Nix 2.8 lists an invalid path as `{"path": …, "valid": false}`, in path order with
+        // the others, and exits with status 0 (`src/nix/path-info.cc`, `pathInfoToJSON`).
+        let mut json: BTreeMap<&StorePath, Value> = entries.iter().map(|(p, e)| (p, to_json(e, &store_dir, closure_sizes.get(p)))).collect();
+        for m in &missing {
+            json.insert(m, json!({"path": store_dir.display_path(m), "valid": false}));
+        }
+        // Nix 2.8 ends its JSON without a newline.
+        print!("{}", Value::Array(json.into_values().collect()));
+        return Ok(ExitCode::SUCCESS);
+    }
     for m in &missing {
         eprintln!("error: path '{}' is not valid", store_dir.display_path(m));
     }
-    let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
-    if args.json {
-        let array: Vec<Value> = entries.values().map(|e| to_json(e, &store_dir, closure_sizes.get(&e.info.path))).collect();
-        println!("{}", Value::Array(array));
-    } else {
+    {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
         for path in topo_sorted(&entries) {
             let e = &entries[path];
@@ -128,8 +137,8 @@ fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&
     Ok((entries, missing))
 }
 
-fn cache_entries(args: &Args, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
-    let mut flags = args.cache.clone();
+fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
+    let mut flags = flags.clone();
     flags.no_check_sigs = true;
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
@@ -139,7 +148,7 @@ fn cache_entries(args: &Args, url: &str, store_dir: &StoreDir, roots: Vec<StoreP
             return Err(format!("cannot open binary cache {url}"));
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let engine = if args.recursive {
+        let engine = if recursive {
             tokio::spawn(async move { query.run(roots, tx).await })
         } else {
             tokio::spawn(async move { lookup_each(&query, roots, tx).await })
