@@ -75,7 +75,7 @@ pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool,
 pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
     let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
     let policy = SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys };
-    let opts = SubstituteOptions { jobs: settings.http_connections.clamp(1, 16), policy };
+    let opts = SubstituteOptions { jobs: settings.max_substitution_jobs, policy };
     daemon.runtime.block_on(async {
         let query = closure_query(&daemon.store, settings, use_substitutes, Some(roots.clone())).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();

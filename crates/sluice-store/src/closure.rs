@@ -29,12 +29,14 @@ pub struct Substituter {
     /// Narinfo answers fetched while the cache was being opened (by hash part), taken by
     /// the first lookup of each path instead of a request.
     pub prefetched: std::sync::Mutex<HashMap<String, Result<Option<String>, CacheError>>>,
+    /// The URL's `?trusted=true`: its paths need no signature (Nix's `isTrusted`).
+    pub trusted: bool,
 }
 
 impl Substituter {
     /// A substituter with nothing prefetched.
     pub fn new(cache: BinaryCache, disk_id: Option<i64>) -> Self {
-        Substituter { cache, disk_id, prefetched: Default::default() }
+        Substituter { cache, disk_id, prefetched: Default::default(), trusted: false }
     }
 
     fn take_prefetched(&self, path: &StorePath) -> Option<Result<Option<String>, CacheError>> {

@@ -1,13 +1,16 @@
 //! NAR compression by the narinfo's `Compression` field (`xz`, `zstd`, `bzip2`, `br`,
-//! `gzip`, `none`; Nix `src/libutil/compression.cc`): decoders checked against the stream's
-//! magic bytes so that a cache whose field disagrees with its bytes gets a clear error instead
-//! of garbage, and encoders for writing a cache (`makeCompressionSink`).
+//! `gzip`, `lz4`, `lzip`, `none`; Nix `src/libutil/compression.cc` decodes all but `br` and
+//! `none` through libarchive's filters, which is how it reads `lz4` and `lzip` caches):
+//! decoders checked against the stream's magic bytes so that a cache whose field disagrees
+//! with its bytes gets a clear error instead of garbage (zstd and lz4 streams may begin with
+//! a skippable frame, as `pzstd` writes them, which their decoders skip), and encoders for
+//! writing a cache (`makeCompressionSink`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression { None, Xz, Zstd, Bzip2, Brotli, Gzip }
+pub enum Compression { None, Xz, Zstd, Bzip2, Brotli, Gzip, Lz4, Lzip }
 
 /// Errors choosing or starting a decompressor.
 #[derive(Debug, thiserror::Error)]
@@ -20,8 +23,10 @@ pub enum CompressionError {
     Io(#[from] std::io::Error),
 }
 
-const MAGICS: [(Compression, &[u8]); 5] = [
+const MAGICS: [(Compression, &[u8]); 7] = [
     (Compression::Xz, b"\xfd7zXZ\x00"),
+    (Compression::Lz4, b"\x04\x22\x4d\x18"),
+    (Compression::Lzip, b"LZIP"),
     (Compression::Zstd, b"\x28\xb5\x2f\xfd"),
     (Compression::Bzip2, b"BZh"),
     (Compression::Gzip, b"\x1f\x8b"),
@@ -38,6 +43,8 @@ impl Compression {
             "bzip2" => Compression::Bzip2,
             "br" => Compression::Brotli,
             "gzip" => Compression::Gzip,
+            "lz4" => Compression::Lz4,
+            "lzip" => Compression::Lzip,
             other => return Err(CompressionError::Unknown(other.to_string())),
         })
     }
@@ -51,6 +58,8 @@ impl Compression {
             Compression::Bzip2 => "bzip2",
             Compression::Brotli => "br",
             Compression::Gzip => "gzip",
+            Compression::Lz4 => "lz4",
+            Compression::Lzip => "lzip",
         }
     }
 
@@ -64,13 +73,15 @@ impl Compression {
             Compression::Zstd => ".zst",
             Compression::Bzip2 => ".bz2",
             Compression::Brotli => ".br",
+            Compression::Lz4 => ".lz4",
+            Compression::Lzip => ".lz",
         }
     }
 
     /// Wraps `out` in this method's encoder at `level` (`compression-level`; `None`: the
     /// library's default, as Nix's -1), on every core when `parallel` (`parallel-compression`:
     /// xz and zstd; the other methods have no multi-threaded encoder, as in Nix). The encoder
-    /// is finished by [`Encoder::finish`].
+    /// is finished by [`Encoder::finish`]. `lz4` and `lzip` are read only: an error.
     pub fn encoder<W: Write + Send + 'static>(self, out: W, level: Option<i32>, parallel: bool) -> std::io::Result<Encoder<W>> {
         let threads = match parallel {
             true => std::thread::available_parallelism().map_or(1, usize::from) as u32,
@@ -96,6 +107,9 @@ impl Compression {
             Compression::Bzip2 => Encoder::Bzip2(bzip2::write::BzEncoder::new(out, bzip2::Compression::new(level.map_or(9, |l| l.clamp(1, 9) as u32)))),
             Compression::Brotli => Encoder::Brotli(Box::new(brotli::CompressorWriter::new(out, 64 * 1024, level.map_or(11, |l| l.clamp(0, 11) as u32), 22))),
             Compression::Gzip => Encoder::Gzip(flate2::write::GzEncoder::new(out, flate2::Compression::new(level.map_or(6, |l| l.clamp(0, 9) as u32)))),
+            Compression::Lz4 | Compression::Lzip => {
+                return Err(std::io::Error::other(format!("sluice reads {} caches but does not write them (choose xz, zstd, bzip2, br, gzip or none)", self.name())))
+            }
         })
     }
 
@@ -114,6 +128,7 @@ impl Compression {
                 return Err(CompressionError::Mismatch { declared: declared.name(), actual: actual.name() })
             }
             (None, Compression::Brotli) => {}
+            (None, Compression::Zstd | Compression::Lz4) if skippable_frame(head) => {}
             (None, declared) if !head.is_empty() => {
                 return Err(CompressionError::Mismatch { declared: declared.name(), actual: "no known format" })
             }
@@ -126,6 +141,12 @@ impl Compression {
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),
             Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buf)),
+            Compression::Lz4 => Box::new(lz4_flex::frame::FrameDecoder::new(buf)),
+            Compression::Lzip => {
+                // Every member, as `plzip` writes several; no memory limit, as libarchive's.
+                let stream = liblzma::stream::Stream::new_lzip_decoder(u64::MAX, liblzma::stream::CONCATENATED).map_err(std::io::Error::other)?;
+                Box::new(liblzma::bufread::XzDecoder::new_stream(buf, stream))
+            }
         })
     }
 }
@@ -179,6 +200,12 @@ impl<W: Write> Write for Encoder<W> {
             Encoder::Gzip(e) => e.flush(),
         }
     }
+}
+
+/// Whether `head` starts with a skippable frame (magic 0x184D2A50–0x184D2A5F, little
+/// endian), which the zstd and lz4 frame formats share.
+fn skippable_frame(head: &[u8]) -> bool {
+    head.len() >= 4 && head[0] & 0xf0 == 0x50 && head[1..4] == [0x2a, 0x4d, 0x18]
 }
 
 #[cfg(test)]

@@ -1,15 +1,87 @@
 //! Settings from `nix.conf` and `NIX_CONFIG`, as Nix reads them (`src/libutil/config.cc`,
-//! `src/libstore/globals.cc`): `name = value` lines, `#` comments, `include`/`!include`,
-//! `extra-NAME` appending to a list setting. Files: `$NIX_CONF_DIR/nix.conf` (default
-//! `/etc/nix/nix.conf`), then `$XDG_CONFIG_HOME/nix/nix.conf` (or `~/.config/nix/nix.conf`),
-//! then the lines of `$NIX_CONFIG`; later ones win, and command-line flags win over all.
+//! `src/libstore/globals.cc` `loadConfFile`, `getUserConfigFiles`, and `getConfigDirs` in
+//! `src/libutil/util.cc`): `name = value` lines, `#` comments, `include`/`!include`,
+//! `extra-NAME` appending to a list setting, old names ([`ALIASES`]) standing for their
+//! settings. Files: `$NIX_CONF_DIR/nix.conf` (default `/etc/nix/nix.conf`), then the user
+//! files — the `:`-separated `$NIX_USER_CONF_FILES` if set, otherwise `nix/nix.conf` in
+//! `$XDG_CONFIG_HOME` (or `~/.config`) and in each of `$XDG_CONFIG_DIRS` (default
+//! `/etc/xdg`) — applied last to first, so that the first one wins; then the lines of
+//! `$NIX_CONFIG`. Later ones win, and command-line flags win over all. A name no Nix knows
+//! is kept aside and reported as Nix reports it ([`RawConfig::unknown_settings`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Raw settings: name → value, after `extra-` lists were merged.
+/// Every setting name Nix 2.8 or 2.26 knows (`nix show-config` / `nix config show` of each,
+/// plus the flake settings 2.26 hides while `flakes` is disabled), and sluice's own `lock-cpu`.
+/// A setting with any other name gets Nix's `warning: unknown setting 'NAME'`.
+pub const KNOWN_SETTINGS: &[&str] = &[
+    "abort-on-warn", "accept-flake-config", "access-tokens", "allow-dirty",
+    "allow-import-from-derivation", "allow-new-privileges", "allow-symlinked-store",
+    "allow-unsafe-native-code-during-evaluation", "allowed-impure-host-deps", "allowed-uris",
+    "allowed-users", "always-allow-substitutes", "auto-optimise-store", "bash-prompt",
+    "bash-prompt-prefix", "bash-prompt-suffix", "build-dir", "build-hook", "build-poll-interval",
+    "build-users-group", "builders", "builders-use-substitutes", "commit-lock-file-summary",
+    "commit-lockfile-summary", "compress-build-log", "connect-timeout", "cores",
+    "debugger-on-trace", "debugger-on-warn", "diff-hook", "download-attempts",
+    "download-buffer-size", "download-speed", "enforce-determinism", "eval-cache", "eval-system",
+    "experimental-features", "extra-platforms", "fallback", "filter-syscalls", "flake-registry",
+    "fsync-metadata", "fsync-store-paths", "gc-reserved-space", "hashed-mirrors",
+    "http-connections", "http2", "id-count", "ignore-try", "ignored-acls", "impersonate-linux-26",
+    "keep-build-log", "keep-derivations", "keep-env-derivations", "keep-failed", "keep-going",
+    "keep-outputs", "log-lines", "max-build-log-size", "max-call-depth", "max-free", "max-jobs",
+    "max-silent-time", "max-substitution-jobs", "min-free", "min-free-check-interval",
+    "nar-buffer-size", "narinfo-cache-negative-ttl", "narinfo-cache-positive-ttl", "netrc-file",
+    "nix-path", "nix-shell-always-looks-for-shell-nix",
+    "nix-shell-shebang-arguments-relative-to-script", "plugin-files", "post-build-hook",
+    "pre-build-hook", "preallocate-contents", "print-missing", "pure-eval", "repeat",
+    "require-drop-supplementary-groups", "require-sigs", "restrict-eval", "run-diff-hook",
+    "sandbox", "sandbox-build-dir", "sandbox-dev-shm-size", "sandbox-fallback", "sandbox-paths",
+    "secret-key-files", "show-trace", "ssl-cert-file", "stalled-download-timeout", "start-id",
+    "store", "substitute", "substituters", "sync-before-registering", "system", "system-features",
+    "tarball-ttl", "timeout", "trace-function-calls", "trace-verbose",
+    "trust-tarballs-from-git-forges", "trusted-public-keys", "trusted-substituters",
+    "trusted-users", "upgrade-nix-store-path-url", "use-case-hack", "use-cgroups", "use-registries",
+    "use-sqlite-wal", "use-xdg-base-directories", "user-agent-suffix", "warn-dirty",
+    "warn-large-path-threshold",
+    "lock-cpu",
+];
+
+/// Old names of settings that Nix still accepts (the alias lists of the `Setting`s in
+/// `src/libstore/globals.hh`; each checked against Nix 2.8 and 2.26): `(alias, setting)`.
+pub const ALIASES: &[(&str, &str)] = &[
+    ("binary-cache-public-keys", "trusted-public-keys"),
+    ("binary-caches", "substituters"),
+    ("binary-caches-parallel-connections", "http-connections"),
+    ("build-chroot-dirs", "sandbox-paths"),
+    ("build-compress-log", "compress-build-log"),
+    ("build-cores", "cores"),
+    ("build-fallback", "fallback"),
+    ("build-impersonate-linux-26", "impersonate-linux-26"),
+    ("build-keep-log", "keep-build-log"),
+    ("build-max-jobs", "max-jobs"),
+    ("build-max-log-size", "max-build-log-size"),
+    ("build-max-silent-time", "max-silent-time"),
+    ("build-repeat", "repeat"),
+    ("build-sandbox-paths", "sandbox-paths"),
+    ("build-timeout", "timeout"),
+    ("build-use-chroot", "sandbox"),
+    ("build-use-sandbox", "sandbox"),
+    ("build-use-substitutes", "substitute"),
+    ("env-keep-derivations", "keep-env-derivations"),
+    ("gc-keep-derivations", "keep-derivations"),
+    ("gc-keep-outputs", "keep-outputs"),
+    ("substitution-max-jobs", "max-substitution-jobs"),
+    ("trusted-binary-caches", "trusted-substituters"),
+];
+
+/// Raw settings: name → value, after aliases were resolved and `extra-` lists merged.
 #[derive(Debug, Clone, Default)]
-pub struct RawConfig { values: BTreeMap<String, String> }
+pub struct RawConfig {
+    values: BTreeMap<String, String>,
+    /// Names set that no Nix knows, as they were written (`extra-` included).
+    unknown: BTreeSet<String>,
+}
 
 /// Errors reading configuration.
 #[derive(Debug, thiserror::Error)]
@@ -22,17 +94,31 @@ pub enum ConfigError {
     BadValue { name: String, value: String, expected: &'static str },
 }
 
+/// `$NIX_CONF_DIR`, or `/etc/nix` (Nix's `settings.nixConfDir`).
+pub fn nix_conf_dir() -> PathBuf {
+    std::env::var_os("NIX_CONF_DIR").map_or_else(|| PathBuf::from("/etc/nix"), PathBuf::from)
+}
+
+/// The user configuration files, highest precedence first (Nix's `getUserConfigFiles`).
+pub fn user_config_files() -> Vec<PathBuf> {
+    if let Some(files) = std::env::var_os("NIX_USER_CONF_FILES") {
+        return std::env::split_paths(&files).filter(|p| !p.as_os_str().is_empty()).collect();
+    }
+    let home = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
+    let dirs = std::env::var_os("XDG_CONFIG_DIRS").unwrap_or_else(|| "/etc/xdg".into());
+    let dirs = std::env::split_paths(&dirs).filter(|p| !p.as_os_str().is_empty());
+    home.into_iter().chain(dirs).map(|d| d.join("nix/nix.conf")).collect()
+}
+
 impl RawConfig {
     /// Reads the files and `NIX_CONFIG` from the environment, as Nix does.
     pub fn from_environment() -> Result<Self, ConfigError> {
         let mut cfg = RawConfig::default();
-        let conf_dir = std::env::var_os("NIX_CONF_DIR").map(PathBuf::from).unwrap_or_else(|| "/etc/nix".into());
-        cfg.read_file(&conf_dir.join("nix.conf"), true)?;
-        let user_dir = std::env::var_os("XDG_CONFIG_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")));
-        if let Some(dir) = user_dir {
-            cfg.read_file(&dir.join("nix/nix.conf"), true)?;
+        cfg.read_file(&nix_conf_dir().join("nix.conf"), true)?;
+        for file in user_config_files().iter().rev() {
+            cfg.read_file(file, true)?;
         }
         if let Ok(text) = std::env::var("NIX_CONFIG") {
             cfg.apply_text(&text, "NIX_CONFIG", None)?;
@@ -70,9 +156,18 @@ impl RawConfig {
         Ok(())
     }
 
-    /// Sets one setting; `extra-NAME` appends to `NAME`.
+    /// Sets one setting; `extra-NAME` appends to `NAME`; an alias sets its setting. A name
+    /// no Nix knows is also recorded for [`Self::unknown_settings`].
     pub fn set(&mut self, name: &str, value: &str) {
-        match name.strip_prefix("extra-") {
+        let (extra, base) = match name.strip_prefix("extra-") {
+            Some(base) => (true, base),
+            None => (false, name),
+        };
+        let base = ALIASES.iter().find(|(alias, _)| *alias == base).map_or(base, |(_, setting)| setting);
+        if !KNOWN_SETTINGS.contains(&base) {
+            self.unknown.insert(name.to_string());
+        }
+        match extra.then_some(base) {
             Some(base) => {
                 let entry = self.values.entry(base.to_string()).or_default();
                 if !entry.is_empty() {
@@ -81,8 +176,21 @@ impl RawConfig {
                 entry.push_str(value);
             }
             None => {
-                self.values.insert(name.to_string(), value.to_string());
+                self.values.insert(base.to_string(), value.to_string());
             }
+        }
+    }
+
+    /// The names set that no Nix knows, sorted, as written: each deserves Nix's
+    /// `warning: unknown setting 'NAME'` (`AbstractConfig::warnUnknownSettings`).
+    pub fn unknown_settings(&self) -> impl Iterator<Item = &str> {
+        self.unknown.iter().map(String::as_str)
+    }
+
+    /// Prints Nix's warning for each of [`Self::unknown_settings`] on standard error.
+    pub fn warn_unknown_settings(&self) {
+        for name in self.unknown_settings() {
+            eprintln!("warning: unknown setting '{name}'");
         }
     }
 
@@ -100,8 +208,19 @@ pub struct Settings {
     /// Public keys `name:base64`, space-separated in nix.conf.
     pub trusted_public_keys: Vec<String>,
     pub require_sigs: bool,
-    /// Connections per cache for HTTP/1.1 (Nix: `http-connections`, default 25).
+    /// Connections per cache for HTTP/1.1 (Nix: `http-connections`, default 25); 0 means no
+    /// limit, as it does to curl's `CURLMOPT_MAX_TOTAL_CONNECTIONS` that Nix hands it to
+    /// (`src/libstore/filetransfer.cc`). See [`Settings::http_connection_limit`].
     pub http_connections: usize,
+    /// Substitutions the daemon runs at once (Nix 2.26: `max-substitution-jobs`, default 16;
+    /// values below 1 count as 1).
+    pub max_substitution_jobs: usize,
+    /// The netrc file with credentials for HTTP(S) caches (`netrc-file`, default
+    /// `$NIX_CONF_DIR/netrc`); a file that does not exist means no credentials.
+    pub netrc_file: PathBuf,
+    /// The default store URL (`store`; its default is `$NIX_REMOTE`, else `auto`: Nix's
+    /// `storeUri` in `src/libstore/globals.hh`).
+    pub store: String,
     /// Seconds to wait for a connection; 0 means no limit (Nix's default).
     pub connect_timeout: u64,
     /// Seconds without data before a download is abandoned (default 300).
@@ -130,6 +249,9 @@ impl Default for Settings {
             trusted_public_keys: vec!["cache.nixos.org-1:6NCHdD59X431o0gWypbMrAURkbJ16ZPMQFGspcDShjY=".into()],
             require_sigs: true,
             http_connections: 25,
+            max_substitution_jobs: 16,
+            netrc_file: nix_conf_dir().join("netrc"),
+            store: std::env::var("NIX_REMOTE").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "auto".into()),
             connect_timeout: 0,
             stalled_download_timeout: 300,
             download_attempts: 5,
@@ -177,9 +299,23 @@ impl Settings {
         if let Some(v) = raw.get("http-connections") {
             s.http_connections = parse_num("http-connections", v)? as usize;
         }
+        if let Some(v) = raw.get("max-substitution-jobs") {
+            s.max_substitution_jobs = (parse_num("max-substitution-jobs", v)? as usize).max(1);
+        }
+        if let Some(v) = raw.get("netrc-file") {
+            s.netrc_file = PathBuf::from(v);
+        }
+        if let Some(v) = raw.get("store") {
+            s.store = v.to_string();
+        }
         let env_cert = ["NIX_SSL_CERT_FILE", "SSL_CERT_FILE"].iter().find_map(std::env::var_os);
         s.ssl_cert_file = raw.get("ssl-cert-file").map(PathBuf::from).or(env_cert.map(PathBuf::from));
         Ok(s)
+    }
+
+    /// Connections per HTTP/1.1 cache, `None` for no limit (`http-connections = 0`).
+    pub fn http_connection_limit(&self) -> Option<usize> {
+        (self.http_connections > 0).then_some(self.http_connections)
     }
 }
 

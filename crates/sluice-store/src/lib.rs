@@ -14,6 +14,7 @@ pub mod config;
 pub mod fd_budget;
 pub mod job_queue;
 pub mod narinfo_cache;
+pub mod netrc;
 pub mod push;
 pub mod store;
 pub mod store_url;

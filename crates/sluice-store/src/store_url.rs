@@ -1,6 +1,10 @@
 //! Store URLs as Nix writes them (`src/libstore/store-reference.cc`, `store-api.cc`
 //! `openStore`, Nix 2.26): `local`, a bare absolute path (the same as `local?root=PATH`),
-//! `file:///dir`, `http://…`, `https://…`, `daemon` and `unix://PATH`, each followed by
+//! `file:///dir`, `http://…`, `https://…`, `daemon`, `unix://PATH` and `auto` (or the empty
+//! string: the local store if its state directory, `$NIX_STATE_DIR` or `/nix/var/nix`, is
+//! writable, else the daemon if its socket exists, else the local store; Nix's `getStoreType`
+//! in `store-api.cc`, without 2.8's fallback to a store under `~/.local/share/nix/root` when
+//! `/nix` does not exist), each followed by
 //! `?name=value&…` parameters (percent-decoded, as Nix's `decodeQuery` in `src/libutil/url.cc`).
 //!
 //! Every parameter Nix 2.26 accepts for a kind of store is accepted here for that kind, read as
@@ -259,6 +263,10 @@ impl StoreUrl {
     /// Parses a store URL and its parameters; see the module doc for what is accepted.
     pub fn parse(url: &str) -> Result<Self, StoreUrlError> {
         let (main, query) = url.split_once('?').unwrap_or((url, ""));
+        if main == "auto" || main.is_empty() {
+            let main = if auto_is_daemon() { "daemon" } else { "local" };
+            return StoreUrl::parse(&if query.is_empty() { main.to_owned() } else { format!("{main}?{query}") });
+        }
         let kind = if main == "daemon" || main.starts_with("unix://") {
             DAEMON
         } else if main == "local" || main.starts_with('/') {
@@ -306,6 +314,14 @@ impl StoreUrl {
             }
         }
     }
+}
+
+/// Whether `auto` means the daemon: the state directory is not writable and the daemon's
+/// socket exists.
+fn auto_is_daemon() -> bool {
+    let state = std::env::var_os("NIX_STATE_DIR").map_or_else(|| PathBuf::from("/nix/var/nix"), PathBuf::from);
+    let socket = std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from);
+    rustix::fs::access(&state, rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK).is_err() && socket.exists()
 }
 
 /// A URL's parameters, checked against [`PARAMS`] for its kind of store, taken one by one

@@ -1,6 +1,7 @@
 //! The substitution pipeline: for each path the closure engine finds, check that it may be
 //! trusted (the local store's [`SignaturePolicy::vouch`], so that an untrusted NAR is not
-//! even downloaded; the store checks it again, with its content, at commit), download its
+//! even downloaded; the store checks it again, with its content, at commit; both under the
+//! policy [`SignaturePolicy::for_source`] gives for its substituter), download its
 //! NAR at once (at most `jobs` at a time, before its references are valid), and stream it
 //! through decompression, hashing and unpacking into a temporary tree. Each path is then
 //! committed — NarHash/NarSize checked, renamed into place and registered — as soon as all its
@@ -141,6 +142,8 @@ struct Shared {
 /// A path whose tree is unpacked and whose references are valid, waiting for registration.
 struct Commit {
     pending: PendingPath,
+    /// Whether it came from a `?trusted=true` substituter.
+    trusted: bool,
     reply: oneshot::Sender<Result<(), LocalStoreError>>,
 }
 
@@ -148,8 +151,10 @@ struct Commit {
 const COMMIT_BATCH: usize = 512;
 
 /// Registers ready paths in batches: whatever has arrived while the previous batch was being
-/// committed goes into the next, with one `syncfs` and one transaction per batch. Every path
-/// in a batch has its references valid already, so the order within a batch is free.
+/// committed goes into the next, with one `syncfs` and one transaction per batch and policy
+/// (paths from trusted substituters are committed apart, under
+/// [`SignaturePolicy::for_source`]). Every path in a batch has its references valid already,
+/// so the order within a batch is free.
 async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc::UnboundedReceiver<Commit>) {
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
@@ -159,14 +164,20 @@ async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc:
                 Err(_) => break,
             }
         }
-        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|c| (c.pending, c.reply)).unzip();
-        let (dest, policy) = (dest.clone(), policy.clone());
-        let results = match tokio::task::spawn_blocking(move || dest.commit_all(items, &policy)).await {
-            Ok(results) => results,
-            Err(e) => return tracing::error!("the registrar failed: {e}"),
-        };
-        for (reply, result) in replies.into_iter().zip(results) {
-            let _ = reply.send(result);
+        let (from_trusted, others): (Vec<_>, Vec<_>) = batch.into_iter().partition(|c| c.trusted);
+        for (group, trusted) in [(from_trusted, true), (others, false)] {
+            if group.is_empty() {
+                continue;
+            }
+            let (items, replies): (Vec<_>, Vec<_>) = group.into_iter().map(|c| (c.pending, c.reply)).unzip();
+            let (dest, policy) = (dest.clone(), policy.for_source(trusted).into_owned());
+            let results = match tokio::task::spawn_blocking(move || dest.commit_all(items, &policy)).await {
+                Ok(results) => results,
+                Err(e) => return tracing::error!("the registrar failed: {e}"),
+            };
+            for (reply, result) in replies.into_iter().zip(results) {
+                let _ = reply.send(result);
+            }
         }
     }
 }
@@ -359,9 +370,9 @@ impl Shared {
     /// Substitutes `narinfo`'s path from substituter `i`, admitted eagerly or not (see
     /// [`Shared::admit`]).
     async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, eager: &mut bool) -> Result<(), Attempt> {
-        let cache = &self.subs[i].cache;
+        let (cache, trusted) = (&self.subs[i].cache, self.subs[i].trusted);
         let info = ValidPathInfo::from_narinfo(narinfo, 0);
-        self.opts.policy.vouch(store_dir, &info).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
+        self.opts.policy.for_source(trusted).vouch(store_dir, &info).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
         let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
@@ -370,7 +381,7 @@ impl Shared {
         self.wait_references(store_dir, narinfo, *eager).await?;
         let nar_size = unpacked.nar_size;
         let (reply, registered) = oneshot::channel();
-        self.registrar.send(Commit { pending, reply }).map_err(|_| Attempt::Final("the registrar stopped".into()))?;
+        self.registrar.send(Commit { pending, trusted, reply }).map_err(|_| Attempt::Final("the registrar stopped".into()))?;
         registered
             .await
             .map_err(|_| Attempt::Final("the registrar stopped".into()))?

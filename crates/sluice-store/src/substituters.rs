@@ -49,14 +49,17 @@ async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk
             let info = info?;
             let id = disk.and_then(|d| d.record_cache(&curl.base, &info).map_err(|e| tracing::warn!("{e}")).ok());
             cache.set_info(info);
-            let sub = Substituter::new(cache, id);
+            let mut sub = Substituter::new(cache, id);
+            sub.trusted = curl.common.trusted;
             sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
             sub.cache.check_store_dir(store_dir)?;
             return Ok(sub);
         }
     };
     cache.check_store_dir(store_dir)?;
-    Ok(Substituter::new(cache, disk_id))
+    let mut sub = Substituter::new(cache, disk_id);
+    sub.trusted = curl.common.trusted;
+    Ok(sub)
 }
 
 /// Opens `urls` as substituters for `store_dir`, sorted by priority. Returns the usable ones

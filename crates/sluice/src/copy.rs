@@ -20,26 +20,24 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice copy`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The store to copy from (default: the configured substituters, by priority): a binary
-    /// cache, or a local store when copying into a binary cache.
+    /// The store to copy from [default: the `substituters`, by priority]: a binary cache, or
+    /// a local (or any) store when copying into a binary cache. As with `nix copy --from`, a
+    /// cache's paths need a trusted signature even with `?trusted=true`, which applies to
+    /// substituters only.
     #[arg(long)]
     from: Option<String>,
     /// The store to copy into: a local store (`local`, `local?root=DIR` or an absolute path,
     /// with the local store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`,
     /// …) or a binary cache (`file://DIR`, `http(s)://…` by PUT, `s3://BUCKET?…`, with
     /// `compression`, `compression-level`, `parallel-compression`, `secret-key`,
-    /// `write-nar-listing`).
+    /// `write-nar-listing`) [default: the `store` setting, whose default is `$NIX_REMOTE` or
+    /// `auto`].
     #[arg(long)]
-    to: String,
-    /// NAR downloads in flight at once (each streams through its own decoder and unpacker).
-    /// Every NAR costs at least one round trip, so a closure of N small NARs needs about
-    /// N / jobs round trips of downloading: the default, 256, is half of what four HTTP/2
-    /// connections carry at once (nginx: 128 streams each) and took the 1056-path corpus at
-    /// 50 ms from 1.60 s (64 jobs, ⌈1056/64⌉ = 17 round trips) to 1.31 s. Over HTTP/1.1,
-    /// `http-connections` bounds the requests instead. Decoding runs on at most 96 threads,
-    /// each decoder holding at most its dictionary (xz: 8 MiB).
-    #[arg(long, default_value_t = 256)]
-    jobs: usize,
+    to: Option<String>,
+    /// NAR downloads in flight at once, at least 1 (over HTTP/1.1, `http-connections` also
+    /// bounds the requests to each cache).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: u32,
     /// Print a JSON report on standard output.
     #[arg(long)]
     json: bool,
@@ -54,7 +52,8 @@ pub struct Args {
 /// From binary caches into a local store, the substitution pipeline copies; any other pair of
 /// stores goes through the `Store` interface.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let into_local = matches!(StoreUrl::parse(&args.to), Ok(StoreUrl::Local(_)));
+    // Without --to, the `store` setting's local store.
+    let into_local = args.to.as_deref().is_none_or(|t| matches!(StoreUrl::parse(t), Ok(StoreUrl::Local(_))));
     let from_cache = args.from.as_deref().is_none_or(|f| matches!(StoreUrl::parse(f), Ok(StoreUrl::BinaryCache(_))));
     match into_local && from_cache {
         true => substitute(args),
@@ -64,13 +63,14 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 
 /// Copies between any two stores through the `Store` interface.
 fn push(args: Args) -> Result<ExitCode, String> {
-    let from = args.from.as_deref().ok_or_else(|| format!("{}: copying into a store that is not local needs --from", args.to))?;
+    let to = args.to.as_deref().unwrap_or_default();
+    let from = args.from.as_deref().ok_or_else(|| format!("{to}: copying into a store that is not local needs --from"))?;
     let settings = setup::settings(&args.cache)?;
     let started = Instant::now();
     let rt = setup::runtime()?;
     let (report, store_dir) = rt.block_on(async {
         let src = open_store(from, &settings).await.map_err(|e| e.to_string())?;
-        let dst = open_store(&args.to, &settings).await.map_err(|e| e.to_string())?;
+        let dst = open_store(to, &settings).await.map_err(|e| e.to_string())?;
         let roots = setup::parse_paths(src.store_dir(), &args.paths)?;
         let report = push::copy_closures(src.clone(), dst, &roots).await.map_err(|e| e.to_string())?;
         Ok::<_, String>((report, src.store_dir().clone()))
@@ -93,7 +93,7 @@ fn push(args: Args) -> Result<ExitCode, String> {
         "copied {} paths ({:.2} MiB of NAR) to {} in {:.2} s; {} already there, {} failed",
         report.copied.len(),
         report.nar_bytes as f64 / MIB,
-        args.to,
+        to,
         secs,
         report.already_valid,
         report.failed.len()
@@ -103,14 +103,15 @@ fn push(args: Args) -> Result<ExitCode, String> {
 
 /// Substitutes from binary caches into a local store (the pipeline).
 fn substitute(args: Args) -> Result<ExitCode, String> {
-    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.to, &args.paths)?;
-    dest.ensure_writable("copy paths into it").map_err(|e| format!("{}: {e}", args.to))?;
+    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, args.to.as_deref(), &args.paths)?;
+    let to = args.to.clone().unwrap_or_else(|| settings.store.clone());
+    dest.ensure_writable("copy paths into it").map_err(|e| format!("{to}: {e}"))?;
     let urls = match &args.from {
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),
     };
     let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
-    let opts = SubstituteOptions { jobs: args.jobs, policy: SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys } };
+    let opts = SubstituteOptions { jobs: args.jobs as usize, policy: SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys } };
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();
@@ -119,7 +120,13 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
         let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
-        let query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        let mut query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        // `trusted` makes a substituter's paths need no signature; the store `nix copy
+        // --from` copies from is not a substituter, and its paths are checked all the same
+        // (Nix 2.8/2.26 `copyPaths` with `checkSigs`): so is `--from`'s here.
+        if args.from.is_some() {
+            Arc::get_mut(&mut query.substituters).into_iter().flatten().for_each(|s| s.trusted = false);
+        }
         Ok::<_, String>(copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()).await)
     })?;
     progress.finish();
@@ -151,7 +158,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         report.failed.len()
     );
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
-        eprintln!("error: {} is not valid in {}", store_dir.display_path(m), args.to);
+        eprintln!("error: {} is not valid in {}", store_dir.display_path(m), to);
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use sluice_store::config::RawConfig;
 use sluice_store::store_url::StoreUrl;
 
 /// Arguments of `sluice daemon`.
@@ -32,7 +31,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         StoreUrl::Local(config) => config,
         StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => return Err(format!("{}: the daemon serves a local store, not a binary cache or another daemon", args.store)),
     };
-    let config = RawConfig::from_environment().map_err(|e| e.to_string())?;
+    let config = crate::setup::raw_config(&[])?;
     let options = sluice_daemon::DaemonOptions { follow_client_cpu: args.follow_client_cpu };
     let daemon = sluice_daemon::Daemon::open_with(&store, config, options).map_err(|e| e.to_string())?;
     let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };

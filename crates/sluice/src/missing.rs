@@ -13,9 +13,10 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice missing`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The store the paths would be fetched into (default: the local store).
-    #[arg(long, default_value = "local")]
-    store: String,
+    /// The local store the paths would be fetched into [default: the `store` setting, whose
+    /// default is `$NIX_REMOTE` or `auto`].
+    #[arg(long)]
+    store: Option<String>,
     /// Print `{"willSubstitute", "unknown", "downloadSize", "narSize"}` as JSON.
     #[arg(long)]
     json: bool,
@@ -28,7 +29,7 @@ pub struct Args {
 
 /// Runs `sluice missing`.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, &args.store, &args.paths)?;
+    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, args.store.as_deref(), &args.paths)?;
     let rt = setup::runtime()?;
     let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar) = (0u64, 0u64);

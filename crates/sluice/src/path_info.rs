@@ -21,9 +21,10 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice path-info`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The store to query: a local store or a binary cache URL.
-    #[arg(long, default_value = "local")]
-    store: String,
+    /// The store to query: a local store, a daemon or a binary cache URL [default: the
+    /// `store` setting, whose default is `$NIX_REMOTE` or `auto`].
+    #[arg(long)]
+    store: Option<String>,
     /// Include the closures of the paths.
     #[arg(short, long)]
     recursive: bool,
@@ -52,30 +53,43 @@ struct Entry {
 /// Runs `sluice path-info`.
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let store_dir = StoreDir::default();
-    let (entries, missing) = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
+    let store_url = match &args.store {
+        Some(url) => url.clone(),
+        None => setup::default_store(&args.cache)?,
+    };
+    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    // `-S` needs the whole closure of each path even without `-r` (Nix's `computeFSClosure`).
+    let walk = args.recursive || args.closure_size;
+    let (mut entries, missing) = match StoreUrl::parse(&store_url).map_err(|e| e.to_string())? {
         StoreUrl::Local(config) => {
             let store = LocalStore::open(&config).map_err(|e| e.to_string())?;
-            let roots = setup::parse_paths(store.store_dir(), &args.paths)?;
-            store_entries(roots, args.recursive, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
+            store_entries(roots.clone(), walk, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
         }
         StoreUrl::Daemon { socket, .. } => {
             let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
-            let roots = setup::parse_paths(&store_dir, &args.paths)?;
-            store_entries(roots, args.recursive, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
+            store_entries(roots.clone(), walk, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
         }
-        StoreUrl::BinaryCache(_) => {
-            let roots = setup::parse_paths(&store_dir, &args.paths)?;
-            cache_entries(&args, &store_dir, roots)?
-        }
+        StoreUrl::BinaryCache(_) => cache_entries(&args.cache, walk, &store_url, &store_dir, roots.clone())?,
     };
+    let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
+    if !args.recursive {
+        entries.retain(|p, _| roots.contains(p));
+    }
+    if args.json {
+        // Nix 2.8 lists an invalid path as `{"path": …, "valid": false}`, in path order with
+        // the others, and exits with status 0 (`src/nix/path-info.cc`, `pathInfoToJSON`).
+        let mut json: BTreeMap<&StorePath, Value> = entries.iter().map(|(p, e)| (p, to_json(e, &store_dir, closure_sizes.get(p)))).collect();
+        for m in &missing {
+            json.insert(m, json!({"path": store_dir.display_path(m), "valid": false}));
+        }
+        // Nix 2.8 ends its JSON without a newline.
+        print!("{}", Value::Array(json.into_values().collect()));
+        return Ok(ExitCode::SUCCESS);
+    }
     for m in &missing {
         eprintln!("error: path '{}' is not valid", store_dir.display_path(m));
     }
-    let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
-    if args.json {
-        let array: Vec<Value> = entries.values().map(|e| to_json(e, &store_dir, closure_sizes.get(&e.info.path))).collect();
-        println!("{}", Value::Array(array));
-    } else {
+    {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
         for path in topo_sorted(&entries) {
             let e = &entries[path];
@@ -123,18 +137,18 @@ fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&
     Ok((entries, missing))
 }
 
-fn cache_entries(args: &Args, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
-    let mut flags = args.cache.clone();
+fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
+    let mut flags = flags.clone();
     flags.no_check_sigs = true;
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
     rt.block_on(async {
-        let query = setup::closure_query(std::slice::from_ref(&args.store), &settings, store_dir, closure::validity_in(None, None), &roots).await?;
+        let query = setup::closure_query(&[url.to_owned()], &settings, store_dir, closure::validity_in(None, None), &roots).await?;
         if query.substituters.is_empty() {
-            return Err(format!("cannot open binary cache {}", args.store));
+            return Err(format!("cannot open binary cache {url}"));
         }
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let engine = if args.recursive {
+        let engine = if recursive {
             tokio::spawn(async move { query.run(roots, tx).await })
         } else {
             tokio::spawn(async move { lookup_each(&query, roots, tx).await })

@@ -22,7 +22,8 @@ pub struct CacheFlags {
     /// Accept paths without a trusted signature.
     #[arg(long)]
     pub no_check_sigs: bool,
-    /// Connections per cache (HTTP/1.1).
+    /// Connections per cache over HTTP/1.1; 0 means no limit (overrides `http-connections`,
+    /// default 25).
     #[arg(long)]
     pub http_connections: Option<usize>,
     /// Set a nix.conf option, as with Nix's `--option NAME VALUE`.
@@ -30,14 +31,29 @@ pub struct CacheFlags {
     pub option: Vec<String>,
 }
 
-/// Settings from nix.conf, `NIX_CONFIG` and the flags.
-pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
+/// The settings of nix.conf files and `NIX_CONFIG`, with `extra` (`--option` pairs) applied.
+/// The first call prints Nix's `warning: unknown setting 'NAME'` for each name no Nix knows.
+pub fn raw_config(extra: &[String]) -> Result<RawConfig, String> {
+    static WARNED: std::sync::Once = std::sync::Once::new();
     let mut raw = RawConfig::from_environment().map_err(|e| e.to_string())?;
-    for pair in flags.option.chunks(2) {
+    for pair in extra.chunks(2) {
         if let [name, value] = pair {
             raw.set(name, value);
         }
     }
+    WARNED.call_once(|| raw.warn_unknown_settings());
+    Ok(raw)
+}
+
+/// The store to use when none is named: the `store` setting, whose default is `$NIX_REMOTE`
+/// or `auto`, as in Nix.
+pub fn default_store(flags: &CacheFlags) -> Result<String, String> {
+    Ok(Settings::from_raw(&raw_config(&flags.option)?).map_err(|e| e.to_string())?.store)
+}
+
+/// Settings from nix.conf, `NIX_CONFIG` and the flags.
+pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
+    let mut raw = raw_config(&flags.option)?;
     if let Some(s) = &flags.substituters {
         raw.set("substituters", s);
     }
@@ -116,12 +132,13 @@ pub struct Destination {
     pub roots: Vec<StorePath>,
 }
 
-/// Reads the settings, opens the local store `url` and parses `paths`. The URL's
+/// Reads the settings, opens the local store `url` (default: [`default_store`]) and parses
+/// `paths`. The URL's
 /// `require-sigs` replaces the setting (Nix's `LocalStoreConfig::requireSigs` defaults to it),
 /// but `--no-check-sigs` still wins, as Nix's `checkSigs` does.
-pub fn destination(flags: &CacheFlags, url: &str, paths: &[String]) -> Result<Destination, String> {
-    let config = local_config(url)?;
+pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> Result<Destination, String> {
     let mut settings = settings(flags)?;
+    let config = local_config(url.unwrap_or(&settings.store))?;
     if let Some(require) = config.require_sigs {
         settings.require_sigs = require && !flags.no_check_sigs;
     }
@@ -141,7 +158,7 @@ pub const LOCK_CPU_DEFAULT: bool = false;
 /// The `lock-cpu` setting (nix.conf, `NIX_CONFIG`): `true` or `false`, else
 /// [`LOCK_CPU_DEFAULT`].
 pub fn lock_cpu() -> Result<bool, String> {
-    let config = RawConfig::from_environment().map_err(|e| e.to_string())?;
+    let config = raw_config(&[])?;
     match config.get("lock-cpu") {
         None => Ok(LOCK_CPU_DEFAULT),
         Some("true") => Ok(true),

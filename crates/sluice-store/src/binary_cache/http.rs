@@ -1,7 +1,8 @@
 //! `http://` and `https://` binary caches over one shared `reqwest` client (rustls; HTTP/2
 //! by ALPN, HTTP/1.1 keep-alive otherwise). Requests to one cache are bounded by
-//! `http-connections` while the server speaks HTTP/1.1, and by [`H2_STREAMS`] once it has
-//! answered over HTTP/2 (streams multiplexed on one connection). 404, 403 and 410 mean
+//! `http-connections` (0: no limit) while the server speaks HTTP/1.1, and by [`H2_STREAMS`]
+//! once it has answered over HTTP/2 (streams multiplexed on one connection). The cache's host
+//! entry in `netrc-file` is sent as basic authentication ([`crate::netrc`]). 404, 403 and 410 mean
 //! absence; 5xx, 408, 429, connection failures and stalls are retried with backoff
 //! (`download-attempts`); a body sent with `Content-Encoding: gzip` (by a proxy, unasked) is
 //! decoded. Writing (Nix's `HttpBinaryCacheStore::upsertFile`, `http-binary-cache-store.cc`):
@@ -40,7 +41,7 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
         .use_rustls_tls()
         .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
         .tcp_nodelay(true)
-        .pool_max_idle_per_host(settings.http_connections.max(1))
+        .pool_max_idle_per_host(settings.http_connection_limit().unwrap_or(usize::MAX))
         .no_proxy();
     if settings.connect_timeout > 0 {
         b = b.connect_timeout(Duration::from_secs(settings.connect_timeout));
@@ -67,6 +68,8 @@ pub struct HttpTransport {
     /// Permits `limit` started with (`http-connections`).
     connections: usize,
     h2: AtomicBool,
+    /// The cache's credentials from `netrc-file`.
+    credentials: Option<crate::netrc::Credentials>,
     stall: Duration,
     retry: RetryPolicy,
     signer: Option<Arc<dyn RequestSigner>>,
@@ -107,13 +110,19 @@ impl From<CacheError> for Failure {
 impl HttpTransport {
     /// A transport for cache `base` (no trailing slash).
     pub fn new(base: String, client: reqwest::Client, settings: &Settings) -> Self {
+        let base_dir = reqwest::Url::parse(&format!("{base}/")).ok();
+        // As curl, credentials in the URL win over the netrc file.
+        let host = base_dir.as_ref().filter(|u| u.username().is_empty()).and_then(|u| u.host_str());
+        let credentials = host.and_then(|h| crate::netrc::lookup_file(&settings.netrc_file, h).map_err(|e| tracing::warn!("{e}")).ok().flatten());
+        let connections = settings.http_connection_limit().unwrap_or(Semaphore::MAX_PERMITS);
         HttpTransport {
-            base_dir: reqwest::Url::parse(&format!("{base}/")).ok(),
+            base_dir,
             base,
             pool: ClientPool::new(client, settings),
-            limit: Arc::new(Semaphore::new(settings.http_connections.max(1))),
-            connections: settings.http_connections.max(1),
+            limit: Arc::new(Semaphore::new(connections)),
+            connections,
             h2: AtomicBool::new(false),
+            credentials,
             stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
             retry: RetryPolicy::new(settings.download_attempts),
             signer: None,
@@ -214,6 +223,9 @@ impl HttpTransport {
     async fn build(&self, client: &reqwest::Client, target: &reqwest::Url, spec: Request<'_>) -> Result<reqwest::Request, CacheError> {
         let url = target.as_str();
         let mut b = client.request(spec.method.clone(), target.clone());
+        if let Some(c) = &self.credentials {
+            b = b.basic_auth(&c.login, Some(&c.password));
+        }
         for (name, value) in spec.headers {
             b = b.header(*name, value);
         }

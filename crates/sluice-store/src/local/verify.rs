@@ -13,7 +13,8 @@
 //!   content, not a permission;
 //! - it is vouched for ([`SignaturePolicy`]): a signature by a trusted key over its
 //!   fingerprint, or a content address (checked as above), or the caller may add unsigned
-//!   paths (`require-sigs = false`, or a trusted client that asked not to check);
+//!   paths (`require-sigs = false`, a trusted client that asked not to check, or a
+//!   substituter marked `?trusted=true`: [`SignaturePolicy::for_source`]);
 //! - its references other than itself are valid (checked by the caller, in the same step).
 
 use sluice_nix::content_address::ContentAddress;
@@ -59,6 +60,17 @@ impl SignaturePolicy {
     /// A policy that requires no signature (a trusted client's `dontCheckSigs`).
     pub fn unchecked() -> Self {
         SignaturePolicy { require_sigs: false, trusted_keys: TrustedKeys::default() }
+    }
+
+    /// The policy for a path from a source that is trusted or not: no signature is required
+    /// from a trusted one (Nix's `sub->isTrusted ? NoCheckSigs : CheckSigs` in
+    /// `src/libstore/build/substitution-goal.cc`, `isTrusted` being the substituter URL's
+    /// `trusted` parameter). Content addresses are still checked by [`verify`].
+    pub fn for_source(&self, trusted: bool) -> std::borrow::Cow<'_, SignaturePolicy> {
+        match trusted {
+            true => std::borrow::Cow::Owned(SignaturePolicy::unchecked()),
+            false => std::borrow::Cow::Borrowed(self),
+        }
     }
 
     /// Whether `info` may be added as far as its claims go: [`Vouched`], or
