@@ -1418,3 +1418,56 @@ fn forged_ca_add_to_store_nar_and_add_multiple_are_refused() {
     }
     assert!(failures.is_empty(), "forged content addresses not refused as Nix refuses them:\n{}", failures.join("\n"));
 }
+
+/// `sluice copy` of each forgery from a cache into a local store is refused too, as Nix's
+/// message says, with nothing at the path: unsigned under `--no-check-sigs`, and signed by a
+/// trusted key (a signature vouches for who made the path, the content address is checked
+/// whoever vouches).
+#[test]
+fn forged_ca_sluice_copy_is_refused_even_signed() {
+    use sluice_nix::path_info::ValidPathInfo;
+    use sluice_nix::signature::SecretKey;
+    let key = SecretKey::from_seed("forger-1", &[9; 32]);
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    for f in forgeries(&dep) {
+        for signed in [false, true] {
+            let env = Env::new();
+            let cache_dir = env.path("forged-cache");
+            write_cache(&cache_dir, &[(&dep, &dep_nar, &[], &dep_ca), (&f.path, &f.nar, &f.references, &f.ca)]);
+            let narinfo_file = cache_dir.join(format!("{}.narinfo", f.path.hash_part()));
+            if signed {
+                let info = ValidPathInfo {
+                    path: f.path.clone(),
+                    nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &f.nar),
+                    nar_size: f.nar.len() as u64,
+                    references: f.references.iter().cloned().collect(),
+                    deriver: None,
+                    registration_time: 0,
+                    ultimate: false,
+                    sigs: Default::default(),
+                    ca: Some(f.ca.clone()),
+                };
+                let text = std::fs::read_to_string(&narinfo_file).unwrap();
+                std::fs::write(&narinfo_file, format!("{text}Sig: {}\n", key.sign(&info.fingerprint(&StoreDir::default())))).unwrap();
+            }
+            let root = env.path("root");
+            let shown = format!("/nix/store/{}", f.path.base_name());
+            let from = format!("file://{}", cache_dir.display());
+            let public = key.to_public().to_string();
+            let mut args = vec!["copy", "--from", &from, "--to", root.to_str().unwrap(), "--trusted-public-keys", &public, &shown];
+            if !signed {
+                args.insert(1, "--no-check-sigs");
+            }
+            let out = env.cmd(sluice()).args(&args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            let what = format!("{} ({}), signed: {signed}", f.ca, shown);
+            assert_eq!(out.status.code(), Some(1), "{what}: {err}");
+            for part in [format!("ca hash mismatch importing path '{shown}'"), format!("specified: {}", f.specified), format!("got:       {}", f.got)] {
+                assert!(err.contains(&part), "{what}: the error lacks {part:?}: {err}");
+            }
+            assert!(std::fs::symlink_metadata(root.join("nix/store").join(f.path.base_name())).is_err(), "{what}: something at the path");
+            let valid = env.cmd("nix-store").args(["--store", root.to_str().unwrap(), "--check-validity", &shown]).output().unwrap();
+            assert!(!valid.status.success(), "{what}: the path is valid");
+        }
+    }
+}
