@@ -2,11 +2,13 @@
 //! substitution pipeline), or from any store to any store through the `Store` interface
 //! (`sluice_store::push`): a local store into a binary cache, one cache into another.
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use sluice_nix::signature::TrustedKeys;
+use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure;
 use sluice_store::local::SignaturePolicy;
 use sluice_store::push;
@@ -80,14 +82,7 @@ fn push(args: Args) -> Result<ExitCode, String> {
         eprintln!("error: {}: {reason}", store_dir.display_path(path));
     }
     if args.json {
-        let json = serde_json::json!({
-            "copied": report.copied.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
-            "alreadyValid": report.already_valid,
-            "failed": report.failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<std::collections::BTreeMap<_, _>>(),
-            "narSize": report.nar_bytes,
-            "seconds": secs,
-        });
-        println!("{json}");
+        println!("{}", json_report(&store_dir, ("copied", &report.copied), report.already_valid, &report.failed, &[("narSize", report.nar_bytes)], secs));
     }
     eprintln!(
         "copied {} paths ({:.2} MiB of NAR) to {} in {:.2} s; {} already there, {} failed",
@@ -138,15 +133,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // Roots that failed have their reason printed already; others are named here.
     let missing: Vec<_> = roots.iter().filter(|r| !valid.contains(*r)).collect();
     if args.json {
-        let json = serde_json::json!({
-            "substituted": report.substituted.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
-            "alreadyValid": report.already_valid,
-            "failed": report.failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<std::collections::BTreeMap<_, _>>(),
-            "downloadSize": report.downloaded,
-            "narSize": report.unpacked,
-            "seconds": secs,
-        });
-        println!("{json}");
+        let sizes = [("downloadSize", report.downloaded), ("narSize", report.unpacked)];
+        println!("{}", json_report(&store_dir, ("substituted", &report.substituted), report.already_valid, &report.failed, &sizes, secs));
     }
     eprintln!(
         "copied {} paths ({:.2} MiB downloaded, {:.2} MiB unpacked) in {:.2} s; {} already valid, {} failed",
@@ -161,4 +149,26 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         eprintln!("error: {} is not valid in {}", store_dir.display_path(m), to);
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The `--json` report of a copy: the paths it added (under `done.0`), how many were there
+/// already, the failures with their reasons, byte counts by name, and the seconds it took.
+fn json_report(
+    store_dir: &StoreDir,
+    done: (&str, &[StorePath]),
+    already_valid: usize,
+    failed: &BTreeMap<StorePath, String>,
+    sizes: &[(&str, u64)],
+    secs: f64,
+) -> serde_json::Value {
+    let mut json = serde_json::json!({
+        done.0: done.1.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
+        "alreadyValid": already_valid,
+        "failed": failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<BTreeMap<_, _>>(),
+        "seconds": secs,
+    });
+    for (name, bytes) in sizes {
+        json[*name] = serde_json::json!(bytes);
+    }
+    json
 }
