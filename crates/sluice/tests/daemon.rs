@@ -1418,3 +1418,33 @@ fn forged_ca_add_to_store_nar_and_add_multiple_are_refused() {
     }
     assert!(failures.is_empty(), "forged content addresses not refused as Nix refuses them:\n{}", failures.join("\n"));
 }
+
+/// A `.drv` whose output paths are not the ones its contents imply, added by an untrusted
+/// client (Nix 2.8 `nix-store --add` as nobody: AddToStore). Nix's `registerValidPaths`
+/// calls `checkDerivationOutputs` for every derivation it registers and refuses it ("has
+/// incorrect output '…', should be '…'"): otherwise anyone could register a derivation
+/// claiming another package's output path (here glibc's), and the first build of it by Nix
+/// sharing the store would put the attacker's bytes at that path. The daemon must refuse it
+/// too, and must not register the lying output in `DerivationOutputs`.
+#[test]
+#[ignore = "defect: derivation outputs are registered without Nix's checkDerivationOutputs (hashDerivationModulo)"]
+fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
+    let env = Env::new();
+    open_to_nobody(&env);
+    let daemon = env.daemon("root", &env.cache(), "");
+    let victim = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.35-163";
+    let drv = format!(
+        "Derive([(\"out\",\"{victim}\",\"\",\"\")],[],[],\"x86_64-linux\",\"/bin/sh\",[\"-c\",\"echo evil > $out\"],\
+         [(\"builder\",\"/bin/sh\"),(\"name\",\"glibc-2.35-163\"),(\"out\",\"{victim}\"),(\"system\",\"x86_64-linux\")])"
+    );
+    let file = env.path("evil.drv");
+    std::fs::write(&file, &drv).unwrap();
+    // The reference: Nix 2.8's own store refuses it.
+    let direct = format!("local?root={}", env.path("direct").display());
+    let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", &direct, "--add", file.to_str().unwrap()]);
+    assert!(!ok && err.contains(&format!("has incorrect output '{victim}'")), "Nix's own store: {err}");
+    let (ok, out, err) = as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]);
+    let (_, outputs, _) = as_root(&env, false, "nix-store", &["--store", &daemon.url, "-q", "--valid-derivers", victim]);
+    assert!(!ok, "a derivation claiming {victim} was added: {out}; valid derivers of {victim}: {outputs}");
+    assert!(err.contains("incorrect output"), "{err}");
+}
