@@ -1485,3 +1485,39 @@ fn substituted_derivation_whose_outputs_lie_is_refused() {
     assert!(result.unwrap_err().contains("incorrect output"));
     assert_eq!(is_valid(&mut client, shown.as_bytes()), 0, "{shown} is valid");
 }
+
+/// A path named like the store's directory of temporary trees
+/// (`00000000000000000000000000000000-sluice-unpacking`), added by a client that may skip
+/// signatures (root, trusted, `dontCheckSigs`; a cache signed by a trusted key could serve it
+/// too): the addition first removed "the unregistered tree at the path's location", which is
+/// that directory with every concurrent addition's tree in it (their additions then failed).
+/// It must be refused, and another adder's tree (its lock held) left alone.
+#[test]
+fn a_path_named_like_the_temporary_directory_is_refused() {
+    use std::io::Write;
+    let env = Env::new();
+    let daemon = env.daemon("root", &env.cache(), "");
+    let store = env.path("root/nix/store");
+    let temp = store.join("00000000000000000000000000000000-sluice-unpacking");
+    let inflight = "0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a-inflight";
+    std::fs::create_dir_all(temp.join(inflight)).unwrap();
+    let lock = std::fs::File::create(store.join(format!("{inflight}.lock"))).unwrap();
+    // SAFETY: flock on an open file descriptor.
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
+    let (mut client, trusted) = raw_client(&env, 37);
+    assert_eq!(trusted, Some(1));
+    let nar = regular_file_nar(b"x", false);
+    let shown = "/nix/store/00000000000000000000000000000000-sluice-unpacking";
+    let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, &nar).to_base16();
+    let args: Vec<Result<u64, &[u8]>> =
+        vec![Err(shown.as_bytes()), Err(b""), Err(nar_hash.as_bytes()), Ok(0), Ok(0), Ok(nar.len() as u64), Ok(0), Ok(0), Err(b"")];
+    let mut req = request(39, &args);
+    req.extend(u64s(&[0, 1]));
+    req.extend(framed(&nar));
+    client.write_all(&req).unwrap();
+    let result = until_last(&mut client);
+    assert!(temp.join(inflight).is_dir(), "another addition's temporary tree was removed ({result:?})");
+    assert!(result.is_err(), "a path named like the temporary directory was added");
+    assert_eq!(is_valid(&mut client, shown.as_bytes()), 0);
+    drop(daemon);
+}
