@@ -335,6 +335,10 @@ impl LocalStore {
         if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
+        // Its "unregistered tree" would be the directory of every addition's temporary tree.
+        if info.path == self.temp_dir_path() {
+            return Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&info.path), what: "this name is reserved for the store's temporary trees" });
+        }
         if tree::remove_tree(self.store_fd.as_fd(), info.path.base_name().as_bytes()).map_err(io_err("removing", &real_path))? {
             tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
         }
