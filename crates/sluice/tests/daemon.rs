@@ -314,6 +314,88 @@ fn garbage_collection_matches_nix() {
     common::assert_nix_verifies(env.dir.path(), &stores[0].1);
 }
 
+/// The entries of `<root>/nix/store/.links` with their link counts.
+fn links(root: &Path) -> std::collections::BTreeMap<String, u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(root.join("nix/store/.links"))
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().into_string().unwrap(), e.path().symlink_metadata().unwrap().nlink())
+        })
+        .collect()
+}
+
+/// Two source trees with files in common: the same text twice, once more executable (which
+/// Nix does not link to the others: the NAR of a file carries its executable bit), and the
+/// same symlink twice.
+fn duplicated_trees(env: &Env, names: &[&str]) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    names
+        .iter()
+        .map(|name| {
+            let dir = env.path(name);
+            std::fs::create_dir_all(dir.join("sub")).unwrap();
+            std::fs::write(dir.join("README"), "the same words in every tree\n").unwrap();
+            std::fs::write(dir.join("sub/README"), "the same words in every tree\n").unwrap();
+            std::fs::write(dir.join("run"), "the same words in every tree\n").unwrap();
+            std::fs::set_permissions(dir.join("run"), std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::write(dir.join("own"), format!("only in {name}\n")).unwrap();
+            std::os::unix::fs::symlink("README", dir.join("sub/link")).unwrap();
+            dir.to_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// `nix-store --optimise` through `sluice daemon` (OptimiseStore) and through Nix 2.8 in
+/// direct mode on a store filled alike (a corpus closure, two trees with files in common):
+/// the same closing line (MiB freed, files linked), the same `.links` names with the same
+/// link counts, and a second run finds nothing to do. Then `auto-optimise-store = true` (the
+/// daemon's setting; Nix direct mode's option) deduplicates new paths as they are added:
+/// again the same `.links`. Nix then verifies the daemon's store.
+#[test]
+fn optimise_store_matches_nix() {
+    let env = Env::new();
+    let cache = env.cache();
+    let cache_dir = env.path("bin-cache");
+    let mut daemon = env.daemon("root", &cache, "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let key = cache_key();
+    let glibc = store_path_of(&cache_dir, "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let trees = duplicated_trees(&env, &["tree-a", "tree-b"]);
+    let run = |url: &str, args: &[&str]| {
+        let out = env.cmd("nix-store").args(["--store", url]).args(args).output().unwrap();
+        assert!(out.status.success(), "nix-store {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stderr).unwrap()
+    };
+    for url in [daemon.url.as_str(), direct.as_str()] {
+        env.nix("nix", &["copy", "--from", &cache, "--to", url, &glibc, "--option", "trusted-public-keys", &key]);
+        for tree in &trees {
+            run(url, &["--add", tree]);
+        }
+    }
+    let (root, direct_root) = (env.path("root"), env.path("direct"));
+    assert!(links(&root).is_empty() && links(&direct_root).is_empty());
+    let freed = |err: &str| err.lines().filter(|l| l.contains("freed by hard-linking")).map(str::to_owned).collect::<Vec<_>>();
+    let via = freed(&run(&daemon.url, &["--optimise"]));
+    let nix = freed(&run(&direct, &["--optimise"]));
+    assert_eq!(via, nix, "closing line");
+    assert!(!via[0].starts_with("0.00 MiB freed by hard-linking 0 files"), "{via:?}");
+    assert_eq!(links(&root), links(&direct_root), ".links after nix-store --optimise");
+    assert!(links(&root).values().any(|&n| n > 2), "{:?}", links(&root));
+    assert_eq!(freed(&run(&daemon.url, &["--optimise"])), ["0.00 MiB freed by hard-linking 0 files"]);
+    assert_eq!(links(&root), links(&direct_root), ".links after a second run");
+
+    drop(daemon);
+    std::fs::remove_file(env.path("socket")).unwrap();
+    daemon = env.daemon("root", &cache, "auto-optimise-store = true");
+    let later = duplicated_trees(&env, &["tree-c"]);
+    run(&daemon.url, &["--add", &later[0]]);
+    run(&direct, &["--add", &later[0], "--option", "auto-optimise-store", "true"]);
+    assert_eq!(links(&root), links(&direct_root), ".links after adding with auto-optimise-store");
+    common::assert_nix_verifies(env.dir.path(), &root);
+}
+
 #[test]
 fn daemon_substitutes_a_closure_larger_than_its_open_file_limit() {
     let env = Env::new();

@@ -1,9 +1,10 @@
-//! Store maintenance: CollectGarbage, VerifyStore, NarFromPath, AddSignatures, and
-//! OptimiseStore, which sluice does not offer (it fails clearly).
+//! Store maintenance: CollectGarbage, OptimiseStore, VerifyStore, NarFromPath and
+//! AddSignatures.
 
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool, write_bytes, write_u64};
-use sluice_store::local::{GcAction, GcOptions};
+use sluice_nix::wire::ActivityField;
+use sluice_store::local::{GcAction, GcOptions, OptimiseEvent};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
@@ -112,7 +113,41 @@ pub(super) fn collect_garbage(c: &mut Conn) -> OpResult {
     })
 }
 
-/// OptimiseStore: always fails (sluice does not deduplicate files).
-pub(super) fn optimise_store(_: &mut Conn) -> OpResult {
-    Err(Fail::Op("optimising the store is not supported by the sluice daemon".into()))
+/// Nix's `ActivityType::actOptimiseStore` and `ResultType::resProgress`.
+const ACT_OPTIMISE_STORE: u64 = 106;
+const RES_PROGRESS: u64 = 105;
+
+/// OptimiseStore: → 1 (Nix `daemon.cc`, `wopOptimiseStore`, and `LocalStore::optimiseStore`
+/// in `optimise-store.cc`): every valid path's files deduplicated by hard links under
+/// `.links`, with an `actOptimiseStore` activity reporting the paths done, Nix's warnings,
+/// and its closing line `<MiB> MiB freed by hard-linking <n> files` (Nix 2.8's `showBytes`).
+/// Any client may optimise, as with Nix.
+pub(super) fn optimise_store(c: &mut Conn) -> OpResult {
+    let stderr = c.stderr();
+    let activity = c.daemon.activity_id();
+    stderr.start_activity(&mut c.w, activity, 0, ACT_OPTIMISE_STORE, "", &[], 0)?;
+    let store = std::sync::Arc::clone(c.store());
+    let roots = c.temp_roots.clone();
+    let mut write_err = None;
+    let w = &mut c.w;
+    let stats = store.optimise_store(&roots, &mut |event| {
+        let sent = match event {
+            OptimiseEvent::Progress { done, expected } => {
+                let fields = [done, expected, 0, 0].map(ActivityField::Int);
+                stderr.result(w, activity, RES_PROGRESS, &fields)
+            }
+            OptimiseEvent::Warning(msg) => stderr.next(w, &format!("warning: {msg}\n")),
+            OptimiseEvent::Info(msg) => stderr.next(w, &format!("{msg}\n")),
+        };
+        if let Err(e) = sent {
+            write_err.get_or_insert(e);
+        }
+    });
+    if let Some(e) = write_err {
+        return Err(Fail::Output(e));
+    }
+    stderr.stop_activity(&mut c.w, activity)?;
+    let stats = stats.map_err(op_err)?;
+    c.log(&format!("{:.2} MiB freed by hard-linking {} files", stats.bytes_freed as f64 / (1024.0 * 1024.0), stats.files_linked))?;
+    c.reply(|w, _| write_u64(w, 1))
 }

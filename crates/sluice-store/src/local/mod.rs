@@ -27,6 +27,7 @@ mod fs_nar;
 mod gc;
 mod layout;
 mod lock;
+mod optimise;
 mod queries;
 mod registry;
 mod schema;
@@ -38,6 +39,7 @@ mod verify;
 pub use as_store::LocalStoreHandle;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
+pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, Vouched};
 
@@ -145,6 +147,9 @@ pub struct LocalStore {
     /// [`TEMP_DIR`], opened at the first addition; opened again if a collector deleted it
     /// while nobody rooted it (see [`LocalStore::open_temp_dir`]).
     temp_dir: std::sync::Mutex<Option<Arc<OwnedFd>>>,
+    /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
+    /// moved into place ([`LocalStore::set_auto_optimise`]).
+    auto_optimise: std::sync::atomic::AtomicBool,
 }
 
 /// What unpacking a NAR produced: the NAR's own hash (sha256) and size, and the hash its
@@ -205,7 +210,14 @@ impl LocalStore {
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default() })
+        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default() })
+    }
+
+    /// Sets `auto-optimise-store` (Nix's default: false): from now on, the files of every path
+    /// added are replaced by hard links to identical files under `.links` before the path
+    /// is moved into place, as Nix's `addToStore` calls `optimisePath` before registering.
+    pub fn set_auto_optimise(&self, on: bool) {
+        self.auto_optimise.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Fails with [`LocalStoreError::ReadOnly`] if the store was opened read-only: every
@@ -511,7 +523,7 @@ impl PendingPath {
     }
 
     /// Verifies the unpacked tree against the info (see [`verify`](self::verify)), checks
-    /// that every reference is valid or in `batch`, and renames the tree to its final path.
+    /// that every reference is valid or in `batch`, deduplicates it with `auto-optimise-store`, and renames it to its final path.
     /// Returns the derivation outputs to register.
     fn place(&self, policy: &SignaturePolicy, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
@@ -527,6 +539,14 @@ impl PendingPath {
         }
         let outputs = self.derivation_outputs()?;
         let name = info.path.base_name();
+        if self.store.auto_optimise.load(std::sync::atomic::Ordering::Relaxed) {
+            let shown = self.store.real_path(&info.path);
+            self.store.optimise_tree(self.temp_dir.as_fd(), name.as_bytes(), &shown, &mut |event| match event {
+                OptimiseEvent::Warning(msg) => tracing::warn!("{msg}"),
+                OptimiseEvent::Info(msg) => tracing::info!("{msg}"),
+                OptimiseEvent::Progress { .. } => {}
+            })?;
+        }
         renameat(self.temp_dir.as_fd(), name, self.store.store_fd.as_fd(), name)
             .map_err(|e| io_err("renaming into place", &self.store.real_path(&info.path))(e.into()))?;
         Ok(outputs)
