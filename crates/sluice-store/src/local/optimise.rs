@@ -80,8 +80,10 @@ impl LocalStore {
     /// before it is moved into place; `shown` names it in messages) against `.links`, as
     /// `auto-optimise-store` makes Nix do for every path it adds (Nix's `optimisePath`, with
     /// no inodes known beforehand). `parent`'s own mode is left alone.
-    pub(super) fn optimise_tree(&self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, observe: &mut dyn FnMut(OptimiseEvent<'_>)) -> Result<OptimiseStats, LocalStoreError> {
-        let mut optimiser = Optimiser::new(self, HashSet::new(), false, observe)?;
+    /// `repair`: the tree replaces a damaged one, so a `.links` entry is hashed before it is
+    /// linked to (it may be damaged too).
+    pub(super) fn optimise_tree(&self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, repair: bool, observe: &mut dyn FnMut(OptimiseEvent<'_>)) -> Result<OptimiseStats, LocalStoreError> {
+        let mut optimiser = Optimiser::new(self, HashSet::new(), repair, observe)?;
         optimiser.optimise_path(parent, name, shown, false)?;
         Ok(optimiser.stats)
     }
@@ -230,7 +232,7 @@ impl<'s, 'o> Optimiser<'s, 'o> {
 
 /// The sha256 of the NAR serialisation of the node `name` in `parent` (Nix's
 /// `hashPath(htSHA256, path)`).
-fn nar_hash(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<Hash> {
+pub(super) fn nar_hash(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<Hash> {
     let mut hasher = Hasher::new(HashAlgo::Sha256);
     dump::dump(parent, name, &mut NarWriter::new(&mut hasher)?)?;
     Ok(hasher.finish())
