@@ -396,6 +396,60 @@ fn optimise_store_matches_nix() {
     common::assert_nix_verifies(env.dir.path(), &root);
 }
 
+/// `nix-store --verify --check-contents --repair` as root through `sluice daemon` and through
+/// Nix 2.8 in direct mode, on two stores filled alike from the corpus cache in which the same
+/// file of a path was overwritten and a path nothing refers to was deleted: the same
+/// messages (the modified path named with both hashes, the vanished one unregistered), both
+/// succeed, the file is whole again (substituted from the cache through the verification
+/// boundary) and Nix then finds nothing wrong in the daemon's store.
+#[test]
+fn verify_repair_matches_nix() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let cache = env.cache();
+    let cache_dir = env.path("bin-cache");
+    let daemon = env.daemon("root", &cache, "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let key = cache_key();
+    let glibc = store_path_of(&cache_dir, "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let data = store_path_of(&cache_dir, "2363xkmjdz47l55sjw25vx7081mz5qj0");
+    let subs = ["--option", "substituters", &cache, "--option", "trusted-public-keys", &key];
+    let stores = [(daemon.url.clone(), env.path("root")), (direct.clone(), env.path("direct"))];
+    let mut damaged_file = None;
+    for (url, root) in &stores {
+        env.nix("nix", &[&["copy", "--from", &cache, "--to", url, &glibc, &data][..], &subs[3..]].concat());
+        let tree = root.join(glibc.trim_start_matches('/'));
+        let file = walk(&tree).into_iter().find(|p| p.extension().is_some_and(|e| e == "so")).expect("a shared library in glibc");
+        let chmod = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+        chmod(file.parent().unwrap(), 0o755);
+        chmod(&file, 0o644);
+        std::fs::write(&file, "not a library any more").unwrap();
+        chmod(&file, 0o444);
+        chmod(file.parent().unwrap(), 0o555);
+        let vanished = root.join(data.trim_start_matches('/'));
+        chmod(&vanished, 0o755);
+        std::fs::remove_dir_all(&vanished).or_else(|_| std::fs::remove_file(&vanished)).unwrap();
+        damaged_file = Some(file.strip_prefix(root).unwrap().to_owned());
+    }
+    let outputs: Vec<(bool, String)> = stores
+        .iter()
+        .map(|(url, root)| {
+            let out = env.cmd("nix-store").args(["--store", url, "--verify", "--check-contents", "--repair"]).args(subs).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr).replace(root.to_str().unwrap(), "ROOT");
+            // Nix reports the substitution as an activity; sluice's repair does not.
+            let err = err.lines().filter(|l| !l.starts_with("copying path")).collect::<Vec<_>>().join("\n");
+            (out.status.success(), err)
+        })
+        .collect();
+    assert_eq!(outputs[0], outputs[1], "sluice daemon, then Nix direct mode");
+    assert!(outputs[0].0, "{}", outputs[0].1);
+    assert!(outputs[0].1.contains(&format!("path '{glibc}' was modified! expected hash")), "{}", outputs[0].1);
+    assert!(outputs[0].1.contains(&format!("path '{data}' disappeared, removing from database...")), "{}", outputs[0].1);
+    let damaged_file = damaged_file.unwrap();
+    assert_eq!(std::fs::read(stores[0].1.join(&damaged_file)).unwrap(), std::fs::read(stores[1].1.join(&damaged_file)).unwrap());
+    common::assert_nix_verifies(env.dir.path(), &stores[0].1);
+}
+
 #[test]
 fn daemon_substitutes_a_closure_larger_than_its_open_file_limit() {
     let env = Env::new();
