@@ -471,7 +471,7 @@ impl Shared {
             });
             match tried? {
                 TryAdd::Valid => return Ok(None),
-                TryAdd::Pending(pending) => return Ok(Some(pending)),
+                TryAdd::Pending(pending) => return Ok(Some(*pending)),
                 TryAdd::Busy => tokio::time::sleep(wait).await,
             }
             wait = (wait * 2).min(std::time::Duration::from_millis(200));

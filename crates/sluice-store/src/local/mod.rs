@@ -177,7 +177,7 @@ pub enum TryAdd {
     /// Another process or thread is adding it.
     Busy,
     /// The lock is ours: unpack and commit.
-    Pending(PendingPath),
+    Pending(Box<PendingPath>),
 }
 
 /// A store path being added with the info its source claims: holds the per-path lock, the
@@ -332,7 +332,7 @@ impl LocalStore {
         let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
-            Some(lock) => Ok(self.start_add(info, lock, roots)?.map_or(TryAdd::Valid, TryAdd::Pending)),
+            Some(lock) => Ok(self.start_add(info, lock, roots)?.map_or(TryAdd::Valid, |p| TryAdd::Pending(Box::new(p)))),
         }
     }
 
@@ -359,7 +359,7 @@ impl LocalStore {
         let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
-            Some(lock) => Ok(TryAdd::Pending(self.pending(info, lock, roots, true)?)),
+            Some(lock) => Ok(TryAdd::Pending(Box::new(self.pending(info, lock, roots, true)?))),
         }
     }
 
