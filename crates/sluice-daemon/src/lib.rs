@@ -47,6 +47,8 @@ pub enum DaemonError {
     Store(#[from] LocalStoreError),
     #[error("{what} {}: {source}", path.display())]
     Io { what: &'static str, path: PathBuf, #[source] source: std::io::Error },
+    #[error("daemon settings: {0}")]
+    Config(#[from] sluice_store::config::ConfigError),
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
 }
@@ -76,7 +78,9 @@ pub struct DaemonOptions {
 impl Daemon {
     /// Opens the local store `store` (Nix's `LocalStoreConfig`, `src/libstore/local-store.hh`)
     /// with the daemon settings `config` (`trusted-users`, `allowed-users`, `substituters`, …).
-    /// The store's `require-sigs`, when given, replaces that setting in `config`. A read-only
+    /// The store's `require-sigs`, when given, replaces that setting in `config`;
+    /// `auto-optimise-store` is the daemon's for every client (Nix applies a trusted client's
+    /// override in its forked worker; sluice's store is shared). A read-only
     /// store is refused: connections write temporary roots.
     pub fn open(store: &LocalStoreConfig, config: RawConfig) -> Result<Arc<Self>, DaemonError> {
         Self::open_with(store, config, DaemonOptions::default())
@@ -88,6 +92,7 @@ impl Daemon {
             config.set("require-sigs", if require { "true" } else { "false" });
         }
         let store = Arc::new(LocalStore::open(store)?);
+        store.set_auto_optimise(sluice_store::config::Settings::from_raw(&config)?.auto_optimise_store);
         store.ensure_writable("serve it (the daemon writes temporary roots)")?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

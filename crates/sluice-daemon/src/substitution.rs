@@ -10,7 +10,7 @@ use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
-use sluice_store::substitute::{copy_closure, CopyReport, Observer, SubstituteOptions};
+use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
 use sluice_store::{binary_cache, substituters};
 use tokio::sync::mpsc;
 
@@ -72,7 +72,23 @@ pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool,
 /// Substitutes the closures of `paths` into the store, calling `progress` on the worker
 /// thread as paths start and finish. Every path of the closures is a temporary root in
 /// `roots` (the connection's) from before its validity is looked at.
-pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
+pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
+    pipeline(daemon, settings, use_substitutes, roots, paths, false, progress)
+}
+
+/// Substitutes the damaged valid path `path` again (Nix's `repairPath`; see
+/// [`sluice_store::substitute::repair_paths`]); the error says why it could not be.
+pub(crate) fn repair(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, path: &StorePath) -> Result<(), String> {
+    let report = pipeline(daemon, settings, use_substitutes, roots, vec![path.clone()], true, |_| {})?;
+    match report.failed.get(path) {
+        Some(why) => Err(why.clone()),
+        None if report.substituted.contains(path) => Ok(()),
+        None => Err("no substituter has it".into()),
+    }
+}
+
+/// [`copy`], or with `repair` a repair of the valid `paths`.
+fn pipeline(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, repair: bool, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
     let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
     let policy = SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys };
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs, policy };
@@ -80,7 +96,11 @@ pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, 
         let query = closure_query(&daemon.store, settings, use_substitutes, Some(roots.clone())).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let store = Arc::clone(&daemon.store);
-        let task = tokio::spawn(copy_closure(query, store, roots.clone(), paths, opts, Arc::new(Forward(tx))));
+        let observer = Arc::new(Forward(tx));
+        let task = match repair {
+            true => tokio::spawn(repair_paths(query, store, roots.clone(), paths, opts, observer)),
+            false => tokio::spawn(copy_closure(query, store, roots.clone(), paths, opts, observer)),
+        };
         while let Some(p) = rx.recv().await {
             progress(p);
         }

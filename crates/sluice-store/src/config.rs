@@ -240,6 +240,9 @@ pub struct Settings {
     /// `keep-derivations` (alias `gc-keep-derivations`, default true): the collector keeps
     /// the derivations of live outputs.
     pub keep_derivations: bool,
+    /// `auto-optimise-store` (default false): paths added to a local store are deduplicated
+    /// by hard links under `.links` ([`crate::local::LocalStore::set_auto_optimise`]).
+    pub auto_optimise_store: bool,
 }
 
 impl Default for Settings {
@@ -260,6 +263,7 @@ impl Default for Settings {
             ssl_cert_file: None,
             keep_outputs: false,
             keep_derivations: true,
+            auto_optimise_store: false,
         }
     }
 }
@@ -295,6 +299,9 @@ impl Settings {
                     *field = parse_bool(name, v)?;
                 }
             }
+        }
+        if let Some(v) = raw.get("auto-optimise-store") {
+            s.auto_optimise_store = parse_bool("auto-optimise-store", v)?;
         }
         if let Some(v) = raw.get("http-connections") {
             s.http_connections = parse_num("http-connections", v)? as usize;

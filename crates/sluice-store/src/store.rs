@@ -97,6 +97,7 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
     Ok(match StoreUrl::parse(url)? {
         StoreUrl::Local(config) => {
             let store = LocalStore::open(&config).map(Arc::new)?;
+            store.set_auto_optimise(settings.auto_optimise_store);
             // `require-sigs=false` in the URL turns the check off; it cannot turn on what the
             // settings (or `--no-check-sigs`) turned off.
             let policy = crate::local::SignaturePolicy {

@@ -135,6 +135,8 @@ struct Shared {
     locks: LockPermits,
     observer: Arc<dyn Observer>,
     report: Mutex<CopyReport>,
+    /// Whether the paths asked for are valid ones being repaired ([`repair_paths`]).
+    repair: bool,
     /// Paths ready to be registered (their references are valid).
     registrar: mpsc::UnboundedSender<Commit>,
 }
@@ -186,6 +188,28 @@ async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc:
 /// every path it adds a temporary root in `roots` (which should be the roots `query`'s
 /// validity check adds paths to, so that a path found valid stays valid).
 pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
+    run(query, dest, roots, paths, opts, observer, false).await
+}
+
+/// Substitutes the valid paths `paths` again (Nix's `repairPath`, a substitution goal with
+/// `Repair`), as [`copy_closure`] copies paths: each one's NAR must have the registered NAR
+/// hash (a substituter offering another is passed over), and its tree replaces the damaged
+/// one atomically ([`LocalStore::try_begin_repair`]); the registration is left as it is.
+/// Their references, valid, are not fetched.
+pub async fn repair_paths(mut query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
+    let (is_valid, damaged) = (query.is_valid.clone(), paths.clone());
+    query.is_valid = Arc::new(move |asked: &[StorePath]| {
+        let mut valid = is_valid(asked);
+        for p in &damaged {
+            valid.remove(p);
+        }
+        valid
+    });
+    run(query, dest, roots, paths, opts, observer, true).await
+}
+
+/// [`copy_closure`], or [`repair_paths`] with `repair`.
+async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>, repair: bool) -> CopyReport {
     let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
     let registrar_task = tokio::spawn(registrar(dest.clone(), opts.policy.clone(), registrar_rx));
     let budget = FdBudget::current();
@@ -201,6 +225,7 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Tem
         gate: Gate::default(),
         observer,
         report: Mutex::new(CopyReport::default()),
+        repair,
     });
     let (tx, mut rx) = mpsc::unbounded_channel();
     let engine = {
@@ -435,11 +460,18 @@ impl Shared {
     async fn lock_path(&self, info: &ValidPathInfo) -> Result<Option<PendingPath>, Attempt> {
         let mut wait = std::time::Duration::from_millis(5);
         loop {
-            let (dest, info, roots) = (self.dest.clone(), info.clone(), self.roots.clone());
-            let tried = tokio::task::spawn_blocking(move || dest.try_begin_add(info, &roots)).await.map_err(|e| Attempt::Final(e.to_string()))?;
-            match tried.map_err(|e| Attempt::Final(e.to_string()))? {
+            let (dest, info, roots, repair) = (self.dest.clone(), info.clone(), self.roots.clone(), self.repair);
+            let tried = tokio::task::spawn_blocking(move || if repair { dest.try_begin_repair(&info, &roots) } else { dest.try_begin_add(info, &roots) })
+                .await
+                .map_err(|e| Attempt::Final(e.to_string()))?;
+            let tried = tried.map_err(|e| match e {
+                // Another substituter may have the registered NAR.
+                LocalStoreError::RepairMismatch { .. } => Attempt::TryNext(e.to_string()),
+                e => Attempt::Final(e.to_string()),
+            });
+            match tried? {
                 TryAdd::Valid => return Ok(None),
-                TryAdd::Pending(pending) => return Ok(Some(pending)),
+                TryAdd::Pending(pending) => return Ok(Some(*pending)),
                 TryAdd::Busy => tokio::time::sleep(wait).await,
             }
             wait = (wait * 2).min(std::time::Duration::from_millis(200));

@@ -143,6 +143,7 @@ pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> R
         settings.require_sigs = require && !flags.no_check_sigs;
     }
     let store = LocalStore::open(&config).map(Arc::new).map_err(|e| e.to_string())?;
+    store.set_auto_optimise(settings.auto_optimise_store);
     let store_dir = store.store_dir().clone();
     let roots = parse_paths(&store_dir, paths)?;
     Ok(Destination { settings, store, store_dir, roots })

@@ -314,6 +314,142 @@ fn garbage_collection_matches_nix() {
     common::assert_nix_verifies(env.dir.path(), &stores[0].1);
 }
 
+/// The entries of `<root>/nix/store/.links` with their link counts.
+fn links(root: &Path) -> std::collections::BTreeMap<String, u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(root.join("nix/store/.links"))
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().into_string().unwrap(), e.path().symlink_metadata().unwrap().nlink())
+        })
+        .collect()
+}
+
+/// Two source trees with files in common: the same text twice, once more executable (which
+/// Nix does not link to the others: the NAR of a file carries its executable bit), and the
+/// same symlink twice.
+fn duplicated_trees(env: &Env, names: &[&str]) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    names
+        .iter()
+        .map(|name| {
+            let dir = env.path(name);
+            std::fs::create_dir_all(dir.join("sub")).unwrap();
+            std::fs::write(dir.join("README"), "the same words in every tree\n").unwrap();
+            std::fs::write(dir.join("sub/README"), "the same words in every tree\n").unwrap();
+            std::fs::write(dir.join("run"), "the same words in every tree\n").unwrap();
+            std::fs::set_permissions(dir.join("run"), std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::write(dir.join("own"), format!("only in {name}\n")).unwrap();
+            std::os::unix::fs::symlink("README", dir.join("sub/link")).unwrap();
+            dir.to_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// `nix-store --optimise` through `sluice daemon` (OptimiseStore) and through Nix 2.8 in
+/// direct mode on a store filled alike (a corpus closure, two trees with files in common):
+/// the same closing line (MiB freed, files linked), the same `.links` names with the same
+/// link counts, and a second run finds nothing to do. Then `auto-optimise-store = true` (the
+/// daemon's setting; Nix direct mode's option) deduplicates new paths as they are added:
+/// again the same `.links`. Nix then verifies the daemon's store.
+#[test]
+fn optimise_store_matches_nix() {
+    let env = Env::new();
+    let cache = env.cache();
+    let cache_dir = env.path("bin-cache");
+    let mut daemon = env.daemon("root", &cache, "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let key = cache_key();
+    let glibc = store_path_of(&cache_dir, "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let trees = duplicated_trees(&env, &["tree-a", "tree-b"]);
+    let run = |url: &str, args: &[&str]| {
+        let out = env.cmd("nix-store").args(["--store", url]).args(args).output().unwrap();
+        assert!(out.status.success(), "nix-store {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stderr).unwrap()
+    };
+    for url in [daemon.url.as_str(), direct.as_str()] {
+        env.nix("nix", &["copy", "--from", &cache, "--to", url, &glibc, "--option", "trusted-public-keys", &key]);
+        for tree in &trees {
+            run(url, &["--add", tree]);
+        }
+    }
+    let (root, direct_root) = (env.path("root"), env.path("direct"));
+    assert!(links(&root).is_empty() && links(&direct_root).is_empty());
+    let freed = |err: &str| err.lines().filter(|l| l.contains("freed by hard-linking")).map(str::to_owned).collect::<Vec<_>>();
+    let via = freed(&run(&daemon.url, &["--optimise"]));
+    let nix = freed(&run(&direct, &["--optimise"]));
+    assert_eq!(via, nix, "closing line");
+    assert!(!via[0].starts_with("0.00 MiB freed by hard-linking 0 files"), "{via:?}");
+    assert_eq!(links(&root), links(&direct_root), ".links after nix-store --optimise");
+    assert!(links(&root).values().any(|&n| n > 2), "{:?}", links(&root));
+    assert_eq!(freed(&run(&daemon.url, &["--optimise"])), ["0.00 MiB freed by hard-linking 0 files"]);
+    assert_eq!(links(&root), links(&direct_root), ".links after a second run");
+
+    drop(daemon);
+    std::fs::remove_file(env.path("socket")).unwrap();
+    daemon = env.daemon("root", &cache, "auto-optimise-store = true");
+    let later = duplicated_trees(&env, &["tree-c"]);
+    run(&daemon.url, &["--add", &later[0]]);
+    run(&direct, &["--add", &later[0], "--option", "auto-optimise-store", "true"]);
+    assert_eq!(links(&root), links(&direct_root), ".links after adding with auto-optimise-store");
+    common::assert_nix_verifies(env.dir.path(), &root);
+}
+
+/// `nix-store --verify --check-contents --repair` as root through `sluice daemon` and through
+/// Nix 2.8 in direct mode, on two stores filled alike from the corpus cache in which the same
+/// file of a path was overwritten and a path nothing refers to was deleted: the same
+/// messages (the modified path named with both hashes, the vanished one unregistered), both
+/// succeed, the file is whole again (substituted from the cache through the verification
+/// boundary) and Nix then finds nothing wrong in the daemon's store.
+#[test]
+fn verify_repair_matches_nix() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let cache = env.cache();
+    let cache_dir = env.path("bin-cache");
+    let daemon = env.daemon("root", &cache, "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let key = cache_key();
+    let glibc = store_path_of(&cache_dir, "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let data = store_path_of(&cache_dir, "2363xkmjdz47l55sjw25vx7081mz5qj0");
+    let subs = ["--option", "substituters", &cache, "--option", "trusted-public-keys", &key];
+    let stores = [(daemon.url.clone(), env.path("root")), (direct.clone(), env.path("direct"))];
+    let mut damaged_file = None;
+    for (url, root) in &stores {
+        env.nix("nix", &[&["copy", "--from", &cache, "--to", url, &glibc, &data][..], &subs[3..]].concat());
+        let tree = root.join(glibc.trim_start_matches('/'));
+        let file = walk(&tree).into_iter().find(|p| p.extension().is_some_and(|e| e == "so")).expect("a shared library in glibc");
+        let chmod = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap();
+        chmod(file.parent().unwrap(), 0o755);
+        chmod(&file, 0o644);
+        std::fs::write(&file, "not a library any more").unwrap();
+        chmod(&file, 0o444);
+        chmod(file.parent().unwrap(), 0o555);
+        let vanished = root.join(data.trim_start_matches('/'));
+        chmod(&vanished, 0o755);
+        std::fs::remove_dir_all(&vanished).or_else(|_| std::fs::remove_file(&vanished)).unwrap();
+        damaged_file = Some(file.strip_prefix(root).unwrap().to_owned());
+    }
+    let outputs: Vec<(bool, String)> = stores
+        .iter()
+        .map(|(url, root)| {
+            let out = env.cmd("nix-store").args(["--store", url, "--verify", "--check-contents", "--repair"]).args(subs).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr).replace(root.to_str().unwrap(), "ROOT");
+            // Nix reports the substitution as an activity; sluice's repair does not.
+            let err = err.lines().filter(|l| !l.starts_with("copying path")).collect::<Vec<_>>().join("\n");
+            (out.status.success(), err)
+        })
+        .collect();
+    assert_eq!(outputs[0], outputs[1], "sluice daemon, then Nix direct mode");
+    assert!(outputs[0].0, "{}", outputs[0].1);
+    assert!(outputs[0].1.contains(&format!("path '{glibc}' was modified! expected hash")), "{}", outputs[0].1);
+    assert!(outputs[0].1.contains(&format!("path '{data}' disappeared, removing from database...")), "{}", outputs[0].1);
+    let damaged_file = damaged_file.unwrap();
+    assert_eq!(std::fs::read(stores[0].1.join(&damaged_file)).unwrap(), std::fs::read(stores[1].1.join(&damaged_file)).unwrap());
+    common::assert_nix_verifies(env.dir.path(), &stores[0].1);
+}
+
 #[test]
 fn daemon_substitutes_a_closure_larger_than_its_open_file_limit() {
     let env = Env::new();

@@ -1,52 +1,43 @@
-//! Store maintenance: CollectGarbage, VerifyStore, NarFromPath, AddSignatures, and
-//! OptimiseStore, which sluice does not offer (it fails clearly).
+//! Store maintenance: CollectGarbage, OptimiseStore, VerifyStore, NarFromPath and
+//! AddSignatures.
 
-use sluice_nix::hash::{HashAlgo, Hasher};
+use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool, write_bytes, write_u64};
-use sluice_store::local::{GcAction, GcOptions};
+use sluice_nix::wire::ActivityField;
+use sluice_store::local::{GcAction, GcOptions, OptimiseEvent, Repairer, VerifyMessage};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
-/// VerifyStore: checkContents, repair → whether errors were found. Every valid path must
-/// exist; with checkContents its NAR hash and size must match the registration. Each problem
-/// is reported as a log line.
+/// VerifyStore: checkContents, repair → whether errors remain (Nix `daemon.cc`,
+/// `wopVerifyStore`; `LocalStore::verifyStore`, see [`sluice_store::local::LocalStore::verify_store`]).
+/// Only trusted clients may repair, with Nix's message. A damaged path is repaired by the
+/// connection's substituters, through the store's verification boundary (its NAR must have
+/// the registered hash).
 pub(super) fn verify_store(c: &mut Conn) -> OpResult {
     let check_contents = read_bool(&mut c.r, "checkContents flag")?;
     let repair = read_bool(&mut c.r, "repair flag")?;
     if repair && !c.peer.trusted {
         return Err(Fail::Op("you are not privileged to repair paths".into()));
     }
-    if repair {
-        return Err(Fail::Op("repairing paths is not supported by the sluice daemon".into()));
+    let settings = c.options.settings()?;
+    let (daemon, use_substitutes, roots) = (c.daemon, c.options.use_substitutes, c.temp_roots.clone());
+    let mut repairer = |path: &StorePath| crate::substitution::repair(daemon, &settings, use_substitutes, &roots, path);
+    let store = std::sync::Arc::clone(c.store());
+    let mut write_err = None;
+    let errors = store.verify_store(check_contents, repair.then_some(&mut repairer as Repairer<'_>), &mut |message| {
+        let line = match message {
+            VerifyMessage::Info(m) | VerifyMessage::Error(m) => m.to_owned(),
+            VerifyMessage::LoggedError(m) => format!("error: {m}"),
+            VerifyMessage::Warning(m) => format!("warning: {m}"),
+        };
+        if let Err(e) = c.log(&line) {
+            write_err.get_or_insert(e);
+        }
+    });
+    if let Some(e) = write_err {
+        return Err(Fail::Output(e));
     }
-    c.log("reading the Nix store...")?;
-    let paths = c.store().query_all_valid_paths().map_err(op_err)?;
-    c.log(if check_contents { "checking path existence and contents..." } else { "checking path existence..." })?;
-    let mut errors = false;
-    for path in &paths {
-        let shown = c.dir().display_path(path);
-        if std::fs::symlink_metadata(c.store().real_path(path)).is_err() {
-            errors = true;
-            c.log(&format!("error: path '{shown}' disappeared, but it still has valid referrers!"))?;
-            continue;
-        }
-        if !check_contents {
-            continue;
-        }
-        let Some(info) = c.store().query_path_info(path).map_err(op_err)? else { continue };
-        let mut hasher = Hasher::new(HashAlgo::Sha256);
-        c.store().dump_path(path, &mut hasher).map_err(op_err)?;
-        let size = hasher.len();
-        let hash = hasher.finish();
-        if hash != info.nar_hash || size != info.nar_size {
-            errors = true;
-            c.log(&format!(
-                "error: path '{shown}' was modified! expected hash '{}', got '{}'",
-                info.nar_hash.to_nix32_prefixed(),
-                hash.to_nix32_prefixed()
-            ))?;
-        }
-    }
+    let errors = errors.map_err(op_err)?;
     c.reply(|w, _| write_bool(w, errors))
 }
 
@@ -112,7 +103,41 @@ pub(super) fn collect_garbage(c: &mut Conn) -> OpResult {
     })
 }
 
-/// OptimiseStore: always fails (sluice does not deduplicate files).
-pub(super) fn optimise_store(_: &mut Conn) -> OpResult {
-    Err(Fail::Op("optimising the store is not supported by the sluice daemon".into()))
+/// Nix's `ActivityType::actOptimiseStore` and `ResultType::resProgress`.
+const ACT_OPTIMISE_STORE: u64 = 106;
+const RES_PROGRESS: u64 = 105;
+
+/// OptimiseStore: → 1 (Nix `daemon.cc`, `wopOptimiseStore`, and `LocalStore::optimiseStore`
+/// in `optimise-store.cc`): every valid path's files deduplicated by hard links under
+/// `.links`, with an `actOptimiseStore` activity reporting the paths done, Nix's warnings,
+/// and its closing line `<MiB> MiB freed by hard-linking <n> files` (Nix 2.8's `showBytes`).
+/// Any client may optimise, as with Nix.
+pub(super) fn optimise_store(c: &mut Conn) -> OpResult {
+    let stderr = c.stderr();
+    let activity = c.daemon.activity_id();
+    stderr.start_activity(&mut c.w, activity, 0, ACT_OPTIMISE_STORE, "", &[], 0)?;
+    let store = std::sync::Arc::clone(c.store());
+    let roots = c.temp_roots.clone();
+    let mut write_err = None;
+    let w = &mut c.w;
+    let stats = store.optimise_store(&roots, &mut |event| {
+        let sent = match event {
+            OptimiseEvent::Progress { done, expected } => {
+                let fields = [done, expected, 0, 0].map(ActivityField::Int);
+                stderr.result(w, activity, RES_PROGRESS, &fields)
+            }
+            OptimiseEvent::Warning(msg) => stderr.next(w, &format!("warning: {msg}\n")),
+            OptimiseEvent::Info(msg) => stderr.next(w, &format!("{msg}\n")),
+        };
+        if let Err(e) = sent {
+            write_err.get_or_insert(e);
+        }
+    });
+    if let Some(e) = write_err {
+        return Err(Fail::Output(e));
+    }
+    stderr.stop_activity(&mut c.w, activity)?;
+    let stats = stats.map_err(op_err)?;
+    c.log(&format!("{:.2} MiB freed by hard-linking {} files", stats.bytes_freed as f64 / (1024.0 * 1024.0), stats.files_linked))?;
+    c.reply(|w, _| write_u64(w, 1))
 }

@@ -491,7 +491,7 @@ impl Collection<'_> {
         for entry in entries {
             let entry = entry.map_err(io_err("reading directory", real))?;
             let name = entry.file_name();
-            if name == ".links" {
+            if name == super::optimise::LINKS_DIR {
                 continue;
             }
             match name.to_str().map(StorePath::from_base_name) {
@@ -642,7 +642,7 @@ impl Collection<'_> {
     /// the remaining links save, as Nix does.
     fn delete_unused_links(&mut self) -> Result<(), LocalStoreError> {
         (self.log)("deleting unused links...");
-        let links = self.store.layout.real_store_dir.join(".links");
+        let links = self.store.links_path();
         let (mut actual, mut unshared) = (0i64, 0i64);
         let entries = match std::fs::read_dir(&links) {
             Ok(entries) => entries,

@@ -39,7 +39,7 @@ impl Layout {
         let profiles = self.state_dir.join("profiles");
         let gcroots = self.state_dir.join("gcroots");
         mkdir(&self.real_store_dir)?;
-        mkdir(&self.real_store_dir.join(".links"))?;
+        mkdir(&self.real_store_dir.join(super::optimise::LINKS_DIR))?;
         mkdir(&profiles)?;
         mkdir(&self.state_dir.join("temproots"))?;
         mkdir(&self.db_dir)?;

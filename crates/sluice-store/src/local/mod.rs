@@ -27,6 +27,7 @@ mod fs_nar;
 mod gc;
 mod layout;
 mod lock;
+mod optimise;
 mod queries;
 mod registry;
 mod schema;
@@ -34,12 +35,15 @@ mod temp_roots;
 mod tree;
 mod unpack;
 mod verify;
+mod verify_store;
 
 pub use as_store::LocalStoreHandle;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
+pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, Vouched};
+pub use verify_store::{Repairer, VerifyMessage};
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -49,7 +53,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
 
-use rustix::fs::{mkdirat, open, openat, renameat, syncfs, Mode, OFlags};
+use rustix::fs::{mkdirat, open, openat, renameat, renameat_with, syncfs, Mode, OFlags, RenameFlags};
 use sluice_nix::derivation::{parse_outputs, DerivationError};
 use sluice_nix::hash::{Hash, HashingReader, Hasher};
 use sluice_nix::hash_modulo::ModuloHasher;
@@ -104,6 +108,10 @@ pub enum LocalStoreError {
     /// Nobody the policy trusts vouches for the path (Nix's words, then who signed it).
     #[error("cannot add path '{path}' because it lacks a signature by a trusted key ({detail})")]
     Untrusted { path: String, detail: String },
+    /// A source offers a valid path with another NAR than the registered one: it cannot
+    /// repair it.
+    #[error("cannot repair {path} from this source: it has NAR hash {offered}, but {registered} is registered")]
+    RepairMismatch { path: String, registered: String, offered: String },
     /// A path cannot be registered before its references are valid.
     #[error("cannot register {path}: its reference {reference} is not valid")]
     MissingReference { path: String, reference: String },
@@ -145,6 +153,9 @@ pub struct LocalStore {
     /// [`TEMP_DIR`], opened at the first addition; opened again if a collector deleted it
     /// while nobody rooted it (see [`LocalStore::open_temp_dir`]).
     temp_dir: std::sync::Mutex<Option<Arc<OwnedFd>>>,
+    /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
+    /// moved into place ([`LocalStore::set_auto_optimise`]).
+    auto_optimise: std::sync::atomic::AtomicBool,
 }
 
 /// What unpacking a NAR produced: the NAR's own hash (sha256) and size, and the hash its
@@ -166,7 +177,7 @@ pub enum TryAdd {
     /// Another process or thread is adding it.
     Busy,
     /// The lock is ours: unpack and commit.
-    Pending(PendingPath),
+    Pending(Box<PendingPath>),
 }
 
 /// A store path being added with the info its source claims: holds the per-path lock, the
@@ -182,6 +193,9 @@ pub struct PendingPath {
     /// after the path there.
     temp_dir: Arc<OwnedFd>,
     unpacked: Option<Unpacked>,
+    /// A repair ([`LocalStore::try_begin_repair`]): `info` is the registration, and the tree
+    /// replaces the one at the path, which stays registered as it is.
+    repair: bool,
     /// Released (and its file deleted) after `Drop::drop` has removed the temporary tree.
     _lock: PathLock,
     /// Keeps the roots until the path is registered or given up.
@@ -205,7 +219,14 @@ impl LocalStore {
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default() })
+        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default() })
+    }
+
+    /// Sets `auto-optimise-store` (Nix's default: false): from now on, the files of every path
+    /// added are replaced by hard links to identical files under `.links` before the path
+    /// is moved into place, as Nix's `addToStore` calls `optimisePath` before registering.
+    pub fn set_auto_optimise(&self, on: bool) {
+        self.auto_optimise.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Fails with [`LocalStoreError::ReadOnly`] if the store was opened read-only: every
@@ -311,8 +332,43 @@ impl LocalStore {
         let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
-            Some(lock) => Ok(self.start_add(info, lock, roots)?.map_or(TryAdd::Valid, TryAdd::Pending)),
+            Some(lock) => Ok(self.start_add(info, lock, roots)?.map_or(TryAdd::Valid, |p| TryAdd::Pending(Box::new(p)))),
         }
+    }
+
+    /// Starts replacing the tree of the valid path `offered.path` (Nix's `addToStore` with
+    /// `repair`), without blocking: [`TryAdd::Busy`] while another process holds its lock.
+    /// The source's info must carry the registered NAR hash and size
+    /// ([`LocalStoreError::RepairMismatch`] otherwise); the [`PendingPath`] is then the
+    /// registration's, so that the new tree is verified against what was registered, and
+    /// [`PendingPath::commit`] exchanges it with the damaged (or missing) tree atomically,
+    /// leaving the registration as it is. [`LocalStoreError::NotValid`] for a path that is not
+    /// registered.
+    pub fn try_begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        self.ensure_writable("repair paths")?;
+        roots.add_all(&[offered.path.clone(), self.temp_dir_path()])?;
+        let shown = || self.store_dir.display_path(&offered.path);
+        let info = self.query_path_info(&offered.path)?.ok_or_else(|| LocalStoreError::NotValid { path: shown() })?;
+        if info.nar_hash != offered.nar_hash || info.nar_size != offered.nar_size {
+            return Err(LocalStoreError::RepairMismatch {
+                path: shown(),
+                registered: format!("{} ({} bytes)", info.nar_hash.to_nix32_prefixed(), info.nar_size),
+                offered: format!("{} ({} bytes)", offered.nar_hash.to_nix32_prefixed(), offered.nar_size),
+            });
+        }
+        let real_path = self.real_path(&info.path);
+        match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
+            None => Ok(TryAdd::Busy),
+            Some(lock) => Ok(TryAdd::Pending(Box::new(self.pending(info, lock, roots, true)?))),
+        }
+    }
+
+    /// A [`PendingPath`] for `info` with its lock held, its temporary tree removed.
+    fn pending(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots, repair: bool) -> Result<PendingPath, LocalStoreError> {
+        let temp_dir = self.open_temp_dir()?;
+        let pending = PendingPath { store: Arc::clone(self), info, temp_dir, unpacked: None, repair, _lock: lock, _roots: roots.clone() };
+        pending.remove_temp()?;
+        Ok(pending)
     }
 
     /// The subset of `paths` that is valid, after making every one of them a temporary root
@@ -342,10 +398,7 @@ impl LocalStore {
         if tree::remove_tree(self.store_fd.as_fd(), info.path.base_name().as_bytes()).map_err(io_err("removing", &real_path))? {
             tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
         }
-        let temp_dir = self.open_temp_dir()?;
-        let pending = PendingPath { store: Arc::clone(self), info, temp_dir, unpacked: None, _lock: lock, _roots: roots.clone() };
-        pending.remove_temp()?;
-        Ok(Some(pending))
+        Ok(Some(self.pending(info, lock, roots, false)?))
     }
 
     /// [`TEMP_DIR`] (rooted by the caller), created if missing. The open directory is kept;
@@ -419,19 +472,20 @@ impl LocalStore {
                 }
             }
         }
-        let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> =
-            batch.iter().zip(outputs).filter(|(p, _)| placed.contains(&p.info.path)).map(|(p, out)| (&p.info, out)).collect();
-        if items.is_empty() {
+        if placed.is_empty() {
             return results;
         }
+        // Repairs stay registered as they were.
+        let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> =
+            batch.iter().zip(outputs).filter(|(p, _)| placed.contains(&p.info.path) && !p.repair).map(|(p, out)| (&p.info, out)).collect();
         let store_fd = self.store_fd.as_fd();
         let registered = syncfs(store_fd)
             .map_err(|e| io_err("syncing the file system of", &self.layout.real_store_dir)(e.into()))
-            .and_then(|()| self.registry.register_all(&items));
+            .and_then(|()| if items.is_empty() { Ok(()) } else { self.registry.register_all(&items) });
         if let Err(e) = registered {
             let message = e.to_string();
             for (pending, result) in batch.iter().zip(results.iter_mut()) {
-                if placed.contains(&pending.info.path) {
+                if placed.contains(&pending.info.path) && !pending.repair {
                     // Nothing stays at a store path's location unregistered.
                     let _ = tree::remove_tree(store_fd, pending.info.path.base_name().as_bytes());
                     *result = Err(LocalStoreError::Registration { path: pending.shown(), reason: message.clone() });
@@ -515,7 +569,7 @@ impl PendingPath {
     }
 
     /// Verifies the unpacked tree against the info (see [`verify`](self::verify)), checks
-    /// that every reference is valid or in `batch`, and renames the tree to its final path.
+    /// that every reference is valid or in `batch`, deduplicates it with `auto-optimise-store`, and renames it to its final path.
     /// Returns the derivation outputs to register.
     fn place(&self, policy: &SignaturePolicy, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
@@ -523,6 +577,9 @@ impl PendingPath {
         let Some(unpacked) = &self.unpacked else {
             return Err(LocalStoreError::Misuse { path: shown, what: "committed before a successful unpack" });
         };
+        // A repair's tree is admitted by the registered NAR hash, which was vouched for when
+        // the path was registered.
+        let policy = if self.repair { &SignaturePolicy::unchecked() } else { policy };
         verify::verify(&self.store.store_dir, info, unpacked, policy)?;
         let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != info.path && !batch.contains(*r)).collect();
         let valid = self.store.registry.valid_paths(others.iter().copied())?;
@@ -531,8 +588,25 @@ impl PendingPath {
         }
         let outputs = self.derivation_outputs()?;
         let name = info.path.base_name();
-        renameat(self.temp_dir.as_fd(), name, self.store.store_fd.as_fd(), name)
-            .map_err(|e| io_err("renaming into place", &self.store.real_path(&info.path))(e.into()))?;
+        if self.store.auto_optimise.load(std::sync::atomic::Ordering::Relaxed) {
+            let shown = self.store.real_path(&info.path);
+            self.store.optimise_tree(self.temp_dir.as_fd(), name.as_bytes(), &shown, self.repair, &mut |event| match event {
+                OptimiseEvent::Warning(msg) => tracing::warn!("{msg}"),
+                OptimiseEvent::Info(msg) => tracing::info!("{msg}"),
+                OptimiseEvent::Progress { .. } => {}
+            })?;
+        }
+        let (from, to) = (self.temp_dir.as_fd(), self.store.store_fd.as_fd());
+        let placed = match self.repair {
+            // The damaged tree takes the temporary tree's place, and goes when `self` is
+            // dropped; a tree that disappeared is simply replaced.
+            true => renameat_with(from, name, to, name, RenameFlags::EXCHANGE).or_else(|e| match e {
+                rustix::io::Errno::NOENT => renameat(from, name, to, name),
+                e => Err(e),
+            }),
+            false => renameat(from, name, to, name),
+        };
+        placed.map_err(|e| io_err("renaming into place", &self.store.real_path(&info.path))(e.into()))?;
         Ok(outputs)
     }
 

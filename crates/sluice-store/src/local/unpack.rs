@@ -53,7 +53,7 @@ impl FileModes {
 const MTIME_STORE: i64 = 1;
 
 /// Access time untouched, modification time [`MTIME_STORE`].
-fn store_times() -> Timestamps {
+pub(super) fn store_times() -> Timestamps {
     Timestamps {
         last_access: Timespec { tv_sec: 0, tv_nsec: UTIME_OMIT },
         last_modification: Timespec { tv_sec: MTIME_STORE, tv_nsec: 0 },
