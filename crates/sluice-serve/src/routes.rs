@@ -140,11 +140,12 @@ pub fn stream(mut reader: NarReader, skip: u64, limit: u64) -> http_body_util::c
         }
         let mut reader = reader.take(limit);
         loop {
-            let mut buf = vec![0u8; CHUNK];
-            match reader.read(&mut buf) {
+            // Whole chunks: a pipe yields what the dumper wrote last (often a few bytes), and
+            // each chunk becomes a frame of its own.
+            let mut buf = Vec::with_capacity(CHUNK);
+            match (&mut reader).take(CHUNK as u64).read_to_end(&mut buf) {
                 Ok(0) => return,
-                Ok(n) => {
-                    buf.truncate(n);
+                Ok(_) => {
                     if tx.blocking_send(Ok(buf.into())).is_err() {
                         return;
                     }
