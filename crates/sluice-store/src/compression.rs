@@ -6,7 +6,7 @@
 //! a skippable frame, as `pzstd` writes them, which their decoders skip), and encoders for
 //! writing a cache (`makeCompressionSink`).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +22,9 @@ pub enum CompressionError {
     #[error("reading the start of the compressed data: {0}")]
     Io(#[from] std::io::Error),
 }
+
+/// Bytes read to recognise a format: the longest of [`MAGICS`] (a NAR's).
+const MAGIC_LEN: usize = 21;
 
 const MAGICS: [(Compression, &[u8]); 7] = [
     (Compression::Xz, b"\xfd7zXZ\x00"),
@@ -119,10 +122,13 @@ impl Compression {
 
     /// Wraps `input` in this method's decoder after checking its magic bytes. Brotli has no
     /// magic: a brotli stream is accepted unless it starts like another known format.
-    pub fn decoder<'a>(self, input: impl Read + Send + 'a) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
-        let mut buf = BufReader::with_capacity(256 * 1024, input);
-        let head = buf.fill_buf()?;
-        let head = &head[..head.len().min(21)];
+    /// The magic bytes are read to their full length (or the end of the input) first, however
+    /// the input is split: over HTTP/2 a first DATA frame may hold only a few bytes.
+    pub fn decoder<'a>(self, mut input: impl Read + Send + 'a) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
+        let mut head = Vec::with_capacity(MAGIC_LEN);
+        (&mut input).take(MAGIC_LEN as u64).read_to_end(&mut head)?;
+        let buf = BufReader::with_capacity(256 * 1024, std::io::Cursor::new(head.clone()).chain(input));
+        let head = &head[..];
         match (Compression::detect(head), self) {
             (Some(actual), declared) if actual != declared => {
                 return Err(CompressionError::Mismatch { declared: declared.name(), actual: actual.name() })
@@ -211,6 +217,26 @@ fn skippable_frame(head: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Input that arrives a few bytes per read, as a first HTTP/2 DATA frame may.
+    struct Trickle<'a>(&'a [u8]);
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.0.len().min(buf.len()).min(3);
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn magic_split_over_reads_is_recognised() {
+        let nar = b"\x0d\x00\x00\x00\x00\x00\x00\x00nix-archive-1\x00\x00\x00rest";
+        let mut out = Vec::new();
+        Compression::None.decoder(Trickle(nar)).unwrap().read_to_end(&mut out).unwrap();
+        assert_eq!(out, nar);
+    }
 
     #[test]
     fn mismatch_is_named() {

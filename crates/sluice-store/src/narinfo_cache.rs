@@ -35,6 +35,10 @@ create table if not exists NARs (
     primary key (cache, hashPart),
     foreign key (cache) references BinaryCaches(id) on delete cascade
 );
+create table if not exists SluiceBatch (
+    cache integer primary key not null,
+    foreign key (cache) references BinaryCaches(id) on delete cascade
+);
 ";
 
 /// A cached answer of one cache for one hash part.
@@ -108,24 +112,29 @@ impl NarInfoCache {
     pub fn cache_info(&self, url: &str) -> Result<Option<(i64, CacheInfo)>, DiskCacheError> {
         let conn = self.conn();
         conn.query_row(
-            "select id, storeDir, wantMassQuery, priority from BinaryCaches where url = ? and timestamp > ?",
+            "select id, storeDir, wantMassQuery, priority, exists (select 1 from SluiceBatch where cache = id) from BinaryCaches where url = ? and timestamp > ?",
             params![url, now() - CACHE_INFO_TTL],
-            |r| Ok((r.get(0)?, CacheInfo { store_dir: r.get(1)?, want_mass_query: r.get::<_, i64>(2)? != 0, priority: r.get::<_, i64>(3)? as u64 })),
+            |r| Ok((r.get(0)?, CacheInfo { store_dir: r.get(1)?, want_mass_query: r.get::<_, i64>(2)? != 0, priority: r.get::<_, i64>(3)? as u64, batch: r.get(4)? })),
         )
         .optional()
         .map_err(|e| self.err(e))
     }
 
-    /// Records a cache's `nix-cache-info`; returns its id.
+    /// Records a cache's `nix-cache-info` (its `SluiceBatch` in a table of its own, which
+    /// files made before it get when opened); returns its id.
     pub fn record_cache(&self, url: &str, info: &CacheInfo) -> Result<i64, DiskCacheError> {
         let conn = self.conn();
-        conn.query_row(
-            "insert into BinaryCaches (url, timestamp, storeDir, wantMassQuery, priority) values (?1, ?2, ?3, ?4, ?5)
-             on conflict(url) do update set timestamp = ?2, storeDir = ?3, wantMassQuery = ?4, priority = ?5 returning id",
-            params![url, now(), info.store_dir, info.want_mass_query as i64, info.priority as i64],
-            |r| r.get(0),
-        )
-        .map_err(|e| self.err(e))
+        let id: i64 = conn
+            .query_row(
+                "insert into BinaryCaches (url, timestamp, storeDir, wantMassQuery, priority) values (?1, ?2, ?3, ?4, ?5)
+                 on conflict(url) do update set timestamp = ?2, storeDir = ?3, wantMassQuery = ?4, priority = ?5 returning id",
+                params![url, now(), info.store_dir, info.want_mass_query as i64, info.priority as i64],
+                |r| r.get(0),
+            )
+            .map_err(|e| self.err(e))?;
+        let batch = if info.batch { "insert or ignore into SluiceBatch (cache) values (?)" } else { "delete from SluiceBatch where cache = ?" };
+        conn.execute(batch, [id]).map_err(|e| self.err(e))?;
+        Ok(id)
     }
 
     /// Whether anything is recorded for cache `cache` (a cold cache's lookups can be skipped).
@@ -193,7 +202,7 @@ mod tests {
     fn ttls_and_batches() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("c.sqlite");
-        let info = CacheInfo { store_dir: "/nix/store".into(), want_mass_query: true, priority: 40 };
+        let info = CacheInfo { store_dir: "/nix/store".into(), want_mass_query: true, priority: 40, batch: true };
         let cache = NarInfoCache::open(&db, 100, 100).unwrap();
         let id = cache.record_cache("http://x", &info).unwrap();
         assert_eq!(cache.record_cache("http://x", &info).unwrap(), id);

@@ -77,6 +77,20 @@ pub trait Store: Send + Sync {
         })
     }
 
+    /// The valid path whose hash part is `hash_part` (32 nixbase32 characters; Nix's
+    /// `queryPathFromHashPart`), `None` when there is none or `hash_part` is malformed.
+    fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
+        let _ = hash_part;
+        Box::pin(async move { Err(StoreError::Unsupported { url: self.url().to_string(), what: "looking up a path by its hash part" }) })
+    }
+
+    /// The build log of the derivation `drv` (Nix's `getBuildLog`), uncompressed, as a stream;
+    /// `None` when the store keeps none for it.
+    fn build_log<'a>(&'a self, drv: &'a StorePath) -> StoreFuture<'a, Option<NarReader>> {
+        let _ = drv;
+        Box::pin(async move { Ok(None) })
+    }
+
     /// The NAR of the valid path `info.path` (Nix's `narFromPath`), uncompressed, as a stream.
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader>;
 

@@ -53,13 +53,37 @@ async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk
             sub.trusted = curl.common.trusted;
             sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
             sub.cache.check_store_dir(store_dir)?;
+            prefetch_closure(&sub, disk, prefetch).await;
             return Ok(sub);
         }
     };
     cache.check_store_dir(store_dir)?;
     let mut sub = Substituter::new(cache, disk_id);
     sub.trusted = curl.common.trusted;
+    prefetch_closure(&sub, disk, prefetch).await;
     Ok(sub)
+}
+
+/// For a cache that advertises `SluiceBatch`, asks for the whole closure of `roots` in one
+/// request and keeps every answer in `sub.prefetched`, where the closure engine takes each
+/// instead of a request (and records it in the disk cache like any answer it fetched). Skipped
+/// when the disk cache already has fresh answers for every root; a failure is a warning, the
+/// engine then asks for each narinfo as with any cache.
+async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots: &[StorePath]) {
+    if !sub.cache.info().batch || roots.is_empty() {
+        return;
+    }
+    if let (Some(disk), Some(id)) = (disk, sub.disk_id) {
+        let hashes: Vec<&str> = roots.iter().map(|p| p.hash_part()).collect();
+        if disk.lookup(id, &hashes).is_ok_and(|known| known.len() == hashes.len()) {
+            return;
+        }
+    }
+    match sub.cache.batch_closure(roots).await {
+        Ok(Some(answers)) => sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(answers.into_iter().map(|(h, t)| (h, Ok(t)))),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("{e}; asking for each narinfo instead"),
+    }
 }
 
 /// Opens `urls` as substituters for `store_dir`, sorted by priority. Returns the usable ones

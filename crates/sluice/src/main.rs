@@ -8,6 +8,7 @@ mod missing;
 mod nar;
 mod path_info;
 mod progress;
+mod serve;
 mod setup;
 
 use std::process::ExitCode;
@@ -35,6 +36,8 @@ enum Command {
     Nar(nar::Command),
     /// Serve Nix's worker protocol to real Nix clients (like `nix-daemon`).
     Daemon(daemon::Args),
+    /// Serve a store over HTTP as a binary cache (like nix-serve or harmonia).
+    Serve(serve::Args),
     /// Generate and convert signing keys.
     #[command(subcommand)]
     Key(key::Command),
@@ -49,10 +52,10 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_)) {
+    if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_) | Command::Serve(_)) {
         // A command whose output is piped into `head` ends quietly when the reader goes away,
         // like other Unix tools, instead of panicking on the write. (The daemon keeps
-        // ignoring SIGPIPE: a client that hangs up must not end it; so does `copy`: a server
+        // ignoring SIGPIPE: a client that hangs up must not end it, and so does `serve`; so does `copy`: a server
         // that answers an upload and closes before reading its body must be an error of that
         // upload, not the end of the run.)
         // SAFETY: restoring the default disposition of a signal, before any thread starts.
@@ -68,6 +71,7 @@ fn main() -> ExitCode {
         Command::Nar(c) => nar::run(c),
         Command::Key(c) => key::run(c),
         Command::Daemon(a) => daemon::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(code) => code,

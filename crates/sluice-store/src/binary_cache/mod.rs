@@ -253,15 +253,54 @@ impl BinaryCache {
 
     /// The URL of the narinfo of `path`.
     pub fn narinfo_url(&self, path: &StorePath) -> String {
-        format!("{}/{}.narinfo", self.url, path.hash_part())
+        self.narinfo_url_of(path.hash_part())
+    }
+
+    fn narinfo_url_of(&self, hash_part: &str) -> String {
+        format!("{}/{hash_part}.narinfo", self.url)
     }
 
     /// Fetches the raw narinfo text of `path`; `None` when the cache does not have it.
     pub async fn narinfo_text(&self, path: &StorePath) -> Result<Option<String>, CacheError> {
-        let Some(bytes) = self.get(&format!("{}.narinfo", path.hash_part())).await? else { return Ok(None) };
+        self.narinfo_text_of(path.hash_part()).await
+    }
+
+    /// Fetches the raw narinfo text `<hash_part>.narinfo`; `None` when the cache does not
+    /// have it.
+    pub async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
+        let Some(bytes) = self.get(&format!("{hash_part}.narinfo")).await? else { return Ok(None) };
         String::from_utf8(bytes)
             .map(Some)
-            .map_err(|_| CacheError::Io { url: self.narinfo_url(path), source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text") })
+            .map_err(|_| CacheError::Io { url: self.narinfo_url_of(hash_part), source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text") })
+    }
+
+    /// The narinfos of the closures of `roots` in one request to `sluice serve`'s batch
+    /// endpoint (`POST _sluice/v1/closure`, see `sluice_serve::batch`), as (hash part, narinfo
+    /// text or `None` for a root the cache lacks); `Ok(None)` when the cache is not reached
+    /// over HTTP. Each text is what `<hash part>.narinfo` would have answered. Fails naming
+    /// the URL on an answer that is not such NDJSON.
+    pub async fn batch_closure(&self, roots: &[StorePath]) -> Result<Option<Vec<(String, Option<String>)>>, CacheError> {
+        const ENDPOINT: &str = "_sluice/v1/closure";
+        let Transport::Http { http, .. } = &self.transport else { return Ok(None) };
+        self.health.check(&self.url)?;
+        let body = Upload::Bytes(roots.iter().map(|p| format!("{}\n", p.hash_part())).collect::<String>().into());
+        let request = http::Request { method: &reqwest::Method::POST, body: Some((&body, "text/plain")), headers: &[] };
+        let answer = self.health.observe(&self.url, http.send(ENDPOINT, request).await)?;
+        let url = http.resolve(ENDPOINT);
+        let bad = |what: String| CacheError::Io { url: url.clone(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
+        let Some((_, bytes)) = answer else { return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into())) };
+        let text = String::from_utf8(bytes).map_err(|_| bad("answer is not UTF-8".into()))?;
+        let mut out = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            #[derive(serde::Deserialize)]
+            struct Line {
+                hash: String,
+                narinfo: Option<String>,
+            }
+            let Line { hash, narinfo } = serde_json::from_str(line).map_err(|e| bad(format!("line {}: {e}", i + 1)))?;
+            out.push((hash, narinfo));
+        }
+        Ok(Some(out))
     }
 
     /// Parses narinfo text fetched for `path`, checking that it describes `path`.

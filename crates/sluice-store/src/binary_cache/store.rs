@@ -136,6 +136,24 @@ impl Store for BinaryCache {
         Box::pin(async move { futures::future::join_all(paths.iter().map(|path| self.query_one(path))).await.into_iter().collect() })
     }
 
+    fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
+        Box::pin(async move {
+            // Only a well-formed hash part becomes a file name in the cache.
+            if hash_part.len() != sluice_nix::store_path::HASH_PART_LEN || !sluice_nix::base32::is_digits(hash_part) {
+                return Ok(None);
+            }
+            let Some(text) = self.narinfo_text_of(hash_part).await? else { return Ok(None) };
+            let narinfo = NarInfo::parse(&self.store_dir, &text)
+                .map_err(|source| CacheError::NarInfo { url: format!("{}/{hash_part}.narinfo", self.url), source })?;
+            if narinfo.store_path.hash_part() != hash_part {
+                return Ok(None);
+            }
+            let path = narinfo.store_path.clone();
+            self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(path.clone(), narinfo);
+            Ok(Some(path))
+        })
+    }
+
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
             let known = self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).get(&info.path).cloned();

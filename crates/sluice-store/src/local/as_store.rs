@@ -57,6 +57,36 @@ impl Store for LocalStoreHandle {
         Box::pin(blocking(&self.url, move || Ok(store.query_valid_paths_rooted(&paths, &roots)?)))
     }
 
+    fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
+        let (store, hash_part) = (self.store.clone(), hash_part.to_string());
+        Box::pin(blocking(&self.url, move || Ok(store.query_path_from_hash_part(&hash_part)?)))
+    }
+
+    /// Nix's `LocalFSStore::getBuildLog` (`src/libstore/local-fs-store.cc`) for a derivation:
+    /// `<log dir>/drvs/<2 chars>/<rest>`, then `<log dir>/drvs/<base name>`, each plain or
+    /// `.bz2` (decompressed while read).
+    fn build_log<'a>(&'a self, drv: &'a StorePath) -> StoreFuture<'a, Option<NarReader>> {
+        let base = drv.base_name();
+        let dir = self.store.log_dir().join("drvs");
+        let candidates = [dir.join(&base[..2]).join(&base[2..]), dir.join(base)];
+        Box::pin(blocking(&self.url, move || {
+            for plain in candidates {
+                let mut bz2 = plain.clone().into_os_string();
+                bz2.push(".bz2");
+                let open = |p: &std::path::Path| File::open(p).map(Some).or_else(|e| if e.kind() == io::ErrorKind::NotFound { Ok(None) } else { Err(e) });
+                let err = |p: &std::path::Path, e: io::Error| StoreError::Other(format!("reading the build log {}: {e}", p.display()));
+                if let Some(f) = open(&plain).map_err(|e| err(&plain, e))? {
+                    return Ok(Some(Box::new(f) as NarReader));
+                }
+                let bz2 = std::path::PathBuf::from(bz2);
+                if let Some(f) = open(&bz2).map_err(|e| err(&bz2, e))? {
+                    return Ok(Some(Box::new(bzip2::read::MultiBzDecoder::new(f)) as NarReader));
+                }
+            }
+            Ok(None)
+        }))
+    }
+
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
             let (read, write) = rustix::pipe::pipe().map_err(|e| StoreError::Other(format!("{}: creating a pipe: {e}", self.url)))?;

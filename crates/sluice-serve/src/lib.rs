@@ -1,0 +1,14 @@
+//! `sluice serve`: any store of the [`sluice_store::store::Store`] interface served over HTTP as
+//! a binary cache that unmodified Nix substitutes from (as nix-serve and harmonia do), plus
+//! batch endpoints that give sluice's closure engine many narinfos, or a whole closure, in one
+//! round trip. [`routes`] answers requests, [`batch`] the batch endpoints, [`narinfo`] renders
+//! what both serve, [`conn`] accepts connections and bounds them, [`metrics`] counts.
+
+pub mod batch;
+pub mod conn;
+pub mod metrics;
+pub mod narinfo;
+pub mod routes;
+
+pub use conn::{run, tls_acceptor, Limits};
+pub use routes::App;

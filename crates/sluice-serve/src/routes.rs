@@ -1,0 +1,365 @@
+//! The endpoints, as Nix's `HttpBinaryCacheStore` asks for them
+//! (`src/libstore/http-binary-cache-store.cc`, `binary-cache-store.cc`): `nix-cache-info`,
+//! `<hash part>.narinfo` (GET and HEAD), the NAR at the narinfo's `URL` (with single byte
+//! ranges), `<hash part>.ls` (the NAR listing, as `write-nar-listing` writes it),
+//! `log/<derivation base name>` (`getBuildLog`), `/metrics`, and the batch endpoints
+//! ([`crate::batch`]).
+//!
+//! Only a request path of exactly one of these shapes reaches the store, and only as a hash
+//! part (32 nixbase32 characters) or a store path base name, which are looked up among the
+//! valid paths: nothing is ever opened by a name taken from the URL, so `..`, percent-encoded
+//! or not, temporary trees and files outside the store are all 404.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, RANGE};
+use hyper::{Method, Request, Response, StatusCode};
+use sluice_nix::base32;
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::signature::SecretKey;
+use sluice_nix::store_path::{StorePath, HASH_PART_LEN};
+use sluice_store::store::{NarReader, Store, StoreError};
+
+use crate::metrics::{Metered, Metrics};
+use crate::{batch, narinfo};
+
+/// A response body: streamed, metered.
+pub type Body = Metered<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>;
+
+/// Longest request target and header line accepted, as nginx's default
+/// `large_client_header_buffers 4 8k` (414 and 431 past it; nginx says 414 and 400).
+pub const MAX_LINE: usize = 8 * 1024;
+/// Bytes of a streamed body read from the store at a time.
+const CHUNK: usize = 64 * 1024;
+/// Chunks buffered between the store's reader and the connection.
+const CHUNKS_IN_FLIGHT: usize = 4;
+
+/// What the server serves and how.
+pub struct App {
+    pub store: Arc<dyn Store>,
+    /// Every narinfo is signed with each of these.
+    pub keys: Vec<SecretKey>,
+    /// `Priority` in `nix-cache-info`.
+    pub priority: u64,
+    /// Whether the batch endpoints are offered and advertised.
+    pub batch: bool,
+    pub metrics: Arc<Metrics>,
+}
+
+/// A parsed request path.
+#[derive(Debug, PartialEq, Eq)]
+enum Route<'a> {
+    CacheInfo,
+    NarInfo(&'a str),
+    Listing(&'a str),
+    Nar { hash_part: &'a str, nar_hash: &'a str },
+    Log(&'a str),
+    Batch(batch::Kind),
+    Metrics,
+    NotFound,
+}
+
+impl Route<'_> {
+    /// The endpoint's name in `/metrics`.
+    fn endpoint(&self) -> &'static str {
+        match self {
+            Route::CacheInfo => "nix-cache-info",
+            Route::NarInfo(_) => "narinfo",
+            Route::Listing(_) => "ls",
+            Route::Nar { .. } => "nar",
+            Route::Log(_) => "log",
+            Route::Batch(batch::Kind::NarInfos) => "batch-narinfos",
+            Route::Batch(batch::Kind::Closure) => "batch-closure",
+            Route::Metrics => "metrics",
+            Route::NotFound => "other",
+        }
+    }
+}
+
+/// Whether `s` is a hash part: 32 nixbase32 characters.
+pub fn is_hash_part(s: &str) -> bool {
+    s.len() == HASH_PART_LEN && base32::is_digits(s)
+}
+
+/// `s`, when it is a hash part.
+fn hash(s: Option<&str>) -> Option<&str> {
+    s.filter(|h| is_hash_part(h))
+}
+
+fn route(path: &str) -> Route<'_> {
+    let Some(rest) = path.strip_prefix('/') else { return Route::NotFound };
+    if rest == "nix-cache-info" {
+        Route::CacheInfo
+    } else if rest == "metrics" {
+        Route::Metrics
+    } else if let Some(h) = hash(rest.strip_suffix(".narinfo")) {
+        Route::NarInfo(h)
+    } else if let Some(h) = hash(rest.strip_suffix(".ls")) {
+        Route::Listing(h)
+    } else if let Some(file) = rest.strip_prefix("nar/").and_then(|f| f.strip_suffix(".nar")) {
+        match file.split_once('-') {
+            Some((h, n)) if is_hash_part(h) && n.len() == 52 && base32::is_digits(n) => Route::Nar { hash_part: h, nar_hash: n },
+            _ => Route::NotFound,
+        }
+    } else if let Some(name) = rest.strip_prefix("log/") {
+        match StorePath::from_base_name(name) {
+            Ok(p) if p.is_derivation() => Route::Log(name),
+            _ => Route::NotFound,
+        }
+    } else if let Some(kind) = rest.strip_prefix(batch::PREFIX).and_then(batch::Kind::parse) {
+        Route::Batch(kind)
+    } else {
+        Route::NotFound
+    }
+}
+
+/// A body of `bytes`.
+pub fn full(bytes: impl Into<Bytes>) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// A streamed body of what `reader` yields after skipping `skip` bytes, at most `limit` bytes,
+/// read on a blocking thread [`CHUNK`] bytes at a time with at most [`CHUNKS_IN_FLIGHT`]
+/// chunks waiting for the connection. A read error ends the body with that error (the client
+/// sees the connection or stream reset, never a short body taken as whole). The reader is
+/// dropped as soon as the client goes away.
+pub fn stream(mut reader: NarReader, skip: u64, limit: u64) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(CHUNKS_IN_FLIGHT);
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        if skip > 0 {
+            match std::io::copy(&mut (&mut reader).take(skip), &mut std::io::sink()) {
+                Ok(n) if n == skip => {}
+                Ok(_) => return drop(tx.blocking_send(Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "stream shorter than the range start")))),
+                Err(e) => return drop(tx.blocking_send(Err(e))),
+            }
+        }
+        let mut reader = reader.take(limit);
+        loop {
+            // Whole chunks: a pipe yields what the dumper wrote last (often a few bytes), and
+            // each chunk becomes a frame of its own.
+            let mut buf = Vec::with_capacity(CHUNK);
+            match (&mut reader).take(CHUNK as u64).read_to_end(&mut buf) {
+                Ok(0) => return,
+                Ok(_) => {
+                    if tx.blocking_send(Ok(buf.into())).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => return drop(tx.blocking_send(Err(e))),
+            }
+        }
+    });
+    let frames = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item.map(hyper::body::Frame::data), rx)) });
+    http_body_util::StreamBody::new(frames).boxed_unsync()
+}
+
+/// A parsed `Range: bytes=…` header for a body of `len` bytes: one range, as (start, length).
+/// `Err(())` when it cannot be satisfied (416); `None` for no header, several ranges or
+/// another unit (the whole body is sent, as RFC 9110 allows).
+fn byte_range(header: Option<&HeaderValue>, len: u64) -> Option<Result<(u64, u64), ()>> {
+    let spec = header?.to_str().ok()?.strip_prefix("bytes=")?;
+    if spec.contains(',') {
+        return None;
+    }
+    let (first, last) = spec.split_once('-')?;
+    let (first, last) = (first.trim(), last.trim());
+    let range = if first.is_empty() {
+        let suffix: u64 = last.parse().ok()?;
+        (suffix > 0 && len > 0).then(|| (len - suffix.min(len), suffix.min(len)))
+    } else {
+        let start: u64 = first.parse().ok()?;
+        let end = if last.is_empty() { len.saturating_sub(1) } else { last.parse::<u64>().ok()?.min(len.saturating_sub(1)) };
+        (start < len && start <= end).then(|| (start, end - start + 1))
+    };
+    Some(range.ok_or(()))
+}
+
+type Answer = Response<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>;
+
+fn status(code: StatusCode, text: &str) -> Answer {
+    let mut r = Response::new(full(format!("{text}\n")));
+    *r.status_mut() = code;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    r
+}
+
+fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>, len: Option<u64>) -> Answer {
+    let mut r = Response::new(body);
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(mime));
+    if let Some(len) = len {
+        r.headers_mut().insert(CONTENT_LENGTH, len.into());
+    }
+    r
+}
+
+impl App {
+    /// Answers one request (never fails: store errors become 500 naming the store and path).
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let started = Instant::now();
+        let path = req.uri().path().to_string();
+        let route = route(&path);
+        let endpoint = route.endpoint();
+        let answer = match self.answer(route, req).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("{path}: {e}");
+                status(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
+            }
+        };
+        let (parts, body) = answer.into_parts();
+        let status = parts.status.as_u16();
+        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started))
+    }
+
+    async fn answer(self: &Arc<Self>, route: Route<'_>, req: Request<Incoming>) -> Result<Answer, StoreError> {
+        if req.uri().to_string().len() > MAX_LINE {
+            return Ok(status(StatusCode::URI_TOO_LONG, "request target too long"));
+        }
+        if req.headers().iter().any(|(n, v)| n.as_str().len() + v.len() + 2 > MAX_LINE) {
+            return Ok(status(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "header line too long"));
+        }
+        let head = req.method() == Method::HEAD;
+        let wanted = if matches!(route, Route::Batch(_)) { Method::POST } else { Method::GET };
+        if !(req.method() == wanted || head && wanted == Method::GET) {
+            let mut r = status(StatusCode::METHOD_NOT_ALLOWED, "method not allowed");
+            let allow = if wanted == Method::POST { "POST" } else { "GET, HEAD" };
+            r.headers_mut().insert(hyper::header::ALLOW, HeaderValue::from_static(allow));
+            return Ok(r);
+        }
+        let body = |text: Vec<u8>, mime: &'static str| {
+            let len = text.len() as u64;
+            ok(mime, if head { full(Bytes::new()) } else { full(text) }, Some(len))
+        };
+        let not_found = || status(StatusCode::NOT_FOUND, "not found");
+        Ok(match route {
+            Route::CacheInfo => body(self.cache_info().into_bytes(), "text/x-nix-cache-info"),
+            Route::Metrics => body(self.metrics.render().into_bytes(), "text/plain; version=0.0.4"),
+            Route::NarInfo(h) => match self.info_of(h).await? {
+                Some(info) => body(self.narinfo(&info).into_bytes(), "text/x-nix-narinfo"),
+                None => not_found(),
+            },
+            Route::Listing(h) => match self.info_of(h).await? {
+                Some(info) => body(self.listing(&info).await?, "application/json"),
+                None => not_found(),
+            },
+            Route::Nar { hash_part, nar_hash } => match self.info_of(hash_part).await? {
+                Some(info) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
+                _ => not_found(),
+            },
+            Route::Log(name) => {
+                let drv = StorePath::from_base_name(name).map_err(|e| StoreError::Other(format!("{name}: {e}")))?;
+                match self.store.build_log(&drv).await? {
+                    Some(_) if head => ok("text/plain; charset=utf-8", full(Bytes::new()), None),
+                    Some(log) => ok("text/plain; charset=utf-8", stream(log, 0, u64::MAX), None),
+                    None => not_found(),
+                }
+            }
+            Route::Batch(_) if !self.batch => not_found(),
+            Route::Batch(kind) => batch::answer(self.clone(), kind, req).await,
+            Route::NotFound => not_found(),
+        })
+    }
+
+    /// `nix-cache-info`: the store directory, `WantMassQuery: 1` (a server answers many
+    /// narinfo requests cheaply), the priority, and the batch endpoints when offered.
+    fn cache_info(&self) -> String {
+        let mut text = format!("StoreDir: {}\nWantMassQuery: 1\nPriority: {}\n", self.store.store_dir().as_str(), self.priority);
+        if self.batch {
+            text.push_str(&format!("{}: {}\n", sluice_nix::cache_info::BATCH_KEY, batch::VERSION));
+        }
+        text
+    }
+
+    /// The narinfo of `info`, as every endpoint serves it.
+    pub fn narinfo(&self, info: &ValidPathInfo) -> String {
+        narinfo::render(info, &self.keys, self.store.store_dir())
+    }
+
+    /// The info of the valid path with hash part `hash_part`, if any.
+    pub async fn info_of(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, StoreError> {
+        let Some(path) = self.store.query_path_from_hash_part(hash_part).await? else { return Ok(None) };
+        Ok(self.store.query_path_infos(std::slice::from_ref(&path)).await?.pop().flatten())
+    }
+
+    /// `{"version":1,"root":…}`, the listing of the NAR of `info` as Nix's
+    /// `write-nar-listing` writes it, made by reading the NAR from the store.
+    async fn listing(&self, info: &ValidPathInfo) -> Result<Vec<u8>, StoreError> {
+        let nar = self.store.nar_from_path(info).await?;
+        let shown = self.store.store_dir().display_path(&info.path);
+        let listed = tokio::task::spawn_blocking(move || sluice_nix::nar::listing::list(nar)).await.map_err(|e| StoreError::Other(format!("{shown}: {e}")))?;
+        let root = listed.map_err(|e| StoreError::Other(format!("listing the NAR of {shown}: {e}")))?;
+        Ok(sluice_store::binary_cache::upload::listing_json(&root))
+    }
+
+    /// The NAR of `info`, uncompressed, whole or the one byte range asked for.
+    async fn nar(&self, info: &ValidPathInfo, range: Option<&HeaderValue>, head: bool) -> Result<Answer, StoreError> {
+        let len = info.nar_size;
+        let (code, start, count) = match byte_range(range, len) {
+            None => (StatusCode::OK, 0, len),
+            Some(Ok((start, count))) => (StatusCode::PARTIAL_CONTENT, start, count),
+            Some(Err(())) => {
+                let mut r = status(StatusCode::RANGE_NOT_SATISFIABLE, "range not satisfiable");
+                r.headers_mut().insert(CONTENT_RANGE, HeaderValue::from_str(&format!("bytes */{len}")).expect("ASCII"));
+                return Ok(r);
+            }
+        };
+        let body = if head { full(Bytes::new()) } else { stream(self.store.nar_from_path(info).await?, start, count) };
+        let mut r = ok("application/x-nix-nar", body, Some(count));
+        *r.status_mut() = code;
+        r.headers_mut().insert(ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+        if code == StatusCode::PARTIAL_CONTENT {
+            let value = format!("bytes {start}-{}/{len}", start + count - 1);
+            r.headers_mut().insert(CONTENT_RANGE, HeaderValue::from_str(&value).expect("ASCII"));
+        }
+        Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_only_exact_shapes() {
+        let h = "0c7ry3w8ggj1mgwwxmrkjbpsg7sm25s9";
+        assert_eq!(route(&format!("/{h}.narinfo")), Route::NarInfo(h));
+        assert_eq!(route(&format!("/{h}.ls")), Route::Listing(h));
+        assert_eq!(route("/nix-cache-info"), Route::CacheInfo);
+        let n = "1".repeat(52);
+        assert_eq!(route(&format!("/nar/{h}-{n}.nar")), Route::Nar { hash_part: h, nar_hash: &n });
+        for bad in [
+            "/../etc/passwd",
+            "/%2e%2e/nix-cache-info",
+            "/nar/../../etc/passwd",
+            &format!("/nar/{h}-{n}.nar/.."),
+            &format!("/{h}.narinfo/"),
+            &format!("//{h}.narinfo"),
+            "/00000000000000000000000000000000-sluice-unpacking",
+            &format!("/log/{h}-x"),
+            &format!("/log/{h}-..%2f.drv"),
+            &format!("/log/../{h}-x.drv"),
+            "/0c7ry3w8ggj1mgwwxmrkjbpsg7sm25sU.narinfo",
+        ] {
+            assert_eq!(route(bad), Route::NotFound, "{bad}");
+        }
+        assert_eq!(route(&format!("/log/{h}-hello.drv")), Route::Log(&format!("{h}-hello.drv")[..]));
+    }
+
+    #[test]
+    fn byte_ranges() {
+        let v = |s: &str| HeaderValue::from_str(s).unwrap();
+        assert_eq!(byte_range(None, 10), None);
+        assert_eq!(byte_range(Some(&v("bytes=0-3")), 10), Some(Ok((0, 4))));
+        assert_eq!(byte_range(Some(&v("bytes=5-")), 10), Some(Ok((5, 5))));
+        assert_eq!(byte_range(Some(&v("bytes=-3")), 10), Some(Ok((7, 3))));
+        assert_eq!(byte_range(Some(&v("bytes=8-100")), 10), Some(Ok((8, 2))));
+        assert_eq!(byte_range(Some(&v("bytes=10-")), 10), Some(Err(())));
+        assert_eq!(byte_range(Some(&v("bytes=0-1,3-4")), 10), None);
+        assert_eq!(byte_range(Some(&v("items=0-1")), 10), None);
+    }
+}

@@ -1,0 +1,82 @@
+//! `sluice serve`: serve a store over HTTP as a binary cache (like nix-serve or harmonia) that
+//! unmodified Nix substitutes from, with `sluice serve`'s batch endpoints for sluice clients.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_nix::signature::SecretKey;
+use sluice_store::store::open_store;
+
+use crate::setup::{self, CacheFlags};
+
+/// Arguments of `sluice serve`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The store to serve: a local or chroot store (`local`, `local?root=DIR`, an absolute
+    /// path), a binary cache (`file://DIR`, `s3://BUCKET?…`, `http(s)://…`) or any store URL
+    /// sluice opens [default: the `store` setting].
+    #[arg(long)]
+    store: Option<String>,
+    /// Address to listen on, `HOST:PORT`; may be given more than once.
+    #[arg(long = "listen", default_value = "[::]:5000")]
+    listen: Vec<String>,
+    /// A secret key file (as `nix key generate-secret` writes); every narinfo is signed with
+    /// each one given.
+    #[arg(long = "secret-key")]
+    secret_keys: Vec<PathBuf>,
+    /// `Priority` in `nix-cache-info` (lower is preferred by Nix).
+    #[arg(long, default_value_t = 30)]
+    priority: u64,
+    /// PEM certificate chain: serve HTTPS (HTTP/2 and HTTP/1.1 by ALPN) instead of plain HTTP.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Neither offer nor advertise the batch endpoints.
+    #[arg(long)]
+    no_batch: bool,
+    /// Connections open at once; more wait in the listen backlog.
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+    /// Seconds a connection may wait with nothing moving before it is closed (also the time a
+    /// request head may take to arrive).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout: u64,
+    #[command(flatten)]
+    cache: CacheFlags,
+}
+
+/// Runs `sluice serve` until it is killed or a listener fails.
+pub fn run(args: Args) -> Result<ExitCode, String> {
+    let settings = setup::settings(&args.cache)?;
+    let url = args.store.clone().unwrap_or_else(|| settings.store.clone());
+    let keys = args
+        .secret_keys
+        .iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            SecretKey::parse(text.trim()).map_err(|e| format!("{}: {e}", f.display()))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(sluice_serve::tls_acceptor(cert, key)?),
+        _ => None,
+    };
+    let limits = sluice_serve::Limits { max_connections: args.max_connections.max(1), idle: Duration::from_secs(args.idle_timeout) };
+    setup::runtime()?.block_on(async {
+        let store = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
+        let mut listeners = Vec::new();
+        for addr in &args.listen {
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
+            let local = listener.local_addr().map_err(|e| format!("{addr}: {e}"))?;
+            eprintln!("serving {url} on {}://{local}", if tls.is_some() { "https" } else { "http" });
+            listeners.push(listener);
+        }
+        let app = Arc::new(sluice_serve::App { store, keys, priority: args.priority, batch: !args.no_batch, metrics: Default::default() });
+        sluice_serve::run(listeners, tls, app, limits).await.map_err(|e| e.to_string())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

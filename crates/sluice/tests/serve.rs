@@ -1,0 +1,315 @@
+//! `sluice serve` against real clients: a chroot store filled by `sluice copy` from the corpus,
+//! served to real Nix 2.8 and Nix 2.26 (`nix copy --from`, `nix-store -r` with it as a
+//! substituter, signatures verified with the server's public key, `nix path-info -r --json`
+//! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
+//! without the batch endpoint, and to hostile clients (traversal, huge headers, thousands of
+//! idle connections, a client that stops reading).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The 25-path subset's root and its paths.
+fn subset() -> (String, BTreeSet<String>) {
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
+    let paths = std::fs::read_to_string(corpus().join("truth/subset-paths.txt")).unwrap().lines().map(str::to_string).collect();
+    (summary["subsetRoot"].as_str().unwrap().to_string(), paths)
+}
+
+/// A chroot store under `tmp/src` holding the closure of `root`, copied by sluice from the corpus.
+fn source_store(tmp: &Path, root: &str) -> PathBuf {
+    let src = tmp.join("src");
+    let from = format!("file://{}", corpus().join("cache-xz").display());
+    check(&sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]), "filling the source store");
+    src
+}
+
+/// A new signing key under `tmp`: (secret key file, public key).
+fn signing_key(tmp: &Path) -> (PathBuf, String) {
+    let secret = sluice(tmp, &["key", "generate", "sluice-serve-test-1"]);
+    check(&secret, "key generate");
+    let file = tmp.join("secret.key");
+    std::fs::write(&file, &secret.stdout).unwrap();
+    let public = Command::new(env!("CARGO_BIN_EXE_sluice")).args(["key", "generate", "--public"]).stdin(std::fs::File::open(&file).unwrap()).output().unwrap();
+    check(&public, "key generate --public");
+    (file, String::from_utf8(public.stdout).unwrap().trim().to_string())
+}
+
+/// A running `sluice serve`; killed on drop.
+struct Server {
+    child: Child,
+    url: String,
+    addr: String,
+}
+
+impl Server {
+    /// Starts `sluice serve --store STORE --listen 127.0.0.1:0 ARGS` and waits for its address.
+    fn start(tmp: &Path, store: &Path, args: &[&str]) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp, "");
+        let mut child = cmd.args(["serve", "--store", store.to_str().unwrap(), "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stderr.take().unwrap()).read_line(&mut line).unwrap();
+        let url = line.trim().rsplit(' ').next().unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
+        assert!(url.starts_with("http"), "sluice serve said {line:?}");
+        let addr = url.split("://").nth(1).unwrap().to_string();
+        Server { child, url, addr }
+    }
+
+    /// Sends `request` raw and returns the whole answer (the connection is closed by the request).
+    fn raw(&self, request: &[u8]) -> String {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(request).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// The status line's code of `GET target`, the target sent as is.
+    fn status_of(&self, target: &str) -> u16 {
+        let answer = self.raw(format!("GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+        answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("no status in {answer:?}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `prog ARGS` (real Nix 2.8) isolated under `tmp`, trusting only `public`.
+fn nix_trusting(tmp: &Path, public: &str, prog: &str, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(prog);
+    isolate(&mut cmd, tmp, &format!("trusted-public-keys = {public}\nrequire-sigs = true"));
+    cmd.args(args).output().unwrap()
+}
+
+/// `nix path-info -r --json` of `root` in the cache at `url`, each entry without the fields
+/// that name the cache's own files (`url`, `compression`, `downloadHash`, `downloadSize`).
+fn cache_path_info(tmp: &Path, url: &str, root: &str) -> Vec<serde_json::Value> {
+    let mut infos = nix_path_info(tmp, url, root);
+    for i in &mut infos {
+        let o = i.as_object_mut().unwrap();
+        for k in ["url", "compression", "downloadHash", "downloadSize"] {
+            o.remove(k);
+        }
+    }
+    infos.sort_by_key(|i| i["path"].as_str().unwrap().to_string());
+    infos
+}
+
+#[test]
+fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    let server = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
+
+    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
+    check(&nix_trusting(tmp, &public, "nix", &["copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]), "nix copy --from sluice serve");
+    check(&nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]), "nix store verify with the server's key");
+    assert_nix_verifies(tmp, &a);
+    check(&nix_trusting(tmp, &public, "nix-store", &["--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]), "nix-store -r with sluice serve as substituter");
+    for store in [&a, &b] {
+        let listed = nix_trusting(tmp, &public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", &root]);
+        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
+        assert_eq!(got, paths, "paths in {}", store.display());
+    }
+
+    // The same store pushed into a cache with the same key and served by nginx: the same
+    // path infos, signatures included.
+    let pushed = tmp.join("pushed");
+    let to = format!("file://{}?secret-key={}", pushed.display(), secret.display());
+    check(&sluice(tmp, &["copy", "--from", src.to_str().unwrap(), "--to", &to, &root]), "sluice copy --to file://");
+    let nginx = CacheServer::start(&pushed, &tmp.join("nginx"), &[]);
+    let served = cache_path_info(tmp, &server.url, &root);
+    assert_eq!(served.len(), paths.len());
+    assert_eq!(served, cache_path_info(tmp, &nginx.url, &root));
+
+    // The narinfo's URL and Compression are what is served: the NAR hashes to NarHash.
+    let hash = &root["/nix/store/".len()..][..32];
+    let narinfo = server.raw(format!("GET /{hash}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    assert!(narinfo.contains("Compression: none\n"), "{narinfo}");
+    let url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
+    let nar = Command::new("curl").args(["-sf", &format!("{}/{url}", server.url)]).output().unwrap();
+    check(&nar, "curl the NAR");
+    let real = src.join(root.trim_start_matches('/'));
+    let expected = nix(tmp, "nix-store", &["--dump", real.to_str().unwrap()]);
+    assert_eq!(nar.stdout, expected.stdout);
+    let range = Command::new("curl").args(["-sf", "-r", "8-23", &format!("{}/{url}", server.url)]).output().unwrap();
+    assert_eq!(range.stdout, expected.stdout[8..24]);
+}
+
+#[test]
+fn real_nix_2_26_substitutes_from_sluice_serve() {
+    let o = Command::new(shared().join("bin/setup-nix-modern")).current_dir("/tmp").output().unwrap();
+    check(&o, "setup-nix-modern");
+    // nix-modern sees the host's /tmp only.
+    let tmp = tempfile::Builder::new().tempdir_in("/tmp").unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    let server = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
+    let modern = |args: &[&str]| {
+        let mut cmd = Command::new(shared().join("bin/nix-modern"));
+        isolate(&mut cmd, tmp, &format!("trusted-public-keys = {public}\nrequire-sigs = true"));
+        let o = cmd.current_dir(tmp).args(args).output().unwrap();
+        check(&o, &format!("nix-modern {args:?}"));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let (a, b) = (tmp.join("modern-copy"), tmp.join("modern-substitute"));
+    modern(&["nix", "copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]);
+    modern(&["nix", "store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]);
+    modern(&["nix-store", "--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]);
+    for store in [&a, &b] {
+        let got: BTreeSet<String> = modern(&["nix", "path-info", "--store", store.to_str().unwrap(), "-r", &root]).lines().map(str::to_string).collect();
+        assert_eq!(got, paths);
+    }
+    let info: serde_json::Value = serde_json::from_str(&modern(&["nix", "path-info", "--store", &server.url, "-r", "--json", &root])).unwrap();
+    assert_eq!(info.as_object().map_or_else(|| info.as_array().unwrap().len(), |o| o.len()), paths.len());
+}
+
+/// `sluice missing --json` of `root` from `url` into an empty store, with a fresh disk cache.
+fn sluice_missing(tmp: &Path, url: &str, public: &str, root: &str, home: &str) -> serde_json::Value {
+    let sub = tmp.join(home);
+    std::fs::create_dir_all(&sub).unwrap();
+    let o = sluice(&sub, &["missing", "--json", "--store", tmp.join("empty").to_str().unwrap(), "--substituters", url, "--trusted-public-keys", public, root]);
+    check(&o, "sluice missing");
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn sluice_gets_the_same_closure_with_and_without_the_batch_endpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let top = TOP.to_string();
+    let src = source_store(tmp, &top);
+    let (secret, public) = signing_key(tmp);
+    let batch = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
+    let plain = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap(), "--no-batch"]);
+    let info = |s: &Server| s.raw(b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert!(info(&batch).contains("SluiceBatch: 1"));
+    assert!(!info(&plain).contains("SluiceBatch"));
+    let metric = |s: &Server, endpoint: &str| -> u64 {
+        let text = s.raw(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let prefix = format!("sluice_serve_requests_total{{endpoint=\"{endpoint}\",status=\"200\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&prefix)).map_or(0, |n| n.parse().unwrap())
+    };
+    let with = sluice_missing(tmp, &batch.url, &public, &top, "with");
+    let without = sluice_missing(tmp, &plain.url, &public, &top, "without");
+    assert_eq!(with, without);
+    assert_eq!(metric(&batch, "batch-closure"), 1);
+    // With the batch: only the root's narinfo travels alongside nix-cache-info.
+    assert!(metric(&batch, "narinfo") <= 1, "{} narinfo requests", metric(&batch, "narinfo"));
+    assert_eq!(metric(&plain, "narinfo"), 1056);
+    // The batch's answers are in the disk cache: a second run asks nothing more.
+    let again = sluice_missing(tmp, &batch.url, &public, &top, "with");
+    assert_eq!(again, with);
+    assert_eq!(metric(&batch, "batch-closure"), 1);
+    assert!(metric(&batch, "narinfo") <= 1);
+
+    // Every line of a batch answer is byte for byte the per-path narinfo.
+    let hashes = "433r6hrfzj8vvazpcnl77q6m3lm3vw3g\n00000000000000000000000000000000\n";
+    let answer = Command::new("curl").args(["-sf", "--data-binary", hashes, &format!("{}/_sluice/v1/narinfos", batch.url)]).output().unwrap();
+    check(&answer, "POST narinfos");
+    let lines: Vec<serde_json::Value> = String::from_utf8(answer.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert!(lines[1]["narinfo"].is_null());
+    let single = Command::new("curl").args(["-sf", &format!("{}/433r6hrfzj8vvazpcnl77q6m3lm3vw3g.narinfo", batch.url)]).output().unwrap();
+    assert_eq!(lines[0]["narinfo"].as_str().unwrap().as_bytes(), single.stdout);
+}
+
+#[test]
+fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    // A temporary tree as an interrupted unpacking leaves it, and a file outside the store.
+    std::fs::create_dir_all(src.join("nix/store/00000000000000000000000000000000-sluice-unpacking")).unwrap();
+    std::fs::write(tmp.join("secret.txt"), "secret").unwrap();
+    let server = Server::start(tmp, &src, &["--idle-timeout", "2"]);
+    for target in [
+        "/../secret.txt",
+        "/%2e%2e/secret.txt",
+        "/nar/..%2f..%2fsecret.txt",
+        "/nar/%2e%2e/%2e%2e/secret.txt",
+        "/00000000000000000000000000000000.narinfo",
+        "/00000000000000000000000000000000.ls",
+        "/00000000000000000000000000000000-sluice-unpacking",
+        "/nar/00000000000000000000000000000000-0000000000000000000000000000000000000000000000000000.nar",
+        "/log/../../secret.txt",
+        "/nix/store",
+    ] {
+        assert_eq!(server.status_of(target), 404, "{target}");
+    }
+    // A header line over 8 KiB: 431, as nginx refuses one (with 400); far over: 431 too.
+    for size in [9 * 1024, 64 * 1024] {
+        let request = format!("GET /nix-cache-info HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n", "a".repeat(size));
+        let answer = server.raw(request.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 431"), "{size}: {}", answer.lines().next().unwrap_or(""));
+    }
+    // Thousands of idle connections, and one that asked for a NAR and stopped reading.
+    let hash = &root["/nix/store/".len()..][..32];
+    let narinfo = server.raw(format!("GET /{hash}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    let url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap().to_string();
+    let mut stalled = TcpStream::connect(&server.addr).unwrap();
+    for _ in 0..64 {
+        stalled.write_all(format!("GET /{url} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).unwrap();
+    }
+    let idle: Vec<TcpStream> = (0..2000).map(|_| TcpStream::connect(&server.addr).unwrap()).collect();
+    let started = Instant::now();
+    assert_eq!(server.status_of(&format!("/{hash}.narinfo")), 200);
+    assert!(started.elapsed() < Duration::from_secs(2), "answered in {:?} beside 2000 idle connections", started.elapsed());
+    // The idle ones are closed after the idle timeout.
+    std::thread::sleep(Duration::from_secs(4));
+    let mut closed = 0;
+    for mut c in idle {
+        c.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        if matches!(c.read(&mut [0u8; 1]), Ok(0) | Err(_)) {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 2000);
+    drop(stalled);
+    assert_eq!(server.status_of("/nix-cache-info"), 200);
+}
+
+#[test]
+fn https_serves_http2_by_alpn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
+    let o = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=localhost"])
+        .args(["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key.to_str().unwrap(), "-out", cert.to_str().unwrap()])
+        .output()
+        .unwrap();
+    check(&o, "openssl req");
+    let server = Server::start(tmp, &src, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
+    assert!(server.url.starts_with("https://"));
+    for (flag, version) in [("--http2", "2"), ("--http1.1", "1.1")] {
+        let o = Command::new("curl").args(["-sf", "--cacert", cert.to_str().unwrap(), flag, "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", server.url)]).output().unwrap();
+        check(&o, "curl over TLS");
+        assert_eq!(String::from_utf8_lossy(&o.stdout), version);
+    }
+    // h2c with prior knowledge on a plain port.
+    let plain = Server::start(tmp, &src, &[]);
+    let o = Command::new("curl").args(["-sf", "--http2-prior-knowledge", "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", plain.url)]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "2");
+}
