@@ -1606,6 +1606,7 @@ fn forged_ca_sluice_copy_is_refused_even_signed() {
             assert!(!valid.status.success(), "{what}: the path is valid");
         }
     }
+}
 
 /// A `.drv` whose output paths are not the ones its contents imply, added by an untrusted
 /// client (Nix 2.8 `nix-store --add` as nobody: AddToStore). Nix's `registerValidPaths`
