@@ -10,7 +10,7 @@ use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
-use sluice_store::substitute::{copy_closure, CopyReport, Observer, SubstituteOptions};
+use sluice_store::substitute::{copy_closure, CopyReport, Failure, Observer, SubstituteOptions};
 use sluice_store::{binary_cache, substituters};
 use tokio::sync::mpsc;
 
@@ -33,7 +33,7 @@ impl Observer for Forward {
     fn done(&self, path: &StorePath, _: u64) {
         let _ = self.0.send(Progress::Done(path.clone()));
     }
-    fn failed(&self, path: &StorePath, _: &str) {
+    fn failed(&self, path: &StorePath, _: &Failure) {
         let _ = self.0.send(Progress::Failed(path.clone()));
     }
 }

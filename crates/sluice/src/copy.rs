@@ -12,7 +12,7 @@ use sluice_store::local::SignaturePolicy;
 use sluice_store::push;
 use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
-use sluice_store::substitute::{copy_closure, SubstituteOptions};
+use sluice_store::substitute::{copy_closure, summarize, SubstituteOptions};
 
 use crate::progress::{Progress, MIB};
 use crate::setup::{self, CacheFlags};
@@ -120,7 +120,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
         let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
-        let mut query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        let caches = if args.from.is_some() { setup::Caches::Named } else { setup::Caches::Substituters };
+        let mut query = setup::closure_query(&urls, caches, &settings, &store_dir, is_valid, &roots).await?;
         // `trusted` makes a substituter's paths need no signature; the store `nix copy
         // --from` copies from is not a substituter, and its paths are checked all the same
         // (Nix 2.8/2.26 `copyPaths` with `checkSigs`): so is `--from`'s here.
@@ -131,8 +132,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     })?;
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
-    for reason in report.failed.values() {
-        eprintln!("error: {reason}");
+    for line in summarize(&store_dir, &report.failed) {
+        eprintln!("error: {line}");
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
     // Roots that failed have their reason printed already; others are named here.
@@ -141,7 +142,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         let json = serde_json::json!({
             "substituted": report.substituted.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
             "alreadyValid": report.already_valid,
-            "failed": report.failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<std::collections::BTreeMap<_, _>>(),
+            "failed": report.failed.iter().map(|(p, r)| (store_dir.display_path(p), r.message.clone())).collect::<std::collections::BTreeMap<_, _>>(),
             "downloadSize": report.downloaded,
             "narSize": report.unpacked,
             "seconds": secs,

@@ -166,8 +166,11 @@ impl BinaryCache {
     }
 
     /// Fetches and parses the cache's `nix-cache-info` over its own transport (so that the
-    /// connection it opens serves the narinfo requests that follow); a cache without one is
-    /// taken to serve `/nix/store` at priority 50, as Nix does.
+    /// connection it opens serves the narinfo requests that follow). An HTTP cache without
+    /// one is refused, as Nix's `HttpBinaryCacheStore::init` refuses it ("does not appear to be
+    /// a binary cache": Nix would write one, and cannot over HTTP); a `file://` or S3 cache
+    /// without one is taken to serve `/nix/store` at priority 50, as the `nix-cache-info` Nix
+    /// writes into it says.
     pub async fn fetch_cache_info(&self) -> Result<CacheInfo, CacheError> {
         // The caller reports a failure here (the cache is then left out): no health warning.
         self.health.opening();
@@ -178,6 +181,7 @@ impl BinaryCache {
 
     async fn fetch_cache_info_once(&self) -> Result<CacheInfo, CacheError> {
         Ok(match self.fetch("nix-cache-info").await? {
+            None if matches!(self.transport, Transport::Http { s3: None, .. }) => return Err(CacheError::NotACache { url: self.url.clone() }),
             None => CacheInfo::default(),
             Some(bytes) => {
                 let text = String::from_utf8(bytes).map_err(|_| self.info_error("not UTF-8 text"))?;
