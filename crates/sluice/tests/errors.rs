@@ -84,3 +84,29 @@ fn untrusted_key_failures_are_one_line() {
     );
     assert!(stderr(&n).contains("lacks a valid signature"), "{}", stderr(&n));
 }
+
+/// Store path names beginning with a period, as Nix 2.26 takes them (`checkName`): `.`, `..`
+/// and a first dash-separated component of either are refused, naming the rule; `.foo` and
+/// `...` are names (Nix 2.8 took all six). Each asked of an empty store by `path-info` and by
+/// real Nix 2.26's `nix-store --check-validity` (through `nix-modern`).
+#[test]
+fn store_path_names_are_nix_2_26s() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let modern = shared().join("bin/nix-modern");
+    for (name, refused) in [(".", true), ("..", true), (".-x", true), ("..-x", true), (".foo", false), ("...", false)] {
+        let path = format!("/nix/store/0za6hhg5kdh6vk2ds8m40snyz7aar7a1-{name}");
+        let o = sluice(tmp.path(), &["path-info", "--store", store.to_str().unwrap(), &path]);
+        assert!(!o.status.success());
+        let ours = stderr(&o);
+        let mut cmd = std::process::Command::new(&modern);
+        isolate(&mut cmd, tmp.path(), "");
+        let n = cmd.current_dir(tmp.path()).args(["nix-store", "--store", store.to_str().unwrap(), "--check-validity", &path]).output().unwrap();
+        let theirs = stderr(&n);
+        assert_eq!(theirs.contains("is not a valid store path"), refused, "Nix 2.26 on {name:?}: {theirs}");
+        match refused {
+            true => assert!(ours.contains("has an invalid name: the first dash-separated component must not be '."), "{name:?}: {ours}"),
+            false => assert_eq!(ours, format!("error: path '{path}' is not valid\n"), "{name:?}"),
+        }
+    }
+}
