@@ -10,7 +10,7 @@ use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
-use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
+use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Failure, Observer, SubstituteOptions};
 use sluice_store::{binary_cache, substituters};
 use tokio::sync::mpsc;
 
@@ -33,7 +33,7 @@ impl Observer for Forward {
     fn done(&self, path: &StorePath, _: u64) {
         let _ = self.0.send(Progress::Done(path.clone()));
     }
-    fn failed(&self, path: &StorePath, _: &str) {
+    fn failed(&self, path: &StorePath, _: &Failure) {
         let _ = self.0.send(Progress::Failed(path.clone()));
     }
 }
@@ -81,7 +81,7 @@ pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, 
 pub(crate) fn repair(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, path: &StorePath) -> Result<(), String> {
     let report = pipeline(daemon, settings, use_substitutes, roots, vec![path.clone()], true, |_| {})?;
     match report.failed.get(path) {
-        Some(why) => Err(why.clone()),
+        Some(why) => Err(why.message.clone()),
         None if report.substituted.contains(path) => Ok(()),
         None => Err("no substituter has it".into()),
     }

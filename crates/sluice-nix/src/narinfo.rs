@@ -1,16 +1,20 @@
 //! `.narinfo` files: parse and print (Nix's field order; nixbase32 hashes), and the signature
 //! fingerprint. Source: Nix `src/libstore/nar-info.cc`, `path-info.cc`.
 //!
-//! Format: one `Key: value` per line, each line ending in `\n` (the value is everything after
-//! the first `": "`). Parsing follows Nix with these rules (see also shared case 02):
+//! Format: one `Key: value` per line, each line ending in `\n` (the key is everything before
+//! the first `:`, the value everything after the `": "` that follows it). Parsing follows Nix
+//! 2.26 (`NarInfo::NarInfo`) with these rules (see also shared case 02):
 //! - required: `StorePath` (full path), `URL` (non-empty), `NarHash`, `NarSize` (non-zero);
 //! - `Compression` defaults to `bzip2`; `FileHash`/`FileSize` are optional for every
 //!   compression (absent means unknown);
 //! - hashes may be `algo:` + base16 / nixbase32 / base64, or SRI `algo-base64`;
 //! - `References` and `Deriver` are base names validated as store paths; `Deriver:
 //!   unknown-deriver` means none;
-//! - a field other than `Sig` given twice is rejected (Nix rejects a second `References`);
-//! - unknown fields are ignored;
+//! - a second non-empty `References` and a second `CA` are rejected (Nix's "extra References",
+//!   "extra CA"); any other field given twice takes its last value, as in Nix; `Sig` lines
+//!   accumulate (a repeated one counts once, as in Nix's set); an empty `CA` means none;
+//! - unknown fields are ignored, whatever follows their `:`; a known field whose `:` is not
+//!   followed by a space is rejected (Nix would drop the value's first character);
 //! - a line ending in `\r\n`, or a last line without `\n`, is rejected (Nix rejects both: the
 //!   value would keep the `\r`, and an unterminated line may be truncated).
 
@@ -103,8 +107,8 @@ impl NarInfo {
         let mut deriver = None;
         let mut signatures = Vec::new();
         let mut ca = None;
+        let mut seen_ca = false;
         let mut system = None;
-        let mut seen: Vec<&'static str> = Vec::new();
 
         let mut rest = text;
         let mut line = 0usize;
@@ -119,17 +123,13 @@ impl NarInfo {
             if l.ends_with('\r') {
                 return Err(line_err(format!("{l:?} ends in \\r (CRLF line endings are not allowed)")));
             }
-            let (name, value) = l
-                .split_once(": ")
-                .or_else(|| l.strip_suffix(':').map(|n| (n, "")))
-                .ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value'")))?;
+            let (name, after) = l.split_once(':').ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value' (no ':')")))?;
             let Some(field) = known_field(name) else { continue };
-            if field != "Sig" {
-                if seen.contains(&field) {
-                    return Err(field_err(field, format!("given twice (second time on line {line})")));
-                }
-                seen.push(field);
-            }
+            let value = match after.strip_prefix(' ') {
+                Some(value) => value,
+                None if after.is_empty() => "",
+                None => return Err(line_err(format!("{l:?}: the value of {field} must follow ': '"))),
+            };
             match field {
                 "StorePath" => {
                     store_path = Some(store_dir.parse_path(value).map_err(|e| field_err("StorePath", e.to_string()))?)
@@ -140,6 +140,9 @@ impl NarInfo {
                 "FileSize" => file_size = Some(parse_size("FileSize", value)?),
                 "NarHash" => nar_hash = Some(parse_hash("NarHash", value)?),
                 "NarSize" => nar_size = Some(parse_size("NarSize", value)?),
+                "References" if references.as_ref().is_some_and(|r: &Vec<StorePath>| !r.is_empty()) => {
+                    return Err(field_err("References", format!("given again on line {line} (extra References)")));
+                }
                 "References" => {
                     references = Some(
                         value
@@ -152,8 +155,13 @@ impl NarInfo {
                 "Deriver" if value == "unknown-deriver" => {}
                 "Deriver" => deriver = Some(parse_base_name("Deriver", value)?),
                 "System" => system = Some(value.to_owned()),
+                "Sig" if signatures.iter().any(|s| s == value) => {}
                 "Sig" => signatures.push(value.to_owned()),
-                "CA" => ca = Some(ContentAddress::parse(value).map_err(|e| field_err("CA", e.to_string()))?),
+                "CA" if seen_ca => return Err(field_err("CA", format!("given again on line {line} (extra CA)"))),
+                "CA" => {
+                    seen_ca = true;
+                    ca = Some(value).filter(|v| !v.is_empty()).map(ContentAddress::parse).transpose().map_err(|e| field_err("CA", e.to_string()))?;
+                }
                 _ => {}
             }
         }
@@ -266,8 +274,9 @@ NarSize: 632\n";
             Err(NarInfoError::Field { field, .. }) => field,
             other => panic!("{other:?}"),
         };
-        assert_eq!(field(format!("{BASE}URL: again\n")), "URL");
-        assert_eq!(field(format!("{BASE}References:\nReferences: \n")), "References");
+        assert_eq!(field(format!("{BASE}References: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\nReferences: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\n")), "References");
+        assert_eq!(field(format!("{BASE}CA: \nCA: \n")), "CA");
+        assert!(matches!(parse(&format!("{BASE}NarSize:9\n")), Err(NarInfoError::Line { line: 6, .. })));
         assert_eq!(field(format!("{BASE}FileSize: 99999999999999999999999\n")), "FileSize");
         assert_eq!(field(format!("{BASE}FileHash: md5:abc\n")), "FileHash");
         assert_eq!(field(format!("{BASE}CA: fixed:sha256:nope\n")), "CA");
@@ -276,7 +285,11 @@ NarSize: 632\n";
         assert_eq!(field(BASE.replace("/nix/store/", "/gnu/store/")), "StorePath");
         assert!(matches!(parse(&format!("{BASE}no colon here\n")), Err(NarInfoError::Line { line: 6, .. })));
         assert!(matches!(parse(&BASE.replace("URL: nar/x.nar.xz", "URL: ")), Err(NarInfoError::Missing("URL"))));
-        assert!(parse(&format!("{BASE}Unknown:\nOther: a: b\n")).is_ok());
+        assert!(parse(&format!("{BASE}Unknown:\nOther: a: b\nX-Cache:HIT\n")).is_ok());
+        // As Nix 2.26: a field given again takes its last value; empty References lines and
+        // an empty CA are nothing; a repeated Sig counts once.
+        let again = parse(&format!("{BASE}URL: nar/y.nar.xz\nReferences:\nReferences: \nCA: \nSig: k:x\nSig: k:x\n")).unwrap();
+        assert_eq!((again.url.as_str(), again.references.len(), again.ca, again.signatures), ("nar/y.nar.xz", 0, None, vec!["k:x".to_owned()]));
         assert_eq!(parse(BASE).unwrap().to_text(&StoreDir::default()), format!("{BASE}References: \n"));
     }
 }

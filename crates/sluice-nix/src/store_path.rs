@@ -1,6 +1,7 @@
 //! Store paths (`/nix/store/<32-char nixbase32 hash part>-<name>`), validated by Nix's rules
-//! (`src/libstore/path.cc`): hash part of 32 nixbase32 characters, name of 1–211 characters from
-//! `[A-Za-z0-9+-._?=]`, not starting with `.`.
+//! 2.26 (`src/libstore/path.cc`): hash part of 32 nixbase32 characters, name of 1–211
+//! characters from `[A-Za-z0-9+-._?=]` whose first dash-separated component is not `.` or `..`
+//! (Nix 2.8 allowed those too; `.foo` and `...` are fine in both).
 
 use crate::base32;
 use crate::hash::{Hash, HashAlgo};
@@ -38,8 +39,10 @@ pub fn check_name(path: &str, name: &str) -> Result<(), StorePathError> {
     if name.len() > MAX_NAME_LEN {
         return bad("name longer than 211 characters");
     }
-    if name.starts_with('.') {
-        return bad("name starts with a period");
+    match name.split('-').next() {
+        Some(".") => return bad("the first dash-separated component must not be '.'"),
+        Some("..") => return bad("the first dash-separated component must not be '..'"),
+        _ => {}
     }
     if !name.bytes().all(|c| c.is_ascii_alphanumeric() || b"+-._?=".contains(&c)) {
         return bad("illegal character (allowed: A-Z a-z 0-9 + - . _ ? =)");
@@ -188,11 +191,17 @@ mod tests {
         assert!(matches!(StorePath::from_base_name("abc"), Err(TooShort(_))));
         assert!(matches!(StorePath::from_base_name("e33r6hrfzj8vvazpcnl77q6m3lm3vw3g-x"), Err(BadHashPart(_))));
         assert!(matches!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g_x"), Err(BadName(..))));
-        assert!(matches!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-.x"), Err(BadName(..))));
         assert!(matches!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-a/b"), Err(BadName(..))));
         assert!(matches!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-a\r"), Err(BadName(..))));
         assert!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3é-a").is_err());
         let long = format!("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-{}", "a".repeat(212));
+        // Nix 2.26's rule for names beginning with a period.
+        for name in [".", "..", ".-x", "..-x"] {
+            assert!(StorePath::from_base_name(&format!("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-{name}")).is_err(), "{name}");
+        }
+        for name in [".foo", "...", "..x", "a-.-b"] {
+            assert!(StorePath::from_base_name(&format!("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-{name}")).is_ok(), "{name}");
+        }
         assert!(matches!(StorePath::from_base_name(&long), Err(BadName(..))));
         assert!(StorePath::from_base_name(&long[..long.len() - 1]).is_ok());
         let d = StoreDir::default();

@@ -53,8 +53,9 @@ pub enum ClosureEvent {
     Found { narinfo: Arc<NarInfo>, cache: usize },
     /// No substituter has it, and none failed.
     Unknown(StorePath),
-    /// No substituter has it and at least one failed (each error names its URL).
-    Failed { path: StorePath, errors: Vec<Arc<CacheError>> },
+    /// No substituter has it and at least one failed: the substituter's index and its error
+    /// (which names the URL).
+    Failed { path: StorePath, errors: Vec<(usize, Arc<CacheError>)> },
 }
 
 /// Decides which of a batch of paths are already valid in the destination.
@@ -273,7 +274,7 @@ impl ClosureQuery {
 /// lower-priority one only while every higher one lacks it or failed; cancels the rest.
 async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePath, answers: Vec<Answer>, network: bool) -> Outcome {
     let mut records = Vec::new();
-    let mut errors: Vec<Arc<CacheError>> = Vec::new();
+    let mut errors: Vec<(usize, Arc<CacheError>)> = Vec::new();
     let mut answers = answers.into_iter().enumerate();
     while let Some((i, answer)) = answers.next() {
         let sub = &subs[i];
@@ -297,7 +298,7 @@ async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePa
             Ok(Some(narinfo)) => {
                 // Failures of higher-priority caches are skipped, but not silently (those that
                 // disabled a whole cache were reported once already).
-                for e in errors.iter().filter(|e| !e.disables_cache() && !matches!(e.as_ref(), CacheError::Disabled { .. })) {
+                for (_, e) in errors.iter().filter(|(_, e)| !e.is_cache_wide()) {
                     tracing::warn!("{e}; using {} instead", sub.cache.url());
                 }
                 for (_, rest) in answers {
@@ -308,7 +309,7 @@ async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePa
                 return Outcome { path, event: ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: i }, records, network };
             }
             Ok(None) => {}
-            Err(e) => errors.push(Arc::new(e)),
+            Err(e) => errors.push((i, Arc::new(e))),
         }
     }
     let event = if errors.is_empty() { ClosureEvent::Unknown(path.clone()) } else { ClosureEvent::Failed { path: path.clone(), errors } };

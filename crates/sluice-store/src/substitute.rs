@@ -41,7 +41,7 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit};
 
-use crate::binary_cache::{BinaryCache, NarStream};
+use crate::binary_cache::{CacheError, NarStream};
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
 use crate::fd_budget::{FdBudget, LockPermits};
@@ -67,7 +67,7 @@ pub trait Observer: Send + Sync {
     /// A path became valid in the destination; its NAR (`nar_size` bytes) was unpacked.
     fn done(&self, _path: &StorePath, _nar_size: u64) {}
     /// A path failed, with the reason.
-    fn failed(&self, _path: &StorePath, _reason: &str) {}
+    fn failed(&self, _path: &StorePath, _reason: &Failure) {}
     /// Something the user should know that did not fail a path (e.g. a substituter's bad NAR
     /// before another substituter's good one was used).
     fn warning(&self, _message: &str) {}
@@ -80,12 +80,121 @@ pub struct CopyReport {
     pub substituted: Vec<StorePath>,
     /// Paths of the closures that were valid already.
     pub already_valid: usize,
-    /// Paths that could not be made valid, with the reason (naming path, URL, field).
-    pub failed: BTreeMap<StorePath, String>,
+    /// Paths that could not be made valid, with the reason.
+    pub failed: BTreeMap<StorePath, Failure>,
     /// Compressed bytes downloaded.
     pub downloaded: u64,
     /// NAR bytes unpacked.
     pub unpacked: u64,
+}
+
+/// The kind of reason a path could not be substituted: what reports group paths by.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Cause {
+    /// No trusted key signed it (the store's [`LocalStoreError::Untrusted`]): the key names
+    /// of its signatures (none if unsigned) and of `trusted-public-keys`.
+    Untrusted { signers: Vec<String>, trusted: Vec<String> },
+    /// The cache at `url` failed as a whole (unreachable, TLS, 401, 407) and was given up on.
+    Cache { url: String },
+    /// No substituter has it.
+    Unknown,
+    /// One of its references could not be substituted.
+    Reference,
+    /// A reason of the path's own (a hash mismatch, a malformed narinfo, a missing NAR, …).
+    Other,
+}
+
+/// Why a path could not be substituted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub cause: Cause,
+    /// The whole reason, naming the path and the URL, field or hash concerned.
+    pub message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl Failure {
+    /// A reason of the path's own.
+    fn other(message: String) -> Self {
+        Failure { cause: Cause::Other, message }
+    }
+
+    /// The store refused the path (`url` is where it came from).
+    fn store(url: &str, e: &LocalStoreError) -> Self {
+        let cause = match e {
+            LocalStoreError::Untrusted { signers, trusted, .. } => Cause::Untrusted { signers: signers.clone(), trusted: trusted.clone() },
+            _ => Cause::Other,
+        };
+        Failure { cause, message: format!("{url}: {e}") }
+    }
+
+    /// Substituter `sub` failed with `e`.
+    fn cache(sub: &Substituter, e: &CacheError) -> Self {
+        let cause = match e.is_cache_wide() {
+            true => Cause::Cache { url: sub.cache.url().to_owned() },
+            false => Cause::Other,
+        };
+        Failure { cause, message: e.to_string() }
+    }
+
+    /// The failures of one path at several substituters, as one: their common cause (else
+    /// [`Cause::Other`]) and their messages, prefixed with the path.
+    fn combine(shown: &str, failures: Vec<Failure>) -> Self {
+        let cause = match failures.first() {
+            Some(first) if failures.iter().all(|f| f.cause == first.cause) => first.cause.clone(),
+            _ => Cause::Other,
+        };
+        let messages: Vec<String> = failures.into_iter().map(|f| f.message).collect();
+        Failure { cause, message: format!("{shown}: {}", messages.join("; ")) }
+    }
+}
+
+/// Most paths a grouped failure line names.
+const NAMED: usize = 3;
+
+/// The failures of `failed` grouped by [`Cause`], one line each (without `error: `): a cause
+/// that only one path has keeps that path's whole message; a cause many paths share says how
+/// many, names a few, and says what to do about it.
+pub fn summarize(store_dir: &StoreDir, failed: &BTreeMap<StorePath, Failure>) -> Vec<String> {
+    let mut groups: BTreeMap<&Cause, Vec<(&StorePath, &Failure)>> = BTreeMap::new();
+    for (path, failure) in failed {
+        groups.entry(&failure.cause).or_default().push((path, failure));
+    }
+    let mut lines = Vec::new();
+    for (cause, members) in groups {
+        let (n, first) = (members.len(), members[0].1);
+        if n == 1 || *cause == Cause::Other {
+            lines.extend(members.iter().map(|(_, f)| f.message.clone()));
+            continue;
+        }
+        let mut named: Vec<String> = members.iter().take(NAMED).map(|(p, _)| store_dir.display_path(p)).collect();
+        if n > NAMED {
+            named.push(format!("and {} more", n - NAMED));
+        }
+        let named = named.join(", ");
+        lines.push(match cause {
+            Cause::Untrusted { signers, trusted } => {
+                let trusted = if trusted.is_empty() { "no key".to_owned() } else { trusted.join(", ") };
+                match signers.is_empty() {
+                    true => format!("{n} paths lack a signature by a trusted key: they have no signature (trusted-public-keys has {trusted}); mark the substituter '?trusted=true' if you trust it to serve unsigned paths ({named})"),
+                    false => format!(
+                        "{n} paths lack a signature by a trusted key: they are signed by {} but trusted-public-keys has {trusted}; if you trust that key, add it to trusted-public-keys ({named})",
+                        signers.join(", ")
+                    ),
+                }
+            }
+            Cause::Cache { url } => format!("{n} paths could not be substituted because {url} failed: {} ({named})", first.message),
+            Cause::Unknown => format!("no substituter has these {n} paths: {named}"),
+            Cause::Reference => format!("{n} paths were not substituted because a path they refer to failed ({named})"),
+            Cause::Other => unreachable!("printed path by path above"),
+        });
+    }
+    lines
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -251,17 +360,17 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
                     let shown = store_dir.display_path(&path);
                     let job = std::panic::AssertUnwindSafe(shared.clone().substitute(store_dir, narinfo, cache));
                     if futures::FutureExt::catch_unwind(job).await.is_err() {
-                        shared.fail(&path, format!("{shown}: internal error (a panic) while substituting it"));
+                        shared.fail(&path, Failure::other(format!("{shown}: internal error (a panic) while substituting it")));
                     }
                 });
             }
             ClosureEvent::Unknown(path) => {
-                let reason = format!("{}: no substituter has this path", query.store_dir.display_path(&path));
-                shared.fail(&path, reason);
+                let message = format!("{}: no substituter has this path", query.store_dir.display_path(&path));
+                shared.fail(&path, Failure { cause: Cause::Unknown, message });
             }
             ClosureEvent::Failed { path, errors } => {
-                let reasons: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
-                shared.fail(&path, format!("{}: {}", query.store_dir.display_path(&path), reasons.join("; ")));
+                let failures = errors.iter().map(|(i, e)| Failure::cache(&query.substituters[*i], e)).collect();
+                shared.fail(&path, Failure::combine(&query.store_dir.display_path(&path), failures));
             }
         }
     }
@@ -317,7 +426,7 @@ impl Shared {
         self.report.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn fail(&self, path: &StorePath, reason: String) {
+    fn fail(&self, path: &StorePath, reason: Failure) {
         self.observer.failed(path, &reason);
         self.lock_report().failed.insert(path.clone(), reason);
         self.gate.set(path, State::Failed);
@@ -336,7 +445,7 @@ impl Shared {
     }
 
     /// Tries substituter `first` and then every lower-priority one that has the path.
-    async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize) -> Result<(), String> {
+    async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize) -> Result<(), Failure> {
         let path = narinfo.store_path.clone();
         let shown = store_dir.display_path(&path);
         let mut errors = Vec::new();
@@ -355,7 +464,7 @@ impl Shared {
                         candidate = Some((narinfo, i));
                         continue;
                     }
-                    Err(Attempt::Final(e)) => return Err(format!("{shown}: {e}")),
+                    Err(Attempt::Final(e)) => return Err(Failure { message: format!("{shown}: {}", e.message), ..e }),
                     Err(Attempt::TryNext(e)) => {
                         errors.push(e);
                         last_failed = Some(i);
@@ -379,38 +488,38 @@ impl Shared {
                         // A cache that was given up on was reported once already.
                         let reported = last_failed.is_some_and(|j: usize| self.subs[j].cache.is_disabled());
                         if let Some(last) = errors.last().filter(|_| !reported) {
-                            self.observer.warning(&format!("{shown}: {last}; trying {}", sub.cache.url()));
+                            self.observer.warning(&format!("{shown}: {}; trying {}", last.message, sub.cache.url()));
                         }
                         candidate = Some((Arc::new(ni), i));
                     }
-                    Err(e) => errors.push(e.to_string()),
+                    Err(e) => errors.push(Failure::cache(sub, &e)),
                 },
                 Ok(None) => {}
-                Err(e) => errors.push(e.to_string()),
+                Err(e) => errors.push(Failure::cache(sub, &e)),
             }
         }
-        Err(format!("{shown}: {}", errors.join("; ")))
+        Err(Failure::combine(&shown, errors))
     }
 
     /// Substitutes `narinfo`'s path from substituter `i`, admitted eagerly or not (see
     /// [`Shared::admit`]).
     async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, eager: &mut bool) -> Result<(), Attempt> {
-        let (cache, trusted) = (&self.subs[i].cache, self.subs[i].trusted);
+        let (sub, trusted) = (&self.subs[i], self.subs[i].trusted);
+        let cache = &sub.cache;
         let info = ValidPathInfo::from_narinfo(narinfo, 0);
-        self.opts.policy.for_source(trusted).vouch(store_dir, &info).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
-        let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(format!("{}: {e}", cache.narinfo_url(&narinfo.store_path))))?;
+        let narinfo_url = cache.narinfo_url(&narinfo.store_path);
+        self.opts.policy.for_source(trusted).vouch(store_dir, &info).map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?;
+        let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(Failure::other(format!("{narinfo_url}: {e}"))))?;
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
-        let Some((pending, unpacked, downloaded)) = self.fetch_nar(cache, narinfo, info, compression, &url).await? else { return Ok(()) };
+        let Some((pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, info, compression, &url).await? else { return Ok(()) };
         self.wait_references(store_dir, narinfo, *eager).await?;
         let nar_size = unpacked.nar_size;
         let (reply, registered) = oneshot::channel();
-        self.registrar.send(Commit { pending, trusted, reply }).map_err(|_| Attempt::Final("the registrar stopped".into()))?;
-        registered
-            .await
-            .map_err(|_| Attempt::Final("the registrar stopped".into()))?
-            .map_err(|e| Attempt::TryNext(format!("{url}: {e}")))?;
+        let stopped = || Attempt::Final(Failure::other("the registrar stopped".into()));
+        self.registrar.send(Commit { pending, trusted, reply }).map_err(|_| stopped())?;
+        registered.await.map_err(|_| stopped())?.map_err(|e| Attempt::TryNext(Failure::store(&url, &e)))?;
         let mut report = self.lock_report();
         report.substituted.push(narinfo.store_path.clone());
         report.downloaded += downloaded;
@@ -439,7 +548,8 @@ impl Shared {
         let references = async {
             for r in narinfo.references.iter().filter(|r| **r != narinfo.store_path) {
                 if !self.gate.wait_valid(r).await {
-                    return Err(Attempt::Final(format!("its reference {} could not be substituted", store_dir.display_path(r))));
+                    let message = format!("its reference {} could not be substituted", store_dir.display_path(r));
+                    return Err(Attempt::Final(Failure { cause: Cause::Reference, message }));
                 }
             }
             Ok(())
@@ -463,11 +573,11 @@ impl Shared {
             let (dest, info, roots, repair) = (self.dest.clone(), info.clone(), self.roots.clone(), self.repair);
             let tried = tokio::task::spawn_blocking(move || if repair { dest.try_begin_repair(&info, &roots) } else { dest.try_begin_add(info, &roots) })
                 .await
-                .map_err(|e| Attempt::Final(e.to_string()))?;
+                .map_err(|e| Attempt::Final(Failure::other(e.to_string())))?;
             let tried = tried.map_err(|e| match e {
                 // Another substituter may have the registered NAR.
-                LocalStoreError::RepairMismatch { .. } => Attempt::TryNext(e.to_string()),
-                e => Attempt::Final(e.to_string()),
+                LocalStoreError::RepairMismatch { .. } => Attempt::TryNext(Failure::other(e.to_string())),
+                e => Attempt::Final(Failure::other(e.to_string())),
             });
             match tried? {
                 TryAdd::Valid => return Ok(None),
@@ -482,7 +592,8 @@ impl Shared {
     /// the path's lock first, then a job slot per attempt. A transfer cut short (reset, stall,
     /// fewer bytes than announced) is downloaded again after a backoff, up to the cache's
     /// `download-attempts`. `None` when the path became valid meanwhile.
-    async fn fetch_nar(&self, cache: &BinaryCache, narinfo: &NarInfo, info: ValidPathInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+    async fn fetch_nar(&self, sub: &Substituter, narinfo: &NarInfo, info: ValidPathInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+        let cache = &sub.cache;
         let Some(mut pending) = self.lock_path(&info).await? else { return Ok(None) };
         let attempts = cache.download_attempts();
         let mut attempt = 0;
@@ -491,8 +602,8 @@ impl Shared {
             let permit = self.jobs.acquire(narinfo.file_size.unwrap_or(narinfo.nar_size)).await;
             let NarStream { reader, probe } = match cache.open_nar(narinfo).await {
                 Ok(Some(r)) => r,
-                Ok(None) => return Err(Attempt::TryNext(format!("{url}: NAR not found (404)"))),
-                Err(e) => return Err(Attempt::TryNext(e.to_string())),
+                Ok(None) => return Err(Attempt::TryNext(Failure::other(format!("{url}: NAR not found (404)")))),
+                Err(e) => return Err(Attempt::TryNext(Failure::cache(sub, &e))),
             };
             let observer = self.observer.clone();
             let cache_url = cache.url().to_string();
@@ -511,7 +622,7 @@ impl Shared {
                 (pending, result.map(|u| (u, total)))
             })
             .await
-            .map_err(|e| Attempt::Final(e.to_string()))?;
+            .map_err(|e| Attempt::Final(Failure::other(e.to_string())))?;
             pending = returned;
             drop(permit);
             let error = match unpacked {
@@ -525,9 +636,9 @@ impl Shared {
                 }
                 Err(e) => e,
             };
-            let Some(broken) = probe.broken() else { return Err(Attempt::TryNext(error)) };
+            let Some(broken) = probe.broken() else { return Err(Attempt::TryNext(Failure::other(error))) };
             if attempt >= attempts {
-                return Err(Attempt::TryNext(format!("{broken}; gave up after {attempt} attempts")));
+                return Err(Attempt::TryNext(Failure::other(format!("{broken}; gave up after {attempt} attempts"))));
             }
             let wait = cache.backoff(attempt);
             tracing::info!("{broken}; downloading again in {} ms", wait.as_millis());
@@ -557,9 +668,47 @@ impl Shared {
 /// Why one substituter could not provide a path.
 enum Attempt {
     /// Another substituter may succeed.
-    TryNext(String),
+    TryNext(Failure),
     /// No substituter can (a reference failed, the pipeline broke).
-    Final(String),
+    Final(Failure),
     /// The path gave its lock up to a path queued for a permit: to be tried again.
     Yielded,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The store path whose hash part is `c` 32 times.
+    fn path(c: char) -> StorePath {
+        StoreDir::default().parse_path(&format!("/nix/store/{}-p", c.to_string().repeat(32))).unwrap()
+    }
+
+    /// Causes many paths share are one line each, with the count and a few paths; a cause of
+    /// one path, and reasons of a path's own, keep the path's whole message.
+    #[test]
+    fn summarize_groups_by_cause() {
+        let dir = StoreDir::default();
+        let mut failed = BTreeMap::new();
+        let cache = Cause::Cache { url: "https://c.example".into() };
+        for c in ['0', '1', '2', '3', '4'] {
+            failed.insert(path(c), Failure { cause: cache.clone(), message: format!("{c}: https://c.example/x.narinfo: HTTP status 401") });
+        }
+        failed.insert(path('5'), Failure { cause: Cause::Unknown, message: "5: no substituter has this path".into() });
+        for (own, referrer) in [('6', '8'), ('7', '9')] {
+            failed.insert(path(own), Failure::other(format!("{own}: NAR hash mismatch")));
+            failed.insert(path(referrer), Failure { cause: Cause::Reference, message: format!("{referrer}: its reference {own} …") });
+        }
+        let p = |c: char| dir.display_path(&path(c));
+        assert_eq!(
+            summarize(&dir, &failed),
+            [
+                format!("5 paths could not be substituted because https://c.example failed: 0: https://c.example/x.narinfo: HTTP status 401 ({}, {}, {}, and 2 more)", p('0'), p('1'), p('2')),
+                "5: no substituter has this path".to_owned(),
+                format!("2 paths were not substituted because a path they refer to failed ({}, {})", p('8'), p('9')),
+                "6: NAR hash mismatch".to_owned(),
+                "7: NAR hash mismatch".to_owned(),
+            ]
+        );
+    }
 }

@@ -46,7 +46,10 @@ async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk
             // The narinfos of the roots travel alongside nix-cache-info: one round trip for both.
             let roots = &prefetch[..prefetch.len().min(MAX_PREFETCH)];
             let (info, answers) = futures::join!(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p))));
-            let info = info?;
+            let info = match info? {
+                Some(info) => info,
+                None => cache.read_without_cache_info()?,
+            };
             let id = disk.and_then(|d| d.record_cache(&curl.base, &info).map_err(|e| tracing::warn!("{e}")).ok());
             cache.set_info(info);
             let mut sub = Substituter::new(cache, id);

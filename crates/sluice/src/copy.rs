@@ -14,7 +14,7 @@ use sluice_store::local::SignaturePolicy;
 use sluice_store::push;
 use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
-use sluice_store::substitute::{copy_closure, SubstituteOptions};
+use sluice_store::substitute::{copy_closure, summarize, SubstituteOptions};
 
 use crate::progress::{Progress, MIB};
 use crate::setup::{self, CacheFlags};
@@ -115,7 +115,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
         let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
-        let mut query = setup::closure_query(&urls, &settings, &store_dir, is_valid, &roots).await?;
+        let caches = if args.from.is_some() { setup::Caches::Named } else { setup::Caches::Substituters };
+        let mut query = setup::closure_query(&urls, caches, &settings, &store_dir, is_valid, &roots).await?;
         // `trusted` makes a substituter's paths need no signature; the store `nix copy
         // --from` copies from is not a substituter, and its paths are checked all the same
         // (Nix 2.8/2.26 `copyPaths` with `checkSigs`): so is `--from`'s here.
@@ -126,8 +127,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     })?;
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
-    for reason in report.failed.values() {
-        eprintln!("error: {reason}");
+    for line in summarize(&store_dir, &report.failed) {
+        eprintln!("error: {line}");
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
     // Roots that failed have their reason printed already; others are named here.
@@ -157,14 +158,14 @@ fn json_report(
     store_dir: &StoreDir,
     done: (&str, &[StorePath]),
     already_valid: usize,
-    failed: &BTreeMap<StorePath, String>,
+    failed: &BTreeMap<StorePath, impl std::fmt::Display>,
     sizes: &[(&str, u64)],
     secs: f64,
 ) -> serde_json::Value {
     let mut json = serde_json::json!({
         done.0: done.1.iter().map(|p| store_dir.display_path(p)).collect::<Vec<_>>(),
         "alreadyValid": already_valid,
-        "failed": failed.iter().map(|(p, r)| (store_dir.display_path(p), r.clone())).collect::<BTreeMap<_, _>>(),
+        "failed": failed.iter().map(|(p, r)| (store_dir.display_path(p), r.to_string())).collect::<BTreeMap<_, _>>(),
         "seconds": secs,
     });
     for (name, bytes) in sizes {

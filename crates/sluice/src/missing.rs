@@ -34,7 +34,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar) = (0u64, 0u64);
     rt.block_on(async {
-        let query = setup::closure_query(&settings.substituters, &settings, &store_dir, closure::validity_in(Some(dest.clone()), None), &roots).await?;
+        let query = setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, closure::validity_in(Some(dest.clone()), None), &roots).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         while let Some(event) = rx.recv().await {
@@ -48,7 +48,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                     unknown.insert(store_dir.display_path(&p));
                 }
                 ClosureEvent::Failed { path, errors } => {
-                    for e in errors {
+                    for (_, e) in errors {
                         eprintln!("warning: {e}");
                     }
                     unknown.insert(store_dir.display_path(&path));

@@ -143,10 +143,7 @@ fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &Sto
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
     rt.block_on(async {
-        let query = setup::closure_query(&[url.to_owned()], &settings, store_dir, closure::validity_in(None, None), &roots).await?;
-        if query.substituters.is_empty() {
-            return Err(format!("cannot open binary cache {url}"));
-        }
+        let query = setup::closure_query(&[url.to_owned()], setup::Caches::Named, &settings, store_dir, closure::validity_in(None, None), &roots).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = if recursive {
             tokio::spawn(async move { query.run(roots, tx).await })
@@ -162,7 +159,7 @@ fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &Sto
                 }
                 ClosureEvent::Unknown(p) => missing.push(p),
                 ClosureEvent::Failed { path, errors } => {
-                    for e in errors {
+                    for (_, e) in errors {
                         eprintln!("error: {e}");
                     }
                     missing.push(path)
@@ -182,7 +179,7 @@ async fn lookup_each(query: &ClosureQuery, roots: Vec<StorePath>, tx: mpsc::Unbo
         let event = match sub.cache.narinfo_text(&path).await.and_then(|t| t.map(|t| sub.cache.parse_narinfo(&path, &query.store_dir, &t)).transpose()) {
             Ok(Some(narinfo)) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: 0 },
             Ok(None) => ClosureEvent::Unknown(path),
-            Err(e) => ClosureEvent::Failed { path, errors: vec![Arc::new(e)] },
+            Err(e) => ClosureEvent::Failed { path, errors: vec![(0, Arc::new(e))] },
         };
         let _ = tx.send(event);
     }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::substitute::Observer;
+use sluice_store::substitute::{Failure, Observer};
 
 /// Renders substitution progress on standard error.
 pub struct Progress {
@@ -108,7 +108,7 @@ impl Observer for Progress {
         }
     }
 
-    fn failed(&self, _path: &StorePath, _reason: &str) {
+    fn failed(&self, _path: &StorePath, _reason: &Failure) {
         if let Some(bar) = &self.bar {
             bar.inc(1);
         }

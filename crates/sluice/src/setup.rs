@@ -111,14 +111,29 @@ pub fn local_config(url: &str) -> Result<LocalStoreConfig, String> {
     }
 }
 
-/// Opens the substituters `urls` with the disk cache, printing a warning for each left out;
-/// the narinfos of `roots` are asked for alongside each cache's `nix-cache-info`.
-pub async fn closure_query(urls: &[String], settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck, roots: &[StorePath]) -> Result<ClosureQuery, String> {
+/// Where the caches of a closure query come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caches {
+    /// The `substituters`: one that cannot be used is left out with a warning, as Nix does.
+    Substituters,
+    /// A cache the command line names (`copy --from`, `path-info --store`): one that cannot
+    /// be used (not a binary cache, unreachable, TLS failure, 401) is an error, said once.
+    Named,
+}
+
+/// Opens the caches `urls` with the disk cache (see [`Caches`] for those that cannot be
+/// used); the narinfos of `roots` are asked for alongside each cache's `nix-cache-info`.
+pub async fn closure_query(urls: &[String], caches: Caches, settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck, roots: &[StorePath]) -> Result<ClosureQuery, String> {
     let client = binary_cache::http::client(settings)?;
     let disk = substituters::open_disk_cache(settings);
     let (subs, errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), store_dir, roots).await;
     for e in errors {
-        eprintln!("warning: substituter left out: {e}");
+        match caches {
+            Caches::Substituters => eprintln!("warning: substituter left out: {e}"),
+            // Every such error names the URL, as Nix's does (byte for byte for "does not appear
+            // to be a binary cache").
+            Caches::Named => return Err(e.to_string()),
+        }
     }
     Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store_dir.clone(), is_valid })
 }

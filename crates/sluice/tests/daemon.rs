@@ -1710,3 +1710,28 @@ fn a_path_named_like_the_temporary_directory_is_refused() {
     assert_eq!(is_valid(&mut client, shown.as_bytes()), 0);
     drop(daemon);
 }
+
+/// Through the daemon, the reason a substitution failed reaches the client: real Nix 2.8's
+/// `nix-store -r` against `sluice daemon` whose substituter's paths are signed by a key it
+/// does not trust sees the untrusted signature (once, with the count), then Nix's own final
+/// error; Nix 2.8 in direct mode also names the signature ("is not signed by any of the keys").
+#[test]
+fn daemon_client_sees_why_substitution_failed() {
+    let env = Env::new();
+    let cache = env.cache();
+    let other = format!("other-1:{}", cache_key().split_once(':').unwrap().1);
+    let daemon = env.daemon("root", &cache, "");
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let args = ["-r", &glibc, "--option", "substituters", &cache, "--option", "trusted-public-keys", &other];
+    let out = env.cmd("nix-store").args(["--store", &daemon.url]).args(args).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let reasons: Vec<&str> = err.lines().filter(|l| l.contains("lack a signature by a trusted key")).collect();
+    assert_eq!(reasons.len(), 1, "{err}");
+    assert!(reasons[0].contains("they are signed by corpus-nixos-1-1 but trusted-public-keys has other-1; if you trust that key, add it to trusted-public-keys"), "{err}");
+    assert!(err.contains(&format!("error: path '{glibc}' is required, but there is no substituter that can build it")), "{err}");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let out = env.cmd("nix-store").args(["--store", &direct]).args(args).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not signed by any of the keys in 'trusted-public-keys'"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -188,3 +188,21 @@ fn broken_nix_cache_info() {
         }
     }
 }
+
+/// As Nix reads a narinfo (2.8 and 2.26 alike, `NarInfo::NarInfo`): a field given again takes
+/// its last value (here `URL`, first a NAR that does not exist), `Sig` lines repeat, an
+/// unknown field need not have a space after its `:`; real Nix 2.8 substitutes the same file.
+#[test]
+fn narinfo_leniency_is_nixs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = cache_copy(tmp.path(), "cache");
+    let file = narinfo_file(&cache, OK);
+    let text = std::fs::read_to_string(&file).unwrap();
+    let sig = text.lines().find(|l| l.starts_with("Sig: ")).unwrap().to_owned();
+    let text = format!("X-Cache:HIT\nURL: nar/nothing-here.nar\n{text}{sig}\n");
+    std::fs::write(&file, text).unwrap();
+    check(&copy_with(tmp.path(), &tmp.path().join("ours"), &file_url(&cache), &case_key(C02), &[], &[OK]), "sluice copy");
+    let theirs = tmp.path().join("theirs");
+    let o = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &file_url(&cache), "--option", "trusted-public-keys", &case_key(C02)]);
+    check(&o, "nix-store -r of the same narinfo");
+}

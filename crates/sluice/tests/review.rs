@@ -88,7 +88,7 @@ fn unseen_closure_over_http_verified_by_nix() {
     assert_eq!(o.status.code(), Some(1), "untrusted key must fail");
     let o2 = nix(tmp.path(), "nix-store", &["--store", root2.to_str().unwrap(), "--check-validity", &top]);
     assert!(!o2.status.success(), "top must not be registered");
-    assert!(stderr(&o).contains("lacks a signature by a trusted key (signed by: review-unseen-1; trusted: corpus-nixos-1-1)"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("lack a signature by a trusted key: they are signed by review-unseen-1 but trusted-public-keys has corpus-nixos-1-1; if you trust that key, add it to trusted-public-keys"), "{}", stderr(&o));
 }
 
 /// Case 04/06 say a rejected NAR leaves nothing behind "in every consumer (unpack, …)".

@@ -12,6 +12,7 @@ use sluice_nix::wire::{
     write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec,
 };
 use sluice_store::closure::ClosureEvent;
+use sluice_store::substitute::{summarize, Cause};
 
 use super::query::derivation_outputs;
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -22,7 +23,10 @@ const ACT_COPY_PATHS: u64 = 103;
 const ACT_SUBSTITUTE: u64 = 108;
 
 /// Substitutes the closures of `paths` into the store, reporting an activity per path.
-/// Paths that cannot be substituted are left invalid (the caller decides whether that fails).
+/// Paths that cannot be substituted are left invalid (the caller decides whether that fails);
+/// why they could not (an untrusted signature, a cache refusing us, a hash mismatch) is sent
+/// to the client as `error:` log lines, grouped by cause ([`summarize`]), before that. That no
+/// substituter has a path goes without saying: the caller's error says so.
 pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail> {
     let settings = c.options.settings()?;
     let stderr = c.stderr();
@@ -55,9 +59,11 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
         return Err(Fail::Output(e));
     }
     stderr.stop_activity(&mut c.w, parent)?;
-    let report = result.map_err(Fail::Op)?;
-    for (path, why) in &report.failed {
-        tracing::info!("substituting {}: {why}", dir.display_path(path));
+    let mut report = result.map_err(Fail::Op)?;
+    report.failed.retain(|_, f| f.cause != Cause::Unknown);
+    for line in summarize(&dir, &report.failed) {
+        tracing::info!("{line}");
+        c.log(&format!("error: {line}"))?;
     }
     Ok(())
 }

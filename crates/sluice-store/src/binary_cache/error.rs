@@ -16,6 +16,9 @@ pub enum CacheError {
     NarInfo { url: String, #[source] source: sluice_nix::narinfo::NarInfoError },
     #[error("{url}: narinfo is for {got}, not the requested {expected}")]
     WrongStorePath { url: String, expected: String, got: String },
+    /// An HTTP cache without `nix-cache-info` (Nix's words).
+    #[error("'{url}' does not appear to be a binary cache")]
+    NotACache { url: String },
     #[error("{url}: invalid nix-cache-info: {what}")]
     CacheInfo { url: String, what: String },
     #[error("{url}: cache is for store directory {got}, not {expected}")]
@@ -87,6 +90,12 @@ impl CacheError {
     /// [`is_local_shortage`](Self::is_local_shortage)) says nothing about the cache.
     pub fn disables_cache(&self) -> bool {
         (self.is_transient() && !self.is_local_shortage()) || matches!(self, CacheError::Status { status: 401 | 407, .. })
+    }
+
+    /// Whether the failure is the whole cache's, not one file's: it disables the cache
+    /// ([`disables_cache`](Self::disables_cache)) or the cache was disabled already.
+    pub fn is_cache_wide(&self) -> bool {
+        self.disables_cache() || matches!(self, CacheError::Disabled { .. })
     }
 
     /// Whether this process ran short of a local resource while talking to the cache: open

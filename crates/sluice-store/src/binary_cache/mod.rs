@@ -166,9 +166,9 @@ impl BinaryCache {
     }
 
     /// Fetches and parses the cache's `nix-cache-info` over its own transport (so that the
-    /// connection it opens serves the narinfo requests that follow); a cache without one is
-    /// taken to serve `/nix/store` at priority 50, as Nix does.
-    pub async fn fetch_cache_info(&self) -> Result<CacheInfo, CacheError> {
+    /// connection it opens serves the narinfo requests that follow); `None` when it has none
+    /// (see [`BinaryCache::read_without_cache_info`]).
+    pub async fn fetch_cache_info(&self) -> Result<Option<CacheInfo>, CacheError> {
         // The caller reports a failure here (the cache is then left out): no health warning.
         self.health.opening();
         let info = self.fetch_cache_info_once().await;
@@ -176,14 +176,22 @@ impl BinaryCache {
         info
     }
 
-    async fn fetch_cache_info_once(&self) -> Result<CacheInfo, CacheError> {
-        Ok(match self.fetch("nix-cache-info").await? {
-            None => CacheInfo::default(),
-            Some(bytes) => {
-                let text = String::from_utf8(bytes).map_err(|_| self.info_error("not UTF-8 text"))?;
-                CacheInfo::parse(&text).map_err(|e| self.info_error(&e.to_string()))?
-            }
-        })
+    async fn fetch_cache_info_once(&self) -> Result<Option<CacheInfo>, CacheError> {
+        let Some(bytes) = self.fetch("nix-cache-info").await? else { return Ok(None) };
+        let text = String::from_utf8(bytes).map_err(|_| self.info_error("not UTF-8 text"))?;
+        CacheInfo::parse(&text).map(Some).map_err(|e| self.info_error(&e.to_string()))
+    }
+
+    /// What a cache without `nix-cache-info` is to a reader. Nix's `BinaryCacheStore::init`
+    /// writes one (`StoreDir: /nix/store`, so priority 50) into a `file://` or S3 cache, and
+    /// so serves it; over HTTP, Nix's `HttpBinaryCacheStore::init` refuses the URL ("does not
+    /// appear to be a binary cache"). A reader here writes nothing: the first two are taken to
+    /// be what Nix would have written, the last is refused in Nix's words.
+    pub fn read_without_cache_info(&self) -> Result<CacheInfo, CacheError> {
+        match self.transport {
+            Transport::Http { s3: None, .. } => Err(CacheError::NotACache { url: self.url.clone() }),
+            _ => Ok(CacheInfo::default()),
+        }
     }
 
     fn info_error(&self, what: &str) -> CacheError {

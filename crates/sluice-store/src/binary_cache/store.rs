@@ -29,10 +29,11 @@ const LISTING_MIME: &str = "application/json";
 
 impl BinaryCache {
     /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` (a cache
-    /// without one is taken to serve `/nix/store`, as Nix does) and its secret keys.
+    /// without one is taken to serve `/nix/store`: one is written before the first addition,
+    /// as Nix's `BinaryCacheStore::init` writes it) and its secret keys.
     pub async fn open(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<Self, CacheError> {
         let mut cache = BinaryCache::new(url, client, settings, Default::default());
-        let info = cache.fetch_cache_info().await?;
+        let info = cache.fetch_cache_info().await?.unwrap_or_default();
         cache.set_info(info);
         cache.check_store_dir(&cache.store_dir)?;
         for file in &url.write.secret_key_files {

@@ -72,6 +72,15 @@ use verify::CaHashing;
 /// Its hash part is a temporary root of every holder that adds paths.
 pub const TEMP_DIR: &str = "00000000000000000000000000000000-sluice-unpacking";
 
+/// Who signed an untrusted path and whom the policy trusts, as [`LocalStoreError::Untrusted`]
+/// says it.
+fn untrusted_detail(signers: &[String], trusted: &[String]) -> String {
+    match signers.is_empty() {
+        true => "it has no signature".to_owned(),
+        false => format!("signed by: {}; trusted: {}", signers.join(", "), if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") }),
+    }
+}
+
 /// Errors of the local store. Each names the store path or file concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum LocalStoreError {
@@ -105,9 +114,10 @@ pub enum LocalStoreError {
     /// The content address does not yield the path for its name and references.
     #[error("cannot add path '{path}': its content address {ca} implies {implied}")]
     CaPath { path: String, ca: String, implied: String },
-    /// Nobody the policy trusts vouches for the path (Nix's words, then who signed it).
-    #[error("cannot add path '{path}' because it lacks a signature by a trusted key ({detail})")]
-    Untrusted { path: String, detail: String },
+    /// Nobody the policy trusts vouches for the path (Nix's words, then who signed it):
+    /// `signers` are the key names of its signatures, `trusted` those of `trusted-public-keys`.
+    #[error("cannot add path '{path}' because it lacks a signature by a trusted key ({})", untrusted_detail(signers, trusted))]
+    Untrusted { path: String, signers: Vec<String>, trusted: Vec<String> },
     /// A source offers a valid path with another NAR than the registered one: it cannot
     /// repair it.
     #[error("cannot repair {path} from this source: it has NAR hash {offered}, but {registered} is registered")]

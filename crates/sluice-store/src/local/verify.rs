@@ -87,14 +87,9 @@ impl SignaturePolicy {
         if info.content_addressed_path(store_dir).as_ref() == Some(&info.path) {
             return Ok(Vouched::ContentAddressed);
         }
-        let signers: Vec<&str> = info.sigs.iter().map(|s| s.split(':').next().unwrap_or("")).collect();
-        let detail = if signers.is_empty() {
-            "it has no signature".to_owned()
-        } else {
-            let trusted: Vec<&str> = self.trusted_keys.keys().iter().map(|k| k.name()).collect();
-            format!("signed by: {}; trusted: {}", signers.join(", "), if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") })
-        };
-        Err(LocalStoreError::Untrusted { path: store_dir.display_path(&info.path), detail })
+        let signers = info.sigs.iter().map(|s| s.split(':').next().unwrap_or("").to_owned()).collect();
+        let trusted = self.trusted_keys.keys().iter().map(|k| k.name().to_owned()).collect();
+        Err(LocalStoreError::Untrusted { path: store_dir.display_path(&info.path), signers, trusted })
     }
 }
 

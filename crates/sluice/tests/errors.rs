@@ -1,0 +1,112 @@
+//! Errors people can act on (issue 12): a `--from` that cannot be used is one hard error that
+//! says why, as real Nix 2.8 refuses it too; failures that share a cause are one line with the
+//! count, what the paths carry and the fix.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+
+/// The `error:` lines of `sluice`'s standard error.
+fn error_lines(o: &std::process::Output) -> Vec<String> {
+    stderr(o).lines().filter(|l| l.starts_with("error: ")).map(str::to_owned).collect()
+}
+
+/// `sluice copy --from URL` and `nix copy --from URL` of the corpus's top path into fresh
+/// stores under `tmp`: both must fail; returns sluice's output.
+fn copy_from_both(tmp: &Path, url: &str, extra: &[&str]) -> (std::process::Output, std::process::Output) {
+    let ours = tmp.join("ours");
+    let theirs = tmp.join("theirs");
+    let mut args = vec!["copy", "--from", url, "--to", ours.to_str().unwrap()];
+    args.extend(extra);
+    args.push(TOP);
+    let o = sluice(tmp, &args);
+    assert_eq!(o.status.code(), Some(1), "sluice copy --from {url}: {}", stderr(&o));
+    let mut args = vec!["copy", "--from", url, "--to", theirs.to_str().unwrap(), "--option", "download-attempts", "1"];
+    args.extend(extra);
+    args.push(TOP);
+    let n = nix(tmp, "nix", &args);
+    assert!(!n.status.success(), "nix copy --from {url} must fail too: {}", stderr(&n));
+    (o, n)
+}
+
+/// An HTTP server without `nix-cache-info` is not a binary cache: Nix's one line, byte for byte.
+#[test]
+fn from_not_a_binary_cache_is_nixs_one_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let server = Scripted::start(&empty, None, 0, &tmp.path().join("log"));
+    let (o, n) = copy_from_both(tmp.path(), &server.url, &[]);
+    assert_eq!(stderr(&o), format!("error: '{}' does not appear to be a binary cache\n", server.url));
+    assert_eq!(stderr(&o), stderr(&n), "as Nix 2.8 says it");
+}
+
+/// Unreachable, a certificate nobody trusts, 401: one error naming the URL and the cause,
+/// before anything is copied (today: "no substituter has this path" for each path).
+#[test]
+fn from_unreachable_tls_or_401_is_one_error_saying_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let closed = format!("http://127.0.0.1:{}", closed_port());
+    let tls = CacheServer::start(&corpus().join("cache-zstd"), &tmp.path().join("nginx"), &["--tls"]);
+    let rules = tmp.path().join("rules-401.json");
+    std::fs::write(&rules, r#"[{"path": "/nix-cache-info", "status": 401, "body": "token expired"}]"#).unwrap();
+    let unauthorised = Scripted::start(&corpus().join("cache-zstd"), Some(&rules), 0, &tmp.path().join("log"));
+    for (url, cause) in [(closed.as_str(), "Connection refused"), (tls.url.as_str(), "certificate"), (unauthorised.url.as_str(), "HTTP status 401 (token expired)")] {
+        let case = tmp.path().join(cause.split(' ').next().unwrap());
+        std::fs::create_dir(&case).unwrap();
+        let (o, _) = copy_from_both(&case, url, &["--option", "download-attempts", "1"]);
+        let lines: Vec<String> = stderr(&o).lines().map(str::to_owned).collect();
+        assert_eq!(lines.len(), 1, "one line for {url}: {lines:?}");
+        assert!(lines[0].starts_with(&format!("error: {url}/nix-cache-info: ")) && lines[0].contains(cause), "{url}: {lines:?}");
+    }
+}
+
+/// 1046 paths signed by a key nobody trusts: one line with the count, the key the narinfos
+/// carry, the trusted one and the fix; the 10 content-addressed paths need no signature and
+/// are copied. Real Nix 2.8 refuses the closure too.
+#[test]
+fn untrusted_key_failures_are_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let key = corpus_key();
+    let other = format!("other-1:{}", key.split_once(':').unwrap().1);
+    let cache = format!("file://{}", corpus().join("cache-zstd").display());
+    let (o, n) = copy_from_both(tmp.path(), &cache, &["--trusted-public-keys", &other]);
+    let lines = error_lines(&o);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with(
+            "error: 1046 paths lack a signature by a trusted key: they are signed by corpus-nixos-1-1 but trusted-public-keys has other-1; \
+             if you trust that key, add it to trusted-public-keys (/nix/store/"
+        ) && lines[0].ends_with(", and 1043 more)"),
+        "{lines:?}"
+    );
+    assert!(stderr(&n).contains("lacks a valid signature"), "{}", stderr(&n));
+}
+
+/// Store path names beginning with a period, as Nix 2.26 takes them (`checkName`): `.`, `..`
+/// and a first dash-separated component of either are refused, naming the rule; `.foo` and
+/// `...` are names (Nix 2.8 took all six). Each asked of an empty store by `path-info` and by
+/// real Nix 2.26's `nix-store --check-validity` (through `nix-modern`).
+#[test]
+fn store_path_names_are_nix_2_26s() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let modern = shared().join("bin/nix-modern");
+    for (name, refused) in [(".", true), ("..", true), (".-x", true), ("..-x", true), (".foo", false), ("...", false)] {
+        let path = format!("/nix/store/0za6hhg5kdh6vk2ds8m40snyz7aar7a1-{name}");
+        let o = sluice(tmp.path(), &["path-info", "--store", store.to_str().unwrap(), &path]);
+        assert!(!o.status.success());
+        let ours = stderr(&o);
+        let mut cmd = std::process::Command::new(&modern);
+        isolate(&mut cmd, tmp.path(), "");
+        let n = cmd.current_dir(tmp.path()).args(["nix-store", "--store", store.to_str().unwrap(), "--check-validity", &path]).output().unwrap();
+        let theirs = stderr(&n);
+        assert_eq!(theirs.contains("is not a valid store path"), refused, "Nix 2.26 on {name:?}: {theirs}");
+        match refused {
+            true => assert!(ours.contains("has an invalid name: the first dash-separated component must not be '."), "{name:?}: {ours}"),
+            false => assert_eq!(ours, format!("error: path '{path}' is not valid\n"), "{name:?}"),
+        }
+    }
+}
