@@ -72,7 +72,8 @@ fn nix(program: &str, args: &[&str], scratch: &Path) -> Output {
         .env("XDG_CONFIG_HOME", home.join("config"))
         .env("XDG_DATA_HOME", home.join("data"))
         .env("NIX_CONFIG", "substituters =\nexperimental-features = nix-command\nrequire-sigs = false\n")
-        .env_remove("NIX_REMOTE")
+        // Nix opens its default store even when every store a command uses is given.
+        .env("NIX_REMOTE", format!("local?root={}", scratch.join("default-store").display()))
         .output()
         .unwrap_or_else(|e| panic!("cannot run {program} (Nix 2.8's nix-bin must be installed for these tests): {e}"))
 }

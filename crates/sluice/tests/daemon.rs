@@ -46,7 +46,7 @@ impl Env {
             .env("XDG_CACHE_HOME", self.path("cache"))
             .env("NIX_CONF_DIR", self.path("conf"))
             .env("NIX_CONFIG", "substituters =\nexperimental-features = nix-command")
-            .env_remove("NIX_REMOTE");
+            .env("NIX_REMOTE", format!("local?root={}", self.path("default-store").display()));
         c
     }
 
@@ -1122,7 +1122,7 @@ fn open_to_nobody(env: &Env) {
 /// The output of a Nix 2.8 command run as `nobody` with `env`'s isolated configuration:
 /// (success, stdout, stderr).
 fn as_nobody(env: &Env, program: &str, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new("runuser").args(["-u", "nobody", "--"]).args(nobody_env(env)).arg(program).args(args).env_remove("NIX_REMOTE").output().unwrap();
+    let out = Command::new("runuser").args(["-u", "nobody", "--"]).args(nobody_env(env)).arg(program).args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
@@ -1134,7 +1134,6 @@ fn modern_as_nobody(env: &Env, program: &str, args: &[&str]) -> (bool, String, S
         .args(nobody_env(env))
         .arg(program)
         .args(args)
-        .env_remove("NIX_REMOTE")
         .output()
         .unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
@@ -1160,6 +1159,8 @@ fn nobody_env(env: &Env) -> Vec<String> {
         format!("XDG_CACHE_HOME={}", env.path("nobody-cache").display()),
         format!("NIX_CONF_DIR={}", env.path("conf").display()),
         "NIX_CONFIG=substituters =\nexperimental-features = nix-command".into(),
+        // Nix opens its default store even when every store a command uses is given.
+        format!("NIX_REMOTE=local?root={}", env.path("nobody-home/default-store").display()),
     ]
 }
 

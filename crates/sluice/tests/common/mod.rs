@@ -31,7 +31,8 @@ pub fn corpus_key() -> String {
 }
 
 /// A command environment without the caller's Nix configuration: its own HOME, cache and
-/// config dirs under `tmp`, and an empty `NIX_CONFIG` apart from `extra`.
+/// config dirs under `tmp`, an empty `NIX_CONFIG` apart from `extra`, and a default store
+/// ([`default_store`]) under `tmp`, so that no command can touch this machine's `/nix`.
 pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
     let home = tmp.join("home");
     std::fs::create_dir_all(&home).unwrap();
@@ -40,7 +41,14 @@ pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
         .env("XDG_CONFIG_HOME", home.join(".config"))
         .env("NIX_CONF_DIR", tmp.join("no-etc-nix"))
         .env("NIX_CONFIG", format!("substituters =\nexperimental-features = nix-command\n{extra}"))
-        .env_remove("NIX_REMOTE");
+        .env("NIX_REMOTE", default_store(tmp));
+}
+
+/// The default store (`NIX_REMOTE`) a test's Nix commands get: a chroot store under `tmp`.
+/// Nix opens its default store even when every store a command uses is given (`nix copy
+/// --from A --to B`): without this, that is this machine's `/nix`.
+pub fn default_store(tmp: &Path) -> String {
+    format!("local?root={}", tmp.join("default-store").display())
 }
 
 /// `sluice ARGS` in an isolated environment under `tmp`.
