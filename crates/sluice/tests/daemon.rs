@@ -26,13 +26,15 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
-        let out = Command::new("nix-store").arg("--version").output().expect("nix-store not found on PATH: these tests need real Nix 2.8");
-        assert!(out.status.success(), "nix-store --version failed: {out:?}");
         let dir = tempfile::tempdir().unwrap();
         for d in ["home", "conf", "cache"] {
             std::fs::create_dir_all(dir.path().join(d)).unwrap();
         }
-        Env { dir }
+        let env = Env { dir };
+        // Even `nix-store --version` opens the default store: it must be the chroot one.
+        let out = env.cmd("nix-store").arg("--version").output().expect("nix-store not found on PATH: these tests need real Nix 2.8");
+        assert!(out.status.success(), "nix-store --version failed: {out:?}");
+        env
     }
 
     fn path(&self, p: &str) -> PathBuf {
