@@ -190,6 +190,42 @@ impl NarInfo {
         })
     }
 
+    /// The narinfo a cache writes for `info`, whose NAR it holds at `url` compressed with
+    /// `compression` (`file_hash`, `file_size` of that file): `info`'s signatures, then one by
+    /// each of `keys` over its fingerprint unless already there (Nix's
+    /// `BinaryCacheStore::addToStoreCommon`, `ValidPathInfo::sign`).
+    pub fn signed(
+        info: &crate::path_info::ValidPathInfo,
+        (url, compression, file_hash, file_size): (String, String, Hash, u64),
+        keys: &[crate::signature::SecretKey],
+        store_dir: &StoreDir,
+    ) -> Self {
+        let mut signatures: Vec<String> = info.sigs.iter().cloned().collect();
+        if !keys.is_empty() {
+            let fingerprint = info.fingerprint(store_dir);
+            for key in keys {
+                let sig = key.sign(&fingerprint);
+                if !signatures.contains(&sig) {
+                    signatures.push(sig);
+                }
+            }
+        }
+        NarInfo {
+            store_path: info.path.clone(),
+            url,
+            compression,
+            file_hash: Some(file_hash),
+            file_size: Some(file_size),
+            nar_hash: info.nar_hash.clone(),
+            nar_size: info.nar_size,
+            references: info.references.iter().cloned().collect(),
+            deriver: info.deriver.clone(),
+            signatures,
+            ca: info.ca.clone(),
+            system: None,
+        }
+    }
+
     /// Prints in Nix's form and field order (`References: ` always, with a trailing space when
     /// empty; hashes as `sha256:<nixbase32>`).
     pub fn to_text(&self, store_dir: &StoreDir) -> String {

@@ -21,29 +21,6 @@ pub fn nar_url(info: &ValidPathInfo) -> String {
 /// The narinfo text of `info`: its registered signatures, then one by each of `keys` over the
 /// path's fingerprint (Nix's `ValidPathInfo::fingerprint`) unless already there.
 pub fn render(info: &ValidPathInfo, keys: &[SecretKey], store_dir: &StoreDir) -> String {
-    let mut signatures: Vec<String> = info.sigs.iter().cloned().collect();
-    if !keys.is_empty() {
-        let fingerprint = info.fingerprint(store_dir);
-        for key in keys {
-            let sig = key.sign(&fingerprint);
-            if !signatures.contains(&sig) {
-                signatures.push(sig);
-            }
-        }
-    }
-    NarInfo {
-        store_path: info.path.clone(),
-        url: nar_url(info),
-        compression: "none".into(),
-        file_hash: Some(info.nar_hash.clone()),
-        file_size: Some(info.nar_size),
-        nar_hash: info.nar_hash.clone(),
-        nar_size: info.nar_size,
-        references: info.references.iter().cloned().collect(),
-        deriver: info.deriver.clone(),
-        signatures,
-        ca: info.ca.clone(),
-        system: None,
-    }
-    .to_text(store_dir)
+    let file = (nar_url(info), "none".to_owned(), info.nar_hash.clone(), info.nar_size);
+    NarInfo::signed(info, file, keys, store_dir).to_text(store_dir)
 }

@@ -87,28 +87,8 @@ impl BinaryCache {
     /// The narinfo of an added path: `info` with the prepared NAR's URL, compression and file
     /// hash, signed with the cache's keys.
     fn narinfo_for(&self, info: &ValidPathInfo, nar: &PreparedNar, url: String) -> NarInfo {
-        let store_dir = StoreDir::default();
-        let mut signatures: Vec<String> = info.sigs.iter().cloned().collect();
-        for key in &self.secret_keys {
-            let sig = key.sign(&info.fingerprint(&store_dir));
-            if !signatures.contains(&sig) {
-                signatures.push(sig);
-            }
-        }
-        NarInfo {
-            store_path: info.path.clone(),
-            url,
-            compression: self.write.compression.name().to_string(),
-            file_hash: Some(nar.file_hash.clone()),
-            file_size: Some(nar.file_size),
-            nar_hash: info.nar_hash.clone(),
-            nar_size: info.nar_size,
-            references: info.references.iter().cloned().collect(),
-            deriver: info.deriver.clone(),
-            signatures,
-            ca: info.ca.clone(),
-            system: None,
-        }
+        let file = (url, self.write.compression.name().to_string(), nar.file_hash.clone(), nar.file_size);
+        NarInfo::signed(info, file, &self.secret_keys, &StoreDir::default())
     }
 }
 
