@@ -62,6 +62,9 @@ pub struct SubstituteOptions {
 pub trait Observer: Send + Sync {
     /// A path will be substituted: its compressed and NAR sizes in bytes (0 if unknown).
     fn queued(&self, _path: &StorePath, _download: u64, _nar: u64) {}
+    /// The NAR of a path started to arrive from the cache at `cache` (its URL); called again
+    /// for each further attempt.
+    fn started(&self, _path: &StorePath, _cache: &str) {}
     /// `bytes` more compressed bytes arrived from the cache at `cache` (its URL).
     fn downloaded(&self, _cache: &str, _bytes: u64) {}
     /// A path became valid in the destination; its NAR (`nar_size` bytes) was unpacked.
@@ -605,6 +608,7 @@ impl Shared {
                 Ok(None) => return Err(Attempt::TryNext(Failure::other(format!("{url}: NAR not found (404)")))),
                 Err(e) => return Err(Attempt::TryNext(Failure::cache(sub, &e))),
             };
+            self.observer.started(&narinfo.store_path, cache.url());
             let observer = self.observer.clone();
             let cache_url = cache.url().to_string();
             let unpack_url = url.to_string();

@@ -16,6 +16,7 @@ use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
 use sluice_store::substitute::{copy_closure, summarize, SubstituteOptions};
 
+use crate::log::{LVL_ERROR, LVL_WARN};
 use crate::progress::{Progress, MIB};
 use crate::setup::{self, CacheFlags};
 
@@ -110,7 +111,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();
-    let progress = Arc::new(Progress::new(store_dir.clone(), args.json));
+    let progress = Progress::start(store_dir.clone(), &to, args.json);
     let started = Instant::now();
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
@@ -123,12 +124,21 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         if args.from.is_some() {
             Arc::get_mut(&mut query.substituters).into_iter().flatten().for_each(|s| s.trusted = false);
         }
-        Ok::<_, String>(copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()).await)
-    })?;
+        tokio::select! {
+            report = copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()) => Ok(report),
+            // Ctrl-C: the line stays, marked; Nix's words for the error (`src/libmain/shared.cc`).
+            _ = tokio::signal::ctrl_c() => {
+                progress.interrupted();
+                Err("interrupted by the user".to_string())
+            }
+        }
+    });
+    // An interrupted copy does not wait for the unpacking threads still running.
+    let report = report.inspect_err(|_| rt.shutdown_background())?;
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
     for line in summarize(&store_dir, &report.failed) {
-        eprintln!("error: {line}");
+        progress.msg(LVL_ERROR, &format!("error: {line}"));
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
     // Roots that failed have their reason printed already; others are named here.
@@ -137,7 +147,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         let sizes = [("downloadSize", report.downloaded), ("narSize", report.unpacked)];
         println!("{}", json_report(&store_dir, ("substituted", &report.substituted), report.already_valid, &report.failed, &sizes, secs));
     }
-    eprintln!(
+    let summary = format!(
         "copied {} paths ({:.2} MiB downloaded, {:.2} MiB unpacked) in {:.2} s; {} already valid, {} failed",
         report.substituted.len(),
         report.downloaded as f64 / MIB,
@@ -146,8 +156,9 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         report.already_valid,
         report.failed.len()
     );
+    progress.msg(LVL_WARN, &summary);
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
-        eprintln!("error: {} is not valid in {}", store_dir.display_path(m), to);
+        progress.msg(LVL_ERROR, &format!("error: {} is not valid in {}", store_dir.display_path(m), to));
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

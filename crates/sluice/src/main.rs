@@ -4,6 +4,7 @@
 mod copy;
 mod daemon;
 mod key;
+mod log;
 mod missing;
 mod nar;
 mod path_info;
@@ -21,6 +22,8 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: log::LogFlags,
 }
 
 #[derive(Subcommand)]
@@ -44,14 +47,22 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let log = log::Log::init(&cli.log);
+    // sluice's own messages: warnings by default, more with -v (info) and -vv (debug);
+    // `SLUICE_LOG` (an `EnvFilter`) wins.
+    let filter = match log.verbosity {
+        ..=log::LVL_INFO => "warn",
+        4 => "info",
+        _ => "debug",
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| filter.into()))
+        .with_writer(log::TracingWriter)
+        .with_ansi(log.format == log::LogFormat::Bar)
         .without_time()
         .with_target(false)
         .init();
-    let cli = Cli::parse();
     if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_) | Command::Serve(_)) {
         // A command whose output is piped into `head` ends quietly when the reader goes away,
         // like other Unix tools, instead of panicking on the write. (The daemon keeps
@@ -76,7 +87,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            log.msg(log::LVL_ERROR, &format!("error: {e}"));
             ExitCode::FAILURE
         }
     }

@@ -1,116 +1,269 @@
-//! Progress rendering: a live bar on a terminal (paths done/total, bytes downloaded and
-//! unpacked, the download rate of each cache), plain lines otherwise. Fed by the substitution
-//! pipeline's observer calls.
+//! Substitution progress, fed by the pipeline's observer calls, in the run's log format
+//! ([`crate::log`]): a progress line redrawn on a terminal (Nix's `progress-bar.cc` draws one
+//! too), `copying path 'X' from 'URL'...` lines as Nix's simple logger prints them, or Nix's
+//! JSON activities (one `actCopyPaths` for the copy, one `actCopyPath` per path under it).
 
-use std::collections::BTreeMap;
-use std::io::IsTerminal;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::Instant;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::substitute::{Failure, Observer};
+
+use crate::log::{act, res, Activity, Log, LVL_INFO, LVL_WARN};
+
+/// The widest the progress line gets, in columns (narrower on a narrower terminal).
+const MAX_WIDTH: usize = 80;
+/// The span over which a cache's current rate is measured.
+const RATE_WINDOW: Duration = Duration::from_secs(5);
+/// How often the progress line is redrawn.
+const TICK: Duration = Duration::from_millis(200);
 
 /// Renders substitution progress on standard error.
 pub struct Progress {
     bar: Option<ProgressBar>,
+    log: Log,
     store_dir: StoreDir,
-    downloaded: AtomicU64,
-    unpacked: AtomicU64,
-    /// Compressed bytes per cache URL.
-    per_cache: Mutex<BTreeMap<String, u64>>,
-    started: Instant,
+    /// The destination store's URL (the third field of `actCopyPath`).
+    to: String,
+    state: Mutex<State>,
+    /// The copy's `actCopyPaths` activity.
+    top: Activity,
+}
+
+/// What is known so far. Byte counts are compressed (downloaded) bytes.
+#[derive(Default)]
+struct State {
+    /// Paths queued for substitution so far (the total grows while the closure is queried).
+    known: u64,
+    /// Their download sizes, summed.
+    known_bytes: u64,
+    /// Their NAR sizes, summed.
+    known_nar: u64,
+    done: u64,
+    failed: u64,
+    /// Paths whose NAR is arriving, with their `actCopyPath` activity.
+    running: HashMap<StorePath, Activity>,
+    downloaded: u64,
+    /// Bytes per cache URL so far, and samples (time, bytes) of the last [`RATE_WINDOW`].
+    caches: BTreeMap<String, (u64, VecDeque<(Instant, u64)>)>,
+    finished: bool,
 }
 
 impl Progress {
-    /// A bar when standard error is a terminal (and `quiet` is off), plain lines otherwise.
-    pub fn new(store_dir: StoreDir, quiet: bool) -> Self {
-        let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
-            let bar = ProgressBar::new(0);
-            bar.set_style(
-                ProgressStyle::with_template("[{elapsed_precise}] {bar:30} {pos}/{len} paths, {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
-            );
+    /// Starts showing the progress of a copy into `to`. With `json` (a `--json` report on
+    /// standard output), nothing but errors and warnings is shown.
+    pub fn start(store_dir: StoreDir, to: &str, json: bool) -> Arc<Self> {
+        let log = Log::get();
+        let bar = (log.bar() && !json).then(|| {
+            let bar = ProgressBar::new_spinner();
+            bar.set_style(ProgressStyle::with_template("{msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
             bar
         });
-        Progress {
-            bar,
-            store_dir,
-            downloaded: AtomicU64::new(0),
-            unpacked: AtomicU64::new(0),
-            per_cache: Mutex::new(BTreeMap::new()),
-            started: Instant::now(),
+        let top = Activity::start(LVL_INFO, act::COPY_PATHS, "copying paths", json!([]), 0);
+        let progress = Arc::new(Progress { bar, log, store_dir, to: to.to_string(), state: Mutex::new(State::default()), top });
+        if progress.bar.is_some() {
+            let weak = Arc::downgrade(&progress);
+            std::thread::spawn(move || tick(weak));
         }
+        progress
     }
 
-    /// Compressed bytes downloaded so far.
-    pub fn downloaded(&self) -> u64 {
-        self.downloaded.load(Ordering::Relaxed)
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Removes the bar before the summary is printed.
+    /// Removes the progress line before the summary is printed.
     pub fn finish(&self) {
+        self.state().finished = true;
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
     }
 
-    fn message(&self) -> String {
-        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
-        let rates: Vec<String> = self
-            .per_cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(cache, bytes)| format!("{cache} {:.1} MiB/s", *bytes as f64 / MIB / secs))
-            .collect();
-        format!(
-            "{:.1} MiB downloaded ({}), {:.1} MiB unpacked",
-            self.downloaded() as f64 / MIB,
-            rates.join(", "),
-            self.unpacked.load(Ordering::Relaxed) as f64 / MIB
-        )
+    /// Leaves the progress line as it was, followed by "interrupted" (Ctrl-C).
+    pub fn interrupted(&self) {
+        let line = {
+            let mut state = self.state();
+            state.finished = true;
+            state.running.clear();
+            state.line(terminal_width().saturating_sub(" interrupted".len()))
+        };
+        if let Some(bar) = &self.bar {
+            bar.abandon_with_message(format!("{line} interrupted"));
+        }
     }
+
+    /// Prints `text` at `level` without tearing the progress line.
+    pub fn msg(&self, level: u8, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.suspend(|| self.log.msg(level, text)),
+            None => self.log.msg(level, text),
+        }
+    }
+
+    fn redraw(&self) {
+        if let Some(bar) = &self.bar {
+            let mut state = self.state();
+            if !state.finished {
+                state.sample(Instant::now());
+                bar.set_message(state.line(terminal_width()));
+            }
+        }
+    }
+
+    fn report_counts(&self, state: &State) {
+        self.top.progress(state.done, state.known, state.running.len() as u64, state.failed);
+    }
+}
+
+/// Redraws the line every [`TICK`] (so that rates fall when bytes stop) until the copy ends.
+fn tick(progress: Weak<Progress>) {
+    while let Some(p) = progress.upgrade() {
+        if p.state().finished {
+            return;
+        }
+        p.redraw();
+        drop(p);
+        std::thread::sleep(TICK);
+    }
+}
+
+/// The width the progress line may take: [`MAX_WIDTH`], or the terminal's when narrower, less
+/// the last column (a line that fills it wraps on some terminals).
+fn terminal_width() -> usize {
+    let (_, cols) = console::Term::stderr().size();
+    (cols as usize).min(MAX_WIDTH).saturating_sub(1)
+}
+
+impl State {
+    /// Records a rate sample per cache at `now`, dropping samples older than the window.
+    fn sample(&mut self, now: Instant) {
+        for (bytes, samples) in self.caches.values_mut() {
+            samples.push_back((now, *bytes));
+            while samples.front().is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW) {
+                samples.pop_front();
+            }
+        }
+    }
+
+    /// The progress line, at most `width` columns: paths done/running/known and failed,
+    /// bytes downloaded of those known, and each cache's current rate.
+    fn line(&self, width: usize) -> String {
+        let mut line = format!("[{}/{}/{} paths", self.done, self.running.len(), self.known);
+        if self.failed > 0 {
+            line += &format!(", {} failed", self.failed);
+        }
+        line += &format!("] {} of {} DL", human_bytes(self.downloaded), human_bytes(self.known_bytes.max(self.downloaded)));
+        for (url, (_, samples)) in &self.caches {
+            if let (Some((t0, b0)), Some((t1, b1))) = (samples.front(), samples.back()) {
+                let secs = t1.duration_since(*t0).as_secs_f64();
+                let rate = if secs > 0.0 { (b1 - b0) as f64 / secs } else { 0.0 };
+                let host = url.split("://").nth(1).unwrap_or(url).trim_end_matches('/');
+                line += &format!(", {host} {}/s", human_bytes(rate as u64));
+            }
+        }
+        truncate(&line, width)
+    }
+}
+
+/// `s` cut to `width` characters, with "…" as its last when cut.
+fn truncate(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return s.to_string();
+    }
+    let mut cut: String = s.chars().take(width.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
 }
 
 /// Bytes in a MiB.
 pub const MIB: f64 = 1024.0 * 1024.0;
 
+/// `bytes` in MiB (GiB from 1 GiB on), with one decimal, as Nix's progress bar shows sizes.
+pub fn human_bytes(bytes: u64) -> String {
+    let mib = bytes as f64 / MIB;
+    if mib >= 1024.0 {
+        format!("{:.1} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
 impl Observer for Progress {
-    fn queued(&self, _path: &StorePath, _download: u64, _nar: u64) {
-        if let Some(bar) = &self.bar {
-            bar.inc_length(1);
+    fn queued(&self, _path: &StorePath, download: u64, nar: u64) {
+        let mut state = self.state();
+        state.known += 1;
+        state.known_bytes += download;
+        state.known_nar += nar;
+        self.report_counts(&state);
+        // As Nix's `copyPaths`: the NAR bytes expected of the `actCopyPath` activities.
+        self.top.result(res::SET_EXPECTED, json!([act::COPY_PATH, state.known_nar]));
+    }
+
+    fn started(&self, path: &StorePath, cache: &str) {
+        let mut state = self.state();
+        if state.running.contains_key(path) {
+            return;
+        }
+        let shown = self.store_dir.display_path(path);
+        let text = format!("copying path '{shown}' from '{cache}'");
+        let activity = Activity::start(LVL_INFO, act::COPY_PATH, &text, json!([shown, cache, self.to]), self.top.id());
+        state.running.insert(path.clone(), activity);
+        state.caches.entry(cache.to_string()).or_default();
+        self.report_counts(&state);
+        drop(state);
+        if self.bar.is_none() && self.log.format != crate::log::LogFormat::InternalJson {
+            self.msg(LVL_INFO, &format!("{text}..."));
         }
     }
 
     fn downloaded(&self, cache: &str, bytes: u64) {
-        self.downloaded.fetch_add(bytes, Ordering::Relaxed);
-        if self.bar.is_some() {
-            *self.per_cache.lock().unwrap_or_else(|p| p.into_inner()).entry(cache.to_string()).or_default() += bytes;
-        }
+        let mut state = self.state();
+        state.downloaded += bytes;
+        state.caches.entry(cache.to_string()).or_default().0 += bytes;
     }
 
     fn done(&self, path: &StorePath, nar_size: u64) {
-        self.unpacked.fetch_add(nar_size, Ordering::Relaxed);
-        match &self.bar {
-            Some(bar) => {
-                bar.inc(1);
-                bar.set_message(self.message());
-            }
-            None => eprintln!("copied path '{}'", self.store_dir.display_path(path)),
+        let mut state = self.state();
+        state.done += 1;
+        if let Some(activity) = state.running.remove(path) {
+            activity.progress(nar_size, nar_size, 0, 0);
         }
+        self.report_counts(&state);
     }
 
     fn warning(&self, message: &str) {
-        match &self.bar {
-            Some(bar) => bar.suspend(|| eprintln!("warning: {message}")),
-            None => eprintln!("warning: {message}"),
-        }
+        self.msg(LVL_WARN, &format!("warning: {message}"));
     }
 
-    fn failed(&self, _path: &StorePath, _reason: &Failure) {
-        if let Some(bar) = &self.bar {
-            bar.inc(1);
-        }
+    fn failed(&self, path: &StorePath, _reason: &Failure) {
+        let mut state = self.state();
+        state.failed += 1;
+        state.running.remove(path);
+        self.report_counts(&state);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_fits_and_counts_failures_apart() {
+        let mut state = State { known: 1056, known_bytes: 900 << 20, done: 1000, failed: 12, downloaded: 880 << 20, ..State::default() };
+        let t0 = Instant::now();
+        state.caches.insert("https://cache.nixos.org".into(), (0, VecDeque::new()));
+        state.sample(t0);
+        state.caches.get_mut("https://cache.nixos.org").unwrap().0 = 10 << 20;
+        state.sample(t0 + Duration::from_secs(2));
+        assert_eq!(state.line(79), "[1000/0/1056 paths, 12 failed] 880.0 MiB of 900.0 MiB DL, cache.nixos.org 5.0…");
+        assert_eq!(state.line(200), "[1000/0/1056 paths, 12 failed] 880.0 MiB of 900.0 MiB DL, cache.nixos.org 5.0 MiB/s");
+        assert_eq!(state.line(79).chars().count(), 79);
+        // The rate is of the window only: samples older than it are gone.
+        state.sample(t0 + Duration::from_secs(8));
+        assert!(state.line(200).ends_with("cache.nixos.org 0.0 MiB/s"), "{}", state.line(200));
     }
 }

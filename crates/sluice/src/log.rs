@@ -1,0 +1,217 @@
+//! Logging as Nix does it (`src/libutil/logging.cc`, `logging.hh`): a verbosity (`-v`,
+//! `--quiet`), and a format: `bar` (a live progress line, on a terminal), `raw` (lines of text,
+//! e.g. `copying path 'X' from 'URL'...`) or `internal-json` (Nix's `@nix {…}` lines: activities
+//! started and stopped, their results, messages), which nix-output-monitor reads.
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use serde_json::json;
+
+/// Nix's `Verbosity` (`logging.hh`): 0 error, 1 warn, 2 notice, 3 info (the default),
+/// 4 talkative, 5 chatty, 6 debug, 7 vomit.
+pub type Verbosity = u8;
+/// `lvlError`.
+pub const LVL_ERROR: Verbosity = 0;
+/// `lvlWarn`.
+pub const LVL_WARN: Verbosity = 1;
+/// `lvlNotice`.
+pub const LVL_NOTICE: Verbosity = 2;
+/// `lvlInfo`: Nix's default verbosity, and the level of `copying path …` activities.
+pub const LVL_INFO: Verbosity = 3;
+
+/// Nix's activity types (`ActivityType`, `logging.hh`).
+pub mod act {
+    /// `actCopyPath`: fields `[path, from URL, to URL]`.
+    pub const COPY_PATH: u64 = 100;
+    /// `actCopyPaths`: the whole copy; its progress counts paths.
+    pub const COPY_PATHS: u64 = 103;
+}
+
+/// Nix's result types (`ResultType`, `logging.hh`).
+pub mod res {
+    /// `resProgress`: fields `[done, expected, running, failed]`.
+    pub const PROGRESS: u64 = 105;
+    /// `resSetExpected`: fields `[activity type, expected]`.
+    pub const SET_EXPECTED: u64 = 106;
+}
+
+/// How log output looks (`--log-format`, as Nix's `LogFormat`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Lines of text, as Nix prints them with its output piped.
+    Raw,
+    /// Nix's `@nix {…}` JSON lines.
+    InternalJson,
+    /// A progress line that redraws itself (only on a terminal; raw lines otherwise).
+    Bar,
+}
+
+/// The logging flags every command takes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LogFlags {
+    /// More output: `-v` for each level above Nix's default (info); `-vv` also shows debug
+    /// messages of sluice. Verbose output prints lines instead of the progress line.
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Less output: errors and warnings only, no progress.
+    #[arg(long, global = true)]
+    pub quiet: bool,
+    /// `bar` on a terminal, `raw` otherwise [default: bar].
+    #[arg(long, value_enum, global = true)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// The logging settings of this run.
+#[derive(Debug, Clone, Copy)]
+pub struct Log {
+    pub verbosity: Verbosity,
+    pub format: LogFormat,
+}
+
+static LOG: OnceLock<Log> = OnceLock::new();
+/// Activity ids: the process id in the upper 32 bits, as Nix's `nextId`.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+impl Log {
+    /// Sets the run's settings from the flags (once, at start).
+    pub fn init(flags: &LogFlags) -> Log {
+        let verbosity = if flags.quiet { LVL_WARN } else { (LVL_INFO + flags.verbose).min(7) };
+        let format = match flags.log_format {
+            Some(LogFormat::InternalJson) => LogFormat::InternalJson,
+            Some(LogFormat::Raw) => LogFormat::Raw,
+            // The bar only on a terminal, and not with verbose output (lines would scroll it away).
+            _ if !std::io::stderr().is_terminal() || flags.verbose > 0 => LogFormat::Raw,
+            _ => LogFormat::Bar,
+        };
+        NEXT_ID.store(u64::from(std::process::id()) << 32, Ordering::Relaxed);
+        *LOG.get_or_init(|| Log { verbosity, format })
+    }
+
+    /// This run's settings (Nix's defaults before [`Log::init`]).
+    pub fn get() -> Log {
+        *LOG.get().unwrap_or(&Log { verbosity: LVL_INFO, format: LogFormat::Raw })
+    }
+
+    /// Whether the live progress line is drawn.
+    pub fn bar(&self) -> bool {
+        self.format == LogFormat::Bar && self.verbosity >= LVL_INFO
+    }
+
+    /// Prints `text` at `level` if the verbosity shows it: a line on standard error, or a
+    /// `msg` entry in JSON.
+    pub fn msg(&self, level: Verbosity, text: &str) {
+        if level > self.verbosity {
+            return;
+        }
+        match self.format {
+            LogFormat::InternalJson => emit(json!({"action": "msg", "level": level, "msg": text})),
+            _ => eprintln!("{text}"),
+        }
+    }
+}
+
+/// Writes one `@nix {…}` line to standard error, whole.
+fn emit(value: serde_json::Value) {
+    let line = format!("@nix {value}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// A started activity (Nix's `Activity`): its `stop` line is written when it is dropped.
+/// Writes nothing unless the format is `internal-json` (other formats render activities
+/// themselves).
+pub struct Activity {
+    id: u64,
+    json: bool,
+}
+
+impl Activity {
+    /// Starts an activity of type `kind` (an [`act`] constant) at `level`, with `text` and
+    /// `fields`, under `parent` (0 for none).
+    pub fn start(level: Verbosity, kind: u64, text: &str, fields: serde_json::Value, parent: u64) -> Activity {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed) + 1;
+        let json = Log::get().format == LogFormat::InternalJson;
+        if json {
+            emit(json!({"action": "start", "id": id, "level": level, "type": kind, "text": text, "parent": parent, "fields": fields}));
+        }
+        Activity { id, json }
+    }
+
+    /// This activity's id, the parent of the activities under it.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// A result of type `kind` (a [`res`] constant) with `fields`.
+    pub fn result(&self, kind: u64, fields: serde_json::Value) {
+        if self.json {
+            emit(json!({"action": "result", "id": self.id, "type": kind, "fields": fields}));
+        }
+    }
+
+    /// `resProgress`: `done` of `expected`, `running`, `failed`.
+    pub fn progress(&self, done: u64, expected: u64, running: u64, failed: u64) {
+        self.result(res::PROGRESS, json!([done, expected, running, failed]));
+    }
+}
+
+impl Drop for Activity {
+    fn drop(&mut self) {
+        if self.json {
+            emit(json!({"action": "stop", "id": self.id}));
+        }
+    }
+}
+
+/// Where `tracing` events go: standard error, or in JSON a `msg` entry each (Nix's
+/// `JSONLogger::log`), with Nix's level for the event's.
+pub struct TracingWriter;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for TracingWriter {
+    type Writer = EventWriter;
+
+    fn make_writer(&'a self) -> EventWriter {
+        EventWriter { level: LVL_NOTICE, buf: Vec::new() }
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> EventWriter {
+        let level = match *meta.level() {
+            tracing::Level::ERROR => LVL_ERROR,
+            tracing::Level::WARN => LVL_WARN,
+            tracing::Level::INFO => LVL_INFO,
+            tracing::Level::DEBUG => 6,
+            tracing::Level::TRACE => 7,
+        };
+        EventWriter { level, buf: Vec::new() }
+    }
+}
+
+/// One formatted `tracing` event, written out when dropped.
+pub struct EventWriter {
+    level: Verbosity,
+    buf: Vec<u8>,
+}
+
+impl Write for EventWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for EventWriter {
+    fn drop(&mut self) {
+        let text = String::from_utf8_lossy(&self.buf);
+        match Log::get().format {
+            LogFormat::InternalJson => emit(json!({"action": "msg", "level": self.level, "msg": text.trim_end()})),
+            _ => {
+                let _ = std::io::stderr().lock().write_all(text.as_bytes());
+            }
+        }
+    }
+}
