@@ -150,7 +150,7 @@ impl State {
     }
 
     /// The progress line, at most `width` columns: paths done/running/known and failed,
-    /// bytes downloaded of those known, and each cache's current rate.
+    /// bytes downloaded of those known, and each cache's current rate (as many caches as fit).
     fn line(&self, width: usize) -> String {
         let mut line = format!("[{}/{}/{} paths", self.done, self.running.len(), self.known);
         if self.failed > 0 {
@@ -162,7 +162,11 @@ impl State {
                 let secs = t1.duration_since(*t0).as_secs_f64();
                 let rate = if secs > 0.0 { (b1 - b0) as f64 / secs } else { 0.0 };
                 let host = url.split("://").nth(1).unwrap_or(url).trim_end_matches('/');
-                line += &format!(", {host} {}/s", human_bytes(rate as u64));
+                let part = format!(", {host} {}/s", human_bytes(rate as u64));
+                if line.chars().count() + part.chars().count() > width {
+                    break;
+                }
+                line += &part;
             }
         }
         truncate(&line, width)
@@ -259,9 +263,11 @@ mod tests {
         state.sample(t0);
         state.caches.get_mut("https://cache.nixos.org").unwrap().0 = 10 << 20;
         state.sample(t0 + Duration::from_secs(2));
-        assert_eq!(state.line(79), "[1000/0/1056 paths, 12 failed] 880.0 MiB of 900.0 MiB DL, cache.nixos.org 5.0…");
         assert_eq!(state.line(200), "[1000/0/1056 paths, 12 failed] 880.0 MiB of 900.0 MiB DL, cache.nixos.org 5.0 MiB/s");
-        assert_eq!(state.line(79).chars().count(), 79);
+        // A cache's rate that does not fit is left out whole; a narrower terminal cuts the rest.
+        assert_eq!(state.line(79), "[1000/0/1056 paths, 12 failed] 880.0 MiB of 900.0 MiB DL");
+        assert_eq!(state.line(40), "[1000/0/1056 paths, 12 failed] 880.0 Mi…");
+        assert_eq!(state.line(40).chars().count(), 40);
         // The rate is of the window only: samples older than it are gone.
         state.sample(t0 + Duration::from_secs(8));
         assert!(state.line(200).ends_with("cache.nixos.org 0.0 MiB/s"), "{}", state.line(200));
