@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use sluice_store::closure::{self, ClosureEvent};
 use tokio::sync::mpsc;
 
-use crate::progress::MIB;
+use crate::progress::{fit, human_bytes, line_bar, MIB};
 use crate::setup::{self, CacheFlags};
 
 /// Arguments of `sluice missing`.
@@ -32,7 +32,13 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, args.store.as_deref(), &args.paths)?;
     let rt = setup::runtime()?;
     let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
-    let (mut download, mut nar) = (0u64, 0u64);
+    let (mut download, mut nar, mut valid) = (0u64, 0u64, 0u64);
+    // On a terminal, a line of what the query found so far while it runs.
+    let bar = crate::log::Log::get().bar().then(|| {
+        let bar = line_bar();
+        bar.enable_steady_tick(std::time::Duration::from_millis(200));
+        bar
+    });
     rt.block_on(async {
         let query = setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, closure::validity_in(Some(dest.clone()), None), &roots).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -49,15 +55,26 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 }
                 ClosureEvent::Failed { path, errors } => {
                     for (_, e) in errors {
-                        eprintln!("warning: {e}");
+                        let warn = || crate::log::Log::get().msg(crate::log::LVL_WARN, &format!("warning: {e}"));
+                        match &bar {
+                            Some(bar) => bar.suspend(warn),
+                            None => warn(),
+                        }
                     }
                     unknown.insert(store_dir.display_path(&path));
                 }
-                ClosureEvent::Valid(_) => {}
+                ClosureEvent::Valid(_) => valid += 1,
+            }
+            if let Some(bar) = &bar {
+                let line = format!("querying: {} to fetch ({} DL), {valid} valid, {} unknown", fetch.len(), human_bytes(download), unknown.len());
+                bar.set_message(fit(&line));
             }
         }
         engine.await.map_err(|e| e.to_string())
     })?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
     if args.json {
         let json = serde_json::json!({ "willSubstitute": fetch, "unknown": unknown, "downloadSize": download, "narSize": nar });
         println!("{json}");

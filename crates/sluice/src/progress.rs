@@ -57,11 +57,7 @@ impl Progress {
     /// standard output), nothing but errors and warnings is shown.
     pub fn start(store_dir: StoreDir, to: &str, json: bool) -> Arc<Self> {
         let log = Log::get();
-        let bar = (log.bar() && !json).then(|| {
-            let bar = ProgressBar::new_spinner();
-            bar.set_style(ProgressStyle::with_template("{msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
-            bar
-        });
+        let bar = (log.bar() && !json).then(line_bar);
         let top = Activity::start(LVL_INFO, act::COPY_PATHS, "copying paths", json!([]), 0);
         let progress = Arc::new(Progress { bar, log, store_dir, to: to.to_string(), state: Mutex::new(State::default()), top });
         if progress.bar.is_some() {
@@ -171,6 +167,18 @@ impl State {
         }
         truncate(&line, width)
     }
+}
+
+/// A progress line that shows its message only (cut by [`fit`] to the width it may take).
+pub fn line_bar() -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(ProgressStyle::with_template("{msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    bar
+}
+
+/// `line` cut to the width a progress line may take ([`terminal_width`]).
+pub fn fit(line: &str) -> String {
+    truncate(line, terminal_width())
 }
 
 /// `s` cut to `width` characters, with "…" as its last when cut.
