@@ -20,7 +20,11 @@ use crate::setup::{self, CacheFlags};
 
 /// Arguments of `sluice path-info`.
 #[derive(clap::Args, Debug)]
+#[command(disable_help_flag = true)]
 pub struct Args {
+    /// Print help (`-h` is `--human-readable`, as in Nix).
+    #[arg(long, action = clap::ArgAction::Help)]
+    help: Option<bool>,
     /// The store to query: a local store, a daemon or a binary cache URL [default: the
     /// `store` setting, whose default is `$NIX_REMOTE` or `auto`].
     #[arg(long)]
@@ -37,6 +41,13 @@ pub struct Args {
     /// Print the closure size of each path.
     #[arg(short = 'S', long)]
     closure_size: bool,
+    /// Print sizes as Nix 2.8 does with `-h`: `%6.1f` and a unit letter of K, M, G, … (powers
+    /// of 1024; a space for bytes).
+    #[arg(short = 'h', long)]
+    human_readable: bool,
+    /// Print each path's signatures (after `ultimate` and `ca:…` when it has them).
+    #[arg(long)]
+    sigs: bool,
     #[command(flatten)]
     cache: CacheFlags,
     /// Store paths.
@@ -91,22 +102,41 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
     {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
+        let size = |n: u64| if args.human_readable { human_size(n) } else { format!("{n:>11}") };
         for path in topo_sorted(&entries) {
             let e = &entries[path];
             let mut line = store_dir.display_path(path);
-            if args.size || args.closure_size {
+            if args.size || args.closure_size || args.sigs {
                 line = format!("{line:width$}");
             }
             if args.size {
-                line.push_str(&format!("\t{:>11}", e.info.nar_size));
+                line.push_str(&format!("\t{}", size(e.info.nar_size)));
             }
             if let Some((nar, _)) = closure_sizes.get(path) {
-                line.push_str(&format!("\t{nar:>11}"));
+                line.push_str(&format!("\t{}", size(*nar)));
+            }
+            if args.sigs {
+                let ultimate = e.info.ultimate.then(|| "ultimate".to_string());
+                let ca = e.info.ca.as_ref().map(|ca| format!("ca:{ca}"));
+                let sigs: Vec<String> = ultimate.into_iter().chain(ca).chain(e.info.sigs.iter().cloned()).collect();
+                line.push_str(&format!("\t{}", sigs.join(" ")));
             }
             println!("{line}");
         }
     }
     Ok(if missing.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `bytes` as Nix 2.8's `path-info -h` prints it (`printSize`, `src/nix/path-info.cc`):
+/// divided by 1024 while above 1024, `%6.1f` and the unit letter (a space for bytes).
+fn human_size(bytes: u64) -> String {
+    const UNITS: [char; 9] = [' ', 'K', 'M', 'G', 'T', 'P', 'E', 'Z', 'Y'];
+    let (mut value, mut power) = (bytes as f64, 0);
+    while value > 1024.0 && power < UNITS.len() - 1 {
+        value /= 1024.0;
+        power += 1;
+    }
+    format!("{value:6.1}{}", UNITS[power])
 }
 
 type Entries = (BTreeMap<StorePath, Entry>, Vec<StorePath>);

@@ -5,6 +5,16 @@ mod common;
 
 use common::*;
 
+/// A store under `t` with bash's closure copied from the corpus's xz cache: (its root, bash's
+/// path, the cache's URL).
+fn bash_store(t: &std::path::Path) -> (std::path::PathBuf, String, String) {
+    let root = t.join("root");
+    let bash = corpus_path("bash-5.2-p15");
+    let from = format!("file://{}", corpus().join("cache-xz").display());
+    check(&copy_with(t, &root, &from, &corpus_key(), &[], &[&bash]), "sluice copy");
+    (root, bash, from)
+}
+
 /// `-S` without `-r` is the closure size of each path asked for (its closure walked, only it
 /// printed), in text and in `--json`'s `closureSize`; `--json` lists a path that is not valid
 /// as `{"path": …, "valid": false}` in path order and exits 0, as Nix 2.8 does.
@@ -12,10 +22,7 @@ use common::*;
 fn closure_size_without_recursion_and_invalid_paths_as_nix_2_8() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let root = t.join("root");
-    let bash = corpus_path("bash-5.2-p15");
-    let from = format!("file://{}", corpus().join("cache-xz").display());
-    check(&copy_with(t, &root, &from, &corpus_key(), &[], &[&bash]), "sluice copy");
+    let (root, bash, from) = bash_store(t);
     let store = root.to_str().unwrap();
     let invalid = "/nix/store/00000000000000000000000000000000-x";
     let runs: [&[&str]; 4] = [&["-S", &bash], &["-s", "-S", &bash], &["--json", "-S", &bash, invalid], &["--json", &bash, invalid]];
@@ -24,5 +31,30 @@ fn closure_size_without_recursion_and_invalid_paths_as_nix_2_8() {
         let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
         assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{args:?}");
         assert_eq!(sluice_out.status.code(), nix_out.status.code(), "{args:?}: {}", stderr(&sluice_out));
+    }
+}
+
+/// `-h` (`--human-readable`) and `--sigs`, alone and with `-s`/`-S`/`-r`, as Nix 2.8 prints
+/// them, of a local store (with `ultimate` paths of its own: `nix-store --add` makes them
+/// and a content address) and of the binary cache it was copied from.
+#[test]
+fn human_readable_sizes_and_signatures_as_nix_2_8() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let (root, bash, from) = bash_store(t);
+    let store = root.to_str().unwrap();
+    let file = t.join("hello.txt");
+    std::fs::write(&file, "hello\n").unwrap();
+    let added = nix(t, "nix-store", &["--store", store, "--add", file.to_str().unwrap()]);
+    check(&added, "nix-store --add");
+    let added = String::from_utf8_lossy(&added.stdout).trim().to_string();
+    let runs: [&[&str]; 5] = [&["-h", "-s", "-S", "-r", &bash], &["--human-readable", "-s", &bash], &["--sigs", &bash], &["-r", "-S", "-h", "--sigs", &bash], &["--sigs", "-s", "-h", &added]];
+    for store in [store, from.as_str()] {
+        for args in runs.iter().filter(|a| store != from || !a.contains(&added.as_str())) {
+            let nix_out = nix(t, "nix", &[&["path-info", "--store", store][..], args].concat());
+            check(&nix_out, &format!("nix path-info {args:?}"));
+            let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
+            assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{store} {args:?}");
+        }
     }
 }
