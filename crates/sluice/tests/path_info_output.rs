@@ -22,7 +22,7 @@ fn bash_store(t: &std::path::Path) -> (std::path::PathBuf, String, String) {
 fn closure_size_without_recursion_and_invalid_paths_as_nix_2_8() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let (root, bash, from) = bash_store(t);
+    let (root, bash, _) = bash_store(t);
     let store = root.to_str().unwrap();
     let invalid = "/nix/store/00000000000000000000000000000000-x";
     let runs: [&[&str]; 4] = [&["-S", &bash], &["-s", "-S", &bash], &["--json", "-S", &bash, invalid], &["--json", &bash, invalid]];
