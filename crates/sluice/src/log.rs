@@ -58,7 +58,7 @@ pub struct LogFlags {
     /// Less output: errors and warnings only, no progress.
     #[arg(long, global = true)]
     pub quiet: bool,
-    /// `bar` on a terminal, `raw` otherwise [default: bar].
+    /// How log output looks [default: `bar` on a terminal without `-v`, `raw` otherwise].
     #[arg(long, value_enum, global = true)]
     pub log_format: Option<LogFormat>,
 }
