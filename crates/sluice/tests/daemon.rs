@@ -817,6 +817,11 @@ fn nix_2_26_client_matches_nix_2_8() {
 /// Reads stderr messages up to the operation's end: `Ok` at `LAST` (its result follows), or
 /// the message of an `ERROR` (protocol ≥ 1.26 form). Log lines and activities are skipped.
 fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
+    until_last_logged(s).1
+}
+
+/// [`until_last`], and the log lines (`NEXT`) sent before the end.
+fn until_last_logged(s: &mut impl std::io::Read) -> (Vec<String>, Result<(), String>) {
     fn fields(s: &mut impl std::io::Read) {
         for _ in 0..read_u64(s) {
             match read_u64(s) {
@@ -830,20 +835,19 @@ fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
             }
         }
     }
+    let mut log = Vec::new();
     loop {
         match read_u64(s) {
-            LAST => return Ok(()),
+            LAST => return (log, Ok(())),
             0x6378_7470 => {
                 assert_eq!(read_string(s), b"Error");
                 read_u64(s);
                 read_string(s);
                 let msg = String::from_utf8(read_string(s)).unwrap();
                 assert_eq!((read_u64(s), read_u64(s)), (0, 0), "no position, no traces");
-                return Err(msg);
+                return (log, Err(msg));
             }
-            0x6f6c_6d67 => {
-                read_string(s);
-            }
+            0x6f6c_6d67 => log.push(String::from_utf8_lossy(&read_string(s)).into_owned()),
             0x5354_5254 => {
                 read_u64(s);
                 read_u64(s);
@@ -1619,7 +1623,6 @@ fn forged_ca_sluice_copy_is_refused_even_signed() {
 /// sharing the store would put the attacker's bytes at that path. The daemon must refuse it
 /// too, and must not register the lying output in `DerivationOutputs`.
 #[test]
-#[ignore = "defect: derivation outputs are registered without Nix's checkDerivationOutputs (hashDerivationModulo)"]
 fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
     let env = Env::new();
     open_to_nobody(&env);
@@ -1638,7 +1641,8 @@ fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
     let (ok, out, err) = as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]);
     let (_, outputs, _) = as_root(&env, false, "nix-store", &["--store", &daemon.url, "-q", "--valid-derivers", victim]);
     assert!(!ok, "a derivation claiming {victim} was added: {out}; valid derivers of {victim}: {outputs}");
-    assert!(err.contains("incorrect output"), "{err}");
+    assert!(err.contains(&format!("has incorrect output '{victim}', should be '/nix/store/")), "{err}");
+    assert_eq!(outputs, "", "valid derivers of {victim}");
 }
 
 /// The same lying derivation served by a hostile binary cache, unsigned: a `text:` content
@@ -1646,7 +1650,6 @@ fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
 /// nobody, `nix-store -r`) asks for the `.drv`. Nix 2.8 substituting it into its own store
 /// refuses it at registration ("has incorrect output"); so must the daemon.
 #[test]
-#[ignore = "defect: derivation outputs are registered without Nix's checkDerivationOutputs (hashDerivationModulo)"]
 fn substituted_derivation_whose_outputs_lie_is_refused() {
     let env = Env::new();
     open_to_nobody(&env);
@@ -1671,10 +1674,12 @@ fn substituted_derivation_whose_outputs_lie_is_refused() {
     use std::io::Write;
     let (mut client, _) = raw_client(&env, 37);
     client.write_all(&request(10, &[Err(shown.as_bytes())])).unwrap();
-    let result = until_last(&mut client);
+    let (log, result) = until_last_logged(&mut client);
     let (_, outputs, _) = as_root(&env, false, "nix-store", &["--store", &daemon.url, "-q", "--outputs", &shown]);
     assert!(result.is_err(), "a derivation claiming {victim} was substituted; its outputs: {outputs}");
-    assert!(result.unwrap_err().contains("incorrect output"));
+    assert_eq!(result.unwrap_err(), format!("path '{shown}' is required, but there is no substituter that can build it"));
+    let why = format!("derivation '{shown}' has incorrect output '{victim}', should be '/nix/store/");
+    assert!(log.iter().any(|l| l.contains(&why)), "{log:?}");
     assert_eq!(is_valid(&mut client, shown.as_bytes()), 0, "{shown} is valid");
 }
 
