@@ -869,6 +869,15 @@ fn until_last_logged(s: &mut impl std::io::Read) -> (Vec<String>, Result<(), Str
     }
 }
 
+/// QueryValidDerivers (op 33) of `path` on `client`: the derivations registered with it
+/// among their outputs (`DerivationOutputs`).
+fn valid_derivers(client: &mut std::os::unix::net::UnixStream, path: &str) -> Vec<String> {
+    use std::io::Write;
+    client.write_all(&request(33, &[Err(path.as_bytes())])).unwrap();
+    until_last(client).unwrap();
+    (0..read_u64(client)).map(|_| String::from_utf8(read_string(client)).unwrap()).collect()
+}
+
 /// IsValidPath of `path` on `client`, which must still be usable: the answer.
 fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
     use std::io::Write;
@@ -1639,10 +1648,10 @@ fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
     let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", &direct, "--add", file.to_str().unwrap()]);
     assert!(!ok && err.contains(&format!("has incorrect output '{victim}'")), "Nix's own store: {err}");
     let (ok, out, err) = as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]);
-    let (_, outputs, _) = as_root(&env, false, "nix-store", &["--store", &daemon.url, "-q", "--valid-derivers", victim]);
-    assert!(!ok, "a derivation claiming {victim} was added: {out}; valid derivers of {victim}: {outputs}");
+    let derivers = valid_derivers(&mut raw_client(&env, 37).0, victim);
+    assert!(!ok, "a derivation claiming {victim} was added: {out}; valid derivers of {victim}: {derivers:?}");
     assert!(err.contains(&format!("has incorrect output '{victim}', should be '/nix/store/")), "{err}");
-    assert_eq!(outputs, "", "valid derivers of {victim}");
+    assert!(derivers.is_empty(), "valid derivers of {victim}: {derivers:?}");
 }
 
 /// The same lying derivation served by a hostile binary cache, unsigned: a `text:` content
@@ -1742,4 +1751,87 @@ fn daemon_client_sees_why_substitution_failed() {
     let out = env.cmd("nix-store").args(["--store", &direct]).args(args).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not signed by any of the keys in 'trusted-public-keys'"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// An expression with a fixed-output derivation, and a multi-output one depending on it whose
+/// environment needs escapes: what real Nix writes for them is what sluice must accept.
+const REAL_DERIVATIONS: &str = r#"
+let
+  src = derivation {
+    name = "src"; system = "x86_64-linux"; builder = "/bin/sh"; args = [ "-c" "echo hi > $out" ];
+    outputHashMode = "flat"; outputHashAlgo = "sha256";
+    outputHash = "98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4";
+  };
+in derivation {
+  name = "top"; system = "x86_64-linux"; builder = "/bin/sh"; outputs = [ "out" "dev" ];
+  args = [ "-c" "cat ${src} > $out; echo > $dev" ];
+  text = "a \"quoted\" \\ line\n\twith a tab\r";
+}
+"#;
+
+/// Real derivations from `nix-instantiate` (Nix 2.8 and 2.26 clients, as root and as nobody)
+/// pass the daemon's output check, get the paths Nix's own store gives them, and have the
+/// outputs Nix registers; the same derivations edited (another output path, another
+/// environment, another fixed-output hash) and added by an untrusted Nix 2.26 client are
+/// refused in the words Nix 2.8's own store refuses them with.
+#[test]
+fn real_derivations_are_admitted_and_edited_ones_refused_as_nix_does() {
+    let env = Env::new();
+    open_to_nobody(&env);
+    let daemon = env.daemon("root", &env.cache(), "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let expr = env.path("drvs.nix");
+    std::fs::write(&expr, REAL_DERIVATIONS).unwrap();
+    let expr = expr.to_str().unwrap();
+    let (ok, top, err) = as_root(&env, false, "nix-instantiate", &["--store", &direct, expr]);
+    assert!(ok, "{err}");
+    let top = top.trim().to_owned();
+    let outputs = |store: &str| as_root(&env, false, "nix-store", &["--store", store, "-q", "--outputs", &top]);
+    for (who, modern, nobody) in [("2.8 root", false, false), ("2.8 nobody", false, true), ("2.26 root", true, false), ("2.26 nobody", true, true)] {
+        let args = ["--store", &daemon.url, expr];
+        let (ok, via, err) = match (modern, nobody) {
+            (false, true) => as_nobody(&env, "nix-instantiate", &args),
+            (true, true) => modern_as_nobody(&env, "nix-instantiate", &args),
+            (modern, false) => as_root(&env, modern, "nix-instantiate", &args),
+        };
+        assert!(ok, "{who}: {err}");
+        assert_eq!(via.trim(), top, "{who}");
+    }
+    // The outputs registered (DerivationOutputs, read by QueryValidDerivers) are Nix's.
+    let (_, shown, _) = outputs(&direct);
+    assert_eq!(shown.lines().count(), 2, "{shown}");
+    let (mut client, _) = raw_client(&env, 37);
+    for out in shown.lines() {
+        assert_eq!(valid_derivers(&mut client, out), [top.clone()], "{out}");
+    }
+
+    // Edited copies, added under the same name (`top.drv`, `src.drv`) with `nix-store --add`.
+    let real = std::fs::read_to_string(env.path("direct").join(top.trim_start_matches('/'))).unwrap();
+    let src_drv = real.split("[(\"").nth(2).and_then(|s| s.split('"').next()).unwrap().to_owned();
+    assert!(src_drv.ends_with("-src.drv"), "{real}");
+    let src_real = std::fs::read_to_string(env.path("direct").join(src_drv.trim_start_matches('/'))).unwrap();
+    let (dev_path, out_path) = (shown.lines().next().unwrap().to_owned(), shown.lines().nth(1).unwrap().to_owned());
+    assert!(dev_path.ends_with("-top-dev") && out_path.ends_with("-top"), "{shown}");
+    let victim = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.35-163";
+    let other_hash = "0000000000000000000000000000000000000000000000000000000000000000";
+    let edits = [
+        ("top.drv", real.replace(&out_path, victim), format!("has incorrect output '{victim}', should be '{out_path}'")),
+        // Outputs are checked in name order: `dev` first.
+        ("top.drv", real.replace("with a tab", "with a tab and more"), format!("has incorrect output '{dev_path}', should be '/nix/store/")),
+        ("top.drv", real.replace(&format!("(\"out\",\"{out_path}\")"), &format!("(\"out\",\"{victim}\")")), format!("has incorrect environment variable 'out', should be '{out_path}'")),
+        ("src.drv", src_real.replace("98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4", other_hash), "has incorrect environment variable 'out', should be '/nix/store/".to_owned()),
+    ];
+    std::fs::create_dir_all(env.path("edited")).unwrap();
+    for (name, text, why) in edits {
+        let file = env.path("edited").join(name);
+        std::fs::write(&file, &text).unwrap();
+        let file = file.to_str().unwrap();
+        let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", &direct, "--add", file]);
+        assert!(!ok && err.contains(&why), "Nix's own store, {why}: {err}");
+        let before = store_entries(&env, "root");
+        let (ok, out, err) = modern_as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", file]);
+        assert!(!ok, "{why}: added as {out}");
+        assert!(err.contains(&why), "{why}: {err}");
+        assert_eq!(store_entries(&env, "root"), before);
+    }
 }

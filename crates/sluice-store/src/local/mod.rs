@@ -603,7 +603,7 @@ impl PendingPath {
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
         }
-        let outputs = self.derivation_outputs()?;
+        let outputs = self.derivation_outputs(batch)?;
         let name = info.path.base_name();
         if self.store.auto_optimise.load(std::sync::atomic::Ordering::Relaxed) {
             let shown = self.store.real_path(&info.path);
@@ -628,8 +628,9 @@ impl PendingPath {
     }
 
     /// For a `.drv` path (not repaired: a repair keeps the registration), the outputs to
-    /// register, after [`verify::verify_derivation`] of the unpacked derivation.
-    fn derivation_outputs(&self) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+    /// register, after [`verify::verify_derivation`] of the unpacked derivation (`batch`:
+    /// the paths committed before it in the same batch).
+    fn derivation_outputs(&self, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         if !self.info.path.is_derivation() || self.repair {
             return Ok(Vec::new());
         }
@@ -639,7 +640,7 @@ impl PendingPath {
             .map_err(io::Error::from)
             .and_then(|fd| File::from(fd).read_to_end(&mut aterm))
             .map_err(io_err("reading the derivation", &self.temp_path()))?;
-        verify::verify_derivation(&self.store, &self.info, &aterm)
+        verify::verify_derivation(&self.store, &self.info, &aterm, batch)
     }
 
     /// Removes the temporary tree, if any.
