@@ -1835,3 +1835,56 @@ fn real_derivations_are_admitted_and_edited_ones_refused_as_nix_does() {
         assert_eq!(store_entries(&env, "root"), before);
     }
 }
+
+/// The `repair` flag of AddToStoreNar (op 39), AddMultipleToStore (op 44) and AddToStore (op
+/// 7): a trusted client's addition of a valid path whose tree was damaged puts the tree back
+/// (the data has the registered NAR hash); an untrusted client's flag is ignored and the
+/// damage stays; without the flag nothing is rewritten. The connection goes on each time.
+#[test]
+fn add_ops_repair_a_damaged_path_for_trusted_clients() {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    let contents = "an honest dependency\n";
+    // AddToStore (≥ 1.25) of the same text: name, method, references, repair, framed data.
+    let add_to_store = |repair: u64| {
+        let mut req = request(7, &[Err(b"honest-dep"), Err(b"text:sha256"), Ok(0), Ok(repair)]);
+        req.extend(framed(contents.as_bytes()));
+        req
+    };
+    for (who, config, trusted) in [("trusted", "", true), ("untrusted", "trusted-users = nobody-in-particular", false)] {
+        for op in [39u64, 44, 7] {
+            let env = Env::new();
+            let _daemon = env.daemon("root", &env.cache(), config);
+            let (mut client, _) = raw_client(&env, 37);
+            let send = |client: &mut std::os::unix::net::UnixStream, repair: u64| {
+                let req = match op {
+                    39 => [u64s(&[39]), wire_info(&dep, &dep_nar, &[], &dep_ca), u64s(&[repair, 1]), framed(&dep_nar)].concat(),
+                    44 => {
+                        let payload = [u64s(&[1]), wire_info(&dep, &dep_nar, &[], &dep_ca), dep_nar.clone()].concat();
+                        [u64s(&[44, repair, 1]), framed(&payload)].concat()
+                    }
+                    _ => add_to_store(repair),
+                };
+                client.write_all(&req).unwrap();
+                assert_eq!(until_last(client), Ok(()), "{who}, op {op}, repair {repair}");
+                if op == 7 {
+                    // The keyed path info of the result.
+                    assert_eq!(read_string(client), format!("/nix/store/{}", dep.base_name()).into_bytes());
+                    read_path_info(client);
+                }
+                assert_eq!(is_valid(client, MISSING), 0, "the connection goes on");
+            };
+            send(&mut client, 0);
+            let file = env.path("root/nix/store").join(dep.base_name());
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), contents);
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+            std::fs::write(&file, "damaged\n").unwrap();
+            send(&mut client, 0);
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), "damaged\n", "{who}, op {op}: rewritten without repair");
+            send(&mut client, 1);
+            let expected = if trusted { contents } else { "damaged\n" };
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), expected, "{who}, op {op}, repair");
+        }
+    }
+}

@@ -362,6 +362,20 @@ impl LocalStore {
     /// leaving the registration as it is. [`LocalStoreError::NotValid`] for a path that is not
     /// registered.
     pub fn try_begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        self.start_repair(offered, roots, false)
+    }
+
+    /// [`LocalStore::try_begin_repair`], waiting for the path's lock while another process
+    /// holds it.
+    pub fn begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<PendingPath, LocalStoreError> {
+        match self.start_repair(offered, roots, true)? {
+            TryAdd::Pending(pending) => Ok(*pending),
+            TryAdd::Valid | TryAdd::Busy => Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&offered.path), what: "the repair's lock was not taken" }),
+        }
+    }
+
+    /// [`LocalStore::try_begin_repair`], or with `block` [`LocalStore::begin_repair`].
+    fn start_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots, block: bool) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("repair paths")?;
         roots.add_all(&[offered.path.clone(), self.temp_dir_path()])?;
         let shown = || self.store_dir.display_path(&offered.path);
@@ -374,7 +388,11 @@ impl LocalStore {
             });
         }
         let real_path = self.real_path(&info.path);
-        match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
+        let lock = match block {
+            true => Some(PathLock::acquire(&real_path)),
+            false => PathLock::try_acquire(&real_path).transpose(),
+        };
+        match lock.transpose().map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
             Some(lock) => Ok(TryAdd::Pending(Box::new(self.pending(info, lock, roots, true)?))),
         }
