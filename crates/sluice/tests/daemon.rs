@@ -1007,9 +1007,13 @@ fn add_build_log_is_stored_where_nix_reads_it() {
     use std::io::{Read, Write};
     let env = Env::new();
     let (daemon, mut client, _) = daemon_and_client_1_37(&env, "", 1);
-    // A derivation, so that `nix log` can read it.
-    let aterm = r#"Derive([("out","/nix/store/00000000000000000000000000000000-hello","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","/nix/store/00000000000000000000000000000000-hello")])"#;
-    let drv = String::from_utf8(add_text(&mut client, "hello.drv", aterm)).unwrap();
+    // A derivation, so that `nix log` can read it; its output path is the one Nix computes.
+    let masked = r#"Derive([("out","","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","")])"#;
+    let parsed = sluice_nix::derivation::Derivation::parse(&StoreDir::default(), "hello", masked.as_bytes()).unwrap();
+    let hash = parsed.hash_modulo(&StoreDir::default(), true, &mut |_| unreachable!("no inputs")).unwrap().remove("out").unwrap();
+    let out = StoreDir::default().display_path(&StoreDir::default().make_store_path("output:out", &hash, "hello").unwrap());
+    let aterm = format!(r#"Derive([("out","{out}","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","{out}")])"#);
+    let drv = String::from_utf8(add_text(&mut client, "hello.drv", &aterm)).unwrap();
     let base = drv.strip_prefix("/nix/store/").unwrap();
     let text = "building 'hello'...\nhello from the build\n";
     // Nix clients send the base name.
