@@ -1,46 +1,352 @@
-//! Derivations (`.drv`, ATerm): the outputs and their paths, which the local store registers
-//! in `DerivationOutputs`. Source: Nix `src/libstore/derivations.cc` (`parseDerivation`).
+//! Derivations (`.drv`, ATerm): parsing, Nix's re-serialisation, the hash modulo and the
+//! check of the output paths a derivation claims. Source: Nix `src/libstore/derivations.cc`
+//! (`parseDerivation`, `Derivation::unparse`, `BasicDerivation::type`,
+//! `hashDerivationModulo`) and `local-store.cc` (`LocalStore::checkDerivationOutputs`), 2.8
+//! and 2.26 (which agree on every derivation without experimental features; this follows
+//! 2.26 for impure derivations, whose outputs are hashed like any other's).
 //!
-//! A derivation starts `Derive([("<name>","<path>","<hash algo>","<hash>"),…],…`; only this
-//! first list is read. Strings are double-quoted with backslash escapes: `\n`, `\r`, `\t`, and
-//! `\<c>` for any other character `c` (notably `\"` and `\\`).
+//! A derivation is `Derive([outputs],[input derivations],[input sources],"platform",
+//! "builder",[args],[env])`: outputs are `("<name>","<path>","<hash algo>","<hash>")`, input
+//! derivations `("<drv path>",["<output>",…])`. Strings are double-quoted with backslash
+//! escapes: `\n`, `\r`, `\t`, and `\<c>` for any other character `c` (notably `\"` and `\\`).
+//! As in Nix, sets and maps are sorted when read (a repeated environment variable or input
+//! derivation takes its last value, a repeated set element counts once); a repeated output
+//! name is refused.
 
-use crate::store_path::{StoreDir, StorePath};
+use std::collections::{BTreeMap, BTreeSet};
 
-/// Why a `.drv` could not be read.
+use crate::hash::{Hash, HashAlgo};
+use crate::store_path::{check_name, StoreDir, StorePath};
+use crate::wire::{output_kind, output_path_name, OutputKind};
+
+/// Why a `.drv` could not be read, or why its outputs are refused (Nix's words).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("derivation: {0}")]
+#[error("{0}")]
 pub struct DerivationError(pub String);
 
-/// The outputs of a derivation in ATerm form: `(output name, output path)`; the path is `None`
-/// for floating content-addressed outputs (empty path in the ATerm).
-pub fn parse_outputs(store_dir: &StoreDir, aterm: &[u8]) -> Result<Vec<(String, Option<StorePath>)>, DerivationError> {
-    let mut cursor = Cursor { input: aterm, pos: 0 };
-    cursor.expect(b"Derive([")?;
-    let mut outputs = Vec::new();
-    while !cursor.end_of_list()? {
-        if !outputs.is_empty() {
-            cursor.expect(b",")?;
+/// A parsed derivation (Nix's `Derivation`). Strings other than names and paths are bytes,
+/// as in Nix, so that re-serialising gives back exactly what was hashed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Derivation {
+    /// The `.drv` path's name without the extension.
+    pub name: String,
+    pub outputs: BTreeMap<String, OutputKind>,
+    /// Input derivations and the outputs of each used.
+    pub input_drvs: BTreeMap<StorePath, BTreeSet<String>>,
+    pub input_srcs: BTreeSet<StorePath>,
+    pub platform: Vec<u8>,
+    pub builder: Vec<u8>,
+    pub args: Vec<Vec<u8>>,
+    pub env: BTreeMap<Vec<u8>, Vec<u8>>,
+}
+
+/// The kind of a whole derivation, from its outputs (Nix's `DerivationType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DerivationType {
+    /// Every output's path is given.
+    InputAddressed,
+    /// One fixed output, `out`.
+    Fixed,
+    /// Floating content-addressed outputs (`ca-derivations`).
+    Floating,
+    /// Input-addressed outputs whose paths are not known yet.
+    Deferred,
+    /// Impure outputs (`impure-derivations`).
+    Impure,
+}
+
+/// A derivation's hash modulo, per output (Nix's `DrvHash::hashes`): what its dependents'
+/// hashes include in place of its path.
+pub type DrvHashes = BTreeMap<String, Hash>;
+
+/// The derivation name of the `.drv` path `drv` (its name without `.drv`).
+pub fn drv_name(drv: &StorePath) -> &str {
+    drv.name().strip_suffix(".drv").unwrap_or(drv.name())
+}
+
+/// The outputs of the derivation `drv` in ATerm form, with their paths where known before
+/// building (Nix's `outputsAndOptPaths`: given for input-addressed outputs, computed from the
+/// hash for fixed ones, `None` for the others).
+pub fn parse_outputs(store_dir: &StoreDir, drv: &StorePath, aterm: &[u8]) -> Result<Vec<(String, Option<StorePath>)>, DerivationError> {
+    Derivation::parse(store_dir, drv_name(drv), aterm)?.output_paths(store_dir)
+}
+
+impl Derivation {
+    /// Parses the ATerm `aterm` of a derivation named `name` (Nix's `parseDerivation`).
+    /// Errors name what was expected and the byte offset; nothing may follow the final `)`.
+    pub fn parse(dir: &StoreDir, name: &str, aterm: &[u8]) -> Result<Self, DerivationError> {
+        let mut c = Cursor { input: aterm, pos: 0 };
+        c.expect(b"Derive([")?;
+        let mut outputs = BTreeMap::new();
+        while !c.end_of_list()? {
+            c.expect(b"(")?;
+            let (id, path, algo, hash) = (c.utf8_string("output name")?, c.field()?, c.field()?, c.field()?);
+            c.expect(b")")?;
+            check_name(&id, &id).map_err(|e| DerivationError(format!("output name {id:?}: {e}")))?;
+            let kind = output_kind(dir, &path, &algo, &hash).map_err(|e| DerivationError(format!("output {id:?}: {e}")))?;
+            if outputs.insert(id.clone(), kind).is_some() {
+                return Err(DerivationError(format!("output {id:?} appears twice")));
+            }
         }
-        cursor.expect(b"(")?;
-        let name = cursor.utf8_string("output name")?;
-        cursor.expect(b",")?;
-        let path = cursor.utf8_string("output path")?;
-        cursor.expect(b",")?;
-        cursor.string()?; // hash algorithm
-        cursor.expect(b",")?;
-        cursor.string()?; // hash
-        cursor.expect(b")")?;
-        if name.is_empty() || outputs.iter().any(|(n, _)| *n == name) {
-            return Err(DerivationError(format!("empty or duplicate output name {name:?}")));
+        c.expect(b",[")?;
+        let mut input_drvs = BTreeMap::new();
+        while !c.end_of_list()? {
+            c.expect(b"(")?;
+            let path = c.store_path(dir, "input derivation")?;
+            c.expect(b",[")?;
+            let mut names = BTreeSet::new();
+            while !c.end_of_list()? {
+                names.insert(c.utf8_string("input derivation output")?);
+            }
+            c.expect(b")")?;
+            input_drvs.insert(path, names);
         }
-        let path = match path.as_str() {
-            "" => None,
-            p => Some(store_dir.parse_path(p).map_err(|e| DerivationError(format!("output {name:?}: {e}")))?),
-        };
-        outputs.push((name, path));
+        c.expect(b",[")?;
+        let mut input_srcs = BTreeSet::new();
+        while !c.end_of_list()? {
+            input_srcs.insert(c.store_path(dir, "input source")?);
+        }
+        c.expect(b",")?;
+        let platform = c.string()?;
+        c.expect(b",")?;
+        let builder = c.string()?;
+        c.expect(b",[")?;
+        let mut args = Vec::new();
+        while !c.end_of_list()? {
+            args.push(c.string()?);
+        }
+        c.expect(b",[")?;
+        let mut env = BTreeMap::new();
+        while !c.end_of_list()? {
+            c.expect(b"(")?;
+            let key = c.string()?;
+            c.expect(b",")?;
+            env.insert(key, c.string()?);
+            c.expect(b")")?;
+        }
+        c.expect(b")")?;
+        if c.pos != aterm.len() {
+            return Err(c.error("trailing data after the derivation"));
+        }
+        Ok(Derivation { name: name.to_owned(), outputs, input_drvs, input_srcs, platform, builder, args, env })
     }
-    Ok(outputs)
+
+    /// The outputs with their paths where known before building (see [`parse_outputs`]).
+    pub fn output_paths(&self, dir: &StoreDir) -> Result<Vec<(String, Option<StorePath>)>, DerivationError> {
+        self.outputs
+            .iter()
+            .map(|(id, kind)| Ok((id.clone(), kind.path(dir, &self.name, id).map_err(|e| DerivationError(format!("output {id:?}: {e}")))?)))
+            .collect()
+    }
+
+    /// The derivation's type (Nix's `BasicDerivation::type`), refusing the combinations Nix
+    /// refuses, in its words.
+    pub fn derivation_type(&self) -> Result<DerivationType, DerivationError> {
+        let err = |m: &str| Err(DerivationError(m.to_owned()));
+        let kinds: BTreeSet<u8> = self.outputs.values().map(|k| match k {
+            OutputKind::InputAddressed(_) => 0,
+            OutputKind::Fixed(_) => 1,
+            OutputKind::Floating(_) => 2,
+            OutputKind::Deferred => 3,
+            OutputKind::Impure(_) => 4,
+        }).collect();
+        let floating_algos: BTreeSet<&str> =
+            self.outputs.values().filter_map(|k| match k { OutputKind::Floating(a) => Some(a.rsplit(':').next().unwrap_or(a)), _ => None }).collect();
+        if floating_algos.len() > 1 {
+            return err("all floating outputs must use the same hash type");
+        }
+        match kinds.iter().copied().collect::<Vec<u8>>()[..] {
+            [] => err("must have at least one output"),
+            [0] => Ok(DerivationType::InputAddressed),
+            [1] if self.outputs.len() > 1 => err("only one fixed output is allowed for now"),
+            [1] if !self.outputs.contains_key("out") => err("single fixed output must be named \"out\""),
+            [1] => Ok(DerivationType::Fixed),
+            [2] => Ok(DerivationType::Floating),
+            [3] => Ok(DerivationType::Deferred),
+            [4] => Ok(DerivationType::Impure),
+            _ => err("can't mix derivation output types"),
+        }
+    }
+
+    /// The ATerm Nix writes for this derivation (`Derivation::unparse`): with `mask_outputs`,
+    /// output paths and the environment variables named like outputs are empty; with
+    /// `actual_inputs`, the input derivations are replaced by those (hash modulo → outputs).
+    pub fn unparse(&self, dir: &StoreDir, mask_outputs: bool, actual_inputs: Option<&BTreeMap<String, BTreeSet<String>>>) -> Vec<u8> {
+        let mut s = b"Derive([".to_vec();
+        for (i, (id, kind)) in self.outputs.iter().enumerate() {
+            comma(&mut s, i);
+            let path = match (mask_outputs, kind.path(dir, &self.name, id)) {
+                (false, Ok(Some(p))) => dir.display_path(&p),
+                _ => String::new(),
+            };
+            let (algo, hash) = kind.algo_and_hash();
+            s.push(b'(');
+            unquoted(&mut s, id.as_bytes());
+            for field in [&path, &algo, &hash] {
+                s.push(b',');
+                unquoted(&mut s, field.as_bytes());
+            }
+            s.push(b')');
+        }
+        s.extend_from_slice(b"],[");
+        let shown_drvs: BTreeMap<String, &BTreeSet<String>> = match actual_inputs {
+            Some(inputs) => inputs.iter().map(|(k, v)| (k.clone(), v)).collect(),
+            None => self.input_drvs.iter().map(|(k, v)| (dir.display_path(k), v)).collect(),
+        };
+        for (i, (drv, outputs)) in shown_drvs.iter().enumerate() {
+            comma(&mut s, i);
+            s.push(b'(');
+            unquoted(&mut s, drv.as_bytes());
+            s.push(b',');
+            list(&mut s, outputs.iter().map(|o| o.as_bytes()), unquoted);
+            s.push(b')');
+        }
+        s.extend_from_slice(b"],");
+        let srcs: BTreeSet<String> = self.input_srcs.iter().map(|p| dir.display_path(p)).collect();
+        list(&mut s, srcs.iter().map(|p| p.as_bytes()), unquoted);
+        s.push(b',');
+        unquoted(&mut s, &self.platform);
+        s.push(b',');
+        quoted(&mut s, &self.builder);
+        s.push(b',');
+        list(&mut s, self.args.iter().map(Vec::as_slice), quoted);
+        s.extend_from_slice(b",[");
+        for (i, (key, value)) in self.env.iter().enumerate() {
+            comma(&mut s, i);
+            s.push(b'(');
+            quoted(&mut s, key);
+            s.push(b',');
+            let masked = mask_outputs && std::str::from_utf8(key).is_ok_and(|k| self.outputs.contains_key(k));
+            quoted(&mut s, if masked { b"" } else { value });
+            s.push(b')');
+        }
+        s.extend_from_slice(b"])");
+        s
+    }
+
+    /// The hash modulo of this derivation (Nix's `hashDerivationModulo`): for a fixed-output
+    /// derivation, the hash of `fixed:out:<method algo>:<base16 hash>:<path>`; otherwise the
+    /// sha256 of [`unparse`](Self::unparse) with each input derivation replaced by its own
+    /// hash modulo (base16), which `input_hashes` gives (Nix's memoised
+    /// `pathDerivationModulo`, reading the input from the store with `mask_outputs` off).
+    pub fn hash_modulo(
+        &self,
+        dir: &StoreDir,
+        mask_outputs: bool,
+        input_hashes: &mut dyn FnMut(&StorePath) -> Result<DrvHashes, DerivationError>,
+    ) -> Result<DrvHashes, DerivationError> {
+        if self.derivation_type()? == DerivationType::Fixed {
+            return self
+                .outputs
+                .iter()
+                .map(|(id, kind)| {
+                    let (algo, hash) = kind.algo_and_hash();
+                    let path = kind.path(dir, &self.name, id).ok().flatten().ok_or_else(|| DerivationError(format!("fixed output {id:?} has no valid path")))?;
+                    let text = format!("fixed:out:{algo}:{hash}:{}", dir.display_path(&path));
+                    Ok((id.clone(), Hash::digest_bytes(HashAlgo::Sha256, text.as_bytes())))
+                })
+                .collect();
+        }
+        let mut inputs: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (drv, wanted) in &self.input_drvs {
+            let hashes = input_hashes(drv)?;
+            for output in wanted {
+                let h = hashes.get(output).ok_or_else(|| DerivationError(format!("no hash for output '{output}' of derivation '{}'", self.name)))?;
+                inputs.entry(h.to_base16()).or_default().insert(output.clone());
+            }
+        }
+        let hash = Hash::digest_bytes(HashAlgo::Sha256, &self.unparse(dir, mask_outputs, Some(&inputs)));
+        Ok(self.outputs.keys().map(|id| (id.clone(), hash.clone())).collect())
+    }
+
+    /// Nix's `LocalStore::checkDerivationOutputs` for this derivation stored at `drv`: its type
+    /// is one Nix accepts; every input-addressed output has the path `makeOutputPath` gives for
+    /// the hash modulo (outputs masked), and the environment variable named like each
+    /// input-addressed or fixed output holds that output's path. Errors in Nix's words.
+    pub fn check_outputs(
+        &self,
+        dir: &StoreDir,
+        drv: &StorePath,
+        input_hashes: &mut dyn FnMut(&StorePath) -> Result<DrvHashes, DerivationError>,
+    ) -> Result<(), DerivationError> {
+        let shown = dir.display_path(drv);
+        self.derivation_type()?;
+        let mut hashes: Option<DrvHashes> = None;
+        for (id, kind) in &self.outputs {
+            let expected = match kind {
+                OutputKind::InputAddressed(claimed) => {
+                    let hashes = match &mut hashes {
+                        Some(h) => h,
+                        None => hashes.insert(self.hash_modulo(dir, true, input_hashes)?),
+                    };
+                    let hash = hashes.get(id).ok_or_else(|| DerivationError(format!("derivation '{shown}' has unexpected output '{}' named '{id}'", dir.display_path(claimed))))?;
+                    let recomputed = dir
+                        .make_store_path(&format!("output:{id}"), hash, &output_path_name(&self.name, id))
+                        .map_err(|e| DerivationError(format!("derivation '{shown}', output '{id}': {e}")))?;
+                    if *claimed != recomputed {
+                        return Err(DerivationError(format!(
+                            "derivation '{shown}' has incorrect output '{}', should be '{}'",
+                            dir.display_path(claimed),
+                            dir.display_path(&recomputed)
+                        )));
+                    }
+                    recomputed
+                }
+                OutputKind::Fixed(_) => match kind.path(dir, &self.name, id) {
+                    Ok(Some(path)) => path,
+                    _ => return Err(DerivationError(format!("derivation '{shown}': fixed output '{id}' has no valid path"))),
+                },
+                OutputKind::Floating(_) | OutputKind::Deferred | OutputKind::Impure(_) => continue,
+            };
+            let in_env = self.env.get(id.as_bytes()).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| dir.parse_path(v).ok());
+            if in_env.as_ref() != Some(&expected) {
+                return Err(DerivationError(format!(
+                    "derivation '{shown}' has incorrect environment variable '{id}', should be '{}'",
+                    dir.display_path(&expected)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A `,` before every list element but the first.
+fn comma(s: &mut Vec<u8>, index: usize) {
+    if index > 0 {
+        s.push(b',');
+    }
+}
+
+/// Nix's `printUnquotedString`: quoted, not escaped.
+fn unquoted(s: &mut Vec<u8>, value: &[u8]) {
+    s.push(b'"');
+    s.extend_from_slice(value);
+    s.push(b'"');
+}
+
+/// Nix's `printString`: quoted, with `"`, `\\`, newline, carriage return and tab escaped.
+fn quoted(s: &mut Vec<u8>, value: &[u8]) {
+    s.push(b'"');
+    for &c in value {
+        match c {
+            b'"' | b'\\' => s.extend_from_slice(&[b'\\', c]),
+            b'\n' => s.extend_from_slice(b"\\n"),
+            b'\r' => s.extend_from_slice(b"\\r"),
+            b'\t' => s.extend_from_slice(b"\\t"),
+            c => s.push(c),
+        }
+    }
+    s.push(b'"');
+}
+
+/// `[e1,e2,…]` with each element printed by `print`.
+fn list<'a>(s: &mut Vec<u8>, items: impl Iterator<Item = &'a [u8]>, print: fn(&mut Vec<u8>, &[u8])) {
+    s.push(b'[');
+    for (i, item) in items.enumerate() {
+        comma(s, i);
+        print(s, item);
+    }
+    s.push(b']');
 }
 
 /// A position in the ATerm text.
@@ -63,12 +369,17 @@ impl Cursor<'_> {
         Ok(())
     }
 
-    /// Consumes a `]` if it comes next.
+    /// Nix's `endOfList`: consumes a `]` (true) or a `,` between elements (false) if it
+    /// comes next.
     fn end_of_list(&mut self) -> Result<bool, DerivationError> {
         match self.input.get(self.pos) {
             Some(b']') => {
                 self.pos += 1;
                 Ok(true)
+            }
+            Some(b',') => {
+                self.pos += 1;
+                Ok(false)
             }
             Some(_) => Ok(false),
             None => Err(self.error("unexpected end of derivation")),
@@ -103,6 +414,18 @@ impl Cursor<'_> {
         }
     }
 
+    /// Consumes `,` and a quoted UTF-8 string (an output's path, hash algorithm or hash).
+    fn field(&mut self) -> Result<String, DerivationError> {
+        self.expect(b",")?;
+        self.utf8_string("output field")
+    }
+
+    /// Consumes a quoted store path (`what` names it in errors).
+    fn store_path(&mut self, dir: &StoreDir, what: &str) -> Result<StorePath, DerivationError> {
+        let path = self.utf8_string(what)?;
+        dir.parse_path(&path).map_err(|e| DerivationError(format!("{what} {path:?}: {e}")))
+    }
+
     /// Consumes a quoted string that must be UTF-8 (`what` names it in errors).
     fn utf8_string(&mut self, what: &str) -> Result<String, DerivationError> {
         let start = self.pos;
@@ -114,7 +437,6 @@ impl Cursor<'_> {
 mod tests {
     use super::*;
     use crate::nar::{reader, NarPath, NarVisitor};
-    use std::collections::BTreeMap;
     use std::io::Read;
 
     const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus");
@@ -129,16 +451,21 @@ mod tests {
 
     #[test]
     fn outputs_with_escapes_and_floating_paths() {
-        let aterm = br#"Derive([("bin","/nix/store/ljrz8i16r1xwav3skkm86kifcf6cfbph-a-bin","",""),("dev","","sha256",""),("out","/nix/store/ljrz8i16r1xwav3skkm86kifcf6cfbph-a","r:sha256","0a\"\\\n")],[],[],"x","\"b\\n\t\r",[],[])"#;
-        let outputs = parse_outputs(&store_dir(), aterm).unwrap();
+        let aterm = br#"Derive([("bin","/nix/store/ljrz8i16r1xwav3skkm86kifcf6cfbph-a-bin","",""),("dev","","r:sha256",""),("out","/nix/store/ljrz8i16r1xwav3skkm86kifcf6cfbph-a","","")],[],[],"x","\"b\\n\t\r",[],[("a\"\\\n","\t")])"#;
+        let drv = Derivation::parse(&store_dir(), "a", aterm).unwrap();
         assert_eq!(
-            outputs,
+            drv.output_paths(&store_dir()).unwrap(),
             vec![
                 ("bin".into(), Some(path("ljrz8i16r1xwav3skkm86kifcf6cfbph-a-bin"))),
                 ("dev".into(), None),
                 ("out".into(), Some(path("ljrz8i16r1xwav3skkm86kifcf6cfbph-a"))),
             ]
         );
+        assert_eq!(drv.builder, b"\"b\\n\t\r");
+        assert_eq!(drv.env[b"a\"\\\n".as_slice()], b"\t");
+        // Nix writes back exactly what it read.
+        assert_eq!(drv.unparse(&store_dir(), false, None), aterm);
+        assert_eq!(drv.derivation_type().unwrap_err().0, "can't mix derivation output types");
     }
 
     #[test]
@@ -155,18 +482,20 @@ mod tests {
             b"Derive(",
             b"Derive([",
             b"Derive([(\"out\"",
-            b"Derive([(\"out\",\"/nix/store/x\",\"\",\"\")])",
+            b"Derive([(\"out\",\"/nix/store/x\",\"\",\"\")],[],[],\"\",\"\",[],[])",
             b"Derive([(\"out\",\"/nix/store/ljrz8i16r1xwav3skkm86kifcf6cfbph-a\",\"\",\"\\",
-            b"Derive([(\"out\",\"\",\"\",\"\")(\"dev\",\"\",\"\",\"\")])",
-            b"Derive([(\"out\",\"\",\"\",\"\"),(\"out\",\"\",\"\",\"\")])",
-            b"Derive([(\"\xff\",\"\",\"\",\"\")])",
+            b"Derive([(\"out\",\"\",\"\",\"\"),(\"out\",\"\",\"\",\"\")],[],[],\"\",\"\",[],[])",
+            b"Derive([(\"\xff\",\"\",\"\",\"\")],[],[],\"\",\"\",[],[])",
+            b"Derive([],[(\"/nix/store/x.drv\",[\"out\"])],[],\"\",\"\",[],[])",
+            b"Derive([],[],[],\"\",\"\",[],[]) ",
             b"DrvWithVersion(\"xp-dyn-drv\",[])",
             b"derive([])",
         ];
         for case in cases {
-            assert!(parse_outputs(&store_dir(), case).is_err(), "{:?}", String::from_utf8_lossy(case));
+            assert!(Derivation::parse(&store_dir(), "a", case).is_err(), "{:?}", String::from_utf8_lossy(case));
         }
-        assert_eq!(parse_outputs(&store_dir(), b"Derive([],[],[],\"\",\"\",[],[])").unwrap(), vec![]);
+        let empty = Derivation::parse(&store_dir(), "a", b"Derive([],[],[],\"\",\"\",[],[])").unwrap();
+        assert_eq!(empty.derivation_type().unwrap_err().0, "must have at least one output");
     }
 
     /// Collects the contents of a NAR whose root is a regular file.
@@ -188,8 +517,8 @@ mod tests {
         }
     }
 
-    /// Every `.drv` of `cache-drv`: store path → its parsed outputs.
-    fn corpus_derivations() -> BTreeMap<String, Vec<(String, Option<StorePath>)>> {
+    /// Every `.drv` of `cache-drv` (written by real Nix): store path → its ATerm.
+    fn corpus_derivations() -> BTreeMap<StorePath, Vec<u8>> {
         let dir = std::path::Path::new(CORPUS).join("cache-drv");
         let mut drvs = BTreeMap::new();
         for entry in std::fs::read_dir(&dir).expect("the corpus in ../shared") {
@@ -199,17 +528,35 @@ mod tests {
             }
             let text = std::fs::read_to_string(&file).unwrap();
             let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).unwrap().to_owned();
-            let store_path = field("StorePath: ");
-            if !store_path.ends_with(".drv") {
+            let store_path = store_dir().parse_path(&field("StorePath: ")).unwrap();
+            if !store_path.is_derivation() {
                 continue;
             }
             let compressed = std::fs::File::open(dir.join(field("URL: "))).unwrap();
             let mut contents = FileContents::default();
             reader::parse(liblzma::read::XzDecoder::new(compressed), &mut contents).unwrap();
-            let outputs = parse_outputs(&store_dir(), &contents.0).unwrap_or_else(|e| panic!("{store_path}: {e}"));
-            drvs.insert(store_path, outputs);
+            drvs.insert(store_path, contents.0);
         }
         drvs
+    }
+
+    /// The hash modulo of the corpus derivation `drv`, memoised in `memo` (Nix's
+    /// `pathDerivationModulo`).
+    fn corpus_hashes(drvs: &BTreeMap<StorePath, Vec<u8>>, memo: &mut BTreeMap<StorePath, DrvHashes>, drv: &StorePath) -> Result<DrvHashes, DerivationError> {
+        if let Some(h) = memo.get(drv) {
+            return Ok(h.clone());
+        }
+        let aterm = drvs.get(drv).ok_or_else(|| DerivationError(format!("{drv:?} is not in the corpus")))?;
+        let parsed = Derivation::parse(&store_dir(), drv_name(drv), aterm)?;
+        let h = parsed.hash_modulo(&store_dir(), false, &mut |p| corpus_hashes(drvs, memo, p))?;
+        memo.insert(drv.clone(), h.clone());
+        Ok(h)
+    }
+
+    /// [`Derivation::check_outputs`] of `aterm` at `drv` against the corpus.
+    fn check(drvs: &BTreeMap<StorePath, Vec<u8>>, memo: &mut BTreeMap<StorePath, DrvHashes>, drv: &StorePath, aterm: &[u8]) -> Result<(), DerivationError> {
+        let parsed = Derivation::parse(&store_dir(), drv_name(drv), aterm)?;
+        parsed.check_outputs(&store_dir(), drv, &mut |p| corpus_hashes(drvs, memo, p))
     }
 
     #[test]
@@ -221,6 +568,10 @@ mod tests {
             .filter(|l| l.ends_with(".drv"))
             .count();
         assert_eq!(drvs.len(), expected_count);
+        let outputs: BTreeMap<String, Vec<(String, Option<StorePath>)>> = drvs
+            .iter()
+            .map(|(p, aterm)| (store_dir().display_path(p), parse_outputs(&store_dir(), p, aterm).unwrap_or_else(|e| panic!("{p:?}: {e}"))))
+            .collect();
 
         // The top-level derivation, as `nix show-derivation` printed it.
         let top: serde_json::Value =
@@ -232,7 +583,7 @@ mod tests {
                 .iter()
                 .map(|(name, o)| (name.clone(), o["path"].as_str().map(|p| store_dir().parse_path(p).unwrap())))
                 .collect();
-            assert_eq!(drvs[drv], expected, "{drv}");
+            assert_eq!(outputs[drv], expected, "{drv}");
         }
 
         // Every path's deriver lists it among its outputs (multi-output derivations included).
@@ -242,9 +593,78 @@ mod tests {
         for info in infos.as_array().unwrap() {
             let Some(deriver) = info["deriver"].as_str() else { continue };
             let out = store_dir().parse_path(info["path"].as_str().unwrap()).unwrap();
-            assert!(drvs[deriver].iter().any(|(_, p)| p.as_ref() == Some(&out)), "{deriver} lacks {out}");
+            assert!(outputs[deriver].iter().any(|(_, p)| p.as_ref() == Some(&out)), "{deriver} lacks {out:?}");
             checked += 1;
         }
         assert!(checked > 1000, "only {checked} paths with derivers");
+    }
+
+    /// Every derivation real Nix wrote (fixed-output, multi-output, with deep input
+    /// derivations) passes Nix's output check, and is written back byte for byte.
+    #[test]
+    fn corpus_derivations_pass_the_output_check() {
+        let drvs = corpus_derivations();
+        let mut memo = BTreeMap::new();
+        let mut fixed = 0;
+        for (drv, aterm) in &drvs {
+            let parsed = Derivation::parse(&store_dir(), drv_name(drv), aterm).unwrap();
+            assert_eq!(parsed.unparse(&store_dir(), false, None), *aterm, "{drv:?}");
+            fixed += usize::from(parsed.derivation_type() == Ok(DerivationType::Fixed));
+            check(&drvs, &mut memo, drv, aterm).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(fixed, 4);
+    }
+
+    /// A real derivation with an input-addressed output, and one with a fixed output.
+    fn corpus_examples(drvs: &BTreeMap<StorePath, Vec<u8>>) -> (StorePath, StorePath) {
+        let parsed = |p: &StorePath| Derivation::parse(&store_dir(), drv_name(p), &drvs[p]).unwrap();
+        let ia = drvs.keys().find(|p| parsed(p).derivation_type() == Ok(DerivationType::InputAddressed) && !parsed(p).input_drvs.is_empty()).unwrap();
+        let fixed = drvs.keys().find(|p| parsed(p).derivation_type() == Ok(DerivationType::Fixed)).unwrap();
+        (ia.clone(), fixed.clone())
+    }
+
+    /// Real derivations edited the ways an attacker would, each refused in Nix's words.
+    #[test]
+    fn lying_derivations_are_refused_as_nix_refuses_them() {
+        let drvs = corpus_derivations();
+        let mut memo = BTreeMap::new();
+        let (ia, fixed) = corpus_examples(&drvs);
+        let text = |p: &StorePath| String::from_utf8(drvs[p].clone()).unwrap();
+        let shown = |p: &StorePath| store_dir().display_path(p);
+        let out_of = |p: &StorePath| parse_outputs(&store_dir(), p, &drvs[p]).unwrap().into_iter().find(|(n, _)| n == "out").unwrap().1.unwrap();
+        let victim = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.35-163";
+
+        // Another package's output path claimed (in the outputs and the environment).
+        let real = shown(&out_of(&ia));
+        let lie = text(&ia).replace(&real, victim);
+        let err = check(&drvs, &mut memo, &ia, lie.as_bytes()).unwrap_err().0;
+        assert_eq!(err, format!("derivation '{}' has incorrect output '{victim}', should be '{real}'", shown(&ia)));
+
+        // The environment changed (the builder would do something else): the hash changes.
+        let lie = text(&ia).replacen("(\"system\",\"x86_64-linux\")", "(\"system\",\"x86_64-linux\"),(\"zz\",\"evil\")", 1);
+        assert_ne!(lie, text(&ia));
+        let err = check(&drvs, &mut memo, &ia, lie.as_bytes()).unwrap_err().0;
+        assert!(err.starts_with(&format!("derivation '{}' has incorrect output '{real}', should be '/nix/store/", shown(&ia))), "{err}");
+
+        // Only the environment's copy of the output path changed.
+        let lie = text(&ia).replace(&format!("(\"out\",\"{real}\")"), &format!("(\"out\",\"{victim}\")"));
+        let err = check(&drvs, &mut memo, &ia, lie.as_bytes()).unwrap_err().0;
+        assert_eq!(err, format!("derivation '{}' has incorrect environment variable 'out', should be '{real}'", shown(&ia)));
+
+        // A fixed output's hash changed: its path is another one, which the environment lacks.
+        let parsed = Derivation::parse(&store_dir(), drv_name(&fixed), &drvs[&fixed]).unwrap();
+        let (_, hash) = parsed.outputs["out"].algo_and_hash();
+        let other = format!("{}{}", if hash.starts_with('0') { '1' } else { '0' }, &hash[1..]);
+        let lie = text(&fixed).replace(&hash, &other);
+        let err = check(&drvs, &mut memo, &fixed, lie.as_bytes()).unwrap_err().0;
+        let moved = Derivation::parse(&store_dir(), drv_name(&fixed), lie.as_bytes()).unwrap().output_paths(&store_dir()).unwrap()[0].1.clone().unwrap();
+        assert_eq!(err, format!("derivation '{}' has incorrect environment variable 'out', should be '{}'", shown(&fixed), shown(&moved)));
+
+        // An input derivation's hash is what the output path depends on: one not found is an error.
+        let input = Derivation::parse(&store_dir(), drv_name(&ia), &drvs[&ia]).unwrap().input_drvs.into_keys().next().unwrap();
+        let mut without = drvs.clone();
+        without.remove(&input);
+        let err = check(&without, &mut BTreeMap::new(), &ia, &drvs[&ia]).unwrap_err().0;
+        assert!(err.contains("is not in the corpus"), "{err}");
     }
 }

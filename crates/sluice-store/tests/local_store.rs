@@ -546,7 +546,7 @@ fn derivations_register_their_outputs() {
         stmt.query_map([shown(&drv.store_path)], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect();
     let mut aterm = Vec::new();
     File::open(store.real_path(&drv.store_path)).unwrap().read_to_end(&mut aterm).unwrap();
-    let expected: Vec<(String, String)> = sluice_nix::derivation::parse_outputs(&store_dir(), &aterm)
+    let expected: Vec<(String, String)> = sluice_nix::derivation::parse_outputs(&store_dir(), &drv.store_path, &aterm)
         .unwrap()
         .into_iter()
         .map(|(name, path)| (name, shown(&path.unwrap())))

@@ -817,6 +817,11 @@ fn nix_2_26_client_matches_nix_2_8() {
 /// Reads stderr messages up to the operation's end: `Ok` at `LAST` (its result follows), or
 /// the message of an `ERROR` (protocol ≥ 1.26 form). Log lines and activities are skipped.
 fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
+    until_last_logged(s).1
+}
+
+/// [`until_last`], and the log lines (`NEXT`) sent before the end.
+fn until_last_logged(s: &mut impl std::io::Read) -> (Vec<String>, Result<(), String>) {
     fn fields(s: &mut impl std::io::Read) {
         for _ in 0..read_u64(s) {
             match read_u64(s) {
@@ -830,20 +835,19 @@ fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
             }
         }
     }
+    let mut log = Vec::new();
     loop {
         match read_u64(s) {
-            LAST => return Ok(()),
+            LAST => return (log, Ok(())),
             0x6378_7470 => {
                 assert_eq!(read_string(s), b"Error");
                 read_u64(s);
                 read_string(s);
                 let msg = String::from_utf8(read_string(s)).unwrap();
                 assert_eq!((read_u64(s), read_u64(s)), (0, 0), "no position, no traces");
-                return Err(msg);
+                return (log, Err(msg));
             }
-            0x6f6c_6d67 => {
-                read_string(s);
-            }
+            0x6f6c_6d67 => log.push(String::from_utf8_lossy(&read_string(s)).into_owned()),
             0x5354_5254 => {
                 read_u64(s);
                 read_u64(s);
@@ -863,6 +867,15 @@ fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
             tag => panic!("unexpected stderr message {tag:#x}"),
         }
     }
+}
+
+/// QueryValidDerivers (op 33) of `path` on `client`: the derivations registered with it
+/// among their outputs (`DerivationOutputs`).
+fn valid_derivers(client: &mut std::os::unix::net::UnixStream, path: &str) -> Vec<String> {
+    use std::io::Write;
+    client.write_all(&request(33, &[Err(path.as_bytes())])).unwrap();
+    until_last(client).unwrap();
+    (0..read_u64(client)).map(|_| String::from_utf8(read_string(client)).unwrap()).collect()
 }
 
 /// IsValidPath of `path` on `client`, which must still be usable: the answer.
@@ -994,9 +1007,13 @@ fn add_build_log_is_stored_where_nix_reads_it() {
     use std::io::{Read, Write};
     let env = Env::new();
     let (daemon, mut client, _) = daemon_and_client_1_37(&env, "", 1);
-    // A derivation, so that `nix log` can read it.
-    let aterm = r#"Derive([("out","/nix/store/00000000000000000000000000000000-hello","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","/nix/store/00000000000000000000000000000000-hello")])"#;
-    let drv = String::from_utf8(add_text(&mut client, "hello.drv", aterm)).unwrap();
+    // A derivation, so that `nix log` can read it; its output path is the one Nix computes.
+    let masked = r#"Derive([("out","","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","")])"#;
+    let parsed = sluice_nix::derivation::Derivation::parse(&StoreDir::default(), "hello", masked.as_bytes()).unwrap();
+    let hash = parsed.hash_modulo(&StoreDir::default(), true, &mut |_| unreachable!("no inputs")).unwrap().remove("out").unwrap();
+    let out = StoreDir::default().display_path(&StoreDir::default().make_store_path("output:out", &hash, "hello").unwrap());
+    let aterm = format!(r#"Derive([("out","{out}","","")],[],[],"x86_64-linux","/bin/sh",["-c","echo hi"],[("out","{out}")])"#);
+    let drv = String::from_utf8(add_text(&mut client, "hello.drv", &aterm)).unwrap();
     let base = drv.strip_prefix("/nix/store/").unwrap();
     let text = "building 'hello'...\nhello from the build\n";
     // Nix clients send the base name.
@@ -1619,7 +1636,6 @@ fn forged_ca_sluice_copy_is_refused_even_signed() {
 /// sharing the store would put the attacker's bytes at that path. The daemon must refuse it
 /// too, and must not register the lying output in `DerivationOutputs`.
 #[test]
-#[ignore = "defect: derivation outputs are registered without Nix's checkDerivationOutputs (hashDerivationModulo)"]
 fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
     let env = Env::new();
     open_to_nobody(&env);
@@ -1636,9 +1652,10 @@ fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
     let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", &direct, "--add", file.to_str().unwrap()]);
     assert!(!ok && err.contains(&format!("has incorrect output '{victim}'")), "Nix's own store: {err}");
     let (ok, out, err) = as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]);
-    let (_, outputs, _) = as_root(&env, false, "nix-store", &["--store", &daemon.url, "-q", "--valid-derivers", victim]);
-    assert!(!ok, "a derivation claiming {victim} was added: {out}; valid derivers of {victim}: {outputs}");
-    assert!(err.contains("incorrect output"), "{err}");
+    let derivers = valid_derivers(&mut raw_client(&env, 37).0, victim);
+    assert!(!ok, "a derivation claiming {victim} was added: {out}; valid derivers of {victim}: {derivers:?}");
+    assert!(err.contains(&format!("has incorrect output '{victim}', should be '/nix/store/")), "{err}");
+    assert!(derivers.is_empty(), "valid derivers of {victim}: {derivers:?}");
 }
 
 /// The same lying derivation served by a hostile binary cache, unsigned: a `text:` content
@@ -1646,7 +1663,6 @@ fn untrusted_client_cannot_add_a_derivation_whose_outputs_lie() {
 /// nobody, `nix-store -r`) asks for the `.drv`. Nix 2.8 substituting it into its own store
 /// refuses it at registration ("has incorrect output"); so must the daemon.
 #[test]
-#[ignore = "defect: derivation outputs are registered without Nix's checkDerivationOutputs (hashDerivationModulo)"]
 fn substituted_derivation_whose_outputs_lie_is_refused() {
     let env = Env::new();
     open_to_nobody(&env);
@@ -1671,10 +1687,12 @@ fn substituted_derivation_whose_outputs_lie_is_refused() {
     use std::io::Write;
     let (mut client, _) = raw_client(&env, 37);
     client.write_all(&request(10, &[Err(shown.as_bytes())])).unwrap();
-    let result = until_last(&mut client);
+    let (log, result) = until_last_logged(&mut client);
     let (_, outputs, _) = as_root(&env, false, "nix-store", &["--store", &daemon.url, "-q", "--outputs", &shown]);
     assert!(result.is_err(), "a derivation claiming {victim} was substituted; its outputs: {outputs}");
-    assert!(result.unwrap_err().contains("incorrect output"));
+    assert_eq!(result.unwrap_err(), format!("path '{shown}' is required, but there is no substituter that can build it"));
+    let why = format!("derivation '{shown}' has incorrect output '{victim}', should be '/nix/store/");
+    assert!(log.iter().any(|l| l.contains(&why)), "{log:?}");
     assert_eq!(is_valid(&mut client, shown.as_bytes()), 0, "{shown} is valid");
 }
 
@@ -1737,4 +1755,140 @@ fn daemon_client_sees_why_substitution_failed() {
     let out = env.cmd("nix-store").args(["--store", &direct]).args(args).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not signed by any of the keys in 'trusted-public-keys'"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// An expression with a fixed-output derivation, and a multi-output one depending on it whose
+/// environment needs escapes: what real Nix writes for them is what sluice must accept.
+const REAL_DERIVATIONS: &str = r#"
+let
+  src = derivation {
+    name = "src"; system = "x86_64-linux"; builder = "/bin/sh"; args = [ "-c" "echo hi > $out" ];
+    outputHashMode = "flat"; outputHashAlgo = "sha256";
+    outputHash = "98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4";
+  };
+in derivation {
+  name = "top"; system = "x86_64-linux"; builder = "/bin/sh"; outputs = [ "out" "dev" ];
+  args = [ "-c" "cat ${src} > $out; echo > $dev" ];
+  text = "a \"quoted\" \\ line\n\twith a tab\r";
+}
+"#;
+
+/// Real derivations from `nix-instantiate` (Nix 2.8 and 2.26 clients, as root and as nobody)
+/// pass the daemon's output check, get the paths Nix's own store gives them, and have the
+/// outputs Nix registers; the same derivations edited (another output path, another
+/// environment, another fixed-output hash) and added by an untrusted Nix 2.26 client are
+/// refused in the words Nix 2.8's own store refuses them with.
+#[test]
+fn real_derivations_are_admitted_and_edited_ones_refused_as_nix_does() {
+    let env = Env::new();
+    open_to_nobody(&env);
+    let daemon = env.daemon("root", &env.cache(), "");
+    let direct = format!("local?root={}", env.path("direct").display());
+    let expr = env.path("drvs.nix");
+    std::fs::write(&expr, REAL_DERIVATIONS).unwrap();
+    let expr = expr.to_str().unwrap();
+    let (ok, top, err) = as_root(&env, false, "nix-instantiate", &["--store", &direct, expr]);
+    assert!(ok, "{err}");
+    let top = top.trim().to_owned();
+    let outputs = |store: &str| as_root(&env, false, "nix-store", &["--store", store, "-q", "--outputs", &top]);
+    for (who, modern, nobody) in [("2.8 root", false, false), ("2.8 nobody", false, true), ("2.26 root", true, false), ("2.26 nobody", true, true)] {
+        let args = ["--store", &daemon.url, expr];
+        let (ok, via, err) = match (modern, nobody) {
+            (false, true) => as_nobody(&env, "nix-instantiate", &args),
+            (true, true) => modern_as_nobody(&env, "nix-instantiate", &args),
+            (modern, false) => as_root(&env, modern, "nix-instantiate", &args),
+        };
+        assert!(ok, "{who}: {err}");
+        assert_eq!(via.trim(), top, "{who}");
+    }
+    // The outputs registered (DerivationOutputs, read by QueryValidDerivers) are Nix's.
+    let (_, shown, _) = outputs(&direct);
+    assert_eq!(shown.lines().count(), 2, "{shown}");
+    let (mut client, _) = raw_client(&env, 37);
+    for out in shown.lines() {
+        assert_eq!(valid_derivers(&mut client, out), [top.clone()], "{out}");
+    }
+
+    // Edited copies, added under the same name (`top.drv`, `src.drv`) with `nix-store --add`.
+    let real = std::fs::read_to_string(env.path("direct").join(top.trim_start_matches('/'))).unwrap();
+    let src_drv = real.split("[(\"").nth(2).and_then(|s| s.split('"').next()).unwrap().to_owned();
+    assert!(src_drv.ends_with("-src.drv"), "{real}");
+    let src_real = std::fs::read_to_string(env.path("direct").join(src_drv.trim_start_matches('/'))).unwrap();
+    let (dev_path, out_path) = (shown.lines().next().unwrap().to_owned(), shown.lines().nth(1).unwrap().to_owned());
+    assert!(dev_path.ends_with("-top-dev") && out_path.ends_with("-top"), "{shown}");
+    let victim = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.35-163";
+    let other_hash = "0000000000000000000000000000000000000000000000000000000000000000";
+    let edits = [
+        ("top.drv", real.replace(&out_path, victim), format!("has incorrect output '{victim}', should be '{out_path}'")),
+        // Outputs are checked in name order: `dev` first.
+        ("top.drv", real.replace("with a tab", "with a tab and more"), format!("has incorrect output '{dev_path}', should be '/nix/store/")),
+        ("top.drv", real.replace(&format!("(\"out\",\"{out_path}\")"), &format!("(\"out\",\"{victim}\")")), format!("has incorrect environment variable 'out', should be '{out_path}'")),
+        ("src.drv", src_real.replace("98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4", other_hash), "has incorrect environment variable 'out', should be '/nix/store/".to_owned()),
+    ];
+    std::fs::create_dir_all(env.path("edited")).unwrap();
+    for (name, text, why) in edits {
+        let file = env.path("edited").join(name);
+        std::fs::write(&file, &text).unwrap();
+        let file = file.to_str().unwrap();
+        let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", &direct, "--add", file]);
+        assert!(!ok && err.contains(&why), "Nix's own store, {why}: {err}");
+        let before = store_entries(&env, "root");
+        let (ok, out, err) = modern_as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", file]);
+        assert!(!ok, "{why}: added as {out}");
+        assert!(err.contains(&why), "{why}: {err}");
+        assert_eq!(store_entries(&env, "root"), before);
+    }
+}
+
+/// The `repair` flag of AddToStoreNar (op 39), AddMultipleToStore (op 44) and AddToStore (op
+/// 7): a trusted client's addition of a valid path whose tree was damaged puts the tree back
+/// (the data has the registered NAR hash); an untrusted client's flag is ignored and the
+/// damage stays; without the flag nothing is rewritten. The connection goes on each time.
+#[test]
+fn add_ops_repair_a_damaged_path_for_trusted_clients() {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let (dep, dep_nar, dep_ca) = honest_dep();
+    let contents = "an honest dependency\n";
+    // AddToStore (≥ 1.25) of the same text: name, method, references, repair, framed data.
+    let add_to_store = |repair: u64| {
+        let mut req = request(7, &[Err(b"honest-dep"), Err(b"text:sha256"), Ok(0), Ok(repair)]);
+        req.extend(framed(contents.as_bytes()));
+        req
+    };
+    for (who, config, trusted) in [("trusted", "", true), ("untrusted", "trusted-users = nobody-in-particular", false)] {
+        for op in [39u64, 44, 7] {
+            let env = Env::new();
+            let _daemon = env.daemon("root", &env.cache(), config);
+            let (mut client, _) = raw_client(&env, 37);
+            let send = |client: &mut std::os::unix::net::UnixStream, repair: u64| {
+                let req = match op {
+                    39 => [u64s(&[39]), wire_info(&dep, &dep_nar, &[], &dep_ca), u64s(&[repair, 1]), framed(&dep_nar)].concat(),
+                    44 => {
+                        let payload = [u64s(&[1]), wire_info(&dep, &dep_nar, &[], &dep_ca), dep_nar.clone()].concat();
+                        [u64s(&[44, repair, 1]), framed(&payload)].concat()
+                    }
+                    _ => add_to_store(repair),
+                };
+                client.write_all(&req).unwrap();
+                assert_eq!(until_last(client), Ok(()), "{who}, op {op}, repair {repair}");
+                if op == 7 {
+                    // The keyed path info of the result.
+                    assert_eq!(read_string(client), format!("/nix/store/{}", dep.base_name()).into_bytes());
+                    read_path_info(client);
+                }
+                assert_eq!(is_valid(client, MISSING), 0, "the connection goes on");
+            };
+            send(&mut client, 0);
+            let file = env.path("root/nix/store").join(dep.base_name());
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), contents);
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+            std::fs::write(&file, "damaged\n").unwrap();
+            send(&mut client, 0);
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), "damaged\n", "{who}, op {op}: rewritten without repair");
+            send(&mut client, 1);
+            let expected = if trusted { contents } else { "damaged\n" };
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), expected, "{who}, op {op}, repair");
+        }
+    }
 }

@@ -7,6 +7,11 @@
 //! trusted key or a content address, unless signatures are not required: `require-sigs =
 //! false`, or a trusted client's `dontCheckSigs` (ignored for untrusted clients, as in Nix's
 //! `daemon.cc`).
+//!
+//! The `repair` flag of AddToStore, AddToStoreNar and AddMultipleToStore is honoured for a
+//! trusted client: a valid path's tree is replaced from the data sent, which must have the
+//! registered NAR hash (the store's repair path). Nix honours it for every client; sluice
+//! ignores it for untrusted ones, as it did before.
 
 use std::io::{self, Read};
 use std::sync::Arc;
@@ -40,12 +45,12 @@ pub(super) fn add_to_store(c: &mut Conn) -> OpResult {
     let name = read_string(&mut c.r, MAX_NAME, "name")?;
     let method = read_string(&mut c.r, 64, "content-address method")?;
     let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
-    read_bool(&mut c.r, "repair flag")?;
+    let repair = read_repair(c)?;
     let store = Arc::clone(c.store());
     let policy = policy(c, false)?;
     let mut framed = FramedReader::new(&mut c.r);
     let roots = &c.temp_roots;
-    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, roots, &policy, &name, m, references, &mut framed));
+    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, roots, &policy, &name, m, references, &mut framed, repair));
     finish_framed(&mut framed)?;
     let info = result?;
     let version = c.version;
@@ -69,11 +74,11 @@ fn add_to_store_legacy(c: &mut Conn) -> OpResult {
     io::Seek::rewind(&mut nar).map_err(op_err)?;
     let policy = policy(c, false)?;
     let info = match method {
-        Ingestion::Nar(_) => add_content(c.daemon.store(), &c.temp_roots, &policy, &name, method, Default::default(), &mut nar)?,
+        Ingestion::Nar(_) => add_content(c.daemon.store(), &c.temp_roots, &policy, &name, method, Default::default(), &mut nar, false)?,
         _ => {
             let mut root = RootFile::new();
             parse(&mut nar, &mut root).map_err(op_err)?;
-            add_content(c.daemon.store(), &c.temp_roots, &policy, &name, method, Default::default(), &mut root.contents)?
+            add_content(c.daemon.store(), &c.temp_roots, &policy, &name, method, Default::default(), &mut root.contents, false)?
         }
     };
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
@@ -85,7 +90,7 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
     let text = read_bytes(&mut c.r, MAX_TEXT, "text")?;
     let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
     let policy = policy(c, false)?;
-    let info = add_content(c.daemon.store(), &c.temp_roots, &policy, &name, Ingestion::Text, references, &mut text.as_slice())?;
+    let info = add_content(c.daemon.store(), &c.temp_roots, &policy, &name, Ingestion::Text, references, &mut text.as_slice(), false)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 
@@ -94,7 +99,7 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
 /// (framed ≥ 1.23, else pulled with `STDERR_READ`). Replies `LAST` with no result.
 pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
     let mut info = read_keyed_path_info(&mut c.r, c.daemon.store().store_dir(), ProtocolVersion::new(1, 16))?;
-    read_bool(&mut c.r, "repair flag")?;
+    let repair = read_repair(c)?;
     let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")?;
     if !c.peer.trusted {
         info.ultimate = false;
@@ -104,11 +109,11 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
     let roots = c.temp_roots.clone();
     if c.version.at_least(23) {
         let mut framed = FramedReader::new(&mut c.r);
-        let result = policy.and_then(|policy| add_nar(&store, &roots, &policy, info, &mut framed));
+        let result = policy.and_then(|policy| add_nar(&store, &roots, &policy, info, &mut framed, repair));
         finish_framed(&mut framed)?;
         result?;
     } else {
-        add_nar(&store, &roots, &policy?, info, &mut Tunnel { r: &mut c.r, w: &mut c.w })?;
+        add_nar(&store, &roots, &policy?, info, &mut Tunnel { r: &mut c.r, w: &mut c.w }, repair)?;
     }
     c.reply(|_, _| Ok(()))
 }
@@ -116,12 +121,12 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
 /// AddMultipleToStore: repair, dontCheckSigs, then a framed stream of a count and, per path,
 /// its keyed info (1.16 form) followed by its NAR. Replies `LAST` with no result.
 pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
-    read_bool(&mut c.r, "repair flag")?;
+    let repair = read_repair(c)?;
     let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")?;
     let policy = policy(c, dont_check_sigs);
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
-    let result = policy.and_then(|policy| add_each(&store, &c.temp_roots, &policy, &mut framed));
+    let result = policy.and_then(|policy| add_each(&store, &c.temp_roots, &policy, &mut framed, repair));
     finish_framed(&mut framed)?;
     result?;
     c.reply(|_, _| Ok(()))
@@ -136,8 +141,13 @@ fn policy(c: &Conn, dont_check_sigs: bool) -> Result<SignaturePolicy, Fail> {
     Ok(SignaturePolicy { require_sigs: settings.require_sigs && !(dont_check_sigs && c.peer.trusted), trusted_keys })
 }
 
-/// Adds each path of an AddMultipleToStore payload.
-fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, stream: &mut dyn Read) -> Result<(), Fail> {
+/// The `repair` flag of an add operation, honoured for a trusted client only.
+fn read_repair(c: &mut Conn) -> Result<bool, Fail> {
+    Ok(read_bool(&mut c.r, "repair flag")? && c.peer.trusted)
+}
+
+/// Adds each path of an AddMultipleToStore payload (repairing valid ones with `repair`).
+fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, stream: &mut dyn Read, repair: bool) -> Result<(), Fail> {
     let dir = store.store_dir();
     let count = read_u64(stream, "path count")?;
     if count > MAX_PATHS {
@@ -147,29 +157,23 @@ fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy
         let mut info = read_keyed_path_info(stream, dir, ProtocolVersion::new(1, 16))?;
         info.ultimate = false;
         let nar_size = info.nar_size;
-        add_nar(store, roots, policy, info, &mut stream.take(nar_size))?;
+        add_nar(store, roots, policy, info, &mut stream.take(nar_size), repair)?;
     }
     Ok(())
 }
 
 /// Adds `info`'s path from the NAR in `nar` under `policy` unless it is valid already (then
-/// `nar` is skipped, so that whatever follows it can be read). A path refused by the store's
-/// verification boundary fails the operation; the rest of its NAR is then left unread (the
-/// caller drains a framed stream).
-fn add_nar(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, info: ValidPathInfo, nar: &mut dyn Read) -> Result<(), Fail> {
+/// `nar` is skipped, so that whatever follows it can be read), or repairs it with `repair`
+/// ([`LocalStore::add_nar_if_missing`]). A path refused by the store's verification boundary
+/// fails the operation; the rest of its NAR is then left unread (the caller drains a framed
+/// stream).
+fn add_nar(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, info: ValidPathInfo, nar: &mut dyn Read, repair: bool) -> Result<(), Fail> {
     let shown = store.store_dir().display_path(&info.path);
     // Refused before its NAR is unpacked, if nobody vouches for it.
     policy.vouch(store.store_dir(), &info).map_err(op_err)?;
-    match store.begin_add(info, roots).map_err(op_err)? {
-        None => {
-            io::copy(nar, &mut io::sink()).map_err(|e| Fail::Fatal(format!("reading the NAR of {shown}: {e}")))?;
-            Ok(())
-        }
-        Some(mut pending) => {
-            pending.unpack(nar).map_err(op_err)?;
-            pending.commit(policy).map_err(op_err)
-        }
-    }
+    store.add_nar_if_missing(info, nar, policy, roots, repair).map_err(op_err)?;
+    io::copy(nar, &mut io::sink()).map_err(|e| Fail::Fatal(format!("reading the NAR of {shown}: {e}")))?;
+    Ok(())
 }
 
 /// Reads the rest of a framed payload after an operation, so that the next request can be

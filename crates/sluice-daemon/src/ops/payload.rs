@@ -85,7 +85,8 @@ fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher
 }
 
 /// Adds `data` as `name` with `references` by `method`; returns the path's info (also when it
-/// was valid already, in which case nothing is unpacked). The path is made a temporary root
+/// was valid already, in which case nothing is unpacked unless `repair`: then the tree is
+/// replaced by this content, which must have the registered NAR hash). The path is made a temporary root
 /// in `roots` before its validity is looked at, as Nix's `addToStoreFromDump` does, so that a
 /// collector cannot delete it between the look-up and the client's use of it. The store
 /// checks the content address computed here against the unpacked content again.
@@ -97,6 +98,7 @@ pub(super) fn add_content(
     method: Ingestion,
     references: BTreeSet<StorePath>,
     data: &mut dyn Read,
+    repair: bool,
 ) -> Result<ValidPathInfo, Fail> {
     let algo = match method {
         Ingestion::Text => HashAlgo::Sha256,
@@ -113,7 +115,7 @@ pub(super) fn add_content(
     let self_ref = false;
     let path = ca.store_path(dir, name, &references.iter().cloned().collect::<Vec<_>>(), self_ref).map_err(op_err)?;
     roots.add(&path).map_err(op_err)?;
-    if let Some(info) = store.query_path_info(&path).map_err(op_err)? {
+    if let Some(info) = store.query_path_info(&path).map_err(op_err)?.filter(|_| !repair) {
         return Ok(info);
     }
     let spool_err = |e: io::Error| Fail::Op(format!("preparing the NAR of {}: {e}", dir.display_path(&path)));
@@ -146,7 +148,7 @@ pub(super) fn add_content(
         sigs: BTreeSet::new(),
         ca: Some(ca),
     };
-    store.add_nar_if_missing(info, &mut nar, policy, roots).map_err(op_err)
+    store.add_nar_if_missing(info, &mut nar, policy, roots, repair).map_err(op_err)
 }
 
 /// Seconds since the epoch.

@@ -135,5 +135,5 @@ pub(super) fn derivation_outputs(c: &Conn, drv: &StorePath) -> Result<Option<Drv
     }
     let file = c.store().real_path(drv);
     let aterm = std::fs::read(&file).map_err(|e| Fail::Op(format!("reading {}: {e}", file.display())))?;
-    parse_outputs(c.dir(), &aterm).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
+    parse_outputs(c.dir(), drv, &aterm).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
 }

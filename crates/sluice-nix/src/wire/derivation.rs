@@ -69,17 +69,40 @@ impl BasicDerivation {
 }
 
 impl DerivationOutput {
-    /// The output's store path for the derivation named `drv_name` (the `.drv` name without
-    /// the extension), if it is known before building: given for input-addressed outputs,
-    /// computed for fixed ones (named `<drv name>` for `out`, else `<drv name>-<output>`).
+    /// [`OutputKind::path`] of this output.
     pub fn path(&self, dir: &StoreDir, drv_name: &str) -> Result<Option<StorePath>, StorePathError> {
-        match &self.kind {
+        self.kind.path(dir, drv_name, &self.name)
+    }
+}
+
+/// Nix's `outputPathName`: `<drv name>` for the output `out`, else `<drv name>-<output>`.
+pub fn output_path_name(drv_name: &str, output: &str) -> String {
+    if output == "out" { drv_name.to_owned() } else { format!("{drv_name}-{output}") }
+}
+
+impl OutputKind {
+    /// The path of the output `output` of the derivation named `drv_name` (the `.drv` name
+    /// without the extension), if it is known before building: given for input-addressed
+    /// outputs, computed for fixed ones ([`output_path_name`]; Nix's
+    /// `DerivationOutput::path`).
+    pub fn path(&self, dir: &StoreDir, drv_name: &str, output: &str) -> Result<Option<StorePath>, StorePathError> {
+        match self {
             OutputKind::InputAddressed(p) => Ok(Some(p.clone())),
-            OutputKind::Fixed(ca) => {
-                let name = if self.name == "out" { drv_name.to_owned() } else { format!("{drv_name}-{}", self.name) };
-                ca.store_path(dir, &name, &[], false).map(Some)
-            }
+            OutputKind::Fixed(ca) => ca.store_path(dir, &output_path_name(drv_name, output), &[], false).map(Some),
             OutputKind::Floating(_) | OutputKind::Deferred | OutputKind::Impure(_) => Ok(None),
+        }
+    }
+
+    /// The hash algorithm and hash fields Nix writes for this kind (`writeDerivation`,
+    /// `Derivation::unparse`): `r:`/`text:` method and algorithm, and the base16 hash of a
+    /// fixed output; the method and algorithm of a floating or impure one (`impure` as hash).
+    pub fn algo_and_hash(&self) -> (String, String) {
+        match self {
+            OutputKind::Fixed(ContentAddress::Text(h)) => (format!("text:{}", h.algo()), h.to_base16()),
+            OutputKind::Fixed(ContentAddress::Fixed { recursive, hash }) => (format!("{}{}", if *recursive { "r:" } else { "" }, hash.algo()), hash.to_base16()),
+            OutputKind::Floating(a) => (a.clone(), String::new()),
+            OutputKind::Impure(a) => (a.clone(), "impure".to_owned()),
+            OutputKind::InputAddressed(_) | OutputKind::Deferred => (String::new(), String::new()),
         }
     }
 }
@@ -96,8 +119,9 @@ fn method_algo(s: &str) -> Result<(&str, HashAlgo), WireError> {
     Ok((method, HashAlgo::parse(algo).map_err(|e| bad(e.to_string()))?))
 }
 
-/// One output's kind from its wire fields, by Nix's `parseDerivationOutput` rules.
-fn output_kind(dir: &StoreDir, path: &str, algo: &str, hash: &str) -> Result<OutputKind, WireError> {
+/// One output's kind from its fields (on the wire or in a `.drv`), by Nix's
+/// `parseDerivationOutput` rules.
+pub(crate) fn output_kind(dir: &StoreDir, path: &str, algo: &str, hash: &str) -> Result<OutputKind, WireError> {
     let path_of = |p: &str| dir.parse_path(p).map_err(|e| WireError::invalid("derivation output path", e));
     let no_path = |kind: &str| if path.is_empty() { Ok(()) } else { Err(WireError::invalid("derivation output path", format!("{path:?}: a {kind} output has no path before it is built"))) };
     if algo.is_empty() {
@@ -154,13 +178,7 @@ pub fn write_basic_derivation(w: &mut (impl Write + ?Sized), dir: &StoreDir, drv
     write_u64(w, drv.outputs.len() as u64)?;
     for o in &drv.outputs {
         let path = o.path(dir, drv_name).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?.map(|p| dir.display_path(&p)).unwrap_or_default();
-        let (algo, hash) = match &o.kind {
-            OutputKind::Fixed(ContentAddress::Text(h)) => (format!("text:{}", h.algo()), h.to_base16()),
-            OutputKind::Fixed(ContentAddress::Fixed { recursive, hash }) => (format!("{}{}", if *recursive { "r:" } else { "" }, hash.algo()), hash.to_base16()),
-            OutputKind::Floating(a) => (a.clone(), String::new()),
-            OutputKind::Impure(a) => (a.clone(), "impure".to_owned()),
-            OutputKind::InputAddressed(_) | OutputKind::Deferred => (String::new(), String::new()),
-        };
+        let (algo, hash) = o.kind.algo_and_hash();
         for field in [o.name.as_str(), &path, &algo, &hash] {
             write_bytes(w, field.as_bytes())?;
         }

@@ -19,7 +19,8 @@ mod stderr_read;
 mod types;
 mod version;
 
-pub use derivation::{read_basic_derivation, write_basic_derivation, BasicDerivation, DerivationOutput, DrvOutput, OutputKind};
+pub(crate) use derivation::output_kind;
+pub use derivation::{output_path_name, read_basic_derivation, write_basic_derivation, BasicDerivation, DerivationOutput, DrvOutput, OutputKind};
 pub use error::WireError;
 pub use framed::{FramedReader, FramedWriter, MAX_FRAME_LEN};
 pub use primitives::{

@@ -64,12 +64,26 @@ impl LocalStore {
     }
 
     /// Adds `info`'s path from the NAR in `nar` under `policy` unless it is valid, and returns
-    /// its registration either way (nothing is read from `nar` for a valid path). The path is
-    /// made a temporary root in `roots` before its validity is looked at.
-    pub fn add_nar_if_missing(self: &Arc<Self>, info: ValidPathInfo, nar: &mut dyn Read, policy: &SignaturePolicy, roots: &TempRoots) -> Result<ValidPathInfo, LocalStoreError> {
+    /// its registration either way (nothing is read from `nar` for a valid path, unless
+    /// `repair`: then its tree is replaced from `nar`, which must have the registered NAR hash,
+    /// as by [`LocalStore::begin_repair`]; Nix's `addToStore` with `repair`). The path is made
+    /// a temporary root in `roots` before its validity is looked at.
+    pub fn add_nar_if_missing(
+        self: &Arc<Self>,
+        info: ValidPathInfo,
+        nar: &mut dyn Read,
+        policy: &SignaturePolicy,
+        roots: &TempRoots,
+        repair: bool,
+    ) -> Result<ValidPathInfo, LocalStoreError> {
         roots.add(&info.path)?;
         let path = info.path.clone();
         if let Some(existing) = self.query_path_info(&path)? {
+            if repair {
+                let mut pending = self.begin_repair(&info, roots)?;
+                pending.unpack(nar)?;
+                pending.commit(policy)?;
+            }
             return Ok(existing);
         }
         // `None`: added by another process meanwhile.

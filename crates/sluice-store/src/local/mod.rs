@@ -22,6 +22,7 @@
 
 mod api;
 mod as_store;
+mod drv_hashes;
 mod dump;
 mod fs_nar;
 mod gc;
@@ -54,7 +55,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
 
 use rustix::fs::{mkdirat, open, openat, renameat, renameat_with, syncfs, Mode, OFlags, RenameFlags};
-use sluice_nix::derivation::{parse_outputs, DerivationError};
+use sluice_nix::derivation::DerivationError;
 use sluice_nix::hash::{Hash, HashingReader, Hasher};
 use sluice_nix::hash_modulo::ModuloHasher;
 use sluice_nix::nar::reader::{parse, NarError};
@@ -128,9 +129,13 @@ pub enum LocalStoreError {
     /// The operation needs a valid path.
     #[error("{path} is not valid in the store")]
     NotValid { path: String },
-    /// A `.drv` path's contents are not a derivation.
-    #[error("{path}: {source}")]
+    /// A `.drv` path's contents are not a derivation (Nix's words).
+    #[error("error parsing derivation '{path}': {source}")]
     Derivation { path: String, #[source] source: DerivationError },
+    /// A derivation's output paths are not those its contents imply, or its type is one Nix
+    /// refuses (Nix's `checkDerivationOutputs`, in its words).
+    #[error("{0}")]
+    DerivationOutputs(DerivationError),
     /// A batch's durability sync or registration transaction failed; the path was removed.
     #[error("cannot register {path}: {reason}")]
     Registration { path: String, reason: String },
@@ -166,6 +171,8 @@ pub struct LocalStore {
     /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
     /// moved into place ([`LocalStore::set_auto_optimise`]).
     auto_optimise: std::sync::atomic::AtomicBool,
+    /// The hashes modulo of derivations read so far (`LocalStore::drv_hashes`).
+    drv_hashes: drv_hashes::DrvHashMemo,
 }
 
 /// What unpacking a NAR produced: the NAR's own hash (sha256) and size, and the hash its
@@ -229,7 +236,7 @@ impl LocalStore {
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default() })
+        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default(), drv_hashes: Default::default() })
     }
 
     /// Sets `auto-optimise-store` (Nix's default: false): from now on, the files of every path
@@ -355,6 +362,20 @@ impl LocalStore {
     /// leaving the registration as it is. [`LocalStoreError::NotValid`] for a path that is not
     /// registered.
     pub fn try_begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        self.start_repair(offered, roots, false)
+    }
+
+    /// [`LocalStore::try_begin_repair`], waiting for the path's lock while another process
+    /// holds it.
+    pub fn begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<PendingPath, LocalStoreError> {
+        match self.start_repair(offered, roots, true)? {
+            TryAdd::Pending(pending) => Ok(*pending),
+            TryAdd::Valid | TryAdd::Busy => Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&offered.path), what: "the repair's lock was not taken" }),
+        }
+    }
+
+    /// [`LocalStore::try_begin_repair`], or with `block` [`LocalStore::begin_repair`].
+    fn start_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots, block: bool) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("repair paths")?;
         roots.add_all(&[offered.path.clone(), self.temp_dir_path()])?;
         let shown = || self.store_dir.display_path(&offered.path);
@@ -367,7 +388,11 @@ impl LocalStore {
             });
         }
         let real_path = self.real_path(&info.path);
-        match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
+        let lock = match block {
+            true => Some(PathLock::acquire(&real_path)),
+            false => PathLock::try_acquire(&real_path).transpose(),
+        };
+        match lock.transpose().map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
             Some(lock) => Ok(TryAdd::Pending(Box::new(self.pending(info, lock, roots, true)?))),
         }
@@ -596,7 +621,7 @@ impl PendingPath {
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
         }
-        let outputs = self.derivation_outputs()?;
+        let outputs = self.derivation_outputs(batch)?;
         let name = info.path.base_name();
         if self.store.auto_optimise.load(std::sync::atomic::Ordering::Relaxed) {
             let shown = self.store.real_path(&info.path);
@@ -620,9 +645,11 @@ impl PendingPath {
         Ok(outputs)
     }
 
-    /// For a `.drv` path, the outputs with a path named in the unpacked derivation.
-    fn derivation_outputs(&self) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
-        if !self.info.path.is_derivation() {
+    /// For a `.drv` path (not repaired: a repair keeps the registration), the outputs to
+    /// register, after [`verify::verify_derivation`] of the unpacked derivation (`batch`:
+    /// the paths committed before it in the same batch).
+    fn derivation_outputs(&self, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+        if !self.info.path.is_derivation() || self.repair {
             return Ok(Vec::new());
         }
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
@@ -631,9 +658,7 @@ impl PendingPath {
             .map_err(io::Error::from)
             .and_then(|fd| File::from(fd).read_to_end(&mut aterm))
             .map_err(io_err("reading the derivation", &self.temp_path()))?;
-        let outputs = parse_outputs(&self.store.store_dir, &aterm)
-            .map_err(|source| LocalStoreError::Derivation { path: self.shown(), source })?;
-        Ok(outputs.into_iter().filter_map(|(name, path)| Some((name, path?))).collect())
+        verify::verify_derivation(&self.store, &self.info, &aterm, batch)
     }
 
     /// Removes the temporary tree, if any.

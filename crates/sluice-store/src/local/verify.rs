@@ -15,15 +15,23 @@
 //!   fingerprint, or a content address (checked as above), or the caller may add unsigned
 //!   paths (`require-sigs = false`, a trusted client that asked not to check, or a
 //!   substituter marked `?trusted=true`: [`SignaturePolicy::for_source`]);
-//! - its references other than itself are valid (checked by the caller, in the same step).
+//! - its references other than itself are valid (checked by the caller, in the same step);
+//! - if it is a derivation (`.drv`), its output paths are the ones its contents imply
+//!   ([`verify_derivation`], Nix's `checkDerivationOutputs`, which `registerValidPaths` runs for
+//!   every derivation it registers): otherwise anyone who may add a `.drv` (any client, as a
+//!   `text:` content address needs no signature) could claim another package's output path,
+//!   and the first build of it would put their bytes there.
 
 use sluice_nix::content_address::ContentAddress;
+use std::collections::BTreeSet;
+
+use sluice_nix::derivation::{drv_name, Derivation, DerivationError};
 use sluice_nix::hash::{Hash, HashAlgo};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::signature::TrustedKeys;
-use sluice_nix::store_path::StoreDir;
+use sluice_nix::store_path::{StoreDir, StorePath};
 
-use super::{LocalStoreError, Unpacked};
+use super::{LocalStore, LocalStoreError, Unpacked};
 
 /// Who must vouch for a path that is added: the signatures that count, if any are required.
 #[derive(Debug, Clone)]
@@ -144,4 +152,28 @@ pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpa
         }
     }
     policy.vouch(store_dir, info).map(|_| ())
+}
+
+/// The derivation check of the verification boundary (see the module documentation) for
+/// `info`'s `.drv`, whose contents are `aterm`: it must parse (Nix's "error parsing
+/// derivation"), every input derivation must be valid or committed before it in `batch` (Nix
+/// reads them from the store directory whether valid or not), and its outputs must pass Nix's
+/// `LocalStore::checkDerivationOutputs` ([`Derivation::check_outputs`], with the input
+/// derivations' hashes from [`LocalStore::drv_hashes`]). Returns the outputs whose path is
+/// known, to register in `DerivationOutputs` (a fixed output with the path its hash
+/// implies, as Nix's `outputsAndOptPaths`, not the one written in the file).
+pub(super) fn verify_derivation(store: &LocalStore, info: &ValidPathInfo, aterm: &[u8], batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+    let dir = &store.store_dir;
+    let shown = dir.display_path(&info.path);
+    let parse_error = |e| LocalStoreError::Derivation { path: shown.clone(), source: e };
+    let drv = Derivation::parse(dir, drv_name(&info.path), aterm).map_err(parse_error)?;
+    let inputs: Vec<&StorePath> = drv.input_drvs.keys().filter(|p| !batch.contains(*p)).collect();
+    let valid = store.registry.valid_paths(inputs.iter().copied())?;
+    if let Some(input) = inputs.into_iter().find(|p| !valid.contains(*p)) {
+        let why = format!("derivation '{shown}' has the input derivation '{}', which is not valid", dir.display_path(input));
+        return Err(LocalStoreError::DerivationOutputs(DerivationError(why)));
+    }
+    drv.check_outputs(dir, &info.path, &mut |input| store.drv_hashes(input)).map_err(LocalStoreError::DerivationOutputs)?;
+    let outputs = drv.output_paths(dir).map_err(parse_error)?;
+    Ok(outputs.into_iter().filter_map(|(name, path)| Some((name, path?))).collect())
 }
