@@ -313,3 +313,44 @@ fn https_serves_http2_by_alpn() {
     let o = Command::new("curl").args(["-sf", "--http2-prior-knowledge", "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", plain.url)]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "2");
 }
+
+/// The body of an HTTP/1.1 answer read whole by [`Server::raw`].
+fn body_of(answer: &str) -> &str {
+    answer.split_once("\r\n\r\n").map_or("", |(_, body)| body)
+}
+
+#[test]
+fn a_path_deleted_is_404_right_after_being_served_and_ranges_are_the_nar_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    let server = Server::start(tmp, &src, &[]);
+    let hash = &root["/nix/store/".len()..][..32];
+    let get = |target: &str| server.raw(format!("GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    let narinfo = get(&format!("/{hash}.narinfo"));
+    assert!(narinfo.starts_with("HTTP/1.1 200"), "{narinfo}");
+    // Asked again: the same text (now from the server's cache of rendered narinfos).
+    assert_eq!(body_of(&get(&format!("/{hash}.narinfo"))), body_of(&narinfo));
+    let field = |name: &str| body_of(&narinfo).lines().find_map(|l| l.strip_prefix(name)).unwrap().to_string();
+    let (url, size): (String, usize) = (field("URL: "), field("NarSize: ").parse().unwrap());
+
+    // The whole NAR is NarSize bytes; a byte range is those bytes of it.
+    let curl = |extra: &[&str]| Command::new("curl").args(["-sf"]).args(extra).arg(format!("{}/{url}", server.url)).output().unwrap();
+    let whole = curl(&[]);
+    check(&whole, "curl the NAR");
+    assert_eq!(whole.stdout.len(), size);
+    assert_eq!(&whole.stdout[..13], b"\x0d\0\0\0\0\0\0\0nix-a", "a NAR");
+    let (first, last) = (size / 3, 2 * size / 3);
+    let part = curl(&["-r", &format!("{first}-{last}")]);
+    check(&part, "curl a range of the NAR");
+    assert_eq!(part.stdout, whole.stdout[first..=last]);
+
+    // Deleted by real Nix 2.8 (nothing refers to the root): 404 at once, narinfo and NAR.
+    let mut cmd = Command::new("nix");
+    isolate(&mut cmd, tmp, "");
+    let deleted = cmd.args(["--store", &format!("local?root={}", src.display()), "store", "delete", &root]).output().unwrap();
+    check(&deleted, "nix store delete");
+    assert_eq!(server.status_of(&format!("/{hash}.narinfo")), 404);
+    assert_eq!(server.status_of(&format!("/{url}")), 404);
+}
