@@ -2,7 +2,8 @@
 //! served to real Nix 2.8 and Nix 2.26 (`nix copy --from`, `nix-store -r` with it as a
 //! substituter, signatures verified with the server's public key, `nix path-info -r --json`
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
-//! without the batch endpoint, and to hostile clients (traversal, huge headers, thousands of
+//! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
+//! hostile clients (traversal, huge headers, thousands of
 //! idle connections, a client that stops reading).
 
 mod common;
@@ -52,9 +53,14 @@ struct Server {
 impl Server {
     /// Starts `sluice serve --store STORE --listen 127.0.0.1:0 ARGS` and waits for its address.
     fn start(tmp: &Path, store: &Path, args: &[&str]) -> Server {
+        Server::start_url(tmp, store.to_str().unwrap(), args)
+    }
+
+    /// [`Server::start`] for the store at `url`.
+    fn start_url(tmp: &Path, url: &str, args: &[&str]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp, "");
-        let mut child = cmd.args(["serve", "--store", store.to_str().unwrap(), "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child = cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stderr.take().unwrap()).read_line(&mut line).unwrap();
         let url = line.trim().rsplit(' ').next().unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
@@ -150,6 +156,34 @@ fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     assert_eq!(nar.stdout, expected.stdout);
     let range = Command::new("curl").args(["-sf", "-r", "8-23", &format!("{}/{url}", server.url)]).output().unwrap();
     assert_eq!(range.stdout, expected.stdout[8..24]);
+}
+
+#[test]
+fn real_nix_2_8_substitutes_from_sluice_serve_in_front_of_an_s3_bucket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    std::fs::create_dir_all(tmp.join("s3/bucket")).unwrap();
+    let s3 = S3Server::start(&tmp.join("s3"), true);
+    // The credentials of the default profile, for `sluice copy` and `sluice serve` alike.
+    std::fs::create_dir_all(tmp.join("home/.aws")).unwrap();
+    std::fs::write(tmp.join("home/.aws/credentials"), "[default]\naws_access_key_id = AKTEST\naws_secret_access_key = SKTEST\n").unwrap();
+    let bucket = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1", s3.port);
+    check(&sluice(tmp, &["copy", "--from", src.to_str().unwrap(), "--to", &bucket, &root]), "sluice copy --to s3://");
+    let server = Server::start_url(tmp, &bucket, &["--secret-key", secret.to_str().unwrap()]);
+
+    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
+    check(&nix_trusting(tmp, &public, "nix", &["copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]), "nix copy --from sluice serve (S3)");
+    check(&nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]), "nix store verify with the server's key");
+    assert_nix_verifies(tmp, &a);
+    check(&nix_trusting(tmp, &public, "nix-store", &["--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]), "nix-store -r with sluice serve (S3) as substituter");
+    for store in [&a, &b] {
+        let listed = nix_trusting(tmp, &public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", &root]);
+        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
+        assert_eq!(got, paths, "paths in {}", store.display());
+    }
 }
 
 #[test]
