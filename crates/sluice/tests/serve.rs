@@ -275,8 +275,18 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
     // A temporary tree as an interrupted unpacking leaves it, and a file outside the store.
     std::fs::create_dir_all(src.join("nix/store/00000000000000000000000000000000-sluice-unpacking")).unwrap();
     std::fs::write(tmp.join("secret.txt"), "secret").unwrap();
+    // A path being added: its tree is in the store directory, it is not registered (valid).
+    let adding = "7h3v0kq3mzrbj4ymkzp5ba4gy3xqz1qj";
+    std::fs::create_dir_all(src.join(format!("nix/store/{adding}-being-added"))).unwrap();
+    std::fs::create_dir_all(src.join("nix/store/.links")).unwrap();
     let server = Server::start(tmp, &src, &["--idle-timeout", "2"]);
     for target in [
+        &format!("/{adding}.narinfo")[..],
+        &format!("/{adding}.ls"),
+        &format!("/nar/{adding}-{}.nar", "0".repeat(52)),
+        "/.links",
+        "/nar/.links",
+        "/%2elinks",
         "/../secret.txt",
         "/%2e%2e/secret.txt",
         "/nar/..%2f..%2fsecret.txt",
@@ -289,6 +299,12 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
         "/nix/store",
     ] {
         assert_eq!(server.status_of(target), 404, "{target}");
+    }
+    // Malformed requests: a 4xx answer each, and the server goes on.
+    for request in [&b"GARBAGE\r\n\r\n"[..], b"GET /nix-cache-info HTTP/9.9\r\n\r\n", b"GET nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /nix-cache-info HTTP/1.1\r\nBad Header\r\n\r\n", b"\x00\x01\x02\xff\r\n\r\n"] {
+        let answer = server.raw(request);
+        let code = answer.split(' ').nth(1).unwrap_or("");
+        assert!(code.starts_with('4'), "{:?}: {answer:?}", String::from_utf8_lossy(request));
     }
     // A header line over 8 KiB: 431, as nginx refuses one (with 400); far over: 431 too.
     for size in [9 * 1024, 64 * 1024] {
