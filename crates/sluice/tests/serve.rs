@@ -114,6 +114,22 @@ fn cache_path_info(tmp: &Path, url: &str, root: &str) -> Vec<serde_json::Value> 
     infos
 }
 
+/// Real Nix 2.8, trusting only `public`, substitutes the closure of `root` (exactly `paths`)
+/// from the cache at `url`: `nix copy --from` (then `nix store verify` with one signature by
+/// `public` needed) and `nix-store -r` with it as the substituter, each into a fresh chroot store.
+fn assert_nix_2_8_substitutes(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTreeSet<String>) {
+    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
+    check(&nix_trusting(tmp, public, "nix", &["copy", "--from", url, "--to", a.to_str().unwrap(), root]), "nix copy --from sluice serve");
+    check(&nix_trusting(tmp, public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]), "nix store verify with the server's key");
+    assert_nix_verifies(tmp, &a);
+    check(&nix_trusting(tmp, public, "nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]), "nix-store -r with sluice serve as substituter");
+    for store in [&a, &b] {
+        let listed = nix_trusting(tmp, public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", root]);
+        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
+        assert_eq!(&got, paths, "paths in {}", store.display());
+    }
+}
+
 #[test]
 fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     let tmp = tempfile::tempdir().unwrap();
@@ -123,16 +139,7 @@ fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     let (secret, public) = signing_key(tmp);
     let server = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
 
-    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
-    check(&nix_trusting(tmp, &public, "nix", &["copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]), "nix copy --from sluice serve");
-    check(&nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]), "nix store verify with the server's key");
-    assert_nix_verifies(tmp, &a);
-    check(&nix_trusting(tmp, &public, "nix-store", &["--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]), "nix-store -r with sluice serve as substituter");
-    for store in [&a, &b] {
-        let listed = nix_trusting(tmp, &public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", &root]);
-        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
-        assert_eq!(got, paths, "paths in {}", store.display());
-    }
+    assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
 
     // The same store pushed into a cache with the same key and served by nginx: the same
     // path infos, signatures included.
@@ -174,16 +181,7 @@ fn real_nix_2_8_substitutes_from_sluice_serve_in_front_of_an_s3_bucket() {
     check(&sluice(tmp, &["copy", "--from", src.to_str().unwrap(), "--to", &bucket, &root]), "sluice copy --to s3://");
     let server = Server::start_url(tmp, &bucket, &["--secret-key", secret.to_str().unwrap()]);
 
-    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
-    check(&nix_trusting(tmp, &public, "nix", &["copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]), "nix copy --from sluice serve (S3)");
-    check(&nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]), "nix store verify with the server's key");
-    assert_nix_verifies(tmp, &a);
-    check(&nix_trusting(tmp, &public, "nix-store", &["--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]), "nix-store -r with sluice serve (S3) as substituter");
-    for store in [&a, &b] {
-        let listed = nix_trusting(tmp, &public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", &root]);
-        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
-        assert_eq!(got, paths, "paths in {}", store.display());
-    }
+    assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
 }
 
 #[test]
