@@ -134,6 +134,8 @@ struct Walker {
 impl Walker {
     async fn send(&self, hash_part: &str, info: Option<&ValidPathInfo>) -> Result<(), Stop> {
         let text = info.map(|i| self.app.narinfo(i));
+        // Rendered from a String: always UTF-8, borrowed as it is.
+        let text = text.as_deref().map(String::from_utf8_lossy);
         self.tx.send(Ok(line(hash_part, text.as_deref()))).await.map_err(|_| Stop::Gone)
     }
 

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, RANGE};
@@ -48,6 +48,8 @@ pub struct App {
     /// Whether the batch endpoints are offered and advertised.
     pub batch: bool,
     pub metrics: Arc<Metrics>,
+    /// The narinfos served last, rendered and signed.
+    pub rendered: narinfo::Rendered,
 }
 
 /// A parsed request path.
@@ -122,40 +124,101 @@ pub fn full(bytes: impl Into<Bytes>) -> http_body_util::combinators::UnsyncBoxBo
     Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
 }
 
-/// A streamed body of what `reader` yields after skipping `skip` bytes, at most `limit` bytes,
-/// read on a blocking thread [`CHUNK`] bytes at a time with at most [`CHUNKS_IN_FLIGHT`]
-/// chunks waiting for the connection. A read error ends the body with that error (the client
-/// sees the connection or stream reset, never a short body taken as whole). The reader is
-/// dropped as soon as the client goes away.
-pub fn stream(mut reader: NarReader, skip: u64, limit: u64) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
+/// A streamed body of what `write` writes into the [`BodySink`] it is given (on a blocking
+/// thread or a task of its own), after skipping `skip` bytes, at most `limit` bytes, in chunks
+/// of [`CHUNK`] bytes with at most [`CHUNKS_IN_FLIGHT`] waiting for the connection. An error
+/// of `write` before the body is complete ends the body with that error (the client sees the
+/// connection or stream reset, never a short body taken as whole). Writing fails as soon as
+/// the client goes away.
+pub fn stream<F>(skip: u64, limit: u64, write: impl FnOnce(BodySink) -> F) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>
+where
+    F: std::future::Future<Output = Result<(), StoreError>> + Send + 'static,
+{
     let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(CHUNKS_IN_FLIGHT);
-    tokio::task::spawn_blocking(move || {
-        use std::io::Read;
-        if skip > 0 {
-            match std::io::copy(&mut (&mut reader).take(skip), &mut std::io::sink()) {
-                Ok(n) if n == skip => {}
-                Ok(_) => return drop(tx.blocking_send(Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "stream shorter than the range start")))),
-                Err(e) => return drop(tx.blocking_send(Err(e))),
-            }
-        }
-        let mut reader = reader.take(limit);
-        loop {
-            // Whole chunks: a pipe yields what the dumper wrote last (often a few bytes), and
-            // each chunk becomes a frame of its own.
-            let mut buf = Vec::with_capacity(CHUNK);
-            match (&mut reader).take(CHUNK as u64).read_to_end(&mut buf) {
-                Ok(0) => return,
-                Ok(_) => {
-                    if tx.blocking_send(Ok(buf.into())).is_err() {
-                        return;
-                    }
-                }
-                Err(e) => return drop(tx.blocking_send(Err(e))),
+    let complete = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sink = BodySink { tx: Some(tx.clone()), buf: BytesMut::new(), skip, left: limit, complete: complete.clone() };
+    let writing = write(sink);
+    tokio::spawn(async move {
+        if let Err(e) = writing.await {
+            if !complete.load(std::sync::atomic::Ordering::Acquire) {
+                let _ = tx.send(Err(std::io::Error::other(e))).await;
             }
         }
     });
     let frames = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item.map(hyper::body::Frame::data), rx)) });
     http_body_util::StreamBody::new(frames).boxed_unsync()
+}
+
+/// A streamed body of what `reader` yields (read on a blocking thread), as [`stream`].
+fn stream_reader(mut reader: NarReader) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
+    stream(0, u64::MAX, |mut sink| async move {
+        let copied = tokio::task::spawn_blocking(move || std::io::copy(&mut reader, &mut sink).and_then(|_| sink.finish())).await;
+        copied.map_err(|e| StoreError::Other(e.to_string()))?.map_err(|e| StoreError::Other(e.to_string()))
+    })
+}
+
+/// The writing end of a [`stream`]ed body: drops the first `skip` bytes written, cuts the
+/// next `left` into [`CHUNK`]-byte chunks (one copy, into the chunk) sent to the connection
+/// (blocking while [`CHUNKS_IN_FLIGHT`] wait). A write fails with `BrokenPipe` once the client
+/// has gone away, and once the body is complete (which stops a writer that has more, as a
+/// dump past the end of a byte range).
+pub struct BodySink {
+    tx: Option<tokio::sync::mpsc::Sender<std::io::Result<Bytes>>>,
+    buf: BytesMut,
+    skip: u64,
+    left: u64,
+    complete: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl BodySink {
+    /// Sends the chunk gathered so far.
+    fn send(&mut self) -> std::io::Result<()> {
+        let Some(tx) = &self.tx else { return Ok(()) };
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = self.buf.split().freeze();
+        tx.blocking_send(Ok(chunk)).map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the client went away"))
+    }
+
+    /// Sends what is left once everything was written (for a body of unknown length; a body
+    /// of `limit` bytes ends by itself when they have been written).
+    pub fn finish(&mut self) -> std::io::Result<()> {
+        self.send()?;
+        self.complete.store(true, std::sync::atomic::Ordering::Release);
+        self.tx = None;
+        Ok(())
+    }
+}
+
+impl std::io::Write for BodySink {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.tx.is_none() {
+            return Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the body is complete"));
+        }
+        let skipped = data.len().min(usize::try_from(self.skip).unwrap_or(usize::MAX));
+        self.skip -= skipped as u64;
+        let mut rest = &data[skipped..];
+        while !rest.is_empty() && self.left > 0 {
+            if self.buf.capacity() == 0 {
+                self.buf.reserve(CHUNK);
+            }
+            let n = rest.len().min(CHUNK - self.buf.len()).min(usize::try_from(self.left).unwrap_or(usize::MAX));
+            self.buf.extend_from_slice(&rest[..n]);
+            (rest, self.left) = (&rest[n..], self.left - n as u64);
+            if self.left == 0 {
+                self.finish()?;
+                break;
+            } else if self.buf.len() == CHUNK {
+                self.send()?;
+            }
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A parsed `Range: bytes=…` header for a body of `len` bytes: one range, as (start, length).
@@ -231,20 +294,20 @@ impl App {
             r.headers_mut().insert(hyper::header::ALLOW, HeaderValue::from_static(allow));
             return Ok(r);
         }
-        let body = |text: Vec<u8>, mime: &'static str| {
+        let body = |text: Bytes, mime: &'static str| {
             let len = text.len() as u64;
             ok(mime, if head { full(Bytes::new()) } else { full(text) }, Some(len))
         };
         let not_found = || status(StatusCode::NOT_FOUND, "not found");
         Ok(match route {
-            Route::CacheInfo => body(self.cache_info().into_bytes(), "text/x-nix-cache-info"),
-            Route::Metrics => body(self.metrics.render().into_bytes(), "text/plain; version=0.0.4"),
+            Route::CacheInfo => body(self.cache_info().into(), "text/x-nix-cache-info"),
+            Route::Metrics => body(self.metrics.render().into(), "text/plain; version=0.0.4"),
             Route::NarInfo(h) => match self.info_of(h).await? {
-                Some(info) => body(self.narinfo(&info).into_bytes(), "text/x-nix-narinfo"),
+                Some(info) => body(self.narinfo(&info), "text/x-nix-narinfo"),
                 None => not_found(),
             },
             Route::Listing(h) => match self.info_of(h).await? {
-                Some(info) => body(self.listing(&info).await?, "application/json"),
+                Some(info) => body(self.listing(&info).await?.into(), "application/json"),
                 None => not_found(),
             },
             Route::Nar { hash_part, nar_hash } => match self.info_of(hash_part).await? {
@@ -255,7 +318,7 @@ impl App {
                 let drv = StorePath::from_base_name(name).map_err(|e| StoreError::Other(format!("{name}: {e}")))?;
                 match self.store.build_log(&drv).await? {
                     Some(_) if head => ok("text/plain; charset=utf-8", full(Bytes::new()), None),
-                    Some(log) => ok("text/plain; charset=utf-8", stream(log, 0, u64::MAX), None),
+                    Some(log) => ok("text/plain; charset=utf-8", stream_reader(log), None),
                     None => not_found(),
                 }
             }
@@ -275,15 +338,15 @@ impl App {
         text
     }
 
-    /// The narinfo of `info`, as every endpoint serves it.
-    pub fn narinfo(&self, info: &ValidPathInfo) -> String {
-        narinfo::render(info, &self.keys, self.store.store_dir())
+    /// The narinfo of `info`, as every endpoint serves it (rendered once while `info` stays
+    /// the same, [`narinfo::Rendered`]).
+    pub fn narinfo(&self, info: &ValidPathInfo) -> Bytes {
+        self.rendered.get(info, &self.keys, self.store.store_dir())
     }
 
-    /// The info of the valid path with hash part `hash_part`, if any.
+    /// The info of the valid path with hash part `hash_part`, if any, read from the store.
     pub async fn info_of(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, StoreError> {
-        let Some(path) = self.store.query_path_from_hash_part(hash_part).await? else { return Ok(None) };
-        Ok(self.store.query_path_infos(std::slice::from_ref(&path)).await?.pop().flatten())
+        self.store.query_path_info_from_hash_part(hash_part).await
     }
 
     /// `{"version":1,"root":…}`, the listing of the NAR of `info` as Nix's
@@ -308,7 +371,12 @@ impl App {
                 return Ok(r);
             }
         };
-        let body = if head { full(Bytes::new()) } else { stream(self.store.nar_from_path(info).await?, start, count) };
+        let body = if head {
+            full(Bytes::new())
+        } else {
+            let (store, info) = (self.store.clone(), info.clone());
+            stream(start, count, |sink| async move { store.dump_nar(&info, Box::new(sink)).await })
+        };
         let mut r = ok("application/x-nix-nar", body, Some(count));
         *r.status_mut() = code;
         r.headers_mut().insert(ACCEPT_RANGES, HeaderValue::from_static("bytes"));
@@ -348,6 +416,47 @@ mod tests {
             assert_eq!(route(bad), Route::NotFound, "{bad}");
         }
         assert_eq!(route(&format!("/log/{h}-hello.drv")), Route::Log(&format!("{h}-hello.drv")[..]));
+    }
+
+    /// A sink over a channel of `chunks` places and the flag it sets once complete.
+    fn sink(skip: u64, left: u64, chunks: usize) -> (BodySink, tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(chunks);
+        (BodySink { tx: Some(tx), buf: BytesMut::new(), skip, left, complete: Default::default() }, rx)
+    }
+
+    #[test]
+    fn body_sink_sends_the_range_in_whole_chunks_and_stops_after_it() {
+        use std::io::Write;
+        let data: Vec<u8> = (0..3 * CHUNK + 100).map(|i| (i % 251) as u8).collect();
+        let (mut s, mut rx) = sink(10, 2 * CHUNK as u64 + 7, 8);
+        // Written in uneven pieces, as a dump writes them.
+        for piece in data.chunks(CHUNK / 3 + 1) {
+            if s.write(piece).is_err() {
+                break;
+            }
+        }
+        assert!(s.complete.load(std::sync::atomic::Ordering::Acquire));
+        let err = s.write(b"more").unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
+        drop(s);
+        let mut got = Vec::new();
+        let mut sizes = Vec::new();
+        while let Some(chunk) = rx.blocking_recv() {
+            let chunk = chunk.unwrap();
+            sizes.push(chunk.len());
+            got.extend_from_slice(&chunk);
+        }
+        assert_eq!(sizes, [CHUNK, CHUNK, 7]);
+        assert_eq!(got, data[10..10 + 2 * CHUNK + 7]);
+    }
+
+    #[test]
+    fn body_sink_fails_once_the_client_is_gone() {
+        use std::io::Write;
+        let (mut s, rx) = sink(0, u64::MAX, 1);
+        drop(rx);
+        let err = s.write(&vec![0; CHUNK]).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::BrokenPipe);
     }
 
     #[test]

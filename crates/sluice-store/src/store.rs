@@ -10,7 +10,7 @@
 //! interface.
 
 use std::collections::BTreeSet;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -84,6 +84,16 @@ pub trait Store: Send + Sync {
         Box::pin(async move { Err(StoreError::Unsupported { url: self.url().to_string(), what: "looking up a path by its hash part" }) })
     }
 
+    /// The info of the valid path whose hash part is `hash_part`, `None` when there is none or
+    /// `hash_part` is malformed: [`query_path_from_hash_part`](Self::query_path_from_hash_part)
+    /// then its info, which a store may answer at once.
+    fn query_path_info_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<ValidPathInfo>> {
+        Box::pin(async move {
+            let Some(path) = self.query_path_from_hash_part(hash_part).await? else { return Ok(None) };
+            Ok(self.query_path_infos(std::slice::from_ref(&path)).await?.pop().flatten())
+        })
+    }
+
     /// The build log of the derivation `drv` (Nix's `getBuildLog`), uncompressed, as a stream;
     /// `None` when the store keeps none for it.
     fn build_log<'a>(&'a self, drv: &'a StorePath) -> StoreFuture<'a, Option<NarReader>> {
@@ -93,6 +103,20 @@ pub trait Store: Send + Sync {
 
     /// The NAR of the valid path `info.path` (Nix's `narFromPath`), uncompressed, as a stream.
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader>;
+
+    /// Writes the NAR of the valid path `info.path` into `sink` on a blocking thread, in the
+    /// writes the store makes it with (a local store dumps its tree straight into `sink`, with
+    /// no pipe between); resolves once it is all written. A failed write of `sink` ends the
+    /// dump with that error.
+    fn dump_nar<'a>(&'a self, info: &'a ValidPathInfo, mut sink: Box<dyn Write + Send>) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let mut nar = self.nar_from_path(info).await?;
+            let shown = self.store_dir().display_path(&info.path);
+            let copied = tokio::task::spawn_blocking(move || std::io::copy(&mut nar, &mut sink)).await;
+            let copied = copied.map_err(|e| StoreError::Other(format!("{}: {shown}: {e}", self.url())))?;
+            copied.map(drop).map_err(|e| StoreError::Other(format!("{}: writing the NAR of {shown}: {e}", self.url())))
+        })
+    }
 
     /// Adds `info.path` from its NAR (Nix's `addToStore(info, source)`), checking the NAR
     /// against `info`. Everything that makes the path visible to readers (a narinfo, a

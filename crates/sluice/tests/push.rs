@@ -9,7 +9,7 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use common::*;
 
@@ -143,43 +143,6 @@ fn killed_push_leaves_no_narinfo_with_an_incomplete_closure() {
                 assert!(have.contains(r.as_str()), "{hash}.narinfo was written before the narinfo of its reference {r}");
             }
         }
-    }
-}
-
-/// An s3s-fs server on a free port over `dir` (with credentials `AKTEST`/`SKTEST` if `auth`).
-struct S3Server {
-    child: Child,
-    port: u16,
-}
-
-impl S3Server {
-    fn start(dir: &Path, auth: bool) -> Self {
-        let bin = std::env::var_os("S3S_FS").map(PathBuf::from).or_else(|| {
-            let cargo_bin = PathBuf::from(std::env::var_os("HOME")?).join(".cargo/bin/s3s-fs");
-            cargo_bin.exists().then_some(cargo_bin)
-        });
-        let bin = bin.unwrap_or_else(|| PathBuf::from("s3s-fs"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut cmd = Command::new(&bin);
-        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
-        if auth {
-            cmd.args(["--access-key", "AKTEST", "--secret-key", "SKTEST"]);
-        }
-        let child = cmd.arg(dir).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap_or_else(|e| panic!("cannot run {} (cargo install s3s-fs --version 0.14.1 --features binary): {e}", bin.display()));
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return S3Server { child, port };
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        panic!("s3s-fs did not start on port {port}");
-    }
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

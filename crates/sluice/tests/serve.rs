@@ -2,7 +2,8 @@
 //! served to real Nix 2.8 and Nix 2.26 (`nix copy --from`, `nix-store -r` with it as a
 //! substituter, signatures verified with the server's public key, `nix path-info -r --json`
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
-//! without the batch endpoint, and to hostile clients (traversal, huge headers, thousands of
+//! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
+//! hostile clients (traversal, huge headers, thousands of
 //! idle connections, a client that stops reading).
 
 mod common;
@@ -52,9 +53,14 @@ struct Server {
 impl Server {
     /// Starts `sluice serve --store STORE --listen 127.0.0.1:0 ARGS` and waits for its address.
     fn start(tmp: &Path, store: &Path, args: &[&str]) -> Server {
+        Server::start_url(tmp, store.to_str().unwrap(), args)
+    }
+
+    /// [`Server::start`] for the store at `url`.
+    fn start_url(tmp: &Path, url: &str, args: &[&str]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp, "");
-        let mut child = cmd.args(["serve", "--store", store.to_str().unwrap(), "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child = cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stderr.take().unwrap()).read_line(&mut line).unwrap();
         let url = line.trim().rsplit(' ').next().unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
@@ -108,6 +114,22 @@ fn cache_path_info(tmp: &Path, url: &str, root: &str) -> Vec<serde_json::Value> 
     infos
 }
 
+/// Real Nix 2.8, trusting only `public`, substitutes the closure of `root` (exactly `paths`)
+/// from the cache at `url`: `nix copy --from` (then `nix store verify` with one signature by
+/// `public` needed) and `nix-store -r` with it as the substituter, each into a fresh chroot store.
+fn assert_nix_2_8_substitutes(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTreeSet<String>) {
+    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
+    check(&nix_trusting(tmp, public, "nix", &["copy", "--from", url, "--to", a.to_str().unwrap(), root]), "nix copy --from sluice serve");
+    check(&nix_trusting(tmp, public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]), "nix store verify with the server's key");
+    assert_nix_verifies(tmp, &a);
+    check(&nix_trusting(tmp, public, "nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]), "nix-store -r with sluice serve as substituter");
+    for store in [&a, &b] {
+        let listed = nix_trusting(tmp, public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", root]);
+        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
+        assert_eq!(&got, paths, "paths in {}", store.display());
+    }
+}
+
 #[test]
 fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     let tmp = tempfile::tempdir().unwrap();
@@ -117,16 +139,7 @@ fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     let (secret, public) = signing_key(tmp);
     let server = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
 
-    let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
-    check(&nix_trusting(tmp, &public, "nix", &["copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]), "nix copy --from sluice serve");
-    check(&nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]), "nix store verify with the server's key");
-    assert_nix_verifies(tmp, &a);
-    check(&nix_trusting(tmp, &public, "nix-store", &["--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]), "nix-store -r with sluice serve as substituter");
-    for store in [&a, &b] {
-        let listed = nix_trusting(tmp, &public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", &root]);
-        let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
-        assert_eq!(got, paths, "paths in {}", store.display());
-    }
+    assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
 
     // The same store pushed into a cache with the same key and served by nginx: the same
     // path infos, signatures included.
@@ -150,6 +163,25 @@ fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     assert_eq!(nar.stdout, expected.stdout);
     let range = Command::new("curl").args(["-sf", "-r", "8-23", &format!("{}/{url}", server.url)]).output().unwrap();
     assert_eq!(range.stdout, expected.stdout[8..24]);
+}
+
+#[test]
+fn real_nix_2_8_substitutes_from_sluice_serve_in_front_of_an_s3_bucket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    std::fs::create_dir_all(tmp.join("s3/bucket")).unwrap();
+    let s3 = S3Server::start(&tmp.join("s3"), true);
+    // The credentials of the default profile, for `sluice copy` and `sluice serve` alike.
+    std::fs::create_dir_all(tmp.join("home/.aws")).unwrap();
+    std::fs::write(tmp.join("home/.aws/credentials"), "[default]\naws_access_key_id = AKTEST\naws_secret_access_key = SKTEST\n").unwrap();
+    let bucket = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1", s3.port);
+    check(&sluice(tmp, &["copy", "--from", src.to_str().unwrap(), "--to", &bucket, &root]), "sluice copy --to s3://");
+    let server = Server::start_url(tmp, &bucket, &["--secret-key", secret.to_str().unwrap()]);
+
+    assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
 }
 
 #[test]
@@ -241,8 +273,18 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
     // A temporary tree as an interrupted unpacking leaves it, and a file outside the store.
     std::fs::create_dir_all(src.join("nix/store/00000000000000000000000000000000-sluice-unpacking")).unwrap();
     std::fs::write(tmp.join("secret.txt"), "secret").unwrap();
+    // A path being added: its tree is in the store directory, it is not registered (valid).
+    let adding = "7h3v0kq3mzrbj4ymkzp5ba4gy3xqz1qj";
+    std::fs::create_dir_all(src.join(format!("nix/store/{adding}-being-added"))).unwrap();
+    std::fs::create_dir_all(src.join("nix/store/.links")).unwrap();
     let server = Server::start(tmp, &src, &["--idle-timeout", "2"]);
     for target in [
+        &format!("/{adding}.narinfo")[..],
+        &format!("/{adding}.ls"),
+        &format!("/nar/{adding}-{}.nar", "0".repeat(52)),
+        "/.links",
+        "/nar/.links",
+        "/%2elinks",
         "/../secret.txt",
         "/%2e%2e/secret.txt",
         "/nar/..%2f..%2fsecret.txt",
@@ -255,6 +297,12 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
         "/nix/store",
     ] {
         assert_eq!(server.status_of(target), 404, "{target}");
+    }
+    // Malformed requests: a 4xx answer each, and the server goes on.
+    for request in [&b"GARBAGE\r\n\r\n"[..], b"GET /nix-cache-info HTTP/9.9\r\n\r\n", b"GET nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /nix-cache-info HTTP/1.1\r\nBad Header\r\n\r\n", b"\x00\x01\x02\xff\r\n\r\n"] {
+        let answer = server.raw(request);
+        let code = answer.split(' ').nth(1).unwrap_or("");
+        assert!(code.starts_with('4'), "{:?}: {answer:?}", String::from_utf8_lossy(request));
     }
     // A header line over 8 KiB: 431, as nginx refuses one (with 400); far over: 431 too.
     for size in [9 * 1024, 64 * 1024] {
@@ -312,4 +360,45 @@ fn https_serves_http2_by_alpn() {
     let plain = Server::start(tmp, &src, &[]);
     let o = Command::new("curl").args(["-sf", "--http2-prior-knowledge", "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", plain.url)]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "2");
+}
+
+/// The body of an HTTP/1.1 answer read whole by [`Server::raw`].
+fn body_of(answer: &str) -> &str {
+    answer.split_once("\r\n\r\n").map_or("", |(_, body)| body)
+}
+
+#[test]
+fn a_path_deleted_is_404_right_after_being_served_and_ranges_are_the_nar_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    let server = Server::start(tmp, &src, &[]);
+    let hash = &root["/nix/store/".len()..][..32];
+    let get = |target: &str| server.raw(format!("GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    let narinfo = get(&format!("/{hash}.narinfo"));
+    assert!(narinfo.starts_with("HTTP/1.1 200"), "{narinfo}");
+    // Asked again: the same text (now from the server's cache of rendered narinfos).
+    assert_eq!(body_of(&get(&format!("/{hash}.narinfo"))), body_of(&narinfo));
+    let field = |name: &str| body_of(&narinfo).lines().find_map(|l| l.strip_prefix(name)).unwrap().to_string();
+    let (url, size): (String, usize) = (field("URL: "), field("NarSize: ").parse().unwrap());
+
+    // The whole NAR is NarSize bytes; a byte range is those bytes of it.
+    let curl = |extra: &[&str]| Command::new("curl").args(["-sf"]).args(extra).arg(format!("{}/{url}", server.url)).output().unwrap();
+    let whole = curl(&[]);
+    check(&whole, "curl the NAR");
+    assert_eq!(whole.stdout.len(), size);
+    assert_eq!(&whole.stdout[..13], b"\x0d\0\0\0\0\0\0\0nix-a", "a NAR");
+    let (first, last) = (size / 3, 2 * size / 3);
+    let part = curl(&["-r", &format!("{first}-{last}")]);
+    check(&part, "curl a range of the NAR");
+    assert_eq!(part.stdout, whole.stdout[first..=last]);
+
+    // Deleted by real Nix 2.8 (nothing refers to the root): 404 at once, narinfo and NAR.
+    let mut cmd = Command::new("nix");
+    isolate(&mut cmd, tmp, "");
+    let deleted = cmd.args(["--store", &format!("local?root={}", src.display()), "store", "delete", &root]).output().unwrap();
+    check(&deleted, "nix store delete");
+    assert_eq!(server.status_of(&format!("/{hash}.narinfo")), 404);
+    assert_eq!(server.status_of(&format!("/{url}")), 404);
 }

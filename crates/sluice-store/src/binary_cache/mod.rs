@@ -106,10 +106,17 @@ pub struct BinaryCache {
     secret_keys: Vec<SecretKey>,
     /// `nix-cache-info` is known to exist (checked or written before the first addition).
     initialised: tokio::sync::OnceCell<()>,
-    /// Narinfos answered by [`Store::query_path_infos`](crate::store::Store), for reading
-    /// their NARs.
-    narinfos: std::sync::Mutex<std::collections::HashMap<StorePath, NarInfo>>,
+    /// Narinfos answered by [`Store::query_path_infos`](crate::store::Store) and the hash-part
+    /// lookups, for reading their NARs without fetching them again: the last
+    /// [`NARINFOS_KEPT`] (a NAR of a path dropped from it fetches its narinfo again).
+    narinfos: std::sync::Mutex<hashlink::LruCache<StorePath, NarInfo>>,
 }
+
+/// Most narinfos a [`BinaryCache`] keeps for reading their NARs (at about 1 KiB each, a few
+/// tens of MiB): bounded, so that a store serving a cache for months (`sluice serve --store
+/// s3://…`) does not grow with every path ever asked for, and large enough for the closures
+/// a copy reads whole (a NixOS system is a few thousand paths).
+pub const NARINFOS_KEPT: usize = 16 * 1024;
 
 /// An open NAR download: the (still compressed) bytes, and a probe telling after a failure
 /// whether the transfer was cut short (then downloading it again may succeed).
@@ -148,7 +155,7 @@ impl BinaryCache {
             store_dir: StoreDir::default(),
             secret_keys: Vec::new(),
             initialised: tokio::sync::OnceCell::new(),
-            narinfos: Default::default(),
+            narinfos: std::sync::Mutex::new(hashlink::LruCache::new(NARINFOS_KEPT)),
         };
         cache.set_info(cache.info.clone());
         cache

@@ -93,13 +93,38 @@ impl BinaryCache {
 }
 
 impl BinaryCache {
+    /// The info of the path whose narinfo is `<hash_part>.narinfo` (kept for
+    /// [`Store::nar_from_path`]), `None` when the cache has none or `hash_part` is malformed.
+    async fn narinfo_of_hash_part(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, StoreError> {
+        // Only a well-formed hash part becomes a file name in the cache.
+        if hash_part.len() != sluice_nix::store_path::HASH_PART_LEN || !sluice_nix::base32::is_digits(hash_part) {
+            return Ok(None);
+        }
+        let Some(text) = self.narinfo_text_of(hash_part).await? else { return Ok(None) };
+        let narinfo = NarInfo::parse(&self.store_dir, &text)
+            .map_err(|source| CacheError::NarInfo { url: format!("{}/{hash_part}.narinfo", self.url), source })?;
+        if narinfo.store_path.hash_part() != hash_part {
+            return Ok(None);
+        }
+        Ok(Some(self.keep(narinfo)))
+    }
+
+    /// Keeps `narinfo` for [`Store::nar_from_path`]; its info.
+    fn keep(&self, narinfo: NarInfo) -> ValidPathInfo {
+        let info = ValidPathInfo::from_narinfo(&narinfo, 0);
+        self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(narinfo.store_path.clone(), narinfo);
+        info
+    }
+
+    /// How many narinfos are kept for reading their NARs (at most [`super::NARINFOS_KEPT`]).
+    pub fn narinfos_kept(&self) -> usize {
+        self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
     /// The info of `path` from its narinfo (kept for [`Store::nar_from_path`]).
     async fn query_one(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, StoreError> {
         let Some(text) = self.narinfo_text(path).await? else { return Ok(None) };
-        let narinfo = self.parse_narinfo(path, &self.store_dir, &text)?;
-        let info = ValidPathInfo::from_narinfo(&narinfo, 0);
-        self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(path.clone(), narinfo);
-        Ok(Some(info))
+        Ok(Some(self.keep(self.parse_narinfo(path, &self.store_dir, &text)?)))
     }
 }
 
@@ -118,21 +143,13 @@ impl Store for BinaryCache {
     }
 
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
-        Box::pin(async move {
-            // Only a well-formed hash part becomes a file name in the cache.
-            if hash_part.len() != sluice_nix::store_path::HASH_PART_LEN || !sluice_nix::base32::is_digits(hash_part) {
-                return Ok(None);
-            }
-            let Some(text) = self.narinfo_text_of(hash_part).await? else { return Ok(None) };
-            let narinfo = NarInfo::parse(&self.store_dir, &text)
-                .map_err(|source| CacheError::NarInfo { url: format!("{}/{hash_part}.narinfo", self.url), source })?;
-            if narinfo.store_path.hash_part() != hash_part {
-                return Ok(None);
-            }
-            let path = narinfo.store_path.clone();
-            self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(path.clone(), narinfo);
-            Ok(Some(path))
-        })
+        Box::pin(async move { Ok(self.narinfo_of_hash_part(hash_part).await?.map(|info| info.path)) })
+    }
+
+    /// One narinfo fetched, where the default would fetch it twice (for the path, then for
+    /// its info).
+    fn query_path_info_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<ValidPathInfo>> {
+        Box::pin(self.narinfo_of_hash_part(hash_part))
     }
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {

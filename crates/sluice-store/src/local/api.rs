@@ -60,7 +60,14 @@ impl LocalStore {
     /// The valid path whose hash part is `hash_part`, by one index seek (Nix's
     /// `queryPathFromHashPart`); `None` for no such path or a malformed hash part.
     pub fn query_path_from_hash_part(&self, hash_part: &str) -> Result<Option<StorePath>, LocalStoreError> {
-        self.registry.path_from_hash_part(self.store_dir.as_str(), hash_part)
+        Ok(self.query_path_info_from_hash_part(hash_part)?.map(|info| info.path))
+    }
+
+    /// The registration of the valid path whose hash part is `hash_part`, by one statement
+    /// (Nix's `queryPathFromHashPart` and `queryPathInfo` at once); `None` for no such path or
+    /// a malformed hash part.
+    pub fn query_path_info_from_hash_part(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, LocalStoreError> {
+        self.registry.path_info_from_hash_part(hash_part)
     }
 
     /// Adds `info`'s path from the NAR in `nar` under `policy` unless it is valid, and returns

@@ -1,5 +1,6 @@
 //! The local store behind the [`Store`] interface: queries run on blocking threads, a NAR is
-//! dumped into a pipe by a blocking thread while the caller reads it, and additions pass the
+//! dumped into a pipe by a blocking thread while the caller reads it (or straight into the
+//! caller's writer by [`Store::dump_nar`]), and additions pass the
 //! one verification boundary ([`LocalStore::begin_add`] → [`PendingPath::unpack`] → after the
 //! publish gate, [`PendingPath::commit`] under the store's signature policy).
 
@@ -87,6 +88,11 @@ impl Store for LocalStoreHandle {
         }))
     }
 
+    fn query_path_info_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<ValidPathInfo>> {
+        let (store, hash_part) = (self.store.clone(), hash_part.to_string());
+        Box::pin(blocking(&self.url, move || Ok(store.query_path_info_from_hash_part(&hash_part)?)))
+    }
+
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
             let (read, write) = rustix::pipe::pipe().map_err(|e| StoreError::Other(format!("{}: creating a pipe: {e}", self.url)))?;
@@ -94,6 +100,11 @@ impl Store for LocalStoreHandle {
             let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut File::from(write)));
             Ok(Box::new(DumpReader { pipe: File::from(read), dumper: Some(dumper) }) as NarReader)
         })
+    }
+
+    fn dump_nar<'a>(&'a self, info: &'a ValidPathInfo, mut sink: Box<dyn io::Write + Send>) -> StoreFuture<'a, ()> {
+        let (store, path) = (self.store.clone(), info.path.clone());
+        Box::pin(blocking(&self.url, move || Ok(store.dump_path(&path, &mut sink)?)))
     }
 
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {

@@ -1,13 +1,13 @@
 //! Registry queries beyond path info and validity, with the statements Nix 2.8 uses
 //! (`src/libstore/local-store.cc`): signatures added to a valid path (`addSignatures`), the
 //! `DerivationOutputs` table both ways (`queryValidDerivers`,
-//! `queryPartialDerivationOutputMap`) and the indexed hash-part lookup
-//! (`queryPathFromHashPart`), and the collector's invalidation (`invalidatePathChecked`).
+//! `queryPartialDerivationOutputMap`), and the collector's invalidation
+//! (`invalidatePathChecked`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
-use sluice_nix::store_path::{StorePath, HASH_PART_LEN};
+use sluice_nix::store_path::StorePath;
 
 use super::registry::Registry;
 use super::LocalStoreError;
@@ -17,11 +17,9 @@ const UPDATE_SIGS: &str = "update ValidPaths set sigs = ? where path = ?";
 const QUERY_VALID_DERIVERS: &str = "select v.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where d.path = ?";
 const QUERY_DERIVATION_OUTPUTS: &str =
     "select d.id, d.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where v.path = ?";
-/// The first valid path at or after a prefix: the `path` index makes this a single seek.
 /// Nix's `InvalidatePath`: the foreign keys delete the path's `Refs` (as referrer) and
 /// `DerivationOutputs` rows with it.
 const INVALIDATE_PATH: &str = "delete from ValidPaths where path = ?";
-const QUERY_PATH_FROM_HASH_PART: &str = "select path from ValidPaths where path >= ? limit 1";
 
 impl Registry {
     /// Adds `sigs` to the signatures of the valid path `path` (a set: duplicates are kept
@@ -89,24 +87,5 @@ impl Registry {
         };
         let outputs = rows.into_iter().map(|(name, path)| Ok((name, self.parse_path(&path, "output path")?)));
         outputs.collect::<Result<_, LocalStoreError>>().map(Some)
-    }
-
-    /// The valid path whose hash part is `hash_part` (32 nixbase32 characters), if any: one
-    /// index seek to the first path not before `<store dir>/<hash part>`.
-    pub(super) fn path_from_hash_part(&self, store_dir: &str, hash_part: &str) -> Result<Option<StorePath>, LocalStoreError> {
-        if hash_part.len() != HASH_PART_LEN {
-            return Ok(None);
-        }
-        let prefix = format!("{store_dir}/{hash_part}");
-        let err = || format!("looking up the hash part {hash_part}");
-        let found: Option<String> = {
-            let db = self.lock();
-            let mut stmt = db.conn.prepare_cached(QUERY_PATH_FROM_HASH_PART).map_err(self.sql_err(err))?;
-            stmt.query_row([&prefix], |r| r.get(0)).optional().map_err(self.sql_err(err))?
-        };
-        match found {
-            Some(path) if path.starts_with(&prefix) => Ok(Some(self.parse_path(&path, "path")?)),
-            _ => Ok(None),
-        }
     }
 }

@@ -12,17 +12,26 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::Hash;
-use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::store_path::{StoreDir, StorePath, HASH_PART_LEN};
 
 use super::schema::Database;
 use super::LocalStoreError;
 use sluice_nix::path_info::ValidPathInfo;
 
 /// A path's row and its references (space-separated: store paths contain no spaces) in one
-/// statement, so that a lookup takes the database's read lock once.
-const QUERY_PATH_INFO: &str = "select id, hash, registrationTime, deriver, narSize, ultimate, sigs, ca, \
-     (select group_concat(r.path, ' ') from Refs join ValidPaths r on reference = r.id where referrer = v.id) \
-     from ValidPaths v where path = ?";
+/// statement, so that a lookup takes the database's read lock once; the path's own column
+/// first. Completed by a `where` clause.
+macro_rules! select_path_info {
+    () => {
+        "select path, id, hash, registrationTime, deriver, narSize, ultimate, sigs, ca, \
+         (select group_concat(r.path, ' ') from Refs join ValidPaths r on reference = r.id where referrer = v.id) \
+         from ValidPaths v "
+    };
+}
+const QUERY_PATH_INFO: &str = concat!(select_path_info!(), "where path = ?");
+/// The first valid path at or after a prefix, with its info: the `path` index makes this a
+/// single seek (see [`Registry::path_info_from_hash_part`]).
+const QUERY_PATH_INFO_FROM_HASH_PART: &str = concat!(select_path_info!(), "where path >= ? limit 1");
 pub(super) const QUERY_REFERRERS: &str =
     "select path from Refs join ValidPaths on referrer = id where reference = (select id from ValidPaths where path = ?)";
 const QUERY_ID: &str = "select id from ValidPaths where path = ?";
@@ -31,8 +40,8 @@ const REGISTER_VALID_PATH: &str = "insert into ValidPaths (path, hash, registrat
 const ADD_REFERENCE: &str = "insert or replace into Refs (referrer, reference) values (?, ?)";
 const ADD_DERIVATION_OUTPUT: &str = "insert or replace into DerivationOutputs (drv, id, path) values (?, ?, ?)";
 
-/// The `ValidPaths` row of a path, as stored, and its references.
-type Row = (i64, String, i64, Option<String>, Option<i64>, Option<i64>, Option<String>, Option<String>, Option<String>);
+/// The `ValidPaths` row of a path, as stored (its path first), and its references.
+type Row = (String, i64, String, i64, Option<String>, Option<i64>, Option<i64>, Option<String>, Option<String>, Option<String>);
 
 /// The database of one store, behind a mutex (SQLite connections are not `Sync`).
 pub(super) struct Registry {
@@ -99,16 +108,41 @@ impl Registry {
 
     /// The `ValidPaths` row and references of the path shown as `shown`.
     fn row(&self, conn: &Connection, shown: &str) -> Result<Option<Row>, LocalStoreError> {
-        let err = || format!("querying the registration of {shown}");
-        let mut stmt = conn.prepare_cached(QUERY_PATH_INFO).map_err(self.sql_err(err))?;
-        stmt.query_row([shown], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?, r.get(8)?)))
-            .optional()
-            .map_err(self.sql_err(err))
+        self.query_row(conn, QUERY_PATH_INFO, shown, || format!("querying the registration of {shown}"))
+    }
+
+    /// The one row `sql` (a [`select_path_info`] statement) finds for `param`, if any.
+    fn query_row(&self, conn: &Connection, sql: &str, param: &str, err: impl Fn() -> String) -> Result<Option<Row>, LocalStoreError> {
+        let mut stmt = conn.prepare_cached(sql).map_err(self.sql_err(&err))?;
+        let row = stmt.query_row([param], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?, r.get(8)?, r.get(9)?))
+        });
+        row.optional().map_err(self.sql_err(err))
+    }
+
+    /// The registration of the valid path whose hash part is `hash_part` (32 nixbase32
+    /// characters), if any, in one statement: one index seek to the first path not before
+    /// `<store dir>/<hash part>`, which is that path if it starts with it (Nix's
+    /// `queryPathFromHashPart`, then `queryPathInfo`).
+    pub(super) fn path_info_from_hash_part(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, LocalStoreError> {
+        if hash_part.len() != HASH_PART_LEN {
+            return Ok(None);
+        }
+        let prefix = format!("{}/{hash_part}", self.store_dir.as_str());
+        let row = self.query_row(&self.lock().conn, QUERY_PATH_INFO_FROM_HASH_PART, &prefix, || format!("looking up the hash part {hash_part}"))?;
+        match row {
+            Some(row) if row.0.starts_with(&prefix) => {
+                let path = self.parse_path(&row.0, "path")?;
+                let shown = row.0.clone();
+                self.info_from_row(&path, &shown, Some(row))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// The path info of `path` (shown as `shown`) from its row.
     fn info_from_row(&self, path: &StorePath, shown: &str, row: Option<Row>) -> Result<Option<ValidPathInfo>, LocalStoreError> {
-        let Some((_, hash, registration_time, deriver, nar_size, ultimate, sigs, ca, references)) = row else {
+        let Some((_, _, hash, registration_time, deriver, nar_size, ultimate, sigs, ca, references)) = row else {
             return Ok(None);
         };
         let references = references.unwrap_or_default();
