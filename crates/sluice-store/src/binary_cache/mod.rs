@@ -6,6 +6,7 @@
 mod error;
 pub mod file;
 pub mod http;
+mod multipart;
 mod pool;
 pub mod retry;
 pub mod s3;
@@ -300,7 +301,7 @@ impl BinaryCache {
         let answer = self.health.observe(&self.url, http.send(ENDPOINT, request).await)?;
         let url = http.resolve(ENDPOINT);
         let bad = |what: String| CacheError::Io { url: url.clone(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
-        let Some((_, bytes)) = answer else { return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into())) };
+        let Some(http::Answer { body: bytes, .. }) = answer else { return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into())) };
         let text = String::from_utf8(bytes).map_err(|_| bad("answer is not UTF-8".into()))?;
         let mut out = Vec::new();
         for (i, line) in text.lines().enumerate() {
