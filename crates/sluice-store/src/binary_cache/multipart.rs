@@ -12,14 +12,27 @@ use super::http::{Answer, HttpTransport, Request};
 use super::upload::PreparedNar;
 use super::{CacheError, Upload};
 
-/// Uploads `nar` to `rel` in parts of `part_size` bytes (the last may be shorter); `headers`
-/// go with the `CreateMultipartUpload` request, as S3 takes an object's metadata there.
-pub async fn upload(http: &HttpTransport, rel: &str, nar: &PreparedNar, part_size: u64, mime: &str, headers: &[(&'static str, String)]) -> Result<(), CacheError> {
+/// S3's smallest part (but the last), largest part, and most parts of one upload (Nix's
+/// `AWS_MIN_PART_SIZE`, `AWS_MAX_PART_SIZE`, `AWS_MAX_PART_COUNT`).
+const MIN_PART: u64 = 5 << 20;
+const MAX_PART: u64 = 5 << 30;
+const MAX_PARTS: u64 = 10_000;
+
+/// The part size for `file_size` bytes: `chunk_size` (`multipart-chunk-size`) within S3's
+/// limits, raised as Nix does when the file would need more than [`MAX_PARTS`] parts.
+fn part_size(chunk_size: u64, file_size: u64) -> u64 {
+    chunk_size.clamp(MIN_PART, MAX_PART).max(file_size.div_ceil(MAX_PARTS))
+}
+
+/// Uploads `nar` to `rel` in parts of `chunk_size` bytes (see [`part_size`]; the last may be
+/// shorter); `headers` go with the `CreateMultipartUpload` request, as S3 takes an object's
+/// metadata there.
+pub async fn upload(http: &HttpTransport, rel: &str, nar: &PreparedNar, chunk_size: u64, mime: &str, headers: &[(&'static str, String)]) -> Result<(), CacheError> {
     let empty = Upload::Bytes(bytes::Bytes::new());
     let created = http.send(&format!("{rel}?uploads"), Request { method: &reqwest::Method::POST, body: Some((&empty, mime)), headers }).await?;
     let upload_id = element(http, rel, created.as_ref(), "UploadId")?;
     let id = utf8_percent_encode(&upload_id);
-    let result = upload_parts(http, rel, &id, nar, part_size.max(1)).await;
+    let result = upload_parts(http, rel, &id, nar, part_size(chunk_size, nar.file_size)).await;
     let result = match result {
         Ok(parts) => complete(http, rel, &id, &parts).await,
         Err(e) => Err(e),
@@ -86,4 +99,15 @@ fn utf8_percent_encode(id: &str) -> String {
 
 fn refused(http: &HttpTransport, rel: &str, what: &str) -> CacheError {
     CacheError::Io { url: http.resolve(rel), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string()) }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn part_sizes_keep_to_s3_limits() {
+        assert_eq!(super::part_size(1 << 20, 12 << 20), 5 << 20);
+        assert_eq!(super::part_size(8 << 20, 12 << 20), 8 << 20);
+        assert_eq!(super::part_size(5 << 20, 100 << 30), (100u64 << 30).div_ceil(10_000));
+        assert_eq!(super::part_size(u64::MAX, 1 << 30), 5 << 30);
+    }
 }
