@@ -8,6 +8,8 @@
 
 use std::io::{BufReader, Read, Write};
 
+use crate::encoder_memory::{xz_preset, EncoderPlan};
+
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compression { None, Xz, Zstd, Bzip2, Brotli, Gzip, Lz4, Lzip }
@@ -82,21 +84,24 @@ impl Compression {
     }
 
     /// Wraps `out` in this method's encoder at `level` (`compression-level`; `None`: the
-    /// library's default, as Nix's -1), on every core when `parallel` (`parallel-compression`:
-    /// xz and zstd; the other methods have no multi-threaded encoder, as in Nix). The encoder
-    /// is finished by [`Encoder::finish`]. `lz4` and `lzip` are read only: an error.
-    pub fn encoder<W: Write + Send + 'static>(self, out: W, level: Option<i32>, parallel: bool) -> std::io::Result<Encoder<W>> {
-        let threads = match parallel {
-            true => std::thread::available_parallelism().map_or(1, usize::from) as u32,
-            false => 1,
-        };
+    /// library's default, as Nix's -1), on `plan.threads` threads (xz and zstd; the other
+    /// methods have no multi-threaded encoder, as in Nix) and with `plan.xz_dict` as xz's
+    /// dictionary (see [`EncoderPlan`]); xz is written as independent blocks of `plan.xz_block`
+    /// bytes when set (`parallel-compression`).
+    /// The encoder is finished by [`Encoder::finish`]. `lz4` and `lzip` are read only: an error.
+    pub fn encoder<W: Write + Send + 'static>(self, out: W, level: Option<i32>, plan: &EncoderPlan) -> std::io::Result<Encoder<W>> {
+        let threads = plan.threads.max(1);
         Ok(match self {
             Compression::None => Encoder::None(out),
             Compression::Xz => {
-                let preset = level.map_or(6, |l| l.clamp(0, 9) as u32);
-                let stream = match threads {
-                    1 => liblzma::stream::Stream::new_easy_encoder(preset, liblzma::stream::Check::Crc64)?,
-                    n => liblzma::stream::MtStreamBuilder::new().threads(n).preset(preset).check(liblzma::stream::Check::Crc64).encoder()?,
+                let mut options = liblzma::stream::LzmaOptions::new_preset(xz_preset(level))?;
+                options.dict_size(plan.xz_dict);
+                let mut filters = liblzma::stream::Filters::new();
+                filters.lzma2(&options);
+                let check = liblzma::stream::Check::Crc64;
+                let stream = match plan.xz_block {
+                    None => liblzma::stream::Stream::new_stream_encoder(&filters, check)?,
+                    Some(block) => liblzma::stream::MtStreamBuilder::new().threads(threads).block_size(block).filters(filters).check(check).encoder()?,
                 };
                 Encoder::Xz(liblzma::write::XzEncoder::new_stream(out, stream))
             }
@@ -252,7 +257,8 @@ mod tests {
         let data = sluice_nix::nar::writer::regular_file_nar(&contents, false);
         for c in [Compression::None, Compression::Xz, Compression::Zstd, Compression::Bzip2, Compression::Brotli, Compression::Gzip] {
             for parallel in [false, true] {
-                let mut e = c.encoder(Vec::new(), None, parallel).unwrap();
+                let plan = EncoderPlan::new(c, None, parallel, data.len() as u64, 2, crate::encoder_memory::ENCODER_MEMORY);
+                let mut e = c.encoder(Vec::new(), None, &plan).unwrap();
                 e.write_all(&data).unwrap();
                 let packed = e.finish().unwrap();
                 let mut back = Vec::new();

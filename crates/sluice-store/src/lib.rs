@@ -10,6 +10,7 @@ pub mod binary_cache;
 mod by_key;
 pub mod closure;
 pub mod compression;
+pub mod encoder_memory;
 pub mod config;
 pub mod fd_budget;
 pub mod job_queue;

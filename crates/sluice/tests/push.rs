@@ -192,3 +192,53 @@ fn subset_into_s3_with_credentials_and_back() {
     let listed = nix(tmp.path(), "nix", &["path-info", "--store", dst.to_str().unwrap(), "-r", &root]);
     assert_eq!(String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
 }
+
+/// A NAR over `multipart-threshold` goes to S3 in parts (`multipart-upload=true`): the object
+/// S3 keeps is the NAR byte for byte, its ETag is that of a three-part upload, and real Nix
+/// reads the cache through `http://…/bucket`.
+#[test]
+fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 12 MB that do not compress: three parts of at most 5 MiB.
+    let file = tmp.path().join("parts");
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let data: Vec<u8> = (0..12_000_000 / 8).flat_map(|_| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state.to_le_bytes()
+    }).collect();
+    std::fs::write(&file, &data).unwrap();
+    let src = tmp.path().join("src");
+    let added = nix(tmp.path(), "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
+    check(&added, "nix-store --add");
+    let path = String::from_utf8(added.stdout).unwrap().trim().to_string();
+    let real = src.join(path.trim_start_matches('/'));
+    let dumped = nix(tmp.path(), "nix-store", &["--dump", real.to_str().unwrap()]);
+    check(&dumped, "nix-store --dump");
+    let (secret, public) = signing_key(tmp.path());
+    std::fs::create_dir_all(tmp.path().join("s3/bucket")).unwrap();
+    let server = S3Server::start(&tmp.path().join("s3"), true);
+    let s3 = format!(
+        "s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1&compression=none&multipart-upload=true&multipart-threshold=5M&multipart-chunk-size=5M&secret-key={}",
+        server.port,
+        secret.display()
+    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.envs([("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")]);
+    check(&cmd.args(["copy", "--from", src.to_str().unwrap(), "--to", &s3, &path]).output().unwrap(), "multipart push to S3");
+    drop(server);
+
+    let server = S3Server::start(&tmp.path().join("s3"), false);
+    let url = format!("http://127.0.0.1:{}/bucket", server.port);
+    let narinfo = std::fs::read_to_string(tmp.path().join("s3/bucket").join(format!("{}.narinfo", &path[11..43]))).unwrap();
+    let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
+    let object = Command::new("curl").args(["-sfD", tmp.path().join("headers").to_str().unwrap(), &format!("{url}/{nar_url}")]).output().unwrap();
+    assert!(object.status.success());
+    assert!(object.stdout == dumped.stdout, "the object is not the NAR ({} bytes against {})", object.stdout.len(), dumped.stdout.len());
+    let headers = std::fs::read_to_string(tmp.path().join("headers")).unwrap().to_ascii_lowercase();
+    let etag = headers.lines().find_map(|l| l.strip_prefix("etag: ")).unwrap().trim().trim_matches('"').to_string();
+    assert!(etag.ends_with("-3"), "ETag {etag} is not that of a three-part upload");
+    assert_nix_reads(tmp.path(), &url, &public, &path, &BTreeSet::from([path.clone()]));
+}

@@ -95,6 +95,15 @@ impl Request<'static> {
     pub const GET: Request<'static> = Request { method: &reqwest::Method::GET, body: None, headers: &[] };
 }
 
+/// A successful answer to [`HttpTransport::send`].
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    /// The whole body (at most [`MAX_SMALL_FILE`] bytes).
+    pub body: Vec<u8>,
+}
+
 /// A failed attempt, with the server's `Retry-After` if it sent one.
 struct Failure {
     error: CacheError,
@@ -247,16 +256,16 @@ impl HttpTransport {
         Ok(request)
     }
 
-    /// Sends `spec` to `rel` (retried as [`Self::get`] is) and returns the answer's status and
-    /// body; `None` on 404, 403 or 410.
-    pub async fn send(&self, rel: &str, spec: Request<'_>) -> Result<Option<(u16, Vec<u8>)>, CacheError> {
+    /// Sends `spec` to `rel` (retried as [`Self::get`] is) and returns the answer; `None` on
+    /// 404, 403 or 410.
+    pub async fn send(&self, rel: &str, spec: Request<'_>) -> Result<Option<Answer>, CacheError> {
         let target = self.request_url(rel)?;
         let url = target.as_str();
         self.retrying(|| async {
             let (resp, _permit) = self.send_once(&target, spec).await?;
             let Some(resp) = resp else { return Ok(None) };
-            let status = resp.status().as_u16();
-            Ok(Some((status, read_body(url, resp, self.stall).await?)))
+            let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+            Ok(Some(Answer { status, headers, body: read_body(url, resp, self.stall).await? }))
         })
         .await
     }

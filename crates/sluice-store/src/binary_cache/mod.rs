@@ -6,6 +6,7 @@
 mod error;
 pub mod file;
 pub mod http;
+mod multipart;
 mod pool;
 pub mod retry;
 pub mod s3;
@@ -106,6 +107,9 @@ pub struct BinaryCache {
     secret_keys: Vec<SecretKey>,
     /// `nix-cache-info` is known to exist (checked or written before the first addition).
     initialised: tokio::sync::OnceCell<()>,
+    /// MiB of [`ENCODER_MEMORY`](crate::encoder_memory::ENCODER_MEMORY) not taken by the
+    /// encoders of additions under way.
+    encoder_budget: std::sync::Arc<tokio::sync::Semaphore>,
     /// Narinfos answered by [`Store::query_path_infos`](crate::store::Store) and the hash-part
     /// lookups, for reading their NARs without fetching them again: the last
     /// [`NARINFOS_KEPT`] (a NAR of a path dropped from it fetches its narinfo again).
@@ -155,6 +159,7 @@ impl BinaryCache {
             store_dir: StoreDir::default(),
             secret_keys: Vec::new(),
             initialised: tokio::sync::OnceCell::new(),
+            encoder_budget: std::sync::Arc::new(tokio::sync::Semaphore::new((crate::encoder_memory::ENCODER_MEMORY >> 20) as usize)),
             narinfos: std::sync::Mutex::new(hashlink::LruCache::new(NARINFOS_KEPT)),
         };
         cache.set_info(cache.info.clone());
@@ -303,7 +308,7 @@ impl BinaryCache {
         let answer = self.health.observe(&self.url, http.send(ENDPOINT, request).await)?;
         let url = http.resolve(ENDPOINT);
         let bad = |what: String| CacheError::Io { url: url.clone(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
-        let Some((_, bytes)) = answer else { return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into())) };
+        let Some(http::Answer { body: bytes, .. }) = answer else { return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into())) };
         let text = String::from_utf8(bytes).map_err(|_| bad("answer is not UTF-8".into()))?;
         let mut out = Vec::new();
         for (i, line) in text.lines().enumerate() {

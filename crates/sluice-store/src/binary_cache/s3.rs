@@ -19,6 +19,7 @@ use aws_credential_types::Credentials;
 use aws_sigv4::http_request::{sign, PayloadChecksumKind, SignableBody, SignableRequest, SigningSettings};
 
 use super::http::{HttpTransport, RequestSigner};
+use super::multipart;
 use super::{CacheError, Upload};
 use crate::store_url::S3Params;
 
@@ -53,10 +54,17 @@ impl S3 {
         Arc::new(SigV4 { region: self.params.region.clone(), credentials: find_credentials(self.params.profile.as_deref()) })
     }
 
-    /// Uploads `rel` with `storage-class` if one is set.
+    /// Uploads `rel` with `storage-class` if one is set: in parts (see [`multipart`]) when
+    /// `multipart-upload` is on and `upload` is a NAR of at least `multipart-threshold` bytes,
+    /// in one `PUT` otherwise.
     pub async fn put(&self, http: &HttpTransport, rel: &str, upload: &Upload, mime: &str) -> Result<(), CacheError> {
         let headers: Vec<(&'static str, String)> = self.params.storage_class.iter().map(|c| ("x-amz-storage-class", c.clone())).collect();
-        http.put(rel, upload, mime, &headers).await
+        match upload {
+            Upload::Nar(nar) if self.params.multipart_upload && nar.file_size >= self.params.multipart_threshold => {
+                multipart::upload(http, rel, nar, self.params.multipart_chunk_size, mime, &headers).await
+            }
+            _ => http.put(rel, upload, mime, &headers).await,
+        }
     }
 }
 

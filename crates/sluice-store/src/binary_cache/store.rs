@@ -18,6 +18,7 @@ use super::upload::{self, PreparedNar};
 use super::{BinaryCache, CacheError, Transport, Upload};
 use crate::compression::Compression;
 use crate::config::Settings;
+use crate::encoder_memory::{EncoderPlan, ENCODER_MEMORY};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 use crate::store_url::{CacheUrl, STORE_DIR};
 
@@ -175,7 +176,15 @@ impl Store for BinaryCache {
         Box::pin(async move {
             self.init_for_writing().await?;
             let (params, dir, info2) = (self.write.clone(), self.staging_dir(), info.clone());
-            let prepared = tokio::task::spawn_blocking(move || upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &dir))
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+            let plan = EncoderPlan::new(params.compression, params.compression_level, params.parallel_compression, info.nar_size, cores, ENCODER_MEMORY);
+            // The encoder's memory, in MiB, out of the budget every addition shares.
+            let mib = plan.memory.div_ceil(1 << 20).min(ENCODER_MEMORY >> 20) as u32;
+            let budget = self.encoder_budget.clone().acquire_many_owned(mib).await.expect("semaphore never closed");
+            let prepared = tokio::task::spawn_blocking(move || {
+                let _budget = budget;
+                upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &plan, &dir)
+            })
                 .await
                 .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?
                 .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?;

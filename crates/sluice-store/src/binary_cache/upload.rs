@@ -2,8 +2,8 @@
 //! (`src/libstore/binary-cache-store.cc`) does, but streaming: the NAR is read once, checked
 //! against the path's `NarHash`/`NarSize` and parsed (for its listing), while it is compressed
 //! into a temporary file whose sha256 (`FileHash`, and S3's `x-amz-content-sha256`), MD5
-//! (S3's `Content-MD5`) and size are computed on the way. Memory: the encoder's window and
-//! 256 KiB of buffers, whatever the NAR's size.
+//! (S3's `Content-MD5`) and size are computed on the way. Memory: the encoder's (see
+//! [`EncoderPlan`]) and 256 KiB of buffers, whatever the NAR's size.
 
 use std::io::{self, BufWriter, Read, Write};
 use std::path::Path;
@@ -14,6 +14,7 @@ use sluice_nix::nar::listing::{ListingBuilder, NarEntry};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 
+use crate::encoder_memory::EncoderPlan;
 use crate::store_url::CacheWriteParams;
 
 /// A compressed NAR in a temporary file, ready to upload.
@@ -42,13 +43,13 @@ pub enum PrepareError {
 }
 
 /// Reads `nar` (the NAR of `info.path`, on a blocking thread), checks it against `info`, and
-/// compresses it into a temporary file in `tmp_dir` as `params` say.
-pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, tmp_dir: &Path) -> Result<PreparedNar, PrepareError> {
+/// compresses it into a temporary file in `tmp_dir` as `params` and `plan` say.
+pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path) -> Result<PreparedNar, PrepareError> {
     let path = store_dir.display_path(&info.path);
     let io_err = |source| PrepareError::Io { path: path.clone(), source };
     let file = tempfile::Builder::new().prefix(".sluice-upload-").tempfile_in(tmp_dir).map_err(io_err)?;
     let sink = DigestWriter { inner: BufWriter::with_capacity(128 << 10, file.reopen().map_err(io_err)?), sha256: Hasher::new(HashAlgo::Sha256), md5: md5::Md5::new() };
-    let encoder = params.compression.encoder(sink, params.compression_level, params.parallel_compression).map_err(io_err)?;
+    let encoder = params.compression.encoder(sink, params.compression_level, plan).map_err(io_err)?;
     let mut tee = Tee { inner: nar, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
     let mut listing = ListingBuilder::default();
     let parsed = sluice_nix::nar::reader::parse(&mut tee, &mut listing);
