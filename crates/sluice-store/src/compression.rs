@@ -5,6 +5,13 @@
 //! with its bytes gets a clear error instead of garbage (zstd and lz4 streams may begin with
 //! a skippable frame, as `pzstd` writes them, which their decoders skip), and encoders for
 //! writing a cache (`makeCompressionSink`).
+//!
+//! zstd is written as Nix 2.35 writes it, as independent 16 MiB frames, and such frames, like
+//! the blocks of a multi-threaded xz stream, are decoded on several cores at once
+//! ([`zstd_frames`], [`xz_streams`]); single-stream NARs are decoded as one stream.
+
+mod xz_streams;
+pub(crate) mod zstd_frames;
 
 use std::io::{BufReader, Read, Write};
 
@@ -87,7 +94,9 @@ impl Compression {
     /// library's default, as Nix's -1), on `plan.threads` threads (xz and zstd; the other
     /// methods have no multi-threaded encoder, as in Nix) and with `plan.xz_dict` as xz's
     /// dictionary (see [`EncoderPlan`]); xz is written as independent blocks of `plan.xz_block`
-    /// bytes when set (`parallel-compression`).
+    /// bytes when set (`parallel-compression`). zstd is written as independent frames of
+    /// 16 MiB of input, parallel or not (Nix 2.35's `ZstdMultiFrameCompressionSink`), so that
+    /// readers can decode it on several cores.
     /// The encoder is finished by [`Encoder::finish`]. `lz4` and `lzip` are read only: an error.
     pub fn encoder<W: Write + Send + 'static>(self, out: W, level: Option<i32>, plan: &EncoderPlan) -> std::io::Result<Encoder<W>> {
         let threads = plan.threads.max(1);
@@ -105,13 +114,7 @@ impl Compression {
                 };
                 Encoder::Xz(liblzma::write::XzEncoder::new_stream(out, stream))
             }
-            Compression::Zstd => {
-                let mut e = zstd::stream::write::Encoder::new(out, level.unwrap_or(zstd::DEFAULT_COMPRESSION_LEVEL))?;
-                if threads > 1 {
-                    e.multithread(threads)?;
-                }
-                Encoder::Zstd(e)
-            }
+            Compression::Zstd => Encoder::Zstd(zstd_frames::FrameEncoder::new(out, level.unwrap_or(zstd::DEFAULT_COMPRESSION_LEVEL), threads)?),
             Compression::Bzip2 => Encoder::Bzip2(bzip2::write::BzEncoder::new(out, bzip2::Compression::new(level.map_or(9, |l| l.clamp(1, 9) as u32)))),
             Compression::Brotli => Encoder::Brotli(Box::new(brotli::CompressorWriter::new(out, 64 * 1024, level.map_or(11, |l| l.clamp(0, 11) as u32), 22))),
             Compression::Gzip => Encoder::Gzip(flate2::write::GzEncoder::new(out, flate2::Compression::new(level.map_or(6, |l| l.clamp(0, 9) as u32)))),
@@ -125,7 +128,9 @@ impl Compression {
         MAGICS.iter().find(|(_, m)| head.starts_with(m)).map(|(c, _)| *c)
     }
 
-    /// Wraps `input` in this method's decoder after checking its magic bytes. Brotli has no
+    /// Wraps `input` in this method's decoder after checking its magic bytes; zstd frames that
+    /// carry their content size and xz blocks that carry their sizes are decoded on several
+    /// cores. Brotli has no
     /// magic: a brotli stream is accepted unless it starts like another known format.
     /// The magic bytes are read to their full length (or the end of the input) first, however
     /// the input is split: over HTTP/2 a first DATA frame may hold only a few bytes.
@@ -147,7 +152,8 @@ impl Compression {
         }
         Ok(match self {
             Compression::None => Box::new(buf),
-            Compression::Xz => Box::new(liblzma::bufread::XzDecoder::new_multi_decoder(buf)),
+            Compression::Xz => Box::new(xz_streams::XzStreams::new(buf)?),
+            Compression::Zstd if zstd_frames::whole_frame_size(head).is_some() => Box::new(zstd_frames::FrameDecoder::new(Box::new(buf))),
             Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(buf)?),
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),
@@ -166,7 +172,7 @@ impl Compression {
 pub enum Encoder<W: Write> {
     None(W),
     Xz(liblzma::write::XzEncoder<W>),
-    Zstd(zstd::stream::write::Encoder<'static, W>),
+    Zstd(zstd_frames::FrameEncoder<W>),
     Bzip2(bzip2::write::BzEncoder<W>),
     Brotli(Box<brotli::CompressorWriter<W>>),
     Gzip(flate2::write::GzEncoder<W>),

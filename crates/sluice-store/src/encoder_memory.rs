@@ -47,7 +47,7 @@ impl EncoderPlan {
         let xz_block = (parallel && method == Compression::Xz).then(|| u64::from(xz_dict));
         let cost = |threads: u32| match method {
             Compression::Xz => xz_memory(level, xz_dict, xz_block, threads),
-            Compression::Zstd => zstd_worker_memory(level) * u64::from(threads),
+            Compression::Zstd => zstd_worker_memory(level) * u64::from(threads) + zstd_frame_memory(nar_size),
             Compression::Brotli => 64 << 20,
             Compression::Bzip2 => 8 << 20,
             _ => 1 << 20,
@@ -82,6 +82,12 @@ fn xz_memory(level: Option<i32>, dict: u32, block: Option<u64>, threads: u32) ->
         Some(_) => builder.memusage(),
         None => builder.memusage().saturating_sub(2 * u64::from(dict)),
     }
+}
+
+/// Bytes zstd's frame encoder holds besides its workers: one frame of NAR (at most
+/// [`FRAME_SIZE`](crate::compression::zstd_frames::FRAME_SIZE)) and its compressed bound.
+fn zstd_frame_memory(nar_size: u64) -> u64 {
+    2 * nar_size.min(crate::compression::zstd_frames::FRAME_SIZE as u64)
 }
 
 /// Bytes one zstd worker holds at `level`: about ten times the level's window (zstd's
@@ -127,7 +133,8 @@ mod tests {
 
     #[test]
     fn zstd_threads_fit_the_budget() {
-        assert_eq!(EncoderPlan::new(Compression::Zstd, None, true, 1 << 30, 8, ENCODER_MEMORY).threads, 6);
+        // Level 3: 20 MiB a worker, and 32 MiB for the 16 MiB frame in and its bound out.
+        assert_eq!(EncoderPlan::new(Compression::Zstd, None, true, 1 << 30, 8, ENCODER_MEMORY).threads, 4);
         assert_eq!(EncoderPlan::new(Compression::Zstd, Some(19), true, 1 << 30, 8, ENCODER_MEMORY).threads, 1);
         assert_eq!(EncoderPlan::new(Compression::Zstd, None, true, 1 << 30, 2, ENCODER_MEMORY).threads, 2);
         assert_eq!(EncoderPlan::new(Compression::Gzip, None, true, 1 << 30, 8, ENCODER_MEMORY).threads, 1);

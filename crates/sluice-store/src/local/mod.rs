@@ -486,6 +486,11 @@ impl LocalStore {
     /// transaction fails, every placed path fails.
     pub fn commit_all(&self, batch: Vec<PendingPath>, policy: &SignaturePolicy) -> Vec<Result<(), LocalStoreError>> {
         let mut placed = BTreeSet::new();
+        // The references outside the batch, checked in one query rather than one per path; a
+        // failed query leaves each path to check its own.
+        let in_batch: BTreeSet<&StorePath> = batch.iter().map(|p| &p.info.path).collect();
+        let outside: BTreeSet<&StorePath> = batch.iter().flat_map(|p| &p.info.references).filter(|r| !in_batch.contains(r)).collect();
+        let known_valid = self.registry.valid_paths(outside.into_iter()).unwrap_or_default();
         let mut results = Vec::with_capacity(batch.len());
         let mut outputs = Vec::with_capacity(batch.len());
         for pending in &batch {
@@ -493,7 +498,7 @@ impl LocalStore {
             let failed_ref = info.references.iter().find(|r| batch.iter().any(|p| p.info.path == **r && !placed.contains(*r)) && **r != info.path);
             let result = match failed_ref {
                 Some(r) => Err(LocalStoreError::MissingReference { path: pending.shown(), reference: self.store_dir.display_path(r) }),
-                None => pending.place(policy, &placed),
+                None => pending.place(policy, &placed, &known_valid),
             };
             match result {
                 Ok(out) => {
@@ -604,9 +609,10 @@ impl PendingPath {
     }
 
     /// Verifies the unpacked tree against the info (see [`verify`](self::verify)), checks
-    /// that every reference is valid or in `batch`, deduplicates it with `auto-optimise-store`, and renames it to its final path.
-    /// Returns the derivation outputs to register.
-    fn place(&self, policy: &SignaturePolicy, batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+    /// that every reference is valid or in `batch` (asking the database about those not in
+    /// `known_valid`), deduplicates it with `auto-optimise-store`, and renames it to its final
+    /// path. Returns the derivation outputs to register.
+    fn place(&self, policy: &SignaturePolicy, batch: &BTreeSet<StorePath>, known_valid: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
         let info = &self.info;
         let Some(unpacked) = &self.unpacked else {
@@ -616,7 +622,7 @@ impl PendingPath {
         // the path was registered.
         let policy = if self.repair { &SignaturePolicy::unchecked() } else { policy };
         verify::verify(&self.store.store_dir, info, unpacked, policy)?;
-        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != info.path && !batch.contains(*r)).collect();
+        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != info.path && !batch.contains(*r) && !known_valid.contains(*r)).collect();
         let valid = self.store.registry.valid_paths(others.iter().copied())?;
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
