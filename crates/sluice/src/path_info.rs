@@ -1,6 +1,8 @@
 //! `sluice path-info`: metadata of store paths in a local store or a binary cache, printed as
-//! `nix path-info` prints it (text with `-s`/`-S`, or `--json`; `src/nix/path-info.cc` and
-//! `ValidPathInfo`'s JSON in `src/libstore/store-api.cc` of Nix 2.8).
+//! `nix path-info` prints it (text with `-s`/`-S`, or `--json`): as Nix 2.26 does by default
+//! (`src/nix/path-info.cc`, `UnkeyedValidPathInfo::toJSON` in `src/libstore/path-info.cc`,
+//! `NarInfo::toJSON` in `src/libstore/nar-info.cc`, `renderSize` in `src/libutil/util.cc`), or
+//! as Nix 2.8 does with `--as-nix 2.8` (`ValidPathInfo`'s JSON in `src/libstore/store-api.cc`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
@@ -16,6 +18,7 @@ use sluice_store::remote::RemoteStore;
 use sluice_store::store_url::StoreUrl;
 use tokio::sync::mpsc;
 
+use crate::as_nix::NixVersion;
 use crate::setup::{self, CacheFlags};
 
 /// Arguments of `sluice path-info`.
@@ -41,13 +44,18 @@ pub struct Args {
     /// Print the closure size of each path.
     #[arg(short = 'S', long)]
     closure_size: bool,
-    /// Print sizes as Nix 2.8 does with `-h`: `%6.1f` and a unit letter of K, M, G, … (powers
-    /// of 1024; a space for bytes).
+    /// With `-s` and `-S`, print sizes in powers of 1024 with one decimal (see `--as-nix`).
     #[arg(short = 'h', long)]
     human_readable: bool,
     /// Print each path's signatures (after `ultimate` and `ca:…` when it has them).
     #[arg(long)]
     sigs: bool,
+    /// Print `--json` and `-h` sizes as this Nix version does: 2.26 (and every Nix since 2.19)
+    /// prints an object keyed by path (`null` for a path that is not valid) and sizes such as
+    /// `14.0 KiB`; 2.8 prints a list of objects with a `path` key (`"valid": false` for a path
+    /// that is not valid) and sizes such as `14.0K`.
+    #[arg(long, value_enum, default_value = "2.26", value_name = "VERSION")]
+    as_nix: NixVersion,
     #[command(flatten)]
     cache: CacheFlags,
     /// Store paths.
@@ -87,14 +95,26 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         entries.retain(|p, _| roots.contains(p));
     }
     if args.json {
-        // Nix 2.8 lists an invalid path as `{"path": …, "valid": false}`, in path order with
-        // the others, and exits with status 0 (`src/nix/path-info.cc`, `pathInfoToJSON`).
-        let mut json: BTreeMap<&StorePath, Value> = entries.iter().map(|(p, e)| (p, to_json(e, &store_dir, closure_sizes.get(p)))).collect();
-        for m in &missing {
-            json.insert(m, json!({"path": store_dir.display_path(m), "valid": false}));
+        match args.as_nix {
+            NixVersion::V2_26 => {
+                // An object keyed by path, `null` for a path that is not valid, keys sorted
+                // (nlohmann's), status 0, a newline at the end (`pathInfoToJSON`).
+                let mut json: BTreeMap<String, Value> = entries.iter().map(|(p, e)| (store_dir.display_path(p), to_json_2_26(e, &store_dir, closure_sizes.get(p)))).collect();
+                for m in &missing {
+                    json.insert(store_dir.display_path(m), Value::Null);
+                }
+                println!("{}", Value::Object(json.into_iter().collect()));
+            }
+            NixVersion::V2_8 => {
+                // A list in path order, an invalid path as `{"path": …, "valid": false}`, status
+                // 0, no newline at the end.
+                let mut json: BTreeMap<&StorePath, Value> = entries.iter().map(|(p, e)| (p, to_json_2_8(e, &store_dir, closure_sizes.get(p)))).collect();
+                for m in &missing {
+                    json.insert(m, json!({"path": store_dir.display_path(m), "valid": false}));
+                }
+                print!("{}", Value::Array(json.into_values().collect()));
+            }
         }
-        // Nix 2.8 ends its JSON without a newline.
-        print!("{}", Value::Array(json.into_values().collect()));
         return Ok(ExitCode::SUCCESS);
     }
     for m in &missing {
@@ -102,7 +122,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
     {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
-        let size = |n: u64| if args.human_readable { human_size(n) } else { format!("{n:>11}") };
+        let size = |n: u64| match (args.human_readable, args.as_nix) {
+            (false, _) => format!("{n:>11}"),
+            (true, NixVersion::V2_26) => render_size(n),
+            (true, NixVersion::V2_8) => human_size_2_8(n),
+        };
         for path in topo_sorted(&entries) {
             let e = &entries[path];
             let mut line = store_dir.display_path(path);
@@ -127,9 +151,25 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     Ok(if missing.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// `bytes` as Nix 2.26's `path-info -h` prints it (`renderSize(value, true)`,
+/// `src/libutil/util.cc`): divided by 1024 while above 1024, `%6.1f` and `KiB`, `MiB`, …; below
+/// 1 KiB, the fraction of a KiB (`   0.5 KiB`).
+fn render_size(bytes: u64) -> String {
+    const PREFIXES: [char; 8] = ['K', 'M', 'G', 'T', 'P', 'E', 'Z', 'Y'];
+    let (mut value, mut power) = (bytes as f64, 0);
+    while value > 1024.0 && power < PREFIXES.len() {
+        value /= 1024.0;
+        power += 1;
+    }
+    if power == 0 {
+        value /= 1024.0;
+    }
+    format!("{value:6.1} {}iB", PREFIXES[power.max(1) - 1])
+}
+
 /// `bytes` as Nix 2.8's `path-info -h` prints it (`printSize`, `src/nix/path-info.cc`):
 /// divided by 1024 while above 1024, `%6.1f` and the unit letter (a space for bytes).
-fn human_size(bytes: u64) -> String {
+fn human_size_2_8(bytes: u64) -> String {
     const UNITS: [char; 9] = [' ', 'K', 'M', 'G', 'T', 'P', 'E', 'Z', 'Y'];
     let (mut value, mut power) = (bytes as f64, 0);
     while value > 1024.0 && power < UNITS.len() - 1 {
@@ -259,7 +299,45 @@ fn closure_sizes(entries: &BTreeMap<StorePath, Entry>) -> BTreeMap<StorePath, (u
     out
 }
 
-fn to_json(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -> Value {
+/// A path's JSON as Nix 2.26 prints it (`UnkeyedValidPathInfo::toJSON` with impure info,
+/// `NarInfo::toJSON` for a cache's path, then `closureSize`/`closureDownloadSize` with `-S`):
+/// `ca`, `deriver` and `registrationTime` (0 is unknown) are `null` when absent; `ultimate`
+/// and `signatures` always present.
+fn to_json_2_26(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -> Value {
+    let info = &e.info;
+    // Keys in nlohmann's (sorted) order: serde_json keeps insertion order here.
+    let mut o = BTreeMap::<&str, Value>::new();
+    o.insert("narHash", json!(info.nar_hash.to_sri()));
+    o.insert("narSize", json!(info.nar_size));
+    o.insert("references", json!(info.references.iter().map(|r| store_dir.display_path(r)).collect::<Vec<_>>()));
+    o.insert("ca", json!(info.ca.as_ref().map(|ca| ca.to_string())));
+    o.insert("deriver", json!(info.deriver.as_ref().map(|d| store_dir.display_path(d))));
+    o.insert("registrationTime", json!((info.registration_time != 0).then_some(info.registration_time)));
+    o.insert("ultimate", json!(info.ultimate));
+    o.insert("signatures", json!(info.sigs));
+    if let Some(n) = &e.narinfo {
+        o.insert("url", json!(n.url));
+        if !n.compression.is_empty() {
+            o.insert("compression", json!(n.compression));
+        }
+        if let Some(h) = &n.file_hash {
+            o.insert("downloadHash", json!(h.to_sri()));
+        }
+        if let Some(s) = n.file_size.filter(|s| *s != 0) {
+            o.insert("downloadSize", json!(s));
+        }
+    }
+    if let Some((nar, download)) = closure {
+        o.insert("closureSize", json!(nar));
+        if e.narinfo.is_some() {
+            o.insert("closureDownloadSize", json!(download));
+        }
+    }
+    Value::Object(o.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+}
+
+/// A path's JSON as Nix 2.8 prints it (`ValidPathInfo`'s JSON in `src/libstore/store-api.cc`).
+fn to_json_2_8(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -> Value {
     let info = &e.info;
     let mut o = Map::new();
     o.insert("path".into(), json!(store_dir.display_path(&info.path)));

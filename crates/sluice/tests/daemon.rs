@@ -159,7 +159,7 @@ fn real_nix_clients_match_direct_mode() {
     assert_eq!(without_times(&via), without_times(&local));
     // sluice's own client (pipelined QueryPathInfo, lock-cpu on and off) sees the same.
     for lock in ["true", "false"] {
-        let own = env.cmd(sluice()).env("NIX_CONFIG", format!("lock-cpu = {lock}")).args(["path-info", "-r", "--json", "--store", &daemon.url, &glibc]).output().unwrap();
+        let own = env.cmd(sluice()).env("NIX_CONFIG", format!("lock-cpu = {lock}")).args(["path-info", "--as-nix", "2.8", "-r", "--json", "--store", &daemon.url, &glibc]).output().unwrap();
         assert!(own.status.success(), "{}", String::from_utf8_lossy(&own.stderr));
         assert_eq!(without_times(&String::from_utf8(own.stdout).unwrap()), without_times(&local), "lock-cpu = {lock}");
     }

@@ -1,13 +1,47 @@
-//! Issue 12, "command line and output": `path-info` prints what real Nix 2.8's `nix path-info`
-//! prints for the same store, byte for byte.
+//! Issue 12, "command line and output": `path-info` prints what real Nix 2.26's `nix path-info`
+//! prints for the same store, byte for byte, and with `--as-nix 2.8` what Nix 2.8's prints.
 
 mod common;
 
+use std::path::Path;
+use std::process::{Command, Output};
+
 use common::*;
+
+/// Real Nix 2.26 (`nix-modern`, which sees the host's /tmp only) running `args` under `t`.
+fn modern(t: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(shared().join("bin/nix-modern"));
+    isolate(&mut cmd, t, "");
+    cmd.current_dir(t).args(args).output().unwrap()
+}
+
+/// `--json` (an object keyed by path, `null` for a path that is not valid, `ca`, `deriver`,
+/// `registrationTime`, `ultimate` and `signatures` always there, a cache's `url`,
+/// `compression`, download fields and `closureDownloadSize`) and `-h` (`14.0 KiB`) are Nix
+/// 2.26's by default, byte for byte, of a local store and of a binary cache.
+#[test]
+fn json_and_sizes_as_nix_2_26_by_default() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    let (root, bash, _) = bash_store(t);
+    // A cache nix-modern can see (under /tmp), pushed from the store.
+    let from = format!("file://{}", t.join("cache").display());
+    check(&sluice(t, &["copy", "--from", root.to_str().unwrap(), "--to", &format!("{from}?compression=zstd"), &bash]), "sluice copy --to file://");
+    let invalid = "/nix/store/00000000000000000000000000000000-x";
+    let runs: [&[&str]; 6] = [&["--json", &bash, invalid], &["--json", "-S", &bash], &["-r", "--json", "-S", &bash], &["-h", "-s", "-S", "-r", &bash], &["-h", "-s", &bash], &["--sigs", "-r", &bash]];
+    for store in [root.to_str().unwrap(), from.as_str()] {
+        for args in runs {
+            let nix_out = modern(t, &[&["nix", "path-info", "--store", store][..], args].concat());
+            let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
+            assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{store} {args:?}: {}", stderr(&nix_out));
+            assert_eq!(sluice_out.status.code(), nix_out.status.code(), "{store} {args:?}: {}", stderr(&sluice_out));
+        }
+    }
+}
 
 /// A store under `t` with bash's closure copied from the corpus's xz cache: (its root, bash's
 /// path, the cache's URL).
-fn bash_store(t: &std::path::Path) -> (std::path::PathBuf, String, String) {
+fn bash_store(t: &Path) -> (std::path::PathBuf, String, String) {
     let root = t.join("root");
     let bash = corpus_path("bash-5.2-p15");
     let from = format!("file://{}", corpus().join("cache-xz").display());
@@ -19,7 +53,7 @@ fn bash_store(t: &std::path::Path) -> (std::path::PathBuf, String, String) {
 /// printed), in text and in `--json`'s `closureSize`; `--json` lists a path that is not valid
 /// as `{"path": …, "valid": false}` in path order and exits 0, as Nix 2.8 does.
 #[test]
-fn closure_size_without_recursion_and_invalid_paths_as_nix_2_8() {
+fn closure_size_without_recursion_and_invalid_paths_with_as_nix_2_8() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let (root, bash, _) = bash_store(t);
@@ -28,7 +62,7 @@ fn closure_size_without_recursion_and_invalid_paths_as_nix_2_8() {
     let runs: [&[&str]; 4] = [&["-S", &bash], &["-s", "-S", &bash], &["--json", "-S", &bash, invalid], &["--json", &bash, invalid]];
     for args in runs {
         let nix_out = nix(t, "nix", &[&["path-info", "--store", store][..], args].concat());
-        let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
+        let sluice_out = sluice(t, &[&["path-info", "--as-nix", "2.8", "--store", store][..], args].concat());
         assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{args:?}");
         assert_eq!(sluice_out.status.code(), nix_out.status.code(), "{args:?}: {}", stderr(&sluice_out));
     }
@@ -38,7 +72,7 @@ fn closure_size_without_recursion_and_invalid_paths_as_nix_2_8() {
 /// them, of a local store (with `ultimate` paths of its own: `nix-store --add` makes them
 /// and a content address) and of the binary cache it was copied from.
 #[test]
-fn human_readable_sizes_and_signatures_as_nix_2_8() {
+fn human_readable_sizes_and_signatures_with_as_nix_2_8() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let (root, bash, from) = bash_store(t);
@@ -53,7 +87,7 @@ fn human_readable_sizes_and_signatures_as_nix_2_8() {
         for args in runs.iter().filter(|a| store != from || !a.contains(&added.as_str())) {
             let nix_out = nix(t, "nix", &[&["path-info", "--store", store][..], args].concat());
             check(&nix_out, &format!("nix path-info {args:?}"));
-            let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
+            let sluice_out = sluice(t, &[&["path-info", "--as-nix", "2.8", "--store", store][..], args].concat());
             assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{store} {args:?}");
         }
     }

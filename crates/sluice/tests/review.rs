@@ -73,7 +73,7 @@ fn unseen_closure_over_http_verified_by_nix() {
     // sluice's own view of the cache and of the store matches real Nix's, field for field.
     let all = ["path", "narHash", "narSize", "references", "deriver", "ca", "signatures", "url", "downloadHash", "downloadSize", "closureSize", "closureDownloadSize"];
     for store in [server.url.as_str(), root.to_str().unwrap()] {
-        let o = sluice(tmp.path(), &["path-info", "--store", store, "-r", "--json", "-S", &top]);
+        let o = sluice(tmp.path(), &["path-info", "--as-nix", "2.8", "--store", store, "-r", "--json", "-S", &top]);
         check(&o, "sluice path-info");
         let s: Vec<Value> = serde_json::from_slice(&o.stdout).unwrap();
         let o = nix(tmp.path(), "nix", &["path-info", "--store", store, "-r", "--json", "-S", &top]);
