@@ -3,7 +3,7 @@
 mod common;
 use common::{files, read_string, shared};
 use sluice_nix::hash::{Hash, HashAlgo};
-use sluice_nix::nar::listing::{list, TextOptions};
+use sluice_nix::nar::listing::{list, JsonKeys, TextOptions};
 use sluice_nix::nar::reader::{parse, validate, NarError};
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::narinfo::NarInfo;
@@ -121,7 +121,7 @@ fn fixtures_round_trip_hash_and_list() {
         assert_eq!(Hash::digest_bytes(HashAlgo::Sha256, &nar).to_nix32(), hash, "{file}");
         let json = read(&shared(&format!("corpus/fixtures/{}", file.replace(".nar", ".ls.json"))));
         let tree = list(&nar[..]).unwrap();
-        assert!(tree.to_json(true) == json, "{file}: listing differs:\n{}", String::from_utf8_lossy(&tree.to_json(true)));
+        assert!(tree.to_json(true, JsonKeys::Nix2_8) == json, "{file}: listing differs:\n{}", String::from_utf8_lossy(&tree.to_json(true, JsonKeys::Nix2_8)));
         n += 1;
     }
     assert_eq!(n, 4);

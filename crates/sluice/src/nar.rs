@@ -5,8 +5,10 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use sluice_nix::nar::listing::{list, TextOptions};
+use sluice_nix::nar::listing::{list, JsonKeys, NarEntry, TextOptions};
 use sluice_store::local::{dump_fs_path, restore_nar};
+
+use crate::as_nix::NixVersion;
 
 /// `sluice nar` subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -29,10 +31,14 @@ pub enum Command {
         /// Print JSON as `nix nar ls --json` does.
         #[arg(long)]
         json: bool,
+        /// Read the path and print JSON as this Nix version does: 2.26 takes any spelling of a
+        /// path (`share`, `/share/`, `/a/../share`) and sorts JSON keys; 2.8 takes only `/`
+        /// and exact absolute paths (`/share`) and puts `type` first.
+        #[arg(long, value_enum, default_value = "2.26", value_name = "VERSION")]
+        as_nix: NixVersion,
         /// The NAR file.
         file: PathBuf,
-        /// The path inside the NAR.
-        #[arg(default_value = "/")]
+        /// The path inside the NAR (`/` for its root).
         path: String,
     },
 }
@@ -47,18 +53,73 @@ pub fn run(cmd: Command) -> Result<ExitCode, String> {
             let stdin = std::io::stdin();
             restore_nar(&mut stdin.lock(), &dir).map_err(|e| format!("restoring into {}: {e}", dir.display()))?;
         }
-        Command::Ls { recursive, long, directory, json, file, path } => {
+        Command::Ls { recursive, long, directory, json, as_nix, file, path } => {
+            if json && directory {
+                return Err("'--directory' is useless with '--json'".into());
+            }
+            let components = ls_components(&path, as_nix)?;
             let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
             let root = list(std::io::BufReader::new(f)).map_err(|e| format!("{}: {e}", file.display()))?;
-            let node = root.find(&path).ok_or_else(|| format!("{}: no path {path:?} in the NAR", file.display()))?;
+            let shown = match as_nix {
+                // A NAR accessor's paths show as `«unknown»/…` in Nix 2.26 (`showPath`).
+                NixVersion::V2_26 => format!("«unknown»/{}", components.join("/")),
+                NixVersion::V2_8 => path.clone(),
+            };
+            let Some(node) = root.find(components.iter().copied()) else {
+                if (as_nix, json) == (NixVersion::V2_8, true) {
+                    // Nix 2.8's `listNar` has opened the JSON object when it finds nothing.
+                    out.write_all(b"{}").and_then(|()| out.flush()).map_err(|e| e.to_string())?;
+                    return Err(format!("path '{shown}' does not exist in NAR"));
+                }
+                return Err(format!("path '{shown}' does not exist"));
+            };
             if json {
-                out.write_all(&node.to_json(recursive)).map_err(|e| e.to_string())?;
+                let keys = match as_nix {
+                    NixVersion::V2_26 => JsonKeys::Sorted,
+                    NixVersion::V2_8 => JsonKeys::Nix2_8,
+                };
+                out.write_all(&node.to_json(recursive, keys)).map_err(|e| e.to_string())?;
+                if as_nix == NixVersion::V2_26 {
+                    out.write_all(b"\n").map_err(|e| e.to_string())?;
+                }
             } else {
-                let label = path.trim_end_matches('/').rsplit('/').next().filter(|l| !l.is_empty()).unwrap_or(".");
+                // A directory is listed as `.`, anything else by its base name (`ls.cc`).
+                let label = match node {
+                    NarEntry::Directory { .. } => ".",
+                    _ => components.last().copied().unwrap_or(""),
+                };
                 out.write_all(&node.to_text(label, TextOptions { long, recursive, directory })).map_err(|e| e.to_string())?;
             }
         }
     }
     out.flush().map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The names below a NAR's root that `path` leads to, as the Nix version reads it.
+/// Nix 2.26 reads it as a `CanonPath` (`src/libutil/canon-path.cc`: relative to the root, empty
+/// and `.` components dropped, `..` going up, never above the root). Nix 2.8 (`ls.cc`,
+/// `NarAccessor::find` in `src/libstore/nar-accessor.cc`) takes `/` as the root, refuses a
+/// relative path as `canonPath` does, and walks every other path as written, so that
+/// `/share/`, `//share` and `/a/../share` name nothing.
+fn ls_components(path: &str, as_nix: NixVersion) -> Result<Vec<&str>, String> {
+    match as_nix {
+        NixVersion::V2_26 => {
+            let mut out = Vec::new();
+            for c in path.split('/') {
+                match c {
+                    "" | "." => {}
+                    ".." => {
+                        out.pop();
+                    }
+                    name => out.push(name),
+                }
+            }
+            Ok(out)
+        }
+        NixVersion::V2_8 => match path {
+            "/" | "" => Ok(Vec::new()),
+            p => p.strip_prefix('/').map(|rest| rest.split('/').collect()).ok_or_else(|| format!("not an absolute path: '{p}'")),
+        },
+    }
 }

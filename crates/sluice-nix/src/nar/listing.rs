@@ -3,8 +3,9 @@
 //!
 //! [`ListingBuilder`] is a [`NarVisitor`] that builds a [`NarEntry`] tree (file contents are
 //! skipped, only sizes and offsets kept); [`list`] parses a NAR into one. The tree renders as
-//! Nix 2.8 prints it: [`NarEntry::to_json`] (`nix nar ls --json [-R]`, compact, no trailing
-//! newline) and [`NarEntry::to_text`] (`nix nar ls [-l] [-R] [-d]`, one line per entry).
+//! Nix prints it: [`NarEntry::to_json`] (`nix nar ls --json [-R]`, compact, no trailing
+//! newline, keys in Nix 2.8's or Nix 2.26's order) and [`NarEntry::to_text`]
+//! (`nix nar ls [-l] [-R] [-d]`, one line per entry, the same in both).
 //! Output is bytes: names and targets are arbitrary bytes and Nix prints them unchanged.
 
 use std::collections::BTreeMap;
@@ -22,6 +23,17 @@ pub enum NarEntry {
     Symlink { target: Vec<u8> },
     /// A directory; entries in NAR (byte) order.
     Directory { entries: BTreeMap<Vec<u8>, NarEntry> },
+}
+
+/// The order of the keys in a listing's JSON objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JsonKeys {
+    /// Nix 2.8's (`JSONPlaceholder` in `listNar`, `src/libstore/nar-accessor.cc`): `type`,
+    /// then `entries` / `size`, `executable`, `narOffset` / `target`. Also the `.ls` files
+    /// Nix 2.8 writes into binary caches.
+    Nix2_8,
+    /// Nix 2.26's (`nlohmann::json` objects, whose keys are sorted).
+    Sorted,
 }
 
 /// Parses a NAR into its listing (contents are read and discarded).
@@ -104,10 +116,10 @@ fn json_string(out: &mut Vec<u8>, s: &[u8]) {
 }
 
 impl NarEntry {
-    /// The node at `path` (`/`-separated, relative to the root; empty components ignored, so
-    /// `""` and `"/"` are the root).
-    pub fn find(&self, path: &str) -> Option<&NarEntry> {
-        path.split('/').filter(|c| !c.is_empty()).try_fold(self, |node, name| match node {
+    /// The node at the end of `components` (names below the root, outermost first; none is
+    /// the root), or `None` if a component is missing or below a non-directory.
+    pub fn find<'a>(&self, components: impl IntoIterator<Item = &'a str>) -> Option<&NarEntry> {
+        components.into_iter().try_fold(self, |node, name| match node {
             NarEntry::Directory { entries } => entries.get(name.as_bytes()),
             _ => None,
         })
@@ -121,46 +133,67 @@ impl NarEntry {
         }
     }
 
-    /// `nix nar ls --json` (with `-R` when `recursive`): compact JSON, keys in Nix 2.8's order
-    /// (`type`, then `entries` / `size`, `executable` (only when true), `narOffset` / `target`).
-    /// Without `recursive`, a directory's entries are shown as `{}`.
-    pub fn to_json(&self, recursive: bool) -> Vec<u8> {
+    /// `nix nar ls --json` (with `-R` when `recursive`): compact JSON with `type`, `entries`
+    /// (a directory's), `size`, `executable` (only when true), `narOffset` (a regular file's)
+    /// and `target` (a symlink's), in the order `keys` gives. Without `recursive`, a
+    /// directory's entries are shown as `{}`.
+    pub fn to_json(&self, recursive: bool, keys: JsonKeys) -> Vec<u8> {
         let mut out = Vec::new();
-        self.write_json(&mut out, recursive, true);
+        self.write_json(&mut out, recursive, true, keys);
         out
     }
 
-    fn write_json(&self, out: &mut Vec<u8>, recursive: bool, expand: bool) {
+    fn write_json(&self, out: &mut Vec<u8>, recursive: bool, expand: bool, keys: JsonKeys) {
         if !expand {
             out.extend_from_slice(b"{}");
             return;
         }
+        let kind = match self {
+            NarEntry::Regular { .. } => "regular",
+            NarEntry::Symlink { .. } => "symlink",
+            NarEntry::Directory { .. } => "directory",
+        };
+        // Fields other than `type`, each written after a comma, in Nix 2.8's order; they are
+        // also sorted, so 2.26's order is theirs with `type` last.
+        let mut fields: Vec<Vec<u8>> = Vec::new();
         match self {
             NarEntry::Regular { executable, size, nar_offset } => {
-                let _ = write!(out, "{{\"type\":\"regular\",\"size\":{size}");
                 if *executable {
-                    out.extend_from_slice(b",\"executable\":true");
+                    fields.push(b"\"executable\":true".to_vec());
                 }
-                let _ = write!(out, ",\"narOffset\":{nar_offset}}}");
+                fields.push(format!("\"narOffset\":{nar_offset}").into_bytes());
+                fields.insert(0, format!("\"size\":{size}").into_bytes());
             }
             NarEntry::Symlink { target } => {
-                out.extend_from_slice(b"{\"type\":\"symlink\",\"target\":");
-                json_string(out, target);
-                out.push(b'}');
+                let mut f = b"\"target\":".to_vec();
+                json_string(&mut f, target);
+                fields.push(f);
             }
             NarEntry::Directory { entries } => {
-                out.extend_from_slice(b"{\"type\":\"directory\",\"entries\":{");
+                let mut f = b"\"entries\":{".to_vec();
                 for (i, (name, child)) in entries.iter().enumerate() {
                     if i > 0 {
-                        out.push(b',');
+                        f.push(b',');
                     }
-                    json_string(out, name);
-                    out.push(b':');
-                    child.write_json(out, recursive, recursive);
+                    json_string(&mut f, name);
+                    f.push(b':');
+                    child.write_json(&mut f, recursive, recursive, keys);
                 }
-                out.extend_from_slice(b"}}");
+                f.push(b'}');
+                fields.push(f);
             }
         }
+        let kind = format!("\"type\":\"{kind}\"").into_bytes();
+        match keys {
+            JsonKeys::Nix2_8 => fields.insert(0, kind),
+            JsonKeys::Sorted => {
+                fields.sort();
+                fields.push(kind);
+            }
+        }
+        out.push(b'{');
+        out.extend_from_slice(&fields.join(&b',')[..]);
+        out.push(b'}');
     }
 
     /// `nix nar ls` text output for this node, labelled `label` (Nix uses `.` for a directory
@@ -237,11 +270,15 @@ mod tests {
     fn json_and_text() {
         let tree = list(&sample()[..]).unwrap();
         assert_eq!(
-            String::from_utf8(tree.to_json(true)).unwrap(),
+            String::from_utf8(tree.to_json(true, JsonKeys::Nix2_8)).unwrap(),
             r#"{"type":"directory","entries":{"a":{"type":"regular","size":2,"executable":true,"narOffset":264},"b":{"type":"directory","entries":{"c":{"type":"symlink","target":"../a"}}},"q\"\n":{"type":"regular","size":0,"narOffset":816}}}"#
         );
         assert_eq!(
-            String::from_utf8(tree.to_json(false)).unwrap(),
+            String::from_utf8(tree.to_json(true, JsonKeys::Sorted)).unwrap(),
+            r#"{"entries":{"a":{"executable":true,"narOffset":264,"size":2,"type":"regular"},"b":{"entries":{"c":{"target":"../a","type":"symlink"}},"type":"directory"},"q\"\n":{"narOffset":816,"size":0,"type":"regular"}},"type":"directory"}"#
+        );
+        assert_eq!(
+            String::from_utf8(tree.to_json(false, JsonKeys::Nix2_8)).unwrap(),
             r#"{"type":"directory","entries":{"a":{},"b":{},"q\"\n":{}}}"#
         );
         let long = TextOptions { long: true, recursive: true, directory: false };
@@ -256,11 +293,11 @@ mod tests {
         assert_eq!(String::from_utf8(tree.to_text(".", short)).unwrap(), "./a\n./b\n./q\"\n\n");
         let dir = TextOptions { directory: true, ..short };
         assert_eq!(String::from_utf8(tree.to_text(".", dir)).unwrap(), ".\n");
-        assert_eq!(tree.find("/b/c"), Some(&NarEntry::Symlink { target: b"../a".to_vec() }));
-        assert_eq!(tree.find("b//c/"), tree.find("/b/c"));
-        assert_eq!(tree.find("/a/x"), None);
-        assert_eq!(tree.find("/"), Some(&tree));
-        let leaf = tree.find("a").unwrap();
+        assert_eq!(tree.find(["b", "c"]), Some(&NarEntry::Symlink { target: b"../a".to_vec() }));
+        assert_eq!(tree.find(["a", "x"]), None);
+        assert_eq!(tree.find(["b", ""]), None);
+        assert_eq!(tree.find([]), Some(&tree));
+        let leaf = tree.find(["a"]).unwrap();
         assert_eq!(String::from_utf8(leaf.to_text("a", long)).unwrap(), "-r-xr-xr-x                    2 a\n");
     }
 

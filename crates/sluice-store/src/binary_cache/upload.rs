@@ -78,7 +78,7 @@ pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Rea
 /// `{"version":1,"root":LISTING}` with the recursive listing and `narOffset`s.
 pub fn listing_json(root: &NarEntry) -> Vec<u8> {
     let mut out = br#"{"version":1,"root":"#.to_vec();
-    out.extend_from_slice(&root.to_json(true));
+    out.extend_from_slice(&root.to_json(true, sluice_nix::nar::listing::JsonKeys::Nix2_8));
     out.push(b'}');
     out
 }

@@ -1,0 +1,66 @@
+//! Issue 12, "command line and output": `sluice nar ls` prints what real Nix 2.26's `nix nar ls`
+//! prints for the same NAR, byte for byte, below the root as at it, and with `--as-nix 2.8`
+//! what Nix 2.8's prints; a path either refuses gets the same refusal.
+
+mod common;
+
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::*;
+
+/// Real Nix 2.26 (`nix-modern`, which sees the host's /tmp only) running `args` under `t`.
+fn modern(t: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(shared().join("bin/nix-modern"));
+    isolate(&mut cmd, t, "");
+    cmd.current_dir(t).args(args).output().unwrap()
+}
+
+/// A NAR (by Nix 2.8's `nix-store --dump`) of a tree with nested directories, an executable,
+/// a symlink and an empty directory; and one of a lone file.
+fn nars(t: &Path) -> [String; 2] {
+    let tree = t.join("tree");
+    std::fs::create_dir_all(tree.join("share/doc/hello")).unwrap();
+    std::fs::create_dir_all(tree.join("bin")).unwrap();
+    std::fs::create_dir_all(tree.join("empty")).unwrap();
+    std::fs::write(tree.join("bin/hello"), "#!/bin/sh\necho hello\n").unwrap();
+    std::fs::set_permissions(tree.join("bin/hello"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(tree.join("share/doc/hello/README"), "read me\n".repeat(100)).unwrap();
+    symlink("../bin/hello", tree.join("share/hi")).unwrap();
+    let mut out = Vec::new();
+    for (name, src) in [("tree.nar", tree.clone()), ("file.nar", tree.join("bin/hello"))] {
+        let dumped = nix(t, "nix-store", &["--dump", src.to_str().unwrap()]);
+        check(&dumped, "nix-store --dump");
+        std::fs::write(t.join(name), &dumped.stdout).unwrap();
+        out.push(t.join(name).to_str().unwrap().to_owned());
+    }
+    out.try_into().unwrap()
+}
+
+#[test]
+fn listings_and_path_spellings_as_nix_2_26_and_2_8() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    let [tree, file] = nars(t);
+    let paths = ["/", "", "/share", "share", "/share/", "//share", "/bin/../share", "./share/doc", "/share/doc/hello/README", "/share/hi", "/bin/hello/x", "/missing", "/..", "/empty"];
+    let flags: [&[&str]; 8] = [&[], &["-l"], &["-R"], &["-d"], &["-lR"], &["--json"], &["--json", "-R"], &["--json", "-d"]];
+    let mut compared = 0;
+    for (nar, path) in paths.iter().map(|p| (&tree, *p)).chain([(&file, "/"), (&file, "/x")]) {
+        for f in flags {
+            let args = [&["nar", "ls"][..], f, &[nar.as_str(), path]].concat();
+            for (version, real) in [("2.26", modern(t, &[&["nix"][..], &args].concat())), ("2.8", nix(t, "nix", &args))] {
+                let own = sluice(t, &[&args[..2], &["--as-nix", version], &args[2..]].concat());
+                let what = format!("Nix {version}: nar ls {f:?} {path:?}");
+                assert_eq!(String::from_utf8_lossy(&own.stdout), String::from_utf8_lossy(&real.stdout), "{what}");
+                assert_eq!(own.status.code(), real.status.code(), "{what}: {}", stderr(&own));
+                if !real.status.success() {
+                    let why = stderr(&real).lines().next().unwrap_or_default().to_owned();
+                    assert!(stderr(&own).contains(why.trim_start_matches("error: ")), "{what}: Nix says {why:?}, sluice {:?}", stderr(&own));
+                }
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 16 * 8 * 2);
+}
