@@ -2,8 +2,11 @@
 //! `src/libstore/binary-cache-store.cc`. And sluice's own `SluiceBatch` (`sluice serve`'s batch
 //! endpoints), which Nix ignores as it ignores every key it does not know.
 //!
-//! Lines are `Key: value`; unknown keys and lines without `:` are ignored (as Nix does),
-//! absent keys take Nix's defaults (`/nix/store`, no mass query, priority 50).
+//! Read as Nix 2.26's `BinaryCacheStore::init` reads it: lines are `Key: value`, the key is
+//! everything before the first `:` (not trimmed: ` StoreDir: …` is an unknown key), the value
+//! is trimmed of spaces, tabs, CR and LF; unknown keys and lines without `:` are ignored; absent
+//! keys take Nix's defaults (`/nix/store`, no mass query, priority 50). `StoreDir` is compared
+//! with the reader's store directory by the reader (`BinaryCache::check_store_dir`).
 
 /// A binary cache's `nix-cache-info`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -12,8 +15,8 @@ pub struct CacheInfo {
     pub store_dir: String,
     /// `WantMassQuery: 1`: the cache may be queried for many paths at once.
     pub want_mass_query: bool,
-    /// Lower is preferred; Nix's default is 50.
-    pub priority: u64,
+    /// Lower is preferred (negative values too); Nix's default is 50.
+    pub priority: i32,
     /// `SluiceBatch: 1`: the cache answers `sluice serve`'s batch endpoints, version 1.
     pub batch: bool,
 }
@@ -36,19 +39,11 @@ impl CacheInfo {
         let mut info = CacheInfo::default();
         for (i, raw) in text.lines().enumerate() {
             let Some((key, value)) = raw.split_once(':') else { continue };
-            let (key, value) = (key.trim(), value.trim());
-            let err = |what: String| CacheInfoError { line: i + 1, what };
+            let value = value.trim_matches([' ', '\t', '\r', '\n']);
             match key {
-                "StoreDir" => {
-                    if !value.starts_with('/') {
-                        return Err(err(format!("StoreDir {value:?} is not an absolute path")));
-                    }
-                    info.store_dir = value.to_owned();
-                }
+                "StoreDir" => info.store_dir = value.to_owned(),
                 "WantMassQuery" => info.want_mass_query = value == "1",
-                "Priority" => {
-                    info.priority = value.parse().map_err(|_| err(format!("Priority {value:?} is not a non-negative integer")))?
-                }
+                "Priority" => info.priority = stoi(value).map_err(|what| CacheInfoError { line: i + 1, what: format!("Priority {value:?}: {what}") })?,
                 BATCH_KEY => info.batch = value == "1",
                 _ => {}
             }
@@ -68,6 +63,19 @@ impl CacheInfo {
     }
 }
 
+/// `value` as C++'s `std::stoi` reads it, which Nix uses for `Priority`: an optional sign and
+/// the decimal digits that follow, anything after them ignored (`10 # main` is 10); no digits
+/// or a value outside `int` is an error, as `stoi`'s exceptions are in Nix.
+fn stoi(value: &str) -> Result<i32, &'static str> {
+    let trimmed = value.trim_start_matches([' ', '\t', '\n', '\r', '\x0b', '\x0c']);
+    let sign_len = usize::from(trimmed.starts_with(['+', '-']));
+    let digits = trimmed[sign_len..].bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return Err("not an integer (Nix's std::stoi throws invalid_argument)");
+    }
+    trimmed[..sign_len + digits].parse().map_err(|_| "out of the range of an int (Nix's std::stoi throws out_of_range)")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,8 +90,15 @@ mod tests {
         let b = CacheInfo::parse("StoreDir: /nix/store\nSluiceBatch: 1\n").unwrap();
         assert!(b.batch);
         assert_eq!(CacheInfo::parse(&b.to_text()).unwrap(), b);
-        assert_eq!(CacheInfo::parse("Priority: -1\n").unwrap_err().line, 1);
-        assert!(CacheInfo::parse("\nStoreDir: rel\n").is_err());
+        // As Nix 2.26 reads them: `std::stoi`'s priorities, the key untrimmed, any StoreDir
+        // (its comparison is the reader's).
+        assert_eq!(CacheInfo::parse("Priority: -1\n").unwrap().priority, -1);
+        assert_eq!(CacheInfo::parse("Priority: +30 # fast mirror\n").unwrap().priority, 30);
+        assert_eq!(CacheInfo::parse("Priority:\t7\r\n").unwrap().priority, 7);
+        assert_eq!(CacheInfo::parse("Priority: x\n").unwrap_err(), CacheInfoError { line: 1, what: "Priority \"x\": not an integer (Nix's std::stoi throws invalid_argument)".into() });
+        assert_eq!(CacheInfo::parse("\n\nPriority: 2147483648\n").unwrap_err().line, 3);
+        assert_eq!(CacheInfo::parse(" Priority: 1\nPriority : 2\n").unwrap().priority, 50);
+        assert_eq!(CacheInfo::parse("StoreDir: rel\n").unwrap().store_dir, "rel");
         let corpus = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus/cache-xz/nix-cache-info")).unwrap();
         assert_eq!(CacheInfo::parse(&corpus).unwrap(), CacheInfo::default());
     }

@@ -44,7 +44,7 @@ pub struct App {
     /// Every narinfo is signed with each of these.
     pub keys: Vec<SecretKey>,
     /// `Priority` in `nix-cache-info`.
-    pub priority: u64,
+    pub priority: i32,
     /// Whether the batch endpoints are offered and advertised.
     pub batch: bool,
     pub metrics: Arc<Metrics>,

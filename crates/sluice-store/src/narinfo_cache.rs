@@ -114,7 +114,7 @@ impl NarInfoCache {
         conn.query_row(
             "select id, storeDir, wantMassQuery, priority, exists (select 1 from SluiceBatch where cache = id) from BinaryCaches where url = ? and timestamp > ?",
             params![url, now() - CACHE_INFO_TTL],
-            |r| Ok((r.get(0)?, CacheInfo { store_dir: r.get(1)?, want_mass_query: r.get::<_, i64>(2)? != 0, priority: r.get::<_, i64>(3)? as u64, batch: r.get(4)? })),
+            |r| Ok((r.get(0)?, CacheInfo { store_dir: r.get(1)?, want_mass_query: r.get::<_, i64>(2)? != 0, priority: r.get(3)?, batch: r.get(4)? })),
         )
         .optional()
         .map_err(|e| self.err(e))
@@ -128,7 +128,7 @@ impl NarInfoCache {
             .query_row(
                 "insert into BinaryCaches (url, timestamp, storeDir, wantMassQuery, priority) values (?1, ?2, ?3, ?4, ?5)
                  on conflict(url) do update set timestamp = ?2, storeDir = ?3, wantMassQuery = ?4, priority = ?5 returning id",
-                params![url, now(), info.store_dir, info.want_mass_query as i64, info.priority as i64],
+                params![url, now(), info.store_dir, info.want_mass_query as i64, info.priority],
                 |r| r.get(0),
             )
             .map_err(|e| self.err(e))?;

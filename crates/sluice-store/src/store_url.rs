@@ -20,7 +20,7 @@
 //! | parameter | Nix source | stores | in sluice |
 //! |---|---|---|---|
 //! | `store` | `store-dir-config.hh` | all | must be `/nix/store`: sluice's store directory is fixed, anything else is refused |
-//! | `priority` | `store-api.hh` | all | caches: overrides `nix-cache-info` (must be ≥ 0); others: accepted, no effect (only substituters have one) |
+//! | `priority` | `store-api.hh` | all | caches: overrides `nix-cache-info` (an int, negative too); others: accepted, no effect (only substituters have one) |
 //! | `want-mass-query` | `store-api.hh` | all | caches: overrides `nix-cache-info`; others: accepted, no effect |
 //! | `trusted` | `store-api.hh` | all | caches: [`CommonParams::trusted`]; others: accepted, no effect |
 //! | `path-info-cache-size`, `system-features` | `store-api.hh` | all | accepted, no effect (sluice keeps no path-info cache and does not build) |
@@ -65,7 +65,7 @@ pub const STORE_DIR: &str = "/nix/store";
 pub struct CommonParams {
     /// `priority=N`: a substituter's priority (lower is preferred); overrides a cache's
     /// `nix-cache-info`.
-    pub priority: Option<u64>,
+    pub priority: Option<i32>,
     /// `want-mass-query=BOOL`: overrides a cache's `nix-cache-info`.
     pub want_mass_query: Option<bool>,
     /// `trusted=BOOL` (default false): paths from this substituter may be used without a
@@ -490,7 +490,7 @@ impl<'a> Query<'a> {
             }
         }
         let priority = match self.take("priority") {
-            Some(v) => Some(u64::try_from(self.int("priority", &v)?).map_err(|_| self.bad("priority", &v, "sluice takes only priorities of 0 or more"))?),
+            Some(v) => Some(i32::try_from(self.int("priority", &v)?).map_err(|_| self.bad("priority", &v, "out of the range of Nix's int setting"))?),
             None => None,
         };
         let want_mass_query = self.take_bool("want-mass-query")?;
@@ -661,7 +661,8 @@ mod tests {
         bad("local?real=rel", "real", "rel");
         bad("local?require-sigs=2", "require-sigs", "2");
         assert!(bad("http://x?priority=high", "priority", "high").ends_with("not an integer (optionally followed by K, M, G or T)"));
-        assert!(bad("http://x?priority=-1", "priority", "-1").ends_with("sluice takes only priorities of 0 or more"));
+        assert!(bad("http://x?priority=3G", "priority", "3G").ends_with("out of the range of Nix's int setting"));
+        assert_eq!(cache("http://x?priority=-1").common.priority, Some(-1), "negative, as Nix's Setting<int> takes it");
         bad("http://x?compression-level=fast", "compression-level", "fast");
         bad("unix:///s?max-connections=many", "max-connections", "many");
         bad("local?path-info-cache-size=1X", "path-info-cache-size", "1X");

@@ -28,7 +28,7 @@ pub struct Args {
     secret_keys: Vec<PathBuf>,
     /// `Priority` in `nix-cache-info` (lower is preferred by Nix).
     #[arg(long, default_value_t = 30)]
-    priority: u64,
+    priority: i32,
     /// PEM certificate chain: serve HTTPS (HTTP/2 and HTTP/1.1 by ALPN) instead of plain HTTP.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,

@@ -94,7 +94,7 @@ pub struct BinaryCache {
     transport: Transport,
     info: CacheInfo,
     /// `?priority=` of the URL.
-    priority_override: Option<u64>,
+    priority_override: Option<i32>,
     /// `?want-mass-query=` of the URL.
     want_mass_query_override: Option<bool>,
     health: retry::Health,
