@@ -1,10 +1,12 @@
 //! `sluice`: the command line. Thin: parses arguments, builds settings, calls the engines in
 //! `sluice-store`, renders progress and results.
 
+mod as_nix;
 mod copy;
 mod daemon;
 mod key;
 mod log;
+mod manual;
 mod missing;
 mod nar;
 mod path_info;
@@ -14,7 +16,7 @@ mod setup;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// sluice: the store side of Nix — substituter, local store, daemon.
 #[derive(Parser)]
@@ -44,6 +46,10 @@ enum Command {
     /// Generate and convert signing keys.
     #[command(subcommand)]
     Key(key::Command),
+    /// Print the shell completion script for SHELL.
+    Completions { shell: clap_complete::Shell },
+    /// Write man pages (sluice.1 and one per subcommand) into DIR.
+    Man { dir: std::path::PathBuf },
 }
 
 fn main() -> ExitCode {
@@ -83,6 +89,8 @@ fn main() -> ExitCode {
         Command::Key(c) => key::run(c),
         Command::Daemon(a) => daemon::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Completions { shell } => manual::completions(Cli::command(), shell),
+        Command::Man { dir } => manual::man_pages(Cli::command(), &dir),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,50 @@
+//! Issue 12, "command line and output": shell completions and man pages come from the same
+//! clap definitions as `--help`, so every command and option appears in each.
+
+mod common;
+
+use common::*;
+
+/// Every subcommand, as `sluice --help` lists it.
+const COMMANDS: [&str; 9] = ["copy", "missing", "path-info", "nar", "daemon", "serve", "key", "completions", "man"];
+
+#[test]
+fn completions_name_every_command_and_option() {
+    let tmp = tempfile::tempdir().unwrap();
+    let help = sluice(tmp.path(), &["--help"]);
+    check(&help, "sluice --help");
+    for c in COMMANDS {
+        assert!(String::from_utf8_lossy(&help.stdout).contains(&format!("  {c} ")), "--help lists {c}");
+    }
+    for shell in ["bash", "zsh", "fish"] {
+        let o = sluice(tmp.path(), &["completions", shell]);
+        check(&o, shell);
+        let script = String::from_utf8_lossy(&o.stdout);
+        for word in COMMANDS.iter().chain(&["--as-nix", "--no-check-sigs", "--listen"]) {
+            assert!(script.contains(word.trim_start_matches('-')), "{shell} completions lack {word}");
+        }
+    }
+    let bad = sluice(tmp.path(), &["completions", "tcsh"]);
+    assert_eq!(bad.status.code(), Some(2), "an unknown shell is a usage error");
+}
+
+#[test]
+fn man_pages_for_every_command_with_options_and_defaults() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("man1");
+    let o = sluice(tmp.path(), &["man", dir.to_str().unwrap()]);
+    check(&o, "sluice man");
+    let mut written: Vec<String> = String::from_utf8_lossy(&o.stdout).lines().map(|l| l.rsplit('/').next().unwrap().to_owned()).collect();
+    written.sort();
+    let mut want: Vec<String> = ["sluice", "sluice-copy", "sluice-missing", "sluice-path-info", "sluice-nar", "sluice-nar-dump", "sluice-nar-restore", "sluice-nar-ls", "sluice-daemon", "sluice-serve", "sluice-key", "sluice-key-generate", "sluice-completions", "sluice-man"]
+        .iter()
+        .map(|n| format!("{n}.1"))
+        .collect();
+    want.sort();
+    assert_eq!(written, want);
+    let page = std::fs::read_to_string(dir.join("sluice-path-info.1")).unwrap();
+    assert!(page.starts_with(".ie") || page.contains(".TH sluice\\-path\\-info"), "{page}");
+    assert!(page.contains("\\-\\-as\\-nix") && page.contains("2.26"), "the option and its default: {page}");
+    let page = std::fs::read_to_string(dir.join("sluice-copy.1")).unwrap();
+    assert!(page.contains("\\-\\-jobs") && page.contains("256"), "{page}");
+}
