@@ -2015,8 +2015,8 @@ const NIX_DAEMON_BUILD_CONF: &str = "sandbox = false\nbuild-users-group =\nsandb
 /// `nix-daemon` on a second socket for the same store, which has no substituter: the
 /// builder's marker line reaches the client, the output is valid in sluice's view of the store
 /// with the content the builder wrote; the fixed-output input that cannot be built is
-/// substituted by sluice from its cache first. BuildDerivation from a raw client is built the
-/// same way. Through `sluice daemon` without `--build-via`, the build fails as before.
+/// substituted by sluice from its cache first. Nix 2.26's `nix build` (BuildPathsWithResults)
+/// and BuildDerivation from a raw client are built the same way. Through `sluice daemon` without `--build-via`, the build fails as before.
 #[test]
 fn builds_go_through_nix_daemon_with_build_via() {
     use std::io::Write;
@@ -2054,6 +2054,13 @@ fn builds_go_through_nix_daemon_with_build_via() {
         }
     }
     assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &format!("/nix/store/{}", src.base_name())]).trim(), nar_hash(hi));
+    // Nix 2.26's `nix build -L` asks with BuildPathsWithResults (op 46): the Nix daemon's result
+    // and its log (which `nix build` shows only with -L).
+    let url = format!("{}?real={}", daemon.url, env.path("root/nix/store").display());
+    let args = ["build", "-L", "--store", &url, "-f", expr, "plain", "--argstr", "marker", "results", "--no-link", "--print-out-paths", "--option", "substituters", &cache];
+    let (ok, out, err) = as_root(&env, true, "nix", &args);
+    assert!(ok && err.contains("marker-plain-results"), "nix build: {err}");
+    assert_eq!(std::fs::read_to_string(env.path("root").join(out.trim().trim_start_matches('/'))).unwrap(), "results\n");
 
     // BuildDerivation (op 36) of a derivation sent whole, from a trusted raw client.
     let out = b"/nix/store/11111111111111111111111111111111-delegated-basic";
