@@ -65,14 +65,21 @@ pub struct Daemon {
     next_activity: AtomicU64,
     /// Whether workers of clients that send no CPU follow the client's CPU.
     follow_client_cpu: bool,
+    /// The socket of the Nix daemon that builds what no substituter has.
+    build_via: Option<PathBuf>,
 }
 
 /// Daemon options beyond the store and its settings.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct DaemonOptions {
     /// Keep the worker of a client that sends no CPU hint on the CPU that client runs on
     /// (read from `/proc` every few operations), as the old affinity hint would.
     pub follow_client_cpu: bool,
+    /// The Unix socket of a real `nix-daemon` serving the same store: derivation outputs that
+    /// no substituter has are built through it (BuildPaths, BuildPathsWithResults,
+    /// BuildDerivation), after sluice has substituted every input a cache has. Without it,
+    /// such builds fail with an error saying that sluice does not build.
+    pub build_via: Option<PathBuf>,
 }
 
 impl Daemon {
@@ -107,6 +114,7 @@ impl Daemon {
             runtime,
             next_activity: AtomicU64::new(u64::from(std::process::id()) << 32),
             follow_client_cpu: options.follow_client_cpu,
+            build_via: options.build_via,
         }))
     }
 

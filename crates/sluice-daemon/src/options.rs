@@ -6,6 +6,7 @@
 
 use sluice_nix::wire::{read_string_pairs, read_u64};
 use sluice_store::config::{RawConfig, Settings};
+use sluice_store::remote::ClientSettings;
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::Daemon;
@@ -24,12 +25,19 @@ pub(crate) struct ClientOptions {
     pub raw: RawConfig,
     /// Whether substituters may be used at all (`useSubstitutes`).
     pub use_substitutes: bool,
+    /// The numeric settings of the client's SetOptions (Nix's defaults before it sends one):
+    /// what a build forwarded to the Nix daemon of `--build-via` is run with.
+    pub numeric: ClientSettings,
 }
+
+/// Nix's defaults of the numeric settings (`globals.hh`): nothing kept or retried, verbosity
+/// info, one build job, no silence limit, verbose builds, all cores, substitutes used.
+const DEFAULT_NUMERIC: ClientSettings = [0, 0, 0, 3, 1, 0, 1, 0, 0, 0, 0, 1];
 
 impl ClientOptions {
     /// The daemon's own settings, before any SetOptions.
     pub(crate) fn new(daemon: &Daemon) -> Self {
-        ClientOptions { raw: daemon.config.clone(), use_substitutes: true }
+        ClientOptions { raw: daemon.config.clone(), use_substitutes: true, numeric: DEFAULT_NUMERIC }
     }
 
     /// The typed settings (substituters, keys, timeouts); an error names a bad value.
@@ -49,6 +57,7 @@ pub(crate) fn set_options(c: &mut Conn) -> OpResult {
     let overrides = if c.version.at_least(12) { read_string_pairs(&mut c.r, 100_000, 1 << 20, "setting override")? } else { Vec::new() };
     let mut options = ClientOptions::new(c.daemon);
     options.use_substitutes = fields[11] != 0;
+    options.numeric = fields;
     let mut warnings = Vec::new();
     for (name, value) in overrides {
         // `binary-caches` is Nix's old alias of `substituters`.

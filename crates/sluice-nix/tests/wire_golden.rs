@@ -287,6 +287,16 @@ fn build_results() {
             write_build_result(&mut out, v(minor), &build_result(j, true)).unwrap();
         }
         assert_eq!(out, bin, "{name}");
+        // Read back as a client of that version: the same results, nothing left over.
+        let mut r = bin.as_slice();
+        for j in json.as_array().unwrap() {
+            let mut want = build_result(j, true);
+            if minor < 29 {
+                (want.times_built, want.is_non_deterministic, want.start_time, want.stop_time) = (0, false, 0, 0);
+            }
+            assert_eq!(read_build_result(&mut r, v(minor)).unwrap(), want, "{name}");
+        }
+        assert!(r.is_empty(), "{name}");
     }
     let (bin, json) = data("worker-protocol", "keyed-build-result-1.29");
     let mut out = Vec::new();
@@ -294,6 +304,15 @@ fn build_results() {
         write_keyed_build_result(&mut out, &dir(), v(29), &derived_path(&j["path"]), &build_result(j, true)).unwrap();
     }
     assert_eq!(out, bin);
+    let mut r = bin.as_slice();
+    for j in json.as_array().unwrap() {
+        assert_eq!(read_keyed_build_result(&mut r, &dir(), v(29)).unwrap(), (derived_path(&j["path"]), build_result(j, true)));
+    }
+    assert!(r.is_empty());
+    // A status Nix does not have is refused, naming the field.
+    let mut bad = Vec::new();
+    write_u64(&mut bad, 15).unwrap();
+    assert!(read_build_result(&mut bad.as_slice(), v(37)).unwrap_err().to_string().contains("build status"));
 }
 
 #[test]

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::{
-    read_bool, read_stderr_message, read_string, read_u64, read_unkeyed_path_info, write_bytes, write_u64, ProtocolVersion, StderrMessage,
-    WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
+    read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info,
+    write_basic_derivation, write_bytes, write_derived_path, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, ProtocolVersion,
+    StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
 use sluice_nix::path_info::ValidPathInfo;
@@ -30,7 +31,21 @@ const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
 pub const PIPELINE_BYTES: usize = 64 << 10;
 
 const OP_IS_VALID_PATH: u64 = 1;
+const OP_BUILD_PATHS: u64 = 9;
+const OP_SET_OPTIONS: u64 = 19;
 const OP_QUERY_PATH_INFO: u64 = 26;
+const OP_BUILD_DERIVATION: u64 = 36;
+const OP_BUILD_PATHS_WITH_RESULTS: u64 = 46;
+
+/// Receives the stderr messages of an operation (log lines, activities, results) as they
+/// come, to pass them on; an error stops the operation ([`RemoteError::Relay`]).
+pub type Relay<'a> = &'a mut dyn FnMut(&StderrMessage) -> std::io::Result<()>;
+
+/// The numeric settings of SetOptions, in Nix's order (`RemoteStore::setOptions` in
+/// `remote-store.cc`): keepFailed, keepGoing, tryFallback, verbosity, maxBuildJobs,
+/// maxSilentTime, useBuildHook (obsolete, 1), verboseBuild (as a verbosity), logType and
+/// printBuildTrace (obsolete, 0), buildCores, useSubstitutes.
+pub type ClientSettings = [u64; 12];
 
 /// Errors talking to a daemon. Each names the socket and what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +65,9 @@ pub enum RemoteError {
     /// The daemon reported that the operation failed.
     #[error("daemon at {}: {what}: {message}", socket.display())]
     Daemon { socket: PathBuf, what: &'static str, message: String },
+    /// Passing on the daemon's messages failed (see [`Relay`]).
+    #[error("relaying the messages of the daemon at {}: {source}", socket.display())]
+    Relay { socket: PathBuf, #[source] source: std::io::Error },
 }
 
 /// A connection to a daemon. Not shareable between threads: the worker protocol is one
@@ -155,6 +173,74 @@ impl RemoteStore {
         Ok(Some(info))
     }
 
+    /// SetOptions (op 19) with the numeric settings `settings` and no overrides.
+    pub fn set_options(&mut self, settings: &ClientSettings) -> Result<(), RemoteError> {
+        let io = self.io_err("SetOptions");
+        write_u64(&mut self.w, OP_SET_OPTIONS).map_err(&io)?;
+        for n in settings {
+            write_u64(&mut self.w, *n).map_err(&io)?;
+        }
+        write_u64(&mut self.w, 0).and_then(|()| self.w.flush()).map_err(&io)?;
+        self.finish_stderr("SetOptions")
+    }
+
+    /// BuildPaths (op 9): realises `targets` in `mode` (Nix `RemoteStore::buildPaths`),
+    /// passing the daemon's messages to `relay`. The daemon's error if any target failed.
+    pub fn build_paths(&mut self, targets: &[DerivedPath], mode: BuildMode, relay: Relay) -> Result<(), RemoteError> {
+        let what = "BuildPaths";
+        self.send_derived_paths(OP_BUILD_PATHS, targets, mode, what)?;
+        self.relay_stderr(what, relay)?;
+        read_u64(&mut self.r, "BuildPaths result").map_err(self.wire_err(what))?;
+        Ok(())
+    }
+
+    /// BuildPathsWithResults (op 46, daemons of protocol ≥ 1.34): realises `targets` in
+    /// `mode` (Nix `RemoteStore::buildPathsWithResults`), passing the daemon's messages to
+    /// `relay`; a result per target, keyed by the target as the daemon names it.
+    pub fn build_paths_with_results(&mut self, targets: &[DerivedPath], mode: BuildMode, relay: Relay) -> Result<Vec<(DerivedPath, BuildResult)>, RemoteError> {
+        let what = "BuildPathsWithResults";
+        if !self.version.at_least(34) {
+            let message = format!("{what} needs protocol 1.34 (Nix 2.8), the daemon speaks {}", self.version);
+            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+        }
+        self.send_derived_paths(OP_BUILD_PATHS_WITH_RESULTS, targets, mode, what)?;
+        self.relay_stderr(what, relay)?;
+        let n = read_u64(&mut self.r, "build result count").map_err(self.wire_err(what))?;
+        if n > targets.len() as u64 {
+            let message = format!("{what}: {n} results for {} paths", targets.len());
+            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+        }
+        let mut results = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            results.push(read_keyed_build_result(&mut self.r, &self.store_dir, self.version).map_err(self.wire_err(what))?);
+        }
+        Ok(results)
+    }
+
+    /// BuildDerivation (op 36): builds `drv`, the derivation at `drv_path` in wire form, in
+    /// `mode` (Nix `putBuildDerivationRequest`, `worker-protocol-connection.cc`), passing the
+    /// daemon's messages to `relay`. The result in the negotiated version's form.
+    pub fn build_derivation(&mut self, drv_path: &StorePath, drv: &BasicDerivation, mode: BuildMode, relay: Relay) -> Result<BuildResult, RemoteError> {
+        let what = "BuildDerivation";
+        let io = self.io_err(what);
+        let name = drv_path.name().strip_suffix(".drv").unwrap_or(drv_path.name());
+        let shown = self.store_dir.display_path(drv_path);
+        write_u64(&mut self.w, OP_BUILD_DERIVATION).and_then(|()| write_bytes(&mut self.w, shown.as_bytes())).map_err(&io)?;
+        write_basic_derivation(&mut self.w, &self.store_dir, name, drv).and_then(|()| mode.write(&mut self.w)).and_then(|()| self.w.flush()).map_err(&io)?;
+        self.relay_stderr(what, relay)?;
+        read_build_result(&mut self.r, self.version).map_err(self.wire_err(what))
+    }
+
+    /// Sends operation `op` with `targets` and `mode`.
+    fn send_derived_paths(&mut self, op: u64, targets: &[DerivedPath], mode: BuildMode, what: &'static str) -> Result<(), RemoteError> {
+        let io = self.io_err(what);
+        write_u64(&mut self.w, op).and_then(|()| write_u64(&mut self.w, targets.len() as u64)).map_err(&io)?;
+        for t in targets {
+            write_derived_path(&mut self.w, &self.store_dir, self.version, t).map_err(&io)?;
+        }
+        mode.write(&mut self.w).and_then(|()| self.w.flush()).map_err(&io)
+    }
+
     /// The greeting: magic numbers, versions, the affinity hint, obsolete reserveSpace, the
     /// daemon's version string and trust flag, then its startup messages up to `LAST`.
     fn greet(&mut self) -> Result<(), RemoteError> {
@@ -196,13 +282,24 @@ impl RemoteStore {
 
     /// Reads stderr messages up to `LAST` (log lines go to the log) or `ERROR`.
     fn finish_stderr(&mut self, what: &'static str) -> Result<(), RemoteError> {
+        self.relay_stderr(what, &mut |m: &StderrMessage| {
+            match m {
+                StderrMessage::Next(line) => tracing::info!("{}", line.trim_end()),
+                StderrMessage::StartActivity { text, .. } if !text.is_empty() => tracing::debug!("{text}"),
+                _ => {}
+            }
+            Ok(())
+        })
+    }
+
+    /// Reads stderr messages up to `LAST` or `ERROR` (Nix `processStderr`), passing each
+    /// other one to `relay` as it comes.
+    fn relay_stderr(&mut self, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
         loop {
             match read_stderr_message(&mut self.r, self.version).map_err(self.wire_err(what))? {
                 StderrMessage::Last => return Ok(()),
                 StderrMessage::Error(message) => return Err(RemoteError::Daemon { socket: self.socket.clone(), what, message }),
-                StderrMessage::Next(line) => tracing::info!("{}", line.trim_end()),
-                StderrMessage::StartActivity { text, .. } if !text.is_empty() => tracing::debug!("{text}"),
-                _ => {}
+                m => relay(&m).map_err(|source| RemoteError::Relay { socket: self.socket.clone(), source })?,
             }
         }
     }

@@ -23,6 +23,12 @@ pub struct Args {
     /// CPU in the greeting (every Nix since 2.6).
     #[arg(long)]
     follow_client_cpu: bool,
+    /// Build what no substituter has through the real `nix-daemon` listening on this socket
+    /// (`unix:///nix/var/nix/daemon-socket/nix-build-socket`), which must serve the same store.
+    /// sluice substitutes every input a cache has first, then forwards the build and relays
+    /// its log to the client. Without it, builds fail.
+    #[arg(long, value_name = "unix://PATH")]
+    build_via: Option<String>,
 }
 
 /// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
@@ -32,9 +38,18 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => return Err(format!("{}: the daemon serves a local store, not a binary cache or another daemon", args.store)),
     };
     let config = crate::setup::raw_config(&[])?;
-    let options = sluice_daemon::DaemonOptions { follow_client_cpu: args.follow_client_cpu };
+    let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
+    let options = sluice_daemon::DaemonOptions { follow_client_cpu: args.follow_client_cpu, build_via };
     let daemon = sluice_daemon::Daemon::open_with(&store, config, options).map_err(|e| e.to_string())?;
     let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };
     served.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The socket path of a `--build-via` URL: `unix://` and an absolute path.
+fn build_socket(url: &str) -> Result<PathBuf, String> {
+    match url.strip_prefix("unix://") {
+        Some(path) if path.starts_with('/') => Ok(PathBuf::from(path)),
+        _ => Err(format!("--build-via {url}: expected unix:// and the absolute path of a nix-daemon's socket, e.g. unix:///nix/var/nix/daemon-socket/nix-build-socket")),
+    }
 }

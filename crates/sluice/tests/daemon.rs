@@ -70,16 +70,21 @@ impl Env {
     /// Starts `sluice daemon` on `<tmp>/socket` for the store at `<tmp>/<root>`, with the
     /// corpus cache as its substituter and `extra_config` lines.
     fn daemon(&self, root: &str, cache: &str, extra_config: &str) -> Daemon {
-        self.daemon_limited(root, cache, extra_config, None)
+        self.daemon_on("socket", root, cache, extra_config, &[], None)
     }
 
     /// [`Env::daemon`], with its limit on open files (soft and hard, as `ulimit -n` sets
     /// them) lowered to `open_files` if given.
     fn daemon_limited(&self, root: &str, cache: &str, extra_config: &str, open_files: Option<u64>) -> Daemon {
-        let socket = self.path("socket");
+        self.daemon_on("socket", root, cache, extra_config, &[], open_files)
+    }
+
+    /// [`Env::daemon_limited`] on `<tmp>/<socket>`, with more arguments `args`.
+    fn daemon_on(&self, socket: &str, root: &str, cache: &str, extra_config: &str, args: &[&str], open_files: Option<u64>) -> Daemon {
+        let socket = self.path(socket);
         let config = format!("substituters = {cache}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
         let mut cmd = self.cmd(sluice());
-        cmd.env("NIX_CONFIG", config).args(["daemon", "--socket"]).arg(&socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
+        cmd.env("NIX_CONFIG", config).args(["daemon", "--socket"]).arg(&socket).arg("--store").arg(self.path(root)).args(args).stderr(Stdio::null());
         if let Some(n) = open_files {
             let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
             // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
@@ -90,14 +95,53 @@ impl Env {
                 });
             }
         }
-        let child = cmd.spawn().unwrap();
-        let start = Instant::now();
-        while !socket.exists() {
-            assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Daemon { child, url: format!("unix://{}", socket.display()) }
+        wait_for_socket(cmd.spawn().unwrap(), &socket)
     }
+
+    /// Starts Nix 2.8's `nix-daemon` on `<tmp>/<socket>` for the store at `<tmp>/<root>`, with
+    /// `nix_conf` as its whole configuration (its own `NIX_CONF_DIR`, `<tmp>/<socket>-conf`).
+    fn nix_daemon(&self, socket: &str, root: &str, nix_conf: &str) -> Daemon {
+        let conf = self.path(&format!("{socket}-conf"));
+        std::fs::create_dir_all(&conf).unwrap();
+        std::fs::write(conf.join("nix.conf"), nix_conf).unwrap();
+        let socket = self.path(socket);
+        let mut cmd = self.cmd("nix-daemon");
+        cmd.env_remove("NIX_CONFIG").env("NIX_CONF_DIR", &conf).env("NIX_DAEMON_SOCKET_PATH", &socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
+        wait_for_socket(cmd.spawn().unwrap(), &socket)
+    }
+
+    /// The corpus bzip2 subset cache ([`Env::cache`]) with, from the corpus's `cache-drv`,
+    /// the closure of the derivation `drv` (a base name) added.
+    fn cache_with_derivation(&self, drv: &str) -> String {
+        let cache = self.cache();
+        let (from, to) = (PathBuf::from(format!("{SHARED}/corpus/cache-drv")), self.path("bin-cache"));
+        let mut todo = vec![drv.to_owned()];
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some(name) = todo.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let narinfo = format!("{}.narinfo", &name[..32]);
+            let text = std::fs::read_to_string(from.join(&narinfo)).unwrap();
+            let field = |f: &str| text.lines().find_map(|l| l.strip_prefix(f)).unwrap_or_default().to_owned();
+            std::fs::copy(from.join(&narinfo), to.join(&narinfo)).unwrap();
+            let url = field("URL: ");
+            std::fs::copy(from.join(&url), to.join(&url)).unwrap();
+            todo.extend(field("References: ").split_whitespace().map(str::to_owned));
+        }
+        assert!(seen.len() > 1, "{drv} has references");
+        cache
+    }
+}
+
+/// Waits until `child` (a daemon) has created `socket`.
+fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
+    let start = Instant::now();
+    while !socket.exists() {
+        assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon { child, url: format!("unix://{}", socket.display()) }
 }
 
 struct Daemon {
@@ -771,6 +815,55 @@ fn pipelined_path_info_requests_are_answered_in_order() {
     let mut rest = Vec::new();
     client.read_to_end(&mut rest).unwrap();
     assert!(String::from_utf8_lossy(&rest).contains("not-a-store-path"), "the error names the path");
+}
+
+/// The corpus's `libidn2` derivation: its `.drv`, the `.drv` of its input `libunistring` and
+/// the builder script are only in the cache (from `cache-drv`), its output and the output's
+/// closure only in the cache (the bzip2 subset).
+const LIBIDN2_DRV: &str = "lwdbwfnqd05c45mlvn9537salc088cyg-libidn2-2.3.4.drv";
+const LIBIDN2: &str = "/nix/store/xyvbjffswy2ix1ipcpb6gnw3abxsaym7-libidn2-2.3.4";
+
+/// Realising a derivation's outputs when the `.drv` is not valid but a cache has it: Nix 2.8's
+/// `nix-store -r X.drv` and Nix 2.26's `nix build 'X.drv^*'` through `sluice daemon` and
+/// through Nix 2.8's `nix-daemon`, each on a fresh store with the same cache. Both daemons
+/// substitute the `.drv` with its closure, then the outputs: the same output printed, the
+/// same store left (the `.drv` closure and the output closure, nothing built).
+#[test]
+fn derivation_only_in_a_cache_is_substituted_first() {
+    let env = Env::new();
+    let cache = env.cache_with_derivation(LIBIDN2_DRV);
+    let drv = format!("/nix/store/{LIBIDN2_DRV}");
+    let nix_conf = format!("substituters = {cache}\ntrusted-public-keys = {}\n", cache_key());
+    // The clients read the `.drv` from the store's real directory; root's `substituters` is
+    // the daemon's (the client's own setting is forwarded).
+    let key = cache_key();
+    let options = ["--option", "substituters", &cache, "--option", "trusted-public-keys", &key];
+    let real = |store: &str, root: &str| format!("{store}?real={}", env.path(root).join("nix/store").display());
+    let mut stores = Vec::new();
+    for (client, n) in [("Nix 2.8", 1), ("Nix 2.26", 2)] {
+        let (sluice_root, nix_root) = (format!("sluice-{n}"), format!("nix-daemon-{n}"));
+        let sluice = env.daemon_on(&format!("sluice-{n}.socket"), &sluice_root, &cache, "", &[], None);
+        let nix_daemon = env.nix_daemon(&format!("nix-daemon-{n}.socket"), &nix_root, &nix_conf);
+        for (daemon, root) in [(&sluice, &sluice_root), (&nix_daemon, &nix_root)] {
+            let url = real(&daemon.url, root);
+            let (ok, out, err) = match n {
+                1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", &drv][..], &options].concat()),
+                _ => as_root(&env, true, "nix", &[&["build", "--store", &url, &format!("{drv}^*"), "--no-link", "--print-out-paths"][..], &options].concat()),
+            };
+            assert!(ok, "{client} through {}: {err}", daemon.url);
+            assert_eq!(out.trim(), LIBIDN2, "{client} through {}: {err}", daemon.url);
+            // sluice's directory of trees being unpacked is not a store path.
+            let entries = store_entries(&env, root).into_iter().filter(|e| !e.ends_with("-sluice-unpacking")).collect::<Vec<_>>();
+            stores.push((client, root.clone(), entries));
+        }
+    }
+    for pair in stores.chunks(2) {
+        let [(client, sluice_root, via_sluice), (_, _, via_nix)] = pair else { unreachable!() };
+        assert_eq!(via_sluice, via_nix, "{client}: the stores left by sluice ({sluice_root}) and nix-daemon");
+        for name in [LIBIDN2_DRV, "issb5gssbayvxbl7b2n5880lcslarhbg-libunistring-1.1.drv", "xyvbjffswy2ix1ipcpb6gnw3abxsaym7-libidn2-2.3.4", "8j3ihyw3p978y2hzm7mkwvzqxk86h123-libunistring-1.1"] {
+            assert!(via_sluice.iter().any(|e| e == name), "{client}: {name} not in {via_sluice:?}");
+        }
+    }
 }
 
 /// Nix 2.26 (`nix-modern`, protocol 1.38, negotiated down to 1.37) as a client: the same
@@ -1891,4 +1984,115 @@ fn add_ops_repair_a_damaged_path_for_trusted_clients() {
             assert_eq!(std::fs::read_to_string(&file).unwrap(), expected, "{who}, op {op}, repair");
         }
     }
+}
+
+/// Derivations for builds through Nix's daemon, named after `marker`: `plain` (nothing to
+/// substitute) and `withInput`, which reads the output of `src`, a fixed-output derivation
+/// whose builder fails (so only a substituter can realise it). Each builder writes a marker
+/// line to stderr.
+const DELEGATED_BUILDS: &str = r#"
+{ marker }:
+let
+  src = derivation {
+    name = "delegated-src"; system = "x86_64-linux"; builder = "/bin/sh"; args = [ "-c" "exit 1" ];
+    outputHashMode = "flat"; outputHashAlgo = "sha256";
+    outputHash = "98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4";
+  };
+  build = attr: script: derivation {
+    name = "delegated-${attr}-${marker}"; system = "x86_64-linux"; builder = "/bin/sh";
+    args = [ "-c" "echo marker-${attr}-${marker} >&2; ${script}" ];
+  };
+in {
+  plain = build "plain" "echo ${marker} > $out";
+  withInput = build "withInput" "read line < ${src}; echo $line > $out";
+}
+"#;
+
+/// What Nix 2.8's `nix-daemon` needs to build for a chroot store here, as root.
+const NIX_DAEMON_BUILD_CONF: &str = "sandbox = false\nbuild-users-group =\nsandbox-paths = /bin /usr /lib /lib64\nsubstituters =\n";
+
+/// `nix-build` (Nix 2.8 and 2.26 clients) through `sluice daemon --build-via` a Nix 2.8
+/// `nix-daemon` on a second socket for the same store, which has no substituter: the
+/// builder's marker line reaches the client, the output is valid in sluice's view of the store
+/// with the content the builder wrote; the fixed-output input that cannot be built is
+/// substituted by sluice from its cache first. Nix 2.26's `nix build` (BuildPathsWithResults)
+/// and BuildDerivation from a raw client are built the same way. Through `sluice daemon` without `--build-via`, the build fails as before.
+#[test]
+fn builds_go_through_nix_daemon_with_build_via() {
+    use std::io::Write;
+    let env = Env::new();
+    let hi = b"hi\n";
+    let ca = ContentAddress::Fixed { recursive: false, hash: Hash::digest_bytes(HashAlgo::Sha256, hi) };
+    let src = ca.store_path(&StoreDir::default(), "delegated-src", &[], false).unwrap();
+    let cache_dir = env.path("src-cache");
+    write_cache(&cache_dir, &[(&src, &regular_file_nar(hi, false), &[], &ca)]);
+    let cache = format!("file://{}", cache_dir.display());
+    let _nix_daemon = env.nix_daemon("nix-build.socket", "root", NIX_DAEMON_BUILD_CONF);
+    let build_via = format!("unix://{}", env.path("nix-build.socket").display());
+    let daemon = env.daemon_on("socket", "root", &cache, "", &["--build-via", &build_via], None);
+    let expr = env.path("delegated.nix");
+    std::fs::write(&expr, DELEGATED_BUILDS).unwrap();
+    let expr = expr.to_str().unwrap();
+    let nar_hash = |content: &[u8]| Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(content, false)).to_nix32_prefixed();
+    let src_copied = format!("copying path '/nix/store/{}' from a substituter", src.base_name());
+    for (client, modern, marker) in [("Nix 2.8", false, "old"), ("Nix 2.26", true, "new")] {
+        let url = if modern { format!("{}?real={}", daemon.url, env.path("root/nix/store").display()) } else { daemon.url.clone() };
+        for (attr, content) in [("plain", format!("{marker}\n")), ("withInput", "hi\n".to_owned())] {
+            let start = Instant::now();
+            let args = ["--store", &url, expr, "-A", attr, "--argstr", "marker", marker, "--no-out-link", "--option", "substituters", &cache];
+            let (ok, out, err) = as_root(&env, modern, "nix-build", &args);
+            eprintln!("{client} nix-build -A {attr}: {:?}", start.elapsed());
+            assert!(ok, "{client} {attr}: {err}");
+            assert!(err.contains(&format!("marker-{attr}-{marker}")), "{client} {attr}: the builder's line is not on the client's stderr: {err}");
+            let out = out.trim();
+            assert!(out.starts_with("/nix/store/") && out.ends_with(&format!("-delegated-{attr}-{marker}")), "{client} {attr}: {out}");
+            assert_eq!(std::fs::read_to_string(env.path("root").join(out.trim_start_matches('/'))).unwrap(), content, "{client} {attr}");
+            assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", out]).trim(), nar_hash(content.as_bytes()), "{client} {attr}");
+            if (attr, marker) == ("withInput", "old") {
+                assert!(err.contains(&src_copied), "{client}: {src} not substituted by sluice: {err}");
+            }
+        }
+    }
+    assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &format!("/nix/store/{}", src.base_name())]).trim(), nar_hash(hi));
+    // Nix 2.26's `nix build -L` asks with BuildPathsWithResults (op 46): the Nix daemon's result
+    // and its log (which `nix build` shows only with -L).
+    let url = format!("{}?real={}", daemon.url, env.path("root/nix/store").display());
+    let args = ["build", "-L", "--store", &url, "-f", expr, "plain", "--argstr", "marker", "results", "--no-link", "--print-out-paths", "--option", "substituters", &cache];
+    let (ok, out, err) = as_root(&env, true, "nix", &args);
+    assert!(ok && err.contains("marker-plain-results"), "nix build: {err}");
+    assert_eq!(std::fs::read_to_string(env.path("root").join(out.trim().trim_start_matches('/'))).unwrap(), "results\n");
+
+    // BuildDerivation (op 36) of a derivation sent whole, from a trusted raw client.
+    let out = b"/nix/store/11111111111111111111111111111111-delegated-basic";
+    let (mut client, trusted) = raw_client(&env, 37);
+    assert_eq!(trusted, Some(1));
+    client.write_all(&build_derivation(b"/nix/store/11111111111111111111111111111111-delegated-basic.drv", [out, b"", b""])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!((status, msg.as_str()), (0, ""), "Built");
+    assert_eq!(read_u64(&mut client), 1, "built once");
+    assert_eq!(is_valid_after_result(&mut client, out), 1);
+    assert_eq!(std::fs::read_to_string(env.path("root").join(std::str::from_utf8(&out[1..]).unwrap())).unwrap(), "hi\n");
+
+    // Without --build-via: the error of a daemon that does not build.
+    let plain = env.daemon_on("plain.socket", "root", &cache, "", &[], None);
+    let (ok, _, err) = as_root(&env, false, "nix-build", &["--store", &plain.url, expr, "-A", "plain", "--argstr", "marker", "none", "--no-out-link"]);
+    assert!(!ok, "built without --build-via");
+    assert!(err.contains("the sluice daemon does not build, and no substituter has /nix/store/"), "{err}");
+}
+
+/// The rest of a protocol 1.37 build result after its times built (non-determinism, times,
+/// CPU times, built outputs), then IsValidPath of `path`.
+fn is_valid_after_result(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
+    let (_non_deterministic, _start, _stop) = (read_u64(client), read_u64(client), read_u64(client));
+    for _ in 0..2 {
+        if read_u64(client) == 1 {
+            read_u64(client);
+        }
+    }
+    for _ in 0..read_u64(client) {
+        read_string(client);
+        read_string(client);
+    }
+    is_valid(client, path)
 }

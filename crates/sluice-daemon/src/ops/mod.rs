@@ -1,10 +1,11 @@
 //! The worker-protocol operations, by number (`WorkerProto::Op` in Nix's
 //! `worker-protocol.hh`), grouped by kind: queries, additions, realisation (substitution),
-//! BuildDerivation, build logs, realisations of content-addressed derivations, GC roots,
+//! BuildDerivation, builds delegated to a Nix daemon, build logs, realisations of content-addressed derivations, GC roots,
 //! maintenance.
 
 mod add;
 mod build;
+mod delegate;
 mod log;
 mod maintenance;
 mod payload;

@@ -1,7 +1,7 @@
 //! Read-only queries: validity, path info, referrers, all paths, hash-part lookup, derivers
 //! and derivation outputs (Nix 2.8 `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases).
 
-use sluice_nix::derivation::parse_outputs;
+use sluice_nix::derivation::{drv_name, Derivation};
 use sluice_nix::store_path::StorePath;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::{read_bool, MAX_PATH_LEN, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
@@ -130,10 +130,16 @@ pub(super) type DrvOutputs = Vec<(String, Option<StorePath>)>;
 
 /// The outputs named in a valid derivation (read from the store), or `None` if it is not valid.
 pub(super) fn derivation_outputs(c: &Conn, drv: &StorePath) -> Result<Option<DrvOutputs>, Fail> {
+    let Some(d) = load_derivation(c, drv)? else { return Ok(None) };
+    d.output_paths(c.dir()).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
+}
+
+/// The derivation `drv` (Nix `Store::readDerivation`), or `None` if it is not a valid `.drv`.
+pub(super) fn load_derivation(c: &Conn, drv: &StorePath) -> Result<Option<Derivation>, Fail> {
     if !drv.is_derivation() || !c.store().is_valid_path(drv).map_err(op_err)? {
         return Ok(None);
     }
     let file = c.store().real_path(drv);
     let aterm = std::fs::read(&file).map_err(|e| Fail::Op(format!("reading {}: {e}", file.display())))?;
-    parse_outputs(c.dir(), drv, &aterm).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
+    Derivation::parse(c.dir(), drv_name(drv), &aterm).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
 }

@@ -1,8 +1,8 @@
 //! Realising paths by substitution: EnsurePath, QueryMissing, QuerySubstitutablePaths,
 //! QuerySubstitutablePathInfos, BuildPaths and BuildPathsWithResults (BuildDerivation, in
 //! `build`, shares its helpers). sluice does not build: a derivation output that no
-//! substituter has is reported as needing a build and fails BuildPaths with a message saying
-//! so.
+//! substituter has is reported as needing a build, and BuildPaths builds it through the Nix
+//! daemon of `--build-via` (`delegate`) or fails with a message saying so.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -14,8 +14,10 @@ use sluice_nix::wire::{
 use sluice_store::closure::ClosureEvent;
 use sluice_store::substitute::{summarize, Cause};
 
+use super::delegate;
 use super::query::derivation_outputs;
 use crate::conn::{op_err, Conn, Fail, OpResult};
+use crate::PROTOCOL_VERSION;
 use crate::substitution::{self, Progress};
 
 /// Nix's `ActivityType` numbers used here.
@@ -80,14 +82,25 @@ pub(super) fn ensure_path(c: &mut Conn) -> OpResult {
     c.reply(|w, _| write_u64(w, 1))
 }
 
+/// Substitutes the `.drv` files of `targets` that are not valid, with their closures (input
+/// derivations and sources), as Nix's `DerivationGoal::loadDerivation` waits for a
+/// `PathSubstitutionGoal` of the `.drv` before reading it (`build/derivation-goal.cc`). A
+/// `.drv` that no substituter has stays invalid; [`wanted_paths`] then says so.
+fn substitute_derivations(c: &mut Conn, targets: &[DerivedPath]) -> Result<(), Fail> {
+    let drvs: BTreeSet<StorePath> = targets.iter().filter_map(|t| if let DerivedPath::Built { drv, .. } = t { Some(drv.clone()) } else { None }).collect();
+    let drvs: Vec<StorePath> = drvs.into_iter().collect();
+    realise_by_substitution(c, &drvs).map(|_| ())
+}
+
 /// The store paths a derived path stands for, or why they cannot be named: an opaque path
-/// itself; a derivation's wanted outputs as its (valid) `.drv` file names them.
+/// itself; a derivation's wanted outputs as its (valid) `.drv` file names them. A `.drv` that
+/// is not valid gets Nix's "cannot build missing derivation" (`derivation-goal.cc`).
 fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String> {
     match target {
         DerivedPath::Opaque(p) => Ok(vec![p.clone()]),
         DerivedPath::Built { drv, outputs } => {
             let shown = c.dir().display_path(drv);
-            let all = derivation_outputs(c, drv).map_err(|e| format!("{e:?}"))?.ok_or_else(|| format!("derivation '{shown}' is not valid"))?;
+            let all = derivation_outputs(c, drv).map_err(|e| format!("{e:?}"))?.ok_or_else(|| format!("cannot build missing derivation '{shown}'"))?;
             let mut paths = Vec::new();
             for (name, path) in all {
                 if let OutputsSpec::Names(names) = outputs {
@@ -108,7 +121,9 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
 }
 
 /// QueryMissing: derived paths → willBuild, willSubstitute, unknown, downloadSize, narSize.
-/// Derivation outputs that no substituter has are `willBuild` (the derivation).
+/// Derivation outputs that no substituter has are `willBuild` (the derivation). A `.drv` that
+/// is not valid is `unknown`, as Nix 2.8 and 2.26 report it (`Store::queryMissing` in
+/// `misc.cc`: "FIXME: we could try to substitute the derivation"): BuildPaths substitutes it.
 pub(super) fn query_missing(c: &mut Conn) -> OpResult {
     let targets = read_derived_paths(&mut c.r, c.daemon.store().store_dir(), c.version)?;
     let settings = c.options.settings()?;
@@ -249,22 +264,46 @@ pub(super) fn realised_status(paths: &[StorePath], valid_before: &BTreeSet<Store
 }
 
 /// BuildPaths (derived paths, (≥ 1.15) build mode → 1) and BuildPathsWithResults (→ one
-/// keyed build result per derived path). Paths are realised by substitution only.
+/// keyed build result per derived path). The `.drv` files of derivations that are not valid
+/// are substituted first, then the wanted paths. With `--build-via`, derivations whose outputs
+/// are still missing are built through the Nix daemon (after their inputs are substituted), and
+/// checking or repairing (trusted clients only, as Nix) is left to it whole; without it, a
+/// missing output fails with a message saying that sluice does not build.
 pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
     let targets = read_derived_paths(&mut c.r, c.daemon.store().store_dir(), c.version)?;
     let mode = if with_results || c.version.at_least(15) { BuildMode::read(&mut c.r)? } else { BuildMode::Normal };
     if mode == BuildMode::Repair && !c.peer.trusted {
         return Err(Fail::Fatal("repairing is not allowed because you are not in 'trusted-users'".into()));
     }
+    if mode != BuildMode::Normal && delegate::enabled(c) {
+        let results = delegated(c, &targets, mode, with_results)?;
+        return reply_results(c, &targets, &results, with_results);
+    }
     normal_mode_only(mode)?;
+    substitute_derivations(c, &targets)?;
     let wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
-    let (valid_before, valid) = realise_by_substitution(c, &all)?;
+    let (valid_before, mut valid) = realise_by_substitution(c, &all)?;
+    let mut built: BTreeMap<usize, BuildResult> = BTreeMap::new();
+    let to_build: Vec<usize> = (0..targets.len())
+        .filter(|&i| matches!(targets[i], DerivedPath::Built { .. }) && matches!(&wanted[i], Ok(p) if p.iter().any(|p| !valid.contains(p))))
+        .collect();
+    if delegate::enabled(c) && !to_build.is_empty() {
+        let drvs = to_build.iter().filter_map(|&i| if let DerivedPath::Built { drv, .. } = &targets[i] { Some(drv.clone()) } else { None }).collect();
+        delegate::substitute_build_inputs(c, drvs)?;
+        let forwarded: Vec<DerivedPath> = to_build.iter().map(|&i| targets[i].clone()).collect();
+        built = to_build.iter().copied().zip(delegated(c, &forwarded, mode, with_results)?).collect();
+        valid = c.store().query_valid_paths(&all).map_err(op_err)?;
+    }
     let dir = c.dir().clone();
     let results: Vec<BuildResult> = targets
         .iter()
         .zip(wanted)
-        .map(|(t, w)| {
+        .enumerate()
+        .map(|(i, (t, w))| {
+            if let Some(r) = built.remove(&i) {
+                return r;
+            }
             let paths = match w {
                 Ok(p) => p,
                 Err(msg) => return build_result(BuildStatus::MiscFailure, msg),
@@ -289,6 +328,32 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
             res
         })
         .collect();
+    reply_results(c, &targets, &results, with_results)
+}
+
+/// Forwards BuildPaths (`with_results`: BuildPathsWithResults) of `targets` in `mode` to the
+/// Nix daemon of `--build-via`. BuildPathsWithResults: a result per target, in order (one the
+/// Nix daemon did not send is a MiscFailure saying so). BuildPaths: none; a failure is the
+/// Nix daemon's error, in its words.
+fn delegated(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results: bool) -> Result<Vec<BuildResult>, Fail> {
+    if !with_results {
+        delegate::forward(c, |nix, relay| nix.build_paths(targets, mode, relay))?;
+        return Ok(Vec::new());
+    }
+    let mut keyed = delegate::forward(c, |nix, relay| nix.build_paths_with_results(targets, mode, relay))?;
+    let dir = c.dir().clone();
+    Ok(targets
+        .iter()
+        .map(|t| match keyed.iter().position(|(p, _)| p == t) {
+            Some(i) => keyed.swap_remove(i).1,
+            None => build_result(BuildStatus::MiscFailure, format!("the Nix daemon sent no build result for {}", t.to_wire_string(&dir, PROTOCOL_VERSION).unwrap_or_default())),
+        })
+        .collect())
+}
+
+/// The reply of BuildPaths (1, or the results' errors as the operation's error) or of
+/// BuildPathsWithResults (the keyed results, in the client's version).
+fn reply_results(c: &mut Conn, targets: &[DerivedPath], results: &[BuildResult], with_results: bool) -> OpResult {
     if !with_results {
         let errors: Vec<&str> = results.iter().filter(|r| !r.error_msg.is_empty()).map(|r| r.error_msg.as_str()).collect();
         if !errors.is_empty() {
@@ -299,7 +364,7 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
     let version = c.version;
     c.reply(|w, dir| {
         write_u64(w, results.len() as u64)?;
-        for (t, r) in targets.iter().zip(&results) {
+        for (t, r) in targets.iter().zip(results) {
             write_keyed_build_result(w, dir, version, t, r)?;
         }
         Ok(())

@@ -6,7 +6,7 @@ use std::io::{self, Write};
 
 use super::primitives::{write_bytes, write_u64};
 use super::stderr_tag as tag;
-use super::ProtocolVersion;
+use super::{ProtocolVersion, StderrMessage};
 
 /// One field of an activity or result: u64 0 then an integer, or u64 1 then a string.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +64,22 @@ impl StderrWriter {
         write_u64(w, id)?;
         write_u64(w, result_type)?;
         write_fields(w, fields)
+    }
+
+    /// Writes `msg`, read from another daemon ([`read_stderr_message`](super::read_stderr_message)),
+    /// in this writer's version: what a daemon relaying an operation to another one sends its
+    /// own client (log lines, activities and results as they come).
+    pub fn forward(&self, w: &mut dyn Write, msg: &StderrMessage) -> io::Result<()> {
+        match msg {
+            StderrMessage::Next(text) => self.next(w, text),
+            StderrMessage::StartActivity { id, level, activity_type, text, fields, parent } => {
+                self.start_activity(w, *id, *level, *activity_type, text, fields, *parent)
+            }
+            StderrMessage::StopActivity(id) => self.stop_activity(w, *id),
+            StderrMessage::Result { id, result_type, fields } => self.result(w, *id, *result_type, fields),
+            StderrMessage::Last => self.last(w),
+            StderrMessage::Error(message) => self.error(w, message),
+        }
     }
 
     /// `LAST`: the operation succeeded and its result follows.

@@ -15,6 +15,8 @@ use crate::store_path::{StoreDir, StorePath};
 pub const MAX_PATH_LEN: u64 = 4096;
 /// Longest content address, hash, signature or output-name list accepted, in bytes.
 const MAX_SHORT_LEN: u64 = 4096;
+/// Longest build error message or realisation accepted, in bytes.
+const MAX_ERROR_LEN: u64 = 1 << 20;
 /// Most references, signatures or derived paths accepted in one list.
 pub(crate) const MAX_LIST: u64 = 1 << 22;
 
@@ -231,6 +233,7 @@ pub fn write_derived_path(w: &mut (impl Write + ?Sized), dir: &StoreDir, version
 
 /// How to realise paths (`BuildMode`): u64 0 normal, 1 repair, 2 check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
 pub enum BuildMode {
     Normal,
     Repair,
@@ -246,6 +249,11 @@ impl BuildMode {
             2 => Ok(BuildMode::Check),
             n => Err(WireError::invalid("build mode", format!("{n} (expected 0, 1 or 2)"))),
         }
+    }
+
+    /// Writes the build mode's number.
+    pub fn write(self, w: &mut (impl Write + ?Sized)) -> io::Result<()> {
+        write_u64(w, self as u64)
     }
 }
 
@@ -268,6 +276,33 @@ pub enum BuildStatus {
     NotDeterministic = 12,
     ResolvesToAlreadyValid = 13,
     NoSubstituters = 14,
+}
+
+impl BuildStatus {
+    /// Every status, in wire order.
+    const ALL: [BuildStatus; 15] = [
+        BuildStatus::Built,
+        BuildStatus::Substituted,
+        BuildStatus::AlreadyValid,
+        BuildStatus::PermanentFailure,
+        BuildStatus::InputRejected,
+        BuildStatus::OutputRejected,
+        BuildStatus::TransientFailure,
+        BuildStatus::CachedFailure,
+        BuildStatus::TimedOut,
+        BuildStatus::MiscFailure,
+        BuildStatus::DependencyFailed,
+        BuildStatus::LogLimitExceeded,
+        BuildStatus::NotDeterministic,
+        BuildStatus::ResolvesToAlreadyValid,
+        BuildStatus::NoSubstituters,
+    ];
+
+    /// Reads a status number; an unknown one is an error.
+    pub fn read(r: &mut (impl Read + ?Sized)) -> Result<Self, WireError> {
+        let n = read_u64(r, "build status")?;
+        usize::try_from(n).ok().and_then(|i| Self::ALL.get(i)).copied().ok_or_else(|| WireError::invalid("build status", format!("{n} (expected 0 to 14)")))
+    }
 }
 
 /// The outcome of realising one derived path (`BuildResult`). Times in seconds since the
@@ -314,6 +349,45 @@ pub fn write_build_result(w: &mut (impl Write + ?Sized), version: ProtocolVersio
         write_string_pairs(w, res.built_outputs.iter())?;
     }
     Ok(())
+}
+
+/// Reads a build result as a daemon of protocol `version` writes it (the inverse of
+/// [`write_build_result`]; Nix `WorkerProto::Serialise<BuildResult>::read` in
+/// `worker-protocol.cc`). Built outputs keep their `DrvOutput` keys and realisation JSON.
+pub fn read_build_result(r: &mut (impl Read + ?Sized), version: ProtocolVersion) -> Result<BuildResult, WireError> {
+    let status = BuildStatus::read(r)?;
+    let error_msg = read_string(r, MAX_ERROR_LEN, "build error message")?;
+    let (mut times_built, mut is_non_deterministic, mut start_time, mut stop_time) = (0, false, 0, 0);
+    if version.at_least(29) {
+        times_built = read_u64(r, "times built")?;
+        is_non_deterministic = read_bool(r, "non-determinism flag")?;
+        start_time = read_u64(r, "build start time")?;
+        stop_time = read_u64(r, "build stop time")?;
+    }
+    let (mut cpu_user, mut cpu_system) = (None, None);
+    if version.at_least(37) {
+        for t in [&mut cpu_user, &mut cpu_system] {
+            if read_bool(r, "CPU time flag")? {
+                *t = Some(read_u64(r, "CPU time")?);
+            }
+        }
+    }
+    let mut built_outputs = BTreeMap::new();
+    if version.at_least(28) {
+        for _ in 0..read_count(r, MAX_LIST, "built outputs")? {
+            let id = read_string(r, MAX_SHORT_LEN, "built output id")?;
+            built_outputs.insert(id, read_string(r, MAX_ERROR_LEN, "realisation")?);
+        }
+    }
+    Ok(BuildResult { status, error_msg, times_built, is_non_deterministic, start_time, stop_time, cpu_user, cpu_system, built_outputs })
+}
+
+/// Reads a derived path and its build result (`KeyedBuildResult`, the inverse of
+/// [`write_keyed_build_result`]).
+pub fn read_keyed_build_result(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion) -> Result<(DerivedPath, BuildResult), WireError> {
+    let s = read_string(r, MAX_PATH_LEN + MAX_SHORT_LEN, "derived path")?;
+    let path = DerivedPath::parse(dir, version, &s)?;
+    Ok((path, read_build_result(r, version)?))
 }
 
 /// Writes a derived path and its build result (`KeyedBuildResult`).
