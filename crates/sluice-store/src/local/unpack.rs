@@ -220,9 +220,6 @@ pub(super) fn exact_creation_modes(dir: BorrowedFd<'_>) -> bool {
         let line = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
         u32::from_str_radix(line.trim(), 8).ok()
     });
-    let no_default_acl = match rustix::fs::fgetxattr(dir, "system.posix_acl_default", &mut []) {
-        Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP) => true,
-        _ => false,
-    };
+    let no_default_acl = matches!(rustix::fs::fgetxattr(dir, "system.posix_acl_default", &mut []), Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP));
     umask.is_some_and(|m| m & 0o755 == 0) && no_default_acl
 }
