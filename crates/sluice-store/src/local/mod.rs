@@ -28,6 +28,7 @@ mod fs_nar;
 mod gc;
 mod layout;
 mod lock;
+mod nar_hash_thread;
 mod optimise;
 mod queries;
 mod registry;
@@ -56,7 +57,7 @@ use std::sync::{Arc, Once};
 
 use rustix::fs::{mkdirat, open, openat, renameat, renameat_with, syncfs, Mode, OFlags, RenameFlags};
 use sluice_nix::derivation::DerivationError;
-use sluice_nix::hash::{Hash, HashingReader, Hasher};
+use sluice_nix::hash::{Hash, Hasher};
 use sluice_nix::hash_modulo::ModuloHasher;
 use sluice_nix::nar::reader::{parse, NarError};
 use sluice_nix::nar::writer::NarWriter;
@@ -585,7 +586,8 @@ impl PendingPath {
             Some(CaHashing::Nar { algo, modulo: None }) => (None, Some(ContentHasher::Plain(Hasher::new(*algo)))),
             Some(CaHashing::NarHash) | None => (None, None),
         };
-        let mut reader = HashingReader::new(ContentHashingReader { inner: nar, hasher: nar_hasher }, sluice_nix::hash::HashAlgo::Sha256);
+        let threaded = self.info.nar_size >= nar_hash_thread::THREADED_FROM;
+        let mut reader = nar_hash_thread::NarHashingReader::new(ContentHashingReader { inner: nar, hasher: nar_hasher }, threaded);
         let name = self.info.path.base_name().as_bytes();
         let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.exact_modes);
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
@@ -593,7 +595,7 @@ impl PendingPath {
         if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.info.path)))? {
             return Err(LocalStoreError::TrailingData { path: shown });
         }
-        let (nar_hash, content) = reader.finish();
+        let (nar_hash, content) = reader.finish().map_err(io_err("hashing the NAR of", &self.store.real_path(&self.info.path)))?;
         let ca_hash = match content.hasher {
             Some(h) => Some(h.finish()),
             None => unpacker.flat_hash(),
