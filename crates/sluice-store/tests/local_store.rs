@@ -490,6 +490,30 @@ fn stale_unregistered_tree_is_replaced() {
     verify_with_nix(&root, tmp.path());
 }
 
+/// A temporary tree of the path that appears after the store's first addition (its adder was
+/// killed after this store cleared the stale trees) is found by the unpacking's exclusive
+/// creation of the root (`EEXIST`), removed, and unpacked again.
+#[test]
+fn temporary_tree_left_after_the_first_addition_is_replaced() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let (first, first_nar) = fixture("symlink-root.nar");
+    let (info, nar) = fixture("varied-tree.nar");
+    assert!(add(&store, &first, &mut first_nar.as_slice()).unwrap());
+    let stale = root.join("nix/store").join(TEMP_DIR).join(info.path.base_name());
+    std::fs::create_dir_all(stale.join("sub")).unwrap();
+    std::fs::write(stale.join("sub/file"), b"stale").unwrap();
+    for dir in [stale.join("sub"), stale.clone()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+    }
+    assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
+    assert!(dump(&store, &info.path) == nar);
+    assert_eq!(std::fs::read_dir(root.join("nix/store").join(TEMP_DIR)).unwrap().count(), 0);
+    assert_eq!(store_entries(&root), BTreeSet::from([first.path.base_name().to_owned(), info.path.base_name().to_owned()]));
+    verify_with_nix(&root, tmp.path());
+}
+
 #[test]
 fn concurrent_adders_register_once() {
     let tmp = Scratch::new();

@@ -143,56 +143,51 @@ impl NarEntry {
         out
     }
 
+    /// Writes straight into `out` (recursion with small frames: a NAR may nest 2048 deep).
     fn write_json(&self, out: &mut Vec<u8>, recursive: bool, expand: bool, keys: JsonKeys) {
         if !expand {
             out.extend_from_slice(b"{}");
             return;
         }
-        let kind = match self {
-            NarEntry::Regular { .. } => "regular",
-            NarEntry::Symlink { .. } => "symlink",
-            NarEntry::Directory { .. } => "directory",
+        let kind: &[u8] = match self {
+            NarEntry::Regular { .. } => b"\"type\":\"regular\"",
+            NarEntry::Symlink { .. } => b"\"type\":\"symlink\"",
+            NarEntry::Directory { .. } => b"\"type\":\"directory\"",
         };
-        // Fields other than `type`, each written after a comma, in Nix 2.8's order; they are
-        // also sorted, so 2.26's order is theirs with `type` last.
-        let mut fields: Vec<Vec<u8>> = Vec::new();
+        out.push(b'{');
+        if keys == JsonKeys::Nix2_8 {
+            out.extend_from_slice(kind);
+            out.push(b',');
+        }
         match self {
             NarEntry::Regular { executable, size, nar_offset } => {
-                if *executable {
-                    fields.push(b"\"executable\":true".to_vec());
-                }
-                fields.push(format!("\"narOffset\":{nar_offset}").into_bytes());
-                fields.insert(0, format!("\"size\":{size}").into_bytes());
+                let exec = if *executable { "\"executable\":true," } else { "" };
+                let _ = match keys {
+                    JsonKeys::Nix2_8 => write!(out, "\"size\":{size},{exec}\"narOffset\":{nar_offset}"),
+                    JsonKeys::Sorted => write!(out, "{exec}\"narOffset\":{nar_offset},\"size\":{size}"),
+                };
             }
             NarEntry::Symlink { target } => {
-                let mut f = b"\"target\":".to_vec();
-                json_string(&mut f, target);
-                fields.push(f);
+                out.extend_from_slice(b"\"target\":");
+                json_string(out, target);
             }
             NarEntry::Directory { entries } => {
-                let mut f = b"\"entries\":{".to_vec();
+                out.extend_from_slice(b"\"entries\":{");
                 for (i, (name, child)) in entries.iter().enumerate() {
                     if i > 0 {
-                        f.push(b',');
+                        out.push(b',');
                     }
-                    json_string(&mut f, name);
-                    f.push(b':');
-                    child.write_json(&mut f, recursive, recursive, keys);
+                    json_string(out, name);
+                    out.push(b':');
+                    child.write_json(out, recursive, recursive, keys);
                 }
-                f.push(b'}');
-                fields.push(f);
+                out.push(b'}');
             }
         }
-        let kind = format!("\"type\":\"{kind}\"").into_bytes();
-        match keys {
-            JsonKeys::Nix2_8 => fields.insert(0, kind),
-            JsonKeys::Sorted => {
-                fields.sort();
-                fields.push(kind);
-            }
+        if keys == JsonKeys::Sorted {
+            out.push(b',');
+            out.extend_from_slice(kind);
         }
-        out.push(b'{');
-        out.extend_from_slice(&fields.join(&b',')[..]);
         out.push(b'}');
     }
 

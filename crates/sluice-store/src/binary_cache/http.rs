@@ -197,7 +197,8 @@ impl HttpTransport {
 
     /// One request: the response when it is a success, `None` for absence, or the failure
     /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
-    async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+    /// `nar`: a NAR download, sent over the NAR connections ([`ClientPool::next_nar`]).
+    async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>, nar: bool) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
         let url = target.as_str();
         let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
         if self.base.starts_with("https://") {
@@ -205,7 +206,7 @@ impl HttpTransport {
             // first, so that they are up before the closure fans out.
             self.pool.grow_for_h2(&self.base);
         }
-        let client = self.pool.next();
+        let client = if nar { self.pool.next_nar().await } else { self.pool.next() };
         let request = self.build(client, target, spec).await?;
         let resp = match tokio::time::timeout(self.stall, client.execute(request)).await {
             Ok(Ok(resp)) => resp,
@@ -214,7 +215,8 @@ impl HttpTransport {
         };
         if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
             self.pool.grow_for_h2(&self.base);
-            self.limit.add_permits((H2_STREAMS * self.pool.connections()).saturating_sub(self.connections));
+            let streams = H2_STREAMS * (self.pool.connections() + self.pool.nar_connections());
+            self.limit.add_permits(streams.saturating_sub(self.connections));
         }
         let status = resp.status().as_u16();
         match status {
@@ -262,7 +264,7 @@ impl HttpTransport {
         let target = self.request_url(rel)?;
         let url = target.as_str();
         self.retrying(|| async {
-            let (resp, _permit) = self.send_once(&target, spec).await?;
+            let (resp, _permit) = self.send_once(&target, spec, false).await?;
             let Some(resp) = resp else { return Ok(None) };
             let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
             Ok(Some(Answer { status, headers, body: read_body(url, resp, self.stall).await? }))
@@ -289,7 +291,7 @@ impl HttpTransport {
         let target = self.request_url(rel)?;
         let url = target.as_str();
         self.retrying(|| async {
-            let (resp, _permit) = self.send_once(&target, Request::GET).await?;
+            let (resp, _permit) = self.send_once(&target, Request::GET, false).await?;
             let Some(resp) = resp else { return Ok(None) };
             let gzip = content_encoding(url, &resp)?;
             let body = read_body(url, resp, self.stall).await?;
@@ -305,7 +307,7 @@ impl HttpTransport {
     pub async fn open(&self, rel: &str) -> Result<Option<(Box<dyn Read + Send>, TransferProbe)>, CacheError> {
         let target = self.request_url(rel)?;
         let url = target.as_str();
-        let (resp, permit) = self.retrying(|| self.send_once(&target, Request::GET)).await?;
+        let (resp, permit) = self.retrying(|| self.send_once(&target, Request::GET, true)).await?;
         let Some(resp) = resp else { return Ok(None) };
         let gzip = content_encoding(url, &resp)?;
         let stall = self.stall;

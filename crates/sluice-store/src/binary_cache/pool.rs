@@ -6,20 +6,32 @@
 //! connections at once with a `HEAD` of the cache's root so that they are ready before the
 //! wide levels of the closure arrive, and spreads requests over all of them in turn — each extra client only once its connection is up (until then its pool does
 //! not know the server speaks HTTP/2 and would open a connection per request).
+//!
+//! NAR downloads go over [`NAR_CONNECTIONS`] connections of their own, opened at the same
+//! moment ([`ClientPool::next_nar`]): a NAR stream holds one of its connection's streams until
+//! its body is read (while it is unpacked), so on shared connections the narinfo requests of
+//! the closure's last levels queued behind NAR bytes (issue 16: the last narinfo at RTT 100
+//! arrived 15.3 RTT after the start instead of depth + 3 = 12).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::config::Settings;
 
-/// HTTP/2 connections per cache.
+/// HTTP/2 connections per cache for narinfos and other small files.
 pub const H2_CONNECTIONS: usize = 4;
+
+/// HTTP/2 connections per cache for NARs (with nginx's 128 streams each, room for
+/// `sluice copy`'s 256 jobs).
+pub const NAR_CONNECTIONS: usize = 2;
 
 /// An additional client and whether its connection is up.
 #[derive(Debug)]
 struct Extra {
     client: reqwest::Client,
     ready: Arc<AtomicBool>,
+    /// Set once the connection's `HEAD` was answered, whether over HTTP/2 or not.
+    settled: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The clients of one cache; one until the cache speaks HTTP/2.
@@ -27,14 +39,17 @@ struct Extra {
 pub struct ClientPool {
     first: reqwest::Client,
     extra: OnceLock<Vec<Extra>>,
+    /// The NAR connections, made with `extra`.
+    nar: OnceLock<Vec<Extra>>,
     next: AtomicUsize,
+    next_nar: AtomicUsize,
     settings: Settings,
 }
 
 impl ClientPool {
     /// A pool starting with `first` (shared with other caches); `settings` builds the others.
     pub fn new(first: reqwest::Client, settings: &Settings) -> Self {
-        ClientPool { first, extra: OnceLock::new(), next: AtomicUsize::new(0), settings: settings.clone() }
+        ClientPool { first, extra: OnceLock::new(), nar: OnceLock::new(), next: AtomicUsize::new(0), next_nar: AtomicUsize::new(0), settings: settings.clone() }
     }
 
     /// The client for the next request: the first, and in turn each extra one that is ready.
@@ -47,30 +62,62 @@ impl ClientPool {
         }
     }
 
-    /// Adds the other HTTP/2 connections to `base` (once), opening them in the background.
+    /// The client for the next NAR download: in turn each NAR connection, once its `HEAD`
+    /// was answered (they are opened with the first request, so by the time a NAR is asked
+    /// for they are about up); the narinfo clients ([`Self::next`]) without HTTP/2 or when
+    /// the connection did not come up over HTTP/2.
+    pub async fn next_nar(&self) -> &reqwest::Client {
+        let Some(nar) = self.nar.get().filter(|n| !n.is_empty()) else { return self.next() };
+        let e = &nar[self.next_nar.fetch_add(1, Ordering::Relaxed) % nar.len()];
+        // An error means the opening task is gone: the connection is not up.
+        let _ = e.settled.clone().wait_for(|settled| *settled).await;
+        match e.ready.load(Ordering::Acquire) {
+            true => &e.client,
+            false => self.next(),
+        }
+    }
+
+    /// Adds the other HTTP/2 connections to `base` and the NAR connections (once), opening
+    /// them in the background.
     pub fn grow_for_h2(&self, base: &str) {
         if self.extra.get().is_some() {
             return;
         }
-        let extra = self.extra.get_or_init(|| {
-            (1..H2_CONNECTIONS)
-                .filter_map(|_| super::http::client(&self.settings).ok())
-                .map(|client| Extra { client, ready: Arc::new(AtomicBool::new(false)) })
-                .collect()
-        });
         let root = format!("{base}/");
-        for e in extra {
-            let (client, ready, root) = (e.client.clone(), e.ready.clone(), root.clone());
-            tokio::spawn(async move {
-                if client.head(root).send().await.is_ok_and(|r| r.version() == reqwest::Version::HTTP_2) {
-                    ready.store(true, Ordering::Release);
-                }
-            });
+        let open = |n: usize| -> Vec<Extra> {
+            (0..n)
+                .filter_map(|_| super::http::client(&self.settings).ok())
+                .map(|client| {
+                    let ready = Arc::new(AtomicBool::new(false));
+                    let (settle, settled) = tokio::sync::watch::channel(false);
+                    let (c, r, root) = (client.clone(), ready.clone(), root.clone());
+                    tokio::spawn(async move {
+                        if c.head(root).send().await.is_ok_and(|resp| resp.version() == reqwest::Version::HTTP_2) {
+                            r.store(true, Ordering::Release);
+                        }
+                        settle.send_replace(true);
+                    });
+                    Extra { client, ready, settled }
+                })
+                .collect()
+        };
+        let mut made = false;
+        self.extra.get_or_init(|| {
+            made = true;
+            open(H2_CONNECTIONS - 1)
+        });
+        if made {
+            self.nar.get_or_init(|| open(NAR_CONNECTIONS));
         }
     }
 
-    /// How many connections requests are spread over.
+    /// How many connections narinfo requests are spread over.
     pub fn connections(&self) -> usize {
         1 + self.extra.get().map_or(0, Vec::len)
+    }
+
+    /// How many connections NAR downloads are spread over apart from those.
+    pub fn nar_connections(&self) -> usize {
+        self.nar.get().map_or(0, Vec::len)
     }
 }

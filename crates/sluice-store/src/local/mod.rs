@@ -167,7 +167,7 @@ pub struct LocalStore {
     stale_trees: Once,
     /// [`TEMP_DIR`], opened at the first addition; opened again if a collector deleted it
     /// while nobody rooted it (see [`LocalStore::open_temp_dir`]).
-    temp_dir: std::sync::Mutex<Option<Arc<OwnedFd>>>,
+    temp_dir: std::sync::Mutex<Option<Arc<TempDir>>>,
     /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
     /// moved into place ([`LocalStore::set_auto_optimise`]).
     auto_optimise: std::sync::atomic::AtomicBool,
@@ -208,7 +208,12 @@ pub struct PendingPath {
     /// [`TEMP_DIR`], opened after it was rooted (shared by all additions: a pending path
     /// holds one open file, its lock). Only the holder of the path's lock uses the tree named
     /// after the path there.
-    temp_dir: Arc<OwnedFd>,
+    temp_dir: Arc<TempDir>,
+    /// Whether this value may have made the temporary tree that is there now: false until
+    /// [`PendingPath::unpack`] starts and after the tree was renamed into place or removed,
+    /// so that nothing is looked up that is known to be absent. (A tree an interrupted
+    /// addition left is found by the unpacking itself: see `unpack.rs`.)
+    temp_tree: std::sync::atomic::AtomicBool,
     unpacked: Option<Unpacked>,
     /// A repair ([`LocalStore::try_begin_repair`]): `info` is the registration, and the tree
     /// replaces the one at the path, which stays registered as it is.
@@ -217,6 +222,13 @@ pub struct PendingPath {
     _lock: PathLock,
     /// Keeps the roots until the path is registered or given up.
     _roots: TempRoots,
+}
+
+/// [`TEMP_DIR`], open, and whether nodes made in it get exactly the modes they are created
+/// with ([`unpack::exact_creation_modes`], known when it is opened).
+struct TempDir {
+    fd: OwnedFd,
+    exact_modes: bool,
 }
 
 impl LocalStore {
@@ -323,14 +335,14 @@ impl LocalStore {
 
     /// Makes `info.path` a temporary root in `roots`, then takes its per-path lock (blocking
     /// while another process holds it). Returns `None` when the path is already valid
-    /// (possibly added meanwhile by the holder). Otherwise removes whatever an interrupted
-    /// addition left: an unregistered tree at the path's location and its temporary tree.
+    /// (possibly added meanwhile by the holder). Otherwise whatever an interrupted addition
+    /// left is removed on the way: its temporary tree when the unpacking finds it, an
+    /// unregistered tree at the path's location when the commit's rename finds it.
+    /// Validity is looked at once, with the lock held (the caller of an addition has mostly
+    /// just found the path invalid, so a check before locking would be a second one).
     pub fn begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
         self.ensure_writable("add paths")?;
         roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
-        if self.is_valid_path(&info.path)? {
-            return Ok(None);
-        }
         let real_path = self.real_path(&info.path);
         let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
         self.start_add(info, lock, roots)
@@ -343,9 +355,6 @@ impl LocalStore {
     pub fn try_begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("add paths")?;
         roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
-        if self.is_valid_path(&info.path)? {
-            return Ok(TryAdd::Valid);
-        }
         let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
@@ -398,12 +407,11 @@ impl LocalStore {
         }
     }
 
-    /// A [`PendingPath`] for `info` with its lock held, its temporary tree removed.
+    /// A [`PendingPath`] for `info` with its lock held.
     fn pending(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots, repair: bool) -> Result<PendingPath, LocalStoreError> {
         let temp_dir = self.open_temp_dir()?;
-        let pending = PendingPath { store: Arc::clone(self), info, temp_dir, unpacked: None, repair, _lock: lock, _roots: roots.clone() };
-        pending.remove_temp()?;
-        Ok(pending)
+        let temp_tree = false.into();
+        Ok(PendingPath { store: Arc::clone(self), info, temp_dir, temp_tree, unpacked: None, repair, _lock: lock, _roots: roots.clone() })
     }
 
     /// The subset of `paths` that is valid, after making every one of them a temporary root
@@ -419,19 +427,14 @@ impl LocalStore {
         StorePath::from_base_name(TEMP_DIR).expect("TEMP_DIR is a valid base name")
     }
 
-    /// With `info.path`'s lock held: `None` if it became valid, else a cleaned-up
-    /// [`PendingPath`].
+    /// With `info.path`'s lock held: `None` if it is valid, else a [`PendingPath`].
     fn start_add(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
-        let real_path = self.real_path(&info.path);
         if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
         // Its "unregistered tree" would be the directory of every addition's temporary tree.
         if info.path == self.temp_dir_path() {
             return Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&info.path), what: "this name is reserved for the store's temporary trees" });
-        }
-        if tree::remove_tree(self.store_fd.as_fd(), info.path.base_name().as_bytes()).map_err(io_err("removing", &real_path))? {
-            tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
         }
         Ok(Some(self.pending(info, lock, roots, false)?))
     }
@@ -441,18 +444,19 @@ impl LocalStore {
     /// now, and a collector that was deleting it finished before the caller's root was taken),
     /// it is made again. The first time, also removes the trees there whose path's lock
     /// nobody holds (left by a killed run).
-    fn open_temp_dir(&self) -> Result<Arc<OwnedFd>, LocalStoreError> {
+    fn open_temp_dir(&self) -> Result<Arc<TempDir>, LocalStoreError> {
         let path = self.layout.real_store_dir.join(TEMP_DIR);
         let mut cached = self.temp_dir.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(dir) = cached.as_ref().filter(|d| rustix::fs::fstat(d.as_fd()).is_ok_and(|st| st.st_nlink > 0)) {
+        if let Some(dir) = cached.as_ref().filter(|d| rustix::fs::fstat(d.fd.as_fd()).is_ok_and(|st| st.st_nlink > 0)) {
             return Ok(Arc::clone(dir));
         }
         match mkdirat(self.store_fd.as_fd(), TEMP_DIR, Mode::RWXU) {
             Ok(()) | Err(rustix::io::Errno::EXIST) => {}
             Err(e) => return Err(io_err("creating", &path)(e.into())),
         }
-        let dir = Arc::new(tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?);
-        self.stale_trees.call_once(|| self.remove_stale_trees(dir.as_fd()));
+        let fd = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
+        let dir = Arc::new(TempDir { exact_modes: unpack::exact_creation_modes(fd.as_fd()), fd });
+        self.stale_trees.call_once(|| self.remove_stale_trees(dir.fd.as_fd()));
         *cached = Some(Arc::clone(&dir));
         Ok(dir)
     }
@@ -561,6 +565,7 @@ impl PendingPath {
     pub fn unpack(&mut self, nar: &mut dyn Read) -> Result<Unpacked, LocalStoreError> {
         self.unpacked = None;
         self.remove_temp()?;
+        self.temp_tree.store(true, std::sync::atomic::Ordering::Relaxed);
         let result = self.unpack_into_temp(nar);
         if result.is_err() {
             // The unpack error is the one to report.
@@ -582,7 +587,7 @@ impl PendingPath {
         };
         let mut reader = HashingReader::new(ContentHashingReader { inner: nar, hasher: nar_hasher }, sluice_nix::hash::HashAlgo::Sha256);
         let name = self.info.path.base_name().as_bytes();
-        let mut unpacker = unpack::Unpacker::new(self.temp_dir.as_fd(), name, flat_algo, unpack::FileModes::STORE);
+        let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.exact_modes);
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
         if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.info.path)))? {
@@ -631,13 +636,14 @@ impl PendingPath {
         let name = info.path.base_name();
         if self.store.auto_optimise.load(std::sync::atomic::Ordering::Relaxed) {
             let shown = self.store.real_path(&info.path);
-            self.store.optimise_tree(self.temp_dir.as_fd(), name.as_bytes(), &shown, self.repair, &mut |event| match event {
+            self.store.optimise_tree(self.temp_dir.fd.as_fd(), name.as_bytes(), &shown, self.repair, &mut |event| match event {
                 OptimiseEvent::Warning(msg) => tracing::warn!("{msg}"),
                 OptimiseEvent::Info(msg) => tracing::info!("{msg}"),
                 OptimiseEvent::Progress { .. } => {}
             })?;
         }
-        let (from, to) = (self.temp_dir.as_fd(), self.store.store_fd.as_fd());
+        let (from, to) = (self.temp_dir.fd.as_fd(), self.store.store_fd.as_fd());
+        let real_path = self.store.real_path(&info.path);
         let placed = match self.repair {
             // The damaged tree takes the temporary tree's place, and goes when `self` is
             // dropped; a tree that disappeared is simply replaced.
@@ -645,10 +651,32 @@ impl PendingPath {
                 rustix::io::Errno::NOENT => renameat(from, name, to, name),
                 e => Err(e),
             }),
-            false => renameat(from, name, to, name),
+            false => self.rename_new(from, to, &real_path),
         };
-        placed.map_err(|e| io_err("renaming into place", &self.store.real_path(&info.path))(e.into()))?;
+        placed.map_err(|e| io_err("renaming into place", &real_path)(e.into()))?;
+        // A repair's temporary name now holds the damaged tree.
+        self.temp_tree.store(self.repair, std::sync::atomic::Ordering::Relaxed);
         Ok(outputs)
+    }
+
+    /// Renames the verified tree of a path that is not valid to its location, with
+    /// `RENAME_NOREPLACE`: if an interrupted addition left an unregistered tree there
+    /// (`EEXIST`), it is removed and the rename made again. Without `RENAME_NOREPLACE` (a file
+    /// system that does not support it), the location is cleared first.
+    fn rename_new(&self, from: std::os::fd::BorrowedFd<'_>, to: std::os::fd::BorrowedFd<'_>, real_path: &Path) -> rustix::io::Result<()> {
+        let name = self.info.path.base_name();
+        let remove = || {
+            let removed = tree::remove_tree(to, name.as_bytes()).map_err(|e| rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO))?;
+            if removed {
+                tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
+            }
+            Ok(())
+        };
+        match renameat_with(from, name, to, name, RenameFlags::NOREPLACE) {
+            Err(rustix::io::Errno::EXIST) => remove().and_then(|()| renameat_with(from, name, to, name, RenameFlags::NOREPLACE)),
+            Err(rustix::io::Errno::INVAL) => remove().and_then(|()| renameat(from, name, to, name)),
+            r => r,
+        }
     }
 
     /// For a `.drv` path (not repaired: a repair keeps the registration), the outputs to
@@ -660,16 +688,19 @@ impl PendingPath {
         }
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let mut aterm = Vec::new();
-        openat(self.temp_dir.as_fd(), self.info.path.base_name(), flags, Mode::empty())
+        openat(self.temp_dir.fd.as_fd(), self.info.path.base_name(), flags, Mode::empty())
             .map_err(io::Error::from)
             .and_then(|fd| File::from(fd).read_to_end(&mut aterm))
             .map_err(io_err("reading the derivation", &self.temp_path()))?;
         verify::verify_derivation(&self.store, &self.info, &aterm, batch)
     }
 
-    /// Removes the temporary tree, if any.
+    /// Removes the temporary tree, if this value may have made one.
     fn remove_temp(&self) -> Result<(), LocalStoreError> {
-        tree::remove_tree(self.temp_dir.as_fd(), self.info.path.base_name().as_bytes()).map_err(io_err("removing", &self.temp_path()))?;
+        if self.temp_tree.load(std::sync::atomic::Ordering::Relaxed) {
+            tree::remove_tree(self.temp_dir.fd.as_fd(), self.info.path.base_name().as_bytes()).map_err(io_err("removing", &self.temp_path()))?;
+            self.temp_tree.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(())
     }
 

@@ -8,7 +8,13 @@
 //! (`canonicalisePathMetaData`, `src/libstore/local-store.cc`): mtime 1 (one second into the
 //! epoch) on files, symlinks and directories; mode 0444, or 0555 if executable, on files; 0555
 //! on directories, set when their last entry has been made. No second walk over the tree is
-//! needed. Ownership is left alone: everything is created by this process.
+//! needed. Ownership is left alone: everything is created by this process. Modes are set with
+//! `fchmod` only where creation may not have given them exactly ([`exact_creation_modes`]):
+//! then a file costs `openat`, its writes, `futimens` and `close`; a directory one `fchmod`.
+//!
+//! A root left by an interrupted addition of the same path (its adder was killed) is found by
+//! the exclusive creation failing with `EEXIST`; it is removed and the root made again, so no
+//! `stat` is spent looking for it beforehand.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -18,7 +24,7 @@ use rustix::fs::{fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlag
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::{NarPath, NarVisitor};
 
-use super::tree::open_dir;
+use super::tree::{open_dir, remove_tree};
 
 /// Unpacks into `parent/root_name`; see the module documentation.
 pub(super) struct Unpacker<'a> {
@@ -29,6 +35,9 @@ pub(super) struct Unpacker<'a> {
     flat_algo: Option<HashAlgo>,
     flat_hash: Option<Hash>,
     modes: FileModes,
+    /// Nodes made in `parent` get exactly the mode they are created with
+    /// ([`exact_creation_modes`]).
+    exact_modes: bool,
 }
 
 /// The permissions regular files are created with (before the umask), and whether nodes get
@@ -62,8 +71,28 @@ pub(super) fn store_times() -> Timestamps {
 
 impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
-    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes) -> Self {
-        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes }
+    /// `exact_modes`: [`exact_creation_modes`] of `parent`.
+    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, exact_modes: bool) -> Self {
+        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes, exact_modes }
+    }
+
+    /// Whether a node's mode must be set after its creation for the canonical metadata.
+    fn set_modes(&self) -> bool {
+        self.modes.canonical && !self.exact_modes
+    }
+
+    /// Runs `create` for the node `path` in `dir`; for the root of a store's temporary tree
+    /// ([`FileModes::STORE`]), if `EEXIST` says an interrupted addition left a tree there,
+    /// removes it and runs `create` again (`nix-store --restore` fails instead, as Nix's
+    /// `restorePath`).
+    fn create<T>(&self, path: &NarPath, dir: BorrowedFd<'_>, create: impl Fn() -> rustix::io::Result<T>) -> io::Result<T> {
+        match create() {
+            Err(rustix::io::Errno::EXIST) if path.is_empty() && self.modes.canonical => {
+                remove_tree(dir, self.root_name).map_err(at(path))?;
+                create().map_err(|e| at(path)(e.into()))
+            }
+            r => r.map_err(|e| at(path)(e.into())),
+        }
     }
 
     /// The hash of the root regular file's contents, if one was asked for and the root is a
@@ -111,7 +140,7 @@ impl NarVisitor for Unpacker<'_> {
         let (dir, name) = self.slot(path)?;
         let mode = Mode::from_raw_mode(if executable { self.modes.executable } else { self.modes.regular });
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let mut file = File::from(openat(dir, name, flags, mode).map_err(|e| at(path)(e.into()))?);
+        let mut file = File::from(self.create(path, dir, || openat(dir, name, flags, mode))?);
         let mut hasher = self.flat_algo.filter(|_| path.is_empty()).map(Hasher::new);
         let mut buf = vec![0u8; 64 * 1024];
         let mut left = size;
@@ -127,10 +156,12 @@ impl NarVisitor for Unpacker<'_> {
             file.write_all(&buf[..n]).map_err(at(path))?;
             left -= n as u64;
         }
-        if self.modes.canonical {
+        if self.set_modes() {
             // The mode asked of `openat` is cut by the umask or replaced by a default ACL of
             // the store directory: set it exactly.
             fchmod(&file, mode).map_err(|e| at(path)(e.into()))?;
+        }
+        if self.modes.canonical {
             futimens(&file, &store_times()).map_err(|e| at(path)(e.into()))?;
         }
         self.flat_hash = hasher.map(Hasher::finish);
@@ -142,7 +173,7 @@ impl NarVisitor for Unpacker<'_> {
         if target.is_empty() || target.contains(&0) {
             return Err(invalid(path, "symlink target is empty or contains NUL"));
         }
-        symlinkat(target, dir, name).map_err(|e| at(path)(e.into()))?;
+        self.create(path, dir, || symlinkat(target, dir, name))?;
         if self.modes.canonical {
             utimensat(dir, name, &store_times(), AtFlags::SYMLINK_NOFOLLOW).map_err(|e| at(path)(e.into()))?;
         }
@@ -151,9 +182,9 @@ impl NarVisitor for Unpacker<'_> {
 
     fn directory_start(&mut self, path: &NarPath) -> io::Result<()> {
         let (dir, name) = self.slot(path)?;
-        mkdirat(dir, name, Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
+        self.create(path, dir, || mkdirat(dir, name, Mode::from_raw_mode(0o755)))?;
         let fd = open_dir(dir, name).map_err(at(path))?;
-        if self.modes.canonical {
+        if self.set_modes() {
             // Writable by its owner until its last entry is made, whatever the umask (0222
             // would leave it 0555 and unfillable).
             fchmod(&fd, Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
@@ -174,4 +205,21 @@ impl NarVisitor for Unpacker<'_> {
         }
         Ok(())
     }
+}
+
+/// Whether nodes created in the directory `dir` get exactly the mode they are created with
+/// (0444/0555 files, 0755 directories): the process's umask clears none of 0755's bits, and
+/// `dir` has no default ACL (which would replace the umask, `acl(5)`; directories made in
+/// `dir` inherit it, so `dir` alone decides). The umask is read from `/proc/self/status`
+/// (`umask(2)` can only be read by setting it, which would race with other threads); when it
+/// cannot be read, modes are set after creation.
+pub(super) fn exact_creation_modes(dir: BorrowedFd<'_>) -> bool {
+    static UMASK: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let umask = UMASK.get_or_init(|| {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+        u32::from_str_radix(line.trim(), 8).ok()
+    });
+    let no_default_acl = matches!(rustix::fs::fgetxattr(dir, "system.posix_acl_default", &mut []), Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP));
+    umask.is_some_and(|m| m & 0o755 == 0) && no_default_acl
 }
