@@ -2082,6 +2082,29 @@ fn builds_go_through_nix_daemon_with_build_via() {
     assert!(err.contains("the sluice daemon does not build, and no substituter has /nix/store/"), "{err}");
 }
 
+/// One substitution session for the daemon's lifetime: three Nix 2.8 clients, one after
+/// another, each realising a different corpus leaf through `sluice daemon` from nginx, share
+/// one TCP connection to it (a new HTTP client per operation opened two per client), and the
+/// cache's `nix-cache-info` is fetched once.
+#[test]
+fn clients_share_one_substitution_session() {
+    let env = Env::new();
+    let server = common::CacheServer::start(&common::corpus().join("cache-xz"), &env.path("nginx"), &[]);
+    let daemon = env.daemon("root", &server.url, "");
+    let leaves = [
+        "/nix/store/00fzg18l8dcbp13xcmh25xm61yazjh55-junnox-themes-8.40",
+        "/nix/store/01qmrka1cvljinvxk93rwxcxcj8mxgpp-erionven-1.12-share",
+        "/nix/store/02qflg6ykr2r2da18rn6z40nl6bm4hzy-geoip-data-2023",
+    ];
+    for leaf in leaves {
+        assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-r", leaf, "--option", "substituters", &server.url]).trim(), leaf);
+    }
+    let log = std::fs::read_to_string(&server.access_log).unwrap();
+    let connections: std::collections::BTreeSet<String> = log.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["conn"].to_string()).collect();
+    assert_eq!((server.requests(".narinfo"), server.requests("nix-cache-info")), (3, 1), "{log}");
+    assert_eq!(connections.len(), 1, "{log}");
+}
+
 /// A corpus path with a small closure (4 paths in the bzip2 subset cache).
 const GLIBC: &str = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8";
 
