@@ -53,8 +53,8 @@ pub enum DaemonError {
     Runtime(std::io::Error),
 }
 
-/// What all connections share: the store, the daemon's own settings, and the runtime used for
-/// substitution.
+/// What all connections share: the store, the daemon's own settings, and the runtime and open
+/// substituters used for substitution.
 pub struct Daemon {
     store: Arc<LocalStore>,
     /// The daemon's settings (nix.conf, `NIX_CONFIG`); clients' overrides apply on top.
@@ -67,6 +67,8 @@ pub struct Daemon {
     follow_client_cpu: bool,
     /// The socket of the Nix daemon that builds what no substituter has.
     build_via: Option<PathBuf>,
+    /// Open substituters, shared by all connections (see [`substitution::Session`]).
+    sessions: substitution::Sessions,
 }
 
 /// Daemon options beyond the store and its settings.
@@ -115,6 +117,7 @@ impl Daemon {
             next_activity: AtomicU64::new(u64::from(std::process::id()) << 32),
             follow_client_cpu: options.follow_client_cpu,
             build_via: options.build_via,
+            sessions: substitution::Sessions::default(),
         }))
     }
 

@@ -1,9 +1,11 @@
 //! Substitution for the daemon's operations, on the closure engine and the substitution
 //! pipeline of `sluice-store`, run on the daemon's shared runtime from a worker thread. The
 //! substituters are the connection's settings (the daemon's, with a trusted client's
-//! overrides).
+//! overrides), opened once per distinct set of such settings in a [`Session`] that every
+//! client and operation shares for the daemon's lifetime.
 
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::StorePath;
@@ -11,8 +13,9 @@ use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Failure, Observer, SubstituteOptions};
+use sluice_store::narinfo_cache::NarInfoCache;
 use sluice_store::{binary_cache, substituters};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OnceCell};
 
 use crate::Daemon;
 
@@ -38,26 +41,119 @@ impl Observer for Forward {
     }
 }
 
-/// Opens the substituters of `settings` (none when `use_substitutes` is off). Caches that
-/// cannot be used are logged and left out, as Nix does. Paths whose validity is looked up
-/// are made temporary roots in `roots` first, if given (for a substitution).
-async fn closure_query(store: &Arc<LocalStore>, settings: &Settings, use_substitutes: bool, roots: Option<TempRoots>) -> Result<ClosureQuery, String> {
-    let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
-    let client = binary_cache::http::client(settings)?;
-    let disk = substituters::open_disk_cache(settings);
-    let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref(), store.store_dir()).await;
-    for e in errors {
-        tracing::warn!("substituter left out: {e}");
+/// Most sessions kept at once: each distinct set of substituter settings (a trusted client's
+/// SetOptions may choose its own) gets one; beyond this, the least recently used is dropped.
+const MAX_SESSIONS: usize = 8;
+
+/// The settings a [`Session`] is opened with: the substituters (none when a client turns
+/// `use-substitutes` off) and everything the HTTP client, the caches and the disk cache
+/// read when they are opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SessionKey {
+    urls: Vec<String>,
+    http_connections: usize,
+    connect_timeout: u64,
+    stalled_download_timeout: u64,
+    download_attempts: u64,
+    narinfo_cache_ttls: (u64, u64),
+    netrc_file: PathBuf,
+    ssl_cert_file: Option<PathBuf>,
+}
+
+impl SessionKey {
+    fn new(settings: &Settings, use_substitutes: bool) -> Self {
+        SessionKey {
+            urls: if use_substitutes { settings.substituters.clone() } else { Vec::new() },
+            http_connections: settings.http_connections,
+            connect_timeout: settings.connect_timeout,
+            stalled_download_timeout: settings.stalled_download_timeout,
+            download_attempts: settings.download_attempts,
+            narinfo_cache_ttls: (settings.narinfo_cache_positive_ttl, settings.narinfo_cache_negative_ttl),
+            netrc_file: settings.netrc_file.clone(),
+            ssl_cert_file: settings.ssl_cert_file.clone(),
+        }
     }
-    let is_valid = closure::validity_in(Some(Arc::clone(store)), roots);
-    Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store.store_dir().clone(), is_valid })
+}
+
+/// Open substituters shared by every operation that uses the same settings: one HTTP client
+/// (its pooled connections), each cache's `nix-cache-info`, and the narinfo disk cache
+/// handle. Nix's `nix-daemon` opens its substituters once per forked worker
+/// (`getDefaultSubstituters`, `src/libstore/store-api.cc`); sluice's workers are threads of
+/// one process, so one opening serves them all.
+pub(crate) struct Session {
+    substituters: Arc<Vec<closure::Substituter>>,
+    disk: Option<Arc<NarInfoCache>>,
+    /// Caches left out when it was opened (unreachable, another store directory).
+    left_out: usize,
+}
+
+impl Session {
+    /// Opens the substituters of `settings` (none when `use_substitutes` is off). Caches that
+    /// cannot be used are logged and left out, as Nix does.
+    async fn open(store: &LocalStore, settings: &Settings, use_substitutes: bool) -> Result<Session, String> {
+        let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
+        let client = binary_cache::http::client(settings)?;
+        let disk = substituters::open_disk_cache(settings);
+        let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref(), store.store_dir()).await;
+        for e in &errors {
+            tracing::warn!("substituter left out: {e}");
+        }
+        Ok(Session { substituters: Arc::new(subs), disk, left_out: errors.len() })
+    }
+
+    /// Whether the session should be opened again rather than reused: a cache was left out
+    /// or given up on since (it may be reachable again).
+    fn degraded(&self) -> bool {
+        self.left_out > 0 || self.substituters.iter().any(|s| s.cache.is_disabled())
+    }
+}
+
+/// A kept session: empty while it is being opened.
+type Slot = Arc<OnceCell<Arc<Session>>>;
+
+/// The daemon's [`Session`]s, each opened on first use by the settings it is for.
+#[derive(Default)]
+pub(crate) struct Sessions {
+    /// Most recently used last.
+    kept: Mutex<Vec<(SessionKey, Slot)>>,
+}
+
+impl Sessions {
+    /// The session for `settings`, opened now if there is none yet (concurrent callers with
+    /// the same settings wait for the one opening). A degraded session is replaced.
+    async fn get(&self, store: &LocalStore, settings: &Settings, use_substitutes: bool) -> Result<Arc<Session>, String> {
+        let key = SessionKey::new(settings, use_substitutes);
+        let cell = {
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            let found = kept.iter().position(|(k, _)| *k == key);
+            let reusable = found.map(|i| kept.remove(i)).filter(|(_, cell)| !cell.get().is_some_and(|s| s.degraded()));
+            let entry = reusable.unwrap_or_else(|| (key, Arc::new(OnceCell::new())));
+            let cell = Arc::clone(&entry.1);
+            kept.push(entry);
+            if kept.len() > MAX_SESSIONS {
+                kept.remove(0);
+            }
+            cell
+        };
+        let session = cell.get_or_try_init(|| async { Session::open(store, settings, use_substitutes).await.map(Arc::new) }).await?;
+        Ok(Arc::clone(session))
+    }
+
+}
+
+/// The closure engine on the daemon's session for `settings`. Paths whose validity is looked
+/// up are made temporary roots in `roots` first, if given (for a substitution).
+async fn closure_query(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Option<TempRoots>) -> Result<ClosureQuery, String> {
+    let session = daemon.sessions.get(&daemon.store, settings, use_substitutes).await?;
+    let is_valid = closure::validity_in(Some(Arc::clone(&daemon.store)), roots);
+    Ok(ClosureQuery { substituters: Arc::clone(&session.substituters), disk_cache: session.disk.clone(), store_dir: daemon.store.store_dir().clone(), is_valid })
 }
 
 /// What the substituters know about the closures of `roots` (paths valid in the store are not
 /// followed).
 pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Vec<StorePath>) -> Result<Vec<ClosureEvent>, String> {
     daemon.runtime.block_on(async {
-        let query = closure_query(&daemon.store, settings, use_substitutes, None).await?;
+        let query = closure_query(daemon, settings, use_substitutes, None).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         let mut events = Vec::new();
@@ -93,7 +189,7 @@ fn pipeline(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: 
     let policy = SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys };
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs, policy };
     daemon.runtime.block_on(async {
-        let query = closure_query(&daemon.store, settings, use_substitutes, Some(roots.clone())).await?;
+        let query = closure_query(daemon, settings, use_substitutes, Some(roots.clone())).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let store = Arc::clone(&daemon.store);
         let observer = Arc::new(Forward(tx));

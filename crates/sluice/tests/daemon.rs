@@ -1057,7 +1057,8 @@ fn build_derivation_realises_outputs_by_substitution_only() {
     assert_eq!(
         msg,
         "cannot build '/nix/store/00000000000000000000000000000000-x.drv': the sluice daemon does not build derivations \
-         (outputs not valid and not substitutable: out (/nix/store/00000000000000000000000000000000-missing))"
+         (outputs not valid and not substitutable: out (/nix/store/00000000000000000000000000000000-missing); \
+         `sluice daemon --build-via unix://SOCKET` builds it through the nix-daemon listening on SOCKET)"
     );
     assert!(outputs.is_empty());
     assert_eq!(is_valid(&mut client, MISSING), 0);
@@ -2079,6 +2080,140 @@ fn builds_go_through_nix_daemon_with_build_via() {
     let (ok, _, err) = as_root(&env, false, "nix-build", &["--store", &plain.url, expr, "-A", "plain", "--argstr", "marker", "none", "--no-out-link"]);
     assert!(!ok, "built without --build-via");
     assert!(err.contains("the sluice daemon does not build, and no substituter has /nix/store/"), "{err}");
+}
+
+/// One substitution session for the daemon's lifetime: three Nix 2.8 clients, one after
+/// another, each realising a different corpus leaf through `sluice daemon` from nginx, share
+/// one TCP connection to it (a new HTTP client per operation opened two per client), and the
+/// cache's `nix-cache-info` is fetched once.
+#[test]
+fn clients_share_one_substitution_session() {
+    let env = Env::new();
+    let server = common::CacheServer::start(&common::corpus().join("cache-xz"), &env.path("nginx"), &[]);
+    let daemon = env.daemon("root", &server.url, "");
+    let leaves = [
+        "/nix/store/00fzg18l8dcbp13xcmh25xm61yazjh55-junnox-themes-8.40",
+        "/nix/store/01qmrka1cvljinvxk93rwxcxcj8mxgpp-erionven-1.12-share",
+        "/nix/store/02qflg6ykr2r2da18rn6z40nl6bm4hzy-geoip-data-2023",
+    ];
+    for leaf in leaves {
+        assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-r", leaf, "--option", "substituters", &server.url]).trim(), leaf);
+    }
+    let log = std::fs::read_to_string(&server.access_log).unwrap();
+    let connections: std::collections::BTreeSet<String> = log.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["conn"].to_string()).collect();
+    assert_eq!((server.requests(".narinfo"), server.requests("nix-cache-info")), (3, 1), "{log}");
+    assert_eq!(connections.len(), 1, "{log}");
+}
+
+/// A corpus path with a small closure (4 paths in the bzip2 subset cache).
+const GLIBC: &str = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8";
+
+/// The Nix 2.8 `nix-daemon` that `sluice daemon --build-via` builds with, on `nix-build.socket`
+/// for `root`, the `sluice daemon` on `socket` with the corpus subset cache, and, for the
+/// comparison, Nix 2.8's `nix-daemon` alone on `reference.socket` for the store `reference`
+/// with the same cache (passed by the client, which is trusted, as `--option substituters`).
+/// Returns the daemons (kept alive by the caller) and the cache URL.
+fn daemons_for_builtins(env: &Env) -> ([Daemon; 3], String) {
+    let cache = env.cache();
+    let builder = env.nix_daemon("nix-build.socket", "root", NIX_DAEMON_BUILD_CONF);
+    let build_via = format!("unix://{}", env.path("nix-build.socket").display());
+    let sluice = env.daemon_on("socket", "root", &cache, "", &["--build-via", &build_via], None);
+    let reference = env.nix_daemon("reference.socket", "reference", &format!("{NIX_DAEMON_BUILD_CONF}trusted-public-keys = {}\n", cache_key()));
+    ([builder, sluice, reference], cache)
+}
+
+/// `nix-env -i` of a corpus path (Nix 2.8) through `sluice daemon --build-via`: sluice
+/// substitutes the path's closure, and the profile's `builtin:buildenv` derivation is built by
+/// the `nix-daemon` it names. The profile is the one Nix 2.8's own `nix-daemon` makes on
+/// another store from the same cache: the same user-environment path, NAR hash and links.
+/// Without `--build-via`, the error says that sluice does not build builtins and names the
+/// option.
+#[test]
+fn nix_env_install_builds_buildenv_through_build_via() {
+    let env = Env::new();
+    let ([_builder, sluice, reference], cache) = daemons_for_builtins(&env);
+    let mut profiles = Vec::new();
+    for (name, url, root) in [("sluice", &sluice.url, "root"), ("nix-daemon", &reference.url, "reference")] {
+        let profile = env.path(&format!("{name}-profile"));
+        let (ok, _, err) = as_root(&env, false, "nix-env", &["--store", url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &cache]);
+        assert!(ok, "{name}: {err}");
+        assert!(err.contains("-user-environment.drv'..."), "{name}: the user environment was not built: {err}");
+        let target = std::fs::read_link(env.path(&format!("{name}-profile-1-link"))).unwrap();
+        let real = env.path(root).join(target.strip_prefix("/").unwrap());
+        assert_eq!(std::fs::read_link(real.join("lib")).unwrap(), Path::new(GLIBC).join("lib"), "{name}");
+        let hash = env.nix("nix-store", &["--store", url, "-q", "--hash", target.to_str().unwrap()]);
+        profiles.push((target, hash));
+    }
+    assert_eq!(profiles[0], profiles[1], "sluice daemon, then nix-daemon");
+
+    let plain = env.daemon_on("plain.socket", "plain", &cache, "", &[], None);
+    let profile = env.path("plain-profile");
+    let (ok, _, err) = as_root(&env, false, "nix-env", &["--store", &plain.url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &cache]);
+    assert!(!ok, "installed without --build-via");
+    assert!(err.contains("the sluice daemon does not build, not even builtins such as builtin:buildenv,") && err.contains("sluice daemon --build-via unix://SOCKET"), "{err}");
+}
+
+/// Serves `body` to every GET on a local port (HTTP/1.1, one request per connection), as
+/// `python3 -m http.server` would a file; returns the URL.
+fn serve_file(body: &'static [u8]) -> String {
+    use std::io::{BufRead, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/hello.txt", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let mut reader = std::io::BufReader::new(conn);
+            let mut line = String::new();
+            while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                line.clear();
+            }
+            let mut conn = reader.into_inner();
+            let _ = write!(conn, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = conn.write_all(body);
+        }
+    });
+    url
+}
+
+/// `<nix/fetchurl.nix>` (`builtin:fetchurl`) from a local HTTP server through `sluice daemon
+/// --build-via`: the file is fetched by the `nix-daemon` it names, to the same output path and
+/// content as through Nix 2.8's own `nix-daemon`; a wrong hash fails through both with Nix's
+/// hash mismatch, naming the hash of what was fetched, and nothing is added (but the `.drv` and
+/// the output's lock file, which the building `nix-daemon` leaves in both stores). Without
+/// `--build-via`, the error says that sluice does not build builtins and names the option.
+#[test]
+fn fetchurl_builds_through_build_via() {
+    let env = Env::new();
+    let body: &[u8] = b"fetched by builtin:fetchurl\n";
+    let url = serve_file(body);
+    let ([_builder, sluice, reference], cache) = daemons_for_builtins(&env);
+    let expr = env.path("fetchurl.nix");
+    std::fs::write(&expr, "{ url, hash }: import <nix/fetchurl.nix> { inherit url; sha256 = hash; }").unwrap();
+    let expr = expr.to_str().unwrap();
+    let sha256 = Hash::digest_bytes(HashAlgo::Sha256, body);
+    let fetch = |store: &str, hash: &str| as_root(&env, false, "nix-build", &["--store", store, expr, "--argstr", "url", &url, "--argstr", "hash", hash, "--no-out-link", "--option", "substituters", &cache]);
+    let mut outputs = Vec::new();
+    for (name, store, root) in [("sluice", &sluice.url, "root"), ("nix-daemon", &reference.url, "reference")] {
+        let (ok, out, err) = fetch(store, &sha256.to_base16());
+        assert!(ok, "{name}: {err}");
+        let out = out.trim().to_owned();
+        assert_eq!(std::fs::read(env.path(root).join(out.trim_start_matches('/'))).unwrap(), body, "{name}");
+        let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(body, false)).to_nix32_prefixed();
+        assert_eq!(env.nix("nix-store", &["--store", store, "-q", "--hash", &out]).trim(), nar_hash, "{name}");
+        outputs.push(out);
+
+        let before = store_entries(&env, root);
+        let (ok, _, err) = fetch(store, &"0".repeat(64));
+        assert!(!ok, "{name}: a wrong hash was accepted");
+        assert!(err.contains("hash mismatch in fixed-output derivation") && err.contains(&format!("got:    {}", sha256.to_sri())), "{name}: {err}");
+        let added: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
+        assert!(added.is_empty(), "{name}: added {added:?}");
+    }
+    assert_eq!(outputs[0], outputs[1], "sluice daemon, then nix-daemon");
+
+    let plain = env.daemon_on("plain.socket", "plain", &cache, "", &[], None);
+    let (ok, _, err) = fetch(&plain.url, &sha256.to_base16());
+    assert!(!ok, "fetched without --build-via");
+    assert!(err.contains("the sluice daemon does not build, not even builtins such as builtin:fetchurl,") && err.contains("sluice daemon --build-via unix://SOCKET"), "{err}");
 }
 
 /// The rest of a protocol 1.37 build result after its times built (non-determinism, times,

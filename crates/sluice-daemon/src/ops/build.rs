@@ -7,7 +7,7 @@ use sluice_nix::store_path::{StorePath, StorePathError};
 use sluice_nix::wire::{read_basic_derivation, write_build_result, BuildMode, BuildStatus};
 
 use super::delegate;
-use super::realise::{build_result, built_outputs, normal_mode_only, realise_by_substitution, realised_status};
+use super::realise::{build_result, BUILD_VIA_HINT, built_outputs, normal_mode_only, realise_by_substitution, realised_status};
 use crate::conn::{Conn, Fail, OpResult};
 
 /// BuildDerivation: derivation path, the derivation in wire form (`BasicDerivation`), build
@@ -60,7 +60,7 @@ pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
         realise_by_substitution(c, &srcs)?;
         delegate::forward(c, |nix, relay| nix.build_derivation(&drv_path, &drv, mode, relay))?
     } else {
-        let why = format!("the sluice daemon does not build derivations (outputs not valid and not substitutable: {})", missing.join(", "));
+        let why = format!("the sluice daemon does not build derivations (outputs not valid and not substitutable: {}; {BUILD_VIA_HINT})", missing.join(", "));
         build_result(BuildStatus::MiscFailure, format!("cannot build '{shown}': {why}"))
     };
     c.reply(|w, _| write_build_result(w, version, &result))

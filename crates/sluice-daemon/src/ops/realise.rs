@@ -15,7 +15,7 @@ use sluice_store::closure::ClosureEvent;
 use sluice_store::substitute::{summarize, Cause};
 
 use super::delegate;
-use super::query::derivation_outputs;
+use super::query::{derivation_outputs, load_derivation};
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::PROTOCOL_VERSION;
 use crate::substitution::{self, Progress};
@@ -312,11 +312,7 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
             if !absent.is_empty() {
                 let msg = match t {
                     DerivedPath::Opaque(p) => format!("path '{}' is required, but there is no substituter that can build it", dir.display_path(p)),
-                    DerivedPath::Built { drv, .. } => format!(
-                        "cannot build derivation '{}': the sluice daemon does not build, and no substituter has {}",
-                        dir.display_path(drv),
-                        absent.join(", ")
-                    ),
+                    DerivedPath::Built { drv, .. } => not_built(c, drv, &absent),
                 };
                 return build_result(BuildStatus::MiscFailure, msg);
             }
@@ -330,6 +326,22 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
         .collect();
     reply_results(c, &targets, &results, with_results)
 }
+
+/// Why the outputs `absent` of `drv` stay missing without `--build-via`: sluice does not
+/// build, not even Nix's builtins (`builtin:buildenv` of `nix-env -i`, `builtin:fetchurl` of
+/// `<nix/fetchurl.nix>`, which Nix runs in its own process: `src/libstore/builtins/`); the
+/// error names the option that builds them through a `nix-daemon`.
+fn not_built(c: &Conn, drv: &StorePath, absent: &[String]) -> String {
+    let builtin = load_derivation(c, drv).ok().flatten().and_then(|d| String::from_utf8(d.builder).ok()).filter(|b| b.starts_with("builtin:"));
+    let what = match builtin {
+        Some(b) => format!("does not build, not even builtins such as {b},"),
+        None => "does not build,".to_owned(),
+    };
+    format!("cannot build derivation '{}': the sluice daemon {what} and no substituter has {} ({BUILD_VIA_HINT})", c.dir().display_path(drv), absent.join(", "))
+}
+
+/// How to have what sluice does not build built, for its errors.
+pub(super) const BUILD_VIA_HINT: &str = "`sluice daemon --build-via unix://SOCKET` builds it through the nix-daemon listening on SOCKET";
 
 /// Forwards BuildPaths (`with_results`: BuildPathsWithResults) of `targets` in `mode` to the
 /// Nix daemon of `--build-via`. BuildPathsWithResults: a result per target, in order (one the
