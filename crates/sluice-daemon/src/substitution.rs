@@ -187,7 +187,7 @@ pub(crate) fn repair(daemon: &Daemon, settings: &Settings, use_substitutes: bool
 fn pipeline(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, repair: bool, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
     let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
     let policy = SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys };
-    let opts = SubstituteOptions { jobs: settings.max_substitution_jobs, policy };
+    let opts = SubstituteOptions { jobs: settings.max_substitution_jobs.unwrap_or(sluice_store::substitute::DEFAULT_JOBS), policy };
     daemon.runtime.block_on(async {
         let query = closure_query(daemon, settings, use_substitutes, Some(roots.clone())).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();

@@ -212,9 +212,13 @@ pub struct Settings {
     /// limit, as it does to curl's `CURLMOPT_MAX_TOTAL_CONNECTIONS` that Nix hands it to
     /// (`src/libstore/filetransfer.cc`). See [`Settings::http_connection_limit`].
     pub http_connections: usize,
-    /// Substitutions the daemon runs at once (Nix 2.26: `max-substitution-jobs`, default 16;
-    /// values below 1 count as 1).
-    pub max_substitution_jobs: usize,
+    /// Substitutions the daemon runs at once when set (Nix 2.26: `max-substitution-jobs`;
+    /// values below 1 count as 1). Unset, the daemon uses the pipeline's
+    /// [`crate::substitute::DEFAULT_JOBS`], as `sluice copy` does, not Nix's default of 16: a
+    /// Nix substitution goal is a whole download with its own transfer, where a sluice job is
+    /// one NAR in flight in a pipeline that `http-connections` already bounds per cache (16
+    /// made the daemon 1.36× slower than `sluice copy` at RTT 50 ms, `bench/daemon`).
+    pub max_substitution_jobs: Option<usize>,
     /// The netrc file with credentials for HTTP(S) caches (`netrc-file`, default
     /// `$NIX_CONF_DIR/netrc`); a file that does not exist means no credentials.
     pub netrc_file: PathBuf,
@@ -252,7 +256,7 @@ impl Default for Settings {
             trusted_public_keys: vec!["cache.nixos.org-1:6NCHdD59X431o0gWypbMrAURkbJ16ZPMQFGspcDShjY=".into()],
             require_sigs: true,
             http_connections: 25,
-            max_substitution_jobs: 16,
+            max_substitution_jobs: None,
             netrc_file: nix_conf_dir().join("netrc"),
             store: std::env::var("NIX_REMOTE").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "auto".into()),
             connect_timeout: 0,
@@ -307,7 +311,7 @@ impl Settings {
             s.http_connections = parse_num("http-connections", v)? as usize;
         }
         if let Some(v) = raw.get("max-substitution-jobs") {
-            s.max_substitution_jobs = (parse_num("max-substitution-jobs", v)? as usize).max(1);
+            s.max_substitution_jobs = Some((parse_num("max-substitution-jobs", v)? as usize).max(1));
         }
         if let Some(v) = raw.get("netrc-file") {
             s.netrc_file = PathBuf::from(v);

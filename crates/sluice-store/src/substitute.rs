@@ -49,6 +49,11 @@ use crate::job_queue::JobQueue;
 use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Unpacked};
 use crate::narinfo_cache::NarInfoCache;
 
+/// NAR downloads in flight at once unless the caller says otherwise: `sluice copy --jobs` and the
+/// daemon without `max-substitution-jobs` (why 256: docs/benchmarks.md, "Why `copy --jobs`
+/// defaults to 256").
+pub const DEFAULT_JOBS: usize = 256;
+
 /// How paths are trusted and how many are fetched at once.
 #[derive(Debug, Clone)]
 pub struct SubstituteOptions {

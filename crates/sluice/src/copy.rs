@@ -39,7 +39,7 @@ pub struct Args {
     to: Option<String>,
     /// NAR downloads in flight at once, at least 1 (over HTTP/1.1, `http-connections` also
     /// bounds the requests to each cache).
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = sluice_store::substitute::DEFAULT_JOBS as u32, value_parser = clap::value_parser!(u32).range(1..))]
     jobs: u32,
     /// Print a JSON report on standard output.
     #[arg(long)]

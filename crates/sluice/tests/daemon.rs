@@ -2084,8 +2084,8 @@ fn builds_go_through_nix_daemon_with_build_via() {
 
 /// One substitution session for the daemon's lifetime: three Nix 2.8 clients, one after
 /// another, each realising a different corpus leaf through `sluice daemon` from nginx, share
-/// one TCP connection to it (a new HTTP client per operation opened two per client), and the
-/// cache's `nix-cache-info` is fetched once.
+/// the session's connections to it (a new HTTP client per operation opened two per client),
+/// and the cache's `nix-cache-info` is fetched once.
 #[test]
 fn clients_share_one_substitution_session() {
     let env = Env::new();
@@ -2102,7 +2102,10 @@ fn clients_share_one_substitution_session() {
     let log = std::fs::read_to_string(&server.access_log).unwrap();
     let connections: std::collections::BTreeSet<String> = log.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["conn"].to_string()).collect();
     assert_eq!((server.requests(".narinfo"), server.requests("nix-cache-info")), (3, 1), "{log}");
-    assert_eq!(connections.len(), 1, "{log}");
+    // One connection, normally; a second when a client's request comes before the pool has
+    // taken back the connection of the previous client's NAR (seen once under load). A client
+    // per operation opened two per client: six.
+    assert!(connections.len() < leaves.len(), "{} connections: {log}", connections.len());
 }
 
 /// A corpus path with a small closure (4 paths in the bzip2 subset cache).

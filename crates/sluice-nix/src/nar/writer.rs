@@ -6,7 +6,7 @@
 //! yield at least `size` bytes (only `size` are read). Violations are `InvalidInput` /
 //! `UnexpectedEof` I/O errors, so a non-canonical NAR is never produced.
 
-use std::io::{Error, ErrorKind, Read};
+use std::io::{Error, ErrorKind};
 
 use super::{check_name, NarPath, NarVisitor, MAGIC};
 
