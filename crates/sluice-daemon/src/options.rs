@@ -6,7 +6,7 @@
 
 use sluice_nix::wire::{read_string_pairs, read_u64};
 use sluice_store::config::{RawConfig, Settings};
-use sluice_store::remote::ClientSettings;
+use sluice_store::remote::{ClientSettings, USE_SUBSTITUTES};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::Daemon;
@@ -23,8 +23,6 @@ const IGNORED: [&str; 4] = ["experimental-features", "extra-experimental-feature
 pub(crate) struct ClientOptions {
     /// The daemon's settings with the accepted overrides.
     pub raw: RawConfig,
-    /// Whether substituters may be used at all (`useSubstitutes`).
-    pub use_substitutes: bool,
     /// The numeric settings of the client's SetOptions (Nix's defaults before it sends one):
     /// what a build forwarded to the Nix daemon of `--build-via` is run with.
     pub numeric: ClientSettings,
@@ -35,9 +33,14 @@ pub(crate) struct ClientOptions {
 const DEFAULT_NUMERIC: ClientSettings = [0, 0, 0, 3, 1, 0, 1, 0, 0, 0, 0, 1];
 
 impl ClientOptions {
+    /// Whether substituters may be used at all (the client's useSubstitutes).
+    pub(crate) fn use_substitutes(&self) -> bool {
+        self.numeric[USE_SUBSTITUTES] != 0
+    }
+
     /// The daemon's own settings, before any SetOptions.
     pub(crate) fn new(daemon: &Daemon) -> Self {
-        ClientOptions { raw: daemon.config.clone(), use_substitutes: true, numeric: DEFAULT_NUMERIC }
+        ClientOptions { raw: daemon.config.clone(), numeric: DEFAULT_NUMERIC }
     }
 
     /// The typed settings (substituters, keys, timeouts); an error names a bad value.
@@ -56,7 +59,6 @@ pub(crate) fn set_options(c: &mut Conn) -> OpResult {
     }
     let overrides = if c.version.at_least(12) { read_string_pairs(&mut c.r, 100_000, 1 << 20, "setting override")? } else { Vec::new() };
     let mut options = ClientOptions::new(c.daemon);
-    options.use_substitutes = fields[11] != 0;
     options.numeric = fields;
     let mut warnings = Vec::new();
     for (name, value) in overrides {

@@ -47,6 +47,9 @@ pub type Relay<'a> = &'a mut dyn FnMut(&StderrMessage) -> std::io::Result<()>;
 /// printBuildTrace (obsolete, 0), buildCores, useSubstitutes.
 pub type ClientSettings = [u64; 12];
 
+/// The index of useSubstitutes in [`ClientSettings`].
+pub const USE_SUBSTITUTES: usize = 11;
+
 /// Errors talking to a daemon. Each names the socket and what was being done.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {

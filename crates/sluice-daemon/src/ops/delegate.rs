@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::StderrMessage;
-use sluice_store::remote::{Relay, RemoteError, RemoteStore};
+use sluice_store::remote::{Relay, RemoteError, RemoteStore, USE_SUBSTITUTES};
 
 use super::query::{derivation_outputs, load_derivation};
 use super::realise::realise_by_substitution;
@@ -37,7 +37,7 @@ pub(super) fn forward<T>(c: &mut Conn, op: impl FnOnce(&mut RemoteStore, Relay) 
     let mut nix = RemoteStore::connect(socket, false).map_err(why)?;
     let mut settings = c.options.numeric;
     // useSubstitutes: sluice has substituted what any cache has.
-    settings[11] = 0;
+    settings[USE_SUBSTITUTES] = 0;
     nix.set_options(&settings).map_err(why)?;
     let stderr = c.stderr();
     let w = &mut c.w;

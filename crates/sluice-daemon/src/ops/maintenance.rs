@@ -20,7 +20,7 @@ pub(super) fn verify_store(c: &mut Conn) -> OpResult {
         return Err(Fail::Op("you are not privileged to repair paths".into()));
     }
     let settings = c.options.settings()?;
-    let (daemon, use_substitutes, roots) = (c.daemon, c.options.use_substitutes, c.temp_roots.clone());
+    let (daemon, use_substitutes, roots) = (c.daemon, c.options.use_substitutes(), c.temp_roots.clone());
     let mut repairer = |path: &StorePath| crate::substitution::repair(daemon, &settings, use_substitutes, &roots, path);
     let store = std::sync::Arc::clone(c.store());
     let mut write_err = None;

@@ -20,7 +20,7 @@ pub(super) fn is_valid_path(c: &mut Conn) -> OpResult {
 pub(super) fn valid_paths(c: &mut Conn) -> OpResult {
     let paths: Vec<StorePath> = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect();
     let substitute = c.version.at_least(27) && read_bool(&mut c.r, "substitute flag")?;
-    if substitute && c.options.use_substitutes {
+    if substitute && c.options.use_substitutes() {
         let missing: Vec<StorePath> = {
             let valid = c.store().query_valid_paths(&paths).map_err(op_err)?;
             paths.iter().filter(|p| !valid.contains(*p)).cloned().collect()
