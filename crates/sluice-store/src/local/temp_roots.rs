@@ -82,6 +82,13 @@ struct TempRootsFile {
     /// `<state>/gc.lock`, opened once.
     gc_lock: File,
     gc_socket: PathBuf,
+    /// The connection to the running collector's socket, kept for every root this holder
+    /// sends it (Nix's `_fdRootsSocket`), and dropped when the collector has gone. One
+    /// connection per root would trip Nix 2.8's collector: a connection that ends before the
+    /// collector's accepting thread has recorded it lets the next one reuse its descriptor
+    /// number, the record is refused and a joinable `std::thread` is destroyed
+    /// (`std::terminate`, "terminate called without an active exception", `gc.cc`).
+    collector: Option<UnixStream>,
     store_dir: StoreDir,
     /// Roots already written, so that each is written once.
     written: HashSet<StorePath>,
@@ -114,6 +121,7 @@ impl TempRootsFile {
             path,
             gc_lock,
             gc_socket: state_dir.join("gc-socket/socket"),
+            collector: None,
             store_dir: store_dir.clone(),
             written: HashSet::new(),
         })
@@ -145,7 +153,12 @@ impl TempRootsFile {
                 }
                 Ok(())
             };
-            match tell() {
+            let told_all = tell();
+            if told_all.is_err() {
+                // Whatever failed, the next attempt starts on a new connection.
+                self.collector = None;
+            }
+            match told_all {
                 Ok(()) => break,
                 // Refused or absent: starting, or finished. Cut off (EOF, EPIPE, reset): it
                 // finished while we spoke (Nix's `addTempRoot` restarts on these too).
@@ -175,9 +188,13 @@ impl TempRootsFile {
         Ok(())
     }
 
-    /// Sends one root to a running collector and waits for its one-byte answer.
-    fn tell_collector(&self, shown: &str) -> io::Result<()> {
-        let mut socket = UnixStream::connect(&self.gc_socket)?;
+    /// Sends one root to a running collector over the kept connection (made first if there
+    /// is none) and waits for its one-byte answer.
+    fn tell_collector(&mut self, shown: &str) -> io::Result<()> {
+        let socket = match &mut self.collector {
+            Some(socket) => socket,
+            None => self.collector.insert(UnixStream::connect(&self.gc_socket)?),
+        };
         socket.write_all(format!("{shown}\n").as_bytes())?;
         let mut ack = [0u8; 1];
         socket.read_exact(&mut ack)
@@ -247,4 +264,76 @@ pub(super) fn find(state_dir: &Path, store_dir: &StoreDir) -> Result<BTreeMap<St
         }
     }
     Ok(roots)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    /// A collector as Nix's `collectGarbage` looks to a holder: `gc.lock` held exclusively and
+    /// `gc-socket/socket` answering `1` per root line, ending a connection after 20 roots.
+    /// Runs until `stop` is set, and returns the roots each connection carried.
+    fn collector(state: &Path, stop: Arc<std::sync::atomic::AtomicBool>) -> (File, std::thread::JoinHandle<Vec<Vec<String>>>) {
+        let lock = super::super::lock::open_lock_file(&state.join("gc.lock")).unwrap();
+        flock(&lock, FlockOperation::LockExclusive).unwrap();
+        std::fs::create_dir_all(state.join("gc-socket")).unwrap();
+        let listener = UnixListener::bind(state.join("gc-socket/socket")).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let server = std::thread::spawn(move || {
+            let mut connections = Vec::new();
+            while !stop.load(Ordering::Acquire) {
+                let conn = match listener.accept() {
+                    Ok((conn, _)) => conn,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        continue;
+                    }
+                    Err(e) => panic!("accept: {e}"),
+                };
+                conn.set_nonblocking(false).unwrap();
+                let mut w = conn.try_clone().unwrap();
+                let mut roots = Vec::new();
+                for line in BufReader::new(conn).lines() {
+                    let Ok(line) = line else { break };
+                    roots.push(line);
+                    if w.write_all(b"1").is_err() || roots.len() == 20 {
+                        break;
+                    }
+                }
+                connections.push(roots);
+            }
+            connections
+        });
+        (lock, server)
+    }
+
+    fn paths(dir: &StoreDir, from: usize, n: usize) -> Vec<StorePath> {
+        (from..from + n).map(|i| dir.parse_path(&format!("/nix/store/{:0>32}-root-{i}", i % 10)).unwrap()).collect()
+    }
+
+    /// Roots sent while a collector runs share one connection (Nix 2.8's collector aborts on
+    /// a quick succession of short connections), and a connection the collector ended is
+    /// replaced by a new one for the roots after it.
+    #[test]
+    fn roots_reach_a_collector_over_one_kept_connection() {
+        let state = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
+        let dir = StoreDir::new("/nix/store").unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (_lock, server) = collector(state.path(), Arc::clone(&stop));
+        let roots = TempRoots::new(state.path(), &dir);
+        roots.add_all(&paths(&dir, 0, 15)).unwrap();
+        roots.add_all(&paths(&dir, 15, 10)).unwrap();
+        let file = std::fs::read(roots.path().unwrap()).unwrap();
+        assert_eq!(file.iter().filter(|b| **b == 0).count(), 25);
+        // The holder's end closes its connection, which ends the collector's second one.
+        drop(roots);
+        stop.store(true, Ordering::Release);
+        let seen = server.join().unwrap();
+        let shown = |ps: Vec<StorePath>| ps.iter().map(|p| dir.display_path(p)).collect::<Vec<_>>();
+        assert_eq!(seen, vec![shown(paths(&dir, 0, 20)), shown(paths(&dir, 20, 5))]);
+    }
 }
