@@ -95,7 +95,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            log.msg(log::LVL_ERROR, &format!("error: {e}"));
+            log.error(&e);
             ExitCode::FAILURE
         }
     }

@@ -19,6 +19,7 @@ use sluice_store::store_url::StoreUrl;
 use tokio::sync::mpsc;
 
 use crate::as_nix::NixVersion;
+use crate::log::Log;
 use crate::setup::{self, CacheFlags};
 
 /// Arguments of `sluice path-info`.
@@ -118,7 +119,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         return Ok(ExitCode::SUCCESS);
     }
     for m in &missing {
-        eprintln!("error: path '{}' is not valid", store_dir.display_path(m));
+        Log::get().error(&format!("path '{}' is not valid", store_dir.display_path(m)));
     }
     {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
@@ -230,7 +231,7 @@ fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &Sto
                 ClosureEvent::Unknown(p) => missing.push(p),
                 ClosureEvent::Failed { path, errors } => {
                     for (_, e) in errors {
-                        eprintln!("error: {e}");
+                        Log::get().error(&e.to_string());
                     }
                     missing.push(path)
                 }

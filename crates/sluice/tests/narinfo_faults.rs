@@ -156,14 +156,20 @@ fn url_forms_under_a_path_prefix() {
     }
 }
 
+/// Each `nix-cache-info` is accepted or refused as real Nix 2.26 (`nix path-info --store`, whose
+/// `BinaryCacheStore::init` reads the file) accepts or refuses it; several `StoreDir` lines are
+/// each checked, as Nix checks them (the last one no longer decides).
 #[test]
 fn broken_nix_cache_info() {
     let good = file_url(&case_dir(C02).join("cache"));
-    let variants: [(&str, Option<&str>, Option<&str>); 4] = [
+    let variants: [(&str, Option<&str>, Option<&str>); 7] = [
         ("missing", None, None),
         ("garbage", Some("\u{1}\u{2}<html>not: a cache\n\u{ff}junk"), None),
         ("wrong-store-dir", Some("StoreDir: /gnu/store\n"), Some("store directory /gnu/store")),
         ("bad-priority", Some("StoreDir: /nix/store\nPriority: high\n"), Some("Priority \"high\"")),
+        ("store-dir-repeated", Some("StoreDir: /nix/store\nPriority: 30\nStoreDir:\t/nix/store\r\n"), None),
+        ("store-dir-then-another", Some("StoreDir: /nix/store\nStoreDir: /gnu/store\n"), Some("line 2: StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\"")),
+        ("another-then-store-dir", Some("StoreDir: /gnu/store\nWantMassQuery: 1\nStoreDir: /nix/store\n"), Some("line 3: StoreDir \"/nix/store\" differs from line 1's \"/gnu/store\"")),
     ];
     for (name, content, refusal) in variants {
         let tmp = tempfile::tempdir().unwrap();
@@ -186,6 +192,9 @@ fn broken_nix_cache_info() {
                 check(&copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]), name);
             }
         }
+        // Last: Nix writes a missing nix-cache-info into the cache.
+        let theirs = nix_modern(tmp.path(), &["nix", "path-info", "--store", &file_url(&cache), OK]);
+        assert_eq!(theirs.status.success(), refusal.is_none(), "{name}: Nix 2.26 says {}", stderr(&theirs));
     }
 }
 
