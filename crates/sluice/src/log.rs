@@ -50,7 +50,8 @@ pub enum LogFormat {
     Raw,
     /// Nix's `@nix {…}` JSON lines.
     InternalJson,
-    /// A progress line that redraws itself (only on a terminal; raw lines otherwise).
+    /// A progress line that redraws itself, for `copy` and `missing` (only on a terminal; raw
+    /// lines otherwise, and for the commands without progress).
     Bar,
 }
 
