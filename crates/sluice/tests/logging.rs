@@ -197,3 +197,84 @@ fn internal_json_errors_are_nix_226s() {
     assert_eq!(mine["msg"].as_str().unwrap(), format!("error: {}", mine["raw_msg"].as_str().unwrap()));
     assert!(mine["raw_msg"].as_str().unwrap().contains(&top), "{mine}");
 }
+
+/// `sluice copy` of the corpus closure (1056 paths) from nginx at RTT 100 ms, in a real
+/// terminal: a tmux pane 80 columns wide, captured every 250 ms. While it runs the pane shows
+/// one progress line (never wrapped, at most 79 columns) of the form `[done/running/known
+/// paths] X of Y DL…`, with done ≤ known and done never going back; at the end the line is
+/// gone and the summary is there. A second copy gets Ctrl-C: the line stays, ending in
+/// `interrupted`, and Nix's `error: interrupted by the user` follows.
+#[test]
+fn progress_line_in_a_real_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &["--rtt-ms", "100"]);
+    let server_of_panes = Tmux(tmp.path().join("tmux.sock"));
+    let tmux = |args: &[&str]| server_of_panes.run(args);
+    // The pane's command: sluice in the isolated environment, then a pause keeping the pane.
+    let run = |name: &str| {
+        let mut env = std::process::Command::new("true");
+        isolate(&mut env, tmp.path(), "");
+        let vars: String = env.get_envs().map(|(k, v)| format!("{}='{}' ", k.to_str().unwrap(), v.unwrap().to_str().unwrap())).collect();
+        let to = tmp.path().join(name);
+        format!("env {vars}{} copy --from {} --to {} --trusted-public-keys '{}' {TOP}; sleep 600", env!("CARGO_BIN_EXE_sluice"), server.url, to.display(), corpus_key())
+    };
+    let pane = |session: &str| String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", session]).stdout).lines().map(str::trim_end).filter(|l| !l.is_empty()).map(str::to_owned).collect::<Vec<_>>();
+    // [done/running/known paths…] of a progress line.
+    let counts = |line: &str| -> Option<(u64, u64, u64)> {
+        let inner = line.strip_prefix('[')?.split(" paths").next()?;
+        let n: Vec<u64> = inner.split('/').map(|x| x.parse().ok()).collect::<Option<_>>()?;
+        (n.len() == 3 && line.contains("] ") && line.contains(" DL")).then(|| (n[0], n[1], n[2]))
+    };
+    check(&tmux(&["new-session", "-d", "-s", "copy", "-x", "80", "-y", "10", &run("s1")]), "tmux new-session");
+    let started = std::time::Instant::now();
+    let (mut seen, mut last_done, mut summary) = (0, 0, None);
+    while started.elapsed() < std::time::Duration::from_secs(300) {
+        let lines = pane("copy");
+        if let Some(done) = lines.iter().find(|l| l.starts_with("copied ")) {
+            assert!(!lines.iter().any(|l| l.starts_with('[')), "the line is cleared at the end: {lines:?}");
+            summary = Some(done.clone());
+            break;
+        }
+        if !lines.is_empty() {
+            assert_eq!(lines.len(), 1, "one line, not wrapped: {lines:?}");
+            assert!(lines[0].chars().count() <= 79, "{:?}", lines[0]);
+            let (done, running, known) = counts(&lines[0]).unwrap_or_else(|| panic!("not a progress line: {:?}", lines[0]));
+            assert!(done + running <= known && done >= last_done, "{:?} after done = {last_done}", lines[0]);
+            last_done = done;
+            seen += 1;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    assert!(summary.as_deref().is_some_and(|s| s.starts_with("copied 1056 paths")), "{summary:?}");
+    assert!(seen >= 3, "the line was seen at {seen} moments");
+    // Ctrl-C once the line shows progress.
+    check(&tmux(&["new-session", "-d", "-s", "stop", "-x", "80", "-y", "10", &run("s2")]), "tmux new-session");
+    while pane("stop").first().and_then(|l| counts(l)).is_none_or(|(done, _, _)| done == 0) {
+        assert!(started.elapsed() < std::time::Duration::from_secs(600), "{:?}", pane("stop"));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    check(&tmux(&["send-keys", "-t", "stop", "C-c"]), "tmux send-keys");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !pane("stop").iter().any(|l| l == "error: interrupted by the user") {
+        assert!(std::time::Instant::now() < deadline, "{:?}", pane("stop"));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let lines = pane("stop");
+    let line = lines.iter().rev().find(|l| l.starts_with('[')).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(line.ends_with(" interrupted") && line.chars().count() <= 79 && counts(line).is_some(), "{lines:?}");
+}
+
+/// A tmux server of the test's own (its socket), ended with the test.
+struct Tmux(std::path::PathBuf);
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> Output {
+        std::process::Command::new("tmux").arg("-S").arg(&self.0).args(args).output().unwrap()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        self.run(&["kill-server"]);
+    }
+}
