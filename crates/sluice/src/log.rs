@@ -29,7 +29,7 @@ pub const LVL_INFO: Verbosity = 3;
 
 /// Nix's activity types (`ActivityType`, `logging.hh`).
 pub mod act {
-    /// `actCopyPath`: fields `[path, from URL, to URL]`.
+    /// `actCopyPath`: fields `[path, from URL, to URL]` (a local store's URL is `local`).
     pub const COPY_PATH: u64 = 100;
     /// `actCopyPaths`: the whole copy; its progress counts paths.
     pub const COPY_PATHS: u64 = 103;
