@@ -6,7 +6,10 @@
 //! everything before the first `:` (not trimmed: ` StoreDir: …` is an unknown key), the value
 //! is trimmed of spaces, tabs, CR and LF; unknown keys and lines without `:` are ignored; absent
 //! keys take Nix's defaults (`/nix/store`, no mass query, priority 50). `StoreDir` is compared
-//! with the reader's store directory by the reader (`BinaryCache::check_store_dir`).
+//! with the reader's store directory by the reader (`BinaryCache::check_store_dir`). Nix
+//! compares every `StoreDir` line, so two lines that differ are refused here: no store
+//! directory passes both (repeating one value is fine). Of several `Priority` or
+//! `WantMassQuery` lines the last counts, as in Nix.
 
 /// A binary cache's `nix-cache-info`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,11 +40,23 @@ impl CacheInfo {
     /// Parses the file; `line` in errors is 1-based.
     pub fn parse(text: &str) -> Result<Self, CacheInfoError> {
         let mut info = CacheInfo::default();
+        // The first `StoreDir` line, 1-based.
+        let mut store_dir_line = None;
         for (i, raw) in text.lines().enumerate() {
             let Some((key, value)) = raw.split_once(':') else { continue };
             let value = value.trim_matches([' ', '\t', '\r', '\n']);
             match key {
-                "StoreDir" => info.store_dir = value.to_owned(),
+                "StoreDir" => match store_dir_line {
+                    None => {
+                        store_dir_line = Some(i + 1);
+                        info.store_dir = value.to_owned();
+                    }
+                    Some(first) if info.store_dir != value => {
+                        let what = format!("StoreDir {value:?} differs from line {first}'s {:?} (Nix checks each StoreDir line against the store directory)", info.store_dir);
+                        return Err(CacheInfoError { line: i + 1, what });
+                    }
+                    Some(_) => {}
+                },
                 "WantMassQuery" => info.want_mass_query = value == "1",
                 "Priority" => info.priority = stoi(value).map_err(|what| CacheInfoError { line: i + 1, what: format!("Priority {value:?}: {what}") })?,
                 BATCH_KEY => info.batch = value == "1",
@@ -99,6 +114,13 @@ mod tests {
         assert_eq!(CacheInfo::parse("\n\nPriority: 2147483648\n").unwrap_err().line, 3);
         assert_eq!(CacheInfo::parse(" Priority: 1\nPriority : 2\n").unwrap().priority, 50);
         assert_eq!(CacheInfo::parse("StoreDir: rel\n").unwrap().store_dir, "rel");
+        // Several StoreDir lines: each must be the store's (Nix 2.26 `BinaryCacheStore::init`).
+        assert_eq!(CacheInfo::parse("StoreDir: /nix/store\nPriority: 3\nStoreDir: /nix/store \r\n").unwrap().priority, 3);
+        assert_eq!(
+            CacheInfo::parse("StoreDir: /nix/store\nPriority: 3\nStoreDir: /gnu/store\n").unwrap_err(),
+            CacheInfoError { line: 3, what: "StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\" (Nix checks each StoreDir line against the store directory)".into() }
+        );
+        assert_eq!(CacheInfo::parse("Priority: 1\nPriority: 2\nWantMassQuery: 1\nWantMassQuery: 0\n").unwrap(), CacheInfo { priority: 2, ..CacheInfo::default() });
         let corpus = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus/cache-xz/nix-cache-info")).unwrap();
         assert_eq!(CacheInfo::parse(&corpus).unwrap(), CacheInfo::default());
     }

@@ -10,13 +10,18 @@
 //! - hashes may be `algo:` + base16 / nixbase32 / base64, or SRI `algo-base64`;
 //! - `References` and `Deriver` are base names validated as store paths; `Deriver:
 //!   unknown-deriver` means none;
-//! - a second non-empty `References` and a second `CA` are rejected (Nix's "extra References",
-//!   "extra CA"); any other field given twice takes its last value, as in Nix; `Sig` lines
-//!   accumulate (a repeated one counts once, as in Nix's set); an empty `CA` means none;
-//! - unknown fields are ignored, whatever follows their `:`; a known field whose `:` is not
-//!   followed by a space is rejected (Nix would drop the value's first character);
-//! - a line ending in `\r\n`, or a last line without `\n`, is rejected (Nix rejects both: the
-//!   value would keep the `\r`, and an unterminated line may be truncated).
+//! - `FileSize`/`NarSize` are decimal digits with an optional `+` (boost's `lexical_cast`);
+//! - a second non-empty `References` and a `CA` after a non-empty one are rejected (Nix's
+//!   "extra References", "extra CA"); any other field given twice takes its last value, as in
+//!   Nix; `Sig` lines accumulate (a repeated one counts once, as in Nix's set); an empty `CA`
+//!   means none;
+//! - unknown fields are ignored, whatever follows their `:` (a `\r` too);
+//! - refused where Nix would lose data: a known field whose `:` is not followed by a space
+//!   (Nix drops the value's first character), a known field's line ending in `\r\n` (Nix keeps
+//!   the `\r` in the value), a line without `:` (Nix joins it to the next), and a line ending
+//!   at its `:` that is a known field's, the last, or followed by a known field's (Nix reads
+//!   the next line as its value: that field is lost);
+//! - a last line without `\n` is rejected (Nix too: it may be truncated).
 
 use crate::content_address::ContentAddress;
 use crate::hash::Hash;
@@ -82,11 +87,19 @@ fn parse_hash(field: &'static str, value: &str) -> Result<Hash, NarInfoError> {
     Hash::parse(value).map_err(|e| field_err(field, e.to_string()))
 }
 
+/// A size as Nix's `string2Int<uint64_t>` reads it: decimal digits after an optional `+`.
 fn parse_size(field: &'static str, value: &str) -> Result<u64, NarInfoError> {
-    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+    let digits = value.strip_prefix('+').unwrap_or(value);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(field_err(field, format!("{value:?} is not a non-negative integer")));
     }
-    value.parse().map_err(|_| field_err(field, format!("{value:?} is out of range")))
+    digits.parse().map_err(|_| field_err(field, format!("{value:?} is out of range")))
+}
+
+/// Whether the first line of `rest` is a known field's (or there is none: Nix then finds no
+/// end of line).
+fn next_is_known(rest: &str) -> bool {
+    rest.is_empty() || rest.split_once(':').is_some_and(|(name, _)| !name.contains('\n') && known_field(name).is_some())
 }
 
 fn parse_base_name(field: &'static str, value: &str) -> Result<StorePath, NarInfoError> {
@@ -107,7 +120,6 @@ impl NarInfo {
         let mut deriver = None;
         let mut signatures = Vec::new();
         let mut ca = None;
-        let mut seen_ca = false;
         let mut system = None;
 
         let mut rest = text;
@@ -120,15 +132,16 @@ impl NarInfo {
                 None => return Err(line_err(format!("{rest:?} does not end in \\n (truncated file?)"))),
             };
             rest = tail;
-            if l.ends_with('\r') {
-                return Err(line_err(format!("{l:?} ends in \\r (CRLF line endings are not allowed)")));
+            let (name, after) = l.split_once(':').ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value' (no ':'; Nix would join it to the next line)")))?;
+            if after.is_empty() && (known_field(name).is_some() || next_is_known(rest)) {
+                return Err(line_err(format!("{l:?} has nothing after its ':' (Nix 2.26 would read the next line as its value)")));
             }
-            let (name, after) = l.split_once(':').ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value' (no ':')")))?;
             let Some(field) = known_field(name) else { continue };
-            let value = match after.strip_prefix(' ') {
-                Some(value) => value,
-                None if after.is_empty() => "",
-                None => return Err(line_err(format!("{l:?}: the value of {field} must follow ': '"))),
+            if l.ends_with('\r') {
+                return Err(line_err(format!("{l:?} ends in \\r (CRLF line endings are not allowed; Nix would keep the \\r in the value of {field})")));
+            }
+            let Some(value) = after.strip_prefix(' ') else {
+                return Err(line_err(format!("{l:?}: the value of {field} must follow ': ' (Nix would drop its first character)")));
             };
             match field {
                 "StorePath" => {
@@ -157,9 +170,8 @@ impl NarInfo {
                 "System" => system = Some(value.to_owned()),
                 "Sig" if signatures.iter().any(|s| s == value) => {}
                 "Sig" => signatures.push(value.to_owned()),
-                "CA" if seen_ca => return Err(field_err("CA", format!("given again on line {line} (extra CA)"))),
+                "CA" if ca.is_some() => return Err(field_err("CA", format!("given again on line {line} (extra CA)"))),
                 "CA" => {
-                    seen_ca = true;
                     ca = Some(value).filter(|v| !v.is_empty()).map(ContentAddress::parse).transpose().map_err(|e| field_err("CA", e.to_string()))?;
                 }
                 _ => {}
@@ -311,7 +323,7 @@ NarSize: 632\n";
             other => panic!("{other:?}"),
         };
         assert_eq!(field(format!("{BASE}References: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\nReferences: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\n")), "References");
-        assert_eq!(field(format!("{BASE}CA: \nCA: \n")), "CA");
+        assert_eq!(field(format!("{BASE}CA: fixed:r:sha256:1082vds2vznpw83g7s5pg2xa6h9xa6zr409nx35h853nqdl0qml5\nCA: \n")), "CA");
         assert!(matches!(parse(&format!("{BASE}NarSize:9\n")), Err(NarInfoError::Line { line: 6, .. })));
         assert_eq!(field(format!("{BASE}FileSize: 99999999999999999999999\n")), "FileSize");
         assert_eq!(field(format!("{BASE}FileHash: md5:abc\n")), "FileHash");
@@ -321,11 +333,18 @@ NarSize: 632\n";
         assert_eq!(field(BASE.replace("/nix/store/", "/gnu/store/")), "StorePath");
         assert!(matches!(parse(&format!("{BASE}no colon here\n")), Err(NarInfoError::Line { line: 6, .. })));
         assert!(matches!(parse(&BASE.replace("URL: nar/x.nar.xz", "URL: ")), Err(NarInfoError::Missing("URL"))));
-        assert!(parse(&format!("{BASE}Unknown:\nOther: a: b\nX-Cache:HIT\n")).is_ok());
+        assert!(parse(&format!("{BASE}Unknown:\nOther: a: b\nX-Cache:HIT\nX-Served-By: edge\r\n")).is_ok());
+        // A line ending at its ':' makes Nix read the next line as its value.
+        for text in [format!("{BASE}References:\nSig: k:x\n"), format!("{BASE}X-A:\nSig: k:x\n"), format!("{BASE}X-A:\n")] {
+            assert!(matches!(parse(&text), Err(NarInfoError::Line { line: 6, .. })), "{text}");
+        }
+        assert!(matches!(parse(&format!("{BASE}Sig: k:x\r\n")), Err(NarInfoError::Line { line: 6, .. })));
         // As Nix 2.26: a field given again takes its last value; empty References lines and
-        // an empty CA are nothing; a repeated Sig counts once.
-        let again = parse(&format!("{BASE}URL: nar/y.nar.xz\nReferences:\nReferences: \nCA: \nSig: k:x\nSig: k:x\n")).unwrap();
-        assert_eq!((again.url.as_str(), again.references.len(), again.ca, again.signatures), ("nar/y.nar.xz", 0, None, vec!["k:x".to_owned()]));
+        // empty CAs are nothing; a repeated Sig counts once; sizes may have a '+'.
+        let again = parse(&format!("{BASE}URL: nar/y.nar.xz\nReferences: \nReferences: \nCA: \nCA: \nSig: k:x\nSig: k:x\nNarSize: +0632\n")).unwrap();
+        assert_eq!((again.url.as_str(), again.references.len(), again.ca, again.signatures, again.nar_size), ("nar/y.nar.xz", 0, None, vec!["k:x".to_owned()], 632));
+        assert_eq!(field(format!("{BASE}NarSize: ++1\n")), "NarSize");
+        assert_eq!(field(format!("{BASE}NarSize: -1\n")), "NarSize");
         assert_eq!(parse(BASE).unwrap().to_text(&StoreDir::default()), format!("{BASE}References: \n"));
     }
 }

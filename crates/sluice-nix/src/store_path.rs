@@ -30,6 +30,11 @@ pub enum StorePathError {
     NotInStore { path: String, store_dir: String },
 }
 
+/// Why a base name without `-` after its hash part is refused. Nix 2.26's `StorePath` takes
+/// any character there (`path.cc`), but every path it makes has a `-`, and a binary cache
+/// keys narinfos by the hash part alone: `<hash>_x` would stand for `<hash>-x`'s narinfo.
+const NO_DASH: &str = "no '-' after the hash part (Nix 2.26 does not check it, but every path Nix makes has it, and caches find paths by the hash part alone)";
+
 /// Checks a store path name (the part after `<hash>-`); `path` is only for the error.
 pub fn check_name(path: &str, name: &str) -> Result<(), StorePathError> {
     let bad = |why| Err(StorePathError::BadName(path.to_owned(), why));
@@ -66,7 +71,7 @@ impl StorePath {
         }
         let name = rest
             .strip_prefix('-')
-            .ok_or(StorePathError::BadName(s.to_owned(), "no '-' after the hash part"))?;
+            .ok_or(StorePathError::BadName(s.to_owned(), NO_DASH))?;
         check_name(s, name)?;
         Ok(StorePath { base_name: s.to_owned() })
     }

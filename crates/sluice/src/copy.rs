@@ -16,7 +16,7 @@ use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
 use sluice_store::substitute::{copy_closure, summarize, SubstituteOptions};
 
-use crate::log::{LVL_ERROR, LVL_WARN};
+use crate::log::{Log, LVL_WARN};
 use crate::progress::{Progress, MIB};
 use crate::setup::{self, CacheFlags};
 
@@ -80,7 +80,7 @@ fn push(args: Args) -> Result<ExitCode, String> {
     })?;
     let secs = started.elapsed().as_secs_f64();
     for (path, reason) in &report.failed {
-        eprintln!("error: {}: {reason}", store_dir.display_path(path));
+        Log::get().error(&format!("{}: {reason}", store_dir.display_path(path)));
     }
     if args.json {
         println!("{}", json_report(&store_dir, ("copied", &report.copied), report.already_valid, &report.failed, &[("narSize", report.nar_bytes)], secs));
@@ -111,7 +111,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();
-    let progress = Progress::start(store_dir.clone(), &to, args.json);
+    let progress = Progress::start(store_dir.clone(), args.json);
     let started = Instant::now();
     let rt = setup::runtime()?;
     let report = rt.block_on(async {
@@ -138,7 +138,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
     for line in summarize(&store_dir, &report.failed) {
-        progress.msg(LVL_ERROR, &format!("error: {line}"));
+        progress.error(&line);
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
     // Roots that failed have their reason printed already; others are named here.
@@ -158,7 +158,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     );
     progress.msg(LVL_WARN, &summary);
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
-        progress.msg(LVL_ERROR, &format!("error: {} is not valid in {}", store_dir.display_path(m), to));
+        progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

@@ -2,6 +2,12 @@
 //! `--quiet`), and a format: `bar` (a live progress line, on a terminal), `raw` (lines of text,
 //! e.g. `copying path 'X' from 'URL'...`) or `internal-json` (Nix's `@nix {…}` lines: activities
 //! started and stopped, their results, messages), which nix-output-monitor reads.
+//!
+//! The JSON lines have Nix 2.26's shape (`JSONLogger`, `logging.cc`): keys sorted as
+//! nlohmann's `json.dump` writes them, `parent` in every `start`, `fields` only when there are
+//! any, an error's `msg` with its `raw_msg` (the text without `error: `) and null
+//! `column`/`file`/`line`. Nix 2.8's lines are the same less `parent` and the copy's results;
+//! parsers of either read both.
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +29,7 @@ pub const LVL_INFO: Verbosity = 3;
 
 /// Nix's activity types (`ActivityType`, `logging.hh`).
 pub mod act {
-    /// `actCopyPath`: fields `[path, from URL, to URL]`.
+    /// `actCopyPath`: fields `[path, from URL, to URL]` (a local store's URL is `local`).
     pub const COPY_PATH: u64 = 100;
     /// `actCopyPaths`: the whole copy; its progress counts paths.
     pub const COPY_PATHS: u64 = 103;
@@ -44,7 +50,8 @@ pub enum LogFormat {
     Raw,
     /// Nix's `@nix {…}` JSON lines.
     InternalJson,
-    /// A progress line that redraws itself (only on a terminal; raw lines otherwise).
+    /// A progress line that redraws itself, for `copy` and `missing` (only on a terminal; raw
+    /// lines otherwise, and for the commands without progress).
     Bar,
 }
 
@@ -110,12 +117,34 @@ impl Log {
             _ => eprintln!("{text}"),
         }
     }
+
+    /// Prints the error `what` as Nix's `logError` does: `error: WHAT`, or in JSON a `msg` at
+    /// level 0 with `raw_msg` and no position (Nix's `JSONLogger::logEI`).
+    pub fn error(&self, what: &str) {
+        match self.format {
+            LogFormat::InternalJson => emit(json!({
+                "action": "msg", "column": null, "file": null, "level": LVL_ERROR, "line": null,
+                "msg": format!("error: {what}"), "raw_msg": what,
+            })),
+            _ => eprintln!("error: {what}"),
+        }
+    }
 }
 
 /// Writes one `@nix {…}` line to standard error, whole.
 fn emit(value: serde_json::Value) {
     let line = format!("@nix {value}\n");
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// Adds `fields` to a JSON line in the key order of Nix's (sorted: `fields` after `action`),
+/// leaving an empty array out as Nix's `addFields` does.
+fn add_fields(line: &mut serde_json::Value, fields: serde_json::Value) {
+    let Some(object) = line.as_object_mut() else { return };
+    if fields.as_array().is_some_and(|f| !f.is_empty()) {
+        object.insert("fields".into(), fields);
+        object.sort_keys();
+    }
 }
 
 /// A started activity (Nix's `Activity`): its `stop` line is written when it is dropped.
@@ -128,25 +157,24 @@ pub struct Activity {
 
 impl Activity {
     /// Starts an activity of type `kind` (an [`act`] constant) at `level`, with `text` and
-    /// `fields`, under `parent` (0 for none).
+    /// `fields` (none: `[]`), under `parent` (0 for none).
     pub fn start(level: Verbosity, kind: u64, text: &str, fields: serde_json::Value, parent: u64) -> Activity {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed) + 1;
         let json = Log::get().format == LogFormat::InternalJson;
         if json {
-            emit(json!({"action": "start", "id": id, "level": level, "type": kind, "text": text, "parent": parent, "fields": fields}));
+            let mut line = json!({"action": "start", "id": id, "level": level, "parent": parent, "text": text, "type": kind});
+            add_fields(&mut line, fields);
+            emit(line);
         }
         Activity { id, json }
-    }
-
-    /// This activity's id, the parent of the activities under it.
-    pub fn id(&self) -> u64 {
-        self.id
     }
 
     /// A result of type `kind` (a [`res`] constant) with `fields`.
     pub fn result(&self, kind: u64, fields: serde_json::Value) {
         if self.json {
-            emit(json!({"action": "result", "id": self.id, "type": kind, "fields": fields}));
+            let mut line = json!({"action": "result", "id": self.id, "type": kind});
+            add_fields(&mut line, fields);
+            emit(line);
         }
     }
 

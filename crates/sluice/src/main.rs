@@ -47,9 +47,15 @@ enum Command {
     #[command(subcommand)]
     Key(key::Command),
     /// Print the shell completion script for SHELL.
-    Completions { shell: clap_complete::Shell },
+    Completions {
+        /// The shell the script is for.
+        shell: clap_complete::Shell,
+    },
     /// Write man pages (sluice.1 and one per subcommand) into DIR.
-    Man { dir: std::path::PathBuf },
+    Man {
+        /// The directory to write into (created if missing).
+        dir: std::path::PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -95,7 +101,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            log.msg(log::LVL_ERROR, &format!("error: {e}"));
+            log.error(&e);
             ExitCode::FAILURE
         }
     }

@@ -14,9 +14,15 @@ use crate::as_nix::NixVersion;
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
     /// Write the NAR serialisation of PATH to standard output.
-    Dump { path: PathBuf },
+    Dump {
+        /// The file, directory or symlink to serialise (not followed).
+        path: PathBuf,
+    },
     /// Unpack the NAR on standard input into DIR, which must not exist.
-    Restore { dir: PathBuf },
+    Restore {
+        /// The directory to create.
+        dir: PathBuf,
+    },
     /// List the contents of a NAR file.
     Ls {
         /// List subdirectories recursively.

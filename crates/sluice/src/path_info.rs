@@ -19,7 +19,8 @@ use sluice_store::store_url::StoreUrl;
 use tokio::sync::mpsc;
 
 use crate::as_nix::NixVersion;
-use crate::setup::{self, CacheFlags};
+use crate::log::Log;
+use crate::setup::{self, CacheFlags, ConfigFlags};
 
 /// Arguments of `sluice path-info`.
 #[derive(clap::Args, Debug)]
@@ -57,7 +58,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "2.26", value_name = "VERSION")]
     as_nix: NixVersion,
     #[command(flatten)]
-    cache: CacheFlags,
+    config: ConfigFlags,
     /// Store paths.
     #[arg(required = true)]
     paths: Vec<String>,
@@ -74,7 +75,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let store_dir = StoreDir::default();
     let store_url = match &args.store {
         Some(url) => url.clone(),
-        None => setup::default_store(&args.cache)?,
+        None => setup::default_store(&args.config)?,
     };
     let roots = setup::parse_paths(&store_dir, &args.paths)?;
     // `-S` needs the whole closure of each path even without `-r` (Nix's `computeFSClosure`).
@@ -88,7 +89,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
             store_entries(roots.clone(), walk, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
         }
-        StoreUrl::BinaryCache(_) => cache_entries(&args.cache, walk, &store_url, &store_dir, roots.clone())?,
+        StoreUrl::BinaryCache(_) => cache_entries(&args.config, walk, &store_url, &store_dir, roots.clone())?,
     };
     let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
     if !args.recursive {
@@ -118,7 +119,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         return Ok(ExitCode::SUCCESS);
     }
     for m in &missing {
-        eprintln!("error: path '{}' is not valid", store_dir.display_path(m));
+        Log::get().error(&format!("path '{}' is not valid", store_dir.display_path(m)));
     }
     {
         let width = entries.keys().map(|p| store_dir.display_path(p).len()).max().unwrap_or(0);
@@ -207,9 +208,9 @@ fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&
     Ok((entries, missing))
 }
 
-fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
-    let mut flags = flags.clone();
-    flags.no_check_sigs = true;
+fn cache_entries(config: &ConfigFlags, recursive: bool, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
+    // Nix's path-info shows what the cache holds, signed or not.
+    let flags = CacheFlags { no_check_sigs: true, ..CacheFlags::from(config) };
     let settings = setup::settings(&flags)?;
     let rt = setup::runtime()?;
     rt.block_on(async {
@@ -230,7 +231,7 @@ fn cache_entries(flags: &CacheFlags, recursive: bool, url: &str, store_dir: &Sto
                 ClosureEvent::Unknown(p) => missing.push(p),
                 ClosureEvent::Failed { path, errors } => {
                     for (_, e) in errors {
-                        eprintln!("error: {e}");
+                        Log::get().error(&e.to_string());
                     }
                     missing.push(path)
                 }

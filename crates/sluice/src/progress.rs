@@ -1,7 +1,12 @@
 //! Substitution progress, fed by the pipeline's observer calls, in the run's log format
 //! ([`crate::log`]): a progress line redrawn on a terminal (Nix's `progress-bar.cc` draws one
 //! too), `copying path 'X' from 'URL'...` lines as Nix's simple logger prints them, or Nix's
-//! JSON activities (one `actCopyPaths` for the copy, one `actCopyPath` per path under it).
+//! JSON activities (one `actCopyPaths` for the copy, one `actCopyPath` per path), as Nix 2.26's
+//! `copyPaths` (`store-api.cc`) starts them: each `actCopyPath` with parent 0 (Nix starts them
+//! on its thread pool, where no activity is current) and fields `[path, from URL, "local"]`
+//! (`LocalStore::getUri`). Where sluice differs: the closure is queried while paths arrive, so
+//! the copy's text is `copying paths` without Nix's count, and `resSetExpected` and the
+//! expected count of `resProgress` grow as paths are queued.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -14,6 +19,9 @@ use sluice_store::substitute::{Failure, Observer};
 
 use crate::log::{act, res, Activity, Log, LVL_INFO, LVL_WARN};
 
+/// A local store's URI as Nix 2.26 names it in `actCopyPath` (`LocalStore::getUri`), whatever
+/// its root.
+const LOCAL_STORE_URI: &str = "local";
 /// The widest the progress line gets, in columns (narrower on a narrower terminal).
 const MAX_WIDTH: usize = 80;
 /// The span over which a cache's current rate is measured.
@@ -26,8 +34,6 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     log: Log,
     store_dir: StoreDir,
-    /// The destination store's URL (the third field of `actCopyPath`).
-    to: String,
     state: Mutex<State>,
     /// The copy's `actCopyPaths` activity.
     top: Activity,
@@ -53,13 +59,13 @@ struct State {
 }
 
 impl Progress {
-    /// Starts showing the progress of a copy into `to`. With `json` (a `--json` report on
-    /// standard output), nothing but errors and warnings is shown.
-    pub fn start(store_dir: StoreDir, to: &str, json: bool) -> Arc<Self> {
+    /// Starts showing the progress of a copy into a local store. With `json` (a `--json`
+    /// report on standard output), nothing but errors and warnings is shown.
+    pub fn start(store_dir: StoreDir, json: bool) -> Arc<Self> {
         let log = Log::get();
         let bar = (log.bar() && !json).then(line_bar);
         let top = Activity::start(LVL_INFO, act::COPY_PATHS, "copying paths", json!([]), 0);
-        let progress = Arc::new(Progress { bar, log, store_dir, to: to.to_string(), state: Mutex::new(State::default()), top });
+        let progress = Arc::new(Progress { bar, log, store_dir, state: Mutex::new(State::default()), top });
         if progress.bar.is_some() {
             let weak = Arc::downgrade(&progress);
             std::thread::spawn(move || tick(weak));
@@ -94,9 +100,18 @@ impl Progress {
 
     /// Prints `text` at `level` without tearing the progress line.
     pub fn msg(&self, level: u8, text: &str) {
+        self.above_bar(|| self.log.msg(level, text));
+    }
+
+    /// Prints the error `what` ([`Log::error`]) without tearing the progress line.
+    pub fn error(&self, what: &str) {
+        self.above_bar(|| self.log.error(what));
+    }
+
+    fn above_bar(&self, print: impl FnOnce()) {
         match &self.bar {
-            Some(bar) => bar.suspend(|| self.log.msg(level, text)),
-            None => self.log.msg(level, text),
+            Some(bar) => bar.suspend(print),
+            None => print(),
         }
     }
 
@@ -222,7 +237,7 @@ impl Observer for Progress {
         }
         let shown = self.store_dir.display_path(path);
         let text = format!("copying path '{shown}' from '{cache}'");
-        let activity = Activity::start(LVL_INFO, act::COPY_PATH, &text, json!([shown, cache, self.to]), self.top.id());
+        let activity = Activity::start(LVL_INFO, act::COPY_PATH, &text, json!([shown, cache, LOCAL_STORE_URI]), 0);
         state.running.insert(path.clone(), activity);
         state.caches.entry(cache.to_string()).or_default();
         self.report_counts(&state);

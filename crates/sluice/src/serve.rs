@@ -9,7 +9,7 @@ use std::time::Duration;
 use sluice_nix::signature::SecretKey;
 use sluice_store::store::open_store;
 
-use crate::setup::{self, CacheFlags};
+use crate::setup::{self, CacheFlags, ConfigFlags};
 
 /// Arguments of `sluice serve`.
 #[derive(clap::Args, Debug)]
@@ -46,12 +46,12 @@ pub struct Args {
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout: u64,
     #[command(flatten)]
-    cache: CacheFlags,
+    config: ConfigFlags,
 }
 
 /// Runs `sluice serve` until it is killed or a listener fails.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let settings = setup::settings(&args.cache)?;
+    let settings = setup::settings(&CacheFlags::from(&args.config))?;
     let url = args.store.clone().unwrap_or_else(|| settings.store.clone());
     let keys = args
         .secret_keys

@@ -10,7 +10,7 @@ use sluice_store::local::LocalStore;
 use sluice_store::store_url::{LocalStoreConfig, StoreUrl};
 use sluice_store::{binary_cache, substituters};
 
-/// Flags shared by the commands that talk to binary caches; they win over nix.conf.
+/// Flags of the commands that substitute (`copy`, `missing`); they win over nix.conf.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct CacheFlags {
     /// Substituters to use, space-separated (overrides `substituters`).
@@ -22,6 +22,13 @@ pub struct CacheFlags {
     /// Accept paths without a trusted signature.
     #[arg(long)]
     pub no_check_sigs: bool,
+    #[command(flatten)]
+    pub config: ConfigFlags,
+}
+
+/// Flags of every command that opens stores; they win over nix.conf.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ConfigFlags {
     /// Connections per cache over HTTP/1.1; 0 means no limit (overrides `http-connections`,
     /// default 25).
     #[arg(long)]
@@ -29,6 +36,13 @@ pub struct CacheFlags {
     /// Set a nix.conf option, as with Nix's `--option NAME VALUE`.
     #[arg(long, num_args = 2, value_names = ["NAME", "VALUE"], action = clap::ArgAction::Append)]
     pub option: Vec<String>,
+}
+
+impl From<&ConfigFlags> for CacheFlags {
+    /// The flags of a command that does not substitute: no substituter flags given.
+    fn from(config: &ConfigFlags) -> Self {
+        CacheFlags { config: config.clone(), ..CacheFlags::default() }
+    }
 }
 
 /// The settings of nix.conf files and `NIX_CONFIG`, with `extra` (`--option` pairs) applied.
@@ -47,13 +61,13 @@ pub fn raw_config(extra: &[String]) -> Result<RawConfig, String> {
 
 /// The store to use when none is named: the `store` setting, whose default is `$NIX_REMOTE`
 /// or `auto`, as in Nix.
-pub fn default_store(flags: &CacheFlags) -> Result<String, String> {
+pub fn default_store(flags: &ConfigFlags) -> Result<String, String> {
     Ok(Settings::from_raw(&raw_config(&flags.option)?).map_err(|e| e.to_string())?.store)
 }
 
 /// Settings from nix.conf, `NIX_CONFIG` and the flags.
 pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
-    let mut raw = raw_config(&flags.option)?;
+    let mut raw = raw_config(&flags.config.option)?;
     if let Some(s) = &flags.substituters {
         raw.set("substituters", s);
     }
@@ -63,7 +77,7 @@ pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
     if flags.no_check_sigs {
         raw.set("require-sigs", "false");
     }
-    if let Some(n) = flags.http_connections {
+    if let Some(n) = flags.config.http_connections {
         raw.set("http-connections", &n.to_string());
     }
     Settings::from_raw(&raw).map_err(|e| e.to_string())

@@ -20,12 +20,22 @@ fn signature_rules_of_case_09() {
         if accept.contains(&variant.as_str()) {
             check(&o, &format!("copy of {variant}"));
             assert_nix_verifies(tmp.path(), &root);
+            // The Sig lines are stored verbatim, malformed ones too (never repaired).
+            let narinfo = std::fs::read_to_string(case_dir(case).join("cache").join(format!("{}.narinfo", &path["/nix/store/".len()..][..32]))).unwrap();
+            let mut sigs: Vec<&str> = narinfo.lines().filter_map(|l| l.strip_prefix("Sig: ")).collect();
+            sigs.sort();
+            let info = nix_path_info(tmp.path(), root.to_str().unwrap(), &path);
+            let stored: Vec<&str> = info[0]["signatures"].as_array().map_or(vec![], |a| a.iter().map(|s| s.as_str().unwrap()).collect());
+            assert_eq!(stored, sigs, "{variant}");
         } else {
             assert_eq!(o.status.code(), Some(1), "{variant} must be refused: {}", stderr(&o));
             let err = stderr(&o);
             assert!(err.contains(&path), "{variant}: the error names the path: {err}");
             assert!(err.contains("signature") || err.contains("content address"), "{variant}: the error gives the reason: {err}");
             assert_absent(tmp.path(), &root, &path);
+            if ["untrusted-only", "keyname-relabelled"].contains(&variant.as_str()) {
+                assert!(err.contains("(signed by: other-cache-1; trusted: case-test-1)"), "{variant}: the key names: {err}");
+            }
         }
     }
 }

@@ -48,3 +48,36 @@ fn man_pages_for_every_command_with_options_and_defaults() {
     let page = std::fs::read_to_string(dir.join("sluice-copy.1")).unwrap();
     assert!(page.contains("\\-\\-jobs") && page.contains("256"), "{page}");
 }
+
+/// Every option and argument of every command says what it is in `--help`, and a command does
+/// not offer flags it ignores: `path-info` and `serve` substitute nothing, so they take no
+/// `--substituters`, `--trusted-public-keys` or `--no-check-sigs` (`copy` and `missing` do).
+#[test]
+fn help_describes_every_argument_and_offers_no_idle_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let commands: [&[&str]; 11] = [
+        &["copy"], &["missing"], &["path-info"], &["nar", "dump"], &["nar", "restore"], &["nar", "ls"],
+        &["daemon"], &["serve"], &["key", "generate"], &["completions"], &["man"],
+    ];
+    let substituting = ["--substituters", "--trusted-public-keys", "--no-check-sigs"];
+    for command in commands {
+        let o = sluice(tmp.path(), &[command, &["--help"]].concat());
+        check(&o, &format!("{command:?} --help"));
+        let text = String::from_utf8_lossy(&o.stdout);
+        let lines: Vec<&str> = text.lines().collect();
+        let mut items = 0;
+        for (i, line) in lines.iter().enumerate() {
+            let body = line.trim_start();
+            let indent = line.len() - body.len();
+            if (indent == 2 || indent == 6) && (body.starts_with('-') || body.starts_with('<')) {
+                items += 1;
+                let next = lines.get(i + 1).map_or("", |l| l.trim());
+                assert!(!next.is_empty() && !next.starts_with('['), "{command:?}: {body:?} has no description:\n{text}");
+            }
+        }
+        assert!(items >= 2, "{command:?}: {text}");
+        let offered = substituting.iter().filter(|f| lines.iter().any(|l| l.trim() == **f || l.trim().starts_with(&format!("{f} <")))).count();
+        let expected = if matches!(command, ["copy"] | ["missing"]) { substituting.len() } else { 0 };
+        assert_eq!(offered, expected, "{command:?}:\n{text}");
+    }
+}

@@ -1,96 +1,280 @@
-//! Logging as Nix does it: `copying path 'X' from 'URL'...` lines equal to real Nix 2.8's for
-//! the same copy, and `--log-format internal-json` read by a parser (every line `@nix ` and
-//! JSON, activities started and stopped in pairs, Nix's activity and result types).
+//! Logging as Nix does it, compared with real Nix 2.8 and 2.26 (`nix-modern`) copying the same
+//! closure from the same cache: `copying path 'X' from 'URL'...` lines equal to both's, and
+//! `--log-format internal-json` read by a parser: every line `@nix ` and JSON, activities
+//! started and stopped in pairs, and each kind of line with Nix 2.26's keys and values.
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Output;
 
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 
-/// The 25-path closure of the corpus's subset cache, and that cache's `file://` URL.
-fn subset() -> (String, String) {
+/// The subset cache's top-level path (a 25-path closure).
+fn subset_top() -> String {
     let summary: Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
-    let url = format!("file://{}", corpus().join("cache-subset-none").display());
-    (summary["subsetRoot"].as_str().unwrap().to_string(), url)
+    summary["subsetRoot"].as_str().unwrap().to_string()
+}
+
+/// A copy of the corpus's subset cache under `tmp` (where Nix 2.26 sees it), as a `file://` URL.
+fn subset_cache(tmp: &Path) -> String {
+    let dir = tmp.join("cache");
+    copy_dir(&corpus().join("cache-subset-none"), &dir);
+    format!("file://{}", dir.display())
+}
+
+/// Which Nix copies.
+#[derive(Clone, Copy, Debug)]
+enum Copier {
+    Sluice,
+    Nix28,
+    Nix226,
+}
+
+/// `copier` copying `top`'s closure from `url` into a fresh chroot store under `tmp`, with
+/// `flags` (log flags) after the command.
+fn copy(copier: Copier, tmp: &Path, url: &str, top: &str, flags: &[&str]) -> Output {
+    let to = tmp.join(format!("{copier:?}-{}", flags.join("")));
+    let to = to.to_str().unwrap();
+    let key = corpus_key();
+    let o = match copier {
+        Copier::Sluice => sluice(tmp, &[&["copy", "--from", url, "--to", to, "--trusted-public-keys", &key, top], flags].concat()),
+        Copier::Nix28 => nix(tmp, "nix", &[&["copy", "--from", url, "--to", to, "--option", "trusted-public-keys", &key, top], flags].concat()),
+        Copier::Nix226 => nix_modern(tmp, &[&["nix", "copy", "--from", url, "--to", to, "--option", "trusted-public-keys", &key, top], flags].concat()),
+    };
+    check(&o, &format!("{copier:?} copy {flags:?}"));
+    o
 }
 
 /// The `copying path` lines of a standard error, as a set.
-fn copying_lines(o: &std::process::Output) -> BTreeSet<String> {
+fn copying_lines(o: &Output) -> BTreeSet<String> {
     stderr(o).lines().filter(|l| l.starts_with("copying path ")).map(str::to_string).collect()
 }
 
 #[test]
 fn piped_output_prints_the_copying_lines_real_nix_prints() {
-    let (top, url) = subset();
-    let key = corpus_key();
     let tmp = tempfile::tempdir().unwrap();
-    let (ours, theirs) = (tmp.path().join("ours"), tmp.path().join("theirs"));
-    let o = sluice(tmp.path(), &["copy", "--from", &url, "--to", ours.to_str().unwrap(), "--trusted-public-keys", &key, &top]);
-    check(&o, "sluice copy");
-    let n = nix(tmp.path(), "nix", &["copy", "--from", &url, "--to", theirs.to_str().unwrap(), "--option", "trusted-public-keys", &key, &top]);
-    check(&n, "nix copy");
-    let want = copying_lines(&n);
-    assert_eq!(want.len(), 25, "Nix 2.8 prints a line per path:\n{}", stderr(&n));
-    assert_eq!(copying_lines(&o), want);
+    let (url, top) = (subset_cache(tmp.path()), subset_top());
+    let ours = copying_lines(&copy(Copier::Sluice, tmp.path(), &url, &top, &[]));
+    for nix in [Copier::Nix28, Copier::Nix226] {
+        let o = copy(nix, tmp.path(), &url, &top, &[]);
+        let want = copying_lines(&o);
+        assert_eq!(want.len(), 25, "{nix:?} prints a line per path:\n{}", stderr(&o));
+        assert_eq!(ours, want, "{nix:?}");
+        // Nix counts the missing paths first; sluice queries them while copying (README).
+        assert!(stderr(&o).lines().any(|l| l == "copying 25 paths..."), "{nix:?}");
+    }
     // --quiet drops them, as Nix's.
-    let quiet = tempfile::tempdir().unwrap();
-    let q = sluice(quiet.path(), &["copy", "--quiet", "--from", &url, "--to", quiet.path().join("s").to_str().unwrap(), "--trusted-public-keys", &key, &top]);
-    check(&q, "sluice copy --quiet");
+    let q = copy(Copier::Sluice, tmp.path(), &url, &top, &["--quiet"]);
     assert!(copying_lines(&q).is_empty(), "{}", stderr(&q));
 }
 
-#[test]
-fn internal_json_is_nix_activity_lines() {
-    let (top, url) = subset();
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    let o = sluice(tmp.path(), &["copy", "--log-format", "internal-json", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
-    check(&o, "sluice copy --log-format internal-json");
-    let mut open: BTreeMap<u64, Value> = BTreeMap::new();
-    let (mut copy_paths, mut copy_path, mut last_progress) = (0, 0, None);
-    for line in stderr(&o).lines() {
-        let json: Value = serde_json::from_str(line.strip_prefix("@nix ").unwrap_or_else(|| panic!("not an @nix line: {line}"))).unwrap();
-        match json["action"].as_str().unwrap() {
-            "start" => {
-                let id = json["id"].as_u64().unwrap();
-                assert_eq!(id >> 32, u64::from(o_pid(&json)), "ids carry a pid, as Nix's");
-                match json["type"].as_u64().unwrap() {
-                    103 => copy_paths += 1,
-                    100 => {
-                        copy_path += 1;
-                        let f = json["fields"].as_array().unwrap();
-                        assert_eq!(json["level"], 3);
-                        assert_eq!(f[1], url.as_str());
-                        assert_eq!(f[2], root.to_str().unwrap());
-                        assert_eq!(json["text"], format!("copying path '{}' from '{url}'", f[0].as_str().unwrap()));
-                        assert!(open.contains_key(&json["parent"].as_u64().unwrap()), "the parent is the running actCopyPaths");
-                    }
-                    t => panic!("activity type {t}"),
-                }
-                assert!(open.insert(id, json).is_none(), "id started twice");
-            }
-            "stop" => assert!(open.remove(&json["id"].as_u64().unwrap()).is_some(), "stop without start: {line}"),
-            "result" => {
-                assert!(open.contains_key(&json["id"].as_u64().unwrap()), "result of no running activity: {line}");
-                if json["type"] == 105 && open[&json["id"].as_u64().unwrap()]["type"] == 103 {
-                    last_progress = Some(json["fields"].clone());
-                }
-            }
-            "msg" => assert!(json["msg"].is_string() && json["level"].is_u64()),
-            a => panic!("action {a}"),
-        }
-    }
-    assert!(open.is_empty(), "activities never stopped: {open:?}");
-    assert_eq!((copy_paths, copy_path), (1, 25));
-    // [done, expected, running, failed]
-    assert_eq!(last_progress, Some(serde_json::json!([25, 25, 0, 0])));
+/// The `@nix` lines of a standard error, parsed; fails on any other line.
+fn json_lines(o: &Output) -> Vec<Value> {
+    let text = stderr(o);
+    text.lines()
+        .filter(|l| !l.starts_with("warning: the group 'nixbld'"))
+        .map(|l| serde_json::from_str(l.strip_prefix("@nix ").unwrap_or_else(|| panic!("not an @nix line: {l}"))).unwrap())
+        .collect()
 }
 
-/// The process id in an activity id's upper half (the run's pid is not known to the test; every
-/// id of a run has the same).
-fn o_pid(json: &Value) -> u32 {
-    static PID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *PID.get_or_init(|| (json["id"].as_u64().unwrap() >> 32) as u32)
+/// Checks that activities start once, stop once, and get results only while running; returns
+/// each line's kind: `(action, activity type of its activity, result type)`.
+fn kinds(lines: &[Value]) -> Vec<(String, u64, u64)> {
+    let mut open: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut out = Vec::new();
+    for l in lines {
+        let action = l["action"].as_str().unwrap().to_string();
+        let id = l["id"].as_u64();
+        let (act, res) = match action.as_str() {
+            "start" => {
+                assert!(open.insert(id.unwrap(), l["type"].as_u64().unwrap()).is_none(), "started twice: {l}");
+                (l["type"].as_u64().unwrap(), 0)
+            }
+            "stop" => (open.remove(&id.unwrap()).unwrap_or_else(|| panic!("stop without start: {l}")), 0),
+            "result" => (*open.get(&id.unwrap()).unwrap_or_else(|| panic!("result of no running activity: {l}")), l["type"].as_u64().unwrap()),
+            "msg" => (0, 0),
+            a => panic!("action {a}"),
+        };
+        out.push((action, act, res));
+    }
+    assert!(open.is_empty(), "activities never stopped: {open:?}");
+    out
+}
+
+/// Each kind of line with its set of keys.
+fn keys_by_kind(lines: &[Value]) -> BTreeMap<(String, u64, u64), BTreeSet<String>> {
+    kinds(lines).into_iter().zip(lines).map(|(k, l)| (k, l.as_object().unwrap().keys().cloned().collect())).collect()
+}
+
+/// The lines of `action` for activity type `act` (result type `res`), in order.
+fn of_kind<'a>(lines: &'a [Value], kind: (&str, u64, u64)) -> Vec<&'a Value> {
+    kinds(lines).into_iter().zip(lines).filter(|((a, t, r), _)| (a.as_str(), *t, *r) == kind).map(|(_, l)| l).collect()
+}
+
+/// A line without its activity id (which carries the process id), as text with sorted keys.
+fn without_id(l: &Value) -> String {
+    let mut l = l.as_object().unwrap().clone();
+    l.remove("id");
+    l.sort_keys();
+    Value::Object(l).to_string()
+}
+
+#[test]
+fn internal_json_is_nix_226s_activity_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, top) = (subset_cache(tmp.path()), subset_top());
+    let flags = ["--log-format", "internal-json", "-v"];
+    let ours = copy(Copier::Sluice, tmp.path(), &url, &top, &flags);
+    let ours = json_lines(&ours);
+    let pid = ours.iter().find_map(|l| l["id"].as_u64()).unwrap() >> 32;
+    assert!(ours.iter().filter_map(|l| l["id"].as_u64()).all(|id| id >> 32 == pid), "ids carry the pid, as Nix's");
+    let nix226 = json_lines(&copy(Copier::Nix226, tmp.path(), &url, &top, &flags));
+    let nix28 = json_lines(&copy(Copier::Nix28, tmp.path(), &url, &top, &flags));
+    // Every kind of line sluice writes has Nix 2.26's keys; Nix 2.8's lack only `parent`.
+    let (k226, k28) = (keys_by_kind(&nix226), keys_by_kind(&nix28));
+    let mut compared = 0;
+    for (kind, keys) in keys_by_kind(&ours) {
+        if kind.0 == "msg" {
+            continue;
+        }
+        assert_eq!(Some(&keys), k226.get(&kind), "keys of {kind:?}");
+        if let Some(k) = k28.get(&kind) {
+            assert_eq!(keys.difference(k).collect::<Vec<_>>(), if kind.0 == "start" { vec!["parent"] } else { vec![] }, "{kind:?} against Nix 2.8");
+        }
+        compared += 1;
+    }
+    // start/stop of actCopyPaths and actCopyPath, resProgress of both, resSetExpected.
+    assert_eq!(compared, 7);
+    // One actCopyPath per path, each line equal to Nix 2.26's but for the id (text, level 3,
+    // parent 0, fields [path, from, "local"]), and to Nix 2.8's but for its parent.
+    let copy_paths = |lines: &[Value]| of_kind(lines, ("start", 100, 0)).into_iter().map(without_id).collect::<BTreeSet<_>>();
+    let mine = copy_paths(&ours);
+    assert_eq!(mine.len(), 25);
+    assert_eq!(mine, copy_paths(&nix226));
+    let with_parent = of_kind(&nix28, ("start", 100, 0)).into_iter().map(|l| without_id(&json!({"parent": 0}).as_object().unwrap().clone().into_iter().chain(l.as_object().unwrap().clone()).collect())).collect::<BTreeSet<_>>();
+    assert_eq!(mine, with_parent);
+    // The copy: one actCopyPaths at level 3 (Nix's text names the count it knows up front).
+    let top_activity = |lines: &[Value]| -> Vec<String> { of_kind(lines, ("start", 103, 0)).into_iter().filter(|l| l["level"] == 3).map(without_id).collect() };
+    assert_eq!(top_activity(&ours), [r#"{"action":"start","level":3,"parent":0,"text":"copying paths","type":103}"#]);
+    assert_eq!(top_activity(&nix226), [r#"{"action":"start","level":3,"parent":0,"text":"copying 25 paths","type":103}"#]);
+    // Its last resSetExpected (NAR bytes of the actCopyPath activities) and resProgress
+    // ([done, expected, running, failed]) are Nix 2.26's.
+    for res in [106, 105] {
+        let last = |lines: &[Value]| of_kind(lines, ("result", 103, res)).last().map(|l| l["fields"].clone());
+        assert_eq!(last(&ours), last(&nix226), "result {res}");
+    }
+    assert_eq!(of_kind(&nix226, ("result", 103, 106)).last().unwrap()["fields"], json!([100, 567216]));
+    // Each actCopyPath's progress is [bytes, NAR size, 0, 0], the NAR size Nix 2.26 expects.
+    let expected = |lines: &[Value]| -> BTreeSet<u64> { of_kind(lines, ("result", 100, 105)).iter().map(|l| l["fields"][1].as_u64().unwrap()).collect() };
+    assert!(expected(&nix226).is_subset(&expected(&ours)), "{:?} {:?}", expected(&nix226), expected(&ours));
+    for l in of_kind(&ours, ("result", 100, 105)) {
+        let f = l["fields"].as_array().unwrap();
+        assert_eq!((f.len(), &f[2], &f[3]), (4, &json!(0), &json!(0)), "{l}");
+    }
+}
+
+/// An error in JSON is Nix 2.26's `logEI` line: level 0, `msg` and `raw_msg`, null position.
+#[test]
+fn internal_json_errors_are_nix_226s() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, top) = (format!("file://{}", tmp.path().join("no-cache").display()), subset_top());
+    let to = tmp.path().join("root");
+    let args = ["copy", "--log-format", "internal-json", "--from", &url, "--to", to.to_str().unwrap(), &top];
+    let ours = sluice(tmp.path(), &args);
+    assert!(!ours.status.success());
+    let theirs = nix_modern(tmp.path(), &[&["nix"][..], &args].concat());
+    assert!(!theirs.status.success());
+    let error = |o: &Output| -> Value { json_lines(o).into_iter().rfind(|l| l["action"] == "msg" && l["level"] == 0).unwrap_or_else(|| panic!("no error: {}", stderr(o))) };
+    let (mine, nix) = (error(&ours), error(&theirs));
+    let keys = |l: &Value| l.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(&mine), keys(&nix));
+    for k in ["column", "file", "line"] {
+        assert_eq!(mine[k], Value::Null);
+    }
+    assert_eq!(mine["msg"].as_str().unwrap(), format!("error: {}", mine["raw_msg"].as_str().unwrap()));
+    assert!(mine["raw_msg"].as_str().unwrap().contains(&top), "{mine}");
+}
+
+/// `sluice copy` of the corpus closure (1056 paths) from nginx at RTT 100 ms, in a real
+/// terminal: a tmux pane 80 columns wide, captured every 250 ms. While it runs the pane shows
+/// one progress line (never wrapped, at most 79 columns) of the form `[done/running/known
+/// paths] X of Y DL…`, with done ≤ known and done never going back; at the end the line is
+/// gone and the summary is there. A second copy gets Ctrl-C: the line stays, ending in
+/// `interrupted`, and Nix's `error: interrupted by the user` follows.
+#[test]
+fn progress_line_in_a_real_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &["--rtt-ms", "100"]);
+    let server_of_panes = Tmux(tmp.path().join("tmux.sock"));
+    let tmux = |args: &[&str]| server_of_panes.run(args);
+    // The pane's command: sluice in the isolated environment, then a pause keeping the pane.
+    let run = |name: &str| {
+        let mut env = std::process::Command::new("true");
+        isolate(&mut env, tmp.path(), "");
+        let vars: String = env.get_envs().map(|(k, v)| format!("{}='{}' ", k.to_str().unwrap(), v.unwrap().to_str().unwrap())).collect();
+        let to = tmp.path().join(name);
+        format!("env {vars}{} copy --from {} --to {} --trusted-public-keys '{}' {TOP}; sleep 600", env!("CARGO_BIN_EXE_sluice"), server.url, to.display(), corpus_key())
+    };
+    let pane = |session: &str| String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", session]).stdout).lines().map(str::trim_end).filter(|l| !l.is_empty()).map(str::to_owned).collect::<Vec<_>>();
+    // [done/running/known paths…] of a progress line.
+    let counts = |line: &str| -> Option<(u64, u64, u64)> {
+        let inner = line.strip_prefix('[')?.split(" paths").next()?;
+        let n: Vec<u64> = inner.split('/').map(|x| x.parse().ok()).collect::<Option<_>>()?;
+        (n.len() == 3 && line.contains("] ") && line.contains(" DL")).then(|| (n[0], n[1], n[2]))
+    };
+    check(&tmux(&["new-session", "-d", "-s", "copy", "-x", "80", "-y", "10", &run("s1")]), "tmux new-session");
+    let started = std::time::Instant::now();
+    let (mut seen, mut last_done, mut summary) = (0, 0, None);
+    while started.elapsed() < std::time::Duration::from_secs(300) {
+        let lines = pane("copy");
+        if let Some(done) = lines.iter().find(|l| l.starts_with("copied ")) {
+            assert!(!lines.iter().any(|l| l.starts_with('[')), "the line is cleared at the end: {lines:?}");
+            summary = Some(done.clone());
+            break;
+        }
+        if !lines.is_empty() {
+            assert_eq!(lines.len(), 1, "one line, not wrapped: {lines:?}");
+            assert!(lines[0].chars().count() <= 79, "{:?}", lines[0]);
+            let (done, running, known) = counts(&lines[0]).unwrap_or_else(|| panic!("not a progress line: {:?}", lines[0]));
+            assert!(done + running <= known && done >= last_done, "{:?} after done = {last_done}", lines[0]);
+            last_done = done;
+            seen += 1;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    assert!(summary.as_deref().is_some_and(|s| s.starts_with("copied 1056 paths")), "{summary:?}");
+    assert!(seen >= 3, "the line was seen at {seen} moments");
+    // Ctrl-C once the line shows progress.
+    check(&tmux(&["new-session", "-d", "-s", "stop", "-x", "80", "-y", "10", &run("s2")]), "tmux new-session");
+    while pane("stop").first().and_then(|l| counts(l)).is_none_or(|(done, _, _)| done == 0) {
+        assert!(started.elapsed() < std::time::Duration::from_secs(600), "{:?}", pane("stop"));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    check(&tmux(&["send-keys", "-t", "stop", "C-c"]), "tmux send-keys");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !pane("stop").iter().any(|l| l == "error: interrupted by the user") {
+        assert!(std::time::Instant::now() < deadline, "{:?}", pane("stop"));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let lines = pane("stop");
+    let line = lines.iter().rev().find(|l| l.starts_with('[')).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(line.ends_with(" interrupted") && line.chars().count() <= 79 && counts(line).is_some(), "{lines:?}");
+}
+
+/// A tmux server of the test's own (its socket), ended with the test.
+struct Tmux(std::path::PathBuf);
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> Output {
+        std::process::Command::new("tmux").arg("-S").arg(&self.0).args(args).output().unwrap()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        self.run(&["kill-server"]);
+    }
 }

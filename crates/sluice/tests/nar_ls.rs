@@ -6,16 +6,8 @@ mod common;
 
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::Path;
-use std::process::{Command, Output};
 
 use common::*;
-
-/// Real Nix 2.26 (`nix-modern`, which sees the host's /tmp only) running `args` under `t`.
-fn modern(t: &Path, args: &[&str]) -> Output {
-    let mut cmd = Command::new(shared().join("bin/nix-modern"));
-    isolate(&mut cmd, t, "");
-    cmd.current_dir(t).args(args).output().unwrap()
-}
 
 /// A NAR (by Nix 2.8's `nix-store --dump`) of a tree with nested directories, an executable,
 /// a symlink and an empty directory; and one of a lone file.
@@ -49,7 +41,7 @@ fn listings_and_path_spellings_as_nix_2_26_and_2_8() {
     for (nar, path) in paths.iter().map(|p| (&tree, *p)).chain([(&file, "/"), (&file, "/x")]) {
         for f in flags {
             let args = [&["nar", "ls"][..], f, &[nar.as_str(), path]].concat();
-            for (version, real) in [("2.26", modern(t, &[&["nix"][..], &args].concat())), ("2.8", nix(t, "nix", &args))] {
+            for (version, real) in [("2.26", nix_modern(t, &[&["nix"][..], &args].concat())), ("2.8", nix(t, "nix", &args))] {
                 let own = sluice(t, &[&args[..2], &["--as-nix", version], &args[2..]].concat());
                 let what = format!("Nix {version}: nar ls {f:?} {path:?}");
                 assert_eq!(String::from_utf8_lossy(&own.stdout), String::from_utf8_lossy(&real.stdout), "{what}");

@@ -156,14 +156,20 @@ fn url_forms_under_a_path_prefix() {
     }
 }
 
+/// Each `nix-cache-info` is accepted or refused as real Nix 2.26 (`nix path-info --store`, whose
+/// `BinaryCacheStore::init` reads the file) accepts or refuses it; several `StoreDir` lines are
+/// each checked, as Nix checks them (the last one no longer decides).
 #[test]
 fn broken_nix_cache_info() {
     let good = file_url(&case_dir(C02).join("cache"));
-    let variants: [(&str, Option<&str>, Option<&str>); 4] = [
+    let variants: [(&str, Option<&str>, Option<&str>); 7] = [
         ("missing", None, None),
         ("garbage", Some("\u{1}\u{2}<html>not: a cache\n\u{ff}junk"), None),
         ("wrong-store-dir", Some("StoreDir: /gnu/store\n"), Some("store directory /gnu/store")),
         ("bad-priority", Some("StoreDir: /nix/store\nPriority: high\n"), Some("Priority \"high\"")),
+        ("store-dir-repeated", Some("StoreDir: /nix/store\nPriority: 30\nStoreDir:\t/nix/store\r\n"), None),
+        ("store-dir-then-another", Some("StoreDir: /nix/store\nStoreDir: /gnu/store\n"), Some("line 2: StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\"")),
+        ("another-then-store-dir", Some("StoreDir: /gnu/store\nWantMassQuery: 1\nStoreDir: /nix/store\n"), Some("line 3: StoreDir \"/nix/store\" differs from line 1's \"/gnu/store\"")),
     ];
     for (name, content, refusal) in variants {
         let tmp = tempfile::tempdir().unwrap();
@@ -186,6 +192,9 @@ fn broken_nix_cache_info() {
                 check(&copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]), name);
             }
         }
+        // Last: Nix writes a missing nix-cache-info into the cache.
+        let theirs = nix_modern(tmp.path(), &["nix", "path-info", "--store", &file_url(&cache), OK]);
+        assert_eq!(theirs.status.success(), refusal.is_none(), "{name}: Nix 2.26 says {}", stderr(&theirs));
     }
 }
 
@@ -205,4 +214,38 @@ fn narinfo_leniency_is_nixs() {
     let theirs = tmp.path().join("theirs");
     let o = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &file_url(&cache), "--option", "trusted-public-keys", &case_key(C02)]);
     check(&o, "nix-store -r of the same narinfo");
+}
+
+/// The narinfo line rules compared with real Nix 2.26 (`nix-store -r` through `nix-modern`) on
+/// the same edited narinfo: each is accepted or refused by both, but for one kept refusal;
+/// sluice's refusals name the line. Where Nix would lose a field (a line ending at its `:`
+/// swallows the next line), both refuse, sluice naming why. Kept: a `Sig` line ending in
+/// `\r\n`, which Nix takes with the `\r` in the signature it stores.
+#[test]
+fn narinfo_rules_are_nix_226s() {
+    let variants: [(&str, fn(String) -> String, bool, bool); 8] = [
+        ("empty-ca-twice", |s| s + "CA: \nCA: \n", true, true),
+        ("size-with-plus", |s| s.replace("NarSize: 136", "NarSize: +136"), true, true),
+        ("size-with-leading-zero", |s| s.replace("NarSize: 136", "NarSize: 0136"), true, true),
+        ("crlf-unknown-field", |s| format!("X-Served-By: edge\r\n{s}"), true, true),
+        ("empty-unknown-then-unknown", |s| format!("X-A:\nX-B: c\n{s}"), true, true),
+        ("empty-unknown-then-url", |s| s.replace("URL: ", "X-A:\nURL: "), false, false),
+        ("compression-without-space", |s| s.replace("Compression: none", "Compression:none"), false, false),
+        ("crlf-sig", |s| s.replace("==\n", "==\r\n"), true, false),
+    ];
+    for (name, edit, nix_accepts, accepted) in variants {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_copy(tmp.path(), "cache");
+        let file = narinfo_file(&cache, OK);
+        let text = edit(std::fs::read_to_string(&file).unwrap());
+        std::fs::write(&file, &text).unwrap();
+        let theirs = tmp.path().join("theirs");
+        let n = nix_modern(tmp.path(), &["nix-store", "--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &file_url(&cache), "--option", "trusted-public-keys", &case_key(C02)]);
+        assert_eq!(n.status.success(), nix_accepts, "{name}: Nix 2.26 says {}", stderr(&n));
+        let o = copy_with(tmp.path(), &tmp.path().join("ours"), &file_url(&cache), &case_key(C02), &[], &[OK]);
+        assert_eq!(o.status.success(), accepted, "{name}: {}", stderr(&o));
+        if !accepted {
+            assert!(stderr(&o).contains("narinfo line "), "{name}: {}", stderr(&o));
+        }
+    }
 }

@@ -4,16 +4,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use common::*;
-
-/// Real Nix 2.26 (`nix-modern`, which sees the host's /tmp only) running `args` under `t`.
-fn modern(t: &Path, args: &[&str]) -> Output {
-    let mut cmd = Command::new(shared().join("bin/nix-modern"));
-    isolate(&mut cmd, t, "");
-    cmd.current_dir(t).args(args).output().unwrap()
-}
 
 /// `--json` (an object keyed by path, `null` for a path that is not valid, `ca`, `deriver`,
 /// `registrationTime`, `ultimate` and `signatures` always there, a cache's `url`,
@@ -31,7 +23,7 @@ fn json_and_sizes_as_nix_2_26_by_default() {
     let runs: [&[&str]; 6] = [&["--json", &bash, invalid], &["--json", "-S", &bash], &["-r", "--json", "-S", &bash], &["-h", "-s", "-S", "-r", &bash], &["-h", "-s", &bash], &["--sigs", "-r", &bash]];
     for store in [root.to_str().unwrap(), from.as_str()] {
         for args in runs {
-            let nix_out = modern(t, &[&["nix", "path-info", "--store", store][..], args].concat());
+            let nix_out = nix_modern(t, &[&["nix", "path-info", "--store", store][..], args].concat());
             let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
             assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{store} {args:?}: {}", stderr(&nix_out));
             assert_eq!(sluice_out.status.code(), nix_out.status.code(), "{store} {args:?}: {}", stderr(&sluice_out));

@@ -16,8 +16,9 @@ use super::{check_name, NarVisitor, MAGIC};
 
 /// Longest entry name accepted (Linux `NAME_MAX`).
 pub const MAX_NAME_LEN: usize = 255;
-/// Longest symlink target accepted (Linux `PATH_MAX`).
-pub const MAX_TARGET_LEN: usize = 4096;
+/// Longest symlink target accepted (Linux `PATH_MAX` less its NUL: `symlink` refuses 4096
+/// bytes with `ENAMETOOLONG`, as it does for Nix 2.26's `nix-store --restore`).
+pub const MAX_TARGET_LEN: usize = 4095;
 /// Longest structural token accepted (`(`, `type`, `executable`, …).
 pub const MAX_TOKEN_LEN: usize = 64;
 /// Deepest directory nesting accepted (a deeper tree cannot be unpacked within `PATH_MAX`).
@@ -287,10 +288,11 @@ impl<R: Read> Parser<R> {
         match t.as_slice() {
             b"contents" => {}
             b"executable" => return self.invalid(start, "'executable' after 'executable'"),
-            // Nix's `parse` (`src/libutil/archive.cc`) reads this as an empty file, but a NAR
-            // of that file is `contents` with length 0: the path unpacked from this one would
-            // never dump to its NarHash again (`nix-store --verify --check-contents` fails).
-            b")" => return self.invalid(start, "a regular file without 'contents' (Nix writes an empty file as 'contents' of length 0; this NAR could not be dumped again to the same hash)"),
+            // Nix 2.26's `parse` (`src/libutil/archive.cc`) takes this `)` as the tag after
+            // `type regular` and then expects another `)`, so it refuses it too (2.8 read an
+            // empty file, which would never dump to this NarHash again: Nix writes an empty
+            // file as `contents` of length 0).
+            b")" => return self.invalid(start, "a regular file without 'contents' (Nix 2.26 refuses it; an empty file is 'contents' of length 0)"),
             _ => return self.invalid(start, format!("expected 'contents', got {}", show(&t))),
         }
         let size = self.u64()?;

@@ -74,6 +74,14 @@ pub fn nix(tmp: &Path, prog: &str, args: &[&str]) -> Output {
     cmd.args(args).output().unwrap_or_else(|e| panic!("cannot run {prog} (install Debian's nix-bin): {e}"))
 }
 
+/// Real Nix 2.26's `PROG ARGS` (`shared/bin/nix-modern`, which sees the host's /tmp only) in
+/// an isolated environment under `tmp`, from `tmp`.
+pub fn nix_modern(tmp: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(shared().join("bin/nix-modern"));
+    isolate(&mut cmd, tmp, "");
+    cmd.current_dir(tmp).args(args).output().unwrap()
+}
+
 /// Text of standard error, for assertions.
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
