@@ -10,7 +10,7 @@
 //!   (`writeNarInfo`; the info's own signatures are kept).
 
 use sluice_nix::narinfo::NarInfo;
-use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
@@ -107,12 +107,12 @@ impl BinaryCache {
         if narinfo.store_path.hash_part() != hash_part {
             return Ok(None);
         }
-        Ok(Some(self.keep(narinfo)))
+        Ok(Some(self.keep(narinfo).info))
     }
 
-    /// Keeps `narinfo` for [`Store::nar_from_path`]; its info.
-    fn keep(&self, narinfo: NarInfo) -> ValidPathInfo {
-        let info = ValidPathInfo::from_narinfo(&narinfo, 0);
+    /// Keeps `narinfo` for [`Store::nar_from_path`]; what it says of its path.
+    fn keep(&self, narinfo: NarInfo) -> PathInfo {
+        let info = PathInfo::from_narinfo(&narinfo);
         self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(narinfo.store_path.clone(), narinfo);
         info
     }
@@ -123,7 +123,7 @@ impl BinaryCache {
     }
 
     /// The info of `path` from its narinfo (kept for [`Store::nar_from_path`]).
-    async fn query_one(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, StoreError> {
+    async fn query_one(&self, path: &StorePath) -> Result<Option<PathInfo>, StoreError> {
         let Some(text) = self.narinfo_text(path).await? else { return Ok(None) };
         Ok(Some(self.keep(self.parse_narinfo(path, &self.store_dir, &text)?)))
     }
@@ -138,7 +138,7 @@ impl Store for BinaryCache {
         &self.store_dir
     }
 
-    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
         // All at once: the transport bounds the requests in flight.
         Box::pin(async move { futures::future::join_all(paths.iter().map(|path| self.query_one(path))).await.into_iter().collect() })
     }
