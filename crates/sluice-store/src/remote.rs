@@ -568,24 +568,24 @@ struct DaemonNar {
 impl Read for DaemonNar {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if self.piped.is_none() {
-            let (mut write, reader) = PipedNar::pipe(&self.url).map_err(std::io::Error::other)?;
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let (path, nar_size) = (self.path.clone(), self.nar_size);
-            let job: Job = Box::new(move |conn| {
-                let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
-                drop(write);
-                let _ = tx.send(read);
-            });
+            let (path, nar_size, jobs) = (self.path.clone(), self.nar_size, &self.jobs);
             let ended = format!("{}: the daemon connection's thread ended", self.url);
-            self.jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
-            let finished = async move {
-                match rx.await {
-                    // A failed write is the reader's own doing (it stopped reading).
-                    Ok(read) => read.map(drop).map_err(std::io::Error::other),
-                    Err(_) => Err(std::io::Error::other(ended)),
-                }
-            };
-            self.piped = Some(reader(Box::pin(finished)));
+            self.piped = Some(PipedNar::start(&self.url, |mut write| {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let job: Job = Box::new(move |conn| {
+                    let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
+                    drop(write);
+                    let _ = tx.send(read);
+                });
+                jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
+                Ok(Box::pin(async move {
+                    match rx.await {
+                        // A failed write is the reader's own doing (it stopped reading).
+                        Ok(read) => read.map(drop).map_err(std::io::Error::other),
+                        Err(_) => Err(std::io::Error::other(ended)),
+                    }
+                }))
+            })?);
         }
         self.piped.as_mut().expect("started above").read(buf)
     }

@@ -158,16 +158,19 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
 /// cut-short NAR is reported as why it was.
 pub struct PipedNar {
     pipe: std::fs::File,
-    finished: Option<BoxFuture<'static, std::io::Result<()>>>,
+    finished: Option<NarWritten>,
 }
 
+/// How the writer of a [`PipedNar`] ended; resolves once it has.
+pub type NarWritten = BoxFuture<'static, std::io::Result<()>>;
+
 impl PipedNar {
-    /// A new pipe for a NAR of `url`'s: (its write end, a function making the reader of its
-    /// read end once the writer's outcome is known as `finished`).
-    pub fn pipe(url: &str) -> Result<(std::fs::File, impl FnOnce(BoxFuture<'static, std::io::Result<()>>) -> PipedNar), StoreError> {
-        let (read, write) = rustix::pipe::pipe().map_err(|e| StoreError::Other(format!("{url}: creating a pipe: {e}")))?;
-        let read = std::fs::File::from(read);
-        Ok((std::fs::File::from(write), move |finished| PipedNar { pipe: read, finished: Some(finished) }))
+    /// A pipe for a NAR of `url`'s: `start` is given its write end, starts the writer and
+    /// returns how it will end; the reader of the read end.
+    pub fn start(url: &str, start: impl FnOnce(std::fs::File) -> std::io::Result<NarWritten>) -> std::io::Result<PipedNar> {
+        let (read, write) = rustix::pipe::pipe().map_err(|e| std::io::Error::other(format!("{url}: creating a pipe: {e}")))?;
+        let finished = start(std::fs::File::from(write))?;
+        Ok(PipedNar { pipe: std::fs::File::from(read), finished: Some(finished) })
     }
 }
 

@@ -2261,8 +2261,16 @@ fn sluice_copy_into_and_out_of_daemons() {
     for (daemon, root) in [(&sluice_daemon, "sluice-root"), (&nix_daemon, "nix-root")] {
         let direct = env.path(root);
         let direct = direct.to_str().unwrap();
+        // `sluice missing --store unix://…` asks the daemon what is valid: all, then nothing.
+        let missing = |expected: usize| {
+            let out = env.cmd(sluice()).args(["missing", "--json", "--store", &daemon.url, "--substituters", &cache, &glibc]).output().unwrap();
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+            assert_eq!(json["willSubstitute"].as_array().unwrap().len(), expected, "{root}: {json}");
+        };
+        missing(closure.len());
         let into = env.cmd(sluice()).args(["copy", "--from", &cache, "--to", &daemon.url, &glibc]).output().unwrap();
         assert!(into.status.success(), "into {root}: {}", String::from_utf8_lossy(&into.stderr));
+        missing(0);
         let valid = env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]);
         assert_eq!(valid.lines().collect::<std::collections::BTreeSet<_>>(), closure.iter().map(String::as_str).collect(), "{root}");
         verified(&env, direct);

@@ -101,11 +101,12 @@ impl Store for LocalStoreHandle {
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
-            let (mut write, reader) = PipedNar::pipe(&self.url)?;
             let (store, path) = (self.store.clone(), info.path.clone());
-            let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut write));
-            let finished = async move { dumper.await.map_err(io::Error::other)?.map_err(io::Error::other) };
-            Ok(Box::new(reader(Box::pin(finished))) as NarReader)
+            let nar = PipedNar::start(&self.url, |mut write| {
+                let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut write));
+                Ok(Box::pin(async move { dumper.await.map_err(io::Error::other)?.map_err(io::Error::other) }))
+            });
+            Ok(Box::new(nar.map_err(|e| StoreError::Other(e.to_string()))?) as NarReader)
         })
     }
 
