@@ -29,12 +29,24 @@ const CACHE_INFO_MIME: &str = "text/x-nix-cache-info";
 const LISTING_MIME: &str = "application/json";
 
 impl BinaryCache {
-    /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` (a cache
-    /// without one is taken to serve `/nix/store`: one is written before the first addition,
-    /// as Nix's `BinaryCacheStore::init` writes it) and its secret keys.
+    /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` and its
+    /// secret keys. A `file://` or S3 cache without `nix-cache-info` is taken to serve
+    /// `/nix/store`, and one is written before the first addition (Nix's
+    /// `BinaryCacheStore::init` writes it at once); over HTTP it is written now, as Nix's
+    /// `HttpBinaryCacheStore::init` does, and a server that refuses it is not a binary cache
+    /// ([`BinaryCache::read_without_cache_info`]'s error, Nix's words).
     pub async fn open(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<Self, CacheError> {
         let mut cache = BinaryCache::new(url, client, settings, Default::default());
-        let info = cache.fetch_cache_info().await?.unwrap_or_default();
+        let info = match cache.fetch_cache_info().await? {
+            Some(info) => info,
+            None => match cache.read_without_cache_info() {
+                Ok(info) => info,
+                Err(not_a_cache) => {
+                    cache.init_for_writing().await.map_err(|_| not_a_cache)?;
+                    Default::default()
+                }
+            },
+        };
         cache.set_info(info);
         cache.check_store_dir(&cache.store_dir)?;
         for file in &url.write.secret_key_files {
