@@ -1,7 +1,9 @@
 //! What a store knows about a store path: Nix's `ValidPathInfo` (`src/libstore/path-info.hh`),
 //! the one path-info type of sluice, used by the local store's registry, the worker protocol
-//! and the verification boundary; and the signature fingerprint (`ValidPathInfo::fingerprint`,
-//! `path-info.cc`), computed in one place for narinfos and path infos alike.
+//! and the verification boundary; [`PathInfo`], a store's answer for a path (the info and, from
+//! a binary cache, where the NAR is: Nix's `NarInfo`, `src/libstore/nar-info.hh`); and the
+//! signature fingerprint (`ValidPathInfo::fingerprint`, `path-info.cc`), computed in one place
+//! for narinfos and path infos alike.
 
 use std::collections::BTreeSet;
 
@@ -29,6 +31,42 @@ pub struct ValidPathInfo {
     pub sigs: BTreeSet<String>,
     /// Content address, parsed once where the info is read.
     pub ca: Option<ContentAddress>,
+}
+
+/// The file a binary cache keeps a path's NAR in: the fields Nix's `NarInfo` adds to
+/// `ValidPathInfo` (`src/libstore/nar-info.hh`), as the narinfo gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NarFile {
+    /// `URL:`, relative to the cache (`nar/<FileHash>.nar.xz`).
+    pub url: String,
+    /// `Compression:` (Nix's default when absent is `bzip2`).
+    pub compression: String,
+    /// `FileHash:`, hash of the file; `None` when unknown.
+    pub file_hash: Option<Hash>,
+    /// `FileSize:`, bytes of the file; `None` when unknown.
+    pub file_size: Option<u64>,
+}
+
+/// A store's answer for a valid path (Nix's `queryPathInfo`, which answers a `NarInfo` for a
+/// path in a binary cache): its info and, from a binary cache, the file its NAR is in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathInfo {
+    pub info: ValidPathInfo,
+    /// `None` from a store that keeps no NAR files (a local store, a daemon).
+    pub nar_file: Option<NarFile>,
+}
+
+impl PathInfo {
+    /// A store's answer without a NAR file.
+    pub fn of(info: ValidPathInfo) -> Self {
+        PathInfo { info, nar_file: None }
+    }
+
+    /// What a binary cache answers with `narinfo` (no registration time: 0).
+    pub fn from_narinfo(narinfo: &NarInfo) -> Self {
+        let nar_file = NarFile { url: narinfo.url.clone(), compression: narinfo.compression.clone(), file_hash: narinfo.file_hash.clone(), file_size: narinfo.file_size };
+        PathInfo { info: ValidPathInfo::from_narinfo(narinfo, 0), nar_file: Some(nar_file) }
+    }
 }
 
 impl ValidPathInfo {

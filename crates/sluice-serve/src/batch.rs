@@ -152,7 +152,7 @@ impl Walker {
             let mut infos = self.app.store.query_path_infos(&found).await?.into_iter();
             for (hash, path) in chunk.iter().zip(&paths) {
                 let info = if path.is_some() { infos.next().flatten() } else { None };
-                self.send(hash, info.as_ref()).await?;
+                self.send(hash, info.as_ref().map(|i| &i.info)).await?;
             }
         }
         Ok(())
@@ -181,9 +181,9 @@ impl Walker {
                 let infos = self.app.store.query_path_infos(chunk).await?;
                 for (path, info) in chunk.iter().zip(infos) {
                     if let Some(info) = &info {
-                        next.extend(info.references.iter().filter(|r| seen.insert((*r).clone())).cloned());
+                        next.extend(info.info.references.iter().filter(|r| seen.insert((*r).clone())).cloned());
                     }
-                    self.send(path.hash_part(), info.as_ref()).await?;
+                    self.send(path.hash_part(), info.as_ref().map(|i| &i.info)).await?;
                 }
             }
             level = next;

@@ -247,7 +247,18 @@ pub struct Settings {
     /// `auto-optimise-store` (default false): paths added to a local store are deduplicated
     /// by hard links under `.links` ([`crate::local::LocalStore::set_auto_optimise`]).
     pub auto_optimise_store: bool,
+    /// sluice's `lock-cpu` (default [`LOCK_CPU_DEFAULT`]): a daemon client
+    /// ([`crate::remote::DaemonStore`]) pins its connection's thread to one CPU and asks the
+    /// daemon to run its worker there.
+    pub lock_cpu: bool,
 }
+
+/// Whether a daemon client pins itself and its daemon worker to one CPU when no `lock-cpu`
+/// setting says otherwise. Off, from `bench/daemon`'s measurement (docs/benchmarks.md): with
+/// one round trip per path, pinning made `sluice path-info -r` through the daemon 1.6–2.6×
+/// faster, but the client now pipelines its queries and pinning gains nothing measurable
+/// (0.90–1.11×), while it can keep client and worker on a CPU that other work occupies.
+pub const LOCK_CPU_DEFAULT: bool = false;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -268,6 +279,7 @@ impl Default for Settings {
             keep_outputs: false,
             keep_derivations: true,
             auto_optimise_store: false,
+            lock_cpu: LOCK_CPU_DEFAULT,
         }
     }
 }
@@ -306,6 +318,9 @@ impl Settings {
         }
         if let Some(v) = raw.get("auto-optimise-store") {
             s.auto_optimise_store = parse_bool("auto-optimise-store", v)?;
+        }
+        if let Some(v) = raw.get("lock-cpu") {
+            s.lock_cpu = parse_bool("lock-cpu", v)?;
         }
         if let Some(v) = raw.get("http-connections") {
             s.http_connections = parse_num("http-connections", v)? as usize;

@@ -40,7 +40,7 @@ pub async fn closure_infos(src: &dyn Store, roots: &[StorePath]) -> Result<BTree
         let answers = src.query_path_infos(&frontier).await?;
         let mut next = BTreeSet::new();
         for (path, info) in frontier.iter().zip(answers) {
-            let info = info.ok_or_else(|| StoreError::NotValid { url: src.url().to_string(), path: src.store_dir().display_path(path) })?;
+            let info = info.ok_or_else(|| StoreError::NotValid { url: src.url().to_string(), path: src.store_dir().display_path(path) })?.info;
             next.extend(info.references.iter().filter(|r| !infos.contains_key(*r) && *r != path).cloned());
             infos.insert(path.clone(), info);
         }

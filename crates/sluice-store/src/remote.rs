@@ -1,22 +1,26 @@
 //! A client of a Nix daemon (`sluice daemon` or `nix-daemon`) over its Unix socket: the
-//! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`), with
-//! the old CPU-affinity hint. With `lock-cpu`, the client pins its thread to the CPU it is
+//! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`):
+//! queries, a NAR read (NarFromPath), an addition (AddToStoreNar) and the build operations,
+//! with the old CPU-affinity hint; and [`DaemonStore`], a daemon behind the
+//! [`Store`](crate::store::Store) interface. With `lock-cpu`, the client pins its thread to the CPU it is
 //! running on and sends that CPU in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as
 //! Nix 1.6–2.5 did), so that a daemon which honours it (sluice does) runs the connection's
 //! worker on the same CPU and each round trip avoids a cross-CPU wake-up.
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::{
     read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info,
-    write_basic_derivation, write_bytes, write_derived_path, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, ProtocolVersion,
-    StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
+    write_basic_derivation, write_bool, write_bytes, write_derived_path, write_keyed_path_info, write_u64, BasicDerivation, BuildMode,
+    BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
-use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
+
+use crate::store::{NarReader, PipedNar, PublishGate, StoreError, StoreFuture};
 
 /// The protocol version this client speaks: 1.34 (Nix 2.8's), so that no 1.35+ field is
 /// expected; the daemon answers with min(its version, ours) as a whole.
@@ -35,6 +39,8 @@ const OP_BUILD_PATHS: u64 = 9;
 const OP_SET_OPTIONS: u64 = 19;
 const OP_QUERY_PATH_INFO: u64 = 26;
 const OP_BUILD_DERIVATION: u64 = 36;
+const OP_NAR_FROM_PATH: u64 = 38;
+const OP_ADD_TO_STORE_NAR: u64 = 39;
 const OP_BUILD_PATHS_WITH_RESULTS: u64 = 46;
 
 /// Receives the stderr messages of an operation (log lines, activities, results) as they
@@ -71,6 +77,10 @@ pub enum RemoteError {
     /// Passing on the daemon's messages failed (see [`Relay`]).
     #[error("relaying the messages of the daemon at {}: {source}", socket.display())]
     Relay { socket: PathBuf, #[source] source: std::io::Error },
+    /// Reading the NAR of `path` to send it failed (the daemon was sent a cut-short NAR,
+    /// which it refuses).
+    #[error("daemon at {}: reading the NAR of {path} to add it: {source}", socket.display())]
+    Nar { socket: PathBuf, path: String, #[source] source: std::io::Error },
 }
 
 /// A connection to a daemon. Not shareable between threads: the worker protocol is one
@@ -174,6 +184,59 @@ impl RemoteStore {
         }
         let info = read_unkeyed_path_info(&mut self.r, &self.store_dir, self.version, path.clone()).map_err(self.wire_err(what))?;
         Ok(Some(info))
+    }
+
+    /// NarFromPath (op 38): the NAR of the valid path `path`, `nar_size` bytes (its registered
+    /// size), into `sink` (Nix `RemoteStore::narFromPath`: after `LAST`, the bare NAR). The
+    /// whole NAR is read even when writing `sink` fails, so that the connection stays in step:
+    /// that failure is the inner result.
+    pub fn nar_from_path(&mut self, path: &StorePath, nar_size: u64, sink: &mut dyn Write) -> Result<std::io::Result<()>, RemoteError> {
+        self.request(OP_NAR_FROM_PATH, path, "NarFromPath")?;
+        let io = self.io_err("reading the NAR (NarFromPath)");
+        let (mut nar, mut buf, mut written) = ((&mut self.r).take(nar_size), vec![0u8; 64 << 10], Ok(()));
+        loop {
+            let n = match nar.read(&mut buf) {
+                Ok(0) if nar.limit() > 0 => return Err(io(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(0) => return Ok(written),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io(e)),
+            };
+            if written.is_ok() {
+                written = sink.write_all(&buf[..n]);
+            }
+        }
+    }
+
+    /// AddToStoreNar (op 39, daemons of protocol ≥ 1.23): adds `info.path` from the NAR read
+    /// from `nar`, as Nix's `RemoteStore::addToStore` sends it: the info in its keyed form,
+    /// repair (false), dontCheckSigs (`!check_sigs`; a daemon checks an untrusted client's
+    /// signatures anyway), then the NAR as a framed stream while another thread reads the
+    /// daemon's messages (`withFramedSink`). The daemon checks the NAR against `info`. A failed
+    /// read of `nar` ends the stream there (the daemon refuses the cut-short NAR) and is the
+    /// error ([`RemoteError::Nar`]).
+    pub fn add_to_store_nar(&mut self, info: &ValidPathInfo, nar: &mut dyn Read, check_sigs: bool) -> Result<(), RemoteError> {
+        let what = "AddToStoreNar";
+        if !self.version.at_least(23) {
+            let message = format!("{what} needs protocol 1.23 (Nix 2.4), the daemon speaks {}", self.version);
+            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+        }
+        let io = self.io_err(what);
+        write_u64(&mut self.w, OP_ADD_TO_STORE_NAR).map_err(&io)?;
+        write_keyed_path_info(&mut self.w, &self.store_dir, self.version, info).map_err(&io)?;
+        write_bool(&mut self.w, false).and_then(|()| write_bool(&mut self.w, !check_sigs)).and_then(|()| self.w.flush()).map_err(&io)?;
+        let RemoteStore { socket, r, w, version, .. } = self;
+        let (sent, replied) = std::thread::scope(|scope| {
+            let daemon = scope.spawn(|| relay_stderr(r, *version, socket, what, &mut log_message));
+            let sent = send_framed(w, nar);
+            (sent, daemon.join())
+        });
+        let replied = replied.unwrap_or_else(|_| Err(RemoteError::Protocol { message: format!("{what}: the thread reading the daemon's messages panicked"), socket: self.socket.clone() }));
+        match sent {
+            Ok(Ok(())) => replied,
+            Ok(Err(source)) => Err(RemoteError::Nar { socket: self.socket.clone(), path: self.store_dir.display_path(&info.path), source }),
+            Err(e) => Err(io(e)),
+        }
     }
 
     /// SetOptions (op 19) with the numeric settings `settings` and no overrides.
@@ -285,26 +348,12 @@ impl RemoteStore {
 
     /// Reads stderr messages up to `LAST` (log lines go to the log) or `ERROR`.
     fn finish_stderr(&mut self, what: &'static str) -> Result<(), RemoteError> {
-        self.relay_stderr(what, &mut |m: &StderrMessage| {
-            match m {
-                StderrMessage::Next(line) => tracing::info!("{}", line.trim_end()),
-                StderrMessage::StartActivity { text, .. } if !text.is_empty() => tracing::debug!("{text}"),
-                _ => {}
-            }
-            Ok(())
-        })
+        self.relay_stderr(what, &mut log_message)
     }
 
-    /// Reads stderr messages up to `LAST` or `ERROR` (Nix `processStderr`), passing each
-    /// other one to `relay` as it comes.
+    /// Reads stderr messages up to `LAST` or `ERROR`, passing each other one to `relay`.
     fn relay_stderr(&mut self, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
-        loop {
-            match read_stderr_message(&mut self.r, self.version).map_err(self.wire_err(what))? {
-                StderrMessage::Last => return Ok(()),
-                StderrMessage::Error(message) => return Err(RemoteError::Daemon { socket: self.socket.clone(), what, message }),
-                m => relay(&m).map_err(|source| RemoteError::Relay { socket: self.socket.clone(), source })?,
-            }
-        }
+        relay_stderr(&mut self.r, self.version, &self.socket, what, relay)
     }
 
     fn io_err(&self, what: &'static str) -> impl Fn(std::io::Error) -> RemoteError {
@@ -316,6 +365,45 @@ impl RemoteStore {
         let socket = self.socket.clone();
         move |source| RemoteError::Wire { socket, what, source }
     }
+}
+
+/// Reads stderr messages from `r` up to `LAST` or `ERROR` (Nix `processStderr`), passing each
+/// other one to `relay` as it comes.
+fn relay_stderr(r: &mut BufReader<UnixStream>, version: ProtocolVersion, socket: &Path, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
+    loop {
+        match read_stderr_message(r, version).map_err(|source| RemoteError::Wire { socket: socket.to_owned(), what, source })? {
+            StderrMessage::Last => return Ok(()),
+            StderrMessage::Error(message) => return Err(RemoteError::Daemon { socket: socket.to_owned(), what, message }),
+            m => relay(&m).map_err(|source| RemoteError::Relay { socket: socket.to_owned(), source })?,
+        }
+    }
+}
+
+/// Passes a daemon's log lines to the log (activities' texts at debug level).
+fn log_message(m: &StderrMessage) -> std::io::Result<()> {
+    match m {
+        StderrMessage::Next(line) => tracing::info!("{}", line.trim_end()),
+        StderrMessage::StartActivity { text, .. } if !text.is_empty() => tracing::debug!("{text}"),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Sends what `nar` reads to `w` as a framed stream (frames of at most 64 KiB, then the
+/// terminator), stopping early when `nar` fails. The outer error is the connection's, the
+/// inner one `nar`'s.
+fn send_framed(w: &mut BufWriter<UnixStream>, nar: &mut dyn Read) -> std::io::Result<std::io::Result<()>> {
+    let (mut framed, mut buf) = (FramedWriter::new(w), vec![0u8; 64 << 10]);
+    let read = loop {
+        match nar.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(n) => framed.write_all(&buf[..n])?,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    framed.finish()?.flush()?;
+    Ok(read)
 }
 
 /// Pins the calling thread to the CPU it is running on; that CPU, or `None` (logged) if it
@@ -333,26 +421,80 @@ fn pin_to_current_cpu() -> Option<usize> {
     }
 }
 
-/// A daemon behind the [`Store`](crate::store::Store) interface: one connection, used by one
-/// blocking thread at a time. Only queries are supported: sluice's client does not yet speak
-/// `NarFromPath` or `AddToStoreNar`, so a daemon can be the subject of `path-info` and
-/// `missing` but neither end of a copy.
+/// A daemon behind the [`Store`](crate::store::Store) interface: one connection (Nix's
+/// default `max-connections`), owned by a thread of its own that runs the store's operations
+/// one after another (so that with `lock-cpu` the thread pinned is the one that talks to the
+/// daemon). A connection an operation failed on is dropped and the next operation connects
+/// again. Additions wait for their publish gate before they are sent (the daemon makes a path
+/// valid as it adds it, and registers it only after its references); meanwhile the NAR is
+/// spooled to an unlinked temporary file, so that the source is read to its end.
 pub struct DaemonStore {
     url: String,
     store_dir: StoreDir,
-    conn: std::sync::Arc<std::sync::Mutex<RemoteStore>>,
+    check_sigs: bool,
+    jobs: std::sync::mpsc::Sender<Job>,
+}
+
+/// An operation for the connection's thread.
+type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+
+/// The connection of a [`DaemonStore`], on its thread; `None` after a failure.
+struct Connection {
+    socket: PathBuf,
+    lock_cpu: bool,
+    conn: Option<RemoteStore>,
+}
+
+impl Connection {
+    /// Runs `f` on the connection, connecting first if there is none; a failure drops it, as
+    /// it may have left the connection out of step (a batch's replies unread).
+    fn with<T>(&mut self, f: impl FnOnce(&mut RemoteStore) -> Result<T, RemoteError>) -> Result<T, RemoteError> {
+        let conn = match &mut self.conn {
+            Some(conn) => conn,
+            None => self.conn.insert(RemoteStore::connect(&self.socket, self.lock_cpu)?),
+        };
+        let result = f(conn);
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
 }
 
 impl DaemonStore {
-    /// Connects to the daemon at `socket` (opened as `url`), without CPU pinning.
-    pub fn connect(url: &str, socket: &Path) -> Result<Self, RemoteError> {
-        let conn = RemoteStore::connect(socket, false)?;
-        Ok(DaemonStore { url: url.to_string(), store_dir: conn.store_dir().clone(), conn: std::sync::Arc::new(std::sync::Mutex::new(conn)) })
+    /// Connects to the daemon at `socket` (opened as `url`) from the connection's new thread,
+    /// pinned with `lock_cpu` (see [`RemoteStore::connect`]); additions ask the daemon to check
+    /// signatures when `check_sigs` (Nix's `CheckSigs`; `false` is `--no-check-sigs`, which a
+    /// daemon honours only for a trusted client).
+    pub fn connect(url: &str, socket: &Path, lock_cpu: bool, check_sigs: bool) -> Result<Self, RemoteError> {
+        let (jobs, queue) = std::sync::mpsc::channel::<Job>();
+        let (greeted, greeting) = std::sync::mpsc::channel();
+        let mut conn = Connection { socket: socket.to_owned(), lock_cpu, conn: None };
+        let spawned = std::thread::Builder::new().name("sluice-daemon-client".into()).spawn(move || {
+            let store_dir = conn.with(|c| Ok(c.store_dir().clone()));
+            let ok = store_dir.is_ok();
+            let _ = greeted.send(store_dir);
+            if ok {
+                for job in queue {
+                    job(&mut conn);
+                }
+            }
+        });
+        spawned.map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
+        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), socket: socket.to_owned() };
+        let store_dir = greeting.recv().map_err(|_| ended())??;
+        Ok(DaemonStore { url: url.to_string(), store_dir, check_sigs, jobs })
     }
 
-    fn unsupported<T>(&self, what: &'static str) -> crate::store::StoreFuture<'_, T> {
-        let err = crate::store::StoreError::Unsupported { url: self.url.clone(), what };
-        Box::pin(async move { Err(err) })
+    /// Runs `f` on the connection's thread.
+    async fn run<T: Send + 'static>(&self, f: impl FnOnce(&mut RemoteStore) -> Result<T, RemoteError> + Send + 'static) -> Result<T, StoreError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.jobs.send(Box::new(move |conn: &mut Connection| drop(tx.send(conn.with(f))))).map_err(|_| self.ended())?;
+        Ok(rx.await.map_err(|_| self.ended())??)
+    }
+
+    fn ended(&self) -> StoreError {
+        StoreError::Other(format!("{}: the daemon connection's thread ended", self.url))
     }
 }
 
@@ -365,24 +507,86 @@ impl crate::store::Store for DaemonStore {
         &self.store_dir
     }
 
-    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> crate::store::StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
-        let (conn, paths) = (self.conn.clone(), paths.to_vec());
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
+        let paths = paths.to_vec();
         Box::pin(async move {
-            let infos = tokio::task::spawn_blocking(move || conn.lock().unwrap_or_else(|p| p.into_inner()).query_path_infos(&paths));
-            let infos = infos.await.map_err(|e| crate::store::StoreError::Other(format!("{}: {e}", self.url)))?;
-            Ok(infos?)
+            let infos = self.run(move |c| c.query_path_infos(&paths)).await?;
+            Ok(infos.into_iter().map(|i| i.map(PathInfo::of)).collect())
         })
     }
 
-    fn nar_from_path<'a>(&'a self, _: &'a ValidPathInfo) -> crate::store::StoreFuture<'a, crate::store::NarReader> {
-        self.unsupported("reading a NAR (NarFromPath)")
+    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
+        let nar = DaemonNar { url: self.url.clone(), jobs: self.jobs.clone(), path: info.path.clone(), nar_size: info.nar_size, piped: None };
+        Box::pin(async move { Ok(Box::new(nar) as NarReader) })
     }
 
-    fn add_to_store<'a>(&'a self, _: ValidPathInfo, _: crate::store::NarReader, _: crate::store::PublishGate) -> crate::store::StoreFuture<'a, ()> {
-        self.unsupported("adding a path (AddToStoreNar)")
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, mut publish: PublishGate) -> StoreFuture<'a, ()> {
+        use futures::FutureExt;
+        Box::pin(async move {
+            let mut nar = match (&mut publish).now_or_never() {
+                Some(gate) => gate.map(|()| nar)?,
+                None => {
+                    let spooled = spool(&self.url, nar).await?;
+                    publish.await?;
+                    spooled
+                }
+            };
+            let check_sigs = self.check_sigs;
+            self.run(move |c| c.add_to_store_nar(&info, &mut nar, check_sigs)).await
+        })
     }
 
     fn parallelism(&self) -> usize {
         1
+    }
+}
+
+/// Reads `nar` to its end into an unlinked temporary file; the file, from its start.
+async fn spool(url: &str, mut nar: NarReader) -> Result<NarReader, StoreError> {
+    let err = |e: std::io::Error| StoreError::Other(format!("{url}: spooling a NAR to a temporary file: {e}"));
+    let spooled = tokio::task::spawn_blocking(move || {
+        let mut file = tempfile::tempfile()?;
+        std::io::copy(&mut nar, &mut file)?;
+        std::io::Seek::rewind(&mut file)?;
+        Ok(Box::new(file) as NarReader)
+    });
+    spooled.await.map_err(|e| err(std::io::Error::other(e)))?.map_err(err)
+}
+
+/// A NAR read from a daemon. The NarFromPath operation is queued on the connection's thread
+/// at the first read, not before: that thread then streams only NARs whose readers are reading
+/// (a NAR opened but not read yet cannot hold up the ones behind it). The thread writes into a
+/// pipe; a reader dropped early makes its writes fail, and the rest is read and dropped.
+struct DaemonNar {
+    url: String,
+    jobs: std::sync::mpsc::Sender<Job>,
+    path: StorePath,
+    nar_size: u64,
+    piped: Option<PipedNar>,
+}
+
+impl Read for DaemonNar {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.piped.is_none() {
+            let (path, nar_size, jobs) = (self.path.clone(), self.nar_size, &self.jobs);
+            let ended = format!("{}: the daemon connection's thread ended", self.url);
+            self.piped = Some(PipedNar::start(&self.url, |mut write| {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let job: Job = Box::new(move |conn| {
+                    let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
+                    drop(write);
+                    let _ = tx.send(read);
+                });
+                jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
+                Ok(Box::pin(async move {
+                    match rx.await {
+                        // A failed write is the reader's own doing (it stopped reading).
+                        Ok(read) => read.map(drop).map_err(std::io::Error::other),
+                        Err(_) => Err(std::io::Error::other(ended)),
+                    }
+                }))
+            })?);
+        }
+        self.piped.as_mut().expect("started above").read(buf)
     }
 }

@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::binary_cache::{BinaryCache, CacheError};
@@ -66,8 +66,9 @@ pub trait Store: Send + Sync {
     /// The logical store directory (`/nix/store`).
     fn store_dir(&self) -> &StoreDir;
 
-    /// The info of each of `paths` (`None` where not valid), in order, asked all at once.
-    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>>;
+    /// The info of each of `paths` (`None` where not valid), in order, asked all at once (Nix's
+    /// `queryPathInfo`); a binary cache's answers carry the file its NAR is in.
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>>;
 
     /// Those of `paths` that are valid (Nix's `queryValidPaths`).
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
@@ -90,7 +91,7 @@ pub trait Store: Send + Sync {
     fn query_path_info_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<ValidPathInfo>> {
         Box::pin(async move {
             let Some(path) = self.query_path_from_hash_part(hash_part).await? else { return Ok(None) };
-            Ok(self.query_path_infos(std::slice::from_ref(&path)).await?.pop().flatten())
+            Ok(self.query_path_infos(std::slice::from_ref(&path)).await?.pop().flatten().map(|p| p.info))
         })
     }
 
@@ -148,6 +149,39 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
             let client = crate::binary_cache::http::client(settings).map_err(StoreError::Other)?;
             Arc::new(BinaryCache::open(&curl, &client, settings).await?)
         }
-        StoreUrl::Daemon { socket, .. } => Arc::new(DaemonStore::connect(url, &socket)?),
+        StoreUrl::Daemon { socket, .. } => Arc::new(DaemonStore::connect(url, &socket, settings.lock_cpu, settings.require_sigs)?),
     })
+}
+
+/// The read end of a pipe another thread writes a NAR into (a local store's dump, a daemon's
+/// NarFromPath). At its end, the writer's own failure (if any) is the read's error, so that a
+/// cut-short NAR is reported as why it was.
+pub struct PipedNar {
+    pipe: std::fs::File,
+    finished: Option<NarWritten>,
+}
+
+/// How the writer of a [`PipedNar`] ended; resolves once it has.
+pub type NarWritten = BoxFuture<'static, std::io::Result<()>>;
+
+impl PipedNar {
+    /// A pipe for a NAR of `url`'s: `start` is given its write end, starts the writer and
+    /// returns how it will end; the reader of the read end.
+    pub fn start(url: &str, start: impl FnOnce(std::fs::File) -> std::io::Result<NarWritten>) -> std::io::Result<PipedNar> {
+        let (read, write) = rustix::pipe::pipe().map_err(|e| std::io::Error::other(format!("{url}: creating a pipe: {e}")))?;
+        let finished = start(std::fs::File::from(write))?;
+        Ok(PipedNar { pipe: std::fs::File::from(read), finished: Some(finished) })
+    }
+}
+
+impl Read for PipedNar {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.pipe.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            if let Some(finished) = self.finished.take() {
+                futures::executor::block_on(finished)?;
+            }
+        }
+        Ok(n)
+    }
 }

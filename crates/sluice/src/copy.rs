@@ -1,6 +1,7 @@
 //! `sluice copy`: copy the closures of store paths from binary caches into a local store (the
 //! substitution pipeline), or from any store to any store through the `Store` interface
-//! (`sluice_store::push`): a local store into a binary cache, one cache into another.
+//! (`sluice_store::push`): a local store into a binary cache, one cache into another, a daemon
+//! at either end.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -24,7 +25,7 @@ use crate::setup::{self, CacheFlags};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The store to copy from [default: the `substituters`, by priority]: a binary cache, or
-    /// a local (or any) store when copying into a binary cache. As with `nix copy --from`, a
+    /// any store (local, a daemon) when copying into a binary cache or a daemon. As with `nix copy --from`, a
     /// cache's paths need a trusted signature even with `?trusted=true`, which applies to
     /// substituters only.
     #[arg(long)]
@@ -33,8 +34,8 @@ pub struct Args {
     /// with the local store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`,
     /// …) or a binary cache (`file://DIR`, `http(s)://…` by PUT, `s3://BUCKET?…`, with
     /// `compression`, `compression-level`, `parallel-compression`, `secret-key`,
-    /// `write-nar-listing`) [default: the `store` setting, whose default is `$NIX_REMOTE` or
-    /// `auto`].
+    /// `write-nar-listing`) or a daemon (`daemon`, `unix://PATH`) [default: the `store`
+    /// setting, whose default is `$NIX_REMOTE` or `auto`].
     #[arg(long)]
     to: Option<String>,
     /// NAR downloads in flight at once, at least 1 (over HTTP/1.1, `http-connections` also

@@ -1,10 +1,13 @@
 //! `sluice missing`: what would be fetched for store paths, like `nix build --dry-run`
 //! (Nix's `queryMissing` and `printMissing`, `src/libmain/shared.cc`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::process::ExitCode;
+use std::sync::Arc;
 
-use sluice_store::closure::{self, ClosureEvent};
+use sluice_nix::store_path::StorePath;
+use sluice_store::closure::{ClosureEvent, ValidityCheck};
+use sluice_store::store::{open_store, Store};
 use tokio::sync::mpsc;
 
 use crate::progress::{fit, human_bytes, line_bar, MIB};
@@ -13,8 +16,8 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice missing`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The local store the paths would be fetched into [default: the `store` setting, whose
-    /// default is `$NIX_REMOTE` or `auto`].
+    /// The store the paths would be fetched into: a local store, a daemon or a binary cache
+    /// [default: the `store` setting, whose default is `$NIX_REMOTE` or `auto`].
     #[arg(long)]
     store: Option<String>,
     /// Print `{"willSubstitute", "unknown", "downloadSize", "narSize"}` as JSON.
@@ -29,7 +32,8 @@ pub struct Args {
 
 /// Runs `sluice missing`.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, args.store.as_deref(), &args.paths)?;
+    let settings = setup::settings(&args.cache)?;
+    let url = args.store.clone().unwrap_or_else(|| settings.store.clone());
     let rt = setup::runtime()?;
     let (mut fetch, mut unknown) = (BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar, mut valid) = (0u64, 0u64, 0u64);
@@ -40,7 +44,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         bar
     });
     rt.block_on(async {
-        let query = setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, closure::validity_in(Some(dest.clone()), None), &roots).await?;
+        let dest = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
+        let store_dir = dest.store_dir().clone();
+        let roots = setup::parse_paths(&store_dir, &args.paths)?;
+        let query = setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, validity_in(dest), &roots).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         while let Some(event) = rx.recv().await {
@@ -95,4 +102,18 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The closure engine's validity check against `store` ([`Store::query_valid_paths`], waited
+/// for on the engine's thread, which the runtime replaces meanwhile). A failed look-up is
+/// logged and counts as "not valid".
+fn validity_in(store: Arc<dyn Store>) -> ValidityCheck {
+    let runtime = tokio::runtime::Handle::current();
+    Arc::new(move |paths: &[StorePath]| -> HashSet<StorePath> {
+        let valid = tokio::task::block_in_place(|| runtime.block_on(store.query_valid_paths(paths)));
+        valid.map(|s| s.into_iter().collect()).unwrap_or_else(|e| {
+            tracing::warn!("{e}");
+            HashSet::new()
+        })
+    })
 }

@@ -6,17 +6,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
-use sluice_nix::narinfo::NarInfo;
+use sluice_nix::path_info::PathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
-use sluice_store::local::LocalStore;
-use sluice_nix::path_info::ValidPathInfo;
-use sluice_store::remote::RemoteStore;
-use sluice_store::store_url::StoreUrl;
-use tokio::sync::mpsc;
+use sluice_store::store::{open_store, Store};
 
 use crate::as_nix::NixVersion;
 use crate::log::Log;
@@ -65,32 +59,25 @@ pub struct Args {
 }
 
 /// One path's metadata with, for binary caches, the narinfo's download fields.
-struct Entry {
-    info: ValidPathInfo,
-    narinfo: Option<Arc<NarInfo>>,
-}
+type Entry = PathInfo;
 
 /// Runs `sluice path-info`.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let store_dir = StoreDir::default();
     let store_url = match &args.store {
         Some(url) => url.clone(),
         None => setup::default_store(&args.config)?,
     };
-    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    // Nothing is added: a cache's paths need no trusted signature to be listed.
+    let flags = CacheFlags { no_check_sigs: true, ..CacheFlags::from(&args.config) };
+    let settings = setup::settings(&flags)?;
     // `-S` needs the whole closure of each path even without `-r` (Nix's `computeFSClosure`).
     let walk = args.recursive || args.closure_size;
-    let (mut entries, missing) = match StoreUrl::parse(&store_url).map_err(|e| e.to_string())? {
-        StoreUrl::Local(config) => {
-            let store = LocalStore::open(&config).map_err(|e| e.to_string())?;
-            store_entries(roots.clone(), walk, |batch| batch.iter().map(|p| store.query_path_info(p).map_err(|e| e.to_string())).collect())?
-        }
-        StoreUrl::Daemon { socket, .. } => {
-            let mut store = RemoteStore::connect(&socket, setup::lock_cpu()?).map_err(|e| e.to_string())?;
-            store_entries(roots.clone(), walk, |batch| store.query_path_infos(batch).map_err(|e| e.to_string()))?
-        }
-        StoreUrl::BinaryCache(_) => cache_entries(&args.config, walk, &store_url, &store_dir, roots.clone())?,
-    };
+    let store_dir = StoreDir::default();
+    let roots = setup::parse_paths(&store_dir, &args.paths)?;
+    let (mut entries, missing) = setup::runtime()?.block_on(async {
+        let store = open_store(&store_url, &settings).await.map_err(|e| e.to_string())?;
+        store_entries(store.as_ref(), roots.clone(), walk).await
+    })?;
     let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
     if !args.recursive {
         entries.retain(|p, _| roots.contains(p));
@@ -182,23 +169,24 @@ fn human_size_2_8(bytes: u64) -> String {
 
 type Entries = (BTreeMap<StorePath, Entry>, Vec<StorePath>);
 
-/// The entries of `roots` (and their closures when `recursive`) from a store's `query`, which
-/// answers a batch of paths at once, in order: the closure is walked breadth-first, one batch
-/// per level, so that a daemon client pipelines each level's requests.
-fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, String>) -> Result<Entries, String> {
+/// The entries of `roots` (and their closures when `recursive`) in `store`, and the paths that
+/// are not valid there: the closure is walked breadth-first, one batch per level, which the
+/// store answers at once (a daemon client pipelines its requests, a cache fetches the level's
+/// narinfos in parallel).
+async fn store_entries(store: &dyn Store, roots: Vec<StorePath>, recursive: bool) -> Result<Entries, String> {
     let mut entries = BTreeMap::new();
     let mut missing = Vec::new();
     let mut seen: BTreeSet<StorePath> = roots.iter().cloned().collect();
     let mut level: Vec<StorePath> = seen.iter().cloned().collect();
     while !level.is_empty() {
         let mut next = Vec::new();
-        for (path, info) in level.iter().zip(query(&level)?) {
-            match info {
-                Some(info) => {
+        for (path, entry) in level.iter().zip(store.query_path_infos(&level).await.map_err(|e| e.to_string())?) {
+            match entry {
+                Some(entry) => {
                     if recursive {
-                        next.extend(info.references.iter().filter(|r| seen.insert((*r).clone())).cloned());
+                        next.extend(entry.info.references.iter().filter(|r| seen.insert((*r).clone())).cloned());
                     }
-                    entries.insert(path.clone(), Entry { info, narinfo: None });
+                    entries.insert(path.clone(), entry);
                 }
                 None => missing.push(path.clone()),
             }
@@ -207,55 +195,6 @@ fn store_entries(roots: Vec<StorePath>, recursive: bool, mut query: impl FnMut(&
     }
     Ok((entries, missing))
 }
-
-fn cache_entries(config: &ConfigFlags, recursive: bool, url: &str, store_dir: &StoreDir, roots: Vec<StorePath>) -> Result<Entries, String> {
-    // Nix's path-info shows what the cache holds, signed or not.
-    let flags = CacheFlags { no_check_sigs: true, ..CacheFlags::from(config) };
-    let settings = setup::settings(&flags)?;
-    let rt = setup::runtime()?;
-    rt.block_on(async {
-        let query = setup::closure_query(&[url.to_owned()], setup::Caches::Named, &settings, store_dir, closure::validity_in(None, None), &roots).await?;
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let engine = if recursive {
-            tokio::spawn(async move { query.run(roots, tx).await })
-        } else {
-            tokio::spawn(async move { lookup_each(&query, roots, tx).await })
-        };
-        let (mut entries, mut missing) = (BTreeMap::new(), Vec::new());
-        while let Some(event) = rx.recv().await {
-            match event {
-                ClosureEvent::Found { narinfo, .. } => {
-                    let info = ValidPathInfo::from_narinfo(&narinfo, 0);
-                    entries.insert(narinfo.store_path.clone(), Entry { info, narinfo: Some(narinfo) });
-                }
-                ClosureEvent::Unknown(p) => missing.push(p),
-                ClosureEvent::Failed { path, errors } => {
-                    for (_, e) in errors {
-                        Log::get().error(&e.to_string());
-                    }
-                    missing.push(path)
-                }
-                ClosureEvent::Valid(_) => {}
-            }
-        }
-        engine.await.map_err(|e| e.to_string())?;
-        Ok((entries, missing))
-    })
-}
-
-/// Looks up each root alone, without following references.
-async fn lookup_each(query: &ClosureQuery, roots: Vec<StorePath>, tx: mpsc::UnboundedSender<ClosureEvent>) {
-    let sub = &query.substituters[0];
-    for path in roots {
-        let event = match sub.cache.narinfo_text(&path).await.and_then(|t| t.map(|t| sub.cache.parse_narinfo(&path, &query.store_dir, &t)).transpose()) {
-            Ok(Some(narinfo)) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: 0 },
-            Ok(None) => ClosureEvent::Unknown(path),
-            Err(e) => ClosureEvent::Failed { path, errors: vec![(0, Arc::new(e))] },
-        };
-        let _ = tx.send(event);
-    }
-}
-
 
 /// The entries with every path after its references, as Nix's `topoSortPaths` orders them
 /// (`src/libutil/topo-sort.hh`): a depth-first walk in path order, each path emitted after the
@@ -292,7 +231,7 @@ fn closure_sizes(entries: &BTreeMap<StorePath, Entry>) -> BTreeMap<StorePath, (u
                 continue;
             }
             nar += e.info.nar_size;
-            download += e.narinfo.as_ref().and_then(|n| n.file_size).unwrap_or(0);
+            download += e.nar_file.as_ref().and_then(|n| n.file_size).unwrap_or(0);
             stack.extend(e.info.references.iter().cloned());
         }
         out.insert(root.clone(), (nar, download));
@@ -316,7 +255,7 @@ fn to_json_2_26(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -
     o.insert("registrationTime", json!((info.registration_time != 0).then_some(info.registration_time)));
     o.insert("ultimate", json!(info.ultimate));
     o.insert("signatures", json!(info.sigs));
-    if let Some(n) = &e.narinfo {
+    if let Some(n) = &e.nar_file {
         o.insert("url", json!(n.url));
         if !n.compression.is_empty() {
             o.insert("compression", json!(n.compression));
@@ -330,7 +269,7 @@ fn to_json_2_26(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) -
     }
     if let Some((nar, download)) = closure {
         o.insert("closureSize", json!(nar));
-        if e.narinfo.is_some() {
+        if e.nar_file.is_some() {
             o.insert("closureDownloadSize", json!(download));
         }
     }
@@ -354,7 +293,7 @@ fn to_json_2_8(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) ->
     if let Some(d) = &info.deriver {
         o.insert("deriver".into(), json!(store_dir.display_path(d)));
     }
-    if e.narinfo.is_none() {
+    if e.nar_file.is_none() {
         o.insert("registrationTime".into(), json!(info.registration_time));
         if info.ultimate {
             o.insert("ultimate".into(), json!(true));
@@ -363,7 +302,7 @@ fn to_json_2_8(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) ->
     if !info.sigs.is_empty() {
         o.insert("signatures".into(), json!(info.sigs));
     }
-    if let Some(n) = &e.narinfo {
+    if let Some(n) = &e.nar_file {
         o.insert("url".into(), json!(n.url));
         if let Some(h) = &n.file_hash {
             o.insert("downloadHash".into(), json!(h.to_sri()));

@@ -178,21 +178,3 @@ pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> R
     Ok(Destination { settings, store, store_dir, roots })
 }
 
-/// Whether a daemon client pins itself and its daemon worker to one CPU when no `lock-cpu`
-/// setting says otherwise. Off, from `bench/daemon`'s measurement (docs/benchmarks.md): with
-/// one round trip per path, pinning made `sluice path-info -r` through the daemon 1.6–2.6×
-/// faster, but the client now pipelines its queries and pinning gains nothing measurable
-/// (0.90–1.11×), while it can keep client and worker on a CPU that other work occupies.
-pub const LOCK_CPU_DEFAULT: bool = false;
-
-/// The `lock-cpu` setting (nix.conf, `NIX_CONFIG`): `true` or `false`, else
-/// [`LOCK_CPU_DEFAULT`].
-pub fn lock_cpu() -> Result<bool, String> {
-    let config = raw_config(&[])?;
-    match config.get("lock-cpu") {
-        None => Ok(LOCK_CPU_DEFAULT),
-        Some("true") => Ok(true),
-        Some("false") => Ok(false),
-        Some(other) => Err(format!("setting lock-cpu: {other:?} is not a Boolean (true or false)")),
-    }
-}

@@ -2234,3 +2234,117 @@ fn is_valid_after_result(client: &mut std::os::unix::net::UnixStream, path: &[u8
     }
     is_valid(client, path)
 }
+
+// ---------------------------------------------------------------------------------------------
+// `sluice copy` to and from a daemon (issue 13, "One Store interface"): the daemon client's
+// NarFromPath and AddToStoreNar, against Nix 2.8's `nix-daemon` and `sluice daemon`.
+
+/// `sluice copy --from file://… --to unix://…` (AddToStoreNar, signatures checked by the
+/// daemon against its trusted key) and back out, `--from unix://… --to file://…` (NarFromPath),
+/// through Nix 2.8's `nix-daemon` and through `sluice daemon`, each on its own chroot store.
+/// Real Nix verifies both ends: the daemon's store passes `nix-store --verify --check-contents`
+/// with the cache's signatures kept (`nix path-info --sigs`), and the cache written from it is
+/// read by `nix copy --from` into a fresh store that passes the same check. The caches written
+/// from the two daemons are the same files.
+#[test]
+fn sluice_copy_into_and_out_of_daemons() {
+    let env = Env::new();
+    let cache = env.cache();
+    let key = cache_key();
+    let key_name = key.split(':').next().unwrap().to_owned();
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let closure: Vec<String> = env.nix("nix", &["path-info", "-r", "--store", &cache, &glibc]).lines().map(str::to_owned).collect();
+    assert!(closure.len() > 1, "{closure:?}");
+    let sluice_daemon = env.daemon("sluice-root", &cache, "");
+    let nix_daemon = env.nix_daemon("nix-daemon.socket", "nix-root", &format!("trusted-public-keys = {key}\n"));
+    let mut written = Vec::new();
+    for (daemon, root) in [(&sluice_daemon, "sluice-root"), (&nix_daemon, "nix-root")] {
+        let direct = env.path(root);
+        let direct = direct.to_str().unwrap();
+        // `sluice missing --store unix://…` asks the daemon what is valid: all, then nothing.
+        let missing = |expected: usize| {
+            let out = env.cmd(sluice()).args(["missing", "--json", "--store", &daemon.url, "--substituters", &cache, &glibc]).output().unwrap();
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+            assert_eq!(json["willSubstitute"].as_array().unwrap().len(), expected, "{root}: {json}");
+        };
+        missing(closure.len());
+        let into = env.cmd(sluice()).args(["copy", "--from", &cache, "--to", &daemon.url, &glibc]).output().unwrap();
+        assert!(into.status.success(), "into {root}: {}", String::from_utf8_lossy(&into.stderr));
+        missing(0);
+        let valid = env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]);
+        assert_eq!(valid.lines().collect::<std::collections::BTreeSet<_>>(), closure.iter().map(String::as_str).collect(), "{root}");
+        verified(&env, direct);
+        for line in env.nix("nix", &["path-info", "--store", direct, "--sigs", "-r", &glibc]).lines() {
+            assert!(line.split_whitespace().any(|w| w.starts_with(&format!("{key_name}:"))), "{root}: the cache's signature kept: {line}");
+        }
+
+        let out_dir = env.path(&format!("{root}-out"));
+        let out = format!("file://{}", out_dir.display());
+        let from = env.cmd(sluice()).args(["copy", "--from", &daemon.url, "--to", &format!("{out}?compression=xz"), &glibc]).output().unwrap();
+        assert!(from.status.success(), "out of {root}: {}", String::from_utf8_lossy(&from.stderr));
+        let fresh = env.path(&format!("{root}-fresh"));
+        let fresh = fresh.to_str().unwrap();
+        env.nix("nix", &["copy", "--from", &out, "--to", fresh, &glibc, "--option", "trusted-public-keys", &key]);
+        verified(&env, fresh);
+        let files: std::collections::BTreeSet<(String, Vec<u8>)> = walk_files(&out_dir).into_iter().map(|p| (p.strip_prefix(&out_dir).unwrap().display().to_string(), std::fs::read(&p).unwrap())).collect();
+        assert_eq!(files.iter().filter(|(n, _)| n.ends_with(".narinfo")).count(), closure.len(), "{out}");
+        written.push(files);
+    }
+    assert!(written[0] == written[1], "the caches written from sluice daemon and from nix-daemon differ");
+}
+
+/// Asserts that Nix 2.8's `nix-store --verify --check-contents` finds nothing wrong in `store`.
+fn verified(env: &Env, store: &str) {
+    let out = env.cmd("nix-store").args(["--store", store, "--verify", "--check-contents"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("error") && !err.contains("warning") && !err.contains("modified"), "{store}: {err}");
+    assert!(err.contains("checking store hashes..."), "{store}: {err}");
+}
+
+/// Every file under `dir`.
+fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        match e.file_type().unwrap().is_dir() {
+            true => out.extend(walk_files(&e.path())),
+            false => out.push(e.path()),
+        }
+    }
+    out
+}
+
+/// The daemon decides on an untrusted client's additions: `sluice copy --no-check-sigs` as
+/// `nobody` of paths whose narinfos carry no signature is refused by Nix 2.8's `nix-daemon`
+/// and by `sluice daemon` with Nix's message, and leaves nothing in either store; as root
+/// (trusted), the same copy with `--no-check-sigs` is taken.
+#[test]
+fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
+    let env = Env::new();
+    let cache = env.cache();
+    open_to_nobody(&env);
+    let unsigned = env.path("bin-cache");
+    for e in std::fs::read_dir(&unsigned).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".narinfo")) {
+        let text = std::fs::read_to_string(e.path()).unwrap();
+        std::fs::write(e.path(), text.lines().filter(|l| !l.starts_with("Sig: ")).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    }
+    let dep = store_path_of(&unsigned, "py14wj21zshnib43vh5f66ihm7rx610h");
+    let sluice_daemon = env.daemon("sluice-root", &cache, "");
+    let nix_daemon = env.nix_daemon("nix-daemon.socket", "nix-root", &format!("trusted-public-keys = {}\n", cache_key()));
+    for (daemon, root) in [(&sluice_daemon, "sluice-root"), (&nix_daemon, "nix-root")] {
+        let before = store_entries(&env, root);
+        let (ok, _, err) = as_nobody(&env, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);
+        assert!(!ok, "{root}: an untrusted unsigned add was taken");
+        // Each daemon's words (Nix 2.8's `LocalStore::addToStore`, in colour; sluice's, with
+        // the signers and the trusted keys), passed on by the client.
+        let words = match root {
+            "nix-root" => format!("cannot add path '\x1b[35;1m{dep}\x1b[0m' because it lacks a valid signature"),
+            _ => format!("cannot add path '{dep}' because it lacks a signature by a trusted key"),
+        };
+        assert!(err.contains(&format!("daemon at {}: AddToStoreNar: {words}", daemon.url.trim_start_matches("unix://"))), "{root}: {err}");
+        let after: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !e.ends_with("-sluice-unpacking")).collect();
+        assert_eq!(after, before, "{root}: the refused add left something");
+        let (ok, _, err) = as_root(&env, false, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);
+        assert!(ok, "{root}: a trusted client's --no-check-sigs: {err}");
+        assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &dep]).trim().len(), "sha256:".len() + 52);
+    }
+}

@@ -43,6 +43,21 @@ fn from_not_a_binary_cache_is_nixs_one_error() {
     assert_eq!(stderr(&o), stderr(&n), "as Nix 2.8 says it");
 }
 
+/// `path-info --store` of an HTTP server without `nix-cache-info` (it answers a PUT that would
+/// create one with 501): Nix 2.8's one line, byte for byte, and its status.
+#[test]
+fn path_info_of_not_a_binary_cache_is_nixs_one_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let server = Scripted::start(&empty, None, 0, &tmp.path().join("log"));
+    let o = sluice(tmp.path(), &["path-info", "--store", &server.url, TOP]);
+    let n = nix(tmp.path(), "nix", &["path-info", "--store", &server.url, TOP]);
+    assert_eq!(stderr(&o), format!("error: '{}' does not appear to be a binary cache\n", server.url));
+    assert_eq!(stderr(&o), stderr(&n), "as Nix 2.8 says it");
+    assert_eq!(o.status.code(), n.status.code());
+}
+
 /// Unreachable, a certificate nobody trusts, 401: one error naming the URL and the cause,
 /// before anything is copied (today: "no substituter has this path" for each path).
 #[test]

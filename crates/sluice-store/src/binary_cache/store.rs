@@ -10,7 +10,7 @@
 //!   (`writeNarInfo`; the info's own signatures are kept).
 
 use sluice_nix::narinfo::NarInfo;
-use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
@@ -29,12 +29,24 @@ const CACHE_INFO_MIME: &str = "text/x-nix-cache-info";
 const LISTING_MIME: &str = "application/json";
 
 impl BinaryCache {
-    /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` (a cache
-    /// without one is taken to serve `/nix/store`: one is written before the first addition,
-    /// as Nix's `BinaryCacheStore::init` writes it) and its secret keys.
+    /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` and its
+    /// secret keys. A `file://` or S3 cache without `nix-cache-info` is taken to serve
+    /// `/nix/store`, and one is written before the first addition (Nix's
+    /// `BinaryCacheStore::init` writes it at once); over HTTP it is written now, as Nix's
+    /// `HttpBinaryCacheStore::init` does, and a server that refuses it is not a binary cache
+    /// ([`BinaryCache::read_without_cache_info`]'s error, Nix's words).
     pub async fn open(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<Self, CacheError> {
         let mut cache = BinaryCache::new(url, client, settings, Default::default());
-        let info = cache.fetch_cache_info().await?.unwrap_or_default();
+        let info = match cache.fetch_cache_info().await? {
+            Some(info) => info,
+            None => match cache.read_without_cache_info() {
+                Ok(info) => info,
+                Err(not_a_cache) => {
+                    cache.init_for_writing().await.map_err(|_| not_a_cache)?;
+                    Default::default()
+                }
+            },
+        };
         cache.set_info(info);
         cache.check_store_dir(&cache.store_dir)?;
         for file in &url.write.secret_key_files {
@@ -107,12 +119,12 @@ impl BinaryCache {
         if narinfo.store_path.hash_part() != hash_part {
             return Ok(None);
         }
-        Ok(Some(self.keep(narinfo)))
+        Ok(Some(self.keep(narinfo).info))
     }
 
-    /// Keeps `narinfo` for [`Store::nar_from_path`]; its info.
-    fn keep(&self, narinfo: NarInfo) -> ValidPathInfo {
-        let info = ValidPathInfo::from_narinfo(&narinfo, 0);
+    /// Keeps `narinfo` for [`Store::nar_from_path`]; what it says of its path.
+    fn keep(&self, narinfo: NarInfo) -> PathInfo {
+        let info = PathInfo::from_narinfo(&narinfo);
         self.narinfos.lock().unwrap_or_else(|p| p.into_inner()).insert(narinfo.store_path.clone(), narinfo);
         info
     }
@@ -123,7 +135,7 @@ impl BinaryCache {
     }
 
     /// The info of `path` from its narinfo (kept for [`Store::nar_from_path`]).
-    async fn query_one(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, StoreError> {
+    async fn query_one(&self, path: &StorePath) -> Result<Option<PathInfo>, StoreError> {
         let Some(text) = self.narinfo_text(path).await? else { return Ok(None) };
         Ok(Some(self.keep(self.parse_narinfo(path, &self.store_dir, &text)?)))
     }
@@ -138,7 +150,7 @@ impl Store for BinaryCache {
         &self.store_dir
     }
 
-    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
         // All at once: the transport bounds the requests in flight.
         Box::pin(async move { futures::future::join_all(paths.iter().map(|path| self.query_one(path))).await.into_iter().collect() })
     }

@@ -5,14 +5,14 @@
 //! publish gate, [`PendingPath::commit`] under the store's signature policy).
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::sync::Arc;
 
-use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use super::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots};
-use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
+use super::{LocalStore, PendingPath, SignaturePolicy, TempRoots};
+use crate::store::{NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture};
 
 /// NARs unpacked at once into a local store (each on a blocking thread).
 const UNPACK_PARALLELISM: usize = 32;
@@ -48,14 +48,20 @@ impl Store for LocalStoreHandle {
         self.store.store_dir()
     }
 
-    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<ValidPathInfo>>> {
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
         let (store, paths) = (self.store.clone(), paths.to_vec());
-        Box::pin(blocking(&self.url, move || store.query_path_infos(&paths).into_iter().map(|r| r.map_err(StoreError::from)).collect()))
+        Box::pin(blocking(&self.url, move || store.query_path_infos(&paths).into_iter().map(|r| Ok(r?.map(PathInfo::of))).collect()))
     }
 
+    /// Each path is rooted before it is looked up (Nix's `addTempRoot`, then `isValidPath`), so
+    /// that a path found valid stays valid while the handle lives; a read-only store roots
+    /// nothing, as Nix's `LocalStore::addTempRoot` does not there (nothing is deleted from it).
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, std::collections::BTreeSet<StorePath>> {
         let (store, paths, roots) = (self.store.clone(), paths.to_vec(), self.roots.clone());
-        Box::pin(blocking(&self.url, move || Ok(store.query_valid_paths_rooted(&paths, &roots)?)))
+        Box::pin(blocking(&self.url, move || match store.ensure_writable("root paths") {
+            Ok(()) => Ok(store.query_valid_paths_rooted(&paths, &roots)?),
+            Err(_) => Ok(store.query_valid_paths(&paths)?),
+        }))
     }
 
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
@@ -95,10 +101,12 @@ impl Store for LocalStoreHandle {
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
-            let (read, write) = rustix::pipe::pipe().map_err(|e| StoreError::Other(format!("{}: creating a pipe: {e}", self.url)))?;
             let (store, path) = (self.store.clone(), info.path.clone());
-            let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut File::from(write)));
-            Ok(Box::new(DumpReader { pipe: File::from(read), dumper: Some(dumper) }) as NarReader)
+            let nar = PipedNar::start(&self.url, |mut write| {
+                let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut write));
+                Ok(Box::pin(async move { dumper.await.map_err(io::Error::other)?.map_err(io::Error::other) }))
+            });
+            Ok(Box::new(nar.map_err(|e| StoreError::Other(e.to_string()))?) as NarReader)
         })
     }
 
@@ -125,28 +133,5 @@ impl Store for LocalStoreHandle {
 
     fn parallelism(&self) -> usize {
         UNPACK_PARALLELISM
-    }
-}
-
-/// The read end of a pipe a blocking thread dumps a NAR into; at its end, the dump's own
-/// failure (if any) is the read's error, so that a cut-short NAR is reported as why it was.
-struct DumpReader {
-    pipe: File,
-    dumper: Option<tokio::task::JoinHandle<Result<(), LocalStoreError>>>,
-}
-
-impl Read for DumpReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.pipe.read(buf)?;
-        if n == 0 && !buf.is_empty() {
-            if let Some(dumper) = self.dumper.take() {
-                match futures::executor::block_on(dumper) {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(io::Error::other(e)),
-                    Err(e) => return Err(io::Error::other(e)),
-                }
-            }
-        }
-        Ok(n)
     }
 }
