@@ -2291,6 +2291,14 @@ fn sluice_copy_into_and_out_of_daemons() {
         written.push(files);
     }
     assert!(written[0] == written[1], "the caches written from sluice daemon and from nix-daemon differ");
+
+    // From one daemon straight into another: Nix 2.8's into a second sluice daemon.
+    let second = env.daemon_on("second.socket", "second-root", &cache, "", &[], None);
+    let copied = env.cmd(sluice()).args(["copy", "--from", &nix_daemon.url, "--to", &second.url, &glibc]).output().unwrap();
+    assert!(copied.status.success(), "daemon to daemon: {}", String::from_utf8_lossy(&copied.stderr));
+    verified(&env, env.path("second-root").to_str().unwrap());
+    let infos = |url: &str| without_times(&env.nix("nix", &["path-info", "-r", "--json", "--sigs", "--store", url, &glibc]));
+    assert_eq!(infos(&second.url), infos(&nix_daemon.url), "daemon to daemon");
 }
 
 /// Asserts that Nix 2.8's `nix-store --verify --check-contents` finds nothing wrong in `store`.
