@@ -89,7 +89,8 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             let result = async {
                 let nar = src.nar_from_path(&info).await?;
                 let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
-                dst.add_to_store(info.clone(), nar, gate).await
+                // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).
+                dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate).await
             }
             .await;
             let outcome = result.map_err(|e| e.to_string());

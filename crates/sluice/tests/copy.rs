@@ -170,3 +170,29 @@ fn assert_canonical(path: &Path, seen: &mut (usize, usize, usize)) {
         assert!(mode == 0o444 || mode == 0o555, "{} has mode {mode:o}", path.display());
     }
 }
+
+/// A path built in the source store is `ultimate` there and not in the store it is copied
+/// to, as with Nix's `nix copy` (`copyStorePath` clears it): real Nix 2.8 describes sluice's
+/// copy and its own alike. The path is added by Nix, then marked as a build registers it.
+#[test]
+fn copied_paths_are_not_ultimate_in_the_destination() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, by_sluice, by_nix) = (tmp.path().join("src"), tmp.path().join("by-sluice"), tmp.path().join("by-nix"));
+    let file = tmp.path().join("hello.txt");
+    std::fs::write(&file, b"built here\n").unwrap();
+    let added = nix(tmp.path(), "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
+    check(&added, "nix-store --add");
+    let path = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    let db = src.join("nix/var/nix/db/db.sqlite");
+    let mark = std::process::Command::new("python3")
+        .args(["-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('update ValidPaths set ultimate = 1'); c.commit()", db.to_str().unwrap()])
+        .output()
+        .unwrap();
+    check(&mark, "marking the path ultimate");
+    let ultimate = |root: &Path| nix_path_info(tmp.path(), root.to_str().unwrap(), &path)[0]["ultimate"].clone();
+    assert_eq!(ultimate(&src), Value::Bool(true), "the source's own path is ultimate");
+    check(&sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", by_sluice.to_str().unwrap(), &path]), "sluice copy");
+    check(&nix(tmp.path(), "nix", &["copy", "--from", src.to_str().unwrap(), "--to", by_nix.to_str().unwrap(), &path]), "nix copy");
+    assert_eq!(ultimate(&by_nix), Value::Null, "Nix 2.8 leaves out ultimate when false");
+    assert_eq!(ultimate(&by_sluice), ultimate(&by_nix));
+}
