@@ -40,14 +40,15 @@ impl RefScanner {
         if self.candidates.is_empty() {
             return;
         }
-        let head = &data[..data.len().min(HASH_LEN - 1)];
+        // The end of the previous bytes with the start of these: a hash part across the two.
         let mut window = std::mem::take(&mut self.tail);
-        window.extend_from_slice(head);
+        window.extend_from_slice(&data[..data.len().min(HASH_LEN - 1)]);
         self.search(&window);
         self.search(data);
-        let keep = window.len().min(HASH_LEN - 1);
-        let start = if data.len() >= HASH_LEN - 1 { data.len() - (HASH_LEN - 1) } else { 0 };
-        self.tail = if data.len() >= HASH_LEN - 1 { data[start..].to_vec() } else { window[window.len() - keep..].to_vec() };
+        // Keep the last HASH_LEN - 1 bytes of the stream (`window` ends with all of `data`
+        // when `data` is shorter than that).
+        let last = if data.len() >= HASH_LEN - 1 { data } else { &window[..] };
+        self.tail = last[last.len().saturating_sub(HASH_LEN - 1)..].to_vec();
     }
 
     /// Records every candidate hash part in `s`, skipping past any byte outside the alphabet.
