@@ -2406,6 +2406,47 @@ fn fetchurl_reads_file_urls_for_trusted_clients_only() {
     assert!(added.is_empty(), "added {added:?}");
 }
 
+/// BuildDerivation (op 36) of a `builtin:fetchurl` derivation sent whole by an untrusted raw
+/// client: a fixed output, which Nix lets any client build. sluice fetches it from a local
+/// server into the path its hash implies (not the path the client wrote), and answers Built
+/// with that output; a wrong hash is Nix's hash mismatch (OutputRejected), adding nothing.
+#[test]
+fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
+    use std::io::Write;
+    let env = Env::new();
+    let body = b"fetched for an untrusted client\n";
+    let url = format!("{}/f.txt", serve_files(vec![("/f.txt", body.to_vec())], None));
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "trusted-users = nobody-in-particular", 2);
+    let fetch = |hash: &Hash| {
+        let hex = hash.to_base16();
+        let env = [Err(&b"out"[..]), Err(MISSING), Err(b"url"), Err(url.as_bytes())];
+        let head = [Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]), Ok(1), Err(b"out"), Err(MISSING), Err(b"sha256"), Err(hex.as_bytes())];
+        let rest = [Ok(0), Err(&b"builtin"[..]), Err(b"builtin:fetchurl"), Ok(0), Ok(2)];
+        request(36, &[&head[..], &rest, &env, &[Ok(0)]].concat())
+    };
+    let good = Hash::digest_bytes(HashAlgo::Sha256, body);
+    let ca = ContentAddress::Fixed { recursive: false, hash: good.clone() };
+    let path = StoreDir::default().display_path(&ca.store_path(&StoreDir::default(), "f.txt", &[], false).unwrap());
+    client.write_all(&fetch(&good)).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!((status, msg.as_str()), (0, ""), "Built");
+    assert_eq!(read_u64(&mut client), 1, "built once");
+    assert_eq!(is_valid_after_result(&mut client, path.as_bytes()), 1);
+    assert_eq!(is_valid(&mut client, MISSING), 0, "the path the client wrote");
+    assert_eq!(std::fs::read(env.path("root").join(path.trim_start_matches('/'))).unwrap(), body);
+
+    let before = store_entries(&env, "root");
+    client.write_all(&fetch(&Hash::digest_bytes(HashAlgo::Sha256, b"something else"))).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!(status, 5, "OutputRejected: {msg}");
+    assert!(msg.starts_with("hash mismatch in fixed-output derivation '/nix/store/00000000000000000000000000000000-f.txt.drv':") && msg.contains(&format!("got:    {}", good.to_sri())), "{msg}");
+    read_u64(&mut client);
+    assert_eq!(is_valid_after_result(&mut client, &out), 1, "the connection goes on");
+    assert_eq!(store_entries(&env, "root"), before, "nothing added");
+}
+
 /// The rest of a protocol 1.37 build result after its times built (non-determinism, times,
 /// CPU times, built outputs), then IsValidPath of `path`.
 fn is_valid_after_result(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
