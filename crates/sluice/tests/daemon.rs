@@ -2147,7 +2147,7 @@ fn hash_and_references(env: &Env, store: &str, path: &str) -> (String, String) {
     (env.nix("nix-store", &["--store", store, "-q", "--hash", path]), env.nix("nix-store", &["--store", store, "-q", "--references", path]))
 }
 
-/// `nix-env -i` of a corpus path (Nix 2.8) through `sluice daemon`, with and without
+/// `nix-env -i` of a corpus path (Nix 2.8, then Nix 2.26) through `sluice daemon`, with and without
 /// `--build-via`: sluice substitutes the path's closure and builds the profile's
 /// `builtin:buildenv` derivation itself (Nix's `building '…'` line reaches the client). The
 /// profile is the one Nix 2.8's own `nix-daemon` makes on another store from the same cache:
@@ -2156,24 +2156,30 @@ fn hash_and_references(env: &Env, store: &str, path: &str) -> (String, String) {
 fn nix_env_install_builds_buildenv_in_sluice() {
     let env = Env::new();
     let d = BuiltinDaemons::start(&env, "");
-    let mut profiles = Vec::new();
-    for (i, (name, _, root)) in d.daemons.iter().enumerate() {
-        let url = d.url(&env, i, false);
-        let profile = env.path(&format!("{name}-profile"));
-        let start = Instant::now();
-        let (ok, _, err) = as_root(&env, false, "nix-env", &["--store", &url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &d.cache]);
-        eprintln!("{name}: nix-env -i {GLIBC}: {:?}", start.elapsed());
-        assert!(ok, "{name}: {err}");
-        assert!(err.contains("building '/nix/store/") && err.contains("-user-environment.drv'..."), "{name}: the user environment was not built: {err}");
-        let target = std::fs::read_link(env.path(&format!("{name}-profile-1-link"))).unwrap();
-        let real = env.path(root).join(target.strip_prefix("/").unwrap());
-        assert_eq!(std::fs::read_link(real.join("lib")).unwrap(), Path::new(GLIBC).join("lib"), "{name}");
-        let (hash, refs) = hash_and_references(&env, &url, target.to_str().unwrap());
-        assert!(refs.contains(GLIBC) && refs.contains("-env-manifest.nix"), "{name}: {refs}");
-        profiles.push((target, hash, refs));
+    for modern in [false, true] {
+        let client = if modern { "Nix 2.26" } else { "Nix 2.8" };
+        let mut profiles = Vec::new();
+        for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+            let url = d.url(&env, i, modern);
+            let profile = env.path(&format!("{name}-{modern}-profile"));
+            let start = Instant::now();
+            // Nix 2.26 at another priority (its `--priority`), for a user environment of its own.
+            let priority: &[&str] = if modern { &["--priority", "3"] } else { &[] };
+            let args = [&["--store", &url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &d.cache], priority].concat();
+            let (ok, _, err) = as_root(&env, modern, "nix-env", &args);
+            eprintln!("{client}, {name}: nix-env -i {GLIBC}: {:?}", start.elapsed());
+            assert!(ok, "{client}, {name}: {err}");
+            assert!(err.contains("building '/nix/store/") && err.contains("-user-environment.drv'"), "{client}, {name}: the user environment was not built: {err}");
+            let target = profile_target(&profile);
+            let real = env.path(root).join(target.strip_prefix("/").unwrap());
+            assert_eq!(std::fs::read_link(real.join("lib")).unwrap(), Path::new(GLIBC).join("lib"), "{client}, {name}");
+            let (hash, refs) = hash_and_references(&env, &d.url(&env, i, false), target.to_str().unwrap());
+            assert!(refs.contains(GLIBC) && refs.contains("-env-manifest.nix"), "{client}, {name}: {refs}");
+            profiles.push((target, hash, refs));
+        }
+        assert_eq!(profiles[0], profiles[2], "{client}: sluice daemon, then nix-daemon");
+        assert_eq!(profiles[1], profiles[2], "{client}: sluice daemon --build-via, then nix-daemon");
     }
-    assert_eq!(profiles[0], profiles[2], "sluice daemon, then nix-daemon");
-    assert_eq!(profiles[1], profiles[2], "sluice daemon --build-via, then nix-daemon");
 }
 
 /// A package for the user environment: a directory `name` under the test directory with
