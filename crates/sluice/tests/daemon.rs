@@ -2422,7 +2422,9 @@ fn fetchurl_reads_file_urls_for_trusted_clients_only() {
 /// BuildDerivation (op 36) of a `builtin:fetchurl` derivation sent whole by an untrusted raw
 /// client: a fixed output, which Nix lets any client build. sluice fetches it from a local
 /// server into the path its hash implies (not the path the client wrote), and answers Built
-/// with that output; a wrong hash is Nix's hash mismatch (OutputRejected), adding nothing.
+/// with that output; a wrong hash is Nix's hash mismatch (OutputRejected), adding nothing. A
+/// `builtin:buildenv` derivation with a fixed output gets the same check (without it, any
+/// client could put a user environment at the path of any hash).
 #[test]
 fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
     use std::io::Write;
@@ -2457,6 +2459,23 @@ fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
     assert!(msg.starts_with("hash mismatch in fixed-output derivation '/nix/store/00000000000000000000000000000000-f.txt.drv':") && msg.contains(&format!("got:    {}", good.to_sri())), "{msg}");
     read_u64(&mut client);
     assert_eq!(is_valid_after_result(&mut client, &out), 1, "the connection goes on");
+    assert_eq!(store_entries(&env, "root"), before, "nothing added");
+
+    // `builtin:buildenv` with a fixed output (so an untrusted client may send it) claiming the
+    // hash of another file: its user environment is not what the hash says, and is refused.
+    let other = Hash::digest_bytes(HashAlgo::Sha256, b"a tarball someone will fetch\n");
+    let claimed = ContentAddress::Fixed { recursive: false, hash: other.clone() };
+    let claimed = StoreDir::default().display_path(&claimed.store_path(&StoreDir::default(), "f.txt", &[], false).unwrap());
+    let hex = other.to_base16();
+    let head = [Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]), Ok(1), Err(b"out"), Err(claimed.as_bytes()), Err(b"sha256"), Err(hex.as_bytes())];
+    let rest = [Ok(0), Err(&b"builtin"[..]), Err(b"builtin:buildenv"), Ok(0), Ok(2), Err(b"derivations"), Err(b""), Err(b"manifest"), Err(b"/nix/store/x")];
+    client.write_all(&request(36, &[&head[..], &rest, &[Ok(0)]].concat())).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!(status, 5, "OutputRejected: {msg}");
+    assert!(msg.starts_with("hash mismatch in fixed-output derivation") && msg.contains(&format!("specified: {}", other.to_sri())), "{msg}");
+    read_u64(&mut client);
+    assert_eq!(is_valid_after_result(&mut client, claimed.as_bytes()), 0, "a forged fixed output");
     assert_eq!(store_entries(&env, "root"), before, "nothing added");
 }
 

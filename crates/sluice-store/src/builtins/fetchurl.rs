@@ -13,18 +13,17 @@ use std::io::{self, Read, Seek, Write};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::NarVisitor;
-use sluice_nix::wire::OutputKind;
 
 use super::{BuiltinDerivation, BuiltinError, Context, Spool};
 use crate::binary_cache::http::{client, HttpTransport};
 use crate::binary_cache::transfer::TransferProbe;
 use crate::compression::Compression;
 
-/// Downloads `drv`'s URL into `spool` as the output's NAR; returns the content address the
-/// output must have (the derivation's fixed output).
-pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, spool: &mut Spool) -> Result<ContentAddress, BuiltinError> {
+/// Downloads `drv`'s URL into `spool` as the NAR of its output, whose content address is `ca`
+/// (`None`: not a fixed output, which is refused as Nix 2.26 does).
+pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, ca: Option<&ContentAddress>, spool: &mut Spool) -> Result<(), BuiltinError> {
     let failed = BuiltinError::Failed;
-    let Some(OutputKind::Fixed(ca)) = drv.outputs.get("out") else {
+    let Some(ca) = ca else {
         return Err(failed("'builtin:fetchurl' must be a fixed-output derivation".into()));
     };
     let url = drv.attr("url")?;
@@ -53,7 +52,7 @@ pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, spool: &mut S
     if let Some(why) = probe.and_then(|p| p.broken()) {
         return Err(download(&why));
     }
-    Ok(ca.clone())
+    Ok(())
 }
 
 /// The body of `url`, and for HTTP the probe that tells whether it was cut short.

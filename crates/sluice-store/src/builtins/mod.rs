@@ -122,23 +122,28 @@ pub struct Context<'a> {
 /// sandbox): anything else is as absent.
 pub fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, inputs: &[StorePath]) -> Result<Vec<(String, StorePath)>, BuiltinError> {
     let dir = cx.store.store_dir().clone();
-    let Some(OutputKind::InputAddressed(_) | OutputKind::Fixed(_)) = drv.outputs.get("out") else {
-        return Err(BuiltinError::Failed(format!("'builtin:{}' requires an 'out' output with a known path", builtin_name(drv.builtin))));
+    // A fixed output, whatever the builtin, is admitted only with the content its hash says.
+    let (out, ca) = match drv.outputs.get("out") {
+        Some(OutputKind::InputAddressed(path)) => (path.clone(), None),
+        Some(kind @ OutputKind::Fixed(ca)) => {
+            let path = kind.path(&dir, &drv.name, "out").map_err(|e| BuiltinError::Failed(format!("output 'out': {e}")))?;
+            (path.ok_or_else(|| BuiltinError::Failed("output 'out' has no path".into()))?, Some(ca.clone()))
+        }
+        _ => return Err(BuiltinError::Failed(format!("'builtin:{}' requires an 'out' output with a known path", builtin_name(drv.builtin)))),
     };
-    let out = drv.outputs["out"].path(&dir, &drv.name, "out").map_err(|e| BuiltinError::Failed(format!("output 'out': {e}")))?.ok_or_else(|| BuiltinError::Failed("output 'out' has no path".into()))?;
     cx.roots.add(&out)?;
     if !cx.store.is_valid_path(&out)? {
         let closure = input_closure(cx, inputs)?;
-        // A fixed output's path does not depend on references: fetchurl's are not scanned.
-        let candidates = match drv.builtin {
-            Builtin::Buildenv => closure.iter().chain([&out]).cloned().collect(),
-            Builtin::Fetchurl => BTreeSet::new(),
+        // A fixed output's path does not depend on its references: they are not scanned.
+        let candidates = match ca {
+            None => closure.iter().chain([&out]).cloned().collect(),
+            Some(_) => BTreeSet::new(),
         };
         let mut spool = Spool::new(&candidates)?;
-        let ca = match drv.builtin {
-            Builtin::Buildenv => buildenv::build(cx, drv, &closure, &out, &mut spool).map(|()| None)?,
-            Builtin::Fetchurl => Some(fetchurl::build(cx, drv, &mut spool)?),
-        };
+        match drv.builtin {
+            Builtin::Buildenv => buildenv::build(cx, drv, &closure, &out, &mut spool)?,
+            Builtin::Fetchurl => fetchurl::build(cx, drv, ca.as_ref(), &mut spool)?,
+        }
         register(cx, drv, &out, spool, ca)?;
     }
     Ok(vec![("out".to_owned(), out)])
