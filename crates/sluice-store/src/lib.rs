@@ -7,6 +7,7 @@
 pub mod local;
 pub mod remote;
 pub mod binary_cache;
+pub mod builtins;
 mod by_key;
 pub mod closure;
 pub mod compression;

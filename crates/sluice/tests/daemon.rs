@@ -2111,112 +2111,372 @@ fn clients_share_one_substitution_session() {
 /// A corpus path with a small closure (4 paths in the bzip2 subset cache).
 const GLIBC: &str = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8";
 
-/// The Nix 2.8 `nix-daemon` that `sluice daemon --build-via` builds with, on `nix-build.socket`
-/// for `root`, the `sluice daemon` on `socket` with the corpus subset cache, and, for the
-/// comparison, Nix 2.8's `nix-daemon` alone on `reference.socket` for the store `reference`
-/// with the same cache (passed by the client, which is trusted, as `--option substituters`).
-/// Returns the daemons (kept alive by the caller) and the cache URL.
-fn daemons_for_builtins(env: &Env) -> ([Daemon; 3], String) {
-    let cache = env.cache();
-    let builder = env.nix_daemon("nix-build.socket", "root", NIX_DAEMON_BUILD_CONF);
-    let build_via = format!("unix://{}", env.path("nix-build.socket").display());
-    let sluice = env.daemon_on("socket", "root", &cache, "", &["--build-via", &build_via], None);
-    let reference = env.nix_daemon("reference.socket", "reference", &format!("{NIX_DAEMON_BUILD_CONF}trusted-public-keys = {}\n", cache_key()));
-    ([builder, sluice, reference], cache)
+/// The three daemons the builtin tests compare, each for its own store and with the corpus
+/// subset cache (the clients, trusted, also pass it as `--option substituters`): `sluice`
+/// (store `root`, no `--build-via`), `build-via` (`sluice daemon --build-via` a Nix 2.8
+/// `nix-daemon` for the same store `via`: builtins still run in sluice) and `nix-daemon`
+/// (Nix 2.8's own, store `reference`), all with `extra_config`.
+struct BuiltinDaemons {
+    cache: String,
+    /// (name, daemon, store root), the reference last.
+    daemons: Vec<(&'static str, Daemon, &'static str)>,
+    _builder: Daemon,
 }
 
-/// `nix-env -i` of a corpus path (Nix 2.8) through `sluice daemon --build-via`: sluice
-/// substitutes the path's closure, and the profile's `builtin:buildenv` derivation is built by
-/// the `nix-daemon` it names. The profile is the one Nix 2.8's own `nix-daemon` makes on
-/// another store from the same cache: the same user-environment path, NAR hash and links.
-/// Without `--build-via`, the error says that sluice does not build builtins and names the
-/// option.
-#[test]
-fn nix_env_install_builds_buildenv_through_build_via() {
-    let env = Env::new();
-    let ([_builder, sluice, reference], cache) = daemons_for_builtins(&env);
-    let mut profiles = Vec::new();
-    for (name, url, root) in [("sluice", &sluice.url, "root"), ("nix-daemon", &reference.url, "reference")] {
-        let profile = env.path(&format!("{name}-profile"));
-        let (ok, _, err) = as_root(&env, false, "nix-env", &["--store", url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &cache]);
-        assert!(ok, "{name}: {err}");
-        assert!(err.contains("-user-environment.drv'..."), "{name}: the user environment was not built: {err}");
-        let target = std::fs::read_link(env.path(&format!("{name}-profile-1-link"))).unwrap();
-        let real = env.path(root).join(target.strip_prefix("/").unwrap());
-        assert_eq!(std::fs::read_link(real.join("lib")).unwrap(), Path::new(GLIBC).join("lib"), "{name}");
-        let hash = env.nix("nix-store", &["--store", url, "-q", "--hash", target.to_str().unwrap()]);
-        profiles.push((target, hash));
+impl BuiltinDaemons {
+    fn start(env: &Env, extra_config: &str) -> Self {
+        let cache = env.cache();
+        let builder = env.nix_daemon("nix-build.socket", "via", NIX_DAEMON_BUILD_CONF);
+        let build_via = format!("unix://{}", env.path("nix-build.socket").display());
+        let sluice = env.daemon_on("socket", "root", &cache, extra_config, &[], None);
+        let via = env.daemon_on("via.socket", "via", &cache, extra_config, &["--build-via", &build_via], None);
+        let reference = env.nix_daemon("reference.socket", "reference", &format!("{NIX_DAEMON_BUILD_CONF}trusted-public-keys = {}\n{extra_config}\n", cache_key()));
+        BuiltinDaemons { cache, daemons: vec![("sluice", sluice, "root"), ("build-via", via, "via"), ("nix-daemon", reference, "reference")], _builder: builder }
     }
-    assert_eq!(profiles[0], profiles[1], "sluice daemon, then nix-daemon");
 
-    let plain = env.daemon_on("plain.socket", "plain", &cache, "", &[], None);
-    let profile = env.path("plain-profile");
-    let (ok, _, err) = as_root(&env, false, "nix-env", &["--store", &plain.url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &cache]);
-    assert!(!ok, "installed without --build-via");
-    assert!(err.contains("the sluice daemon does not build, not even builtins such as builtin:buildenv,") && err.contains("sluice daemon --build-via unix://SOCKET"), "{err}");
+    /// The store URL of daemon `i` for a Nix 2.8 client, or (`modern`) a Nix 2.26 one, which
+    /// reads outputs from the chroot store's real directory.
+    fn url(&self, env: &Env, i: usize, modern: bool) -> String {
+        let (_, d, root) = &self.daemons[i];
+        if modern { format!("{}?real={}", d.url, env.path(root).join("nix/store").display()) } else { d.url.clone() }
+    }
 }
 
-/// Serves `body` to every GET on a local port (HTTP/1.1, one request per connection), as
-/// `python3 -m http.server` would a file; returns the URL.
-fn serve_file(body: &'static [u8]) -> String {
+/// What a client sees of a store path: its NAR hash and references (`nix-store -q`).
+fn hash_and_references(env: &Env, store: &str, path: &str) -> (String, String) {
+    (env.nix("nix-store", &["--store", store, "-q", "--hash", path]), env.nix("nix-store", &["--store", store, "-q", "--references", path]))
+}
+
+/// `nix-env -i` of a corpus path (Nix 2.8, then Nix 2.26) through `sluice daemon`, with and without
+/// `--build-via`: sluice substitutes the path's closure and builds the profile's
+/// `builtin:buildenv` derivation itself (Nix's `building '…'` line reaches the client). The
+/// profile is the one Nix 2.8's own `nix-daemon` makes on another store from the same cache:
+/// the same user-environment path, NAR hash, references and links.
+#[test]
+fn nix_env_install_builds_buildenv_in_sluice() {
+    let env = Env::new();
+    let d = BuiltinDaemons::start(&env, "");
+    for modern in [false, true] {
+        let client = if modern { "Nix 2.26" } else { "Nix 2.8" };
+        let mut profiles = Vec::new();
+        for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+            let url = d.url(&env, i, modern);
+            let profile = env.path(&format!("{name}-{modern}-profile"));
+            let start = Instant::now();
+            // Nix 2.26 at another priority (its `--priority`), for a user environment of its own.
+            let priority: &[&str] = if modern { &["--priority", "3"] } else { &[] };
+            let args = [&["--store", &url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &d.cache], priority].concat();
+            let (ok, _, err) = as_root(&env, modern, "nix-env", &args);
+            eprintln!("{client}, {name}: nix-env -i {GLIBC}: {:?}", start.elapsed());
+            assert!(ok, "{client}, {name}: {err}");
+            assert!(err.contains("building '/nix/store/") && err.contains("-user-environment.drv'"), "{client}, {name}: the user environment was not built: {err}");
+            let target = profile_target(&profile);
+            let real = env.path(root).join(target.strip_prefix("/").unwrap());
+            assert_eq!(std::fs::read_link(real.join("lib")).unwrap(), Path::new(GLIBC).join("lib"), "{client}, {name}");
+            let (hash, refs) = hash_and_references(&env, &d.url(&env, i, false), target.to_str().unwrap());
+            assert!(refs.contains(GLIBC) && refs.contains("-env-manifest.nix"), "{client}, {name}: {refs}");
+            profiles.push((target, hash, refs));
+        }
+        assert_eq!(profiles[0], profiles[2], "{client}: sluice daemon, then nix-daemon");
+        assert_eq!(profiles[1], profiles[2], "{client}: sluice daemon --build-via, then nix-daemon");
+    }
+}
+
+/// A package for the user environment: a directory `name` under the test directory with
+/// `files` (path, contents), added to the store through `store`; returns its store path.
+fn add_package(env: &Env, store: &str, name: &str, files: &[(&str, &str)]) -> String {
+    let dir = env.path(name);
+    for (path, contents) in files {
+        std::fs::create_dir_all(dir.join(path).parent().unwrap()).unwrap();
+        std::fs::write(dir.join(path), contents).unwrap();
+    }
+    env.nix("nix-store", &["--store", store, "--add", dir.to_str().unwrap()]).trim().to_owned()
+}
+
+/// The store path a `nix-env` profile's current generation links to.
+fn profile_target(profile: &Path) -> PathBuf {
+    std::fs::read_link(profile.parent().unwrap().join(std::fs::read_link(profile).unwrap())).unwrap()
+}
+
+/// Two already-built packages for `nix-env -f … -i`, `alpha` at priority `prio` and `beta` at
+/// Nix's default 5. (`nix-env` cannot read a chroot store's profile to add to it, so both are
+/// installed at once.)
+const TWO_PACKAGES: &str = r#"{ alpha, beta, prio }:
+let pkg = name: path: meta: rec { type = "derivation"; inherit name meta; outPath = builtins.storePath path; outputs = [ "out" ]; out = { inherit outPath; }; };
+in [ (pkg "alpha" alpha { priority = prio; }) (pkg "beta" beta { }) ]"#;
+
+/// `builtin:buildenv`'s collisions and priorities through `sluice daemon` (with and without
+/// `--build-via`) as through Nix 2.8's `nix-daemon`: two packages with the same file at the
+/// same priority fail with Nix's message, naming the same two files; with the first at
+/// priority 4, its file wins, and their `share/doc` directories (a link made for the first,
+/// then expanded) are merged; a dangling symlink in a package is skipped with Nix's warning.
+/// The profile is the same store path with the same NAR hash and references.
+#[test]
+fn buildenv_collisions_and_priorities_match_nix() {
+    let env = Env::new();
+    let d = BuiltinDaemons::start(&env, "");
+    let expr = env.path("two.nix");
+    std::fs::write(&expr, TWO_PACKAGES).unwrap();
+    let mut seen = Vec::new();
+    for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+        let url = d.url(&env, i, false);
+        if i == 0 {
+            std::fs::create_dir_all(env.path("alpha")).unwrap();
+            std::os::unix::fs::symlink("/nowhere/at/all", env.path("alpha/dangling")).unwrap();
+        }
+        let a = add_package(&env, &url, "alpha", &[("bin/hello", "A\n"), ("share/doc/a.txt", "a\n")]);
+        let b = add_package(&env, &url, "beta", &[("bin/hello", "B\n"), ("share/doc/b.txt", "b\n")]);
+        let install = |profile: &str, prio: &str| {
+            let profile = env.path(&format!("{name}-{profile}"));
+            let args = ["--store", &url, "-p", profile.to_str().unwrap(), "-f", expr.to_str().unwrap(), "-i", "--argstr", "alpha", &a, "--argstr", "beta", &b, "--arg", "prio", prio, "alpha", "beta"];
+            (as_root(&env, false, "nix-env", &args), profile)
+        };
+        let ((ok, _, err), _) = install("same", "5");
+        assert!(!ok, "{name}: a collision was installed: {err}");
+        let start = err.find("packages '").unwrap_or_else(|| panic!("{name}: {err}"));
+        let collision = err[start..].split(" (0 being the highest priority)").next().unwrap().to_owned();
+        assert!(collision.contains("/bin/hello' and '") && collision.contains("have the same priority 5"), "{name}: {err}");
+        let ((ok, _, err), profile) = install("prio", "4");
+        assert!(ok, "{name}: {err}");
+        let target = profile_target(&profile);
+        assert!(err.contains(&format!("skipping dangling symlink '{}/dangling'", target.display())), "{name}: {err}");
+        let real = env.path(root).join(target.strip_prefix("/").unwrap());
+        assert_eq!(std::fs::read_link(real.join("bin/hello")).unwrap(), Path::new(&a).join("bin/hello"), "{name}: priority 4 wins");
+        assert_eq!(std::fs::read_link(real.join("share/doc/a.txt")).unwrap(), Path::new(&a).join("share/doc/a.txt"), "{name}");
+        assert_eq!(std::fs::read_link(real.join("share/doc/b.txt")).unwrap(), Path::new(&b).join("share/doc/b.txt"), "{name}");
+        let (hash, refs) = hash_and_references(&env, &url, target.to_str().unwrap());
+        assert!(refs.contains(&a) && refs.contains(&b), "{name}: {refs}");
+        seen.push((collision, target, hash, refs));
+    }
+    assert_eq!(seen[0], seen[2], "sluice daemon, then nix-daemon");
+    assert_eq!(seen[1], seen[2], "sluice daemon --build-via, then nix-daemon");
+}
+
+/// Serves `files` (URL path, body) on a local port (HTTP/1.1, one request per connection);
+/// with `auth`, only to requests carrying `Authorization: Basic <auth>` (else 401). Returns
+/// the base URL.
+fn serve_files(files: Vec<(&'static str, Vec<u8>)>, auth: Option<&'static str>) -> String {
     use std::io::{BufRead, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}/hello.txt", listener.local_addr().unwrap());
+    let url = format!("http://{}", listener.local_addr().unwrap());
     std::thread::spawn(move || {
         for conn in listener.incoming().flatten() {
             let mut reader = std::io::BufReader::new(conn);
-            let mut line = String::new();
+            let (mut line, mut head) = (String::new(), Vec::new());
             while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
-                line.clear();
+                head.push(std::mem::take(&mut line));
             }
+            let path = head.first().and_then(|l| l.split_whitespace().nth(1)).unwrap_or("").to_owned();
+            let authorized = auth.is_none_or(|a| head.iter().any(|l| l.trim_end().eq_ignore_ascii_case(&format!("authorization: Basic {a}"))));
+            let body = files.iter().find(|(p, _)| *p == path).map(|(_, b)| b.as_slice());
+            let (status, body) = match (authorized, body) {
+                (false, _) => ("401 Unauthorized", &b"login needed"[..]),
+                (true, Some(b)) => ("200 OK", b),
+                (true, None) => ("404 Not Found", &b"no such file"[..]),
+            };
             let mut conn = reader.into_inner();
-            let _ = write!(conn, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = write!(conn, "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
             let _ = conn.write_all(body);
         }
     });
     url
 }
 
-/// `<nix/fetchurl.nix>` (`builtin:fetchurl`) from a local HTTP server through `sluice daemon
-/// --build-via`: the file is fetched by the `nix-daemon` it names, to the same output path and
-/// content as through Nix 2.8's own `nix-daemon`; a wrong hash fails through both with Nix's
-/// hash mismatch, naming the hash of what was fetched, and nothing is added (but the `.drv` and
-/// the output's lock file, which the building `nix-daemon` leaves in both stores). Without
-/// `--build-via`, the error says that sluice does not build builtins and names the option.
+/// `nix-build` of `<nix/fetchurl.nix>` with `args` (`--argstr`/`--arg` pairs) through `store`,
+/// as root, Nix 2.8 or (`modern`) 2.26: (success, output path, stderr).
+fn fetchurl(env: &Env, store: &str, modern: bool, args: &[&str]) -> (bool, String, String) {
+    let expr = env.path("fetchurl.nix");
+    std::fs::write(&expr, "{ ... }@args: import <nix/fetchurl.nix> args").unwrap();
+    let expr = expr.to_str().unwrap().to_owned();
+    let (ok, out, err) = as_root(env, modern, "nix-build", &[&["--store", store, &expr, "--no-out-link"], args].concat());
+    (ok, out.trim().to_owned(), err)
+}
+
+/// `<nix/fetchurl.nix>` (`builtin:fetchurl`) from a local HTTP server through `sluice daemon`
+/// (with and without `--build-via`: sluice fetches), Nix 2.8 and 2.26 clients: the same output
+/// path, content and NAR hash as through Nix 2.8's own `nix-daemon`; a wrong hash fails through
+/// all three with Nix's hash mismatch, naming the hash of what was fetched. sluice adds nothing
+/// (but the `.drv` the client added); Nix's `nix-daemon` also leaves the output's lock file and
+/// registers what it fetched under the path of the hash it got.
 #[test]
-fn fetchurl_builds_through_build_via() {
+fn fetchurl_is_built_in_sluice() {
     let env = Env::new();
     let body: &[u8] = b"fetched by builtin:fetchurl\n";
-    let url = serve_file(body);
-    let ([_builder, sluice, reference], cache) = daemons_for_builtins(&env);
-    let expr = env.path("fetchurl.nix");
-    std::fs::write(&expr, "{ url, hash }: import <nix/fetchurl.nix> { inherit url; sha256 = hash; }").unwrap();
-    let expr = expr.to_str().unwrap();
+    let url = format!("{}/hello.txt", serve_files(vec![("/hello.txt", body.to_vec())], None));
+    let d = BuiltinDaemons::start(&env, "");
     let sha256 = Hash::digest_bytes(HashAlgo::Sha256, body);
-    let fetch = |store: &str, hash: &str| as_root(&env, false, "nix-build", &["--store", store, expr, "--argstr", "url", &url, "--argstr", "hash", hash, "--no-out-link", "--option", "substituters", &cache]);
+    let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(body, false)).to_nix32_prefixed();
     let mut outputs = Vec::new();
-    for (name, store, root) in [("sluice", &sluice.url, "root"), ("nix-daemon", &reference.url, "reference")] {
-        let (ok, out, err) = fetch(store, &sha256.to_base16());
-        assert!(ok, "{name}: {err}");
-        let out = out.trim().to_owned();
-        assert_eq!(std::fs::read(env.path(root).join(out.trim_start_matches('/'))).unwrap(), body, "{name}");
-        let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(body, false)).to_nix32_prefixed();
-        assert_eq!(env.nix("nix-store", &["--store", store, "-q", "--hash", &out]).trim(), nar_hash, "{name}");
-        outputs.push(out);
-
+    for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+        for modern in [false, true] {
+            let store = d.url(&env, i, modern);
+            let hash = if modern { sha256.to_sri() } else { sha256.to_base16() };
+            let (ok, out, err) = fetchurl(&env, &store, modern, &["--argstr", "url", &url, "--argstr", if modern { "hash" } else { "sha256" }, &hash]);
+            assert!(ok, "{name} (2.26: {modern}): {err}");
+            assert_eq!(std::fs::read(env.path(root).join(out.trim_start_matches('/'))).unwrap(), body, "{name}");
+            assert_eq!(env.nix("nix-store", &["--store", &store, "-q", "--hash", &out]).trim(), nar_hash, "{name}");
+            outputs.push(out);
+            // The second client finds it valid: delete it to have it fetched again.
+            env.nix("nix-store", &["--store", &d.url(&env, i, false), "--delete", &outputs[outputs.len() - 1]]);
+        }
         let before = store_entries(&env, root);
-        let (ok, _, err) = fetch(store, &"0".repeat(64));
+        let (ok, _, err) = fetchurl(&env, &d.url(&env, i, false), false, &["--argstr", "url", &url, "--argstr", "sha256", &"0".repeat(64)]);
         assert!(!ok, "{name}: a wrong hash was accepted");
-        assert!(err.contains("hash mismatch in fixed-output derivation") && err.contains(&format!("got:    {}", sha256.to_sri())), "{name}: {err}");
+        assert!(err.contains("hash mismatch in fixed-output derivation '/nix/store/") && err.contains(&format!("got:    {}", sha256.to_sri())), "{name}: {err}");
         let added: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
-        assert!(added.is_empty(), "{name}: added {added:?}");
+        // Nix registers what it fetched under the path of the hash it got, here the good one.
+        let expected = if *name == "nix-daemon" { vec![outputs[0].trim_start_matches("/nix/store/").to_owned()] } else { Vec::new() };
+        assert_eq!(added, expected, "{name}");
     }
-    assert_eq!(outputs[0], outputs[1], "sluice daemon, then nix-daemon");
+    assert!(outputs.iter().all(|o| *o == outputs[4]), "{outputs:?}");
+}
 
-    let plain = env.daemon_on("plain.socket", "plain", &cache, "", &[], None);
-    let (ok, _, err) = fetch(&plain.url, &sha256.to_base16());
-    assert!(!ok, "fetched without --build-via");
-    assert!(err.contains("the sluice daemon does not build, not even builtins such as builtin:fetchurl,") && err.contains("sluice daemon --build-via unix://SOCKET"), "{err}");
+/// `<nix/fetchurl.nix>` behind basic authentication, its credentials in the daemons'
+/// `netrc-file`, with `executable = true` (a script, hashed as a NAR) and `unpack = true` (a
+/// NAR of a directory with an executable file and a symlink, plain and `.nar.xz`): through
+/// `sluice daemon` (with and without `--build-via`) the same output paths and NAR hashes as
+/// through Nix 2.8's `nix-daemon`. A netrc file with a wrong password gets the server's 401.
+#[test]
+fn fetchurl_with_netrc_unpack_and_executable_matches_nix() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let netrc = env.path("netrc");
+    std::fs::write(&netrc, "machine 127.0.0.1 login user password secret\n").unwrap();
+    let archive = env.path("archive");
+    std::fs::create_dir_all(&archive).unwrap();
+    std::fs::write(archive.join("run.sh"), "#!/bin/sh\necho unpacked\n").unwrap();
+    std::fs::set_permissions(archive.join("run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink("run.sh", archive.join("link")).unwrap();
+    let nar = Command::new("nix-store").args(["--dump"]).arg(&archive).output().unwrap().stdout;
+    let xz = {
+        let mut child = Command::new("xz").arg("-c").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), &nar).unwrap();
+        drop(child.stdin.take());
+        child.wait_with_output().unwrap().stdout
+    };
+    let script = b"#!/bin/sh\necho fetched\n".to_vec();
+    let nar_sha256 = Hash::digest_bytes(HashAlgo::Sha256, &nar).to_base16();
+    let script_sha256 = Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(&script, true)).to_base16();
+    // "user:secret" in base64.
+    let base = serve_files(vec![("/run.sh", script), ("/archive.nar", nar), ("/archive.nar.xz", xz)], Some("dXNlcjpzZWNyZXQ="));
+    let d = BuiltinDaemons::start(&env, &format!("netrc-file = {}", netrc.display()));
+    let cases = [
+        ("executable", format!("{base}/run.sh"), script_sha256.as_str(), "executable"),
+        ("nar", format!("{base}/archive.nar"), nar_sha256.as_str(), "unpack"),
+        ("nar-xz", format!("{base}/archive.nar.xz"), nar_sha256.as_str(), "unpack"),
+    ];
+    let mut seen = Vec::new();
+    for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+        let store = d.url(&env, i, false);
+        let mut outs = Vec::new();
+        for (case, url, hash, flag) in &cases {
+            let (ok, out, err) = fetchurl(&env, &store, false, &["--argstr", "url", url, "--argstr", "sha256", hash, "--arg", flag, "true", "--argstr", "name", case]);
+            assert!(ok, "{name} {case}: {err}");
+            let real = env.path(root).join(out.trim_start_matches('/'));
+            let script = if *flag == "unpack" { real.join("run.sh") } else { real.clone() };
+            assert_eq!(std::fs::metadata(&script).unwrap().permissions().mode() & 0o111, 0o111, "{name} {case}: not executable");
+            outs.push((out.clone(), hash_and_references(&env, &store, &out)));
+        }
+        seen.push(outs);
+    }
+    assert_eq!(seen[0], seen[2], "sluice daemon, then nix-daemon");
+    assert_eq!(seen[1], seen[2], "sluice daemon --build-via, then nix-daemon");
+
+    std::fs::write(&netrc, "machine 127.0.0.1 login user password wrong\n").unwrap();
+    let wrong = env.daemon_on("wrong.socket", "wrong", &d.cache, &format!("netrc-file = {}", netrc.display()), &[], None);
+    let (ok, _, err) = fetchurl(&env, &wrong.url, false, &["--argstr", "url", &cases[0].1, "--argstr", "sha256", cases[0].2, "--arg", "executable", "true"]);
+    assert!(!ok && err.contains(&format!("unable to download '{}'", cases[0].1)) && err.contains("401"), "{err}");
+}
+
+/// `file://` URLs in `<nix/fetchurl.nix>`: fetched through `sluice daemon` for a trusted client
+/// (root), to the output path the hash implies (Nix 2.8's `nix-daemon` cannot read them for a
+/// chroot store: it fetches inside the chroot, "Couldn't read a file:// file"); refused for an untrusted one (`nobody`), whose
+/// file would be read by the daemon as root (Nix reads it as a build user in its sandbox),
+/// with nothing added but the `.drv`.
+#[test]
+fn fetchurl_reads_file_urls_for_trusted_clients_only() {
+    let env = Env::new();
+    open_to_nobody(&env);
+    let file = env.path("local.txt");
+    std::fs::write(&file, "a local file\n").unwrap();
+    let url = format!("file://{}", file.display());
+    let sha256 = Hash::digest_bytes(HashAlgo::Sha256, b"a local file\n").to_base16();
+    let d = BuiltinDaemons::start(&env, "");
+    let args = ["--argstr", "url", &url, "--argstr", "sha256", &sha256];
+    let (ok, out, err) = fetchurl(&env, &d.url(&env, 0, false), false, &args);
+    assert!(ok, "{err}");
+    let ca = ContentAddress::Fixed { recursive: false, hash: Hash::digest_bytes(HashAlgo::Sha256, b"a local file\n") };
+    assert_eq!(out, StoreDir::default().display_path(&ca.store_path(&StoreDir::default(), "local.txt", &[], false).unwrap()));
+    assert_eq!(std::fs::read(env.path("root").join(out.trim_start_matches('/'))).unwrap(), b"a local file\n");
+    env.nix("nix-store", &["--store", &d.url(&env, 0, false), "--delete", &out]);
+
+    let expr = env.path("fetchurl.nix");
+    let before = store_entries(&env, "root");
+    let (ok, _, err) = as_nobody(&env, "nix-build", &[&["--store", &d.url(&env, 0, false), expr.to_str().unwrap(), "--no-out-link"], &args[..]].concat());
+    assert!(!ok, "nobody had the daemon read {url}");
+    assert!(err.contains(&format!("unable to download '{url}': file:// URLs are read only for trusted clients")), "{err}");
+    let added: Vec<String> = store_entries(&env, "root").into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
+    assert!(added.is_empty(), "added {added:?}");
+}
+
+/// BuildDerivation (op 36) of a `builtin:fetchurl` derivation sent whole by an untrusted raw
+/// client: a fixed output, which Nix lets any client build. sluice fetches it from a local
+/// server into the path its hash implies (not the path the client wrote), and answers Built
+/// with that output; a wrong hash is Nix's hash mismatch (OutputRejected), adding nothing. A
+/// `builtin:buildenv` derivation with a fixed output gets the same check (without it, any
+/// client could put a user environment at the path of any hash).
+#[test]
+fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
+    use std::io::Write;
+    let env = Env::new();
+    let body = b"fetched for an untrusted client\n";
+    let url = format!("{}/f.txt", serve_files(vec![("/f.txt", body.to_vec())], None));
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "trusted-users = nobody-in-particular", 2);
+    let fetch = |hash: &Hash| {
+        let hex = hash.to_base16();
+        let env = [Err(&b"out"[..]), Err(MISSING), Err(b"url"), Err(url.as_bytes())];
+        let head = [Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]), Ok(1), Err(b"out"), Err(MISSING), Err(b"sha256"), Err(hex.as_bytes())];
+        let rest = [Ok(0), Err(&b"builtin"[..]), Err(b"builtin:fetchurl"), Ok(0), Ok(2)];
+        request(36, &[&head[..], &rest, &env, &[Ok(0)]].concat())
+    };
+    let good = Hash::digest_bytes(HashAlgo::Sha256, body);
+    let ca = ContentAddress::Fixed { recursive: false, hash: good.clone() };
+    let path = StoreDir::default().display_path(&ca.store_path(&StoreDir::default(), "f.txt", &[], false).unwrap());
+    client.write_all(&fetch(&good)).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!((status, msg.as_str()), (0, ""), "Built");
+    assert_eq!(read_u64(&mut client), 1, "built once");
+    assert_eq!(is_valid_after_result(&mut client, path.as_bytes()), 1);
+    assert_eq!(is_valid(&mut client, MISSING), 0, "the path the client wrote");
+    assert_eq!(std::fs::read(env.path("root").join(path.trim_start_matches('/'))).unwrap(), body);
+
+    let before = store_entries(&env, "root");
+    client.write_all(&fetch(&Hash::digest_bytes(HashAlgo::Sha256, b"something else"))).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!(status, 5, "OutputRejected: {msg}");
+    assert!(msg.starts_with("hash mismatch in fixed-output derivation '/nix/store/00000000000000000000000000000000-f.txt.drv':") && msg.contains(&format!("got:    {}", good.to_sri())), "{msg}");
+    read_u64(&mut client);
+    assert_eq!(is_valid_after_result(&mut client, &out), 1, "the connection goes on");
+    assert_eq!(store_entries(&env, "root"), before, "nothing added");
+
+    // `builtin:buildenv` with a fixed output (so an untrusted client may send it) claiming the
+    // hash of another file: its user environment is not what the hash says, and is refused.
+    let other = Hash::digest_bytes(HashAlgo::Sha256, b"a tarball someone will fetch\n");
+    let claimed = ContentAddress::Fixed { recursive: false, hash: other.clone() };
+    let claimed = StoreDir::default().display_path(&claimed.store_path(&StoreDir::default(), "f.txt", &[], false).unwrap());
+    let hex = other.to_base16();
+    let head = [Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]), Ok(1), Err(b"out"), Err(claimed.as_bytes()), Err(b"sha256"), Err(hex.as_bytes())];
+    let rest = [Ok(0), Err(&b"builtin"[..]), Err(b"builtin:buildenv"), Ok(0), Ok(2), Err(b"derivations"), Err(b""), Err(b"manifest"), Err(b"/nix/store/x")];
+    client.write_all(&request(36, &[&head[..], &rest, &[Ok(0)]].concat())).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
+    assert_eq!(status, 5, "OutputRejected: {msg}");
+    assert!(msg.starts_with("hash mismatch in fixed-output derivation") && msg.contains(&format!("specified: {}", other.to_sri())), "{msg}");
+    read_u64(&mut client);
+    assert_eq!(is_valid_after_result(&mut client, claimed.as_bytes()), 0, "a forged fixed output");
+    assert_eq!(store_entries(&env, "root"), before, "nothing added");
 }
 
 /// The rest of a protocol 1.37 build result after its times built (non-determinism, times,

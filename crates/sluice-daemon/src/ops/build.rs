@@ -6,7 +6,7 @@
 use sluice_nix::store_path::{StorePath, StorePathError};
 use sluice_nix::wire::{read_basic_derivation, write_build_result, BuildMode, BuildStatus};
 
-use super::delegate;
+use super::{builtin, delegate};
 use super::realise::{build_result, BUILD_VIA_HINT, built_outputs, normal_mode_only, realise_by_substitution, realised_status};
 use crate::conn::{Conn, Fail, OpResult};
 
@@ -55,6 +55,8 @@ pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
         let mut res = build_result(realised_status(&known, &valid_before), String::new());
         res.built_outputs = built_outputs(outputs.iter().filter_map(|(output, path)| path.as_ref().map(|p| (*output, p))));
         res
+    } else if let Some(result) = builtin::build_sent(c, &drv_path, &drv)? {
+        result
     } else if delegated {
         let srcs: Vec<StorePath> = drv.input_srcs.iter().cloned().collect();
         realise_by_substitution(c, &srcs)?;

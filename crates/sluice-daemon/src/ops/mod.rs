@@ -5,6 +5,7 @@
 
 mod add;
 mod build;
+mod builtin;
 mod delegate;
 mod log;
 mod maintenance;

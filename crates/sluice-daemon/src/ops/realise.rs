@@ -11,10 +11,11 @@ use sluice_nix::wire::{
     read_derived_paths, read_store_path, read_store_path_set, read_string, read_u64, write_keyed_build_result, write_optional_store_path,
     write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec,
 };
+use sluice_store::builtins::Builtin;
 use sluice_store::closure::ClosureEvent;
 use sluice_store::substitute::{summarize, Cause};
 
-use super::delegate;
+use super::{builtin, delegate};
 use super::query::{derivation_outputs, load_derivation};
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::PROTOCOL_VERSION;
@@ -285,14 +286,22 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
     let (valid_before, mut valid) = realise_by_substitution(c, &all)?;
     let mut built: BTreeMap<usize, BuildResult> = BTreeMap::new();
-    let to_build: Vec<usize> = (0..targets.len())
+    let mut to_build: Vec<usize> = (0..targets.len())
         .filter(|&i| matches!(targets[i], DerivedPath::Built { .. }) && matches!(&wanted[i], Ok(p) if p.iter().any(|p| !valid.contains(p))))
         .collect();
+    for &i in &to_build {
+        if let DerivedPath::Built { drv, .. } = &targets[i] {
+            if let Some(result) = builtin::build_stored(c, drv)? {
+                built.insert(i, result);
+            }
+        }
+    }
+    to_build.retain(|i| !built.contains_key(i));
     if delegate::enabled(c) && !to_build.is_empty() {
         let drvs = to_build.iter().filter_map(|&i| if let DerivedPath::Built { drv, .. } = &targets[i] { Some(drv.clone()) } else { None }).collect();
         delegate::substitute_build_inputs(c, drvs)?;
         let forwarded: Vec<DerivedPath> = to_build.iter().map(|&i| targets[i].clone()).collect();
-        built = to_build.iter().copied().zip(delegated(c, &forwarded, mode, with_results)?).collect();
+        built.extend(to_build.iter().copied().zip(delegated(c, &forwarded, mode, with_results)?));
         valid = c.store().query_valid_paths(&all).map_err(op_err)?;
     }
     let dir = c.dir().clone();
@@ -328,11 +337,12 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
 }
 
 /// Why the outputs `absent` of `drv` stay missing without `--build-via`: sluice does not
-/// build, not even Nix's builtins (`builtin:buildenv` of `nix-env -i`, `builtin:fetchurl` of
-/// `<nix/fetchurl.nix>`, which Nix runs in its own process: `src/libstore/builtins/`); the
-/// error names the option that builds them through a `nix-daemon`.
+/// build, not even the builtins it does not run itself (`builtin:unpack-channel`, which Nix
+/// runs in its own process: `src/libstore/builtins/`; `builtin:buildenv` and
+/// `builtin:fetchurl` are run by sluice once their inputs are valid: `builtin`); the error
+/// names the option that builds them through a `nix-daemon`.
 fn not_built(c: &Conn, drv: &StorePath, absent: &[String]) -> String {
-    let builtin = load_derivation(c, drv).ok().flatten().and_then(|d| String::from_utf8(d.builder).ok()).filter(|b| b.starts_with("builtin:"));
+    let builtin = load_derivation(c, drv).ok().flatten().and_then(|d| String::from_utf8(d.builder).ok()).filter(|b| b.starts_with("builtin:") && Builtin::of(b.as_bytes()).is_none());
     let what = match builtin {
         Some(b) => format!("does not build, not even builtins such as {b},"),
         None => "does not build,".to_owned(),
