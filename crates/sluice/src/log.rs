@@ -15,6 +15,8 @@ use std::sync::OnceLock;
 
 use serde_json::json;
 
+use crate::terminal::for_stderr;
+
 /// Nix's `Verbosity` (`logging.hh`): 0 error, 1 warn, 2 notice, 3 info (the default),
 /// 4 talkative, 5 chatty, 6 debug, 7 vomit.
 pub type Verbosity = u8;
@@ -114,7 +116,7 @@ impl Log {
         }
         match self.format {
             LogFormat::InternalJson => emit(json!({"action": "msg", "level": level, "msg": text})),
-            _ => eprintln!("{text}"),
+            _ => eprintln!("{}", for_stderr(text)),
         }
     }
 
@@ -126,7 +128,7 @@ impl Log {
                 "action": "msg", "column": null, "file": null, "level": LVL_ERROR, "line": null,
                 "msg": format!("error: {what}"), "raw_msg": what,
             })),
-            _ => eprintln!("error: {what}"),
+            _ => eprintln!("error: {}", for_stderr(what)),
         }
     }
 }
@@ -238,7 +240,7 @@ impl Drop for EventWriter {
         match Log::get().format {
             LogFormat::InternalJson => emit(json!({"action": "msg", "level": self.level, "msg": text.trim_end()})),
             _ => {
-                let _ = std::io::stderr().lock().write_all(text.as_bytes());
+                let _ = std::io::stderr().lock().write_all(for_stderr(&text).as_bytes());
             }
         }
     }

@@ -13,6 +13,7 @@ mod path_info;
 mod progress;
 mod serve;
 mod setup;
+mod terminal;
 
 use std::process::ExitCode;
 

@@ -2602,10 +2602,12 @@ fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
         let before = store_entries(&env, root);
         let (ok, _, err) = as_nobody(&env, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);
         assert!(!ok, "{root}: an untrusted unsigned add was taken");
-        // Each daemon's words (Nix 2.8's `LocalStore::addToStore`, in colour; sluice's, with
-        // the signers and the trusted keys), passed on by the client.
+        // Each daemon's words (Nix 2.8's `LocalStore::addToStore`, which colours the path;
+        // sluice's, with the signers and the trusted keys), passed on by the client without
+        // escape sequences, as Nix's logger writes to a pipe.
+        assert!(!err.contains('\x1b'), "{root}: escape sequences reached a pipe: {err:?}");
         let words = match root {
-            "nix-root" => format!("cannot add path '\x1b[35;1m{dep}\x1b[0m' because it lacks a valid signature"),
+            "nix-root" => format!("cannot add path '{dep}' because it lacks a valid signature"),
             _ => format!("cannot add path '{dep}' because it lacks a signature by a trusted key"),
         };
         assert!(err.contains(&format!("daemon at {}: AddToStoreNar: {words}", daemon.url.trim_start_matches("unix://"))), "{root}: {err}");
