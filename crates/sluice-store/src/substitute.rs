@@ -408,8 +408,11 @@ impl<R: Read> Read for Counting<R> {
     }
 }
 
-/// Fails a read that goes past the narinfo's NarSize, so that an oversized NAR is refused
-/// as soon as its excess arrives instead of being unpacked whole.
+/// Gives the NAR parser at most the narinfo's NarSize bytes, and fails a read it asks for
+/// beyond them: a NAR longer than its NarSize is refused as soon as its excess is needed,
+/// instead of being unpacked whole. Bytes after a NAR that ends within NarSize are never
+/// asked for, and the download stops there (Nix substitutes such a file: `restorePath` reads
+/// only the NAR).
 struct SizeLimit<R> {
     inner: R,
     remaining: u64,
@@ -418,12 +421,15 @@ struct SizeLimit<R> {
 
 impl<R: Read> Read for SizeLimit<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let want = buf.len().min(self.remaining.saturating_add(1).min(usize::MAX as u64) as usize);
-        let n = self.inner.read(&mut buf[..want])?;
-        if n as u64 > self.remaining {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if self.remaining == 0 {
             let msg = format!("size mismatch: NarSize is {} bytes but the NAR is longer", self.declared);
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, msg));
         }
+        let want = buf.len().min(self.remaining.min(usize::MAX as u64) as usize);
+        let n = self.inner.read(&mut buf[..want])?;
         self.remaining -= n as u64;
         Ok(n)
     }

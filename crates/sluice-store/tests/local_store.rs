@@ -425,12 +425,26 @@ fn nar_hash_or_size_mismatch_leaves_nothing() {
     assert_add_fails_cleanly(&wrong_size, &nar, |e| matches!(e, LocalStoreError::SizeMismatch { expected, actual, .. } if *expected == info.nar_size + 8 && *actual == info.nar_size));
 }
 
+/// Bytes after the end of a NAR are left unread, as Nix's `restorePath` leaves them: the path
+/// is added with the NAR's own hash and size, and the reader stops at the NAR's end.
 #[test]
-fn trailing_data_and_bad_nars_leave_nothing() {
+fn bytes_after_the_nar_are_left_unread() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
     let (info, nar) = fixture("varied-tree.nar");
     let mut longer = nar.clone();
-    longer.extend_from_slice(&[0; 8]);
-    assert_add_fails_cleanly(&info, &longer, |e| matches!(e, LocalStoreError::TrailingData { .. }));
+    longer.extend_from_slice(b"trailing bytes, never read");
+    let mut reader = longer.as_slice();
+    assert!(add(&store, &info, &mut reader).unwrap());
+    assert_eq!(reader, b"trailing bytes, never read");
+    assert!(dump(&store, &info.path) == nar);
+    verify_with_nix(&root, tmp.path());
+}
+
+#[test]
+fn bad_nars_leave_nothing() {
+    let (info, nar) = fixture("varied-tree.nar");
     assert_add_fails_cleanly(&info, &nar[..nar.len() / 2], |e| matches!(e, LocalStoreError::Nar { .. }));
     assert_add_fails_cleanly(&info, b"nix-archive-2", |e| matches!(e, LocalStoreError::Nar { .. }));
 }

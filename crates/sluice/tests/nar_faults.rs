@@ -193,3 +193,34 @@ fn nar_refusals_where_nix_226_fails_too() {
         }
     }
 }
+
+/// A cache's NAR file with bytes after the NAR (its NarHash and NarSize those of the NAR) is
+/// substituted, as real Nix 2.8 substitutes it (`restorePath` reads only the NAR): both stores
+/// end up with the same verified path. A NAR longer than its NarSize is still refused.
+#[test]
+fn bytes_after_the_nar_in_a_cache_file_are_ignored_as_by_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, path) = edited_cache(tmp.path(), "plain", |t| t);
+    let nar = tmp.path().join("cache/nar/big.nar");
+    let mut bytes = std::fs::read(&nar).unwrap();
+    bytes.extend_from_slice(&[0x55; 4096]);
+    std::fs::write(&nar, &bytes).unwrap();
+    let (by_sluice, by_nix) = (tmp.path().join("by-sluice"), tmp.path().join("by-nix"));
+    let key = case_key("12-http-truncated-body");
+    check(&copy_with(tmp.path(), &by_sluice, &url, &key, &[], &[&path]), "sluice copy of a NAR file with bytes after the NAR");
+    let nix_copy = nix(tmp.path(), "nix", &["copy", "--from", &url, "--to", by_nix.to_str().unwrap(), "--option", "trusted-public-keys", &key, &path]);
+    check(&nix_copy, "nix copy of the same file");
+    for root in [&by_sluice, &by_nix] {
+        assert_nix_verifies(tmp.path(), root);
+    }
+    let hash = |root: &Path| String::from_utf8(nix(tmp.path(), "nix-store", &["--store", root.to_str().unwrap(), "-q", "--hash", &path]).stdout).unwrap();
+    assert_eq!(hash(&by_sluice), hash(&by_nix));
+
+    // Its own scratch: the narinfo disk cache under the first one keeps the first narinfo.
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, path) = edited_cache(tmp.path(), "plain", |t| t.replace("NarSize: 300480", "NarSize: 300472"));
+    let root = tmp.path().join("short");
+    let o = copy_with(tmp.path(), &root, &url, &key, &[("require-sigs", "false")], &[&path]);
+    assert_refused(&o, &path, &["NarSize is 300472 bytes but the NAR is longer"]);
+    assert_absent(tmp.path(), &root, &path);
+}

@@ -67,7 +67,9 @@ pub fn validate<R: std::io::Read>(reader: R) -> Result<u64, NarError> {
 struct Parser<R> { r: R, pos: u64 }
 
 /// The contents of a regular file, as handed to the visitor: at most `left` bytes of the NAR.
-struct Contents<'a, R> { r: &'a mut R, left: u64, pos: &'a mut u64, failed: Option<std::io::ErrorKind> }
+/// A regular file's contents as the visitor reads them; `failed` keeps the error the input
+/// gave (its kind and message), which the parser reports even if the visitor replaced it.
+struct Contents<'a, R> { r: &'a mut R, left: u64, pos: &'a mut u64, failed: Option<std::io::Error> }
 
 impl<R: Read> Read for Contents<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -77,13 +79,13 @@ impl<R: Read> Read for Contents<'_, R> {
         let want = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
         let n = match self.r.read(buf.get_mut(..want).unwrap_or_default()) {
             Ok(0) => {
-                self.failed = Some(std::io::ErrorKind::UnexpectedEof);
+                self.failed = Some(std::io::ErrorKind::UnexpectedEof.into());
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Err(e),
             Err(e) => {
-                self.failed = Some(e.kind());
+                self.failed = Some(std::io::Error::new(e.kind(), e.to_string()));
                 return Err(e);
             }
         };
@@ -303,8 +305,8 @@ impl<R: Read> Parser<R> {
         let drained = if c.failed.is_none() && res.is_ok() { std::io::copy(&mut c, &mut std::io::sink()).err() } else { None };
         let failed = c.failed.take();
         match (failed, drained) {
-            (Some(std::io::ErrorKind::UnexpectedEof), _) => return Err(NarError::Truncated { offset: self.pos }),
-            (Some(kind), _) => return Err(NarError::Io { offset: self.pos, source: kind.into() }),
+            (Some(e), _) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(NarError::Truncated { offset: self.pos }),
+            (Some(e), _) => return Err(NarError::Io { offset: self.pos, source: e }),
             (None, Some(e)) => return Err(self.io_err(e)),
             (None, None) => {}
         }

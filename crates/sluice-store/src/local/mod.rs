@@ -101,9 +101,6 @@ pub enum LocalStoreError {
     /// The NAR given for a path is malformed, or could not be unpacked.
     #[error("unpacking the NAR of {path}: {source}")]
     Nar { path: String, #[source] source: NarError },
-    /// More bytes follow the end of the NAR given for a path.
-    #[error("the NAR of {path} is followed by trailing data")]
-    TrailingData { path: String },
     /// The unpacked NAR's hash is not the one the path's info claims.
     #[error("NAR hash mismatch for {path}: expected {expected}, got {actual}")]
     HashMismatch { path: String, expected: String, actual: String },
@@ -560,8 +557,10 @@ impl PendingPath {
     }
 
     /// Unpacks the NAR read from `nar` into the temporary tree, hashing it (sha256, and what
-    /// the info's content address needs) as it goes. Reads exactly the NAR and fails on
-    /// trailing bytes. On failure the temporary tree is removed, so the path can be unpacked
+    /// the info's content address needs) as it goes. Reads exactly the NAR: bytes after its
+    /// end are left unread, as Nix's `restorePath` leaves them (a cache's NAR file with bytes
+    /// after the NAR is substituted by Nix 2.8 and 2.26; a framed add's rest is drained by the
+    /// daemon, as Nix's `FramedSource` drains it). On failure the temporary tree is removed, so the path can be unpacked
     /// again (e.g. from another source); a second call replaces the first's tree.
     pub fn unpack(&mut self, nar: &mut dyn Read) -> Result<Unpacked, LocalStoreError> {
         self.unpacked = None;
@@ -592,9 +591,6 @@ impl PendingPath {
         let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.exact_modes);
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
-        if !at_eof(&mut reader).map_err(io_err("reading the NAR of", &self.store.real_path(&self.info.path)))? {
-            return Err(LocalStoreError::TrailingData { path: shown });
-        }
         let (nar_hash, content) = reader.finish().map_err(io_err("hashing the NAR of", &self.store.real_path(&self.info.path)))?;
         let ca_hash = match content.hasher {
             Some(h) => Some(h.finish()),
@@ -768,14 +764,3 @@ fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LocalSto
     move |source| LocalStoreError::Io { what, path, source }
 }
 
-/// Whether `reader` has no more bytes (reads at most one).
-fn at_eof(reader: &mut dyn Read) -> io::Result<bool> {
-    let mut byte = [0u8; 1];
-    loop {
-        match reader.read(&mut byte) {
-            Ok(n) => return Ok(n == 0),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
-}
