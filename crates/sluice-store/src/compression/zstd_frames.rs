@@ -429,6 +429,21 @@ mod tests {
         assert_eq!(zstd::stream::decode_all(&packed[..]).unwrap(), input);
     }
 
+    /// Readers on several threads at once share the process's helpers (a reader that finds
+    /// none free decodes its frames itself) and reuse their buffers from frame to frame, the
+    /// last frame being shorter than the buffer it reuses: each gets its own input back.
+    #[test]
+    fn concurrent_readers_share_helpers_and_reuse_buffers() {
+        let inputs: Vec<Vec<u8>> = (0..4).map(|i| data(3 * FRAME_SIZE + 1000 * i)).collect();
+        let packed: Vec<Vec<u8>> = inputs.iter().map(|input| encode(input, 1)).collect();
+        std::thread::scope(|s| {
+            let readers: Vec<_> = packed.iter().map(|p| s.spawn(move || decode(p).unwrap())).collect();
+            for (reader, input) in readers.into_iter().zip(&inputs) {
+                assert!(reader.join().unwrap() == *input);
+            }
+        });
+    }
+
     /// Nothing written is one empty frame.
     #[test]
     fn empty_input_is_one_empty_frame() {
