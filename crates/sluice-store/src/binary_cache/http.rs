@@ -34,8 +34,8 @@ pub const H2_STREAMS: usize = 128;
 /// `http-connections` if it is higher, no limit if it is 0. Nix sends these through the same
 /// curl pool as its downloads, `http-connections` (25) at a time; a push, though, is a few
 /// requests per path (`HEAD` of the narinfo, `HEAD` and `PUT` of the NAR, `PUT` of the
-/// narinfo), each one round trip with a small body, so at 25 in flight a 1056-path closure at
-/// 50 ms RTT spent 8 s waiting on round trips (`bench/push`). The bytes they carry are bounded
+/// narinfo), each one round trip with a small body: the 1056-path corpus makes 4227 requests,
+/// which at 25 in flight take 170 round trips (`bench/push`, docs/benchmarks.md). The bytes they carry are bounded
 /// elsewhere (NARs are compressed a few at a time, [`crate::store::Store::parallelism`]), and
 /// `http-connections` keeps bounding downloads, whose bodies are what loads a server. 256 is
 /// `sluice copy`'s jobs (`substitute::DEFAULT_JOBS`) and `file://`'s capacity.
