@@ -193,14 +193,10 @@ fn subset_into_s3_with_credentials_and_back() {
     assert_eq!(String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
 }
 
-/// A NAR over `multipart-threshold` goes to S3 in parts (`multipart-upload=true`): the object
-/// S3 keeps is the NAR byte for byte, its ETag is that of a three-part upload, and real Nix
-/// reads the cache through `http://…/bucket`.
-#[test]
-fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
-    let tmp = tempfile::tempdir().unwrap();
-    // 12 MB that do not compress: three parts of at most 5 MiB.
-    let file = tmp.path().join("parts");
+/// A chroot store under `tmp/src` holding one 12 MB file that does not compress (three S3
+/// parts of at most 5 MiB): (the store, the path, its NAR by `nix-store --dump`).
+fn incompressible_path(tmp: &Path) -> (PathBuf, String, Vec<u8>) {
+    let file = tmp.join("parts");
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let data: Vec<u8> = (0..12_000_000 / 8).flat_map(|_| {
         state ^= state << 13;
@@ -209,13 +205,32 @@ fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
         state.to_le_bytes()
     }).collect();
     std::fs::write(&file, &data).unwrap();
-    let src = tmp.path().join("src");
-    let added = nix(tmp.path(), "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
+    let src = tmp.join("src");
+    let added = nix(tmp, "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
     check(&added, "nix-store --add");
     let path = String::from_utf8(added.stdout).unwrap().trim().to_string();
     let real = src.join(path.trim_start_matches('/'));
-    let dumped = nix(tmp.path(), "nix-store", &["--dump", real.to_str().unwrap()]);
+    let dumped = nix(tmp, "nix-store", &["--dump", real.to_str().unwrap()]);
     check(&dumped, "nix-store --dump");
+    (src, path, dumped.stdout)
+}
+
+/// `sluice copy` of `path` from `src` to the S3 URL `s3`, with s3s-fs's test credentials and
+/// `conf` as the configuration.
+fn push_to_s3(tmp: &Path, src: &Path, s3: &str, path: &str, conf: &str) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, conf);
+    cmd.envs([("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")]);
+    cmd.args(["copy", "--from", src.to_str().unwrap(), "--to", s3, path]).output().unwrap()
+}
+
+/// A NAR over `multipart-threshold` goes to S3 in parts (`multipart-upload=true`): the object
+/// S3 keeps is the NAR byte for byte, its ETag is that of a three-part upload, and real Nix
+/// reads the cache through `http://…/bucket`.
+#[test]
+fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, path, dumped) = incompressible_path(tmp.path());
     let (secret, public) = signing_key(tmp.path());
     std::fs::create_dir_all(tmp.path().join("s3/bucket")).unwrap();
     let server = S3Server::start(&tmp.path().join("s3"), true);
@@ -224,10 +239,7 @@ fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
         server.port,
         secret.display()
     );
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-    isolate(&mut cmd, tmp.path(), "");
-    cmd.envs([("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")]);
-    check(&cmd.args(["copy", "--from", src.to_str().unwrap(), "--to", &s3, &path]).output().unwrap(), "multipart push to S3");
+    check(&push_to_s3(tmp.path(), &src, &s3, &path, ""), "multipart push to S3");
     drop(server);
 
     let server = S3Server::start(&tmp.path().join("s3"), false);
@@ -236,9 +248,114 @@ fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
     let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
     let object = Command::new("curl").args(["-sfD", tmp.path().join("headers").to_str().unwrap(), &format!("{url}/{nar_url}")]).output().unwrap();
     assert!(object.status.success());
-    assert!(object.stdout == dumped.stdout, "the object is not the NAR ({} bytes against {})", object.stdout.len(), dumped.stdout.len());
+    assert!(object.stdout == dumped, "the object is not the NAR ({} bytes against {})", object.stdout.len(), dumped.len());
     let headers = std::fs::read_to_string(tmp.path().join("headers")).unwrap().to_ascii_lowercase();
     let etag = headers.lines().find_map(|l| l.strip_prefix("etag: ")).unwrap().trim().trim_matches('"').to_string();
     assert!(etag.ends_with("-3"), "ETag {etag} is not that of a three-part upload");
     assert_nix_reads(tmp.path(), &url, &public, &path, &BTreeSet::from([path.clone()]));
+}
+
+/// A TCP front before a server that forwards HTTP/1.1 requests (framed by `Content-Length`)
+/// and their answers, but closes a connection, unanswered and unforwarded, when a request line
+/// contains `kill`; it records every request line it read.
+struct KillingFront {
+    port: u16,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl KillingFront {
+    fn start(upstream: u16, kill: &'static str) -> KillingFront {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let log = log.clone();
+                std::thread::spawn(move || Self::forward(client, upstream, kill, &log));
+            }
+        });
+        KillingFront { port, seen }
+    }
+
+    /// Forwards one client connection's requests until it ends or a request is killed.
+    fn forward(client: std::net::TcpStream, upstream: u16, kill: &str, log: &std::sync::Mutex<Vec<String>>) -> std::io::Result<()> {
+        use std::io::{BufRead, Read, Write};
+        let mut server = std::net::TcpStream::connect(("127.0.0.1", upstream))?;
+        let (mut answers, mut to_client) = (server.try_clone()?, client.try_clone()?);
+        std::thread::spawn(move || std::io::copy(&mut answers, &mut to_client));
+        let mut requests = std::io::BufReader::new(&client);
+        loop {
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                if requests.read_until(b'\n', &mut head)? == 0 {
+                    return Ok(());
+                }
+            }
+            let text = String::from_utf8_lossy(&head).into_owned();
+            let line = text.lines().next().unwrap_or("").to_string();
+            log.lock().unwrap().push(line.clone());
+            if line.contains(kill) {
+                let _ = server.shutdown(std::net::Shutdown::Both);
+                return client.shutdown(std::net::Shutdown::Both);
+            }
+            let length = text.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<u64>().unwrap())).unwrap_or(0);
+            server.write_all(&head)?;
+            std::io::copy(&mut (&mut requests).take(length), &mut server)?;
+        }
+    }
+
+    /// The request lines seen whose target contains `what`.
+    fn seen(&self, what: &str) -> Vec<String> {
+        self.seen.lock().unwrap().iter().filter(|l| l.contains(what)).cloned().collect()
+    }
+}
+
+/// A multipart upload whose second part fails on every attempt is aborted
+/// (`AbortMultipartUpload`, as Nix 2.35 does): the push fails naming the part's URL, the
+/// upload is never completed, and s3s-fs keeps nothing of it (no part files, no upload
+/// record, no object, no narinfo).
+#[test]
+fn failed_multipart_upload_is_aborted_and_leaves_no_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, path, _) = incompressible_path(tmp.path());
+    let root = tmp.path().join("s3");
+    std::fs::create_dir_all(root.join("bucket")).unwrap();
+    let server = S3Server::start(&root, true);
+    let front = KillingFront::start(server.port, "partNumber=2&");
+    let s3 = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1&compression=none&multipart-upload=true&multipart-threshold=5M&multipart-chunk-size=5M", front.port);
+    let failed = push_to_s3(tmp.path(), &src, &s3, &path, "download-attempts = 2");
+    assert!(!failed.status.success(), "the push succeeded through a front that kills part 2");
+    assert!(stderr(&failed).contains(&format!("http://127.0.0.1:{}/bucket/nar/", front.port)) && stderr(&failed).contains("partNumber=2&uploadId="), "{}", stderr(&failed));
+
+    assert_eq!(front.seen("?uploads").len(), 1, "{:?}", front.seen(""));
+    assert_eq!(front.seen("partNumber=1&").len(), 1);
+    assert_eq!(front.seen("partNumber=2&").len(), 2, "part 2 is tried download-attempts times");
+    let aborts = front.seen("DELETE /bucket/nar/");
+    assert_eq!(aborts.len(), 1, "{:?}", front.seen(""));
+    assert!(aborts[0].contains("?uploadId="), "{aborts:?}");
+    assert!(front.seen("POST /bucket/nar/").iter().all(|l| l.contains("?uploads")), "the upload was completed: {:?}", front.seen(""));
+    // s3s-fs keeps an upload's record, parts and metadata in its directory (`.upload-ID.json`,
+    // `.upload_id-ID.part-N`, `….upload-ID.metadata.json`), and files being written as `.tmp.*`.
+    let left: Vec<String> = walk(&root).into_iter().filter(|n| n.contains("upload") || n.starts_with(".tmp.")).collect();
+    assert!(left.is_empty(), "s3s-fs keeps {left:?}");
+    let bucket: Vec<String> = walk(&root.join("bucket"));
+    assert_eq!(bucket, ["nix-cache-info"], "the bucket holds more than nix-cache-info");
+}
+
+/// The files under `dir`, relative to it, sorted.
+fn walk(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let p = entry.unwrap().path();
+            match p.is_dir() {
+                true => stack.push(p),
+                false => out.push(p.strip_prefix(dir).unwrap().display().to_string()),
+            }
+        }
+    }
+    out.sort();
+    out
 }

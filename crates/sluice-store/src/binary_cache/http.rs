@@ -1,7 +1,8 @@
 //! `http://` and `https://` binary caches over one shared `reqwest` client (rustls; HTTP/2
-//! by ALPN, HTTP/1.1 keep-alive otherwise). Requests to one cache are bounded by
+//! by ALPN, HTTP/1.1 keep-alive otherwise). Downloads (`GET`) from one cache are bounded by
 //! `http-connections` (0: no limit) while the server speaks HTTP/1.1, and by [`H2_STREAMS`]
-//! once it has answered over HTTP/2 (streams multiplexed on one connection). The cache's host
+//! once it has answered over HTTP/2 (streams multiplexed on one connection); existence checks
+//! and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) by [`WRITE_REQUESTS`] (see there why). The cache's host
 //! entry in `netrc-file` is sent as basic authentication ([`crate::netrc`]). 404, 403 and 410 mean
 //! absence; 5xx, 408, 429, connection failures and stalls are retried with backoff
 //! (`download-attempts`); a body sent with `Content-Encoding: gzip` (by a proxy, unasked) is
@@ -29,6 +30,16 @@ pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934c
 
 /// Concurrent requests to one cache once it speaks HTTP/2 (nginx's default stream limit).
 pub const H2_STREAMS: usize = 128;
+/// Concurrent existence checks and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) to one cache:
+/// `http-connections` if it is higher, no limit if it is 0. Nix sends these through the same
+/// curl pool as its downloads, `http-connections` (25) at a time; a push, though, is a few
+/// requests per path (`HEAD` of the narinfo, `HEAD` and `PUT` of the NAR, `PUT` of the
+/// narinfo), each one round trip with a small body: the 1056-path corpus makes 4227 requests,
+/// which at 25 in flight take 170 round trips (`bench/push`, docs/benchmarks.md). The bytes they carry are bounded
+/// elsewhere (NARs are compressed a few at a time, [`crate::store::Store::parallelism`]), and
+/// `http-connections` keeps bounding downloads, whose bodies are what loads a server. 256 is
+/// `sluice copy`'s jobs (`substitute::DEFAULT_JOBS`) and `file://`'s capacity.
+pub const WRITE_REQUESTS: usize = 256;
 /// Largest whole file fetched by [`HttpTransport::get`] (narinfo, `nix-cache-info`), after
 /// content decoding.
 pub const MAX_SMALL_FILE: usize = 64 << 20;
@@ -41,7 +52,8 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
         .use_rustls_tls()
         .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
         .tcp_nodelay(true)
-        .pool_max_idle_per_host(settings.http_connection_limit().unwrap_or(usize::MAX))
+        // Room to keep every connection the write requests opened.
+        .pool_max_idle_per_host(write_limit(settings))
         .no_proxy();
     if settings.connect_timeout > 0 {
         b = b.connect_timeout(Duration::from_secs(settings.connect_timeout));
@@ -56,6 +68,11 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
     b.build().map_err(|e| format!("cannot set up the HTTP client: {e}"))
 }
 
+/// Requests in flight for existence checks and uploads (see [`WRITE_REQUESTS`]).
+fn write_limit(settings: &Settings) -> usize {
+    settings.http_connection_limit().map_or(Semaphore::MAX_PERMITS, |n| n.max(WRITE_REQUESTS))
+}
+
 /// One HTTP(S) binary cache.
 #[derive(Debug)]
 pub struct HttpTransport {
@@ -64,9 +81,13 @@ pub struct HttpTransport {
     /// parses only their relative part.
     base_dir: Option<reqwest::Url>,
     pool: ClientPool,
+    /// Downloads in flight (`GET`).
     limit: Arc<Semaphore>,
     /// Permits `limit` started with (`http-connections`).
     connections: usize,
+    /// Existence checks and uploads in flight ([`WRITE_REQUESTS`]), and its permits.
+    writes: Arc<Semaphore>,
+    write_permits: usize,
     h2: AtomicBool,
     /// The cache's credentials from `netrc-file`.
     credentials: Option<crate::netrc::Credentials>,
@@ -130,6 +151,8 @@ impl HttpTransport {
             pool: ClientPool::new(client, settings),
             limit: Arc::new(Semaphore::new(connections)),
             connections,
+            writes: Arc::new(Semaphore::new(write_limit(settings))),
+            write_permits: write_limit(settings),
             h2: AtomicBool::new(false),
             credentials,
             stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
@@ -200,7 +223,11 @@ impl HttpTransport {
     /// `nar`: a NAR download, sent over the NAR connections ([`ClientPool::next_nar`]).
     async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>, nar: bool) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
         let url = target.as_str();
-        let permit = self.limit.clone().acquire_owned().await.expect("semaphore never closed");
+        let (limit, permits) = match *spec.method == reqwest::Method::GET {
+            true => (&self.limit, self.connections),
+            false => (&self.writes, self.write_permits),
+        };
+        let permit = limit.clone().acquire_owned().await.expect("semaphore never closed");
         if self.base.starts_with("https://") {
             // HTTPS servers mostly speak HTTP/2: open the other connections alongside the
             // first, so that they are up before the closure fans out.
@@ -208,11 +235,15 @@ impl HttpTransport {
         }
         let client = if nar { self.pool.next_nar().await } else { self.pool.next() };
         let request = self.build(client, target, spec).await?;
+        let started = std::time::Instant::now();
         let resp = match tokio::time::timeout(self.stall, client.execute(request)).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
         };
+        // One line per request (`SLUICE_LOG=sluice_store::binary_cache::http=debug`): what the
+        // requests in flight and their round trips were, for benchmarks.
+        tracing::debug!(method = %spec.method, url, status = resp.status().as_u16(), ms = started.elapsed().as_millis() as u64, in_flight = permits.saturating_sub(limit.available_permits()), "request");
         if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
             self.pool.grow_for_h2(&self.base);
             let streams = H2_STREAMS * (self.pool.connections() + self.pool.nar_connections());

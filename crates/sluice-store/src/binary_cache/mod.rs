@@ -78,11 +78,15 @@ impl Upload {
         base64::engine::general_purpose::STANDARD.encode(md5)
     }
 
-    /// A request body of the contents (a prepared NAR streams from its file).
+    /// A request body of the contents (a prepared NAR streams from its file, 256 KiB at a
+    /// time, or in one read if it is smaller: many uploads may be in flight).
     pub async fn body(&self) -> std::io::Result<reqwest::Body> {
         Ok(match self {
             Upload::Bytes(b) => reqwest::Body::from(b.clone()),
-            Upload::Nar(n) => reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(n.file.reopen()?), 256 << 10)),
+            Upload::Nar(n) => {
+                let chunk = n.file_size.clamp(1, 256 << 10) as usize;
+                reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(n.file.reopen()?), chunk))
+            }
         })
     }
 }

@@ -9,6 +9,8 @@
 //!   publish gate opens — writes `<hash part>.narinfo`, signed with every `secret-key`
 //!   (`writeNarInfo`; the info's own signatures are kept).
 
+use std::collections::BTreeSet;
+
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::signature::SecretKey;
@@ -153,6 +155,21 @@ impl Store for BinaryCache {
     fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
         // All at once: the transport bounds the requests in flight.
         Box::pin(async move { futures::future::join_all(paths.iter().map(|path| self.query_one(path))).await.into_iter().collect() })
+    }
+
+    /// Whether each narinfo exists (`HEAD`, as Nix's `BinaryCacheStore::isValidPathUncached`),
+    /// all at once: the transport bounds the requests in flight.
+    fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        Box::pin(async move {
+            let exists = futures::future::join_all(paths.iter().map(|path| async move { self.file_exists(&format!("{}.narinfo", path.hash_part())).await })).await;
+            let mut valid = BTreeSet::new();
+            for (path, exists) in paths.iter().zip(exists) {
+                if exists? {
+                    valid.insert(path.clone());
+                }
+            }
+            Ok(valid)
+        })
     }
 
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {

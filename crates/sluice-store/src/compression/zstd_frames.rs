@@ -5,19 +5,23 @@
 //!
 //! Decoding. The caller's thread reads the input one whole frame at a time (its end is found
 //! from its block headers, `ZSTD_findFrameCompressedSize`) and decodes the frame it must
-//! return next itself; while it does, the following frames go to helper threads, as many as
-//! are free. Helpers are shared by the whole process: at most [`helper_limit`] (the cores
-//! but one) decode at once, whatever the number of NARs being read, and a reader holds at most
-//! one frame more than the helpers it got. Memory is therefore bounded by
-//! (cores) × ([`MAX_FRAME`] of output + its compressed bytes) over the process, plus one
-//! frame per reader. A frame without a content size in its header, or with one above
-//! [`MAX_FRAME`] (one stream, as `zstd` and Nix before 2.35 write it), ends the frame-wise
-//! decoding: the rest of the input goes through the streaming decoder as before.
+//! return next itself; while it does, the following frames go to the helper threads, as many
+//! as are free. The helpers (the cores but one) are started once and live for the process,
+//! fed through one channel and shared by every reader: at most that many frames are decoded
+//! by helpers at once, whatever the number of NARs being read. Buffers are reused: a reader
+//! decodes into output buffers it keeps (and gathers input into buffers it keeps), so a frame
+//! costs no fresh 16 MiB allocation whose pages the kernel must fault in and zero. Memory is
+//! therefore bounded by (helper threads) × ([`MAX_FRAME`] of output + its compressed bytes)
+//! over the process, plus, per reader, the frame being returned, the frame being gathered, and
+//! at most [`SPARE`] unused buffers of each kind (freed with the reader). A frame without a
+//! content size in its header, or with one above [`MAX_FRAME`] (one stream, as `zstd` and Nix
+//! before 2.35 write it), ends the frame-wise decoding: the rest of the input goes through the
+//! streaming decoder as before.
 
 use std::collections::VecDeque;
 use std::io::{self, Cursor, Read, Write};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock, PoisonError};
 
 /// Uncompressed bytes per frame the encoder writes (Nix's `bytesPerFrame`).
 pub(crate) const FRAME_SIZE: usize = 16 * 1024 * 1024;
@@ -28,31 +32,94 @@ pub(super) const MAX_FRAME: u64 = 64 * 1024 * 1024;
 /// Bytes asked of the input per read while a frame is gathered.
 const READ_CHUNK: usize = 256 * 1024;
 
-/// Helper threads decoding frames now, across the process.
-static HELPERS_BUSY: AtomicUsize = AtomicUsize::new(0);
+/// Unused buffers of each kind (output, input) a reader keeps for its next frames: enough for
+/// the steady state, where each frame returned frees one buffer that the next frame sent to
+/// a helper takes.
+const SPARE: usize = 2;
 
-/// Helper threads that may decode at once: the cores but the one the reader runs on.
-fn helper_limit() -> usize {
-    static LIMIT: OnceLock<usize> = OnceLock::new();
-    *LIMIT.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from).saturating_sub(1))
+/// The helper threads: where their jobs go, and how many there are.
+struct Helpers {
+    jobs: mpsc::Sender<Job>,
+    threads: usize,
+    /// Helpers decoding a frame now.
+    busy: AtomicUsize,
 }
 
-/// A helper slot, released on drop.
-struct HelperSlot;
+/// The process's helper threads (the cores but the one a reader runs on), started on first
+/// use; `None` if none could be started (every frame is then decoded by its reader).
+fn helpers() -> Option<&'static Helpers> {
+    static HELPERS: OnceLock<Option<Helpers>> = OnceLock::new();
+    HELPERS
+        .get_or_init(|| {
+            let wanted = std::thread::available_parallelism().map_or(1, usize::from).saturating_sub(1);
+            let (tx, rx) = mpsc::channel::<Job>();
+            let rx = Arc::new(Mutex::new(rx));
+            let mut threads = 0;
+            for i in 0..wanted {
+                let rx = rx.clone();
+                if std::thread::Builder::new().name(format!("zstd-frames-{i}")).spawn(move || helper(&rx)).is_ok() {
+                    threads += 1;
+                }
+            }
+            (threads > 0).then_some(Helpers { jobs: tx, threads, busy: AtomicUsize::new(0) })
+        })
+        .as_ref()
+}
+
+/// A helper thread: decodes the frames sent to it, one at a time, with one decompression
+/// context it keeps.
+fn helper(jobs: &Mutex<mpsc::Receiver<Job>>) {
+    let mut dctx = Dctx::default();
+    loop {
+        let job = jobs.lock().unwrap_or_else(PoisonError::into_inner).recv();
+        let Ok(Job { frame, mut out, reply, slot }) = job else { return };
+        let result = dctx.decode(&frame, &mut out);
+        drop(slot);
+        let _ = reply.send(Decoded { frame, out, result });
+    }
+}
+
+/// A helper's slot, taken before a job is sent and released when the job is decoded.
+struct HelperSlot(&'static Helpers);
 
 impl HelperSlot {
     fn try_take() -> Option<HelperSlot> {
-        HELPERS_BUSY
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |busy| (busy < helper_limit()).then_some(busy + 1))
-            .ok()
-            .map(|_| HelperSlot)
+        let helpers = helpers()?;
+        helpers.busy.fetch_update(Ordering::AcqRel, Ordering::Acquire, |busy| (busy < helpers.threads).then_some(busy + 1)).ok()?;
+        Some(HelperSlot(helpers))
+    }
+
+    /// Sends `frame` to the helpers, to be decoded into `out`; the answer comes on the
+    /// returned receiver.
+    fn send(self, frame: Frame, out: Vec<u8>) -> mpsc::Receiver<Decoded> {
+        let (reply, rx) = mpsc::sync_channel(1);
+        let helpers = self.0;
+        // The helpers never stop while the process runs, so the send cannot fail; if it did,
+        // the dropped reply says so to the reader.
+        let _ = helpers.jobs.send(Job { frame, out, reply, slot: self });
+        rx
     }
 }
 
 impl Drop for HelperSlot {
     fn drop(&mut self) {
-        HELPERS_BUSY.fetch_sub(1, Ordering::AcqRel);
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// A frame for a helper: decode `frame` into `out`, answer on `reply`.
+struct Job {
+    frame: Frame,
+    out: Vec<u8>,
+    reply: mpsc::SyncSender<Decoded>,
+    slot: HelperSlot,
+}
+
+/// A helper's answer: the frame's buffers back, `out` holding its content if `result` is `Ok`.
+struct Decoded {
+    frame: Frame,
+    out: Vec<u8>,
+    result: io::Result<()>,
 }
 
 /// The content size of the frame `head` starts if [`FrameDecoder`] decodes it whole: a
@@ -64,59 +131,107 @@ pub(super) fn whole_frame_size(head: &[u8]) -> Option<usize> {
     }
 }
 
-/// One frame, compressed, and its content size in bytes.
+/// One frame, compressed: the first `len` bytes of `bytes` (the rest is spare room of a
+/// reused buffer), and its content size in bytes.
 struct Frame {
     bytes: Vec<u8>,
+    len: usize,
     content_size: usize,
 }
 
-impl Frame {
-    fn decode(&self) -> io::Result<Vec<u8>> {
-        // Fails unless the output is exactly the header's content size (zstd checks it).
-        zstd::bulk::decompress(&self.bytes, self.content_size)
+/// A zstd decompression context, made on first use and kept.
+#[derive(Default)]
+struct Dctx(Option<zstd::bulk::Decompressor<'static>>);
+
+impl Dctx {
+    /// Decodes `frame` into `out` (cleared first; its capacity is reused). Fails unless the
+    /// output is exactly the header's content size (zstd checks it, and `out` has no room for
+    /// more).
+    fn decode(&mut self, frame: &Frame, out: &mut Vec<u8>) -> io::Result<()> {
+        let dctx = match &mut self.0 {
+            Some(d) => d,
+            None => self.0.insert(zstd::bulk::Decompressor::new()?),
+        };
+        out.clear();
+        out.reserve_exact(frame.content_size);
+        dctx.decompress_to_buffer(&frame.bytes[..frame.len], out)?;
+        match out.len() == frame.content_size {
+            true => Ok(()),
+            false => Err(io::Error::new(io::ErrorKind::InvalidData, format!("corrupt zstd frame: {} bytes of content where its header says {}", out.len(), frame.content_size))),
+        }
     }
 }
 
 /// A frame in order: to be decoded by the reader, or being decoded by a helper.
 enum Slot {
     Here(Frame),
-    Helper(mpsc::Receiver<io::Result<Vec<u8>>>),
+    Helper(mpsc::Receiver<Decoded>),
 }
 
 /// Decodes a zstd input frame by frame on several cores (see the module documentation).
 pub(super) struct FrameDecoder<'a> {
     input: Box<dyn Read + Send + 'a>,
-    /// Input read past the last frame taken.
+    /// Input read past the last frame taken: its first `filled` bytes (the rest is room,
+    /// initialised once).
     pending: Vec<u8>,
+    filled: usize,
     input_done: bool,
     /// Frames taken from the input, in order, not returned yet.
     slots: VecDeque<Slot>,
-    /// The decoded frame being returned.
-    out: Cursor<Vec<u8>>,
+    /// The decoded frame being returned, and how much of it was.
+    out: Vec<u8>,
+    out_pos: usize,
+    /// Unused buffers for decoded frames and for gathering input (at most [`SPARE`] each).
+    spare_out: Vec<Vec<u8>>,
+    spare_in: Vec<Vec<u8>>,
+    /// The context of the frames this thread decodes.
+    dctx: Dctx,
     /// The streaming decoder of the rest of the input, once a frame is not decoded whole.
     rest: Option<Box<dyn Read + Send + 'a>>,
 }
 
+/// Keeps `buf` in `spare` if there is room and it has any capacity.
+fn keep(spare: &mut Vec<Vec<u8>>, buf: Vec<u8>) {
+    if spare.len() < SPARE && buf.capacity() > 0 {
+        spare.push(buf);
+    }
+}
+
 impl<'a> FrameDecoder<'a> {
     pub(super) fn new(input: Box<dyn Read + Send + 'a>) -> Self {
-        FrameDecoder { input, pending: Vec::new(), input_done: false, slots: VecDeque::new(), out: Cursor::new(Vec::new()), rest: None }
+        FrameDecoder {
+            input,
+            pending: Vec::new(),
+            filled: 0,
+            input_done: false,
+            slots: VecDeque::new(),
+            out: Vec::new(),
+            out_pos: 0,
+            spare_out: Vec::new(),
+            spare_in: Vec::new(),
+            dctx: Dctx::default(),
+            rest: None,
+        }
     }
 
-    /// Reads more input into `pending`; false at its end.
+    /// Reads more input into `pending`, growing it (geometrically: a reused buffer seldom
+    /// grows) when it has less than [`READ_CHUNK`] of room; false at the input's end.
     fn fill(&mut self) -> io::Result<bool> {
         if self.input_done {
             return Ok(false);
         }
-        let start = self.pending.len();
-        self.pending.resize(start + READ_CHUNK, 0);
+        if self.pending.len() - self.filled < READ_CHUNK {
+            let len = (self.filled + READ_CHUNK).max(2 * self.pending.len());
+            self.pending.resize(len, 0);
+        }
         let n = loop {
-            match self.input.read(&mut self.pending[start..]) {
+            match self.input.read(&mut self.pending[self.filled..]) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                other => break other,
+                other => break other?,
             }
         };
-        self.pending.truncate(start + *n.as_ref().unwrap_or(&0));
-        self.input_done = n? == 0;
+        self.filled += n;
+        self.input_done = n == 0;
         Ok(!self.input_done)
     }
 
@@ -127,25 +242,30 @@ impl<'a> FrameDecoder<'a> {
             return Ok(None);
         }
         // A frame header is at most 18 bytes.
-        while self.pending.len() < 18 && self.fill()? {}
-        if self.pending.is_empty() {
+        while self.filled < 18 && self.fill()? {}
+        if self.filled == 0 {
             return Ok(None);
         }
-        let content_size = match whole_frame_size(&self.pending) {
-            Some(n) => n,
-            None => {
-                let rest = Cursor::new(std::mem::take(&mut self.pending)).chain(std::mem::replace(&mut self.input, Box::new(io::empty())));
-                self.rest = Some(Box::new(zstd::stream::read::Decoder::new(rest)?));
-                return Ok(None);
-            }
+        let Some(content_size) = whole_frame_size(&self.pending[..self.filled]) else {
+            let head = Cursor::new(self.pending[..self.filled].to_vec());
+            let rest = head.chain(std::mem::replace(&mut self.input, Box::new(io::empty())));
+            self.rest = Some(Box::new(zstd::stream::read::Decoder::new(rest)?));
+            return Ok(None);
         };
         let bound = zstd::zstd_safe::compress_bound(content_size) + 1024;
         loop {
-            if let Ok(len) = zstd::zstd_safe::find_frame_compressed_size(&self.pending) {
-                let rest = self.pending.split_off(len);
-                return Ok(Some(Frame { bytes: std::mem::replace(&mut self.pending, rest), content_size }));
+            if let Ok(len) = zstd::zstd_safe::find_frame_compressed_size(&self.pending[..self.filled]) {
+                // The bytes after the frame move to a spare buffer, which becomes `pending`.
+                let after = self.filled - len;
+                let mut next = self.spare_in.pop().unwrap_or_default();
+                if next.len() < after {
+                    next.resize(after, 0);
+                }
+                next[..after].copy_from_slice(&self.pending[len..self.filled]);
+                self.filled = after;
+                return Ok(Some(Frame { bytes: std::mem::replace(&mut self.pending, next), len, content_size }));
             }
-            if self.pending.len() > bound {
+            if self.filled > bound {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, format!("corrupt zstd frame: no end within {bound} bytes for {content_size} bytes of content")));
             }
             if !self.fill()? {
@@ -158,7 +278,7 @@ impl<'a> FrameDecoder<'a> {
     /// one for this thread when none is taken.
     fn top_up(&mut self) -> io::Result<()> {
         loop {
-            let slot = match self.slots.is_empty() {
+            let helper = match self.slots.is_empty() {
                 true => None,
                 false => match HelperSlot::try_take() {
                     Some(slot) => Some(slot),
@@ -166,18 +286,38 @@ impl<'a> FrameDecoder<'a> {
                 },
             };
             let Some(frame) = self.next_frame()? else { return Ok(()) };
-            self.slots.push_back(match slot {
+            self.slots.push_back(match helper {
                 None => Slot::Here(frame),
-                Some(helper) => {
-                    let (tx, rx) = mpsc::sync_channel(1);
-                    std::thread::spawn(move || {
-                        let decoded = frame.decode();
-                        drop(helper);
-                        let _ = tx.send(decoded);
-                    });
-                    Slot::Helper(rx)
-                }
+                Some(helper) => Slot::Helper(helper.send(frame, self.spare_out.pop().unwrap_or_default())),
             });
+        }
+    }
+
+    /// The next frame decoded into `out`; false when no frame is left to decode whole.
+    fn next_decoded(&mut self) -> io::Result<bool> {
+        keep(&mut self.spare_out, std::mem::take(&mut self.out));
+        self.out_pos = 0;
+        self.top_up()?;
+        let decoded = match self.slots.pop_front() {
+            Some(Slot::Here(frame)) => {
+                let mut out = self.spare_out.pop().unwrap_or_default();
+                let result = self.dctx.decode(&frame, &mut out);
+                Decoded { frame, out, result }
+            }
+            Some(Slot::Helper(rx)) => rx.recv().map_err(|_| io::Error::other("a zstd decoding thread stopped"))?,
+            None => return Ok(false),
+        };
+        let Decoded { frame, out, result } = decoded;
+        keep(&mut self.spare_in, frame.bytes);
+        match result {
+            Ok(()) => {
+                self.out = out;
+                Ok(true)
+            }
+            Err(e) => {
+                keep(&mut self.spare_out, out);
+                Err(e)
+            }
         }
     }
 }
@@ -185,17 +325,16 @@ impl<'a> FrameDecoder<'a> {
 impl Read for FrameDecoder<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
-            let n = self.out.read(buf)?;
-            if n > 0 || buf.is_empty() {
+            let left = &self.out[self.out_pos..];
+            if !left.is_empty() || buf.is_empty() {
+                let n = left.len().min(buf.len());
+                buf[..n].copy_from_slice(&left[..n]);
+                self.out_pos += n;
                 return Ok(n);
             }
-            self.top_up()?;
-            let decoded = match self.slots.pop_front() {
-                Some(Slot::Here(frame)) => frame.decode()?,
-                Some(Slot::Helper(rx)) => rx.recv().map_err(|_| io::Error::other("a zstd decoding thread stopped"))??,
-                None => return self.rest.as_mut().map_or(Ok(0), |rest| rest.read(buf)),
-            };
-            self.out = Cursor::new(decoded);
+            if !self.next_decoded()? {
+                return self.rest.as_mut().map_or(Ok(0), |rest| rest.read(buf));
+            }
         }
     }
 }
@@ -288,6 +427,21 @@ mod tests {
         assert_eq!(zstd::zstd_safe::find_frame_compressed_size(third).unwrap(), third.len());
         assert_eq!(decode(&packed).unwrap(), input);
         assert_eq!(zstd::stream::decode_all(&packed[..]).unwrap(), input);
+    }
+
+    /// Readers on several threads at once share the process's helpers (a reader that finds
+    /// none free decodes its frames itself) and reuse their buffers from frame to frame, the
+    /// last frame being shorter than the buffer it reuses: each gets its own input back.
+    #[test]
+    fn concurrent_readers_share_helpers_and_reuse_buffers() {
+        let inputs: Vec<Vec<u8>> = (0..4).map(|i| data(3 * FRAME_SIZE + 1000 * i)).collect();
+        let packed: Vec<Vec<u8>> = inputs.iter().map(|input| encode(input, 1)).collect();
+        std::thread::scope(|s| {
+            let readers: Vec<_> = packed.iter().map(|p| s.spawn(move || decode(p).unwrap())).collect();
+            for (reader, input) in readers.into_iter().zip(&inputs) {
+                assert!(reader.join().unwrap() == *input);
+            }
+        });
     }
 
     /// Nothing written is one empty frame.

@@ -22,7 +22,9 @@ const QUEUED: usize = 4;
 
 enum Sink {
     Here(Hasher),
-    Thread { chunk: Vec<u8>, tx: mpsc::SyncSender<Vec<u8>>, hasher: JoinHandle<Hasher> },
+    /// `chunk` is being filled; hashed chunks come back on `used`, to be filled again (a
+    /// fresh 1 MiB allocation per chunk cost a page fault per 4 KiB).
+    Thread { chunk: Vec<u8>, tx: mpsc::SyncSender<Vec<u8>>, used: mpsc::Receiver<Vec<u8>>, hasher: JoinHandle<Hasher> },
 }
 
 /// A reader that computes the sha256 of everything read through it, on its own thread when
@@ -41,15 +43,19 @@ impl<R: Read> NarHashingReader<R> {
             false => Sink::Here(Hasher::new(HashAlgo::Sha256)),
             true => {
                 let (tx, rx) = mpsc::sync_channel::<Vec<u8>>(QUEUED);
+                let (give_back, used) = mpsc::sync_channel::<Vec<u8>>(QUEUED + 2);
                 let hasher = std::thread::Builder::new().name("nar-hash".into()).spawn(move || {
                     let mut hasher = Hasher::new(HashAlgo::Sha256);
-                    for chunk in rx {
+                    for mut chunk in rx {
                         hasher.update(&chunk);
+                        chunk.clear();
+                        // Fails only once the reader is done; the chunk is then freed.
+                        let _ = give_back.try_send(chunk);
                     }
                     hasher
                 });
                 match hasher {
-                    Ok(hasher) => Sink::Thread { chunk: Vec::with_capacity(CHUNK), tx, hasher },
+                    Ok(hasher) => Sink::Thread { chunk: Vec::with_capacity(CHUNK), tx, used, hasher },
                     // No thread to be had: hash here.
                     Err(_) => Sink::Here(Hasher::new(HashAlgo::Sha256)),
                 }
@@ -67,7 +73,7 @@ impl<R: Read> NarHashingReader<R> {
     pub(super) fn finish(self) -> io::Result<(Hash, R)> {
         let hash = match self.sink {
             Sink::Here(hasher) => hasher.finish(),
-            Sink::Thread { chunk, tx, hasher } => {
+            Sink::Thread { chunk, tx, hasher, .. } => {
                 if !chunk.is_empty() {
                     tx.send(chunk).map_err(|_| stopped())?;
                 }
@@ -90,14 +96,14 @@ impl<R: Read> Read for NarHashingReader<R> {
         self.len += data.len() as u64;
         match &mut self.sink {
             Sink::Here(hasher) => hasher.update(data),
-            Sink::Thread { chunk, tx, .. } => {
+            Sink::Thread { chunk, tx, used, .. } => {
                 while !data.is_empty() {
                     let take = data.len().min(CHUNK - chunk.len());
                     chunk.extend_from_slice(&data[..take]);
                     data = &data[take..];
                     if chunk.len() == CHUNK {
-                        let full = std::mem::replace(chunk, Vec::with_capacity(CHUNK));
-                        tx.send(full).map_err(|_| stopped())?;
+                        let next = used.try_recv().unwrap_or_else(|_| Vec::with_capacity(CHUNK));
+                        tx.send(std::mem::replace(chunk, next)).map_err(|_| stopped())?;
                     }
                 }
             }
