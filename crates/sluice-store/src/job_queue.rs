@@ -30,9 +30,9 @@ pub struct JobPermit {
 }
 
 impl JobQueue {
-    /// A queue of `slots` slots (none: every job waits for [`JobQueue::add_slots`]).
+    /// A queue of `slots` slots (at least one).
     pub fn new(slots: usize) -> Arc<Self> {
-        Arc::new(JobQueue { state: Mutex::new(State { free: slots, waiting: BinaryHeap::new(), next_seq: 0 }) })
+        Arc::new(JobQueue { state: Mutex::new(State { free: slots.max(1), waiting: BinaryHeap::new(), next_seq: 0 }) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -57,13 +57,6 @@ impl JobQueue {
         // queue itself is gone, which the `Arc` held here rules out.
         let _ = rx.await;
         JobPermit { queue: self.clone() }
-    }
-
-    /// Adds `more` slots, handed to the largest waiters first.
-    pub fn add_slots(&self, more: usize) {
-        for _ in 0..more {
-            self.release();
-        }
     }
 
     fn release(&self) {

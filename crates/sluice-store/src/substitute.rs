@@ -2,7 +2,7 @@
 //! trusted (the local store's [`SignaturePolicy::vouch`], so that an untrusted NAR is not
 //! even downloaded; the store checks it again, with its content, at commit; both under the
 //! policy [`SignaturePolicy::for_source`] gives for its substituter), download its
-//! NAR once the whole closure is known (at most `jobs` at a time, before its references are valid), and stream it
+//! NAR at once (at most `jobs` at a time, before its references are valid), and stream it
 //! through decompression, hashing and unpacking into a temporary tree. Each path is then
 //! committed — NarHash/NarSize checked, renamed into place and registered — as soon as all its
 //! references are valid, so registration follows dependency order. A path whose NAR fails is
@@ -53,13 +53,6 @@ use crate::narinfo_cache::NarInfoCache;
 /// daemon without `max-substitution-jobs` (why 256: docs/benchmarks.md, "Why `copy --jobs`
 /// defaults to 256").
 pub const DEFAULT_JOBS: usize = 256;
-
-/// NAR downloads allowed while the closure is still being discovered: none, so that the
-/// narinfo requests of its last levels do not wait behind NAR bytes for the CPU (the client's
-/// and, over a proxy, the proxy's). Measured at RTT 100 over HTTPS+HTTP/2 (docs/benchmarks.md,
-/// issue 16, 2026-12-02 third section): last narinfo at 15.0 RTT with none, 19.1 with 32 and
-/// 25.1 with all 256 jobs; wall time 2.49, 2.86 and 2.70 s.
-const DISCOVERY_JOBS: usize = 0;
 
 /// How paths are trusted and how many are fetched at once.
 #[derive(Debug, Clone)]
@@ -337,15 +330,13 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
     let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
     let registrar_task = tokio::spawn(registrar(dest.clone(), opts.policy.clone(), registrar_rx));
     let budget = FdBudget::current();
-    let jobs = opts.jobs.min(budget.jobs).max(1);
     let shared = Arc::new(Shared {
         registrar: registrar_tx,
         dest,
         roots,
         subs: query.substituters.clone(),
         disk: query.disk_cache.clone(),
-        // No NAR download starts before the whole closure is known (see DISCOVERY_JOBS).
-        jobs: JobQueue::new(DISCOVERY_JOBS),
+        jobs: JobQueue::new(opts.jobs.min(budget.jobs)),
         locks: LockPermits::new(budget.locks),
         opts,
         gate: Gate::default(),
@@ -392,7 +383,6 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
         }
     }
     let _ = engine.await;
-    shared.jobs.add_slots(jobs.saturating_sub(DISCOVERY_JOBS));
     while tasks.join_next().await.is_some() {}
     let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
     drop(registrar);
