@@ -134,10 +134,17 @@ impl Compression {
     /// magic: a brotli stream is accepted unless it starts like another known format.
     /// The magic bytes are read to their full length (or the end of the input) first, however
     /// the input is split: over HTTP/2 a first DATA frame may hold only a few bytes.
-    pub fn decoder<'a>(self, mut input: impl Read + Send + 'a) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
+    pub fn decoder<'a>(self, input: impl Read + Send + 'a) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
+        self.decoder_sized(input, None)
+    }
+
+    /// [`Compression::decoder`] for an input of about `size` bytes (the narinfo's
+    /// `FileSize`): its read buffer is no larger than that (a buffer is zeroed once when it
+    /// is first filled, 256 KiB per NAR otherwise).
+    pub fn decoder_sized<'a>(self, mut input: impl Read + Send + 'a, size: Option<u64>) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
         let mut head = Vec::with_capacity(MAGIC_LEN);
         (&mut input).take(MAGIC_LEN as u64).read_to_end(&mut head)?;
-        let buf = BufReader::with_capacity(256 * 1024, std::io::Cursor::new(head.clone()).chain(input));
+        let buf = BufReader::with_capacity(read_buffer(size), std::io::Cursor::new(head.clone()).chain(input));
         let head = &head[..];
         match (Compression::detect(head), self) {
             (Some(actual), declared) if actual != declared => {
@@ -166,6 +173,13 @@ impl Compression {
             }
         })
     }
+}
+
+/// Bytes of a read buffer for a stream of about `size` bytes: 256 KiB, or less for a
+/// smaller stream (at least 8 KiB: the size is a hint).
+pub fn read_buffer(size: Option<u64>) -> usize {
+    const MAX: u64 = 256 * 1024;
+    size.map_or(MAX, |s| s.clamp(8 * 1024, MAX)) as usize
 }
 
 /// A compressing writer made by [`Compression::encoder`].

@@ -46,7 +46,7 @@ use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
-use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Unpacked};
+use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Unpacked, VouchedInfo};
 use crate::narinfo_cache::NarInfoCache;
 
 /// NAR downloads in flight at once unless the caller says otherwise: `sluice copy --jobs` and the
@@ -522,12 +522,12 @@ impl Shared {
         let cache = &sub.cache;
         let info = ValidPathInfo::from_narinfo(narinfo, 0);
         let narinfo_url = cache.narinfo_url(&narinfo.store_path);
-        self.opts.policy.for_source(trusted).vouch(store_dir, &info).map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?;
+        let vouched = self.opts.policy.for_source(trusted).vouch_info(store_dir, info).map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?;
         let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(Failure::other(format!("{narinfo_url}: {e}"))))?;
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
-        let Some((pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, info, compression, &url).await? else { return Ok(()) };
+        let Some((pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, &vouched, compression, &url).await? else { return Ok(()) };
         self.wait_references(store_dir, narinfo, *eager).await?;
         let nar_size = unpacked.nar_size;
         let (reply, registered) = oneshot::channel();
@@ -578,14 +578,14 @@ impl Shared {
         }
     }
 
-    /// Takes `info.path`'s lock in the destination without blocking a thread: while another
+    /// Takes the path's lock in the destination without blocking a thread: while another
     /// process holds it, waits (asynchronously, holding nothing else) and retries. `None` when
     /// the path is or became valid.
-    async fn lock_path(&self, info: &ValidPathInfo) -> Result<Option<PendingPath>, Attempt> {
+    async fn lock_path(&self, vouched: &VouchedInfo) -> Result<Option<PendingPath>, Attempt> {
         let mut wait = std::time::Duration::from_millis(5);
         loop {
-            let (dest, info, roots, repair) = (self.dest.clone(), info.clone(), self.roots.clone(), self.repair);
-            let tried = tokio::task::spawn_blocking(move || if repair { dest.try_begin_repair(&info, &roots) } else { dest.try_begin_add(info, &roots) })
+            let (dest, vouched, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
+            let tried = tokio::task::spawn_blocking(move || if repair { dest.try_begin_repair(vouched.info(), &roots) } else { dest.try_begin_add_vouched(vouched, &roots) })
                 .await
                 .map_err(|e| Attempt::Final(Failure::other(e.to_string())))?;
             let tried = tried.map_err(|e| match e {
@@ -606,9 +606,9 @@ impl Shared {
     /// the path's lock first, then a job slot per attempt. A transfer cut short (reset, stall,
     /// fewer bytes than announced) is downloaded again after a backoff, up to the cache's
     /// `download-attempts`. `None` when the path became valid meanwhile.
-    async fn fetch_nar(&self, sub: &Substituter, narinfo: &NarInfo, info: ValidPathInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+    async fn fetch_nar(&self, sub: &Substituter, narinfo: &NarInfo, vouched: &VouchedInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
         let cache = &sub.cache;
-        let Some(mut pending) = self.lock_path(&info).await? else { return Ok(None) };
+        let Some(mut pending) = self.lock_path(vouched).await? else { return Ok(None) };
         let attempts = cache.download_attempts();
         let mut attempt = 0;
         loop {
@@ -623,12 +623,14 @@ impl Shared {
             let observer = self.observer.clone();
             let cache_url = cache.url().to_string();
             let unpack_url = url.to_string();
-            let nar_size = narinfo.nar_size;
+            let (nar_size, file_size) = (narinfo.nar_size, narinfo.file_size);
             let (returned, unpacked) = tokio::task::spawn_blocking(move || {
                 let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0 };
-                let result = match compression.decoder(&mut counting) {
+                let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
-                        let mut nar = std::io::BufReader::with_capacity(256 * 1024, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
+                        // The NAR parser's small reads need a buffer, as large as the NAR at most.
+                        let capacity = crate::compression::read_buffer(Some(nar_size.saturating_add(1)));
+                        let mut nar = std::io::BufReader::with_capacity(capacity, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
                         pending.unpack(&mut nar).map_err(|e| format!("{unpack_url}: {e}"))
                     }
                     Err(e) => Err(format!("{unpack_url}: {e}")),

@@ -972,3 +972,32 @@ fn state_and_real_directories_are_honoured() {
     assert!(tmp.path().join("state/gcroots").is_dir());
     assert!(!tmp.path().join("root").exists(), "nothing is under the root when state and real are elsewhere");
 }
+
+/// A path vouched for under one policy (`VouchedInfo`) is checked again at its commit under
+/// another: an unsigned path vouched for without `require-sigs` is refused by a commit that
+/// requires a trusted signature, and nothing is left at its location; under the policy that
+/// vouched for it, the same path is added.
+#[test]
+fn a_vouched_path_is_checked_again_under_another_policy() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let (info, nar) = fixture("symlink-root.nar");
+    assert!(info.sigs.is_empty() && info.ca.is_none(), "the fixture is unsigned and input-addressed");
+    let key = sluice_nix::signature::SecretKey::from_seed("other-1", &[3; 32]).to_public().to_string();
+    let strict = SignaturePolicy { require_sigs: true, trusted_keys: sluice_nix::signature::TrustedKeys::parse(&key).unwrap() };
+    assert!(matches!(strict.vouch_info(&store_dir(), info.clone()), Err(LocalStoreError::Untrusted { .. })));
+    let lax = SignaturePolicy::unchecked();
+    for (commit_policy, admitted) in [(&strict, false), (&lax, true)] {
+        let vouched = lax.vouch_info(&store_dir(), info.clone()).unwrap();
+        let sluice_store::local::TryAdd::Pending(mut pending) = store.try_begin_add_vouched(vouched, &store.temp_roots()).unwrap() else { panic!("the path is not valid yet") };
+        pending.unpack(&mut nar.as_slice()).unwrap();
+        let result = pending.commit(commit_policy);
+        assert_eq!(result.is_ok(), admitted, "{result:?}");
+        if !admitted {
+            assert!(matches!(result, Err(LocalStoreError::Untrusted { .. })), "{result:?}");
+        }
+        assert_eq!(store.is_valid_path(&info.path).unwrap(), admitted);
+        assert_eq!(store.real_path(&info.path).symlink_metadata().is_ok(), admitted);
+    }
+}

@@ -44,7 +44,7 @@ pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use temp_roots::TempRoots;
-pub use verify::{SignaturePolicy, Vouched};
+pub use verify::{SignaturePolicy, Vouched, VouchedInfo};
 pub use verify_store::{Repairer, VerifyMessage};
 
 use std::collections::BTreeSet;
@@ -203,6 +203,8 @@ pub enum TryAdd {
 pub struct PendingPath {
     store: Arc<LocalStore>,
     info: ValidPathInfo,
+    /// The policy that vouched for `info` ([`VouchedInfo`]), if one did.
+    vouched: Option<SignaturePolicy>,
     /// [`TEMP_DIR`], opened after it was rooted (shared by all additions: a pending path
     /// holds one open file, its lock). Only the holder of the path's lock uses the tree named
     /// after the path there.
@@ -343,7 +345,7 @@ impl LocalStore {
         roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
         let real_path = self.real_path(&info.path);
         let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
-        self.start_add(info, lock, roots)
+        self.start_add(info, None, lock, roots)
     }
 
     /// [`LocalStore::begin_add`] without blocking: [`TryAdd::Busy`] while another process
@@ -351,12 +353,24 @@ impl LocalStore {
     /// and without holding other resources (two copies sharing a store would otherwise be
     /// able to starve each other).
     pub fn try_begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        self.try_begin(info, None, roots)
+    }
+
+    /// [`LocalStore::try_begin_add`] for an info a policy vouched for: its commit under the
+    /// same policy does not verify its signatures again.
+    pub fn try_begin_add_vouched(self: &Arc<Self>, vouched: VouchedInfo, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+        let (info, policy) = vouched.into_parts();
+        self.try_begin(info, Some(policy), roots)
+    }
+
+    /// [`LocalStore::try_begin_add`], with the policy that vouched for `info`, if any.
+    fn try_begin(self: &Arc<Self>, info: ValidPathInfo, vouched: Option<SignaturePolicy>, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("add paths")?;
         roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
         let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
-            Some(lock) => Ok(self.start_add(info, lock, roots)?.map_or(TryAdd::Valid, |p| TryAdd::Pending(Box::new(p)))),
+            Some(lock) => Ok(self.start_add(info, vouched, lock, roots)?.map_or(TryAdd::Valid, |p| TryAdd::Pending(Box::new(p)))),
         }
     }
 
@@ -409,7 +423,7 @@ impl LocalStore {
     fn pending(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots, repair: bool) -> Result<PendingPath, LocalStoreError> {
         let temp_dir = self.open_temp_dir()?;
         let temp_tree = false.into();
-        Ok(PendingPath { store: Arc::clone(self), info, temp_dir, temp_tree, unpacked: None, repair, _lock: lock, _roots: roots.clone() })
+        Ok(PendingPath { store: Arc::clone(self), info, vouched: None, temp_dir, temp_tree, unpacked: None, repair, _lock: lock, _roots: roots.clone() })
     }
 
     /// The subset of `paths` that is valid, after making every one of them a temporary root
@@ -425,8 +439,9 @@ impl LocalStore {
         StorePath::from_base_name(TEMP_DIR).expect("TEMP_DIR is a valid base name")
     }
 
-    /// With `info.path`'s lock held: `None` if it is valid, else a [`PendingPath`].
-    fn start_add(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+    /// With `info.path`'s lock held: `None` if it is valid, else a [`PendingPath`] (`vouched`:
+    /// the policy that vouched for `info`).
+    fn start_add(self: &Arc<Self>, info: ValidPathInfo, vouched: Option<SignaturePolicy>, lock: PathLock, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
         if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
@@ -434,7 +449,9 @@ impl LocalStore {
         if info.path == self.temp_dir_path() {
             return Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&info.path), what: "this name is reserved for the store's temporary trees" });
         }
-        Ok(Some(self.pending(info, lock, roots, false)?))
+        let mut pending = self.pending(info, lock, roots, false)?;
+        pending.vouched = vouched;
+        Ok(Some(pending))
     }
 
     /// [`TEMP_DIR`] (rooted by the caller), created if missing. The open directory is kept;
@@ -624,7 +641,7 @@ impl PendingPath {
         // A repair's tree is admitted by the registered NAR hash, which was vouched for when
         // the path was registered.
         let policy = if self.repair { &SignaturePolicy::unchecked() } else { policy };
-        verify::verify(&self.store.store_dir, info, unpacked, policy)?;
+        verify::verify(&self.store.store_dir, info, unpacked, policy, self.vouched.as_ref())?;
         let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != info.path && !batch.contains(*r) && !known_valid.contains(*r)).collect();
         let valid = self.store.registry.valid_paths(others.iter().copied())?;
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {

@@ -38,7 +38,13 @@ pub(super) struct Unpacker<'a> {
     /// Nodes made in `parent` get exactly the mode they are created with
     /// ([`exact_creation_modes`]).
     exact_modes: bool,
+    /// File contents pass through here: as long as the largest file so far, at most
+    /// [`COPY_BUFFER`] bytes (one buffer per NAR, not one per file).
+    buf: Vec<u8>,
 }
+
+/// The most bytes of a file's contents read and written at once.
+const COPY_BUFFER: usize = 64 * 1024;
 
 /// The permissions regular files are created with (before the umask), and whether nodes get
 /// the store's canonical metadata.
@@ -73,7 +79,7 @@ impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
     /// `exact_modes`: [`exact_creation_modes`] of `parent`.
     pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, exact_modes: bool) -> Self {
-        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes, exact_modes }
+        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes, exact_modes, buf: Vec::new() }
     }
 
     /// Whether a node's mode must be set after its creation for the canonical metadata.
@@ -142,7 +148,11 @@ impl NarVisitor for Unpacker<'_> {
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let mut file = File::from(self.create(path, dir, || openat(dir, name, flags, mode))?);
         let mut hasher = self.flat_algo.filter(|_| path.is_empty()).map(Hasher::new);
-        let mut buf = vec![0u8; 64 * 1024];
+        let want = usize::try_from(size).unwrap_or(usize::MAX).min(COPY_BUFFER);
+        if self.buf.len() < want {
+            self.buf.resize(want, 0);
+        }
+        let buf = &mut self.buf;
         let mut left = size;
         while left > 0 {
             let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));

@@ -53,6 +53,28 @@ pub enum Vouched {
     ContentAddressed,
 }
 
+/// A path's info that a policy vouched for ([`SignaturePolicy::vouch_info`]), made only by
+/// it: [`super::LocalStore::try_begin_add_vouched`] takes it, so that the commit of that
+/// path under the same policy does not verify its signatures a second time (its hashes,
+/// content address and references are checked at the commit whatever vouched for it).
+#[derive(Debug, Clone)]
+pub struct VouchedInfo {
+    info: ValidPathInfo,
+    policy: SignaturePolicy,
+}
+
+impl VouchedInfo {
+    /// The info that was vouched for.
+    pub fn info(&self) -> &ValidPathInfo {
+        &self.info
+    }
+
+    /// The info and the policy that vouched for it.
+    pub(super) fn into_parts(self) -> (ValidPathInfo, SignaturePolicy) {
+        (self.info, self.policy)
+    }
+}
+
 /// How the content hash of a content-addressed path is computed while its NAR is unpacked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum CaHashing {
@@ -81,6 +103,18 @@ impl SignaturePolicy {
         }
     }
 
+    /// Whether the two policies admit the same paths: the same `require_sigs` and the same
+    /// trusted keys, in the same order.
+    pub(super) fn same_as(&self, other: &SignaturePolicy) -> bool {
+        self.require_sigs == other.require_sigs && self.trusted_keys.keys() == other.trusted_keys.keys()
+    }
+
+    /// [`SignaturePolicy::vouch`], keeping the result as a [`VouchedInfo`].
+    pub fn vouch_info(&self, store_dir: &StoreDir, info: ValidPathInfo) -> Result<VouchedInfo, LocalStoreError> {
+        self.vouch(store_dir, &info)?;
+        Ok(VouchedInfo { info, policy: self.clone() })
+    }
+
     /// Whether `info` may be added as far as its claims go: [`Vouched`], or
     /// [`LocalStoreError::Untrusted`] naming the signers and the trusted keys. A
     /// [`Vouched::ContentAddressed`] path is admitted only if [`verify`] then finds its
@@ -89,7 +123,8 @@ impl SignaturePolicy {
         if !self.require_sigs {
             return Ok(Vouched::Unchecked);
         }
-        if self.trusted_keys.count_valid(&info.fingerprint(store_dir), &info.sigs) > 0 {
+        let fingerprint = info.fingerprint(store_dir);
+        if info.sigs.iter().any(|s| self.trusted_keys.verifies(&fingerprint, s)) {
             return Ok(Vouched::Signed);
         }
         if info.content_addressed_path(store_dir).as_ref() == Some(&info.path) {
@@ -117,8 +152,10 @@ pub(super) fn ca_hashing(info: &ValidPathInfo) -> Option<CaHashing> {
 }
 
 /// The verification boundary (see the module documentation), for `info` against what was
-/// `unpacked` for it. References are the caller's part.
-pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpacked, policy: &SignaturePolicy) -> Result<(), LocalStoreError> {
+/// `unpacked` for it. References are the caller's part. `vouched`: the policy that vouched
+/// for this very `info` before its NAR was read ([`VouchedInfo`]); when it is `policy`, the
+/// signatures are not verified again.
+pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpacked, policy: &SignaturePolicy, vouched: Option<&SignaturePolicy>) -> Result<(), LocalStoreError> {
     let shown = || store_dir.display_path(&info.path);
     if unpacked.nar_hash != info.nar_hash {
         return Err(LocalStoreError::HashMismatch {
@@ -150,6 +187,9 @@ pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpa
                 actual: actual.map_or_else(|| "nothing: the NAR's root is not a regular file".to_owned(), Hash::to_nix32_prefixed),
             });
         }
+    }
+    if vouched.is_some_and(|v| v.same_as(policy)) {
+        return Ok(());
     }
     policy.vouch(store_dir, info).map(|_| ())
 }
