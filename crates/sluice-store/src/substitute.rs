@@ -645,8 +645,10 @@ impl Shared {
             let error = match unpacked {
                 Ok((unpacked, got)) => {
                     // FileSize/FileHash are unsigned hints; the content was verified against the
-                    // signed NarHash/NarSize, so a mismatch is only worth a warning.
-                    if let Some(declared) = narinfo.file_size.filter(|d| *d != got) {
+                    // signed NarHash/NarSize, so a mismatch is only worth a warning. Reading
+                    // stops at the NAR's end, before the compressed stream's last bytes (xz's
+                    // index and footer), so only more bytes than declared show a mismatch.
+                    if let Some(declared) = narinfo.file_size.filter(|d| got > *d) {
                         tracing::warn!("{url}: FileSize is {declared} bytes but {got} were downloaded; the NAR itself matches its NarHash");
                     }
                     return Ok(Some((pending, unpacked, got)));
