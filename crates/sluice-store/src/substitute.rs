@@ -628,8 +628,9 @@ impl Shared {
                 let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0 };
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
-                        // The NAR parser's small reads need a buffer, as large as the NAR at most.
-                        let capacity = crate::compression::read_buffer(Some(nar_size.saturating_add(1)));
+                        // The NAR parser's small reads need a buffer, as large as the NAR at most
+                        // (SizeLimit gives no more).
+                        let capacity = crate::compression::read_buffer(Some(nar_size));
                         let mut nar = std::io::BufReader::with_capacity(capacity, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
                         pending.unpack(&mut nar).map_err(|e| format!("{unpack_url}: {e}"))
                     }
