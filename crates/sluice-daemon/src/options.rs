@@ -5,18 +5,27 @@
 //! logged it at debug level) about everything else it tried. See `docs/daemon-trust.md`.
 
 use sluice_nix::wire::{read_string_pairs, read_u64};
-use sluice_store::config::{RawConfig, Settings};
+use sluice_store::config::{setting_of, RawConfig, Settings};
 use sluice_store::remote::{ClientSettings, USE_SUBSTITUTES};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::Daemon;
 
-/// Settings an untrusted client may still change: Nix 2.8's `build-timeout`, `build-repeat`
-/// and `connect-timeout`, and 2.26's `max-silent-time` and `poll-interval` (2.26 dropped
-/// `build-repeat`). `builders` may also be set, to the empty string only.
-const UNPRIVILEGED: [&str; 5] = ["build-timeout", "build-repeat", "max-silent-time", "poll-interval", "connect-timeout"];
+/// Settings an untrusted client may still change, by the exact name Nix compares
+/// (`settings.buildTimeout.name` is `timeout`, so the alias `build-timeout` is restricted, as
+/// in Nix): Nix 2.8's `timeout`, `repeat` and `connect-timeout`, and 2.26's `max-silent-time`
+/// and `poll-interval` (2.26 dropped `repeat`). `builders` may also be set, to the empty
+/// string only. A real Nix client sends each setting under its own name, not an alias.
+const UNPRIVILEGED: [&str; 5] = ["timeout", "repeat", "max-silent-time", "poll-interval", "connect-timeout"];
 /// Settings never taken from clients: they describe the client's side or the daemon itself.
 const IGNORED: [&str; 4] = ["experimental-features", "extra-experimental-features", "ssh-auth-sock", "store"];
+/// Accepted overrides that are not forwarded to the Nix daemon of `--build-via` (by the
+/// setting they set, aliases and `extra-` resolved): the substitution settings (sluice has
+/// substituted, and asks the Nix daemon not to), and what Nix's own client leaves out of its
+/// SetOptions besides the numeric fields (`remote-store.cc` `setOptions`: `show-trace`,
+/// `plugin-files`; `experimental-features` is [`IGNORED`]).
+const NOT_FORWARDED: [&str; 7] =
+    ["substituters", "trusted-substituters", "trusted-public-keys", "substitute", "builders-use-substitutes", "show-trace", "plugin-files"];
 
 /// One connection's settings.
 #[derive(Debug, Clone)]
@@ -26,6 +35,10 @@ pub(crate) struct ClientOptions {
     /// The numeric settings of the client's SetOptions (Nix's defaults before it sends one):
     /// what a build forwarded to the Nix daemon of `--build-via` is run with.
     pub numeric: ClientSettings,
+    /// The overrides accepted from the client (name as sent, value) that a build forwarded
+    /// to the Nix daemon of `--build-via` is run with: never one the client could not set
+    /// itself, nor a substitution setting ([`NOT_FORWARDED`]).
+    pub forwarded: Vec<(String, String)>,
 }
 
 /// Nix's defaults of the numeric settings (`globals.hh`): nothing kept or retried, verbosity
@@ -40,7 +53,7 @@ impl ClientOptions {
 
     /// The daemon's own settings, before any SetOptions.
     pub(crate) fn new(daemon: &Daemon) -> Self {
-        ClientOptions { raw: daemon.config.clone(), numeric: DEFAULT_NUMERIC }
+        ClientOptions { raw: daemon.config.clone(), numeric: DEFAULT_NUMERIC, forwarded: Vec::new() }
     }
 
     /// The typed settings (substituters, keys, timeouts); an error names a bad value.
@@ -73,6 +86,9 @@ pub(crate) fn set_options(c: &mut Conn) -> OpResult {
         }
         if c.peer.trusted || UNPRIVILEGED.contains(&name.as_str()) || (name == "builders" && value.is_empty()) {
             options.raw.set(&name, &value);
+            if !NOT_FORWARDED.contains(&setting_of(&name).1) {
+                options.forwarded.push((name, value));
+            }
         } else if name == "substituters" {
             // Nix's `setSubstituters`: the setting itself or an alias, not `extra-substituters`.
             let accepted = trusted_substituters(&c.daemon.config, &value, &mut warnings);

@@ -75,6 +75,17 @@ pub const ALIASES: &[(&str, &str)] = &[
     ("trusted-binary-caches", "trusted-substituters"),
 ];
 
+/// The setting a name sets, as Nix's `Config::set` resolves it: `(true, NAME)` for
+/// `extra-NAME` (which appends), and an alias ([`ALIASES`]) replaced by its setting's name.
+/// E.g. `extra-binary-caches` → `(true, "substituters")`, `build-timeout` → `(false, "timeout")`.
+pub fn setting_of(name: &str) -> (bool, &str) {
+    let (extra, base) = match name.strip_prefix("extra-") {
+        Some(base) => (true, base),
+        None => (false, name),
+    };
+    (extra, ALIASES.iter().find(|(alias, _)| *alias == base).map_or(base, |(_, setting)| setting))
+}
+
 /// Raw settings: name → value, after aliases were resolved and `extra-` lists merged.
 #[derive(Debug, Clone, Default)]
 pub struct RawConfig {
@@ -159,11 +170,7 @@ impl RawConfig {
     /// Sets one setting; `extra-NAME` appends to `NAME`; an alias sets its setting. A name
     /// no Nix knows is also recorded for [`Self::unknown_settings`].
     pub fn set(&mut self, name: &str, value: &str) {
-        let (extra, base) = match name.strip_prefix("extra-") {
-            Some(base) => (true, base),
-            None => (false, name),
-        };
-        let base = ALIASES.iter().find(|(alias, _)| *alias == base).map_or(base, |(_, setting)| setting);
+        let (extra, base) = setting_of(name);
         if !KNOWN_SETTINGS.contains(&base) {
             self.unknown.insert(name.to_string());
         }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::{
     read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info,
-    write_basic_derivation, write_bool, write_bytes, write_derived_path, write_keyed_path_info, write_u64, BasicDerivation, BuildMode,
+    write_basic_derivation, write_bool, write_bytes, write_derived_path, write_keyed_path_info, write_string_pairs, write_u64, BasicDerivation, BuildMode,
     BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
@@ -239,14 +239,17 @@ impl RemoteStore {
         }
     }
 
-    /// SetOptions (op 19) with the numeric settings `settings` and no overrides.
-    pub fn set_options(&mut self, settings: &ClientSettings) -> Result<(), RemoteError> {
+    /// SetOptions (op 19) with the numeric settings `settings` and the setting overrides
+    /// `overrides` (name, value), as Nix's `RemoteStore::setOptions` sends them
+    /// (`remote-store.cc`; overrides are in every protocol sluice speaks, ≥ 1.21). The
+    /// daemon's error if it refuses them.
+    pub fn set_options(&mut self, settings: &ClientSettings, overrides: &[(String, String)]) -> Result<(), RemoteError> {
         let io = self.io_err("SetOptions");
         write_u64(&mut self.w, OP_SET_OPTIONS).map_err(&io)?;
         for n in settings {
             write_u64(&mut self.w, *n).map_err(&io)?;
         }
-        write_u64(&mut self.w, 0).and_then(|()| self.w.flush()).map_err(&io)?;
+        write_string_pairs(&mut self.w, overrides.iter().map(|(k, v)| (k, v))).and_then(|()| self.w.flush()).map_err(&io)?;
         self.finish_stderr("SetOptions")
     }
 

@@ -2082,6 +2082,67 @@ fn builds_go_through_nix_daemon_with_build_via() {
     assert!(err.contains("the sluice daemon does not build, and no substituter has /nix/store/"), "{err}");
 }
 
+/// Derivations whose builds show a client's setting overrides, named after `marker`: `uname`
+/// writes the kernel release the builder sees (`2.6.…` under `impersonate-linux-26`, a
+/// restricted setting), `slow` sleeps 20 s (`timeout`, which an untrusted client may set,
+/// stops it).
+const OPTION_BUILDS: &str = r#"
+{ marker }:
+let build = name: script: derivation { name = "options-${name}-${marker}"; system = "x86_64-linux"; builder = "/bin/sh"; args = [ "-c" script ]; };
+in {
+  uname = build "uname" "/bin/uname -r > $out";
+  slow = build "slow" "/bin/sleep 20; echo > $out";
+}
+"#;
+
+/// A client's `--option` overrides reach the build that `sluice daemon --build-via` forwards
+/// to Nix 2.8's `nix-daemon` as they reach a build straight through that `nix-daemon`: Nix 2.8
+/// and 2.26 clients, as root (trusted) and as `nobody` (untrusted). A trusted client's
+/// `impersonate-linux-26` makes the builder see a 2.6 kernel; an untrusted client's does not
+/// (a restricted setting: sluice, trusted by the Nix daemon, must not pass it on); everyone's
+/// `timeout` (Nix's name; unrestricted) stops a slow build with Nix's message.
+#[test]
+fn client_overrides_reach_delegated_builds_as_through_nix_daemon() {
+    let env = Env::new();
+    open_to_nobody(&env);
+    let _builder = env.nix_daemon("nix-build.socket", "root", NIX_DAEMON_BUILD_CONF);
+    let build_via = format!("unix://{}", env.path("nix-build.socket").display());
+    let sluice = env.daemon_on("socket", "root", "", "", &["--build-via", &build_via], None);
+    let reference = env.nix_daemon("reference.socket", "reference", NIX_DAEMON_BUILD_CONF);
+    let expr = env.path("options.nix");
+    std::fs::write(&expr, OPTION_BUILDS).unwrap();
+    let expr = expr.to_str().unwrap();
+    for (client, modern) in [("Nix 2.8", false), ("Nix 2.26", true)] {
+        for (who, trusted) in [("root", true), ("nobody", false)] {
+            let mut seen = Vec::new();
+            for (daemon, url, root) in [("sluice --build-via", &sluice.url, "root"), ("nix-daemon", &reference.url, "reference")] {
+                let what = format!("{client} as {who} through {daemon}");
+                // Nix 2.26 reads a `.drv` from the store's real directory.
+                let url = if modern { format!("{url}?real={}", env.path(root).join("nix/store").display()) } else { url.to_string() };
+                let run = |attr: &str, option: [&str; 2]| {
+                    let marker = format!("{}-{who}-{root}", if modern { "new" } else { "old" });
+                    let args = ["--store", &url, expr, "-A", attr, "--argstr", "marker", &marker, "--no-out-link", "--option", option[0], option[1]];
+                    match (trusted, modern) {
+                        (true, _) => as_root(&env, modern, "nix-build", &args),
+                        (false, false) => as_nobody(&env, "nix-build", &args),
+                        (false, true) => modern_as_nobody(&env, "nix-build", &args),
+                    }
+                };
+                let (ok, out, err) = run("uname", ["impersonate-linux-26", "true"]);
+                assert!(ok, "{what}: {err}");
+                let release = std::fs::read_to_string(env.path(root).join(out.trim().trim_start_matches('/'))).unwrap();
+                assert_eq!(release.starts_with("2.6."), trusted, "{what}: the builder saw kernel {release}");
+                let start = Instant::now();
+                let (ok, _, err) = run("slow", ["timeout", "1"]);
+                assert!(!ok && start.elapsed() < Duration::from_secs(15), "{what}: the slow build was not stopped ({:?}): {err}", start.elapsed());
+                let timed_out = err.lines().find(|l| l.contains("timed out")).unwrap_or_else(|| panic!("{what}: {err}"));
+                seen.push((release.starts_with("2.6."), timed_out.split("/nix/store/").next().unwrap().to_owned()));
+            }
+            assert_eq!(seen[0], seen[1], "{client} as {who}: sluice --build-via, then nix-daemon");
+        }
+    }
+}
+
 /// One substitution session for the daemon's lifetime: three Nix 2.8 clients, one after
 /// another, each realising a different corpus leaf through `sluice daemon` from nginx, share
 /// the session's connections to it (a new HTTP client per operation opened two per client),

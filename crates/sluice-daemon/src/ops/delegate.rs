@@ -24,7 +24,8 @@ pub(super) fn enabled(c: &Conn) -> bool {
 }
 
 /// Runs `op` on a new connection to the Nix daemon of `--build-via` (with the client's numeric
-/// settings, substitution off), relaying its messages to the client. The Nix daemon's error
+/// settings, substitution off, and the overrides sluice accepted from it except the
+/// substitution settings: `ClientOptions::forwarded`), relaying its messages to the client. The Nix daemon's error
 /// becomes the operation's error, in its own words; the client going away ends the
 /// connection, which makes the Nix daemon stop the build.
 pub(super) fn forward<T>(c: &mut Conn, op: impl FnOnce(&mut RemoteStore, Relay) -> Result<T, RemoteError>) -> Result<T, Fail> {
@@ -38,7 +39,7 @@ pub(super) fn forward<T>(c: &mut Conn, op: impl FnOnce(&mut RemoteStore, Relay) 
     let mut settings = c.options.numeric;
     // useSubstitutes: sluice has substituted what any cache has.
     settings[USE_SUBSTITUTES] = 0;
-    nix.set_options(&settings).map_err(why)?;
+    nix.set_options(&settings, &c.options.forwarded).map_err(why)?;
     let stderr = c.stderr();
     let w = &mut c.w;
     let mut relay = |m: &StderrMessage| {
