@@ -124,7 +124,9 @@ impl Compression {
         })
     }
 
-    fn detect(head: &[u8]) -> Option<Compression> {
+    /// The format whose magic bytes `head` starts with ([`Compression::None`] for a NAR), if
+    /// any.
+    pub(crate) fn detect(head: &[u8]) -> Option<Compression> {
         MAGICS.iter().find(|(_, m)| head.starts_with(m)).map(|(c, _)| *c)
     }
 

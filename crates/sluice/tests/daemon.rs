@@ -2392,6 +2392,131 @@ fn fetchurl_is_built_in_sluice() {
     assert!(outputs.iter().all(|o| *o == outputs[4]), "{outputs:?}");
 }
 
+/// A derivation as `nix-channel --update` makes it (Nix's `unpack-channel.nix`), of the
+/// tarball `src` (a path, copied into the store as the client instantiates).
+const UNPACK_CHANNEL: &str = r#"
+{ src }:
+derivation {
+  name = "mychan-1.0"; channelName = "mychan"; inherit src;
+  system = "builtin"; builder = "builtin:unpack-channel"; preferLocalBuild = true;
+}
+"#;
+
+/// `nix-build` of [`UNPACK_CHANNEL`] of the tarball `src` through `store`, as root, Nix 2.8 or
+/// (`modern`) 2.26: (success, output path, stderr).
+fn unpack_channel(env: &Env, store: &str, modern: bool, src: &Path) -> (bool, String, String) {
+    let expr = env.path("unpack-channel.nix");
+    std::fs::write(&expr, UNPACK_CHANNEL).unwrap();
+    let (ok, out, err) = as_root(env, modern, "nix-build", &["--store", store, expr.to_str().unwrap(), "--no-out-link", "--arg", "src", src.to_str().unwrap()]);
+    (ok, out.trim().to_owned(), err)
+}
+
+/// One ustar header block for an entry `name` of `size` bytes, of `kind` (`b'0'` a file,
+/// `b'5'` a directory, `b'2'` a symlink to `link`), with its checksum: to make tarballs that
+/// `tar` refuses to write.
+fn ustar_header(name: &str, size: usize, kind: u8, link: &str) -> Vec<u8> {
+    let mut h = vec![0u8; 512];
+    h[..name.len()].copy_from_slice(name.as_bytes());
+    h[157..157 + link.len()].copy_from_slice(link.as_bytes());
+    h[100..107].copy_from_slice(if kind == b'5' { b"0000755" } else { b"0000644" });
+    h[108..115].copy_from_slice(b"0000000");
+    h[116..123].copy_from_slice(b"0000000");
+    h[124..135].copy_from_slice(format!("{size:011o}").as_bytes());
+    h[136..147].copy_from_slice(b"00000000000");
+    h[156] = kind;
+    h[257..263].copy_from_slice(b"ustar\0");
+    h[263..265].copy_from_slice(b"00");
+    h[148..156].copy_from_slice(b"        ");
+    let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+    h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    h
+}
+
+/// `builtin:unpack-channel` (the derivation of `nix-channel --update`) through `sluice daemon`
+/// (with and without `--build-via`: sluice unpacks) and Nix 2.8's `nix-daemon`, Nix 2.8 and
+/// 2.26 clients, for a channel tarball written by GNU tar (xz, as `nixexprs.tar.xz`, and
+/// gzip): the same output path, NAR hash and references, a directory `mychan` with the
+/// tarball's tree (an executable, a symlink, an empty directory). Bad tarballs (not a tarball,
+/// two top-level entries, an entry under `..`, an entry through a symlink out of the
+/// directory) fail through every daemon, sluice's error
+/// saying why, and leave no output.
+#[test]
+fn unpack_channel_is_built_in_sluice() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let tree = env.path("chan-src/nixexprs-1.0");
+    std::fs::create_dir_all(tree.join("pkgs/empty")).unwrap();
+    std::fs::write(tree.join("default.nix"), "{ ... }: import ./pkgs\n").unwrap();
+    std::fs::write(tree.join("pkgs/default.nix"), "{ hello = 42; }\n").unwrap();
+    std::fs::write(tree.join("pkgs/run.sh"), "#!/bin/sh\necho run\n").unwrap();
+    std::fs::set_permissions(tree.join("pkgs/run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink(".", tree.join("nixpkgs")).unwrap();
+    let tar = |name: &str, flags: &[&str], entries: &[&str]| {
+        let file = env.path(name);
+        let ok = Command::new("tar").args(flags).arg(&file).arg("-C").arg(env.path("chan-src")).args(entries).status().unwrap();
+        assert!(ok.success(), "tar {name}");
+        file
+    };
+    let d = BuiltinDaemons::start(&env, "");
+    let mut seen = Vec::new();
+    for tarball in [tar("nixexprs.tar.xz", &["-cJf"], &["nixexprs-1.0"]), tar("nixexprs.tar.gz", &["-czf"], &["nixexprs-1.0"])] {
+        for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+            for modern in [false, true] {
+                let what = format!("{name}, {} (2.26: {modern})", tarball.display());
+                let store = d.url(&env, i, modern);
+                let (ok, out, err) = unpack_channel(&env, &store, modern, &tarball);
+                assert!(ok, "{what}: {err}");
+                let chan = env.path(root).join(out.trim_start_matches('/')).join("mychan");
+                assert_eq!(std::fs::read_to_string(chan.join("pkgs/default.nix")).unwrap(), "{ hello = 42; }\n", "{what}");
+                assert_eq!(std::fs::read_link(chan.join("nixpkgs")).unwrap(), Path::new("."), "{what}");
+                seen.push((what, out.clone(), hash_and_references(&env, &d.url(&env, i, false), &out)));
+                // The next client finds it valid: delete it to have it unpacked again.
+                env.nix("nix-store", &["--store", &d.url(&env, i, false), "--delete", &out]);
+            }
+        }
+        let (_, out, (hash, refs)) = &seen[seen.len() - 1];
+        for (what, o, h) in &seen[seen.len() - 6..] {
+            assert_eq!((o, h), (out, &(hash.clone(), refs.clone())), "{what}, then Nix 2.26 through nix-daemon");
+        }
+    }
+    assert_ne!(seen[0].1, seen[6].1, "the gzip tarball is another input, so another output path");
+
+    // Bad tarballs.
+    std::fs::write(env.path("garbage.tar.xz"), b"this is not a tarball\n".repeat(40)).unwrap();
+    std::fs::create_dir_all(env.path("chan-src/second")).unwrap();
+    let two = tar("two.tar.xz", &["-cJf"], &["nixexprs-1.0", "second"]);
+    let escaping = env.path("escaped").display().to_string();
+    let write_tar = |name: &str, entries: &[Vec<u8>]| {
+        let mut tar = entries.concat();
+        tar.resize(tar.len().next_multiple_of(512) + 1024, 0);
+        std::fs::write(env.path(name), &tar).unwrap();
+    };
+    write_tar("dotdot.tar", &[ustar_header("chan/", 0, b'5', ""), ustar_header("chan/../../escaped", 3, b'0', ""), b"hi\n".to_vec()]);
+    let symlink_out = [ustar_header("chan/", 0, b'5', ""), ustar_header("chan/out", 0, b'2', &env.path("").display().to_string())];
+    write_tar("symlink.tar", &[&symlink_out[..], &[ustar_header("chan/out/escaped", 3, b'0', ""), b"hi\n".to_vec()]].concat());
+    for (tarball, why) in [
+        (env.path("garbage.tar.xz"), "unpacking channel tarball '/nix/store/"),
+        (two, "contains more than one file"),
+        (env.path("dotdot.tar"), "entry 'chan/../../escaped' is not inside the archive's directory"),
+        (env.path("symlink.tar"), "trying to unpack outside of destination path"),
+    ] {
+        for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+            let what = format!("{name}, {}", tarball.display());
+            let store = d.url(&env, i, false);
+            let before = store_entries(&env, root);
+            let (ok, _, err) = unpack_channel(&env, &store, false, &tarball);
+            assert!(!ok, "{what}: a bad tarball was unpacked");
+            let added: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
+            let src: Vec<&String> = added.iter().filter(|e| e.ends_with(&*tarball.file_name().unwrap().to_string_lossy())).collect();
+            assert_eq!(added.len(), src.len(), "{what}: an output was left: {added:?}");
+            if *name != "nix-daemon" || why == "contains more than one file" {
+                assert!(err.contains(why), "{what}: {err}");
+            }
+            assert!(!Path::new(&escaping).exists() && !env.path(root).join("nix/escaped").exists(), "{what}");
+        }
+    }
+}
+
 /// `<nix/fetchurl.nix>` behind basic authentication, its credentials in the daemons'
 /// `netrc-file`, with `executable = true` (a script, hashed as a NAR) and `unpack = true` (a
 /// NAR of a directory with an executable file and a symlink, plain and `.nar.xz`): through

@@ -1,6 +1,7 @@
 //! Nix's builtin builders run by sluice itself (`sluice_store::builtins`): a derivation whose
-//! builder is `builtin:buildenv` (`nix-env -i`, `nix profile`) or `builtin:fetchurl`
-//! (`<nix/fetchurl.nix>`) is built in the daemon once its inputs are valid (substituted first),
+//! builder is `builtin:buildenv` (`nix-env -i`, `nix profile`), `builtin:fetchurl`
+//! (`<nix/fetchurl.nix>`) or `builtin:unpack-channel` (`nix-channel --update`) is built in
+//! the daemon once its inputs are valid (substituted first),
 //! with or without `--build-via`: no builder process, no round trip to a Nix daemon. The
 //! client sees Nix's `building '…'` activity, the builtin's warnings as log lines, and a build
 //! result with Nix's statuses (Built; OutputRejected for a hash mismatch; TransientFailure for

@@ -337,10 +337,9 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
 }
 
 /// Why the outputs `absent` of `drv` stay missing without `--build-via`: sluice does not
-/// build, not even the builtins it does not run itself (`builtin:unpack-channel`, which Nix
-/// runs in its own process: `src/libstore/builtins/`; `builtin:buildenv` and
-/// `builtin:fetchurl` are run by sluice once their inputs are valid: `builtin`); the error
-/// names the option that builds them through a `nix-daemon`.
+/// build, not even a `builtin:` it does not know (it runs Nix 2.8's and 2.26's
+/// `src/libstore/builtins/` itself once their inputs are valid: `builtin`); the error names
+/// the option that builds them through a `nix-daemon`.
 fn not_built(c: &Conn, drv: &StorePath, absent: &[String]) -> String {
     let builtin = load_derivation(c, drv).ok().flatten().and_then(|d| String::from_utf8(d.builder).ok()).filter(|b| b.starts_with("builtin:") && Builtin::of(b.as_bytes()).is_none());
     let what = match builtin {

@@ -16,14 +16,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::NarVisitor;
 use sluice_nix::store_path::StorePath;
 
+use super::view::{is_absent, libc_enotdir, View};
 use super::{BuiltinDerivation, BuiltinError, Context, Spool};
-use crate::local::LocalStore;
 
 /// A node of the environment being built.
 enum Node {
@@ -34,8 +34,6 @@ enum Node {
 
 /// Priority of the first package propagated by another (Nix's `priorityCounter`).
 const PROPAGATED_PRIORITY: i64 = 1000;
-/// Symlinks followed while resolving one path (Linux's `MAXSYMLINKS`).
-const MAX_SYMLINKS: usize = 40;
 
 /// Builds the environment of `drv` (output `out`, inputs `visible`) into `spool` as a NAR.
 pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, visible: &BTreeSet<StorePath>, out: &StorePath, spool: &mut Spool) -> Result<(), BuiltinError> {
@@ -241,87 +239,5 @@ fn write_nar(nar: &mut NarWriter<&mut Spool>, path: &mut Vec<Vec<u8>>, node: &No
             }
             nar.directory_end(path)
         }
-    }
-}
-
-fn libc_enotdir() -> i32 {
-    rustix::io::Errno::NOTDIR.raw_os_error()
-}
-
-/// Whether `e` says that a path does not exist (or goes through a non-directory).
-fn is_absent(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc_enotdir())
-}
-
-/// The store as a builtin sees it: the store directory holds only the `visible` paths (the
-/// closure of the inputs); nothing outside the store directory exists. Paths are the logical
-/// ones (`/nix/store/…`); symlinks are followed in the same view.
-struct View<'a> {
-    store: &'a LocalStore,
-    visible: &'a BTreeSet<StorePath>,
-}
-
-impl View<'_> {
-    /// Where the logical path `p` (without symlinks in it, as [`View::resolve`] gives) is on
-    /// disk; `NotFound` outside the visible paths.
-    fn real(&self, p: &Path) -> io::Result<PathBuf> {
-        let absent = || io::Error::from(io::ErrorKind::NotFound);
-        let rest = p.strip_prefix(self.store.store_dir().as_str()).map_err(|_| absent())?;
-        let mut parts = rest.components();
-        let Some(Component::Normal(base)) = parts.next() else { return Err(absent()) };
-        let path = StorePath::from_base_name(&base.to_string_lossy()).map_err(|_| absent())?;
-        if !self.visible.contains(&path) {
-            return Err(absent());
-        }
-        Ok(self.store.real_path(&path).join(parts.as_path()))
-    }
-
-    /// `p` with every symlink in it followed (Nix's `canonPath(p, true)`), as a logical path;
-    /// fails as `lstat` would on a missing component.
-    fn resolve(&self, p: &Path) -> io::Result<PathBuf> {
-        let mut todo: Vec<PathBuf> = p.components().rev().map(|c| PathBuf::from(c.as_os_str())).collect();
-        let mut cur = PathBuf::from("/");
-        let mut followed = 0;
-        let store_depth = Path::new(self.store.store_dir().as_str()).components().count();
-        while let Some(c) = todo.pop() {
-            match c.components().next() {
-                Some(Component::RootDir | Component::CurDir) | None => continue,
-                Some(Component::ParentDir) => {
-                    cur.pop();
-                    continue;
-                }
-                _ => cur.push(&c),
-            }
-            if cur.components().count() <= store_depth {
-                continue;
-            }
-            let real = self.real(&cur)?;
-            if std::fs::symlink_metadata(&real)?.file_type().is_symlink() {
-                followed += 1;
-                if followed > MAX_SYMLINKS {
-                    return Err(io::Error::from_raw_os_error(rustix::io::Errno::LOOP.raw_os_error()));
-                }
-                let target = std::fs::read_link(&real)?;
-                cur.pop();
-                if target.is_absolute() {
-                    cur = PathBuf::from("/");
-                }
-                todo.extend(target.components().rev().map(|c| PathBuf::from(c.as_os_str())));
-            }
-        }
-        Ok(cur)
-    }
-
-    /// Whether `p`, symlinks followed, is a directory (Nix's `stat`).
-    fn stat_is_dir(&self, p: &Path) -> io::Result<bool> {
-        Ok(std::fs::metadata(self.real(&self.resolve(p)?)?)?.is_dir())
-    }
-
-    /// The entry names of the directory `p` (symlinks followed), sorted.
-    fn read_dir(&self, p: &Path) -> io::Result<Vec<Vec<u8>>> {
-        let real = self.real(&self.resolve(p)?)?;
-        let mut names = std::fs::read_dir(real)?.map(|e| e.map(|e| e.file_name().as_bytes().to_vec())).collect::<io::Result<Vec<_>>>()?;
-        names.sort();
-        Ok(names)
     }
 }

@@ -1,7 +1,8 @@
 //! Nix's builtin builders, run by sluice itself: `builtin:buildenv` (the user environments of
-//! `nix-env -i` and `nix profile`) and `builtin:fetchurl` (`<nix/fetchurl.nix>`), which Nix runs
-//! in its own process instead of a builder program (`src/libstore/builtins/buildenv.cc`,
-//! `builtins/fetchurl.cc`). Their outputs are registered as Nix's
+//! `nix-env -i` and `nix profile`), `builtin:fetchurl` (`<nix/fetchurl.nix>`) and
+//! `builtin:unpack-channel` (`nix-channel --update`), which Nix runs in its own process instead
+//! of a builder program (`src/libstore/builtins/buildenv.cc`, `builtins/fetchurl.cc`,
+//! `builtins/unpack-channel.cc`). Their outputs are registered as Nix's
 //! `LocalDerivationGoal::registerOutputs` does (`build/local-derivation-goal.cc`): the output
 //! is serialised as a NAR ([`Spool`]), scanned for the hash parts of the paths it may refer to
 //! (the closure of the derivation's inputs, and itself: [`RefScanner`]), and added through the
@@ -13,6 +14,8 @@
 mod buildenv;
 mod fetchurl;
 mod refs;
+mod unpack_channel;
+mod view;
 
 pub use refs::RefScanner;
 
@@ -37,15 +40,18 @@ pub enum Builtin {
     Buildenv,
     /// `builtin:fetchurl`.
     Fetchurl,
+    /// `builtin:unpack-channel`.
+    UnpackChannel,
 }
 
 impl Builtin {
-    /// The builtin a derivation's `builder` names, if sluice runs it (`builtin:unpack-channel`
-    /// and any other are not).
+    /// The builtin a derivation's `builder` names, if sluice runs it (every builtin of Nix
+    /// 2.8 and 2.26).
     pub fn of(builder: &[u8]) -> Option<Builtin> {
         match builder {
             b"builtin:buildenv" => Some(Builtin::Buildenv),
             b"builtin:fetchurl" => Some(Builtin::Fetchurl),
+            b"builtin:unpack-channel" => Some(Builtin::UnpackChannel),
             _ => None,
         }
     }
@@ -143,6 +149,7 @@ pub fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, inputs: &[StorePath]
         match drv.builtin {
             Builtin::Buildenv => buildenv::build(cx, drv, &closure, &out, &mut spool)?,
             Builtin::Fetchurl => fetchurl::build(cx, drv, ca.as_ref(), &mut spool)?,
+            Builtin::UnpackChannel => unpack_channel::build(cx.store, &closure, drv, &mut spool)?,
         }
         register(cx, drv, &out, spool, ca)?;
     }
@@ -153,6 +160,7 @@ fn builtin_name(b: Builtin) -> &'static str {
     match b {
         Builtin::Buildenv => "buildenv",
         Builtin::Fetchurl => "fetchurl",
+        Builtin::UnpackChannel => "unpack-channel",
     }
 }
 

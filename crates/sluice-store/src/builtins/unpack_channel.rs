@@ -1,0 +1,74 @@
+//! `builtin:unpack-channel`: the output of a channel (`nix-channel --update`) is the channel
+//! tarball `src` unpacked, its one top-level entry renamed to `channelName`, as Nix 2.8/2.26
+//! `src/libstore/builtins/unpack-channel.cc` makes it (`unpackTarfile` with libarchive, which
+//! recognises the compression by its magic bytes).
+//!
+//! `src` is read through the builtin's [`View`] of the store (only the inputs' closure
+//! exists, as in Nix's sandbox: sluice runs as the store's owner). The tarball is unpacked
+//! into a temporary directory, never into the store; an entry whose path leaves that
+//! directory (`..`, an absolute path, a link out of it) fails the build, as libarchive's
+//! `SECURE_NODOTDOT` and `SECURE_SYMLINKS` make it fail. The directory is then serialised as
+//! the output's NAR, so only what a NAR holds (directories, regular files with their
+//! executable bit, symlinks) is kept; a device or FIFO fails the build.
+
+use std::collections::BTreeSet;
+use std::io::{self, Read};
+use std::path::{Component, Path};
+
+use sluice_nix::store_path::StorePath;
+
+use super::view::View;
+use super::{BuiltinDerivation, BuiltinError, Spool};
+use crate::compression::Compression;
+use crate::local::{dump_fs_path, LocalStore};
+
+/// Unpacks `drv`'s `src` (a tarball in the store paths `visible`) into `spool` as the NAR of
+/// its output: a directory holding one entry, `channelName`.
+pub(super) fn build(store: &LocalStore, visible: &BTreeSet<StorePath>, drv: &BuiltinDerivation, spool: &mut Spool) -> Result<(), BuiltinError> {
+    let failed = BuiltinError::Failed;
+    let channel_name = drv.attr("channelName")?;
+    let src = drv.attr("src")?;
+    let mut components = Path::new(channel_name).components();
+    if !matches!((components.next(), components.next()), (Some(Component::Normal(_)), None)) || channel_name.contains('/') {
+        return Err(failed(format!("channelName is not allowed to contain filesystem separators, got {channel_name}")));
+    }
+    let view = View { store, visible };
+    let tarball = view.resolve(Path::new(src)).and_then(|p| view.real(&p)).and_then(std::fs::File::open);
+    let tarball = tarball.map_err(|e| failed(format!("opening channel tarball '{src}': {e}")))?;
+    let dir = tempfile::tempdir().map_err(|e| failed(format!("creating a temporary directory in {}: {e}", std::env::temp_dir().display())))?;
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).map_err(|e| failed(format!("creating {}: {e}", out.display())))?;
+    unpack(io::BufReader::new(tarball), &out).map_err(|e| failed(format!("unpacking channel tarball '{src}': {e}")))?;
+    let mut entries = std::fs::read_dir(&out).and_then(|d| d.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<_>>>()).map_err(|e| failed(format!("reading {}: {e}", out.display())))?;
+    let Some(entry) = entries.pop() else { return Err(failed(format!("channel tarball '{src}' is empty"))) };
+    if !entries.is_empty() {
+        return Err(failed(format!("channel tarball '{src}' contains more than one file")));
+    }
+    std::fs::rename(out.join(&entry), out.join(channel_name)).map_err(|e| failed(format!("renaming channel directory: {e}")))?;
+    dump_fs_path(&out, spool).map_err(|e| failed(format!("channel tarball '{src}': {e}")))
+}
+
+/// Unpacks the tarball `input` (uncompressed, or compressed in any format sluice reads) into
+/// the directory `dest`: an entry that would land outside `dest` is an error naming it.
+fn unpack(mut input: impl io::BufRead + Send, dest: &Path) -> io::Result<()> {
+    let head = input.fill_buf()?;
+    let input: Box<dyn Read + Send> = match Compression::detect(head) {
+        Some(c) if c != Compression::None => c.decoder(input).map_err(io::Error::other)?,
+        _ => Box::new(input),
+    };
+    let mut archive = tar::Archive::new(input);
+    archive.set_preserve_permissions(false);
+    archive.set_preserve_mtime(false);
+    archive.set_overwrite(true);
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.into_owned();
+        if path.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir)) {
+            return Err(io::Error::other(format!("entry '{}' is not inside the archive's directory", path.display())));
+        }
+        if !entry.unpack_in(dest)? {
+            return Err(io::Error::other(format!("entry '{}' is not inside the archive's directory", path.display())));
+        }
+    }
+    Ok(())
+}
