@@ -2517,6 +2517,44 @@ fn unpack_channel_is_built_in_sluice() {
     }
 }
 
+/// `nix-channel --add URL mychan; nix-channel --update` (Nix 2.8, as root, its profiles under
+/// its own `NIX_STATE_DIR`) with a channel served over HTTP, through `sluice daemon` (with and
+/// without `--build-via`) and Nix 2.8's `nix-daemon`: the channel's directory in the channels
+/// profile is the same store path with the same NAR hash and references through all three.
+#[test]
+fn nix_channel_update_matches_nix() {
+    let env = Env::new();
+    let tree = env.path("chan-src/nixexprs-2.0");
+    std::fs::create_dir_all(&tree).unwrap();
+    std::fs::write(tree.join("default.nix"), "{ ... }: { hello = 42; }\n").unwrap();
+    let ok = Command::new("tar").arg("-cJf").arg(env.path("nixexprs.tar.xz")).arg("-C").arg(env.path("chan-src")).arg("nixexprs-2.0").status().unwrap();
+    assert!(ok.success());
+    let server = serve_files(vec![("/chan", b"a channel\n".to_vec()), ("/chan/nixexprs.tar.xz", std::fs::read(env.path("nixexprs.tar.xz")).unwrap())], None);
+    let d = BuiltinDaemons::start(&env, "");
+    let mut seen = Vec::new();
+    for (i, (name, _, _)) in d.daemons.iter().enumerate() {
+        let (home, state) = (env.path(&format!("channel-home-{i}")), env.path(&format!("channel-state-{i}")));
+        // As Nix's installer makes it.
+        std::fs::create_dir_all(state.join("profiles/per-user/root")).unwrap();
+        std::fs::create_dir_all(&home).unwrap();
+        let channel = |args: &[&str]| {
+            let out = env.cmd("nix-channel").env("HOME", &home).env("NIX_STATE_DIR", &state).env("NIX_REMOTE", d.url(&env, i, false)).args(args).output().unwrap();
+            assert!(out.status.success(), "{name}: nix-channel {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        channel(&["--add", &format!("{server}/chan"), "mychan"]);
+        channel(&["--update"]);
+        let link = std::fs::read_link(state.join("profiles/per-user/root/channels")).unwrap();
+        let profile = std::fs::read_link(state.join("profiles/per-user/root").join(link)).unwrap();
+        let root = d.daemons[i].2;
+        let mychan = std::fs::read_link(env.path(root).join(profile.strip_prefix("/").unwrap()).join("mychan")).unwrap();
+        let out = mychan.parent().unwrap().to_str().unwrap().to_owned();
+        assert_eq!(std::fs::read_to_string(env.path(root).join(mychan.strip_prefix("/").unwrap()).join("default.nix")).unwrap(), "{ ... }: { hello = 42; }\n", "{name}");
+        seen.push((out.clone(), hash_and_references(&env, &d.url(&env, i, false), &out)));
+    }
+    assert_eq!(seen[0], seen[2], "sluice daemon, then nix-daemon");
+    assert_eq!(seen[1], seen[2], "sluice daemon --build-via, then nix-daemon");
+}
+
 /// `<nix/fetchurl.nix>` behind basic authentication, its credentials in the daemons'
 /// `netrc-file`, with `executable = true` (a script, hashed as a NAR) and `unpack = true` (a
 /// NAR of a directory with an executable file and a symlink, plain and `.nar.xz`): through
