@@ -4,11 +4,15 @@
 //! alias `binary-caches`) to daemon-trusted ones, and is warned (as Nix ≥ 2.13 warns; 2.8 only
 //! logged it at debug level) about everything else it tried. See `docs/daemon-trust.md`.
 
+use std::cell::OnceCell;
+use std::sync::Arc;
+
+use sluice_nix::signature::TrustedKeys;
 use sluice_nix::wire::{read_string_pairs, read_u64};
 use sluice_store::config::{setting_of, RawConfig, Settings};
 use sluice_store::remote::{ClientSettings, USE_SUBSTITUTES};
 
-use crate::conn::{op_err, Conn, Fail, OpResult};
+use crate::conn::{Conn, Fail, OpResult};
 use crate::Daemon;
 
 /// Settings an untrusted client may still change, by the exact name Nix compares
@@ -30,8 +34,15 @@ const NOT_FORWARDED: [&str; 7] =
 /// One connection's settings.
 #[derive(Debug, Clone)]
 pub(crate) struct ClientOptions {
-    /// The daemon's settings with the accepted overrides.
-    pub raw: RawConfig,
+    /// The daemon's settings with the accepted overrides (fixed once made: the two below are
+    /// made from it).
+    raw: RawConfig,
+    /// `raw` parsed (or the error naming a bad value), on first use, kept for the connection.
+    settings: OnceCell<Result<Arc<Settings>, String>>,
+    /// Its `trusted-public-keys` decoded, likewise: every add operation needs them, and
+    /// decoding a key (an ed25519 point decompression) took ~43,000 instructions per key per
+    /// AddToStore before (callgrind, Nix 2.8's `nix-instantiate` of 1000 derivations).
+    trusted_keys: OnceCell<Result<TrustedKeys, String>>,
     /// The numeric settings of the client's SetOptions (Nix's defaults before it sends one):
     /// what a build forwarded to the Nix daemon of `--build-via` is run with.
     pub numeric: ClientSettings,
@@ -53,12 +64,20 @@ impl ClientOptions {
 
     /// The daemon's own settings, before any SetOptions.
     pub(crate) fn new(daemon: &Daemon) -> Self {
-        ClientOptions { raw: daemon.config.clone(), numeric: DEFAULT_NUMERIC, forwarded: Vec::new() }
+        ClientOptions { raw: daemon.config.clone(), numeric: DEFAULT_NUMERIC, forwarded: Vec::new(), settings: OnceCell::new(), trusted_keys: OnceCell::new() }
     }
 
     /// The typed settings (substituters, keys, timeouts); an error names a bad value.
-    pub(crate) fn settings(&self) -> Result<Settings, Fail> {
-        Settings::from_raw(&self.raw).map_err(op_err)
+    pub(crate) fn settings(&self) -> Result<Arc<Settings>, Fail> {
+        let settings = self.settings.get_or_init(|| Settings::from_raw(&self.raw).map(Arc::new).map_err(|e| e.to_string()));
+        settings.clone().map_err(Fail::Op)
+    }
+
+    /// The `trusted-public-keys` (the error `trusted-public-keys: …` names a bad one).
+    pub(crate) fn trusted_keys(&self) -> Result<TrustedKeys, Fail> {
+        let settings = self.settings()?;
+        let keys = self.trusted_keys.get_or_init(|| TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}")));
+        keys.clone().map_err(Fail::Op)
     }
 }
 

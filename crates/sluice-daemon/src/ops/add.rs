@@ -19,7 +19,6 @@ use std::sync::Arc;
 use sluice_nix::nar::reader::parse;
 use sluice_nix::nar::Discard;
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_nix::signature::TrustedKeys;
 use sluice_nix::wire::{
     read_bool, read_bytes, read_keyed_path_info, read_store_path_set, read_string, read_u64, write_bytes, write_keyed_path_info, write_u64,
     FramedReader, ProtocolVersion,
@@ -136,9 +135,8 @@ pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
 /// `trusted-public-keys`, waived by `dont_check_sigs` only for a trusted client (Nix's
 /// `daemon.cc`: `if (!trusted) dontCheckSigs = false`).
 fn policy(c: &Conn, dont_check_sigs: bool) -> Result<SignaturePolicy, Fail> {
-    let settings = c.options.settings()?;
-    let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| Fail::Op(format!("trusted-public-keys: {e}")))?;
-    Ok(SignaturePolicy { require_sigs: settings.require_sigs && !(dont_check_sigs && c.peer.trusted), trusted_keys })
+    let require_sigs = c.options.settings()?.require_sigs;
+    Ok(SignaturePolicy { require_sigs: require_sigs && !(dont_check_sigs && c.peer.trusted), trusted_keys: c.options.trusted_keys()? })
 }
 
 /// The `repair` flag of an add operation, honoured for a trusted client only.
