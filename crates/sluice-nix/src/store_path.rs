@@ -157,7 +157,14 @@ impl StoreDir {
         StorePath::from_base_name(rest.split('/').next().unwrap_or(rest))
     }
     /// `<dir>/<base name>`.
-    pub fn display_path(&self, path: &StorePath) -> String { format!("{}/{}", self.0, path.base_name()) }
+    pub fn display_path(&self, path: &StorePath) -> String {
+        // Not `format!`: this runs for every path of every daemon reply and registry look-up.
+        let mut s = String::with_capacity(self.0.len() + 1 + path.base_name().len());
+        s.push_str(&self.0);
+        s.push('/');
+        s.push_str(path.base_name());
+        s
+    }
     /// Nix's `makeStorePath(type, hash, name)`: sha256 of `type:sha256:<base16>:<dir>:<name>`
     /// folded to 20 bytes. `type` includes any `:<ref>` suffixes.
     pub fn make_store_path(&self, ty: &str, hash: &crate::hash::Hash, name: &str) -> Result<StorePath, StorePathError> {

@@ -86,9 +86,18 @@ pub(crate) fn read_count(r: &mut (impl Read + ?Sized), max: u64, what: &'static 
 
 /// Writes a length-prefixed byte string with zero padding.
 pub fn write_bytes(w: &mut (impl Write + ?Sized), b: &[u8]) -> std::io::Result<()> {
-    write_u64(w, b.len() as u64)?;
-    w.write_all(b)?;
-    w.write_all(&[0u8; 8][..padding(b.len() as u64)])
+    write_bytes_joined(w, &[b])
+}
+
+/// Writes the concatenation of `parts` as one string (length, bytes, padding), without
+/// making it first: e.g. a store path as its directory, `/` and base name.
+pub fn write_bytes_joined(w: &mut (impl Write + ?Sized), parts: &[&[u8]]) -> std::io::Result<()> {
+    let len = parts.iter().map(|p| p.len() as u64).sum();
+    write_u64(w, len)?;
+    for p in parts {
+        w.write_all(p)?;
+    }
+    w.write_all(&[0u8; 8][..padding(len)])
 }
 
 /// Writes a count and then each string.
