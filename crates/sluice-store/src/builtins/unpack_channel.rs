@@ -63,10 +63,10 @@ fn unpack(mut input: impl io::BufRead + Send, dest: &Path) -> io::Result<()> {
     for entry in archive.entries()? {
         let mut entry = entry?;
         let path = entry.path()?.into_owned();
-        if path.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir)) {
-            return Err(io::Error::other(format!("entry '{}' is not inside the archive's directory", path.display())));
-        }
-        if !entry.unpack_in(dest)? {
+        // `unpack_in` also skips `..` (returning false) and fails a write through a link out of
+        // `dest` ("trying to unpack outside of destination path").
+        let outside = path.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir));
+        if outside || !entry.unpack_in(dest)? {
             return Err(io::Error::other(format!("entry '{}' is not inside the archive's directory", path.display())));
         }
     }
