@@ -51,7 +51,7 @@ fn helpers() -> Option<&'static Helpers> {
     static HELPERS: OnceLock<Option<Helpers>> = OnceLock::new();
     HELPERS
         .get_or_init(|| {
-            let wanted = std::thread::available_parallelism().map_or(1, usize::from).saturating_sub(1);
+            let wanted = crate::cores().saturating_sub(1);
             let (tx, rx) = mpsc::channel::<Job>();
             let rx = Arc::new(Mutex::new(rx));
             let mut threads = 0;
