@@ -6,6 +6,7 @@
 mod error;
 pub mod file;
 pub mod http;
+mod imds;
 mod multipart;
 mod pool;
 pub mod retry;
