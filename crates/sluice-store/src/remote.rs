@@ -483,7 +483,7 @@ fn pin_to_current_cpu() -> Option<usize> {
 /// valid as it adds it, and registers it only after its references); meanwhile the NAR is
 /// spooled to an unlinked temporary file, so that the source is read to its end. The
 /// additions waiting when the thread comes to one go together in one AddMultipleToStore
-/// ([`batch`]).
+/// (`remote/batch.rs`).
 pub struct DaemonStore {
     url: String,
     store_dir: StoreDir,

@@ -10,7 +10,7 @@
 //! the shared credentials file (`$AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`);
 //! otherwise `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`) from the
 //! environment, then the profile `$AWS_PROFILE` (default `default`) of that file, then the
-//! EC2 instance metadata service ([`imds`](super::imds), unless `AWS_EC2_METADATA_DISABLED`
+//! EC2 instance metadata service (`imds.rs`, unless `AWS_EC2_METADATA_DISABLED`
 //! is `true`). Without any, requests go unsigned (a public bucket).
 
 use std::sync::Arc;

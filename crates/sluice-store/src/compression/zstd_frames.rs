@@ -341,7 +341,7 @@ impl Read for FrameDecoder<'_> {
 
 /// Writes zstd as independent frames of [`FRAME_SIZE`] input bytes, each with its content
 /// size, on up to 4 cores per frame when parallel (Nix's `ZstdMultiFrameCompressionSink`).
-/// Its compression context comes from, and goes back to, [`KEPT_COMPRESSORS`].
+/// Its compression context comes from, and goes back to, `KEPT_COMPRESSORS`.
 pub struct FrameEncoder<W: Write> {
     out: W,
     frame: Vec<u8>,
