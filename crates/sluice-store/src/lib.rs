@@ -22,3 +22,11 @@ pub mod store;
 pub mod store_url;
 pub mod substitute;
 pub mod substituters;
+
+/// The cores this process may run on (`std::thread::available_parallelism`, at least 1),
+/// found once: each call of the standard function reads the cgroup's CPU quota files (three
+/// to five system calls), which a push paid twice per path.
+pub fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
+}

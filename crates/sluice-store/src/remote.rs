@@ -1,6 +1,6 @@
 //! A client of a Nix daemon (`sluice daemon` or `nix-daemon`) over its Unix socket: the
 //! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`):
-//! queries, a NAR read (NarFromPath), an addition (AddToStoreNar) and the build operations,
+//! queries, a NAR read (NarFromPath), additions (AddToStoreNar, AddMultipleToStore) and the build operations,
 //! with the old CPU-affinity hint; and [`DaemonStore`], a daemon behind the
 //! [`Store`](crate::store::Store) interface. With `lock-cpu`, the client pins its thread to the CPU it is
 //! running on and sends that CPU in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as
@@ -22,6 +22,8 @@ use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 
 use crate::store::{NarReader, PipedNar, PublishGate, StoreError, StoreFuture};
 
+mod batch;
+
 /// The protocol version this client speaks: 1.34 (Nix 2.8's), so that no 1.35+ field is
 /// expected; the daemon answers with min(its version, ours) as a whole.
 pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 34);
@@ -41,6 +43,7 @@ const OP_QUERY_PATH_INFO: u64 = 26;
 const OP_BUILD_DERIVATION: u64 = 36;
 const OP_NAR_FROM_PATH: u64 = 38;
 const OP_ADD_TO_STORE_NAR: u64 = 39;
+const OP_ADD_MULTIPLE_TO_STORE: u64 = 44;
 const OP_BUILD_PATHS_WITH_RESULTS: u64 = 46;
 
 /// Receives the stderr messages of an operation (log lines, activities, results) as they
@@ -224,17 +227,68 @@ impl RemoteStore {
         let io = self.io_err(what);
         write_u64(&mut self.w, OP_ADD_TO_STORE_NAR).map_err(&io)?;
         write_keyed_path_info(&mut self.w, &self.store_dir, self.version, info).map_err(&io)?;
-        write_bool(&mut self.w, false).and_then(|()| write_bool(&mut self.w, !check_sigs)).and_then(|()| self.w.flush()).map_err(&io)?;
+        write_bool(&mut self.w, false).and_then(|()| write_bool(&mut self.w, !check_sigs)).map_err(&io)?;
+        let (socket, shown) = (self.socket.clone(), self.store_dir.display_path(&info.path));
+        self.with_framed_sink(what, |out| Ok(copy_nar(nar, out)?.map(drop).map_err(|source| RemoteError::Nar { socket, path: shown, source })))
+    }
+
+    /// AddMultipleToStore (op 44, daemons of protocol ≥ 1.32): adds every path of `paths`, in
+    /// order, in one operation, as Nix's `RemoteStore::addMultipleToStore` sends it: repair
+    /// (false), dontCheckSigs (`!check_sigs`), then one framed stream of the count and, per
+    /// path, its keyed info in the protocol 1.16 form followed by exactly `NarSize` bytes of
+    /// its NAR. The daemon adds them one after another and stops at the first it refuses (its
+    /// error is the result; the paths before it are added). A NAR that cannot be read, or
+    /// ends before its `NarSize`, ends the stream there ([`RemoteError::Nar`]).
+    pub fn add_multiple_to_store(&mut self, paths: &mut [(&ValidPathInfo, &mut dyn Read)], check_sigs: bool) -> Result<(), RemoteError> {
+        let what = "AddMultipleToStore";
+        if !self.version.at_least(batch::MULTIPLE_VERSION) {
+            let message = format!("{what} needs protocol 1.32 (Nix 2.4), the daemon speaks {}", self.version);
+            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+        }
+        let io = self.io_err(what);
+        write_u64(&mut self.w, OP_ADD_MULTIPLE_TO_STORE).map_err(&io)?;
+        write_bool(&mut self.w, false).and_then(|()| write_bool(&mut self.w, !check_sigs)).map_err(&io)?;
+        let (socket, dir) = (self.socket.clone(), self.store_dir.clone());
+        self.with_framed_sink(what, |out| {
+            write_u64(out, paths.len() as u64)?;
+            for (info, nar) in paths.iter_mut() {
+                write_keyed_path_info(out, &dir, ProtocolVersion::new(1, 16), info)?;
+                let read = copy_nar(&mut nar.take(info.nar_size), out)?.and_then(|n| match n == info.nar_size {
+                    true => Ok(()),
+                    false => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the NAR ended after {n} of its {} bytes", info.nar_size))),
+                });
+                if let Err(source) = read {
+                    return Ok(Err(RemoteError::Nar { socket, path: dir.display_path(&info.path), source }));
+                }
+            }
+            Ok(Ok(()))
+        })
+    }
+
+    /// Flushes the request written so far, then sends the framed stream `send` writes while
+    /// a second thread reads the daemon's messages (Nix's `withFramedSink`: the daemon may
+    /// answer, or fail, before the stream ends). The connection's failure first, then
+    /// `send`'s own (a NAR that could not be read: the stream is ended where it stopped), then
+    /// the daemon's answer.
+    fn with_framed_sink(&mut self, what: &'static str, send: impl FnOnce(&mut dyn Write) -> std::io::Result<Result<(), RemoteError>>) -> Result<(), RemoteError> {
+        let io = self.io_err(what);
+        self.w.flush().map_err(&io)?;
         let RemoteStore { socket, r, w, version, .. } = self;
         let (sent, replied) = std::thread::scope(|scope| {
             let daemon = scope.spawn(|| relay_stderr(r, *version, socket, what, &mut log_message));
-            let sent = send_framed(w, nar);
+            let sent = (|| {
+                // Frames of up to 64 KiB: the infos' small writes are gathered.
+                let mut framed = BufWriter::with_capacity(64 << 10, FramedWriter::new(&mut *w));
+                let outcome = send(&mut framed)?;
+                framed.into_inner().map_err(std::io::IntoInnerError::into_error)?.finish()?.flush()?;
+                Ok(outcome)
+            })();
             (sent, daemon.join())
         });
         let replied = replied.unwrap_or_else(|_| Err(RemoteError::Protocol { message: format!("{what}: the thread reading the daemon's messages panicked"), socket: self.socket.clone() }));
         match sent {
             Ok(Ok(())) => replied,
-            Ok(Err(source)) => Err(RemoteError::Nar { socket: self.socket.clone(), path: self.store_dir.display_path(&info.path), source }),
+            Ok(Err(nar)) => Err(nar),
             Err(e) => Err(io(e)),
         }
     }
@@ -392,21 +446,21 @@ fn log_message(m: &StderrMessage) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Sends what `nar` reads to `w` as a framed stream (frames of at most 64 KiB, then the
-/// terminator), stopping early when `nar` fails. The outer error is the connection's, the
-/// inner one `nar`'s.
-fn send_framed(w: &mut BufWriter<UnixStream>, nar: &mut dyn Read) -> std::io::Result<std::io::Result<()>> {
-    let (mut framed, mut buf) = (FramedWriter::new(w), vec![0u8; 64 << 10]);
-    let read = loop {
+/// Copies what `nar` reads into `out`, 64 KiB at a time; the bytes copied, or `nar`'s
+/// failure (inner) apart from `out`'s (outer).
+fn copy_nar(nar: &mut dyn Read, out: &mut dyn Write) -> std::io::Result<std::io::Result<u64>> {
+    let (mut buf, mut copied) = (vec![0u8; 64 << 10], 0);
+    loop {
         match nar.read(&mut buf) {
-            Ok(0) => break Ok(()),
-            Ok(n) => framed.write_all(&buf[..n])?,
+            Ok(0) => return Ok(Ok(copied)),
+            Ok(n) => {
+                out.write_all(&buf[..n])?;
+                copied += n as u64;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => break Err(e),
+            Err(e) => return Ok(Err(e)),
         }
-    };
-    framed.finish()?.flush()?;
-    Ok(read)
+    }
 }
 
 /// Pins the calling thread to the CPU it is running on; that CPU, or `None` (logged) if it
@@ -430,16 +484,27 @@ fn pin_to_current_cpu() -> Option<usize> {
 /// daemon). A connection an operation failed on is dropped and the next operation connects
 /// again. Additions wait for their publish gate before they are sent (the daemon makes a path
 /// valid as it adds it, and registers it only after its references); meanwhile the NAR is
-/// spooled to an unlinked temporary file, so that the source is read to its end.
+/// spooled to an unlinked temporary file, so that the source is read to its end. The
+/// additions waiting when the thread comes to one go together in one AddMultipleToStore
+/// (`remote/batch.rs`).
 pub struct DaemonStore {
     url: String,
     store_dir: StoreDir,
-    check_sigs: bool,
+    version: ProtocolVersion,
     jobs: std::sync::mpsc::Sender<Job>,
 }
 
-/// An operation for the connection's thread.
-type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+/// Work for the connection's thread.
+enum Job {
+    /// An operation.
+    Run(Box<dyn FnOnce(&mut Connection) + Send>),
+    /// A path to add, with the additions queued behind it ([`batch::Addition`]).
+    Add(batch::Addition),
+}
+
+/// Paths a [`DaemonStore`] reads the NARs of at once when the daemon takes AddMultipleToStore:
+/// the additions that can wait in its queue to go in one operation.
+const ADDITIONS_AT_ONCE: usize = 64;
 
 /// The connection of a [`DaemonStore`], on its thread; `None` after a failure.
 struct Connection {
@@ -474,25 +539,23 @@ impl DaemonStore {
         let (greeted, greeting) = std::sync::mpsc::channel();
         let mut conn = Connection { socket: socket.to_owned(), lock_cpu, conn: None };
         let spawned = std::thread::Builder::new().name("sluice-daemon-client".into()).spawn(move || {
-            let store_dir = conn.with(|c| Ok(c.store_dir().clone()));
-            let ok = store_dir.is_ok();
-            let _ = greeted.send(store_dir);
+            let greeting = conn.with(|c| Ok((c.store_dir().clone(), c.version())));
+            let ok = greeting.is_ok();
+            let _ = greeted.send(greeting);
             if ok {
-                for job in queue {
-                    job(&mut conn);
-                }
+                batch::serve(&mut conn, &queue, check_sigs);
             }
         });
         spawned.map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
         let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), socket: socket.to_owned() };
-        let store_dir = greeting.recv().map_err(|_| ended())??;
-        Ok(DaemonStore { url: url.to_string(), store_dir, check_sigs, jobs })
+        let (store_dir, version) = greeting.recv().map_err(|_| ended())??;
+        Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs })
     }
 
     /// Runs `f` on the connection's thread.
     async fn run<T: Send + 'static>(&self, f: impl FnOnce(&mut RemoteStore) -> Result<T, RemoteError> + Send + 'static) -> Result<T, StoreError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.jobs.send(Box::new(move |conn: &mut Connection| drop(tx.send(conn.with(f))))).map_err(|_| self.ended())?;
+        self.jobs.send(Job::Run(Box::new(move |conn: &mut Connection| drop(tx.send(conn.with(f)))))).map_err(|_| self.ended())?;
         Ok(rx.await.map_err(|_| self.ended())??)
     }
 
@@ -526,7 +589,7 @@ impl crate::store::Store for DaemonStore {
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, mut publish: PublishGate) -> StoreFuture<'a, ()> {
         use futures::FutureExt;
         Box::pin(async move {
-            let mut nar = match (&mut publish).now_or_never() {
+            let nar = match (&mut publish).now_or_never() {
                 Some(gate) => gate.map(|()| nar)?,
                 None => {
                     let spooled = spool(&self.url, nar).await?;
@@ -534,13 +597,19 @@ impl crate::store::Store for DaemonStore {
                     spooled
                 }
             };
-            let check_sigs = self.check_sigs;
-            self.run(move |c| c.add_to_store_nar(&info, &mut nar, check_sigs)).await
+            let (done, answer) = tokio::sync::oneshot::channel();
+            self.jobs.send(Job::Add(batch::Addition { info, nar, done })).map_err(|_| self.ended())?;
+            answer.await.map_err(|_| self.ended())?
         })
     }
 
+    /// One NAR at a time when each path is its own AddToStoreNar; with AddMultipleToStore,
+    /// [`ADDITIONS_AT_ONCE`], so that additions queue up for one operation.
     fn parallelism(&self) -> usize {
-        1
+        match self.version.at_least(batch::MULTIPLE_VERSION) {
+            true => ADDITIONS_AT_ONCE,
+            false => 1,
+        }
     }
 }
 
@@ -575,11 +644,11 @@ impl Read for DaemonNar {
             let ended = format!("{}: the daemon connection's thread ended", self.url);
             self.piped = Some(PipedNar::start(&self.url, |mut write| {
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                let job: Job = Box::new(move |conn| {
+                let job = Job::Run(Box::new(move |conn| {
                     let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
                     drop(write);
                     let _ = tx.send(read);
-                });
+                }));
                 jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
                 Ok(Box::pin(async move {
                     match rx.await {

@@ -2721,9 +2721,9 @@ fn is_valid_after_result(client: &mut std::os::unix::net::UnixStream, path: &[u8
 
 // ---------------------------------------------------------------------------------------------
 // `sluice copy` to and from a daemon (issue 13, "One Store interface"): the daemon client's
-// NarFromPath and AddToStoreNar, against Nix 2.8's `nix-daemon` and `sluice daemon`.
+// NarFromPath and AddMultipleToStore, against Nix 2.8's `nix-daemon` and `sluice daemon`.
 
-/// `sluice copy --from file://… --to unix://…` (AddToStoreNar, signatures checked by the
+/// `sluice copy --from file://… --to unix://…` (AddMultipleToStore, signatures checked by the
 /// daemon against its trusted key) and back out, `--from unix://… --to file://…` (NarFromPath),
 /// through Nix 2.8's `nix-daemon` and through `sluice daemon`, each on its own chroot store.
 /// Real Nix verifies both ends: the daemon's store passes `nix-store --verify --check-contents`
@@ -2752,8 +2752,13 @@ fn sluice_copy_into_and_out_of_daemons() {
             assert_eq!(json["willSubstitute"].as_array().unwrap().len(), expected, "{root}: {json}");
         };
         missing(closure.len());
-        let into = env.cmd(sluice()).args(["copy", "--from", &cache, "--to", &daemon.url, &glibc]).output().unwrap();
-        assert!(into.status.success(), "into {root}: {}", String::from_utf8_lossy(&into.stderr));
+        let into = env.cmd(sluice()).env("SLUICE_LOG", "sluice_store::remote=debug").args(["copy", "--from", &cache, "--to", &daemon.url, &glibc]).output().unwrap();
+        let log = String::from_utf8_lossy(&into.stderr);
+        assert!(into.status.success(), "into {root}: {log}");
+        // Both daemons speak 1.34: every path goes in an AddMultipleToStore (a batch holds the
+        // paths whose references are added; this closure is nearly a chain).
+        let batched: Vec<usize> = log.lines().filter_map(|l| l.split("AddMultipleToStore of ").nth(1)?.split(' ').next()?.parse().ok()).collect();
+        assert_eq!(batched.iter().sum::<usize>(), closure.len(), "into {root}: {log}");
         missing(0);
         let valid = env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]);
         assert_eq!(valid.lines().collect::<std::collections::BTreeSet<_>>(), closure.iter().map(String::as_str).collect(), "{root}");
@@ -2834,7 +2839,7 @@ fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
             "nix-root" => format!("cannot add path '{dep}' because it lacks a valid signature"),
             _ => format!("cannot add path '{dep}' because it lacks a signature by a trusted key"),
         };
-        assert!(err.contains(&format!("daemon at {}: AddToStoreNar: {words}", daemon.url.trim_start_matches("unix://"))), "{root}: {err}");
+        assert!(err.contains(&format!("daemon at {}: AddMultipleToStore: {words}", daemon.url.trim_start_matches("unix://"))), "{root}: {err}");
         let after: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !e.ends_with("-sluice-unpacking")).collect();
         assert_eq!(after, before, "{root}: the refused add left something");
         let (ok, _, err) = as_root(&env, false, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);

@@ -181,6 +181,14 @@ fn subset_into_s3_with_credentials_and_back() {
     // Credentials from the environment.
     check(&push(&[("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")], &format!("{s3}&secret-key={}&compression=xz", secret.display())), "push to S3");
     assert_eq!(narinfos(&tmp.path().join("s3/bucket")).len(), 25);
+    // Credentials from an instance metadata service (IMDSv2, a fake one on loopback).
+    let (imds, asked) = fake_imds(r#"{"AccessKeyId":"AKTEST","SecretAccessKey":"SKTEST","Token":null}"#);
+    let mut info = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut info, tmp.path(), "");
+    let info = info.envs([("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.as_str())]).args(["path-info", "--store", &s3, &root]).output().unwrap();
+    check(&info, "path-info of S3 with credentials from the instance metadata service");
+    assert_eq!(String::from_utf8_lossy(&info.stdout).trim(), root);
+    assert_eq!(asked.join().unwrap(), ["PUT /latest/api/token", "GET /latest/meta-data/iam/security-credentials/", "GET /latest/meta-data/iam/security-credentials/ci-role"]);
     // Read back through the substitution pipeline, with credentials from a profile.
     let aws = tmp.path().join("home/.aws");
     std::fs::create_dir_all(&aws).unwrap();
@@ -191,6 +199,28 @@ fn subset_into_s3_with_credentials_and_back() {
     assert_nix_verifies(tmp.path(), &dst);
     let listed = nix(tmp.path(), "nix", &["path-info", "--store", dst.to_str().unwrap(), "-r", &root]);
     assert_eq!(String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
+}
+
+/// A fake EC2 instance metadata service on loopback answering IMDSv2's three requests (a
+/// token, the role `ci-role`, then `credentials`): its endpoint, and the request lines it got.
+fn fake_imds(credentials: &'static str) -> (String, std::thread::JoinHandle<Vec<String>>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let served = std::thread::spawn(move || {
+        let mut asked = Vec::new();
+        for body in ["token-1", "ci-role\n", credentials] {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut buf = vec![0; 4096];
+            let n = conn.read(&mut buf).unwrap();
+            let request = String::from_utf8_lossy(&buf[..n]).into_owned();
+            assert!(asked.is_empty() || request.contains("X-aws-ec2-metadata-token: token-1\r\n"), "{request}");
+            asked.push(request.split(" HTTP/").next().unwrap().to_string());
+            write!(conn, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        }
+        asked
+    });
+    (endpoint, served)
 }
 
 /// A chroot store under `tmp/src` holding one 12 MB file that does not compress (three S3

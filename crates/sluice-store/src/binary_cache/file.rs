@@ -53,31 +53,41 @@ impl FileTransport {
         tokio::fs::try_exists(&path).await.map_err(|source| CacheError::Io { url: path.display().to_string(), source })
     }
 
+    /// Creates the cache's directory and its `nar` directory, as Nix's
+    /// `LocalBinaryCacheStore::init` does before writing (`local-binary-cache-store.cc`).
+    pub async fn create_dirs(&self) -> Result<(), CacheError> {
+        let nar = self.dir.join("nar");
+        tokio::fs::create_dir_all(&nar).await.map_err(|source| CacheError::Io { url: nar.display().to_string(), source })
+    }
+
     /// Creates or replaces `rel` with `upload` (a prepared NAR is renamed into place: it was
-    /// written in this directory).
+    /// written in this directory) in a directory [`FileTransport::create_dirs`] made.
     pub async fn put(&self, rel: &str, upload: Upload) -> Result<(), CacheError> {
         let path = self.path(rel);
         let dir = self.dir.clone();
         let url = path.display().to_string();
         let io = |source| CacheError::Io { url: url.clone(), source };
         tokio::task::spawn_blocking(move || {
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent)?;
-            }
             let file = match upload {
                 Upload::Nar(nar) => nar.file,
                 Upload::Bytes(bytes) => {
-                    let mut f = tempfile::Builder::new().prefix(".sluice-upload-").tempfile_in(&dir)?;
+                    let mut f = staging_file(&dir)?;
                     f.write_all(&bytes)?;
                     f
                 }
             };
-            // Nix's files are world-readable (the temporary file's mode is 0600).
-            std::fs::set_permissions(file.path(), std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
             file.persist(&path).map(drop).map_err(|e| e.error)
         })
         .await
         .map_err(|e| io(std::io::Error::other(e)))?
         .map_err(io)
     }
+}
+
+/// A new temporary file in `dir` for a cache file written there and renamed into place, with
+/// the mode Nix's `writeFile` gives a cache file (`0666` less the umask; `tempfile`'s own
+/// default is `0600`).
+pub fn staging_file(dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    use std::os::unix::fs::PermissionsExt as _;
+    tempfile::Builder::new().prefix(".sluice-upload-").permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)
 }

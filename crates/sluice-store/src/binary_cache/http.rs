@@ -275,8 +275,8 @@ impl HttpTransport {
             Some((upload, content_type)) => {
                 let body = upload.body().await.map_err(|source| CacheError::Io { url: url.to_string(), source })?;
                 b = b.header(reqwest::header::CONTENT_TYPE, content_type).header(reqwest::header::CONTENT_LENGTH, upload.len()).body(body);
-                if self.signer.is_some() {
-                    b = b.header("content-md5", upload.md5_base64());
+                if let Some(md5) = self.signer.as_ref().and_then(|_| upload.md5_base64()) {
+                    b = b.header("content-md5", md5);
                 }
                 upload.sha256_hex()
             }

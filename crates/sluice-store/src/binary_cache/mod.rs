@@ -6,6 +6,7 @@
 mod error;
 pub mod file;
 pub mod http;
+mod imds;
 mod multipart;
 mod pool;
 pub mod retry;
@@ -67,15 +68,16 @@ impl Upload {
         }
     }
 
-    /// The base64 MD5 of the contents (`Content-MD5`).
-    pub fn md5_base64(&self) -> String {
+    /// The base64 MD5 of the contents (`Content-MD5`); `None` for a NAR prepared without it
+    /// (only S3 uploads ask for it).
+    pub fn md5_base64(&self) -> Option<String> {
         use base64::Engine as _;
         use md5::Digest as _;
         let md5: [u8; 16] = match self {
             Upload::Bytes(b) => md5::Md5::digest(b).into(),
-            Upload::Nar(n) => n.md5,
+            Upload::Nar(n) => n.md5?,
         };
-        base64::engine::general_purpose::STANDARD.encode(md5)
+        Some(base64::engine::general_purpose::STANDARD.encode(md5))
     }
 
     /// A request body of the contents (a prepared NAR streams from its file, 256 KiB at a

@@ -9,8 +9,9 @@
 //! Credentials, as the AWS SDK's default chain that Nix uses: with `profile=`, that profile of
 //! the shared credentials file (`$AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`);
 //! otherwise `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`) from the
-//! environment, then the profile `$AWS_PROFILE` (default `default`) of that file. Without any,
-//! requests go unsigned (a public bucket).
+//! environment, then the profile `$AWS_PROFILE` (default `default`) of that file, then the
+//! EC2 instance metadata service (`imds.rs`, unless `AWS_EC2_METADATA_DISABLED`
+//! is `true`). Without any, requests go unsigned (a public bucket).
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -116,12 +117,26 @@ fn find_credentials(profile: Option<&str>) -> Option<Credentials> {
             return Some(Credentials::new(id, secret, env("AWS_SESSION_TOKEN"), None, "environment"));
         }
     }
+    if let Some(found) = profile_credentials(profile) {
+        return Some(found);
+    }
+    if profile.is_some() {
+        return None;
+    }
+    let endpoint = super::imds::endpoint(env("AWS_EC2_METADATA_DISABLED").as_deref(), env("AWS_EC2_METADATA_SERVICE_ENDPOINT").as_deref())?;
+    super::imds::credentials(&endpoint).map_err(|why| tracing::debug!("no credentials from the instance metadata service: {why}; S3 requests go unsigned")).ok()
+}
+
+/// The credentials of `profile` (default `$AWS_PROFILE`, else `default`) in the shared
+/// credentials file (`$AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`).
+fn profile_credentials(profile: Option<&str>) -> Option<Credentials> {
+    let env = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
     let file = env("AWS_SHARED_CREDENTIALS_FILE").map(std::path::PathBuf::from).or_else(|| Some(std::path::PathBuf::from(env("HOME")?).join(".aws/credentials")))?;
-    let profile = profile.map(str::to_string).or_else(|| env("AWS_PROFILE")).unwrap_or_else(|| "default".into());
+    let named = profile.map(str::to_string).or_else(|| env("AWS_PROFILE")).unwrap_or_else(|| "default".into());
     let text = std::fs::read_to_string(&file).ok()?;
-    let found = profile_keys(&text, &profile);
-    if found.is_none() {
-        tracing::warn!("{}: no credentials for profile {profile:?}; S3 requests go unsigned", file.display());
+    let found = profile_keys(&text, &named);
+    if found.is_none() && profile.is_some() {
+        tracing::warn!("{}: no credentials for profile {named:?}; S3 requests go unsigned", file.display());
     }
     found.map(|(id, secret, token)| Credentials::new(id, secret, token, None, "profile"))
 }

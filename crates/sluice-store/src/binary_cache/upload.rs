@@ -23,8 +23,8 @@ pub struct PreparedNar {
     pub file: tempfile::NamedTempFile,
     /// sha256 of the compressed bytes (`FileHash`).
     pub file_hash: Hash,
-    /// MD5 of the compressed bytes.
-    pub md5: [u8; 16],
+    /// MD5 of the compressed bytes, when asked for (S3's `Content-MD5`).
+    pub md5: Option<[u8; 16]>,
     /// Bytes of the compressed NAR (`FileSize`).
     pub file_size: u64,
     /// The NAR's listing, when `write-nar-listing` asks for it.
@@ -43,12 +43,14 @@ pub enum PrepareError {
 }
 
 /// Reads `nar` (the NAR of `info.path`, on a blocking thread), checks it against `info`, and
-/// compresses it into a temporary file in `tmp_dir` as `params` and `plan` say.
-pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path) -> Result<PreparedNar, PrepareError> {
+/// compresses it into a temporary file in `tmp_dir` as `params` and `plan` say; the MD5 of
+/// the compressed bytes is computed only `with_md5`.
+pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path, with_md5: bool) -> Result<PreparedNar, PrepareError> {
     let path = store_dir.display_path(&info.path);
     let io_err = |source| PrepareError::Io { path: path.clone(), source };
-    let file = tempfile::Builder::new().prefix(".sluice-upload-").tempfile_in(tmp_dir).map_err(io_err)?;
-    let sink = DigestWriter { inner: BufWriter::with_capacity(128 << 10, file.reopen().map_err(io_err)?), sha256: Hasher::new(HashAlgo::Sha256), md5: md5::Md5::new() };
+    let file = super::file::staging_file(tmp_dir).map_err(io_err)?;
+    let out = BufWriter::with_capacity(128 << 10, file.as_file().try_clone().map_err(io_err)?);
+    let sink = DigestWriter { inner: out, sha256: Hasher::new(HashAlgo::Sha256), md5: with_md5.then(md5::Md5::new) };
     let encoder = params.compression.encoder(sink, params.compression_level, plan).map_err(io_err)?;
     let mut tee = Tee { inner: nar, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
     let mut listing = ListingBuilder::default();
@@ -68,7 +70,7 @@ pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Rea
     Ok(PreparedNar {
         file,
         file_hash: sink.sha256.finish(),
-        md5: sink.md5.finalize().into(),
+        md5: sink.md5.map(|m| m.finalize().into()),
         file_size,
         listing: if params.write_nar_listing { listing.finish() } else { None },
     })
@@ -105,18 +107,20 @@ impl<W: Write> Read for Tee<'_, W> {
     }
 }
 
-/// A writer that hashes (sha256, MD5) and counts what goes through it.
+/// A writer that hashes (sha256, and MD5 if it has one) and counts what goes through it.
 struct DigestWriter<W: Write> {
     inner: W,
     sha256: Hasher,
-    md5: md5::Md5,
+    md5: Option<md5::Md5>,
 }
 
 impl<W: Write> Write for DigestWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
         self.sha256.update(&buf[..n]);
-        self.md5.update(&buf[..n]);
+        if let Some(md5) = &mut self.md5 {
+            md5.update(&buf[..n]);
+        }
         Ok(n)
     }
 

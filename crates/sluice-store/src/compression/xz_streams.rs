@@ -23,7 +23,7 @@ pub(super) struct XzStreams<R: BufRead> {
 }
 
 fn mt_stream() -> io::Result<Stream> {
-    let threads = std::thread::available_parallelism().map_or(1, usize::from) as u32;
+    let threads = crate::cores() as u32;
     let mut builder = MtStreamBuilder::new();
     builder.threads(threads).memlimit_threading(MEMLIMIT_THREADING).memlimit_stop(u64::MAX);
     builder.decoder().map_err(io::Error::other)

@@ -51,7 +51,7 @@ fn helpers() -> Option<&'static Helpers> {
     static HELPERS: OnceLock<Option<Helpers>> = OnceLock::new();
     HELPERS
         .get_or_init(|| {
-            let wanted = std::thread::available_parallelism().map_or(1, usize::from).saturating_sub(1);
+            let wanted = crate::cores().saturating_sub(1);
             let (tx, rx) = mpsc::channel::<Job>();
             let rx = Arc::new(Mutex::new(rx));
             let mut threads = 0;
@@ -341,21 +341,45 @@ impl Read for FrameDecoder<'_> {
 
 /// Writes zstd as independent frames of [`FRAME_SIZE`] input bytes, each with its content
 /// size, on up to 4 cores per frame when parallel (Nix's `ZstdMultiFrameCompressionSink`).
+/// Its compression context comes from, and goes back to, `KEPT_COMPRESSORS`.
 pub struct FrameEncoder<W: Write> {
     out: W,
     frame: Vec<u8>,
     compressor: zstd::bulk::Compressor<'static>,
+    /// The level and the workers per frame the context was set up for.
+    setup: (i32, u32),
     wrote_frame: bool,
 }
+
+/// Compression contexts kept when their encoder finishes, for the next encoder of the same
+/// level and workers: making a context (and its tables) per NAR was 2.6 % of the CPU of a push
+/// of many small paths (`ZSTD_createCCtx`, perf). At most [`KEEP_COMPRESSORS`] are kept, a few
+/// MiB at level 3.
+static KEPT_COMPRESSORS: Mutex<Vec<((i32, u32), zstd::bulk::Compressor<'static>)>> = Mutex::new(Vec::new());
+
+/// How many compression contexts [`KEPT_COMPRESSORS`] holds at most: a push compresses at most
+/// 4 NARs per core at once (`BinaryCache::parallelism`).
+const KEEP_COMPRESSORS: usize = 16;
 
 impl<W: Write> FrameEncoder<W> {
     /// `level`: zstd's compression level; `threads`: workers per frame (Nix caps them at 4).
     pub(super) fn new(out: W, level: i32, threads: u32) -> io::Result<Self> {
-        let mut compressor = zstd::bulk::Compressor::new(level)?;
-        if threads > 1 {
-            compressor.set_parameter(zstd::zstd_safe::CParameter::NbWorkers(threads.min(4)))?;
-        }
-        Ok(FrameEncoder { out, frame: Vec::new(), compressor, wrote_frame: false })
+        let setup = (level, if threads > 1 { threads.min(4) } else { 0 });
+        let kept = {
+            let mut kept = KEPT_COMPRESSORS.lock().unwrap_or_else(PoisonError::into_inner);
+            kept.iter().position(|(s, _)| *s == setup).map(|i| kept.swap_remove(i).1)
+        };
+        let compressor = match kept {
+            Some(c) => c,
+            None => {
+                let mut c = zstd::bulk::Compressor::new(level)?;
+                if setup.1 > 0 {
+                    c.set_parameter(zstd::zstd_safe::CParameter::NbWorkers(setup.1))?;
+                }
+                c
+            }
+        };
+        Ok(FrameEncoder { out, frame: Vec::new(), compressor, setup, wrote_frame: false })
     }
 
     fn emit_frame(&mut self) -> io::Result<()> {
@@ -371,6 +395,10 @@ impl<W: Write> FrameEncoder<W> {
     pub fn finish(mut self) -> io::Result<W> {
         if !self.frame.is_empty() || !self.wrote_frame {
             self.emit_frame()?;
+        }
+        let mut kept = KEPT_COMPRESSORS.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.len() < KEEP_COMPRESSORS {
+            kept.push((self.setup, self.compressor));
         }
         Ok(self.out)
     }

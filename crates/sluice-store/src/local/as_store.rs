@@ -12,7 +12,7 @@ use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use super::{LocalStore, PendingPath, SignaturePolicy, TempRoots};
-use crate::store::{NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture};
+use crate::store::{NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, PIPE_CHUNK};
 
 /// NARs unpacked at once into a local store (each on a blocking thread).
 const UNPACK_PARALLELISM: usize = 32;
@@ -102,8 +102,13 @@ impl Store for LocalStoreHandle {
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
             let (store, path) = (self.store.clone(), info.path.clone());
-            let nar = PipedNar::start(&self.url, |mut write| {
-                let dumper = tokio::task::spawn_blocking(move || store.dump_path(&path, &mut write));
+            let nar = PipedNar::start(&self.url, |write| {
+                // The NAR's tokens are written a few bytes at a time: one write per pipe's worth.
+                let mut write = io::BufWriter::with_capacity(PIPE_CHUNK, write);
+                let dumper = tokio::task::spawn_blocking(move || -> Result<(), StoreError> {
+                    store.dump_path(&path, &mut write)?;
+                    io::Write::flush(&mut write).map_err(|e| StoreError::Other(format!("writing the NAR of {}: {e}", store.store_dir().display_path(&path))))
+                });
                 Ok(Box::pin(async move { dumper.await.map_err(io::Error::other)?.map_err(io::Error::other) }))
             });
             Ok(Box::new(nar.map_err(|e| StoreError::Other(e.to_string()))?) as NarReader)

@@ -32,7 +32,8 @@ pub fn corpus_key() -> String {
 
 /// A command environment without the caller's Nix configuration: its own HOME, cache and
 /// config dirs under `tmp`, an empty `NIX_CONFIG` apart from `extra`, and a default store
-/// ([`default_store`]) under `tmp`, so that no command can touch this machine's `/nix`.
+/// ([`default_store`]) under `tmp`, so that no command can touch this machine's `/nix`, and
+/// the EC2 instance metadata service turned off (`AWS_EC2_METADATA_DISABLED`).
 pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
     let home = tmp.join("home");
     std::fs::create_dir_all(&home).unwrap();
@@ -41,7 +42,9 @@ pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
         .env("XDG_CONFIG_HOME", home.join(".config"))
         .env("NIX_CONF_DIR", tmp.join("no-etc-nix"))
         .env("NIX_CONFIG", format!("substituters =\nexperimental-features = nix-command\n{extra}"))
-        .env("NIX_REMOTE", default_store(tmp));
+        .env("NIX_REMOTE", default_store(tmp))
+        // No test may ask this machine's instance metadata service for S3 credentials.
+        .env("AWS_EC2_METADATA_DISABLED", "true");
 }
 
 /// The default store (`NIX_REMOTE`) a test's Nix commands get: a chroot store under `tmp`.

@@ -1,0 +1,125 @@
+//! S3 credentials from the EC2 instance metadata service, IMDSv2: the last source of the AWS
+//! SDK's default credentials chain, which Nix uses when no `profile=` is given
+//! (`s3-binary-cache-store.cc`). A session token first (`PUT /latest/api/token` with
+//! `X-aws-ec2-metadata-token-ttl-seconds`), then, with it, the instance's role
+//! (`GET /latest/meta-data/iam/security-credentials/`) and that role's credentials (JSON with
+//! `AccessKeyId`, `SecretAccessKey`, `Token`). As the SDKs do, the service is not asked when
+//! `AWS_EC2_METADATA_DISABLED` is `true`, and it is asked at
+//! `AWS_EC2_METADATA_SERVICE_ENDPOINT` (default `http://169.254.169.254`). Each connection and
+//! answer must come within [`TIMEOUT`], so a machine without the service loses at most that
+//! once per push. Plain HTTP/1.1 over a `TcpStream`: the service answers with a
+//! `Content-Length`, in one connection per request.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use aws_credential_types::Credentials;
+
+/// The longest wait for a connection to the service or for an answer.
+pub const TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Seconds the session token is asked to live (the SDKs' 6 hours).
+const TOKEN_TTL: u32 = 21600;
+
+/// The service's endpoint from the environment (`AWS_EC2_METADATA_DISABLED`,
+/// `AWS_EC2_METADATA_SERVICE_ENDPOINT`), `None` when it is disabled.
+pub fn endpoint(disabled: Option<&str>, endpoint: Option<&str>) -> Option<String> {
+    if disabled.is_some_and(|d| d.trim().eq_ignore_ascii_case("true")) {
+        return None;
+    }
+    Some(endpoint.filter(|e| !e.is_empty()).unwrap_or("http://169.254.169.254").trim_end_matches('/').to_string())
+}
+
+/// The instance role's credentials from the service at `endpoint` (`http://HOST[:PORT]`);
+/// why not, when it cannot be asked or answers otherwise.
+pub fn credentials(endpoint: &str) -> Result<Credentials, String> {
+    let host = endpoint.strip_prefix("http://").ok_or_else(|| format!("{endpoint}: the instance metadata endpoint must be http://"))?;
+    let token = request(host, "PUT", "/latest/api/token", &format!("X-aws-ec2-metadata-token-ttl-seconds: {TOKEN_TTL}"))?;
+    let token_header = format!("X-aws-ec2-metadata-token: {}", token.trim());
+    let roles = request(host, "GET", "/latest/meta-data/iam/security-credentials/", &token_header)?;
+    let role = roles.lines().next().map(str::trim).filter(|r| !r.is_empty()).ok_or("the instance has no IAM role")?;
+    let json = request(host, "GET", &format!("/latest/meta-data/iam/security-credentials/{role}"), &token_header)?;
+    let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| format!("the credentials of role {role}: {e}"))?;
+    let field = |name: &str| value.get(name).and_then(|v| v.as_str()).map(str::to_string);
+    match (field("AccessKeyId"), field("SecretAccessKey")) {
+        (Some(id), Some(secret)) => Ok(Credentials::new(id, secret, field("Token"), None, "instance metadata")),
+        _ => Err(format!("the credentials of role {role} lack AccessKeyId or SecretAccessKey")),
+    }
+}
+
+/// One request to `host` (`HOST[:PORT]`, port 80 by default); the body of a 200 answer.
+fn request(host: &str, method: &str, path: &str, header: &str) -> Result<String, String> {
+    let fail = |e: std::io::Error| format!("{method} http://{host}{path}: {e}");
+    let with_port = if host.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) { host.to_string() } else { format!("{host}:80") };
+    let addr = with_port.to_socket_addrs().map_err(fail)?.next().ok_or_else(|| format!("{host}: no address"))?;
+    let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(fail)?;
+    stream.set_read_timeout(Some(TIMEOUT)).and_then(|()| stream.set_write_timeout(Some(TIMEOUT))).map_err(fail)?;
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{header}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).map_err(fail)?;
+    let mut answer = Vec::new();
+    stream.take(1 << 20).read_to_end(&mut answer).map_err(fail)?;
+    let answer = String::from_utf8_lossy(&answer);
+    let (head, body) = answer.split_once("\r\n\r\n").ok_or_else(|| format!("{method} http://{host}{path}: no complete answer"))?;
+    match head.split_whitespace().nth(1) {
+        Some("200") => Ok(body.to_string()),
+        status => Err(format!("{method} http://{host}{path}: status {}", status.unwrap_or("missing"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A fake service on loopback: answers `answers.len()` requests in turn, each with the
+    /// given status and body; returns its endpoint and the requests it got.
+    fn fake(answers: Vec<(u16, &'static str)>) -> (String, std::thread::JoinHandle<Vec<String>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let served = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for (status, body) in answers {
+                let (mut conn, _) = listener.accept().unwrap();
+                let mut buf = vec![0; 4096];
+                let n = conn.read(&mut buf).unwrap();
+                seen.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+                write!(conn, "HTTP/1.1 {status} X\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+            }
+            seen
+        });
+        (endpoint, served)
+    }
+
+    /// IMDSv2's three requests, the token passed on; the role's credentials come back.
+    #[test]
+    fn role_credentials_with_a_session_token() {
+        let creds = r#"{"Code":"Success","AccessKeyId":"ASIAFAKE","SecretAccessKey":"secret","Token":"session","Expiration":"2026-12-02T22:00:00Z"}"#;
+        let (endpoint, served) = fake(vec![(200, "tok-123"), (200, "the-role\n"), (200, creds)]);
+        let got = credentials(&endpoint).unwrap();
+        assert_eq!((got.access_key_id(), got.secret_access_key(), got.session_token()), ("ASIAFAKE", "secret", Some("session")));
+        let seen = served.join().unwrap();
+        assert!(seen[0].starts_with("PUT /latest/api/token HTTP/1.1\r\n") && seen[0].contains("X-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"), "{}", seen[0]);
+        assert!(seen[1].starts_with("GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\n") && seen[1].contains("X-aws-ec2-metadata-token: tok-123\r\n"), "{}", seen[1]);
+        assert!(seen[2].starts_with("GET /latest/meta-data/iam/security-credentials/the-role HTTP/1.1\r\n"), "{}", seen[2]);
+    }
+
+    /// A refused token (a service that only speaks IMDSv1 answers 403 here) is an error
+    /// naming the request; nothing further is asked.
+    #[test]
+    fn refused_token_is_an_error() {
+        let (endpoint, served) = fake(vec![(403, "")]);
+        let err = credentials(&endpoint).unwrap_err();
+        assert!(err.contains("PUT http://127.0.0.1:") && err.contains("/latest/api/token: status 403"), "{err}");
+        assert_eq!(served.join().unwrap().len(), 1);
+    }
+
+    /// The environment as the SDKs read it.
+    #[test]
+    fn endpoint_from_the_environment() {
+        assert_eq!(endpoint(None, None).as_deref(), Some("http://169.254.169.254"));
+        assert_eq!(endpoint(Some("false"), Some("http://[fd00:ec2::254]/")).as_deref(), Some("http://[fd00:ec2::254]"));
+        assert_eq!(endpoint(Some("TRUE"), None), None);
+        assert_eq!(endpoint(Some("true"), Some("http://127.0.0.1:1")), None);
+    }
+}
