@@ -578,53 +578,59 @@ impl Shared {
         }
     }
 
-    /// Takes the path's lock in the destination without blocking a thread: while another
-    /// process holds it, waits (asynchronously, holding nothing else) and retries. `None` when
-    /// the path is or became valid.
-    async fn lock_path(&self, vouched: &VouchedInfo) -> Result<Option<PendingPath>, Attempt> {
-        let mut wait = std::time::Duration::from_millis(5);
-        loop {
-            let (dest, vouched, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
-            let tried = tokio::task::spawn_blocking(move || if repair { dest.try_begin_repair(vouched.info(), &roots) } else { dest.try_begin_add_vouched(vouched, &roots) })
-                .await
-                .map_err(|e| Attempt::Final(Failure::other(e.to_string())))?;
-            let tried = tried.map_err(|e| match e {
-                // Another substituter may have the registered NAR.
-                LocalStoreError::RepairMismatch { .. } => Attempt::TryNext(Failure::other(e.to_string())),
-                e => Attempt::Final(Failure::other(e.to_string())),
-            });
-            match tried? {
-                TryAdd::Valid => return Ok(None),
-                TryAdd::Pending(pending) => return Ok(Some(*pending)),
-                TryAdd::Busy => tokio::time::sleep(wait).await,
-            }
-            wait = (wait * 2).min(std::time::Duration::from_millis(200));
-        }
+    /// Starts adding (or repairing) the path of `vouched` in the destination without blocking
+    /// on its lock ([`LocalStore::try_begin_add_vouched`], [`LocalStore::try_begin_repair`]):
+    /// roots it, takes its lock if free and looks at its validity with the lock held. Runs on
+    /// the blocking thread that then unpacks the NAR, so that both are one hand-off.
+    fn try_begin(dest: &Arc<LocalStore>, vouched: VouchedInfo, roots: &TempRoots, repair: bool) -> Result<TryAdd, Attempt> {
+        let tried = match repair {
+            true => dest.try_begin_repair(vouched.info(), roots),
+            false => dest.try_begin_add_vouched(vouched, roots),
+        };
+        tried.map_err(|e| match e {
+            // Another substituter may have the registered NAR.
+            LocalStoreError::RepairMismatch { .. } => Attempt::TryNext(Failure::other(e.to_string())),
+            e => Attempt::Final(Failure::other(e.to_string())),
+        })
     }
 
-    /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree: takes
-    /// the path's lock first, then a job slot per attempt. A transfer cut short (reset, stall,
-    /// fewer bytes than announced) is downloaded again after a backoff, up to the cache's
-    /// `download-attempts`. `None` when the path became valid meanwhile.
+    /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree. Per
+    /// attempt: a job slot, the NAR opened, then one blocking task that takes the path's
+    /// lock (the first time: [`Shared::try_begin`], Nix's order in `LocalStore::addToStore`:
+    /// root, lock, validity, restore) and unpacks. While another process holds the lock, the
+    /// slot and the NAR are given up and the lock tried again after a wait (asynchronously,
+    /// holding nothing else). A transfer cut short (reset, stall, fewer bytes than announced)
+    /// is downloaded again after a backoff, up to the cache's `download-attempts`, with the
+    /// lock kept. `None` when the path is or became valid.
     async fn fetch_nar(&self, sub: &Substituter, narinfo: &NarInfo, vouched: &VouchedInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
         let cache = &sub.cache;
-        let Some(mut pending) = self.lock_path(vouched).await? else { return Ok(None) };
         let attempts = cache.download_attempts();
         let mut attempt = 0;
+        let mut pending: Option<PendingPath> = None;
+        let mut busy_wait = std::time::Duration::from_millis(5);
         loop {
-            attempt += 1;
             let permit = self.jobs.acquire(narinfo.file_size.unwrap_or(narinfo.nar_size)).await;
             let NarStream { reader, probe } = match cache.open_nar(narinfo).await {
                 Ok(Some(r)) => r,
                 Ok(None) => return Err(Attempt::TryNext(Failure::other(format!("{url}: NAR not found (404)")))),
                 Err(e) => return Err(Attempt::TryNext(Failure::cache(sub, &e))),
             };
-            self.observer.started(&narinfo.store_path, cache.url());
             let observer = self.observer.clone();
             let cache_url = cache.url().to_string();
             let unpack_url = url.to_string();
-            let (nar_size, file_size) = (narinfo.nar_size, narinfo.file_size);
-            let (returned, unpacked) = tokio::task::spawn_blocking(move || {
+            let (path, nar_size, file_size) = (narinfo.store_path.clone(), narinfo.nar_size, narinfo.file_size);
+            let (dest, vouched, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
+            let locked = pending.take();
+            let locked = tokio::task::spawn_blocking(move || {
+                let mut pending = match locked {
+                    Some(pending) => pending,
+                    None => match Self::try_begin(&dest, vouched, &roots, repair)? {
+                        TryAdd::Pending(pending) => *pending,
+                        TryAdd::Valid => return Ok(None),
+                        TryAdd::Busy => return Ok(Some(Locked::Busy)),
+                    },
+                };
+                observer.started(&path, &cache_url);
                 let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0 };
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
@@ -637,12 +643,21 @@ impl Shared {
                     Err(e) => Err(format!("{unpack_url}: {e}")),
                 };
                 let total = counting.total;
-                (pending, result.map(|u| (u, total)))
+                Ok(Some(Locked::Unpacked { pending, result: result.map(|u| (u, total)) }))
             })
             .await
             .map_err(|e| Attempt::Final(Failure::other(e.to_string())))?;
-            pending = returned;
             drop(permit);
+            let (locked, unpacked) = match locked? {
+                None => return Ok(None),
+                Some(Locked::Busy) => {
+                    tokio::time::sleep(busy_wait).await;
+                    busy_wait = (busy_wait * 2).min(std::time::Duration::from_millis(200));
+                    continue;
+                }
+                Some(Locked::Unpacked { pending, result }) => (pending, result),
+            };
+            attempt += 1;
             let error = match unpacked {
                 Ok((unpacked, got)) => {
                     // FileSize/FileHash are unsigned hints; the content was verified against the
@@ -652,10 +667,11 @@ impl Shared {
                     if let Some(declared) = narinfo.file_size.filter(|d| got > *d) {
                         tracing::warn!("{url}: FileSize is {declared} bytes but {got} were downloaded; the NAR itself matches its NarHash");
                     }
-                    return Ok(Some((pending, unpacked, got)));
+                    return Ok(Some((locked, unpacked, got)));
                 }
                 Err(e) => e,
             };
+            pending = Some(locked);
             let Some(broken) = probe.broken() else { return Err(Attempt::TryNext(Failure::other(error))) };
             if attempt >= attempts {
                 return Err(Attempt::TryNext(Failure::other(format!("{broken}; gave up after {attempt} attempts"))));
@@ -683,6 +699,15 @@ impl Shared {
         }
         (fresh != *narinfo).then(|| Arc::new(fresh))
     }
+}
+
+/// What an attempt's blocking task did once the path was not found valid.
+enum Locked {
+    /// Another process or thread holds the path's lock.
+    Busy,
+    /// The lock is held (by `pending`) and the NAR was unpacked: what it produced and the
+    /// compressed bytes read, or why it failed.
+    Unpacked { pending: PendingPath, result: Result<(Unpacked, u64), String> },
 }
 
 /// Why one substituter could not provide a path.

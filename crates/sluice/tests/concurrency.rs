@@ -82,3 +82,36 @@ fn daemon_adds_while_a_copy_runs() {
     assert_eq!(store_leftovers(&root), Vec::<String>::new());
     assert_nix_verifies(tmp.path(), &root);
 }
+
+/// A path whose lock another process holds (as Nix's `PathLocks` holds it while it adds the
+/// path) is not written by a copy, neither in its temporary tree nor at its location, while
+/// the lock is held: the copy takes the lock in the task that unpacks, finds it taken, lets go
+/// of its download and tries again later. Once the holder releases the lock as Nix does
+/// (deleting the file, then marking it), the copy adds the path itself.
+#[test]
+fn a_path_locked_by_another_process_is_left_alone_until_released() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let store = root.join("nix/store");
+    std::fs::create_dir_all(&store).unwrap();
+    let bash = corpus_path("bash-5.2-p15");
+    let base = bash.strip_prefix("/nix/store/").unwrap();
+    let lock_path = store.join(format!("{base}.lock"));
+    let mut lock = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).unwrap();
+    // SAFETY: flock on an open file descriptor.
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
+    let (mut child, log) = spawn_copy(tmp.path(), &root, "copy", &[&bash]);
+    std::thread::sleep(Duration::from_secs(3));
+    let temp_tree = store.join("00000000000000000000000000000000-sluice-unpacking").join(base);
+    assert!(child.try_wait().unwrap().is_none(), "the copy ended while the path was locked: {}", std::fs::read_to_string(&log).unwrap_or_default());
+    assert!(!store.join(base).exists(), "the locked path was written");
+    assert!(!temp_tree.exists(), "the locked path's temporary tree was written");
+    std::fs::remove_file(&lock_path).unwrap();
+    lock.write_all(b"d").unwrap();
+    drop(lock);
+    wait_ok((child, log), "copy after the lock was released");
+    assert!(store.join(base).join("bin/bash").exists());
+    assert_eq!(store_leftovers(&root), Vec::<String>::new());
+    assert_nix_verifies(tmp.path(), &root);
+}

@@ -90,7 +90,8 @@ fn copy_subset_of_every_compression() {
 /// ACL on the store's parent: mode 0444 or 0555 on files and directories, mtime 1 on
 /// everything (symlinks included). Regressions: with the metadata set at creation instead of
 /// in a second walk, umask 077 left files 0400/0500 and a default ACL `o::---` left them
-/// 0440/0550. And under a soft open-file limit of 1024 the copy of the corpus ran out of
+/// 0440/0550. Under umask 022 without an ACL, as root (directories made 0555 at once) and as
+/// `nobody` (made 0755, set to 0555 once filled). And under a soft open-file limit of 1024 the copy of the corpus ran out of
 /// descriptors (one lock file per path waiting to be registered).
 #[test]
 fn copy_gives_canonical_metadata_under_a_strict_umask() {
@@ -103,14 +104,24 @@ fn copy_gives_canonical_metadata_under_a_strict_umask() {
                    os.setxattr(sys.argv[1], 'system.posix_acl_default', struct.pack('<I', 2) + e(1, 7) + e(4, 5) + e(0x20, 0))";
     let o = std::process::Command::new("python3").args(["-c", set_acl, acl_parent.to_str().unwrap()]).output().unwrap();
     check(&o, "setting a default ACL");
+    // A store owned by `nobody`, whose copy cannot fill a directory made read-only (root can,
+    // and then makes directories 0555 at once: the plain root case).
+    let user = tmp.path().join("user");
+    std::fs::create_dir(&user).unwrap();
+    std::os::unix::fs::chown(&user, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let as_nobody = format!("setpriv --reuid=65534 --regid=65534 --clear-groups env HOME={0} XDG_CACHE_HOME={0}/cache", user.display());
     let key = corpus_key();
-    for (umask, root, cache, top) in [
-        ("077", tmp.path().join("root"), "cache-subset-none", corpus_path("hexurvend-wrapper")),
-        ("022", acl_parent.join("root"), "cache-zstd", TOP.to_string()),
+    for (umask, root, cache, top, as_user) in [
+        ("077", tmp.path().join("root"), "cache-subset-none", corpus_path("hexurvend-wrapper"), ""),
+        ("022", acl_parent.join("root"), "cache-zstd", TOP.to_string(), ""),
+        ("022", tmp.path().join("plain"), "cache-subset-none", corpus_path("hexurvend-wrapper"), ""),
+        ("022", user.join("root"), "cache-subset-none", corpus_path("hexurvend-wrapper"), as_nobody.as_str()),
     ] {
         let url = format!("file://{}", corpus().join(cache).display());
         let args = ["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &key, &top];
-        check(&sluice_after(tmp.path(), &format!("umask {umask} && ulimit -Sn 1024"), &args), &format!("sluice copy under umask {umask}"));
+        let setup = format!("umask {umask} && ulimit -Sn 1024 && exec {as_user} \"$0\" \"$@\"");
+        check(&sluice_after(tmp.path(), &setup, &args), &format!("sluice copy under umask {umask} {as_user}"));
         let mut seen = (0, 0, 0);
         for entry in std::fs::read_dir(root.join("nix/store")).unwrap() {
             let path = entry.unwrap().path();

@@ -27,10 +27,13 @@ impl FileTransport {
         self.dir.join(rel.split('?').next().unwrap_or(rel).trim_start_matches('/'))
     }
 
-    /// Reads a whole file; `None` when it does not exist.
+    /// Reads a whole file; `None` when it does not exist. The read is made on the calling
+    /// thread, as [`FileTransport::open`] opens: cache files are small local files (narinfos:
+    /// about 1 KiB), read in less time than handing the read to a blocking thread takes
+    /// (`tokio::fs` would: a thread hand-off per narinfo).
     pub async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
         let path = self.path(rel);
-        match tokio::fs::read(&path).await {
+        match std::fs::read(&path) {
             Ok(data) => Ok(Some(data)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(source) => Err(CacheError::Io { url: path.display().to_string(), source }),

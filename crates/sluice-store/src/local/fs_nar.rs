@@ -42,7 +42,7 @@ pub fn restore_nar(nar: &mut dyn Read, dest: &Path) -> Result<u64, NarError> {
         let source = io::Error::new(io::ErrorKind::AlreadyExists, format!("{} exists already", dest.display()));
         return Err(NarError::Io { offset: 0, source });
     }
-    let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None, unpack::FileModes::RESTORE, false);
+    let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None, unpack::FileModes::RESTORE, unpack::Creation::Fchmod);
     let result = parse(nar, &mut unpacker);
     if result.is_err() {
         // The parse error is the one to report.

@@ -50,7 +50,7 @@ pub use verify_store::{Repairer, VerifyMessage};
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
@@ -224,11 +224,11 @@ pub struct PendingPath {
     _roots: TempRoots,
 }
 
-/// [`TEMP_DIR`], open, and whether nodes made in it get exactly the modes they are created
-/// with ([`unpack::exact_creation_modes`], known when it is opened).
+/// [`TEMP_DIR`], open, and how nodes made in it get their modes ([`unpack::creation_modes`],
+/// known when it is opened).
 struct TempDir {
     fd: OwnedFd,
-    exact_modes: bool,
+    creation: unpack::Creation,
 }
 
 impl LocalStore {
@@ -470,7 +470,7 @@ impl LocalStore {
             Err(e) => return Err(io_err("creating", &path)(e.into())),
         }
         let fd = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
-        let dir = Arc::new(TempDir { exact_modes: unpack::exact_creation_modes(fd.as_fd()), fd });
+        let dir = Arc::new(TempDir { creation: unpack::creation_modes(fd.as_fd()), fd });
         self.stale_trees.call_once(|| self.remove_stale_trees(dir.fd.as_fd()));
         *cached = Some(Arc::clone(&dir));
         Ok(dir)
@@ -605,7 +605,7 @@ impl PendingPath {
         let threaded = self.info.nar_size >= nar_hash_thread::THREADED_FROM;
         let mut reader = nar_hash_thread::NarHashingReader::new(ContentHashingReader { inner: nar, hasher: nar_hasher }, threaded);
         let name = self.info.path.base_name().as_bytes();
-        let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.exact_modes);
+        let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.creation);
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
         let (nar_hash, content) = reader.finish().map_err(io_err("hashing the NAR of", &self.store.real_path(&self.info.path)))?;
@@ -659,7 +659,7 @@ impl PendingPath {
         }
         let (from, to) = (self.temp_dir.fd.as_fd(), self.store.store_fd.as_fd());
         let real_path = self.store.real_path(&info.path);
-        let placed = match self.repair {
+        let placed = rename_read_only_trees(from, to, name.as_bytes(), || match self.repair {
             // The damaged tree takes the temporary tree's place, and goes when `self` is
             // dropped; a tree that disappeared is simply replaced.
             true => renameat_with(from, name, to, name, RenameFlags::EXCHANGE).or_else(|e| match e {
@@ -667,7 +667,7 @@ impl PendingPath {
                 e => Err(e),
             }),
             false => self.rename_new(from, to, &real_path),
-        };
+        });
         placed.map_err(|e| io_err("renaming into place", &real_path)(e.into()))?;
         // A repair's temporary name now holds the damaged tree.
         self.temp_tree.store(self.repair, std::sync::atomic::Ordering::Relaxed);
@@ -735,6 +735,33 @@ impl Drop for PendingPath {
             tracing::warn!("{e}");
         }
     }
+}
+
+/// Runs `rename`, which moves the tree `name` of `from` to `to` (and, exchanging, the tree
+/// there to `from`). Moving a directory to another parent rewrites its `..` entry, which needs
+/// write permission on the directory itself, and store trees are read-only (0555): root may
+/// anyway (`CAP_DAC_OVERRIDE`), another owner of the store gets `EACCES`. Then the directories
+/// named `name` in `from` and `to` are made 0755 (their mtime stays 1: a mode change sets only
+/// the ctime), `rename` runs again, and the tree at `to` — the moved one, or the one that stayed
+/// if it failed again — is made 0555 again. The tree moved to `from` is a temporary tree, to be
+/// removed.
+fn rename_read_only_trees(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &[u8], rename: impl Fn() -> rustix::io::Result<()>) -> rustix::io::Result<()> {
+    match rename() {
+        Err(rustix::io::Errno::ACCESS) => {}
+        done => return done,
+    }
+    let set_mode = |dir: BorrowedFd<'_>, mode: u32| -> rustix::io::Result<()> {
+        match tree::open_dir(dir, name) {
+            Ok(fd) => rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)),
+            // Not there, or not a directory: nothing to make movable.
+            Err(_) => Ok(()),
+        }
+    };
+    set_mode(from, 0o755)?;
+    set_mode(to, 0o755)?;
+    let renamed = rename();
+    set_mode(to, 0o555)?;
+    renamed
 }
 
 /// A content hash over the NAR ([`CaHashing::Nar`]).

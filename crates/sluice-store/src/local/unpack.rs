@@ -9,8 +9,9 @@
 //! epoch) on files, symlinks and directories; mode 0444, or 0555 if executable, on files; 0555
 //! on directories, set when their last entry has been made. No second walk over the tree is
 //! needed. Ownership is left alone: everything is created by this process. Modes are set with
-//! `fchmod` only where creation may not have given them exactly ([`exact_creation_modes`]):
-//! then a file costs `openat`, its writes, `futimens` and `close`; a directory one `fchmod`.
+//! `fchmod` only where creation may not have given them exactly ([`creation_modes`]): then a
+//! file costs `openat`, its writes, `futimens` and `close`; a directory one `fchmod` (to
+//! 0555 once filled), or none where this process may fill a directory made 0555 at once (root).
 //!
 //! A root left by an interrupted addition of the same path (its adder was killed) is found by
 //! the exclusive creation failing with `EEXIST`; it is removed and the root made again, so no
@@ -35,9 +36,8 @@ pub(super) struct Unpacker<'a> {
     flat_algo: Option<HashAlgo>,
     flat_hash: Option<Hash>,
     modes: FileModes,
-    /// Nodes made in `parent` get exactly the mode they are created with
-    /// ([`exact_creation_modes`]).
-    exact_modes: bool,
+    /// How nodes made in `parent` get their modes ([`creation_modes`]).
+    creation: Creation,
     /// File contents pass through here: as long as the largest file so far, at most
     /// [`COPY_BUFFER`] bytes (one buffer per NAR, not one per file).
     buf: Vec<u8>,
@@ -77,14 +77,19 @@ pub(super) fn store_times() -> Timestamps {
 
 impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
-    /// `exact_modes`: [`exact_creation_modes`] of `parent`.
-    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, exact_modes: bool) -> Self {
-        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes, exact_modes, buf: Vec::new() }
+    /// `creation`: [`creation_modes`] of `parent`.
+    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, creation: Creation) -> Self {
+        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes, creation, buf: Vec::new() }
     }
 
     /// Whether a node's mode must be set after its creation for the canonical metadata.
     fn set_modes(&self) -> bool {
-        self.modes.canonical && !self.exact_modes
+        self.modes.canonical && self.creation == Creation::Fchmod
+    }
+
+    /// Whether directories are made with their canonical mode (0555) and filled as they are.
+    fn read_only_dirs(&self) -> bool {
+        self.modes.canonical && self.creation == Creation::ExactReadOnlyDirs
     }
 
     /// Runs `create` for the node `path` in `dir`; for the root of a store's temporary tree
@@ -192,7 +197,8 @@ impl NarVisitor for Unpacker<'_> {
 
     fn directory_start(&mut self, path: &NarPath) -> io::Result<()> {
         let (dir, name) = self.slot(path)?;
-        self.create(path, dir, || mkdirat(dir, name, Mode::from_raw_mode(0o755)))?;
+        let mode = Mode::from_raw_mode(if self.read_only_dirs() { 0o555 } else { 0o755 });
+        self.create(path, dir, || mkdirat(dir, name, mode))?;
         let fd = open_dir(dir, name).map_err(at(path))?;
         if self.set_modes() {
             // Writable by its owner until its last entry is made, whatever the umask (0222
@@ -209,21 +215,41 @@ impl NarVisitor for Unpacker<'_> {
         }
         let dir = self.open_dirs.pop().expect("checked above");
         if self.modes.canonical {
+            if !self.read_only_dirs() {
+                fchmod(&dir, Mode::from_raw_mode(0o555)).map_err(|e| at(path)(e.into()))?;
+            }
             // After the last entry, which changed the directory's mtime.
-            fchmod(&dir, Mode::from_raw_mode(0o555)).map_err(|e| at(path)(e.into()))?;
             futimens(&dir, &store_times()).map_err(|e| at(path)(e.into()))?;
         }
         Ok(())
     }
 }
 
-/// Whether nodes created in the directory `dir` get exactly the mode they are created with
-/// (0444/0555 files, 0755 directories): the process's umask clears none of 0755's bits, and
-/// `dir` has no default ACL (which would replace the umask, `acl(5)`; directories made in
-/// `dir` inherit it, so `dir` alone decides). The umask is read from `/proc/self/status`
-/// (`umask(2)` can only be read by setting it, which would race with other threads); when it
-/// cannot be read, modes are set after creation.
-pub(super) fn exact_creation_modes(dir: BorrowedFd<'_>) -> bool {
+/// How the nodes an [`Unpacker`] makes in a directory get the store's modes, decided once per
+/// directory by [`creation_modes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Creation {
+    /// The umask or a default ACL may change the modes asked for: every node's mode is set
+    /// with `fchmod` after its creation.
+    Fchmod,
+    /// Nodes get exactly the modes they are created with; directories are made 0755 and set
+    /// to 0555 once filled.
+    Exact,
+    /// As [`Creation::Exact`], and this process may make entries in a directory that has no
+    /// write permission (root, by `CAP_DAC_OVERRIDE`, on a file system that honours it):
+    /// directories are made 0555 and filled as they are, with no `fchmod`.
+    ExactReadOnlyDirs,
+}
+
+/// [`Creation`] for nodes made in the directory `dir`: [`Creation::Exact`] when the process's
+/// umask clears none of 0755's bits and `dir` has no default ACL (which would replace the
+/// umask, `acl(5)`; directories made in `dir` inherit it, so `dir` alone decides), and
+/// [`Creation::ExactReadOnlyDirs`] if then a directory made 0555 in `dir` can be filled
+/// (tried once with a hidden directory, `.sluice-probe-<pid>`, removed at once: no store
+/// path's name starts with a dot). The umask is read from `/proc/self/status` (`umask(2)` can
+/// only be read by setting it, which would race with other threads); when it cannot be read,
+/// modes are set after creation.
+pub(super) fn creation_modes(dir: BorrowedFd<'_>) -> Creation {
     static UMASK: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     let umask = UMASK.get_or_init(|| {
         let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -231,5 +257,16 @@ pub(super) fn exact_creation_modes(dir: BorrowedFd<'_>) -> bool {
         u32::from_str_radix(line.trim(), 8).ok()
     });
     let no_default_acl = matches!(rustix::fs::fgetxattr(dir, "system.posix_acl_default", &mut []), Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP));
-    umask.is_some_and(|m| m & 0o755 == 0) && no_default_acl
+    if !(umask.is_some_and(|m| m & 0o755 == 0) && no_default_acl) {
+        return Creation::Fchmod;
+    }
+    let probe = format!(".sluice-probe-{}", std::process::id());
+    if mkdirat(dir, probe.as_str(), Mode::from_raw_mode(0o555)).is_err() {
+        return Creation::Exact;
+    }
+    let filled = open_dir(dir, probe.as_bytes()).is_ok_and(|d| mkdirat(&d, "d", Mode::from_raw_mode(0o555)).is_ok());
+    if let Err(e) = remove_tree(dir, probe.as_bytes()) {
+        tracing::warn!("removing {probe}: {e}");
+    }
+    if filled { Creation::ExactReadOnlyDirs } else { Creation::Exact }
 }
