@@ -594,12 +594,30 @@ impl Shared {
         })
     }
 
+    /// Waits, holding no job slot and no open NAR, until another process releases the lock
+    /// of `vouched`'s path, trying it every 5 ms doubling to 200 ms; then the path is locked
+    /// (`Some`), or found valid with the lock held (`None`).
+    async fn wait_for_lock(&self, vouched: &VouchedInfo) -> Result<Option<PendingPath>, Attempt> {
+        let mut wait = std::time::Duration::from_millis(5);
+        loop {
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(std::time::Duration::from_millis(200));
+            let (dest, vouched, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
+            let tried = tokio::task::spawn_blocking(move || Self::try_begin(&dest, vouched, &roots, repair));
+            match tried.await.map_err(|e| Attempt::Final(Failure::other(e.to_string())))?? {
+                TryAdd::Pending(pending) => return Ok(Some(*pending)),
+                TryAdd::Valid => return Ok(None),
+                TryAdd::Busy => {}
+            }
+        }
+    }
+
     /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree. Per
     /// attempt: a job slot, the NAR opened, then one blocking task that takes the path's
     /// lock (the first time: [`Shared::try_begin`], Nix's order in `LocalStore::addToStore`:
     /// root, lock, validity, restore) and unpacks. While another process holds the lock, the
-    /// slot and the NAR are given up and the lock tried again after a wait (asynchronously,
-    /// holding nothing else). A transfer cut short (reset, stall, fewer bytes than announced)
+    /// slot and the NAR are given up and the lock waited for holding nothing else
+    /// ([`Shared::wait_for_lock`]); the NAR is opened again once the lock is held. A transfer cut short (reset, stall, fewer bytes than announced)
     /// is downloaded again after a backoff, up to the cache's `download-attempts`, with the
     /// lock kept. `None` when the path is or became valid.
     async fn fetch_nar(&self, sub: &Substituter, narinfo: &NarInfo, vouched: &VouchedInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
@@ -607,7 +625,6 @@ impl Shared {
         let attempts = cache.download_attempts();
         let mut attempt = 0;
         let mut pending: Option<PendingPath> = None;
-        let mut busy_wait = std::time::Duration::from_millis(5);
         loop {
             let permit = self.jobs.acquire(narinfo.file_size.unwrap_or(narinfo.nar_size)).await;
             let NarStream { reader, probe } = match cache.open_nar(narinfo).await {
@@ -619,12 +636,12 @@ impl Shared {
             let cache_url = cache.url().to_string();
             let unpack_url = url.to_string();
             let (path, nar_size, file_size) = (narinfo.store_path.clone(), narinfo.nar_size, narinfo.file_size);
-            let (dest, vouched, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
+            let (dest, vouched_here, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
             let locked = pending.take();
             let locked = tokio::task::spawn_blocking(move || {
                 let mut pending = match locked {
                     Some(pending) => pending,
-                    None => match Self::try_begin(&dest, vouched, &roots, repair)? {
+                    None => match Self::try_begin(&dest, vouched_here, &roots, repair)? {
                         TryAdd::Pending(pending) => *pending,
                         TryAdd::Valid => return Ok(None),
                         TryAdd::Busy => return Ok(Some(Locked::Busy)),
@@ -651,8 +668,12 @@ impl Shared {
             let (locked, unpacked) = match locked? {
                 None => return Ok(None),
                 Some(Locked::Busy) => {
-                    tokio::time::sleep(busy_wait).await;
-                    busy_wait = (busy_wait * 2).min(std::time::Duration::from_millis(200));
+                    // The NAR opened for this attempt is dropped once; the lock is then waited
+                    // for with no NAR open, and the NAR opened again with the lock held.
+                    pending = match self.wait_for_lock(vouched).await? {
+                        Some(pending) => Some(pending),
+                        None => return Ok(None),
+                    };
                     continue;
                 }
                 Some(Locked::Unpacked { pending, result }) => (pending, result),

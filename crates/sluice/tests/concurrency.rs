@@ -12,10 +12,14 @@ use common::*;
 /// Starts a copy whose standard error goes to a file (a pipe nobody drains while another
 /// copy is awaited would block it, holding its locks).
 fn spawn_copy(tmp: &std::path::Path, root: &std::path::Path, name: &str, paths: &[&str]) -> (Child, std::path::PathBuf) {
-    let url = format!("file://{}", corpus().join("cache-xz").display());
+    spawn_copy_from(&format!("file://{}", corpus().join("cache-xz").display()), tmp, root, name, paths)
+}
+
+/// [`spawn_copy`] from the cache at `url`.
+fn spawn_copy_from(url: &str, tmp: &std::path::Path, root: &std::path::Path, name: &str, paths: &[&str]) -> (Child, std::path::PathBuf) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     isolate(&mut cmd, tmp, "");
-    cmd.args(["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key()]);
+    cmd.args(["copy", "--substituters", url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key()]);
     let log = tmp.join(format!("{name}.log"));
     let child = cmd.args(paths).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
     (child, log)
@@ -101,8 +105,20 @@ fn a_path_locked_by_another_process_is_left_alone_until_released() {
     let mut lock = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).unwrap();
     // SAFETY: flock on an open file descriptor.
     assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
-    let (mut child, log) = spawn_copy(tmp.path(), &root, "copy", &[&bash]);
+    // Over HTTP, so that the NAR requests made while the lock is held can be counted.
+    let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &[]);
+    let narinfo = std::fs::read_to_string(corpus().join("cache-xz").join(format!("{}.narinfo", &base[..32]))).unwrap();
+    let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap().to_owned();
+    let (mut child, log) = spawn_copy_from(&server.url, tmp.path(), &root, "copy", &[&bash]);
+    // The first attempt opens the NAR (once its references are valid), finds the lock taken
+    // and drops it; the lock is then waited for with no NAR open (98ff53a opened it again at
+    // every retry: ~15 in 3 s).
+    let start = Instant::now();
+    while server.requests(&nar_url) == 0 && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     std::thread::sleep(Duration::from_secs(3));
+    assert!(server.requests(&nar_url) <= 1, "{} requests of {nar_url} while its path was locked", server.requests(&nar_url));
     let temp_tree = store.join("00000000000000000000000000000000-sluice-unpacking").join(base);
     assert!(child.try_wait().unwrap().is_none(), "the copy ended while the path was locked: {}", std::fs::read_to_string(&log).unwrap_or_default());
     assert!(!store.join(base).exists(), "the locked path was written");
@@ -111,6 +127,7 @@ fn a_path_locked_by_another_process_is_left_alone_until_released() {
     lock.write_all(b"d").unwrap();
     drop(lock);
     wait_ok((child, log), "copy after the lock was released");
+    assert_eq!(server.requests(&nar_url), 2, "the NAR is opened once more, with the lock held");
     assert!(store.join(base).join("bin/bash").exists());
     assert_eq!(store_leftovers(&root), Vec::<String>::new());
     assert_nix_verifies(tmp.path(), &root);
