@@ -9,7 +9,9 @@
 //! directory (`..`, an absolute path, a link out of it) fails the build, as libarchive's
 //! `SECURE_NODOTDOT` and `SECURE_SYMLINKS` make it fail. The directory is then serialised as
 //! the output's NAR, so only what a NAR holds (directories, regular files with their
-//! executable bit, symlinks) is kept; a device or FIFO fails the build.
+//! executable bit, symlinks) is kept; a device or FIFO entry fails the build. A hard link is
+//! made only to an entry already inside the directory (the tar crate canonicalises its
+//! target), so nothing outside it is copied into the store.
 
 use std::collections::BTreeSet;
 use std::io::{self, Read};
@@ -18,6 +20,7 @@ use std::path::{Component, Path};
 use sluice_nix::store_path::StorePath;
 
 use super::view::View;
+use crate::causes::causes;
 use super::{BuiltinDerivation, BuiltinError, Spool};
 use crate::compression::Compression;
 use crate::local::{dump_fs_path, LocalStore};
@@ -38,7 +41,7 @@ pub(super) fn build(store: &LocalStore, visible: &BTreeSet<StorePath>, drv: &Bui
     let dir = tempfile::tempdir().map_err(|e| failed(format!("creating a temporary directory in {}: {e}", std::env::temp_dir().display())))?;
     let out = dir.path().join("out");
     std::fs::create_dir(&out).map_err(|e| failed(format!("creating {}: {e}", out.display())))?;
-    unpack(io::BufReader::new(tarball), &out).map_err(|e| failed(format!("unpacking channel tarball '{src}': {e}")))?;
+    unpack(io::BufReader::new(tarball), &out).map_err(|e| failed(format!("unpacking channel tarball '{src}': {}", causes(&e))))?;
     let mut entries = std::fs::read_dir(&out).and_then(|d| d.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<_>>>()).map_err(|e| failed(format!("reading {}: {e}", out.display())))?;
     let Some(entry) = entries.pop() else { return Err(failed(format!("channel tarball '{src}' is empty"))) };
     if !entries.is_empty() {
@@ -63,6 +66,13 @@ fn unpack(mut input: impl io::BufRead + Send, dest: &Path) -> io::Result<()> {
     for entry in archive.entries()? {
         let mut entry = entry?;
         let path = entry.path()?.into_owned();
+        // The tar crate writes an entry of a type it does not create as a regular file (POSIX's
+        // rule for unknown types), so a device or FIFO would become an empty file; libarchive
+        // creates it, and Nix's `dumpPath` then fails the build ("has an unsupported type").
+        let kind = entry.header().entry_type();
+        if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
+            return Err(io::Error::other(format!("entry '{}' is a device or FIFO, which a store path cannot hold", path.display())));
+        }
         // `unpack_in` also skips `..` (returning false) and fails a write through a link out of
         // `dest` ("trying to unpack outside of destination path").
         let outside = path.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir));
