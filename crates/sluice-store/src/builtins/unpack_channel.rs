@@ -20,8 +20,8 @@ use std::path::{Component, Path};
 use sluice_nix::store_path::StorePath;
 
 use super::view::View;
-use crate::causes::causes;
 use super::{BuiltinDerivation, BuiltinError, Spool};
+use crate::causes::causes;
 use crate::compression::Compression;
 use crate::local::{dump_fs_path, LocalStore};
 
