@@ -9,6 +9,7 @@ pub mod remote;
 pub mod binary_cache;
 pub mod builtins;
 mod by_key;
+mod causes;
 pub mod closure;
 pub mod compression;
 pub mod encoder_memory;

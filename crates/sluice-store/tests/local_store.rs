@@ -1001,3 +1001,38 @@ fn a_vouched_path_is_checked_again_under_another_policy() {
         assert_eq!(store.real_path(&info.path).symlink_metadata().is_ok(), admitted);
     }
 }
+
+/// A tree 1500 directories deep (as an untrusted client's channel tarball can make it) is
+/// serialised on a thread with a daemon worker's stack (2 MiB) to the NAR Nix 2.8's
+/// `nix-store --dump` gives. The recursive walk overflowed that stack and aborted the process.
+#[test]
+fn dump_of_a_deep_tree_is_nix_s_nar_on_a_worker_s_stack() {
+    use std::os::fd::AsFd;
+    let scratch = TempDir::new().unwrap();
+    let root = scratch.path().join("deep");
+    std::fs::create_dir(&root).unwrap();
+    // Made by single names (`mkdirat`), as a path 1500 levels deep is near `PATH_MAX`.
+    let mut dir = rustix::fs::open(&root, rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap();
+    for _ in 0..1500 {
+        rustix::fs::mkdirat(&dir, "a", rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
+        dir = rustix::fs::openat(&dir, "a", rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap();
+    }
+    let file = rustix::fs::openat(dir.as_fd(), "f", rustix::fs::OFlags::CREATE | rustix::fs::OFlags::WRONLY, rustix::fs::Mode::from_raw_mode(0o644)).unwrap();
+    rustix::io::write(&file, b"at the bottom\n").unwrap();
+    let dumped = std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn({
+            let root = root.clone();
+            move || {
+                let mut nar = Vec::new();
+                sluice_store::local::dump_fs_path(&root, &mut nar).unwrap();
+                nar
+            }
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    let reference = nix_ok("nix-store", &["--dump", root.to_str().unwrap()], scratch.path());
+    assert_eq!(dumped.len(), reference.len());
+    assert!(dumped == reference, "the NAR of the deep tree differs from nix-store --dump's");
+}

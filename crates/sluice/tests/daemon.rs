@@ -2438,8 +2438,8 @@ fn ustar_header(name: &str, size: usize, kind: u8, link: &str) -> Vec<u8> {
 /// gzip): the same output path, NAR hash and references, a directory `mychan` with the
 /// tarball's tree (an executable, a symlink, an empty directory). Bad tarballs (not a tarball,
 /// two top-level entries, an entry under `..`, an entry through a symlink out of the
-/// directory) fail through every daemon, sluice's error
-/// saying why, and leave no output.
+/// directory, a hard link to a root-only file outside it, a character device, a FIFO, a 2 MiB
+/// pax header) fail through every daemon, sluice's error saying why, and leave no output.
 #[test]
 fn unpack_channel_is_built_in_sluice() {
     use std::os::unix::fs::PermissionsExt;
@@ -2494,11 +2494,25 @@ fn unpack_channel_is_built_in_sluice() {
     write_tar("dotdot.tar", &[ustar_header("chan/", 0, b'5', ""), ustar_header("chan/../../escaped", 3, b'0', ""), b"hi\n".to_vec()]);
     let symlink_out = [ustar_header("chan/", 0, b'5', ""), ustar_header("chan/out", 0, b'2', &env.path("").display().to_string())];
     write_tar("symlink.tar", &[&symlink_out[..], &[ustar_header("chan/out/escaped", 3, b'0', ""), b"hi\n".to_vec()]].concat());
+    // A file only root may read, hard-linked from the tarball by its absolute path.
+    let secret = env.path("secret");
+    std::fs::write(&secret, "root's secret\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    write_tar("hardlink.tar", &[ustar_header("chan/", 0, b'5', ""), ustar_header("chan/secret", 0, b'1', &secret.display().to_string())]);
+    write_tar("chardev.tar", &[ustar_header("chan/", 0, b'5', ""), ustar_header("chan/null", 0, b'3', "")]);
+    write_tar("fifo.tar", &[ustar_header("chan/", 0, b'5', ""), ustar_header("chan/fifo", 0, b'6', "")]);
+    // A pax header of 2 MiB, which the tar crate would hold in memory whole.
+    let pax = 2 << 20;
+    write_tar("pax.tar", &[ustar_header("PaxHeader/chan", pax, b'x', ""), vec![0; pax], ustar_header("chan/", 0, b'5', "")]);
     for (tarball, why) in [
         (env.path("garbage.tar.xz"), "unpacking channel tarball '/nix/store/"),
         (two, "contains more than one file"),
         (env.path("dotdot.tar"), "entry 'chan/../../escaped' is not inside the archive's directory"),
         (env.path("symlink.tar"), "trying to unpack outside of destination path"),
+        (env.path("hardlink.tar"), "trying to unpack outside of destination path"),
+        (env.path("chardev.tar"), "entry 'chan/null' is a device or FIFO, which a store path cannot hold"),
+        (env.path("fifo.tar"), "entry 'chan/fifo' is a device or FIFO, which a store path cannot hold"),
+        (env.path("pax.tar"), "more than 1048576 bytes of headers (pax, GNU long names, sparse maps) for one entry"),
     ] {
         for (i, (name, _, root)) in d.daemons.iter().enumerate() {
             let what = format!("{name}, {}", tarball.display());

@@ -1,5 +1,7 @@
 //! Errors talking to a binary cache. Each names the URL concerned.
 
+use crate::causes::causes;
+
 /// A failure fetching from or understanding a binary cache.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
@@ -32,21 +34,6 @@ pub enum CacheError {
     /// The cache failed earlier in this run and is no longer asked.
     #[error("{url}: not used for the rest of this run after an earlier failure: {reason}")]
     Disabled { url: String, reason: String },
-}
-
-/// `error: cause: cause …`, without repeating a cause already contained in the one before.
-fn causes(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut next = error.source();
-    while let Some(cause) = next {
-        let c = cause.to_string();
-        if !text.contains(&c) {
-            text.push_str(": ");
-            text.push_str(&c);
-        }
-        next = cause.source();
-    }
-    text
 }
 
 /// Whether `error` or one of its causes is an `EMFILE`, `ENFILE`, `ENOMEM` or `ENOBUFS`. An
