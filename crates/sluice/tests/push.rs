@@ -214,7 +214,7 @@ fn fake_imds(credentials: &'static str) -> (String, std::thread::JoinHandle<Vec<
             let mut buf = vec![0; 4096];
             let n = conn.read(&mut buf).unwrap();
             let request = String::from_utf8_lossy(&buf[..n]).into_owned();
-            assert!(asked.is_empty() || request.contains("X-aws-ec2-metadata-token: token-1\r\n"), "{request}");
+            assert!(asked.is_empty() || request.to_ascii_lowercase().contains("x-aws-ec2-metadata-token: token-1\r\n"), "{request}");
             asked.push(request.split(" HTTP/").next().unwrap().to_string());
             write!(conn, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
         }

@@ -98,8 +98,9 @@ pub struct HttpTransport {
 
 /// Signs each request before it is sent (S3's SigV4), given the hex sha256 of its body.
 pub trait RequestSigner: Send + Sync + std::fmt::Debug {
-    /// Adds the authentication headers to `request`; the error says why it cannot be signed.
-    fn sign(&self, request: &mut reqwest::Request, payload_sha256: &str) -> Result<(), String>;
+    /// Adds the authentication headers to `request` (finding the credentials first, once,
+    /// which may ask a service); the error says why it cannot be signed.
+    fn sign<'a>(&'a self, request: &'a mut reqwest::Request, payload_sha256: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>>;
 }
 
 /// What one request sends: the method, and for uploads the body and its `Content-Type`.
@@ -284,7 +285,7 @@ impl HttpTransport {
         };
         let mut request = b.build().map_err(|source| CacheError::Transport { url: url.to_string(), source })?;
         if let Some(signer) = &self.signer {
-            signer.sign(&mut request, &payload_sha256).map_err(|what| CacheError::Io { url: url.to_string(), source: std::io::Error::other(format!("cannot sign the request: {what}")) })?;
+            signer.sign(&mut request, &payload_sha256).await.map_err(|what| CacheError::Io { url: url.to_string(), source: std::io::Error::other(format!("cannot sign the request: {what}")) })?;
         }
         Ok(request)
     }

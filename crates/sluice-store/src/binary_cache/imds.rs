@@ -5,22 +5,23 @@
 //! (`GET /latest/meta-data/iam/security-credentials/`) and that role's credentials (JSON with
 //! `AccessKeyId`, `SecretAccessKey`, `Token`). As the SDKs do, the service is not asked when
 //! `AWS_EC2_METADATA_DISABLED` is `true`, and it is asked at
-//! `AWS_EC2_METADATA_SERVICE_ENDPOINT` (default `http://169.254.169.254`). Each connection and
-//! answer must come within [`TIMEOUT`], so a machine without the service loses at most that
-//! once per push. Plain HTTP/1.1 over a `TcpStream`: the service answers with a
-//! `Content-Length`, in one connection per request.
+//! `AWS_EC2_METADATA_SERVICE_ENDPOINT` (default `http://169.254.169.254`). Each request must
+//! be answered within [`TIMEOUT`], so a machine without the service loses at most that, once,
+//! at the first request to the bucket. The requests go through the caches' HTTP client (no
+//! proxy), on connections closed after each answer.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use aws_credential_types::Credentials;
 
-/// The longest wait for a connection to the service or for an answer.
+/// The longest wait for one request's whole answer.
 pub const TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Seconds the session token is asked to live (the SDKs' 6 hours).
 const TOKEN_TTL: u32 = 21600;
+
+/// The longest answer read, in bytes (the credentials' JSON is about 1 KiB).
+const MAX_ANSWER: usize = 1 << 20;
 
 /// The service's endpoint from the environment (`AWS_EC2_METADATA_DISABLED`,
 /// `AWS_EC2_METADATA_SERVICE_ENDPOINT`), `None` when it is disabled.
@@ -31,15 +32,18 @@ pub fn endpoint(disabled: Option<&str>, endpoint: Option<&str>) -> Option<String
     Some(endpoint.filter(|e| !e.is_empty()).unwrap_or("http://169.254.169.254").trim_end_matches('/').to_string())
 }
 
-/// The instance role's credentials from the service at `endpoint` (`http://HOST[:PORT]`);
-/// why not, when it cannot be asked or answers otherwise.
-pub fn credentials(endpoint: &str) -> Result<Credentials, String> {
-    let host = endpoint.strip_prefix("http://").ok_or_else(|| format!("{endpoint}: the instance metadata endpoint must be http://"))?;
-    let token = request(host, "PUT", "/latest/api/token", &format!("X-aws-ec2-metadata-token-ttl-seconds: {TOKEN_TTL}"))?;
-    let token_header = format!("X-aws-ec2-metadata-token: {}", token.trim());
-    let roles = request(host, "GET", "/latest/meta-data/iam/security-credentials/", &token_header)?;
+/// The instance role's credentials from the service at `endpoint` (`http://HOST[:PORT]`),
+/// asked through `client`; why not, when it cannot be asked or answers otherwise.
+pub async fn credentials(client: &reqwest::Client, endpoint: &str) -> Result<Credentials, String> {
+    if !endpoint.starts_with("http://") {
+        return Err(format!("{endpoint}: the instance metadata endpoint must be http://"));
+    }
+    let token = request(client, reqwest::Method::PUT, &format!("{endpoint}/latest/api/token"), ("x-aws-ec2-metadata-token-ttl-seconds", TOKEN_TTL.to_string())).await?;
+    let token = ("x-aws-ec2-metadata-token", token.trim().to_string());
+    let roles_url = format!("{endpoint}/latest/meta-data/iam/security-credentials/");
+    let roles = request(client, reqwest::Method::GET, &roles_url, token.clone()).await?;
     let role = roles.lines().next().map(str::trim).filter(|r| !r.is_empty()).ok_or("the instance has no IAM role")?;
-    let json = request(host, "GET", &format!("/latest/meta-data/iam/security-credentials/{role}"), &token_header)?;
+    let json = request(client, reqwest::Method::GET, &format!("{roles_url}{role}"), token).await?;
     let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| format!("the credentials of role {role}: {e}"))?;
     let field = |name: &str| value.get(name).and_then(|v| v.as_str()).map(str::to_string);
     match (field("AccessKeyId"), field("SecretAccessKey")) {
@@ -48,28 +52,29 @@ pub fn credentials(endpoint: &str) -> Result<Credentials, String> {
     }
 }
 
-/// One request to `host` (`HOST[:PORT]`, port 80 by default); the body of a 200 answer.
-fn request(host: &str, method: &str, path: &str, header: &str) -> Result<String, String> {
-    let fail = |e: std::io::Error| format!("{method} http://{host}{path}: {e}");
-    let with_port = if host.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) { host.to_string() } else { format!("{host}:80") };
-    let addr = with_port.to_socket_addrs().map_err(fail)?.next().ok_or_else(|| format!("{host}: no address"))?;
-    let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(fail)?;
-    stream.set_read_timeout(Some(TIMEOUT)).and_then(|()| stream.set_write_timeout(Some(TIMEOUT))).map_err(fail)?;
-    let head = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{header}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-    stream.write_all(head.as_bytes()).map_err(fail)?;
-    let mut answer = Vec::new();
-    stream.take(1 << 20).read_to_end(&mut answer).map_err(fail)?;
-    let answer = String::from_utf8_lossy(&answer);
-    let (head, body) = answer.split_once("\r\n\r\n").ok_or_else(|| format!("{method} http://{host}{path}: no complete answer"))?;
-    match head.split_whitespace().nth(1) {
-        Some("200") => Ok(body.to_string()),
-        status => Err(format!("{method} http://{host}{path}: status {}", status.unwrap_or("missing"))),
+/// One request with one extra header; the body of a 200 answer (at most [`MAX_ANSWER`]
+/// bytes), or why not, naming the request.
+async fn request(client: &reqwest::Client, method: reqwest::Method, url: &str, (name, value): (&'static str, String)) -> Result<String, String> {
+    let fail = |e: &dyn std::fmt::Display| format!("{method} {url}: {e}");
+    let sent = client.request(method.clone(), url).header(name, value).header(reqwest::header::CONNECTION, "close").timeout(TIMEOUT).send();
+    let mut answer = sent.await.map_err(|e| fail(&e))?;
+    if answer.status() != reqwest::StatusCode::OK {
+        return Err(fail(&format!("status {}", answer.status().as_u16())));
     }
+    let mut body = Vec::new();
+    while let Some(chunk) = answer.chunk().await.map_err(|e| fail(&e))? {
+        if body.len() + chunk.len() > MAX_ANSWER {
+            return Err(fail(&format!("an answer of more than {MAX_ANSWER} bytes")));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    String::from_utf8(body).map_err(|e| fail(&e))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
     use std::net::TcpListener;
 
     /// A fake service on loopback: answers `answers.len()` requests in turn, each with the
@@ -91,25 +96,30 @@ mod tests {
         (endpoint, served)
     }
 
+    /// A client as the caches' (no proxy).
+    fn client() -> reqwest::Client {
+        reqwest::Client::builder().no_proxy().build().unwrap()
+    }
+
     /// IMDSv2's three requests, the token passed on; the role's credentials come back.
-    #[test]
-    fn role_credentials_with_a_session_token() {
+    #[tokio::test]
+    async fn role_credentials_with_a_session_token() {
         let creds = r#"{"Code":"Success","AccessKeyId":"ASIAFAKE","SecretAccessKey":"secret","Token":"session","Expiration":"2026-12-02T22:00:00Z"}"#;
         let (endpoint, served) = fake(vec![(200, "tok-123"), (200, "the-role\n"), (200, creds)]);
-        let got = credentials(&endpoint).unwrap();
+        let got = credentials(&client(), &endpoint).await.unwrap();
         assert_eq!((got.access_key_id(), got.secret_access_key(), got.session_token()), ("ASIAFAKE", "secret", Some("session")));
         let seen = served.join().unwrap();
-        assert!(seen[0].starts_with("PUT /latest/api/token HTTP/1.1\r\n") && seen[0].contains("X-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"), "{}", seen[0]);
-        assert!(seen[1].starts_with("GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\n") && seen[1].contains("X-aws-ec2-metadata-token: tok-123\r\n"), "{}", seen[1]);
+        assert!(seen[0].starts_with("PUT /latest/api/token HTTP/1.1\r\n") && seen[0].contains("x-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"), "{}", seen[0]);
+        assert!(seen[1].starts_with("GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\n") && seen[1].contains("x-aws-ec2-metadata-token: tok-123\r\n"), "{}", seen[1]);
         assert!(seen[2].starts_with("GET /latest/meta-data/iam/security-credentials/the-role HTTP/1.1\r\n"), "{}", seen[2]);
     }
 
     /// A refused token (a service that only speaks IMDSv1 answers 403 here) is an error
     /// naming the request; nothing further is asked.
-    #[test]
-    fn refused_token_is_an_error() {
+    #[tokio::test]
+    async fn refused_token_is_an_error() {
         let (endpoint, served) = fake(vec![(403, "")]);
-        let err = credentials(&endpoint).unwrap_err();
+        let err = credentials(&client(), &endpoint).await.unwrap_err();
         assert!(err.contains("PUT http://127.0.0.1:") && err.contains("/latest/api/token: status 403"), "{err}");
         assert_eq!(served.join().unwrap().len(), 1);
     }

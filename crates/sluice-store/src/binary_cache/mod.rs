@@ -149,7 +149,7 @@ impl BinaryCache {
             CacheKind::Http => (base.clone(), Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client.clone(), settings)), s3: None }),
             CacheKind::S3(params) => {
                 let s3 = s3::S3::new(params);
-                let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), settings).signed(s3.signer());
+                let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), settings).signed(s3.signer(client));
                 (base.clone(), Transport::Http { http: Box::new(http), s3: Some(Box::new(s3)) })
             }
         };

@@ -51,8 +51,8 @@ impl S3 {
     }
 
     /// The request signer (SigV4 with the credentials found now, or none: unsigned).
-    pub fn signer(&self) -> Arc<dyn RequestSigner> {
-        Arc::new(SigV4 { region: self.params.region.clone(), credentials: find_credentials(self.params.profile.as_deref()) })
+    pub fn signer(&self, client: &reqwest::Client) -> Arc<dyn RequestSigner> {
+        Arc::new(SigV4 { region: self.params.region.clone(), profile: self.params.profile.clone(), client: client.clone(), credentials: tokio::sync::OnceCell::new() })
     }
 
     /// Uploads `rel` with `storage-class` if one is set: in parts (see [`multipart`]) when
@@ -73,44 +73,60 @@ impl S3 {
 #[derive(Debug)]
 struct SigV4 {
     region: String,
-    credentials: Option<Credentials>,
+    /// The URL's `profile=`.
+    profile: Option<String>,
+    /// For the instance metadata service.
+    client: reqwest::Client,
+    /// The default chain's credentials, found at the first request (`None`: unsigned).
+    credentials: tokio::sync::OnceCell<Option<Credentials>>,
 }
 
 impl RequestSigner for SigV4 {
-    fn sign(&self, request: &mut reqwest::Request, payload_sha256: &str) -> Result<(), String> {
-        let Some(credentials) = &self.credentials else { return Ok(()) };
-        let identity = credentials.clone().into();
-        let mut settings = SigningSettings::default();
-        settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
-        let params = aws_sigv4::sign::v4::SigningParams::builder()
-            .identity(&identity)
-            .region(&self.region)
-            .name("s3")
-            .time(SystemTime::now())
-            .settings(settings)
-            .build()
-            .map_err(|e| e.to_string())?
-            .into();
-        let headers: Vec<(String, String)> =
-            request.headers().iter().filter_map(|(n, v)| Some((n.as_str().to_string(), v.to_str().ok()?.to_string()))).collect();
-        let signable = SignableRequest::new(
-            request.method().as_str(),
-            request.url().as_str(),
-            headers.iter().map(|(n, v)| (n.as_str(), v.as_str())),
-            SignableBody::Precomputed(payload_sha256.to_string()),
-        )
-        .map_err(|e| e.to_string())?;
-        let (instructions, _) = sign(signable, &params).map_err(|e| e.to_string())?.into_parts();
-        for (name, value) in instructions.headers() {
-            let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| format!("header {name}: {e}"))?;
-            request.headers_mut().insert(reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| e.to_string())?, value);
-        }
-        Ok(())
+    fn sign<'a>(&'a self, request: &'a mut reqwest::Request, payload_sha256: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let credentials = self.credentials.get_or_init(|| find_credentials(self.profile.as_deref(), &self.client)).await;
+            match credentials {
+                Some(credentials) => sign_v4(credentials, &self.region, request, payload_sha256),
+                None => Ok(()),
+            }
+        })
     }
 }
 
+/// Signs `request` for service `s3` in `region` with SigV4 (`x-amz-content-sha256` set to
+/// `payload_sha256`).
+fn sign_v4(credentials: &Credentials, region: &str, request: &mut reqwest::Request, payload_sha256: &str) -> Result<(), String> {
+    let identity = credentials.clone().into();
+    let mut settings = SigningSettings::default();
+    settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
+    let params = aws_sigv4::sign::v4::SigningParams::builder()
+        .identity(&identity)
+        .region(region)
+        .name("s3")
+        .time(SystemTime::now())
+        .settings(settings)
+        .build()
+        .map_err(|e| e.to_string())?
+        .into();
+    let headers: Vec<(String, String)> =
+        request.headers().iter().filter_map(|(n, v)| Some((n.as_str().to_string(), v.to_str().ok()?.to_string()))).collect();
+    let signable = SignableRequest::new(
+        request.method().as_str(),
+        request.url().as_str(),
+        headers.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+        SignableBody::Precomputed(payload_sha256.to_string()),
+    )
+    .map_err(|e| e.to_string())?;
+    let (instructions, _) = sign(signable, &params).map_err(|e| e.to_string())?.into_parts();
+    for (name, value) in instructions.headers() {
+        let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| format!("header {name}: {e}"))?;
+        request.headers_mut().insert(reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| e.to_string())?, value);
+    }
+    Ok(())
+}
+
 /// The credentials of the default chain (see the module doc); `None` when there are none.
-fn find_credentials(profile: Option<&str>) -> Option<Credentials> {
+async fn find_credentials(profile: Option<&str>, client: &reqwest::Client) -> Option<Credentials> {
     let env = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
     if profile.is_none() {
         if let (Some(id), Some(secret)) = (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
@@ -124,7 +140,7 @@ fn find_credentials(profile: Option<&str>) -> Option<Credentials> {
         return None;
     }
     let endpoint = super::imds::endpoint(env("AWS_EC2_METADATA_DISABLED").as_deref(), env("AWS_EC2_METADATA_SERVICE_ENDPOINT").as_deref())?;
-    super::imds::credentials(&endpoint).map_err(|why| tracing::debug!("no credentials from the instance metadata service: {why}; S3 requests go unsigned")).ok()
+    super::imds::credentials(client, &endpoint).await.map_err(|why| tracing::debug!("no credentials from the instance metadata service: {why}; S3 requests go unsigned")).ok()
 }
 
 /// The credentials of `profile` (default `$AWS_PROFILE`, else `default`) in the shared
