@@ -12,6 +12,7 @@
 
 mod xz_streams;
 pub(crate) mod zstd_frames;
+mod zstd_stream;
 
 use std::io::{BufReader, Read, Write};
 
@@ -163,7 +164,7 @@ impl Compression {
             Compression::None => Box::new(buf),
             Compression::Xz => Box::new(xz_streams::XzStreams::new(buf)?),
             Compression::Zstd if zstd_frames::whole_frame_size(head).is_some() => Box::new(zstd_frames::FrameDecoder::new(Box::new(buf))),
-            Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(buf)?),
+            Compression::Zstd => Box::new(zstd_stream::StreamDecoder::new(buf)),
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),
             Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buf)),

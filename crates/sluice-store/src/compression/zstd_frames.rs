@@ -249,7 +249,7 @@ impl<'a> FrameDecoder<'a> {
         let Some(content_size) = whole_frame_size(&self.pending[..self.filled]) else {
             let head = Cursor::new(self.pending[..self.filled].to_vec());
             let rest = head.chain(std::mem::replace(&mut self.input, Box::new(io::empty())));
-            self.rest = Some(Box::new(zstd::stream::read::Decoder::new(rest)?));
+            self.rest = Some(Box::new(super::zstd_stream::StreamDecoder::new(io::BufReader::new(rest))));
             return Ok(None);
         };
         let bound = zstd::zstd_safe::compress_bound(content_size) + 1024;
