@@ -23,6 +23,7 @@ pub mod store;
 pub mod store_url;
 pub mod substitute;
 pub mod substituters;
+mod unpack_pool;
 
 /// The cores this process may run on (`std::thread::available_parallelism`, at least 1),
 /// found once: each call of the standard function reads the cgroup's CPU quota files (three

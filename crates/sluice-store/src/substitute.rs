@@ -613,8 +613,9 @@ impl Shared {
     }
 
     /// Downloads and unpacks the NAR of `narinfo` from `cache` into a temporary tree. Per
-    /// attempt: a job slot, the NAR opened, then one blocking task that takes the path's
-    /// lock (the first time: [`Shared::try_begin`], Nix's order in `LocalStore::addToStore`:
+    /// attempt: a job slot, the NAR opened, then one blocking task (on the process's
+    /// unpacking threads for a NAR whose bytes are local, `unpack_pool.rs`; on tokio's
+    /// blocking pool for one arriving over the network) that takes the path's lock (the first time: [`Shared::try_begin`], Nix's order in `LocalStore::addToStore`:
     /// root, lock, validity, restore) and unpacks. While another process holds the lock, the
     /// slot and the NAR are given up and the lock waited for holding nothing else
     /// ([`Shared::wait_for_lock`]); the NAR is opened again once the lock is held. A transfer cut short (reset, stall, fewer bytes than announced)
@@ -627,7 +628,7 @@ impl Shared {
         let mut pending: Option<PendingPath> = None;
         loop {
             let permit = self.jobs.acquire(narinfo.file_size.unwrap_or(narinfo.nar_size)).await;
-            let NarStream { reader, probe } = match cache.open_nar(narinfo).await {
+            let NarStream { reader, probe, local } = match cache.open_nar(narinfo).await {
                 Ok(Some(r)) => r,
                 Ok(None) => return Err(Attempt::TryNext(Failure::other(format!("{url}: NAR not found (404)")))),
                 Err(e) => return Err(Attempt::TryNext(Failure::cache(sub, &e))),
@@ -638,7 +639,7 @@ impl Shared {
             let (path, nar_size, file_size) = (narinfo.store_path.clone(), narinfo.nar_size, narinfo.file_size);
             let (dest, vouched_here, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
             let locked = pending.take();
-            let locked = tokio::task::spawn_blocking(move || {
+            let unpack = move || {
                 let mut pending = match locked {
                     Some(pending) => pending,
                     None => match Self::try_begin(&dest, vouched_here, &roots, repair)? {
@@ -661,9 +662,12 @@ impl Shared {
                 };
                 let total = counting.total;
                 Ok(Some(Locked::Unpacked { pending, result: result.map(|u| (u, total)) }))
-            })
-            .await
-            .map_err(|e| Attempt::Final(Failure::other(e.to_string())))?;
+            };
+            let locked = match local {
+                true => crate::unpack_pool::run(unpack).await,
+                false => tokio::task::spawn_blocking(unpack).await.map_err(|e| e.to_string()),
+            };
+            let locked = locked.map_err(|e| Attempt::Final(Failure::other(e)))?;
             drop(permit);
             let (locked, unpacked) = match locked? {
                 None => return Ok(None),

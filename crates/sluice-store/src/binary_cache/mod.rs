@@ -135,6 +135,10 @@ pub struct NarStream {
     pub reader: Box<dyn Read + Send>,
     /// The transfer's state.
     pub probe: TransferProbe,
+    /// Whether the bytes are on this machine (a `file://` cache's file): reading them never
+    /// waits on a peer, so the substitution unpacks them on the few unpacking threads
+    /// (`unpack_pool.rs`); a network body is read on tokio's blocking pool instead.
+    pub local: bool,
 }
 
 impl BinaryCache {
@@ -351,8 +355,8 @@ impl BinaryCache {
     pub async fn open_nar(&self, narinfo: &NarInfo) -> Result<Option<NarStream>, CacheError> {
         self.health.check(&self.url)?;
         let result = match &self.transport {
-            Transport::File(t) => t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default() })),
-            Transport::Http { http, .. } => http.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe })),
+            Transport::File(t) => t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default(), local: true })),
+            Transport::Http { http, .. } => http.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe, local: false })),
         };
         self.health.observe(&self.url, result)
     }
