@@ -72,7 +72,7 @@ impl BinaryCache {
     /// Whether the cache file `rel` exists.
     pub async fn file_exists(&self, rel: &str) -> Result<bool, CacheError> {
         match &self.transport {
-            Transport::File(t) => t.exists(rel).await,
+            Transport::File(t) => t.exists(rel),
             Transport::Http { http, .. } => http.exists(rel).await,
         }
     }
@@ -80,7 +80,7 @@ impl BinaryCache {
     /// Creates or replaces the cache file `rel` (Nix's `upsertFile`).
     pub async fn upsert_file(&self, rel: &str, upload: Upload, mime: &str) -> Result<(), CacheError> {
         match &self.transport {
-            Transport::File(t) => t.put(rel, upload).await,
+            Transport::File(t) => t.put(rel, upload),
             Transport::Http { http, s3: None } => http.put(rel, &upload, mime, &[]).await,
             Transport::Http { http, s3: Some(s3) } => s3.put(http, rel, &upload, mime).await,
         }
@@ -92,7 +92,7 @@ impl BinaryCache {
         self.initialised
             .get_or_try_init(|| async {
                 if let Transport::File(t) = &self.transport {
-                    t.create_dirs().await?;
+                    t.create_dirs()?;
                 }
                 if !self.file_exists("nix-cache-info").await? {
                     let text = format!("StoreDir: {STORE_DIR}\n");
