@@ -6,7 +6,8 @@
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use super::upload::staging_file;
+use super::spool::{staging_file, Compressed};
+use super::upload::PreparedNar;
 use super::{CacheError, Upload};
 
 /// Reads cache files from a local directory.
@@ -66,7 +67,8 @@ impl FileTransport {
 
     /// Creates or replaces `rel` with `upload` in a directory [`FileTransport::create_dirs`]
     /// made, on the calling thread: a prepared NAR was written in this directory and is renamed
-    /// into place (one system call); bytes (a narinfo, `nix-cache-info`, a listing) are written
+    /// into place (one system call); bytes (a narinfo, `nix-cache-info`, a listing, a NAR in
+    /// memory) are written
     /// to a temporary file beside it and renamed. Handing these to a blocking thread cost more
     /// than they do: two hand-offs per path pushed, most of a `file://` push's 20,000 `futex`
     /// calls.
@@ -74,8 +76,8 @@ impl FileTransport {
         let path = self.path(rel);
         let io = |source| CacheError::Io { url: path.display().to_string(), source };
         let file = match upload {
-            Upload::Nar(nar) => nar.file,
-            Upload::Bytes(bytes) => {
+            Upload::Nar(PreparedNar { compressed: Compressed::File(file), .. }) => file,
+            Upload::Bytes(bytes) | Upload::Nar(PreparedNar { compressed: Compressed::Memory(bytes, _), .. }) => {
                 let mut f = staging_file(&self.dir).map_err(io)?;
                 f.write_all(&bytes).map_err(io)?;
                 f

@@ -1,11 +1,12 @@
 //! Preparing a NAR for a binary cache, as Nix's `BinaryCacheStore::addToStoreCommon`
 //! (`src/libstore/binary-cache-store.cc`) does, but streaming: the NAR is read once, checked
 //! against the path's `NarHash`/`NarSize` and parsed (for its listing), while it is compressed
-//! into a temporary file whose sha256 (`FileHash`, and S3's `x-amz-content-sha256`), MD5
-//! (S3's `Content-MD5`) and size are computed on the way. Memory: the encoder's (see
-//! [`EncoderPlan`]) and 256 KiB of buffers, whatever the NAR's size.
+//! into memory or a temporary file ([`super::spool`]) whose sha256 (`FileHash`, and S3's
+//! `x-amz-content-sha256`), MD5 (S3's `Content-MD5`) and size are computed on the way. Memory:
+//! the encoder's (see [`EncoderPlan`]), 64 KiB of buffer and the spool's, whatever the NAR's
+//! size.
 
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, Read, Write};
 use std::path::Path;
 
 use md5::Digest as _;
@@ -14,13 +15,14 @@ use sluice_nix::nar::listing::{ListingBuilder, NarEntry};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 
+use super::spool::{Compressed, SpoolWriter};
 use crate::encoder_memory::EncoderPlan;
 use crate::store_url::CacheWriteParams;
 
-/// A compressed NAR in a temporary file, ready to upload.
+/// A compressed NAR, ready to upload.
 pub struct PreparedNar {
-    /// The compressed NAR (deleted when dropped, unless persisted).
-    pub file: tempfile::NamedTempFile,
+    /// The compressed NAR, in memory or in a temporary file.
+    pub compressed: Compressed,
     /// sha256 of the compressed bytes (`FileHash`).
     pub file_hash: Hash,
     /// MD5 of the compressed bytes, when asked for (S3's `Content-MD5`).
@@ -43,13 +45,13 @@ pub enum PrepareError {
 }
 
 /// Reads `nar` (the NAR of `info.path`, on a blocking thread), checks it against `info`, and
-/// compresses it into a temporary file in `tmp_dir` as `params` and `plan` say; the MD5 of
-/// the compressed bytes is computed only `with_md5`.
-pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path, with_md5: bool) -> Result<PreparedNar, PrepareError> {
+/// compresses it as `params` and `plan` say, into memory if `in_memory` and it is small (see
+/// [`SpoolWriter`]), else into a temporary file in `tmp_dir`; the MD5 of the compressed bytes
+/// is computed only `with_md5`.
+pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path, in_memory: bool, with_md5: bool) -> Result<PreparedNar, PrepareError> {
     let path = store_dir.display_path(&info.path);
     let io_err = |source| PrepareError::Io { path: path.clone(), source };
-    let file = staging_file(tmp_dir).map_err(io_err)?;
-    let out = BufWriter::with_capacity(128 << 10, file.as_file().try_clone().map_err(io_err)?);
+    let out = SpoolWriter::new(tmp_dir, in_memory).map_err(io_err)?;
     let sink = DigestWriter { inner: out, sha256: Hasher::new(HashAlgo::Sha256), md5: with_md5.then(md5::Md5::new) };
     let encoder = params.compression.encoder(sink, params.compression_level, plan).map_err(io_err)?;
     let mut tee = Tee { inner: nar, buf: vec![0; TEE_CHUNK].into_boxed_slice(), filled: 0, passed: 0, read: 0, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
@@ -66,24 +68,15 @@ pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Rea
     if nar_hash != info.nar_hash || nar_size != info.nar_size {
         return Err(PrepareError::Mismatch { path, expected: info.nar_hash.to_nix32_prefixed(), expected_size: info.nar_size, actual: nar_hash.to_nix32_prefixed(), actual_size: nar_size });
     }
-    let mut sink = tee.out.finish().map_err(io_err)?;
-    sink.inner.flush().map_err(io_err)?;
+    let sink = tee.out.finish().map_err(io_err)?;
     let file_size = sink.sha256.len();
     Ok(PreparedNar {
-        file,
+        compressed: sink.inner.finish().map_err(io_err)?,
         file_hash: sink.sha256.finish(),
         md5: sink.md5.map(|m| m.finalize().into()),
         file_size,
         listing: if params.write_nar_listing { listing.finish() } else { None },
     })
-}
-
-/// A new temporary file in `dir` for a cache file written there and renamed into place, or
-/// uploaded from there, with the mode Nix's `writeFile` gives a cache file (`0666` less the
-/// umask; `tempfile`'s own default is `0600`).
-pub fn staging_file(dir: &Path) -> io::Result<tempfile::NamedTempFile> {
-    use std::os::unix::fs::PermissionsExt as _;
-    tempfile::Builder::new().prefix(".sluice-upload-").permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)
 }
 
 /// The `.ls` file Nix writes beside a narinfo with `write-nar-listing=true`:
