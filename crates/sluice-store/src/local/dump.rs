@@ -142,11 +142,13 @@ pub(super) fn dump<V: NarVisitor + ?Sized>(parent: BorrowedFd<'_>, name: &[u8], 
 /// around them; the contents of larger ones are read straight into the reader's buffer.
 const INLINE_FILE: u64 = 64 << 10;
 
-/// The NAR of a tree as a reader: each read walks on until it can fill the caller's buffer
-/// (up to [`INLINE_FILE`] bytes of tokens and small files at a time), on the reading thread.
-/// No thread or pipe stands between the tree and the reader, so a consumer on a blocking
-/// thread (hashing, compressing) dumps the tree itself. Errors are the walk's (as
-/// [`dump`]'s) and the writer's (an entry name a NAR cannot hold).
+/// The NAR of a tree (Nix's `dumpPath`, `src/libutil/archive.cc`) as a reader: each read
+/// walks on until it can fill the caller's buffer (up to 64 KiB of tokens and files of at most
+/// 64 KiB at a time; a larger file's contents are read straight into the caller's buffer), on
+/// the reading thread. No thread or pipe stands between the tree and the reader, so a consumer
+/// on a blocking thread (hashing, compressing) dumps the tree itself. Errors: the file system's
+/// (a node that cannot be read, a file type a NAR cannot hold, a file that shrank while read)
+/// and the NAR writer's (an entry name a NAR cannot hold), as I/O errors.
 pub struct NarDump {
     walk: Walk,
     /// Tokens (and small files) not read yet: `out.get_ref()[sent..]`.
