@@ -153,8 +153,8 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
     })
 }
 
-/// The read end of a pipe another thread writes a NAR into (a local store's dump, a daemon's
-/// NarFromPath). At its end, the writer's own failure (if any) is the read's error, so that a
+/// The read end of a pipe another thread writes a NAR into (a daemon's NarFromPath; a local
+/// store's NAR is dumped by its reader instead, `local/dump.rs`). At its end, the writer's own failure (if any) is the read's error, so that a
 /// cut-short NAR is reported as why it was. The read end is read [`PIPE_CHUNK`] bytes at a
 /// time whatever its reader asks for: a NAR parser asks for each 8-byte token apart, which
 /// was one `read` system call per token (260k for the 1056-path corpus pushed into a cache).

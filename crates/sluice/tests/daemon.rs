@@ -2804,6 +2804,11 @@ fn sluice_copy_into_and_out_of_daemons() {
     assert_eq!(infos(&second.url), infos(&nix_daemon.url), "daemon to daemon");
 }
 
+/// A narinfo's text without its `Sig` lines.
+fn without_sigs(narinfo: &str) -> String {
+    narinfo.lines().filter(|l| !l.starts_with("Sig: ")).map(|l| format!("{l}\n")).collect()
+}
+
 /// Asserts that Nix 2.8's `nix-store --verify --check-contents` finds nothing wrong in `store`.
 fn verified(env: &Env, store: &str) {
     let out = env.cmd("nix-store").args(["--store", store, "--verify", "--check-contents"]).output().unwrap();
@@ -2836,7 +2841,7 @@ fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
     let unsigned = env.path("bin-cache");
     for e in std::fs::read_dir(&unsigned).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".narinfo")) {
         let text = std::fs::read_to_string(e.path()).unwrap();
-        std::fs::write(e.path(), text.lines().filter(|l| !l.starts_with("Sig: ")).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+        std::fs::write(e.path(), without_sigs(&text)).unwrap();
     }
     let dep = store_path_of(&unsigned, "py14wj21zshnib43vh5f66ihm7rx610h");
     let sluice_daemon = env.daemon("sluice-root", &cache, "");
@@ -2859,5 +2864,69 @@ fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
         let (ok, _, err) = as_root(&env, false, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);
         assert!(ok, "{root}: a trusted client's --no-check-sigs: {err}");
         assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &dep]).trim().len(), "sha256:".len() + 52);
+    }
+}
+
+/// A batch that a daemon refuses partway: one leaf of a 25-path closure has no signature, and
+/// an untrusted client (`nobody`, `--no-check-sigs`) sends the closure, so each daemon refuses
+/// that path in the AddMultipleToStore that carries it, having added those sent before it (how
+/// many of the 23 paths that do not refer to it end valid depends on how the additions fell
+/// into batches: 11 to 23 in runs here).
+/// Through Nix 2.8's `nix-daemon` and `sluice daemon`: `sluice copy` fails naming the path and
+/// the operation; the destination holds a set closed under references (Nix's own `-qR` of what
+/// is valid stays inside it) without the refused path or anything that refers to it, passes
+/// `nix-store --verify --check-contents`, and has no other tree in its store directory (no
+/// temporary or unregistered tree); the client's count of copied paths is what the daemon made
+/// valid. With the signature back, the same copy completes the closure.
+#[test]
+fn a_batch_refused_partway_leaves_a_closed_valid_subset() {
+    let env = Env::new();
+    let cache = env.cache();
+    open_to_nobody(&env);
+    let dir = env.path("bin-cache");
+    let top = store_path_of(&dir, "24ycq19xja05axfz8a72yhz9aw6mli99");
+    let refused = store_path_of(&dir, "g6gz9bm1r6w22wpyw4al7y30r9c3hks4");
+    let narinfo = dir.join("g6gz9bm1r6w22wpyw4al7y30r9c3hks4.narinfo");
+    let signed = std::fs::read_to_string(&narinfo).unwrap();
+    std::fs::write(&narinfo, without_sigs(&signed)).unwrap();
+    let closure_in = |store: &str, path: &str| -> std::collections::BTreeSet<String> { env.nix("nix", &["path-info", "-r", "--store", store, path]).lines().map(str::to_owned).collect() };
+    let closure = closure_in(&cache, &top);
+    assert_eq!(closure.len(), 25);
+    let tainted: std::collections::BTreeSet<&String> = closure.iter().filter(|p| closure_in(&cache, p).contains(&refused)).collect();
+    assert!(tainted.len() > 1 && tainted.len() < closure.len(), "{tainted:?}");
+    let sluice_daemon = env.daemon("sluice-root", &cache, "");
+    let nix_daemon = env.nix_daemon("nix-daemon.socket", "nix-root", &format!("trusted-public-keys = {}\n", cache_key()));
+    for (daemon, root) in [(&sluice_daemon, "sluice-root"), (&nix_daemon, "nix-root")] {
+        let direct = env.path(root);
+        let direct = direct.to_str().unwrap();
+        let (ok, _, err) = as_nobody(&env, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &top]);
+        assert!(!ok, "{root}: the copy succeeded: {err}");
+        assert!(err.contains(&refused) && err.contains(": AddMultipleToStore: "), "{root}: {err}");
+        let invalid = env.cmd("nix-store").args(["--store", direct, "--check-validity", "--print-invalid"]).args(&closure).output().unwrap();
+        let invalid: std::collections::BTreeSet<String> = String::from_utf8_lossy(&invalid.stdout).lines().map(str::to_owned).collect();
+        let valid: Vec<&String> = closure.iter().filter(|p| !invalid.contains(*p)).collect();
+        assert!(tainted.iter().all(|p| invalid.contains(*p)), "{root}: a path referring to the refused one is valid: {valid:?}");
+        eprintln!("{root}: {} of {} paths valid after the refusal ({} refer to the refused path)", valid.len(), closure.len(), tainted.len());
+        if !valid.is_empty() {
+            let mut args = vec!["--store", direct, "-qR"];
+            args.extend(valid.iter().map(|p| p.as_str()));
+            let closed: std::collections::BTreeSet<String> = env.nix("nix-store", &args).lines().map(str::to_owned).collect();
+            assert_eq!(closed, valid.iter().map(|p| p.to_string()).collect(), "{root}: what is valid is not closed under references");
+        }
+        verified(&env, direct);
+        let unpacking = env.path(root).join("nix/store/00000000000000000000000000000000-sluice-unpacking");
+        assert!(std::fs::read_dir(&unpacking).map_or(true, |mut d| d.next().is_none()), "{root}: a temporary tree was left");
+        let trees: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !e.ends_with(".lock") && !e.ends_with("-sluice-unpacking")).collect();
+        let expected: Vec<String> = valid.iter().map(|p| p.trim_start_matches("/nix/store/").to_string()).collect();
+        assert_eq!(trees, expected, "{root}: trees beside the valid paths");
+        let copied: usize = err.split("copied ").nth(1).and_then(|s| s.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{root}: no count in {err}"));
+        assert_eq!(copied, valid.len(), "{root}: {err}");
+    }
+    std::fs::write(&narinfo, signed).unwrap();
+    for (daemon, root) in [(&sluice_daemon, "sluice-root"), (&nix_daemon, "nix-root")] {
+        let (ok, _, err) = as_nobody(&env, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &top]);
+        assert!(ok, "{root}: {err}");
+        assert_eq!(closure_in(&daemon.url, &top), closure, "{root}");
+        verified(&env, env.path(root).to_str().unwrap());
     }
 }

@@ -39,6 +39,33 @@ impl<W: std::io::Write> NarWriter<W> {
     pub fn into_inner(self) -> W { self.out }
     /// Bytes written so far (after the root node: the NAR size).
     pub fn position(&self) -> u64 { self.pos }
+    /// The underlying writer, to take what was written so far (e.g. drain a `Vec`).
+    pub fn get_mut(&mut self) -> &mut W { &mut self.out }
+    /// The underlying writer.
+    pub fn get_ref(&self) -> &W { &self.out }
+
+    /// Writes a regular file's tokens up to its contents (the entry, `type`, `executable`,
+    /// `contents` and the `size`): the caller then writes exactly `size` bytes of contents to
+    /// the underlying writer itself ([`NarWriter::get_mut`]) and ends the file with
+    /// [`NarWriter::regular_trailer`]. For a reader that streams a large file's contents
+    /// without copying them through this writer; [`NarVisitor::regular`] does all three.
+    /// Errors: a name out of order or not allowed (`InvalidInput`), the writer's.
+    pub fn regular_header(&mut self, path: &NarPath, executable: bool, size: u64) -> std::io::Result<()> {
+        self.open(path, "regular")?;
+        if executable {
+            self.strs(&["executable", ""])?;
+        }
+        self.str(b"contents")?;
+        self.raw(&size.to_le_bytes())
+    }
+
+    /// Ends the regular file of `size` bytes that [`NarWriter::regular_header`] started, once
+    /// its contents were written: the padding and the closing tokens.
+    pub fn regular_trailer(&mut self, path: &NarPath, size: u64) -> std::io::Result<()> {
+        self.pos += size;
+        self.pad(size)?;
+        self.close(path)
+    }
 
     fn raw(&mut self, b: &[u8]) -> std::io::Result<()> {
         self.out.write_all(b)?;
@@ -92,12 +119,7 @@ impl<W: std::io::Write> NarWriter<W> {
 
 impl<W: std::io::Write> NarVisitor for NarWriter<W> {
     fn regular(&mut self, path: &NarPath, executable: bool, size: u64, _offset: u64, contents: &mut dyn std::io::Read) -> std::io::Result<()> {
-        self.open(path, "regular")?;
-        if executable {
-            self.strs(&["executable", ""])?;
-        }
-        self.str(b"contents")?;
-        self.raw(&size.to_le_bytes())?;
+        self.regular_header(path, executable, size)?;
         let mut n = 0;
         // A buffer as large as the file, in powers of two up to COPY_BUF: most files of a
         // store are small, and zeroing 256 KiB for each NAR dumped was 2 % of a push's time.
@@ -116,9 +138,7 @@ impl<W: std::io::Write> NarVisitor for NarWriter<W> {
             self.out.write_all(&self.buf[..got])?;
             n += got as u64;
         }
-        self.pos += n;
-        self.pad(size)?;
-        self.close(path)
+        self.regular_trailer(path, size)
     }
 
     fn symlink(&mut self, path: &NarPath, target: &[u8]) -> std::io::Result<()> {

@@ -3,7 +3,8 @@
 //! (`s3-binary-cache-store.cc`). A session token first (`PUT /latest/api/token` with
 //! `X-aws-ec2-metadata-token-ttl-seconds`), then, with it, the instance's role
 //! (`GET /latest/meta-data/iam/security-credentials/`) and that role's credentials (JSON with
-//! `AccessKeyId`, `SecretAccessKey`, `Token`). As the SDKs do, the service is not asked when
+//! `AccessKeyId`, `SecretAccessKey`, `Token`, and `Expiration`, which the credentials carry so
+//! that the signer finds them again before they expire). As the SDKs do, the service is not asked when
 //! `AWS_EC2_METADATA_DISABLED` is `true`, and it is asked at
 //! `AWS_EC2_METADATA_SERVICE_ENDPOINT` (default `http://169.254.169.254`). Each request must
 //! be answered within [`TIMEOUT`], so a machine without the service loses at most that, once,
@@ -46,10 +47,17 @@ pub async fn credentials(client: &reqwest::Client, endpoint: &str) -> Result<Cre
     let json = request(client, reqwest::Method::GET, &format!("{roles_url}{role}"), token).await?;
     let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| format!("the credentials of role {role}: {e}"))?;
     let field = |name: &str| value.get(name).and_then(|v| v.as_str()).map(str::to_string);
+    let expiry = field("Expiration").map(|e| expiry(&e).map_err(|why| format!("the credentials of role {role}: Expiration {e:?}: {why}"))).transpose()?;
     match (field("AccessKeyId"), field("SecretAccessKey")) {
-        (Some(id), Some(secret)) => Ok(Credentials::new(id, secret, field("Token"), None, "instance metadata")),
+        (Some(id), Some(secret)) => Ok(Credentials::new(id, secret, field("Token"), expiry, "instance metadata")),
         _ => Err(format!("the credentials of role {role} lack AccessKeyId or SecretAccessKey")),
     }
+}
+
+/// The time an RFC 3339 `Expiration` (`2026-12-02T22:00:00Z`) stands for.
+fn expiry(text: &str) -> Result<std::time::SystemTime, String> {
+    let at = aws_smithy_types::DateTime::from_str(text, aws_smithy_types::date_time::Format::DateTime).map_err(|e| e.to_string())?;
+    std::time::SystemTime::try_from(at).map_err(|e| e.to_string())
 }
 
 /// One request with one extra header; the body of a 200 answer (at most [`MAX_ANSWER`]
@@ -108,6 +116,8 @@ mod tests {
         let (endpoint, served) = fake(vec![(200, "tok-123"), (200, "the-role\n"), (200, creds)]);
         let got = credentials(&client(), &endpoint).await.unwrap();
         assert_eq!((got.access_key_id(), got.secret_access_key(), got.session_token()), ("ASIAFAKE", "secret", Some("session")));
+        // 2026-12-02T22:00:00Z
+        assert_eq!(got.expiry(), Some(std::time::UNIX_EPOCH + Duration::from_secs(1_796_248_800)));
         let seen = served.join().unwrap();
         assert!(seen[0].starts_with("PUT /latest/api/token HTTP/1.1\r\n") && seen[0].contains("x-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"), "{}", seen[0]);
         assert!(seen[1].starts_with("GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\n") && seen[1].contains("x-aws-ec2-metadata-token: tok-123\r\n"), "{}", seen[1]);

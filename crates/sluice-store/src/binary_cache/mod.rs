@@ -11,6 +11,7 @@ mod multipart;
 mod pool;
 pub mod retry;
 pub mod s3;
+pub mod spool;
 mod store;
 pub mod transfer;
 pub mod upload;
@@ -80,15 +81,15 @@ impl Upload {
         Some(base64::engine::general_purpose::STANDARD.encode(md5))
     }
 
-    /// A request body of the contents (a prepared NAR streams from its file, 256 KiB at a
-    /// time, or in one read if it is smaller: many uploads may be in flight).
+    /// A request body of the contents (a NAR in a file streams from it, 256 KiB at a time, or
+    /// in one read if it is smaller: many uploads may be in flight).
     pub async fn body(&self) -> std::io::Result<reqwest::Body> {
         Ok(match self {
-            Upload::Bytes(b) => reqwest::Body::from(b.clone()),
-            Upload::Nar(n) => {
-                let chunk = n.file_size.clamp(1, 256 << 10) as usize;
-                reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(n.file.reopen()?), chunk))
+            Upload::Nar(upload::PreparedNar { compressed: spool::Compressed::File(file), file_size, .. }) => {
+                let chunk = (*file_size).clamp(1, 256 << 10) as usize;
+                reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file.reopen()?), chunk))
             }
+            Upload::Bytes(b) | Upload::Nar(upload::PreparedNar { compressed: spool::Compressed::Memory(b, _), .. }) => reqwest::Body::from(b.clone()),
         })
     }
 }

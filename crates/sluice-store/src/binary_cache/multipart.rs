@@ -6,8 +6,6 @@
 //! retried as any HTTP request; an upload that fails is aborted (`AbortMultipartUpload`), so
 //! the bucket keeps no parts. Memory: one part.
 
-use std::io::{Read, Seek, SeekFrom};
-
 use super::http::{Answer, HttpTransport, Request};
 use super::upload::PreparedNar;
 use super::{CacheError, Upload};
@@ -49,13 +47,10 @@ pub async fn upload(http: &HttpTransport, rel: &str, nar: &PreparedNar, chunk_si
 /// Sends every part; their ETags in order.
 async fn upload_parts(http: &HttpTransport, rel: &str, id: &str, nar: &PreparedNar, part_size: u64) -> Result<Vec<String>, CacheError> {
     let io = |source| CacheError::Io { url: http.resolve(rel), source };
-    let mut file = nar.file.reopen().map_err(io)?;
     let mut etags = Vec::new();
     for (index, offset) in (0..nar.file_size).step_by(part_size as usize).enumerate() {
         let len = part_size.min(nar.file_size - offset);
-        let mut part = vec![0u8; len as usize];
-        file.seek(SeekFrom::Start(offset)).and_then(|_| file.read_exact(&mut part)).map_err(io)?;
-        let body = Upload::Bytes(part.into());
+        let body = Upload::Bytes(nar.compressed.part(offset, len as usize).map_err(io)?);
         let target = format!("{rel}?partNumber={}&uploadId={id}", index + 1);
         let answer = http.send(&target, Request { method: &reqwest::Method::PUT, body: Some((&body, "application/octet-stream")), headers: &[] }).await?;
         let etag = answer.as_ref().and_then(|a| a.headers.get(reqwest::header::ETAG)?.to_str().ok().map(str::to_string));

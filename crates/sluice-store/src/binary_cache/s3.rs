@@ -11,10 +11,11 @@
 //! otherwise `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`) from the
 //! environment, then the profile `$AWS_PROFILE` (default `default`) of that file, then the
 //! EC2 instance metadata service (`imds.rs`, unless `AWS_EC2_METADATA_DISABLED`
-//! is `true`). Without any, requests go unsigned (a public bucket).
+//! is `true`; these carry an expiry, and are found again five minutes before it). Without any,
+//! requests go unsigned (a public bucket).
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use aws_credential_types::Credentials;
 use aws_sigv4::http_request::{sign, PayloadChecksumKind, SignableBody, SignableRequest, SigningSettings};
@@ -52,7 +53,7 @@ impl S3 {
 
     /// The request signer (SigV4 with the credentials found now, or none: unsigned).
     pub fn signer(&self, client: &reqwest::Client) -> Arc<dyn RequestSigner> {
-        Arc::new(SigV4 { region: self.params.region.clone(), profile: self.params.profile.clone(), client: client.clone(), credentials: tokio::sync::OnceCell::new() })
+        Arc::new(SigV4 { region: self.params.region.clone(), profile: self.params.profile.clone(), client: client.clone(), credentials: tokio::sync::Mutex::new(None) })
     }
 
     /// Uploads `rel` with `storage-class` if one is set: in parts (see [`multipart`]) when
@@ -77,16 +78,70 @@ struct SigV4 {
     profile: Option<String>,
     /// For the instance metadata service.
     client: reqwest::Client,
-    /// The default chain's credentials, found at the first request (`None`: unsigned).
-    credentials: tokio::sync::OnceCell<Option<Credentials>>,
+    /// The default chain's credentials, found at the first request and again when they are
+    /// about to expire ([`Found`]; `None` until the first request).
+    credentials: tokio::sync::Mutex<Option<Found>>,
+}
+
+/// Credentials found, and when to look for them again.
+#[derive(Debug)]
+struct Found {
+    /// `None`: requests go unsigned.
+    credentials: Option<Credentials>,
+    /// [`REFRESH_BEFORE`] their expiry (the instance metadata service's carry one); `None`:
+    /// never (the environment's and a profile's do not expire here).
+    refresh_at: Option<SystemTime>,
+}
+
+/// Expiring credentials are found again this long before they expire: the instance metadata
+/// service has new ones at least five minutes before the old ones expire (AWS's "Retrieve
+/// security credentials from instance metadata"), and a push may outlive a role's credentials
+/// (about 6 hours).
+const REFRESH_BEFORE: Duration = Duration::from_secs(5 * 60);
+
+/// When finding expiring credentials again fails, the old ones are kept (while they last) and
+/// the search is retried after this long, not at every request.
+const REFRESH_RETRY: Duration = Duration::from_secs(30);
+
+impl Found {
+    fn new(credentials: Option<Credentials>) -> Found {
+        let refresh_at = credentials.as_ref().and_then(|c| c.expiry()).map(|at| at.checked_sub(REFRESH_BEFORE).unwrap_or(at));
+        Found { credentials, refresh_at }
+    }
+}
+
+impl SigV4 {
+    /// The credentials to sign with now: found at the first call, found again once
+    /// [`Found::refresh_at`] has passed (a failed search keeps the old ones, retried after
+    /// [`REFRESH_RETRY`]).
+    async fn current(&self) -> Option<Credentials> {
+        self.current_by(|| find_credentials(self.profile.as_deref(), &self.client)).await
+    }
+
+    /// [`SigV4::current`] with `find` as the default chain.
+    async fn current_by<F: std::future::Future<Output = Option<Credentials>>>(&self, find: impl Fn() -> F) -> Option<Credentials> {
+        let mut held = self.credentials.lock().await;
+        let now = SystemTime::now();
+        match &mut *held {
+            None => *held = Some(Found::new(find().await)),
+            Some(found) if found.refresh_at.is_some_and(|at| at <= now) => match find().await {
+                Some(fresh) => *found = Found::new(Some(fresh)),
+                None => {
+                    tracing::warn!("S3 credentials expire at {:?} and could not be found again; retrying in {} s", found.credentials.as_ref().and_then(|c| c.expiry()), REFRESH_RETRY.as_secs());
+                    found.refresh_at = Some(now + REFRESH_RETRY);
+                }
+            },
+            Some(_) => {}
+        }
+        held.as_ref().and_then(|found| found.credentials.clone())
+    }
 }
 
 impl RequestSigner for SigV4 {
     fn sign<'a>(&'a self, request: &'a mut reqwest::Request, payload_sha256: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            let credentials = self.credentials.get_or_init(|| find_credentials(self.profile.as_deref(), &self.client)).await;
-            match credentials {
-                Some(credentials) => sign_v4(credentials, &self.region, request, payload_sha256),
+            match self.current().await {
+                Some(credentials) => sign_v4(&credentials, &self.region, request, payload_sha256),
                 None => Ok(()),
             }
         })
@@ -180,6 +235,45 @@ fn profile_keys(text: &str, profile: &str) -> Option<(String, String, Option<Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Credentials that carry an expiry are found again [`REFRESH_BEFORE`] it, those that do
+    /// not never; a failed search keeps the old ones and is not retried at every request.
+    #[tokio::test]
+    async fn expiring_credentials_are_found_again_before_they_expire() {
+        let signer = SigV4 { region: "r".into(), profile: None, client: reqwest::Client::new(), credentials: tokio::sync::Mutex::new(None) };
+        let searches = std::sync::atomic::AtomicUsize::new(0);
+        let expiring = |left: Duration, id: &str| Credentials::new(id, "s", None, Some(SystemTime::now() + left), "test");
+        let search = |answer: Option<Credentials>| {
+            let searches = &searches;
+            move || {
+                let answer = answer.clone();
+                async move {
+                    searches.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    answer
+                }
+            }
+        };
+        let id = |c: Option<Credentials>| c.map(|c| c.access_key_id().to_string());
+        // Four minutes left: due at once, so the next request finds them again.
+        assert_eq!(id(signer.current_by(search(Some(expiring(Duration::from_secs(240), "A")))).await).as_deref(), Some("A"));
+        assert_eq!(id(signer.current_by(search(Some(expiring(Duration::from_secs(3600), "B")))).await).as_deref(), Some("B"));
+        assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // An hour left: kept.
+        assert_eq!(id(signer.current_by(search(Some(expiring(Duration::from_secs(3600), "C")))).await).as_deref(), Some("B"));
+        assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // Due again, and the search fails: the old ones are kept, and not asked for again
+        // within REFRESH_RETRY.
+        signer.credentials.lock().await.as_mut().unwrap().refresh_at = Some(SystemTime::now());
+        assert_eq!(id(signer.current_by(search(None)).await).as_deref(), Some("B"));
+        assert_eq!(id(signer.current_by(search(None)).await).as_deref(), Some("B"));
+        assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 3);
+        // Credentials without an expiry (the environment's, a profile's) are never searched again.
+        let plain = SigV4 { region: "r".into(), profile: None, client: reqwest::Client::new(), credentials: tokio::sync::Mutex::new(None) };
+        for _ in 0..3 {
+            assert_eq!(id(plain.current_by(search(Some(Credentials::new("P", "s", None, None, "test")))).await).as_deref(), Some("P"));
+        }
+        assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 4);
+    }
 
     #[test]
     fn credentials_file_profiles() {

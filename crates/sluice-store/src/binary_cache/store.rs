@@ -72,7 +72,7 @@ impl BinaryCache {
     /// Whether the cache file `rel` exists.
     pub async fn file_exists(&self, rel: &str) -> Result<bool, CacheError> {
         match &self.transport {
-            Transport::File(t) => t.exists(rel).await,
+            Transport::File(t) => t.exists(rel),
             Transport::Http { http, .. } => http.exists(rel).await,
         }
     }
@@ -80,7 +80,7 @@ impl BinaryCache {
     /// Creates or replaces the cache file `rel` (Nix's `upsertFile`).
     pub async fn upsert_file(&self, rel: &str, upload: Upload, mime: &str) -> Result<(), CacheError> {
         match &self.transport {
-            Transport::File(t) => t.put(rel, upload).await,
+            Transport::File(t) => t.put(rel, upload),
             Transport::Http { http, s3: None } => http.put(rel, &upload, mime, &[]).await,
             Transport::Http { http, s3: Some(s3) } => s3.put(http, rel, &upload, mime).await,
         }
@@ -92,7 +92,7 @@ impl BinaryCache {
         self.initialised
             .get_or_try_init(|| async {
                 if let Transport::File(t) = &self.transport {
-                    t.create_dirs().await?;
+                    t.create_dirs()?;
                 }
                 if !self.file_exists("nix-cache-info").await? {
                     let text = format!("StoreDir: {STORE_DIR}\n");
@@ -104,12 +104,13 @@ impl BinaryCache {
             .map(drop)
     }
 
-    /// Where NARs are compressed before upload: the cache's own directory for `file://` (so
-    /// that the upload is a rename), the system's temporary directory otherwise.
-    fn staging_dir(&self) -> std::path::PathBuf {
+    /// Where NARs are compressed before upload, and whether a small one may stay in memory:
+    /// a file in the cache's own directory for `file://` (so that the upload is a rename),
+    /// memory or the system's temporary directory otherwise ([`super::spool`]).
+    fn staging(&self) -> (std::path::PathBuf, bool) {
         match &self.transport {
-            Transport::File(t) => t.dir().to_path_buf(),
-            Transport::Http { .. } => std::env::temp_dir(),
+            Transport::File(t) => (t.dir().to_path_buf(), false),
+            Transport::Http { .. } => (std::env::temp_dir(), true),
         }
     }
 
@@ -218,7 +219,7 @@ impl Store for BinaryCache {
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             self.init_for_writing().await?;
-            let (params, dir, info2) = (self.write.clone(), self.staging_dir(), info.clone());
+            let (params, (dir, in_memory), info2) = (self.write.clone(), self.staging(), info.clone());
             // S3 uploads carry the MD5 (`Content-MD5`); nothing else uses it.
             let with_md5 = matches!(&self.transport, Transport::Http { s3: Some(_), .. });
             let cores = crate::cores() as u32;
@@ -228,7 +229,7 @@ impl Store for BinaryCache {
             let budget = self.encoder_budget.clone().acquire_many_owned(mib).await.expect("semaphore never closed");
             let prepared = tokio::task::spawn_blocking(move || {
                 let _budget = budget;
-                upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &plan, &dir, with_md5)
+                upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &plan, &dir, in_memory, with_md5)
             })
                 .await
                 .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?

@@ -1,11 +1,12 @@
 //! Preparing a NAR for a binary cache, as Nix's `BinaryCacheStore::addToStoreCommon`
 //! (`src/libstore/binary-cache-store.cc`) does, but streaming: the NAR is read once, checked
 //! against the path's `NarHash`/`NarSize` and parsed (for its listing), while it is compressed
-//! into a temporary file whose sha256 (`FileHash`, and S3's `x-amz-content-sha256`), MD5
-//! (S3's `Content-MD5`) and size are computed on the way. Memory: the encoder's (see
-//! [`EncoderPlan`]) and 256 KiB of buffers, whatever the NAR's size.
+//! into memory or a temporary file ([`super::spool`]) whose sha256 (`FileHash`, and S3's
+//! `x-amz-content-sha256`), MD5 (S3's `Content-MD5`) and size are computed on the way. Memory:
+//! the encoder's (see [`EncoderPlan`]), 64 KiB of buffer and the spool's, whatever the NAR's
+//! size.
 
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, Read, Write};
 use std::path::Path;
 
 use md5::Digest as _;
@@ -14,13 +15,14 @@ use sluice_nix::nar::listing::{ListingBuilder, NarEntry};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 
+use super::spool::{Compressed, SpoolWriter};
 use crate::encoder_memory::EncoderPlan;
 use crate::store_url::CacheWriteParams;
 
-/// A compressed NAR in a temporary file, ready to upload.
+/// A compressed NAR, ready to upload.
 pub struct PreparedNar {
-    /// The compressed NAR (deleted when dropped, unless persisted).
-    pub file: tempfile::NamedTempFile,
+    /// The compressed NAR, in memory or in a temporary file.
+    pub compressed: Compressed,
     /// sha256 of the compressed bytes (`FileHash`).
     pub file_hash: Hash,
     /// MD5 of the compressed bytes, when asked for (S3's `Content-MD5`).
@@ -43,32 +45,33 @@ pub enum PrepareError {
 }
 
 /// Reads `nar` (the NAR of `info.path`, on a blocking thread), checks it against `info`, and
-/// compresses it into a temporary file in `tmp_dir` as `params` and `plan` say; the MD5 of
-/// the compressed bytes is computed only `with_md5`.
-pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path, with_md5: bool) -> Result<PreparedNar, PrepareError> {
+/// compresses it as `params` and `plan` say, into memory if `in_memory` and it is small (see
+/// [`SpoolWriter`]), else into a temporary file in `tmp_dir`; the MD5 of the compressed bytes
+/// is computed only `with_md5`.
+pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path, in_memory: bool, with_md5: bool) -> Result<PreparedNar, PrepareError> {
     let path = store_dir.display_path(&info.path);
     let io_err = |source| PrepareError::Io { path: path.clone(), source };
-    let file = super::file::staging_file(tmp_dir).map_err(io_err)?;
-    let out = BufWriter::with_capacity(128 << 10, file.as_file().try_clone().map_err(io_err)?);
+    let out = SpoolWriter::new(tmp_dir, in_memory).map_err(io_err)?;
     let sink = DigestWriter { inner: out, sha256: Hasher::new(HashAlgo::Sha256), md5: with_md5.then(md5::Md5::new) };
     let encoder = params.compression.encoder(sink, params.compression_level, plan).map_err(io_err)?;
-    let mut tee = Tee { inner: nar, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
+    let mut tee = Tee { inner: nar, buf: vec![0; TEE_CHUNK].into_boxed_slice(), filled: 0, passed: 0, read: 0, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
     let mut listing = ListingBuilder::default();
     let parsed = sluice_nix::nar::reader::parse(&mut tee, &mut listing);
+    let passed = if parsed.is_ok() { tee.pass_consumed() } else { Ok(()) };
     if let Some(e) = tee.error.take() {
         return Err(io_err(e));
     }
     parsed.map_err(|source| PrepareError::Nar { path: path.clone(), source })?;
+    passed.map_err(io_err)?;
     let nar_size = tee.nar_hash.len();
     let nar_hash = std::mem::replace(&mut tee.nar_hash, Hasher::new(HashAlgo::Sha256)).finish();
     if nar_hash != info.nar_hash || nar_size != info.nar_size {
         return Err(PrepareError::Mismatch { path, expected: info.nar_hash.to_nix32_prefixed(), expected_size: info.nar_size, actual: nar_hash.to_nix32_prefixed(), actual_size: nar_size });
     }
-    let mut sink = tee.out.finish().map_err(io_err)?;
-    sink.inner.flush().map_err(io_err)?;
+    let sink = tee.out.finish().map_err(io_err)?;
     let file_size = sink.sha256.len();
     Ok(PreparedNar {
-        file,
+        compressed: sink.inner.finish().map_err(io_err)?,
         file_hash: sink.sha256.finish(),
         md5: sink.md5.map(|m| m.finalize().into()),
         file_size,
@@ -85,24 +88,52 @@ pub fn listing_json(root: &NarEntry) -> Vec<u8> {
     out
 }
 
-/// Passes what is read through a hasher (the NAR hash) and into a writer (the encoder); a
-/// write failure is kept aside, to be reported as itself rather than as a NAR error.
+/// Bytes a [`Tee`] reads from its NAR at a time.
+const TEE_CHUNK: usize = 64 << 10;
+
+/// Reads the NAR [`TEE_CHUNK`] bytes at a time for the parser, and passes what the parser has
+/// consumed through the NAR's hasher and into the writer (the encoder) a chunk at a time: the
+/// parser reads each 8-byte token apart, which were a hash update and an encoder call each.
+/// Bytes read past the NAR's end, which the parser never asks for, are neither hashed nor
+/// written. A write failure is kept aside, to be reported as itself rather than as a NAR error.
 struct Tee<'a, W: Write> {
     inner: &'a mut dyn Read,
+    buf: Box<[u8]>,
+    /// `buf[..filled]` came from `inner`; the parser has read `buf[..read]`, of which
+    /// `buf[..passed]` went through the hasher and the writer.
+    filled: usize,
+    read: usize,
+    passed: usize,
     nar_hash: Hasher,
     out: W,
     error: Option<io::Error>,
 }
 
-impl<W: Write> Read for Tee<'_, W> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.nar_hash.update(&buf[..n]);
-        if let Err(e) = self.out.write_all(&buf[..n]) {
+impl<W: Write> Tee<'_, W> {
+    /// Hashes and writes what the parser has read and was not passed on yet.
+    fn pass_consumed(&mut self) -> io::Result<()> {
+        let consumed = &self.buf[self.passed..self.read];
+        self.nar_hash.update(consumed);
+        self.passed = self.read;
+        if let Err(e) = self.out.write_all(consumed) {
             let what = e.to_string();
             self.error = Some(e);
             return Err(io::Error::other(what));
         }
+        Ok(())
+    }
+}
+
+impl<W: Write> Read for Tee<'_, W> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.read == self.filled {
+            self.pass_consumed()?;
+            self.filled = self.inner.read(&mut self.buf)?;
+            (self.read, self.passed) = (0, 0);
+        }
+        let n = buf.len().min(self.filled - self.read);
+        buf[..n].copy_from_slice(&self.buf[self.read..self.read + n]);
+        self.read += n;
         Ok(n)
     }
 }

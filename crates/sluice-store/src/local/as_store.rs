@@ -1,6 +1,6 @@
 //! The local store behind the [`Store`] interface: queries run on blocking threads, a NAR is
-//! dumped into a pipe by a blocking thread while the caller reads it (or straight into the
-//! caller's writer by [`Store::dump_nar`]), and additions pass the
+//! dumped by the thread that reads it, as it reads (or straight into the caller's writer by
+//! [`Store::dump_nar`]), and additions pass the
 //! one verification boundary ([`LocalStore::begin_add`] → [`PendingPath::unpack`] → after the
 //! publish gate, [`PendingPath::commit`] under the store's signature policy).
 
@@ -12,7 +12,8 @@ use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use super::{LocalStore, PendingPath, SignaturePolicy, TempRoots};
-use crate::store::{NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, PIPE_CHUNK};
+use super::dump::NarDump;
+use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 
 /// NARs unpacked at once into a local store (each on a blocking thread).
 const UNPACK_PARALLELISM: usize = 32;
@@ -99,20 +100,11 @@ impl Store for LocalStoreHandle {
         Box::pin(blocking(&self.url, move || Ok(store.query_path_info_from_hash_part(&hash_part)?)))
     }
 
+    /// The NAR is dumped by whoever reads it, as it is read ([`DumpedNar`]): no thread or pipe
+    /// between the tree and the reader.
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
-        Box::pin(async move {
-            let (store, path) = (self.store.clone(), info.path.clone());
-            let nar = PipedNar::start(&self.url, |write| {
-                // The NAR's tokens are written a few bytes at a time: one write per pipe's worth.
-                let mut write = io::BufWriter::with_capacity(PIPE_CHUNK, write);
-                let dumper = tokio::task::spawn_blocking(move || -> Result<(), StoreError> {
-                    store.dump_path(&path, &mut write)?;
-                    io::Write::flush(&mut write).map_err(|e| StoreError::Other(format!("writing the NAR of {}: {e}", store.store_dir().display_path(&path))))
-                });
-                Ok(Box::pin(async move { dumper.await.map_err(io::Error::other)?.map_err(io::Error::other) }))
-            });
-            Ok(Box::new(nar.map_err(|e| StoreError::Other(e.to_string()))?) as NarReader)
-        })
+        let nar = DumpedNar { store: self.store.clone(), path: info.path.clone(), dump: None };
+        Box::pin(async move { Ok(Box::new(nar) as NarReader) })
     }
 
     fn dump_nar<'a>(&'a self, info: &'a ValidPathInfo, mut sink: Box<dyn io::Write + Send>) -> StoreFuture<'a, ()> {
@@ -138,5 +130,24 @@ impl Store for LocalStoreHandle {
 
     fn parallelism(&self) -> usize {
         UNPACK_PARALLELISM
+    }
+}
+
+/// The NAR of a valid path of a local store, dumped as it is read on the reading thread (a
+/// [`NarReader`] is read on a blocking thread): the path's validity is looked at and its root
+/// opened at the first read. Errors name the path on disk.
+struct DumpedNar {
+    store: Arc<LocalStore>,
+    path: StorePath,
+    dump: Option<NarDump>,
+}
+
+impl io::Read for DumpedNar {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let dump = match &mut self.dump {
+            Some(dump) => dump,
+            None => self.dump.insert(self.store.nar_dump(&self.path).map_err(io::Error::other)?),
+        };
+        dump.read(buf).map_err(|e| io::Error::new(e.kind(), format!("dumping {}: {e}", self.store.real_path(&self.path).display())))
     }
 }

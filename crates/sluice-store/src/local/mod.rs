@@ -40,6 +40,7 @@ mod verify;
 mod verify_store;
 
 pub use as_store::LocalStoreHandle;
+pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use optimise::{OptimiseEvent, OptimiseStats};
@@ -321,6 +322,16 @@ impl LocalStore {
         let real_path = self.real_path(path);
         let mut writer = NarWriter::new(out).map_err(io_err("writing the NAR of", &real_path))?;
         dump::dump(self.store_fd.as_fd(), path.base_name().as_bytes(), &mut writer).map_err(io_err("dumping", &real_path))
+    }
+
+    /// The NAR of the valid path `path` as a reader that walks its tree as it is read
+    /// ([`NarDump`]), on the reading thread; fails as [`LocalStore::dump_path`] does for a path
+    /// that is not registered, before anything is read.
+    pub fn nar_dump(&self, path: &StorePath) -> Result<dump::NarDump, LocalStoreError> {
+        if !self.is_valid_path(path)? {
+            return Err(LocalStoreError::NotValid { path: self.store_dir.display_path(path) });
+        }
+        dump::NarDump::new(self.store_fd.as_fd(), path.base_name().as_bytes()).map_err(io_err("dumping", &self.real_path(path)))
     }
 
     /// Removes the lock file of the valid path `path` if a killed process left it (nobody
