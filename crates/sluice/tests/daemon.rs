@@ -100,12 +100,21 @@ impl Env {
 
     /// Starts Nix 2.8's `nix-daemon` on `<tmp>/<socket>` for the store at `<tmp>/<root>`, with
     /// `nix_conf` as its whole configuration (its own `NIX_CONF_DIR`, `<tmp>/<socket>-conf`).
+    ///
+    /// The daemon runs in a mount namespace of its own in which this machine's `/nix` is
+    /// `<tmp>/<socket>-host-nix`: Nix 2.8 moves a failed build's outputs out of its build
+    /// chroot to their logical path (`/nix/store/…`, not the chroot store's real directory:
+    /// `LocalDerivationGoal::buildDone`, "Move paths out of the chroot for easier debugging"),
+    /// which without this is the machine's real store. (Without a `/nix`, there is none to keep.)
     fn nix_daemon(&self, socket: &str, root: &str, nix_conf: &str) -> Daemon {
         let conf = self.path(&format!("{socket}-conf"));
         std::fs::create_dir_all(&conf).unwrap();
         std::fs::write(conf.join("nix.conf"), nix_conf).unwrap();
+        let host_nix = self.path(&format!("{socket}-host-nix"));
+        std::fs::create_dir_all(host_nix.join("store")).unwrap();
         let socket = self.path(socket);
-        let mut cmd = self.cmd("nix-daemon");
+        let mut cmd = self.cmd("unshare");
+        cmd.args(["--mount", "--propagation", "private", "sh", "-c", "{ [ ! -e /nix ] || mount --bind \"$0\" /nix; } && exec nix-daemon \"$@\""]).arg(&host_nix);
         cmd.env_remove("NIX_CONFIG").env("NIX_CONF_DIR", &conf).env("NIX_DAEMON_SOCKET_PATH", &socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
         wait_for_socket(cmd.spawn().unwrap(), &socket)
     }
