@@ -146,7 +146,7 @@ impl Sessions {
 async fn closure_query(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Option<TempRoots>) -> Result<ClosureQuery, String> {
     let session = daemon.sessions.get(&daemon.store, settings, use_substitutes).await?;
     let is_valid = closure::validity_in(Some(Arc::clone(&daemon.store)), roots);
-    Ok(ClosureQuery { substituters: Arc::clone(&session.substituters), disk_cache: session.disk.clone(), store_dir: daemon.store.store_dir().clone(), is_valid })
+    Ok(ClosureQuery { substituters: Arc::clone(&session.substituters), disk_cache: session.disk.clone(), store_dir: daemon.store.store_dir().clone(), is_valid, accept: None })
 }
 
 /// What the substituters know about the closures of `roots` (paths valid in the store are not

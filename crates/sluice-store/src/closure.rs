@@ -12,13 +12,14 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use sluice_nix::narinfo::NarInfo;
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::mpsc;
 
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
-use crate::local::{LocalStore, TempRoots};
+use crate::local::{LocalStore, SignaturePolicy, TempRoots};
 use crate::narinfo_cache::{Cached, NarInfoCache};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
@@ -91,6 +92,15 @@ pub struct ClosureQuery {
     pub disk_cache: Option<Arc<NarInfoCache>>,
     pub store_dir: StoreDir,
     pub is_valid: ValidityCheck,
+    /// For a substitution, who must vouch for a path ([`SignaturePolicy::vouch`] under
+    /// [`SignaturePolicy::for_source`]): a narinfo it refuses is passed over for a
+    /// lower-priority substituter's that it accepts, as Nix's substitution goal tries the next
+    /// substituter of a path whose info is untrusted (`tryNext` in
+    /// `src/libstore/build/substitution-goal.cc`), so that the closure is walked along the
+    /// references of the narinfos that will be used. If none is accepted, the first is taken
+    /// (its path then fails, naming why). `None` (a query of what caches have, as Nix's
+    /// `querySubstitutablePathInfos`): the first is taken.
+    pub accept: Option<SignaturePolicy>,
 }
 
 enum Answer {
@@ -239,7 +249,8 @@ impl ClosureQuery {
             })
             .collect();
         walk.network += network as usize;
-        walk.pending.push(Box::pin(resolve(self.substituters.clone(), self.store_dir.clone(), path, answers, network)));
+        let lookup = Lookup { subs: self.substituters.clone(), store_dir: self.store_dir.clone(), accept: self.accept.clone(), path, network };
+        walk.pending.push(Box::pin(lookup.resolve(answers)));
     }
 
     /// Per substituter, whether its disk-cache entries are worth looking up (any exist).
@@ -270,48 +281,87 @@ impl ClosureQuery {
     }
 }
 
-/// Takes the answer of the highest-priority substituter that has `path`, waiting on a
-/// lower-priority one only while every higher one lacks it or failed; cancels the rest.
-async fn resolve(subs: Arc<Vec<Substituter>>, store_dir: StoreDir, path: StorePath, answers: Vec<Answer>, network: bool) -> Outcome {
-    let mut records = Vec::new();
-    let mut errors: Vec<(usize, Arc<CacheError>)> = Vec::new();
-    let mut answers = answers.into_iter().enumerate();
-    while let Some((i, answer)) = answers.next() {
-        let sub = &subs[i];
-        let parse = |text: Option<String>| text.map(|t| sub.cache.parse_narinfo(&path, &store_dir, &t)).transpose();
-        let parsed = match answer {
-            Answer::Cached(Cached::Present(text)) => parse(Some(text)),
-            Answer::Cached(Cached::Absent) => Ok(None),
-            Answer::Fetch(handle) => {
-                let result = handle.await.unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(&path), source: std::io::Error::other(e) }));
-                result.and_then(|text| {
-                    let parsed = parse(text.clone());
-                    // Only well-formed narinfos are cached as present.
-                    if let (Ok(_), Some(id)) = (&parsed, sub.disk_id) {
-                        records.push((id, path.hash_part().to_string(), text));
-                    }
-                    parsed
-                })
-            }
-        };
-        match parsed {
-            Ok(Some(narinfo)) => {
-                // Failures of higher-priority caches are skipped, but not silently (those that
-                // disabled a whole cache were reported once already).
-                for (_, e) in errors.iter().filter(|(_, e)| !e.is_cache_wide()) {
-                    tracing::warn!("{e}; using {} instead", sub.cache.url());
-                }
-                for (_, rest) in answers {
-                    if let Answer::Fetch(h) = rest {
-                        h.abort();
-                    }
-                }
-                return Outcome { path, event: ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: i }, records, network };
-            }
-            Ok(None) => {}
-            Err(e) => errors.push((i, Arc::new(e))),
-        }
+/// One path's lookup at every substituter.
+struct Lookup {
+    subs: Arc<Vec<Substituter>>,
+    store_dir: StoreDir,
+    accept: Option<SignaturePolicy>,
+    path: StorePath,
+    /// Whether it waits on the network.
+    network: bool,
+}
+
+impl Lookup {
+    /// Whether the substituter `i`'s `narinfo` may be used ([`ClosureQuery::accept`]).
+    fn accepted(&self, i: usize, narinfo: &NarInfo) -> bool {
+        let Some(policy) = &self.accept else { return true };
+        policy.for_source(self.subs[i].trusted).vouch(&self.store_dir, &ValidPathInfo::from_narinfo(narinfo, 0)).is_ok()
     }
-    let event = if errors.is_empty() { ClosureEvent::Unknown(path.clone()) } else { ClosureEvent::Failed { path: path.clone(), errors } };
-    Outcome { path, event, records, network }
+
+    /// Takes the answer of the highest-priority substituter that has the path (and whose
+    /// narinfo is accepted, if any is), waiting on a lower-priority one only while every
+    /// higher one lacks it, failed or was refused; cancels the rest.
+    async fn resolve(self, answers: Vec<Answer>) -> Outcome {
+        let Lookup { subs, store_dir, path, .. } = &self;
+        let mut records = Vec::new();
+        let mut errors: Vec<(usize, Arc<CacheError>)> = Vec::new();
+        let mut refused: Option<(usize, NarInfo)> = None;
+        let last = answers.len().saturating_sub(1);
+        let mut answers = answers.into_iter().enumerate();
+        while let Some((i, answer)) = answers.next() {
+            let sub = &subs[i];
+            let parse = |text: Option<String>| text.map(|t| sub.cache.parse_narinfo(path, store_dir, &t)).transpose();
+            let parsed = match answer {
+                Answer::Cached(Cached::Present(text)) => parse(Some(text)),
+                Answer::Cached(Cached::Absent) => Ok(None),
+                Answer::Fetch(handle) => {
+                    let result = handle.await.unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(path), source: std::io::Error::other(e) }));
+                    result.and_then(|text| {
+                        let parsed = parse(text.clone());
+                        // Only well-formed narinfos are cached as present.
+                        if let (Ok(_), Some(id)) = (&parsed, sub.disk_id) {
+                            records.push((id, path.hash_part().to_string(), text));
+                        }
+                        parsed
+                    })
+                }
+            };
+            match parsed {
+                // Checked only while a later substituter may have an accepted one.
+                Ok(Some(narinfo)) if i < last && !self.accepted(i, &narinfo) => {
+                    refused.get_or_insert((i, narinfo));
+                }
+                Ok(Some(narinfo)) => {
+                    // Failures of higher-priority caches are skipped, but not silently (those that
+                    // disabled a whole cache were reported once already).
+                    for (_, e) in errors.iter().filter(|(_, e)| !e.is_cache_wide()) {
+                        tracing::warn!("{e}; using {} instead", sub.cache.url());
+                    }
+                    for (_, rest) in answers {
+                        if let Answer::Fetch(h) = rest {
+                            h.abort();
+                        }
+                    }
+                    // A narinfo refused before is passed over only for one that is accepted.
+                    let (narinfo, cache) = match refused {
+                        Some((first, refused)) if !self.accepted(i, &narinfo) => (refused, first),
+                        _ => (narinfo, i),
+                    };
+                    return self.outcome(ClosureEvent::Found { narinfo: Arc::new(narinfo), cache }, records);
+                }
+                Ok(None) => {}
+                Err(e) => errors.push((i, Arc::new(e))),
+            }
+        }
+        let event = match (refused, errors.is_empty()) {
+            (Some((cache, narinfo)), _) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache },
+            (None, true) => ClosureEvent::Unknown(path.clone()),
+            (None, false) => ClosureEvent::Failed { path: path.clone(), errors },
+        };
+        self.outcome(event, records)
+    }
+
+    fn outcome(self, event: ClosureEvent, records: Vec<(i64, String, Option<String>)>) -> Outcome {
+        Outcome { path: self.path, event, records, network: self.network }
+    }
 }

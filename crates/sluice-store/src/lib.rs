@@ -19,6 +19,7 @@ pub mod job_queue;
 pub mod narinfo_cache;
 pub mod netrc;
 pub mod push;
+mod reference_cycles;
 pub mod store;
 pub mod store_url;
 pub mod substitute;

@@ -6,7 +6,7 @@
 //! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
 //! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
-//! killed.
+//! killed. Paths in a reference cycle the source claims fail, with their dependents.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -17,6 +17,7 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::reference_cycles::reference_cycles;
 use crate::store::{NarReader, Store, StoreError};
 
 /// What a copy did.
@@ -69,6 +70,19 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         senders.insert(info.path.clone(), tx);
         done.insert(info.path.clone(), rx.map(|r| r.unwrap_or_else(|_| Err("the copy stopped".into()))).boxed().shared());
     }
+    // Paths in a cycle the source claims would wait for each other for ever.
+    let store_dir = dst.store_dir();
+    for cycle in reference_cycles(missing.iter().map(|i| (&i.path, i.references.iter()))) {
+        let message = cycle.message(store_dir);
+        for path in cycle.members {
+            let reason = format!("{}: {message}", store_dir.display_path(&path));
+            if let Some(tx) = senders.remove(&path) {
+                let _ = tx.send(Err(reason.clone()));
+            }
+            report.failed.insert(path, reason);
+        }
+    }
+    missing.retain(|i| !report.failed.contains_key(&i.path));
     let mut tasks = Vec::with_capacity(missing.len());
     for info in missing {
         let gate_refs: Vec<(StorePath, Done)> = info.references.iter().filter(|r| **r != info.path).filter_map(|r| Some((r.clone(), done.get(r)?.clone()))).collect();

@@ -4,33 +4,38 @@
 //! policy [`SignaturePolicy::for_source`] gives for its substituter), download its
 //! NAR at once (at most `jobs` at a time, before its references are valid), and stream it
 //! through decompression, hashing and unpacking into a temporary tree. Each path is then
-//! committed — NarHash/NarSize checked, renamed into place and registered — as soon as all its
-//! references are valid, so registration follows dependency order. A path whose NAR fails is
-//! fetched from the next substituter that has it; a path that cannot be had fails its
-//! dependents, never their valid dependencies.
+//! handed to the registrar as soon as each of its references is valid or was handed to it
+//! before, and the registrar commits paths — NarHash/NarSize checked, renamed into place and
+//! registered — in the order it gets them, so registration follows dependency order and a
+//! chain unpacked at once is registered in one batch. A path whose reference the store
+//! refused at commit is handed back and waits for that reference to be registered. A path
+//! whose NAR fails is fetched from the next substituter that has it; a path that cannot be
+//! had fails its dependents, never their valid dependencies.
 //!
 //! Open files. A path holds its lock file open from before its NAR is unpacked into the
 //! temporary tree (which only the lock protects) until it is registered, so held locks are
 //! bounded by permits ([`LockPermits`]), as many as the open-file limit allows when the copy
 //! starts ([`FdBudget`]; download jobs are capped by it too). A path found while a permit is
 //! free takes it at once (it is *eager*) and is downloaded before its references are valid, as
-//! above. A path found while none is free is *deferred*: it waits for its references holding
-//! nothing, then queues for a permit, first come, first served. An eager path whose NAR is
-//! unpacked but whose references are not valid yet gives up its tree, lock and permit as soon
-//! as a path is queued for a permit (it is preempted), and goes on as a deferred path: its
-//! NAR is downloaded again once its references are valid.
+//! above. A path found while none is free is *deferred*: it waits for its references (handed
+//! to the registrar or valid) holding nothing, then queues for a permit, first come, first
+//! served. A path whose NAR is unpacked but whose references are not ready yet gives up its
+//! tree, lock and permit as soon as a path is queued for a permit (it is preempted), and goes
+//! on as a deferred path: its NAR is downloaded again once its references are ready.
 //!
-//! Why this cannot deadlock: a deferred path holds a permit only with its references valid,
-//! and so only for a download and a registration; an eager one also while it waits for its
-//! references, but not while a path is queued. Suppose no path became valid or failed any
-//! more. Downloads and registrations end, so every holder would be an eager path waiting
-//! for its references, and nobody could be queued (or the holders would give way to the first
-//! queued path, whose references are valid, and it would finish). Yet the closure has a
-//! pending path none of whose references is pending (its graph is acyclic): it fails if one
-//! failed; otherwise, deferred, it would be queued, and eager, it would finish. So some path
-//! always finishes. A path is preempted at most once (it is deferred afterwards), so
-//! preemption costs it at most one more download. When the budget exceeds the closure (a
-//! high limit), no path is ever deferred or preempted: the copy runs as it did without one.
+//! Why this cannot deadlock: a path holding a permit while a path is queued is downloading,
+//! unpacking or being registered, as it waits for its references only preemptibly. Suppose no
+//! path became valid or failed any more. Downloads and registrations end, so every holder
+//! would be waiting for its references, and nobody could be queued (or the holders would give
+//! way to the first queued path, whose references are ready, and it would be registered after
+//! them). Yet the closure has a pending path none of whose references is pending (its graph
+//! is acyclic: a cycle a cache claims fails its paths once the closure is known,
+//! `reference_cycles.rs`): it fails if one failed; otherwise, deferred, it would be queued,
+//! and eager, it would be registered. So some path always finishes. A path is preempted at
+//! most once for being eager (it is deferred afterwards) and once per reference refused at
+//! commit, so preemption costs it at most that many more downloads. When the budget exceeds
+//! the closure (a high limit), no path is ever deferred or preempted: the copy runs as it did
+//! without one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
@@ -46,8 +51,9 @@ use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::compression::Compression;
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
-use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Unpacked, VouchedInfo};
+use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Uncommitted, Unpacked, VouchedInfo};
 use crate::narinfo_cache::NarInfoCache;
+use crate::reference_cycles::reference_cycles;
 
 /// NAR downloads in flight at once unless the caller says otherwise: `sluice copy --jobs` and the
 /// daemon without `max-substitution-jobs` (why 256: docs/benchmarks.md, "Why `copy --jobs`
@@ -208,8 +214,19 @@ pub fn summarize(store_dir: &StoreDir, failed: &BTreeMap<StorePath, Failure>) ->
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
     Pending,
+    /// Handed to the registrar, which commits paths in the order it is handed them.
+    Ready,
     Valid,
     Failed,
+}
+
+/// How far a path's references must have got before it goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Each handed to the registrar or valid: the path can be handed to it after them.
+    Ready,
+    /// Each valid (a path handed back by the registrar waits for this).
+    Valid,
 }
 
 /// Per-path validity states that jobs wait on (the topological gate).
@@ -228,11 +245,15 @@ impl Gate {
         self.sender(path).send_replace(state);
     }
 
-    /// Waits until `path` is no longer pending; true if it is valid.
-    async fn wait_valid(&self, path: &StorePath) -> bool {
+    fn is(&self, path: &StorePath, state: State) -> bool {
+        *self.sender(path).borrow() == state
+    }
+
+    /// Waits until `path` has got as far as `until` says, or failed; false if it failed.
+    async fn wait(&self, path: &StorePath, until: Until) -> bool {
         let mut rx = self.sender(path).subscribe();
-        let state = rx.wait_for(|s| *s != State::Pending).await.map(|s| s.clone());
-        matches!(state, Ok(State::Valid))
+        let state = rx.wait_for(|s| *s == State::Valid || *s == State::Failed || (until == Until::Ready && *s == State::Ready)).await.map(|s| s.clone());
+        matches!(state, Ok(State::Valid | State::Ready))
     }
 }
 
@@ -254,26 +275,29 @@ struct Shared {
     report: Mutex<CopyReport>,
     /// Whether the paths asked for are valid ones being repaired ([`repair_paths`]).
     repair: bool,
-    /// Paths ready to be registered (their references are valid).
+    /// Paths ready to be registered (their references are valid or handed to it before).
     registrar: mpsc::UnboundedSender<Commit>,
 }
 
-/// A path whose tree is unpacked and whose references are valid, waiting for registration.
+/// A path whose tree is unpacked and whose references are valid or handed to the registrar
+/// before it, waiting for registration.
 struct Commit {
     pending: PendingPath,
     /// Whether it came from a `?trusted=true` substituter.
     trusted: bool,
-    reply: oneshot::Sender<Result<(), LocalStoreError>>,
+    reply: oneshot::Sender<Result<(), Uncommitted>>,
 }
 
 /// Most paths registered in one transaction.
 const COMMIT_BATCH: usize = 512;
 
-/// Registers ready paths in batches: whatever has arrived while the previous batch was being
-/// committed goes into the next, with one `syncfs` and one transaction per batch and policy
-/// (paths from trusted substituters are committed apart, under
-/// [`SignaturePolicy::for_source`]). Every path in a batch has its references valid already,
-/// so the order within a batch is free.
+/// Registers ready paths in batches ([`LocalStore::commit_all`]): whatever has arrived while
+/// the previous batch was being committed goes into the next, with one `syncfs` and one
+/// transaction per batch, each path under the policy of its source
+/// ([`SignaturePolicy::for_source`]). A path is handed over only after those of its
+/// references that are not valid, so the order of arrival is a dependency order: a chain of
+/// paths unpacked at once is registered in one batch, not one batch per link. A path whose
+/// reference was refused is handed back ([`Uncommitted::Waiting`]).
 async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc::UnboundedReceiver<Commit>) {
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
@@ -283,20 +307,18 @@ async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc:
                 Err(_) => break,
             }
         }
-        let (from_trusted, others): (Vec<_>, Vec<_>) = batch.into_iter().partition(|c| c.trusted);
-        for (group, trusted) in [(from_trusted, true), (others, false)] {
-            if group.is_empty() {
-                continue;
-            }
-            let (items, replies): (Vec<_>, Vec<_>) = group.into_iter().map(|c| (c.pending, c.reply)).unzip();
-            let (dest, policy) = (dest.clone(), policy.for_source(trusted).into_owned());
-            let results = match tokio::task::spawn_blocking(move || dest.commit_all(items, &policy)).await {
-                Ok(results) => results,
-                Err(e) => return tracing::error!("the registrar failed: {e}"),
-            };
-            for (reply, result) in replies.into_iter().zip(results) {
-                let _ = reply.send(result);
-            }
+        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|c| ((c.pending, c.trusted), c.reply)).unzip();
+        let (dest, policy) = (dest.clone(), policy.clone());
+        let committed = tokio::task::spawn_blocking(move || {
+            let policies = [policy.for_source(false), policy.for_source(true)];
+            dest.commit_all(items.into_iter().map(|(pending, trusted)| (pending, &*policies[trusted as usize])).collect())
+        });
+        let results = match committed.await {
+            Ok(results) => results,
+            Err(e) => return tracing::error!("the registrar failed: {e}"),
+        };
+        for (reply, result) in replies.into_iter().zip(results) {
+            let _ = reply.send(result);
         }
     }
 }
@@ -327,6 +349,7 @@ pub async fn repair_paths(mut query: ClosureQuery, dest: Arc<LocalStore>, roots:
 
 /// [`copy_closure`], or [`repair_paths`] with `repair`.
 async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>, repair: bool) -> CopyReport {
+    let query = ClosureQuery { accept: Some(opts.policy.clone()), ..query };
     let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
     let registrar_task = tokio::spawn(registrar(dest.clone(), opts.policy.clone(), registrar_rx));
     let budget = FdBudget::current();
@@ -350,6 +373,8 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
         tokio::spawn(async move { query.run(paths, tx).await })
     };
     let mut tasks = tokio::task::JoinSet::new();
+    // The narinfos found, for the cycles among them.
+    let mut found: Vec<Arc<NarInfo>> = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
             ClosureEvent::Valid(path) => {
@@ -360,6 +385,7 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
             }
             ClosureEvent::Found { narinfo, cache } => {
                 shared.observer.queued(&narinfo.store_path, narinfo.file_size.unwrap_or(0), narinfo.nar_size);
+                found.push(narinfo.clone());
                 let shared = shared.clone();
                 let store_dir = query.store_dir.clone();
                 tasks.spawn(async move {
@@ -383,6 +409,15 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
         }
     }
     let _ = engine.await;
+    // The closure is known: paths in a cycle would wait for each other for ever.
+    for cycle in reference_cycles(found.iter().map(|n| (&n.store_path, n.references.iter()))) {
+        let message = cycle.message(&query.store_dir);
+        // A member another process made valid meanwhile (from a cache with other references) stays so.
+        for path in cycle.members.iter().filter(|p| !shared.gate.is(p, State::Valid)) {
+            shared.fail(path, Failure::other(format!("{}: {message}", query.store_dir.display_path(path))));
+        }
+    }
+    drop(found);
     while tasks.join_next().await.is_some() {}
     let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
     drop(registrar);
@@ -440,9 +475,15 @@ impl Shared {
         self.report.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Fails `path` (a second failure is not reported: the first reason stays).
     fn fail(&self, path: &StorePath, reason: Failure) {
-        self.observer.failed(path, &reason);
-        self.lock_report().failed.insert(path.clone(), reason);
+        let first = match self.lock_report().failed.entry(path.clone()) {
+            std::collections::btree_map::Entry::Vacant(entry) => Some(entry.insert(reason).clone()),
+            std::collections::btree_map::Entry::Occupied(_) => None,
+        };
+        if let Some(reason) = first {
+            self.observer.failed(path, &reason);
+        }
         self.gate.set(path, State::Failed);
     }
 
@@ -459,7 +500,14 @@ impl Shared {
     }
 
     /// Tries substituter `first` and then every lower-priority one that has the path.
+    ///
+    /// The closure was walked along the references of `narinfo`, and its paths wait for
+    /// those: another substituter's narinfo (or a fresh one of the same substituter) is used
+    /// only if it lists no other reference ([`Shared::within_walked`]). Nix would follow its
+    /// references; here a path they add has not been looked up, and a cycle they close would
+    /// not be seen.
     async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize) -> Result<(), Failure> {
+        let walked = narinfo.clone();
         let path = narinfo.store_path.clone();
         let shown = store_dir.display_path(&path);
         let mut errors = Vec::new();
@@ -486,8 +534,13 @@ impl Shared {
                         if !refetched.contains(&i) {
                             refetched.push(i);
                             if let Some(fresh) = self.refetch_narinfo(store_dir, &narinfo, i).await {
-                                candidate = Some((fresh, i));
-                                continue;
+                                match self.within_walked(store_dir, &walked, &fresh, i) {
+                                    Ok(()) => {
+                                        candidate = Some((fresh, i));
+                                        continue;
+                                    }
+                                    Err(e) => errors.push(e),
+                                }
                             }
                         }
                     }
@@ -498,14 +551,17 @@ impl Shared {
             next += 1;
             match sub.cache.narinfo_text(&path).await {
                 Ok(Some(text)) => match sub.cache.parse_narinfo(&path, store_dir, &text) {
-                    Ok(ni) => {
-                        // A cache that was given up on was reported once already.
-                        let reported = last_failed.is_some_and(|j: usize| self.subs[j].cache.is_disabled());
-                        if let Some(last) = errors.last().filter(|_| !reported) {
-                            self.observer.warning(&format!("{shown}: {}; trying {}", last.message, sub.cache.url()));
+                    Ok(ni) => match self.within_walked(store_dir, &walked, &ni, i) {
+                        Err(e) => errors.push(e),
+                        Ok(()) => {
+                            // A cache that was given up on was reported once already.
+                            let reported = last_failed.is_some_and(|j: usize| self.subs[j].cache.is_disabled());
+                            if let Some(last) = errors.last().filter(|_| !reported) {
+                                self.observer.warning(&format!("{shown}: {}; trying {}", last.message, sub.cache.url()));
+                            }
+                            candidate = Some((Arc::new(ni), i));
                         }
-                        candidate = Some((Arc::new(ni), i));
-                    }
+                    },
                     Err(e) => errors.push(Failure::cache(sub, &e)),
                 },
                 Ok(None) => {}
@@ -527,13 +583,32 @@ impl Shared {
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
-        let Some((pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, &vouched, compression, &url).await? else { return Ok(()) };
-        self.wait_references(store_dir, narinfo, *eager).await?;
+        let Some((mut pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, &vouched, compression, &url).await? else { return Ok(()) };
         let nar_size = unpacked.nar_size;
-        let (reply, registered) = oneshot::channel();
-        let stopped = || Attempt::Final(Failure::other("the registrar stopped".into()));
-        self.registrar.send(Commit { pending, trusted, reply }).map_err(|_| stopped())?;
-        registered.await.map_err(|_| stopped())?.map_err(|e| Attempt::TryNext(Failure::store(&url, &e)))?;
+        let path = &narinfo.store_path;
+        let mut until = Until::Ready;
+        loop {
+            self.wait_references(store_dir, narinfo, until, true).await?;
+            let (reply, registered) = oneshot::channel();
+            let stopped = || Attempt::Final(Failure::other("the registrar stopped".into()));
+            self.registrar.send(Commit { pending, trusted, reply }).map_err(|_| stopped())?;
+            // Its dependents are handed over after it from now on.
+            self.gate.set(path, State::Ready);
+            let uncommitted = match registered.await.map_err(|_| stopped())? {
+                Ok(()) => break,
+                Err(uncommitted) => uncommitted,
+            };
+            self.gate.set(path, State::Pending);
+            match uncommitted {
+                // A reference handed over before it was refused, and goes to its next
+                // substituter: this path waits for it to be registered.
+                Uncommitted::Waiting(back, e) if until == Until::Ready => {
+                    tracing::debug!("{e}; committing it again once its references are registered");
+                    (pending, until) = (*back, Until::Valid);
+                }
+                uncommitted => return Err(Attempt::TryNext(Failure::store(&url, &uncommitted.into_error()))),
+            }
+        }
         let mut report = self.lock_report();
         report.substituted.push(narinfo.store_path.clone());
         report.downloaded += downloaded;
@@ -551,17 +626,17 @@ impl Shared {
             }
             *eager = false;
         }
-        self.wait_references(store_dir, narinfo, false).await?;
+        self.wait_references(store_dir, narinfo, Until::Ready, false).await?;
         Ok(self.locks.take().await)
     }
 
-    /// Waits until every reference of `narinfo`'s path (but itself) is valid. If
-    /// `preemptible`, gives up ([`Attempt::Yielded`]) instead as soon as a path is queued for
-    /// a lock permit.
-    async fn wait_references(&self, store_dir: &StoreDir, narinfo: &NarInfo, preemptible: bool) -> Result<(), Attempt> {
+    /// Waits until every reference of `narinfo`'s path (but itself) has got as far as `until`
+    /// says. If `preemptible`, gives up ([`Attempt::Yielded`]) instead as soon as a path is
+    /// queued for a lock permit.
+    async fn wait_references(&self, store_dir: &StoreDir, narinfo: &NarInfo, until: Until, preemptible: bool) -> Result<(), Attempt> {
         let references = async {
             for r in narinfo.references.iter().filter(|r| **r != narinfo.store_path) {
-                if !self.gate.wait_valid(r).await {
+                if !self.gate.wait(r, until).await {
                     let message = format!("its reference {} could not be substituted", store_dir.display_path(r));
                     return Err(Attempt::Final(Failure { cause: Cause::Reference, message }));
                 }
@@ -705,6 +780,18 @@ impl Shared {
             tracing::info!("{broken}; downloading again in {} ms", wait.as_millis());
             tokio::time::sleep(wait).await;
         }
+    }
+
+    /// Whether substituter `i`'s `narinfo` lists only references that `walked` (the narinfo
+    /// the closure was walked with) lists; else why it is not used.
+    fn within_walked(&self, store_dir: &StoreDir, walked: &NarInfo, narinfo: &NarInfo, i: usize) -> Result<(), Failure> {
+        let path = &narinfo.store_path;
+        let others: Vec<String> = narinfo.references.iter().filter(|r| *r != path && !walked.references.contains(r)).map(|r| format!("'{}'", store_dir.display_path(r))).collect();
+        if others.is_empty() {
+            return Ok(());
+        }
+        let url = self.subs[i].cache.narinfo_url(path);
+        Err(Failure::other(format!("{url}: not used: it lists references that the narinfo the closure was walked with does not ({})", others.join(", "))))
     }
 
     /// After substituter `i` failed to provide `narinfo`'s path: drops its narinfo from the

@@ -18,7 +18,7 @@ use sluice_nix::nar::writer::regular_file_nar;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, TEMP_DIR};
+use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, Uncommitted, TEMP_DIR};
 use sluice_store::store_url::LocalStoreConfig;
 use tempfile::TempDir;
 
@@ -629,8 +629,11 @@ fn begin_add_waits_for_a_lock_held_by_another_process() {
     assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]), "lock file left behind");
 }
 
+/// A batch with a bad path in it: the path fails, its dependents in the batch are handed back
+/// with their trees and locks (nothing of theirs at a final path) and are committed once the
+/// path is added again, with its right NAR hash.
 #[test]
-fn commit_all_registers_a_batch_and_fails_only_the_dependents_of_a_bad_path() {
+fn commit_all_hands_back_the_dependents_of_a_bad_path_until_it_is_valid() {
     let tmp = Scratch::new();
     let root = tmp.path().join("root");
     let store = open_store(&root);
@@ -638,6 +641,7 @@ fn commit_all_registers_a_batch_and_fails_only_the_dependents_of_a_bad_path() {
     let infos = cache_infos(&cache);
     // A path with dependents inside the subset, given a wrong NarHash.
     let bad = infos.iter().find(|i| infos.iter().any(|j| j.store_path != i.store_path && j.references.contains(&i.store_path))).unwrap().store_path.clone();
+    let policy = SignaturePolicy::unchecked();
     let mut batch = Vec::new();
     let roots = store.temp_roots();
     for info in &infos {
@@ -647,9 +651,9 @@ fn commit_all_registers_a_batch_and_fails_only_the_dependents_of_a_bad_path() {
         }
         let mut pending = store.begin_add(vpi, &roots).unwrap().unwrap();
         pending.unpack(&mut &nar_bytes(&cache, info)[..]).unwrap();
-        batch.push(pending);
+        batch.push((pending, &policy));
     }
-    let results = store.commit_all(batch, &SignaturePolicy::unchecked());
+    let results = store.commit_all(batch);
     // Which paths have `bad` in their closure (the subset is in dependency order).
     let mut tainted = BTreeSet::from([bad.clone()]);
     for info in &infos {
@@ -658,18 +662,41 @@ fn commit_all_registers_a_batch_and_fails_only_the_dependents_of_a_bad_path() {
         }
     }
     assert!(tainted.len() > 1, "the bad path has dependents");
-    for (info, result) in infos.iter().zip(&results) {
+    let mut waiting = Vec::new();
+    for (info, result) in infos.iter().zip(results) {
         let p = &info.store_path;
         match result {
-            Err(LocalStoreError::HashMismatch { .. }) => assert_eq!(*p, bad),
-            Err(LocalStoreError::MissingReference { .. }) => assert!(tainted.contains(p) && *p != bad, "{p}"),
+            Err(Uncommitted::Failed(LocalStoreError::HashMismatch { .. })) => assert_eq!(*p, bad),
+            Err(Uncommitted::Waiting(pending, LocalStoreError::MissingReference { .. })) => {
+                assert!(tainted.contains(p) && *p != bad, "{p}");
+                assert_eq!(pending.info().path, *p);
+                waiting.push((*pending, &policy));
+            }
             Ok(()) => assert!(!tainted.contains(p) && store.is_valid_path(p).unwrap(), "{p}"),
-            Err(e) => panic!("unexpected error for {p}: {e}"),
+            Err(e) => panic!("unexpected result for {p}: {e:?}"),
         }
         assert_eq!(store.is_valid_path(p).unwrap(), !tainted.contains(p));
     }
-    let expected: BTreeSet<String> = infos.iter().filter(|i| !tainted.contains(&i.store_path)).map(|i| i.store_path.base_name().to_string()).collect();
-    assert_eq!(store_entries(&root), expected, "only the registered paths are in the store directory");
+    assert_eq!(waiting.len(), tainted.len() - 1);
+    for (pending, _) in &waiting {
+        assert!(!root.join("nix/store").join(pending.info().path.base_name()).exists(), "{} is at its final path", pending.info().path);
+    }
+    // Handed back again while the bad path is still missing; committed once it is valid.
+    let again = store.commit_all(waiting);
+    let waiting: Vec<_> = again.into_iter().map(|r| match r {
+        Err(Uncommitted::Waiting(pending, _)) => (*pending, &policy),
+        r => panic!("committed without its reference: {r:?}"),
+    }).collect();
+    let info = infos.iter().find(|i| i.store_path == bad).unwrap();
+    assert!(store.add_nar(path_info(info), &mut &nar_bytes(&cache, info)[..], &policy, &roots).unwrap());
+    for result in store.commit_all(waiting) {
+        result.unwrap();
+    }
+    for info in &infos {
+        assert!(store.is_valid_path(&info.store_path).unwrap(), "{}", info.store_path);
+    }
+    let expected: BTreeSet<String> = infos.iter().map(|i| i.store_path.base_name().to_string()).collect();
+    assert_eq!(store_entries(&root), expected, "the store directory holds the registered paths and nothing else");
     verify_with_nix(&root, tmp.path());
 }
 

@@ -149,7 +149,7 @@ pub async fn closure_query(urls: &[String], caches: Caches, settings: &Settings,
             Caches::Named => return Err(e.to_string()),
         }
     }
-    Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store_dir.clone(), is_valid })
+    Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store_dir.clone(), is_valid, accept: None })
 }
 
 /// What `copy` and `missing` start from: the settings, the destination local store and the

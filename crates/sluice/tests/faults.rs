@@ -78,3 +78,145 @@ fn nar_mismatches_of_case_08() {
     let dump = nix(tmp.path(), "nix", &["store", "dump-path", "--store", root.to_str().unwrap(), path]);
     assert!(String::from_utf8_lossy(&dump.stdout).contains("good build"));
 }
+
+/// glibc of the uncompressed corpus subset, and libidn2, which it refers to.
+const GLIBC: &str = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8";
+const LIBIDN2: &str = "/nix/store/xyvbjffswy2ix1ipcpb6gnw3abxsaym7-libidn2-2.3.4";
+/// A leaf of the subset that neither refers to them nor is referred to by them only.
+const LIBUNISTRING: &str = "/nix/store/8j3ihyw3p978y2hzm7mkwvzqxk86h123-libunistring-1.1";
+
+/// A writable copy of the corpus's uncompressed subset cache, at `tmp/name`.
+fn subset_cache(tmp: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let dir = tmp.join(name);
+    copy_dir(&corpus().join("cache-subset-none"), &dir);
+    dir
+}
+
+/// The narinfo file of `path` in `cache`.
+fn narinfo_of(cache: &std::path::Path, path: &str) -> std::path::PathBuf {
+    cache.join(format!("{}.narinfo", &path["/nix/store/".len()..][..32]))
+}
+
+/// Makes libidn2's narinfo in `cache` claim glibc as a reference, closing a cycle with
+/// glibc's claim of libidn2. Its signature, over the references, no longer holds.
+fn claim_cycle(cache: &std::path::Path) {
+    let file = narinfo_of(cache, LIBIDN2);
+    let text = std::fs::read_to_string(&file).unwrap();
+    let glibc = &GLIBC["/nix/store/".len()..];
+    let claimed: String = text.lines().map(|l| if l.starts_with("References: ") { format!("{l} {glibc}\n") } else { format!("{l}\n") }).collect();
+    assert_ne!(claimed, text);
+    std::fs::write(file, claimed).unwrap();
+}
+
+/// `sluice ARGS` under `timeout 120`, so that a copy that hangs fails the test.
+fn sluice_within(tmp: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let mut cmd = std::process::Command::new("timeout");
+    isolate(&mut cmd, tmp, "");
+    let o = cmd.arg("120").arg(env!("CARGO_BIN_EXE_sluice")).args(args).output().unwrap();
+    assert_ne!(o.status.code(), Some(124), "sluice {args:?} hung: {}", stderr(&o));
+    o
+}
+
+/// Whether real Nix finds `path` valid in the store at `root`.
+fn nix_valid(tmp: &std::path::Path, root: &std::path::Path, path: &str) -> bool {
+    nix(tmp, "nix-store", &["--store", root.to_str().unwrap(), "--check-validity", path]).status.success()
+}
+
+/// A cache whose narinfos claim a reference cycle (libidn2 and glibc referring to each other):
+/// the copy, into a local store and into a file:// cache, fails their paths and those that
+/// refer to them with Nix's message instead of waiting for ever, and copies the rest.
+#[test]
+fn a_reference_cycle_claimed_by_a_cache_fails_its_paths_instead_of_hanging() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = subset_cache(tmp.path(), "hostile");
+    claim_cycle(&cache);
+    let from = format!("file://{}", cache.display());
+    let top = corpus_path("hexurvend-wrapper");
+    let cycle = format!("cycle detected in the references of '{GLIBC}' from '{LIBIDN2}'");
+    let root = tmp.path().join("root");
+    let o = sluice_within(tmp.path(), &["copy", "--no-check-sigs", "--from", &from, "--to", root.to_str().unwrap(), &top]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&cycle), "{}", stderr(&o));
+    for path in [GLIBC, LIBIDN2, top.as_str()] {
+        assert_absent(tmp.path(), &root, path);
+    }
+    assert!(nix_valid(tmp.path(), &root, LIBUNISTRING));
+    assert_nix_verifies(tmp.path(), &root);
+
+    let dest = tmp.path().join("dest");
+    let to = format!("file://{}", dest.display());
+    let o = sluice_within(tmp.path(), &["copy", "--from", &from, "--to", &to, &top]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&cycle), "{}", stderr(&o));
+    for path in [GLIBC, LIBIDN2, top.as_str()] {
+        assert!(!narinfo_of(&dest, path).exists(), "{path} was pushed");
+    }
+    assert!(narinfo_of(&dest, LIBUNISTRING).exists());
+}
+
+/// The first cache's libidn2 has no NAR; the second cache's narinfo of it claims glibc, which
+/// the closure was not walked with (it would close a cycle): it is not used, and the copy
+/// fails libidn2 and its referrers instead of waiting for ever.
+#[test]
+fn a_cycle_claimed_only_by_a_fallback_narinfo_does_not_hang_the_copy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = subset_cache(tmp.path(), "first");
+    let url = std::fs::read_to_string(narinfo_of(&first, LIBIDN2)).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_owned)).unwrap();
+    std::fs::remove_file(first.join(url)).unwrap();
+    let second = subset_cache(tmp.path(), "second");
+    claim_cycle(&second);
+    let subs = format!("file://{} file://{}?trusted=true", first.display(), second.display());
+    let root = tmp.path().join("root");
+    let o = sluice_within(tmp.path(), &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &corpus_path("hexurvend-wrapper")]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("not used: it lists references that the narinfo the closure was walked with does not") && err.contains(&format!("'{GLIBC}'")), "{err}");
+    for path in [GLIBC, LIBIDN2] {
+        assert_absent(tmp.path(), &root, path);
+    }
+    assert!(nix_valid(tmp.path(), &root, LIBUNISTRING));
+    assert_nix_verifies(tmp.path(), &root);
+}
+
+/// The first cache's narinfo of libidn2 claims a cycle and its signature does not hold; the
+/// second cache has it signed, as it is. The closure is walked with the narinfo that will be
+/// used (Nix passes over an untrusted one): the whole closure is copied.
+#[test]
+fn a_cycle_claimed_by_an_untrusted_narinfo_does_not_fail_paths_a_trusted_cache_has() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hostile = subset_cache(tmp.path(), "hostile");
+    claim_cycle(&hostile);
+    let subs = format!("file://{} file://{}", hostile.display(), corpus().join("cache-subset-none").display());
+    let root = tmp.path().join("root");
+    let top = corpus_path("hexurvend-wrapper");
+    let o = sluice_within(tmp.path(), &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &top]);
+    check(&o, "copy past an untrusted cyclic narinfo");
+    assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), &top).len(), 25);
+    let info = nix_path_info(tmp.path(), root.to_str().unwrap(), LIBIDN2);
+    let references: Vec<&str> = info.iter().find(|i| i["path"] == LIBIDN2).unwrap()["references"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    assert_eq!(references, [LIBUNISTRING, LIBIDN2]);
+    assert_nix_verifies(tmp.path(), &root);
+}
+
+/// The first cache's NAR of libidn2 does not match its NarHash, which the store finds when it
+/// commits it, maybe after glibc was handed to the registrar behind it: glibc waits and is
+/// registered once libidn2 from the second cache is.
+#[test]
+fn dependents_of_a_path_refused_at_commit_are_registered_after_its_next_substituter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = subset_cache(tmp.path(), "first");
+    let url = std::fs::read_to_string(narinfo_of(&first, LIBIDN2)).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_owned)).unwrap();
+    let mut nar = std::fs::read(first.join(&url)).unwrap();
+    // The first byte of the first regular file's contents.
+    let at = nar.windows(8).position(|w| w == b"contents").unwrap() + 16;
+    nar[at] ^= 1;
+    std::fs::write(first.join(&url), nar).unwrap();
+    let subs = format!("file://{} file://{}", first.display(), corpus().join("cache-subset-none").display());
+    let root = tmp.path().join("root");
+    let top = corpus_path("hexurvend-wrapper");
+    let o = sluice_within(tmp.path(), &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &top]);
+    check(&o, "copy past a NAR refused at commit");
+    assert!(stderr(&o).contains("hash mismatch"), "the first cache's NAR is reported: {}", stderr(&o));
+    assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), &top).len(), 25);
+    assert_nix_verifies(tmp.path(), &root);
+}

@@ -380,7 +380,8 @@ fn prepare_store(tmp: &Path, root: &Path) -> RootHolder {
     let file = root.join(format!("nix/var/nix/temproots/{}-holder", std::process::id()));
     std::fs::write(&file, format!("{TOP}\0")).unwrap();
     let mut child = Command::new("flock")
-        .args(["--exclusive", file.to_str().unwrap(), "-c", "echo locked; exec sleep 600"])
+        // --no-fork: the process killed is the one holding the lock, with no `sleep` left behind.
+        .args(["--exclusive", "--no-fork", file.to_str().unwrap(), "-c", "echo locked; exec sleep 600"])
         .stdout(Stdio::piped())
         .spawn()
         .expect("flock(1) from util-linux");

@@ -22,6 +22,7 @@
 
 mod api;
 mod as_store;
+mod commit;
 mod drv_hashes;
 mod dump;
 mod fs_nar;
@@ -40,6 +41,7 @@ mod verify;
 mod verify_store;
 
 pub use as_store::LocalStoreHandle;
+pub use commit::Uncommitted;
 pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
@@ -56,7 +58,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
 
-use rustix::fs::{mkdirat, open, openat, renameat, renameat_with, syncfs, Mode, OFlags, RenameFlags};
+use rustix::fs::{mkdirat, open, openat, renameat, renameat_with, Mode, OFlags, RenameFlags};
 use sluice_nix::derivation::DerivationError;
 use sluice_nix::hash::{Hash, Hasher};
 use sluice_nix::hash_modulo::ModuloHasher;
@@ -506,65 +508,6 @@ impl LocalStore {
         }
     }
 
-    /// Commits unpacked paths, given in dependency order (a path's references are valid or
-    /// earlier in `batch`): each passes the verification boundary under `policy` and is moved
-    /// into place as by [`PendingPath::commit`], then one `syncfs` makes them durable and one
-    /// transaction registers all that were placed (a registration time of 0 becomes now, as
-    /// in Nix's `registerValidPath`).
-    /// Returns one result per path, in order; a path that fails (or depends on one that
-    /// failed) is not registered and nothing is left at its final path. If the `syncfs` or the
-    /// transaction fails, every placed path fails.
-    pub fn commit_all(&self, batch: Vec<PendingPath>, policy: &SignaturePolicy) -> Vec<Result<(), LocalStoreError>> {
-        let mut placed = BTreeSet::new();
-        // The references outside the batch, checked in one query rather than one per path; a
-        // failed query leaves each path to check its own.
-        let in_batch: BTreeSet<&StorePath> = batch.iter().map(|p| &p.info.path).collect();
-        let outside: BTreeSet<&StorePath> = batch.iter().flat_map(|p| &p.info.references).filter(|r| !in_batch.contains(r)).collect();
-        let known_valid = self.registry.valid_paths(outside.into_iter()).unwrap_or_default();
-        let mut results = Vec::with_capacity(batch.len());
-        let mut outputs = Vec::with_capacity(batch.len());
-        for pending in &batch {
-            let info = &pending.info;
-            let failed_ref = info.references.iter().find(|r| batch.iter().any(|p| p.info.path == **r && !placed.contains(*r)) && **r != info.path);
-            let result = match failed_ref {
-                Some(r) => Err(LocalStoreError::MissingReference { path: pending.shown(), reference: self.store_dir.display_path(r) }),
-                None => pending.place(policy, &placed, &known_valid),
-            };
-            match result {
-                Ok(out) => {
-                    placed.insert(info.path.clone());
-                    outputs.push(out);
-                    results.push(Ok(()));
-                }
-                Err(e) => {
-                    outputs.push(Vec::new());
-                    results.push(Err(e));
-                }
-            }
-        }
-        if placed.is_empty() {
-            return results;
-        }
-        // Repairs stay registered as they were.
-        let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> =
-            batch.iter().zip(outputs).filter(|(p, _)| placed.contains(&p.info.path) && !p.repair).map(|(p, out)| (&p.info, out)).collect();
-        let store_fd = self.store_fd.as_fd();
-        let registered = syncfs(store_fd)
-            .map_err(|e| io_err("syncing the file system of", &self.layout.real_store_dir)(e.into()))
-            .and_then(|()| if items.is_empty() { Ok(()) } else { self.registry.register_all(&items) });
-        if let Err(e) = registered {
-            let message = e.to_string();
-            for (pending, result) in batch.iter().zip(results.iter_mut()) {
-                if placed.contains(&pending.info.path) && !pending.repair {
-                    // Nothing stays at a store path's location unregistered.
-                    let _ = tree::remove_tree(store_fd, pending.info.path.base_name().as_bytes());
-                    *result = Err(LocalStoreError::Registration { path: pending.shown(), reason: message.clone() });
-                }
-            }
-        }
-        results
-    }
-
     /// Adds `info`'s path from its NAR under `policy`: [`begin_add`](Self::begin_add),
     /// [`PendingPath::unpack`], [`PendingPath::commit`]. Returns `false` (reading nothing)
     /// if the path is already valid.
@@ -636,7 +579,10 @@ impl PendingPath {
     pub fn commit(self, policy: &SignaturePolicy) -> Result<(), LocalStoreError> {
         let store = Arc::clone(&self.store);
         let shown = self.shown();
-        store.commit_all(vec![self], policy).pop().unwrap_or(Err(LocalStoreError::Misuse { path: shown, what: "no commit result" }))
+        match store.commit_all(vec![(self, policy)]).pop() {
+            Some(result) => result.map_err(Uncommitted::into_error),
+            None => Err(LocalStoreError::Misuse { path: shown, what: "no commit result" }),
+        }
     }
 
     /// Verifies the unpacked tree against the info (see [`verify`](self::verify)), checks
