@@ -4,7 +4,7 @@
 //! `sha256:<base16>`, `deriver` a full store path, `sigs` space-separated, `ca` the content
 //! address text; `narSize` 0, `ultimate` false, no deriver, no sigs and no ca are NULL.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -62,9 +62,10 @@ impl Registry {
     }
 
     /// Maps an SQLite error to [`LocalStoreError::Db`], describing the operation.
-    pub(super) fn sql_err<F: FnOnce() -> String>(&self, what: F) -> impl FnOnce(rusqlite::Error) -> LocalStoreError {
-        let db = self.db_path.clone();
-        move |source| LocalStoreError::Db { db, what: what(), source }
+    /// The error of a failed statement, made only if it failed (nothing is allocated
+    /// otherwise).
+    pub(super) fn sql_err<'a, F: FnOnce() -> String + 'a>(&'a self, what: F) -> impl FnOnce(rusqlite::Error) -> LocalStoreError + 'a {
+        move |source| LocalStoreError::Db { db: self.db_path.clone(), what: what(), source }
     }
 
     fn corrupt(&self, what: String) -> LocalStoreError {
@@ -207,61 +208,86 @@ impl Registry {
     /// row, its references (the path itself included, if listed) and, for a derivation, its
     /// outputs. A reference must be valid already or come earlier in `items`; otherwise the
     /// whole transaction fails with [`LocalStoreError::MissingReference`]. A
-    /// `registration_time` of 0 means now.
+    /// `registration_time` of 0 means now. Each statement is prepared once per call, and each
+    /// reference's id looked up once (a path inserted earlier in `items` not at all).
     pub(super) fn register_all(&self, items: &[(&ValidPathInfo, Vec<(String, StorePath)>)]) -> Result<(), LocalStoreError> {
         let err = || format!("registering {} paths", items.len());
         let mut db = self.lock();
         let tx = db.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(self.sql_err(err))?;
-        for (info, outputs) in items {
-            self.insert(&tx, info, outputs)?;
+        {
+            let mut inserts = Inserts {
+                registry: self,
+                query_id: tx.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?,
+                register: tx.prepare_cached(REGISTER_VALID_PATH).map_err(self.sql_err(err))?,
+                add_reference: tx.prepare_cached(ADD_REFERENCE).map_err(self.sql_err(err))?,
+                add_output: tx.prepare_cached(ADD_DERIVATION_OUTPUT).map_err(self.sql_err(err))?,
+                ids: HashMap::new(),
+                now: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64),
+            };
+            for (info, outputs) in items {
+                inserts.insert(info, outputs)?;
+            }
         }
         tx.commit().map_err(self.sql_err(err))
     }
+}
 
-    /// Inserts one path's rows within `tx`.
-    fn insert(&self, tx: &rusqlite::Transaction<'_>, info: &ValidPathInfo, outputs: &[(String, StorePath)]) -> Result<(), LocalStoreError> {
-        let shown = self.display(&info.path);
+/// The statements of one [`Registry::register_all`] transaction, and the ids of the paths it
+/// has looked up or inserted.
+struct Inserts<'a> {
+    registry: &'a Registry,
+    query_id: rusqlite::CachedStatement<'a>,
+    register: rusqlite::CachedStatement<'a>,
+    add_reference: rusqlite::CachedStatement<'a>,
+    add_output: rusqlite::CachedStatement<'a>,
+    ids: HashMap<&'a StorePath, i64>,
+    /// The registration time of a path registered with 0, in seconds since the epoch.
+    now: i64,
+}
+
+impl<'a> Inserts<'a> {
+    /// Inserts one path's rows.
+    fn insert(&mut self, info: &'a ValidPathInfo, outputs: &[(String, StorePath)]) -> Result<(), LocalStoreError> {
+        let registry = self.registry;
+        let shown = registry.display(&info.path);
         let err = || format!("registering {shown}");
         let mut reference_ids = Vec::with_capacity(info.references.len());
-        {
-            let mut query_id = tx.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?;
-            for reference in info.references.iter().filter(|r| **r != info.path) {
-                let id: Option<i64> =
-                    query_id.query_row([self.display(reference)], |r| r.get(0)).optional().map_err(self.sql_err(err))?;
-                let id = id.ok_or_else(|| LocalStoreError::MissingReference { path: shown.clone(), reference: self.display(reference) })?;
-                reference_ids.push(id);
-            }
+        for reference in info.references.iter().filter(|r| **r != info.path) {
+            let id = match self.ids.get(reference) {
+                Some(id) => Some(*id),
+                None => self.query_id.query_row([registry.display(reference)], |r| r.get(0)).optional().map_err(registry.sql_err(err))?,
+            };
+            let id = id.ok_or_else(|| LocalStoreError::MissingReference { path: shown.clone(), reference: registry.display(reference) })?;
+            self.ids.insert(reference, id);
+            reference_ids.push(id);
         }
         let registration_time = match info.registration_time {
-            0 => SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64),
+            0 => self.now,
             t => t,
         };
         let sigs = info.sigs.iter().map(String::as_str).collect::<Vec<_>>().join(" ");
-        tx.prepare_cached(REGISTER_VALID_PATH)
-            .and_then(|mut stmt| {
-                stmt.execute(params![
-                    shown,
-                    info.nar_hash.to_base16_prefixed(),
-                    registration_time,
-                    info.deriver.as_ref().map(|d| self.display(d)),
-                    (info.nar_size != 0).then_some(info.nar_size as i64),
-                    info.ultimate.then_some(1),
-                    (!sigs.is_empty()).then_some(sigs),
-                    info.ca.as_ref().map(ContentAddress::to_string),
-                ])
-            })
-            .map_err(self.sql_err(err))?;
-        let id = tx.last_insert_rowid();
+        let id = self
+            .register
+            .insert(params![
+                shown,
+                info.nar_hash.to_base16_prefixed(),
+                registration_time,
+                info.deriver.as_ref().map(|d| registry.display(d)),
+                (info.nar_size != 0).then_some(info.nar_size as i64),
+                info.ultimate.then_some(1),
+                (!sigs.is_empty()).then_some(sigs),
+                info.ca.as_ref().map(ContentAddress::to_string),
+            ])
+            .map_err(registry.sql_err(err))?;
+        self.ids.insert(&info.path, id);
         if info.references.contains(&info.path) {
             reference_ids.push(id);
         }
-        let mut add_reference = tx.prepare_cached(ADD_REFERENCE).map_err(self.sql_err(err))?;
         for reference_id in reference_ids {
-            add_reference.execute([id, reference_id]).map_err(self.sql_err(err))?;
+            self.add_reference.execute([id, reference_id]).map_err(registry.sql_err(err))?;
         }
-        let mut add_output = tx.prepare_cached(ADD_DERIVATION_OUTPUT).map_err(self.sql_err(err))?;
         for (name, output) in outputs {
-            add_output.execute(params![id, name, self.display(output)]).map_err(self.sql_err(err))?;
+            self.add_output.execute(params![id, name, registry.display(output)]).map_err(registry.sql_err(err))?;
         }
         Ok(())
     }
