@@ -241,12 +241,22 @@ impl Gate {
         m.entry(path.clone()).or_insert_with(|| watch::channel(State::Pending).0).clone()
     }
 
-    fn set(&self, path: &StorePath, state: State) {
-        self.sender(path).send_replace(state);
+    /// Sets the state of `path`, unless it failed: a failure is final (a path failed for a
+    /// cycle while its job went on must not become ready or valid afterwards). Whether it was set.
+    fn set(&self, path: &StorePath, state: State) -> bool {
+        self.update(path, |s| (*s != State::Failed).then_some(state))
     }
 
-    fn is(&self, path: &StorePath, state: State) -> bool {
-        *self.sender(path).borrow() == state
+    /// Replaces the state of `path` with what `change` makes of it (`None`: left as it is), with
+    /// no other change in between. Whether it was replaced.
+    fn update(&self, path: &StorePath, change: impl FnOnce(&State) -> Option<State>) -> bool {
+        self.sender(path).send_if_modified(|s| match change(s) {
+            Some(new) => {
+                *s = new;
+                true
+            }
+            None => false,
+        })
     }
 
     /// Waits until `path` has got as far as `until` says, or failed; false if it failed.
@@ -412,9 +422,13 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
     // The closure is known: paths in a cycle would wait for each other for ever.
     for cycle in reference_cycles(found.iter().map(|n| (&n.store_path, n.references.iter()))) {
         let message = cycle.message(&query.store_dir);
-        // A member another process made valid meanwhile (from a cache with other references) stays so.
-        for path in cycle.members.iter().filter(|p| !shared.gate.is(p, State::Valid)) {
-            shared.fail(path, Failure::other(format!("{}: {message}", query.store_dir.display_path(path))));
+        // Only members still pending fail: one another process made valid meanwhile (from a
+        // cache with other references) stays so, and one handed to the registrar (its next
+        // substituter's narinfo lists fewer references) is registered.
+        for path in &cycle.members {
+            if shared.gate.update(path, |s| (*s == State::Pending).then_some(State::Failed)) {
+                shared.report_failure(path, Failure::other(format!("{}: {message}", query.store_dir.display_path(path))));
+            }
         }
     }
     drop(found);
@@ -477,6 +491,12 @@ impl Shared {
 
     /// Fails `path` (a second failure is not reported: the first reason stays).
     fn fail(&self, path: &StorePath, reason: Failure) {
+        self.report_failure(path, reason);
+        self.gate.set(path, State::Failed);
+    }
+
+    /// Records and reports that `path` failed, unless it was already.
+    fn report_failure(&self, path: &StorePath, reason: Failure) {
         let first = match self.lock_report().failed.entry(path.clone()) {
             std::collections::btree_map::Entry::Vacant(entry) => Some(entry.insert(reason).clone()),
             std::collections::btree_map::Entry::Occupied(_) => None,
@@ -484,7 +504,6 @@ impl Shared {
         if let Some(reason) = first {
             self.observer.failed(path, &reason);
         }
-        self.gate.set(path, State::Failed);
     }
 
     async fn substitute(self: Arc<Self>, store_dir: StoreDir, narinfo: Arc<NarInfo>, cache: usize) {
@@ -492,8 +511,10 @@ impl Shared {
         let nar_size = narinfo.nar_size;
         match self.substitute_from(&store_dir, narinfo, cache).await {
             Ok(()) => {
-                self.observer.done(&path, nar_size);
-                self.gate.set(&path, State::Valid);
+                // Found valid after it was failed (for a cycle): it stays failed.
+                if self.gate.set(&path, State::Valid) {
+                    self.observer.done(&path, nar_size);
+                }
             }
             Err(reason) => self.fail(&path, reason),
         }
@@ -591,9 +612,24 @@ impl Shared {
             self.wait_references(store_dir, narinfo, until, true).await?;
             let (reply, registered) = oneshot::channel();
             let stopped = || Attempt::Final(Failure::other("the registrar stopped".into()));
-            self.registrar.send(Commit { pending, trusted, reply }).map_err(|_| stopped())?;
-            // Its dependents are handed over after it from now on.
-            self.gate.set(path, State::Ready);
+            // Handed over only if it was not failed meanwhile (for a cycle), and marked ready in
+            // the same step, so that a path is never both: its dependents are handed over after it
+            // from now on.
+            let mut commit = Some(Commit { pending, trusted, reply });
+            let mut sent = true;
+            let handed = self.gate.update(path, |s| {
+                if *s == State::Failed {
+                    return None;
+                }
+                sent = commit.take().is_some_and(|c| self.registrar.send(c).is_ok());
+                sent.then_some(State::Ready)
+            });
+            if !sent {
+                return Err(stopped());
+            }
+            if !handed {
+                return Err(Attempt::Final(Failure::other("failed meanwhile".into())));
+            }
             let uncommitted = match registered.await.map_err(|_| stopped())? {
                 Ok(()) => break,
                 Err(uncommitted) => uncommitted,

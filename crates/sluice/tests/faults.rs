@@ -220,3 +220,32 @@ fn dependents_of_a_path_refused_at_commit_are_registered_after_its_next_substitu
     assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), &top).len(), 25);
     assert_nix_verifies(tmp.path(), &root);
 }
+
+/// The first cache's libidn2 claims a cycle with glibc and has no NAR; the second cache's
+/// narinfo of it lists fewer references. The cycle fails libidn2 once the closure is known,
+/// while its job goes on to the second cache: it must not be registered afterwards. Each
+/// path is reported failed or copied, never both, and a failed one is not in the store.
+#[test]
+fn a_path_failed_for_a_cycle_is_not_registered_by_its_next_substituter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = subset_cache(tmp.path(), "first");
+    claim_cycle(&first);
+    let url = std::fs::read_to_string(narinfo_of(&first, LIBIDN2)).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_owned)).unwrap();
+    std::fs::remove_file(first.join(url)).unwrap();
+    let subs = format!("file://{} file://{}", first.display(), corpus().join("cache-subset-none").display());
+    let root = tmp.path().join("root");
+    let top = corpus_path("hexurvend-wrapper");
+    let o = sluice_within(tmp.path(), &["copy", "--json", "--jobs", "1", "--no-check-sigs", "--substituters", &subs, "--to", root.to_str().unwrap(), &top]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let failed = report["failed"].as_object().unwrap();
+    assert!(failed[GLIBC].as_str().unwrap().contains("cycle detected in the references of"), "{report}");
+    for path in report["substituted"].as_array().unwrap() {
+        assert!(!failed.contains_key(path.as_str().unwrap()), "{path} is reported both copied and failed: {report}");
+    }
+    for path in failed.keys() {
+        assert_absent(tmp.path(), &root, path);
+    }
+    assert!(nix_valid(tmp.path(), &root, LIBUNISTRING));
+    assert_nix_verifies(tmp.path(), &root);
+}
