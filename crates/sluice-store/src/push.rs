@@ -71,15 +71,13 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         done.insert(info.path.clone(), rx.map(|r| r.unwrap_or_else(|_| Err("the copy stopped".into()))).boxed().shared());
     }
     // Paths in a cycle the source claims would wait for each other for ever.
-    let store_dir = dst.store_dir();
     for cycle in reference_cycles(missing.iter().map(|i| (&i.path, i.references.iter()))) {
-        let message = cycle.message(store_dir);
+        let message = cycle.message(dst.store_dir());
         for path in cycle.members {
-            let reason = format!("{}: {message}", store_dir.display_path(&path));
             if let Some(tx) = senders.remove(&path) {
-                let _ = tx.send(Err(reason.clone()));
+                let _ = tx.send(Err(message.clone()));
             }
-            report.failed.insert(path, reason);
+            report.failed.insert(path, message.clone());
         }
     }
     missing.retain(|i| !report.failed.contains_key(&i.path));
