@@ -31,8 +31,17 @@ fn kill_9_at_random_moments_then_rerun() {
     let root = tmp.path().join("root");
     let url = format!("file://{}", corpus().join("cache-xz").display());
     let args = ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
+    // The kill moments are spread over what a whole copy takes with this build on this machine
+    // (a fixed span would outlast most copies of a release build on a fast one).
+    let whole = {
+        let scratch = tempfile::tempdir().unwrap();
+        let start = Instant::now();
+        let to = scratch.path().join("root");
+        check(&sluice(scratch.path(), &["copy", "--substituters", &url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP]), "a whole copy");
+        start.elapsed().as_millis() as u64
+    };
     let mut killed = 0;
-    for (i, delay) in delays(20, 2500).into_iter().enumerate() {
+    for (i, delay) in delays(20, whole).into_iter().enumerate() {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp.path(), "");
         let mut child = cmd.args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
@@ -48,7 +57,7 @@ fn kill_9_at_random_moments_then_rerun() {
             killed += 1;
         }
         let status = child.wait().unwrap();
-        eprintln!("iteration {i}: {delay} ms, {status}");
+        eprintln!("iteration {i}: {delay} ms of {whole}, {status}");
     }
     assert!(killed >= 10, "only {killed} of 20 runs were killed mid-copy");
     let o = sluice(tmp.path(), &args);
