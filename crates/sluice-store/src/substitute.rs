@@ -92,7 +92,8 @@ pub trait Observer: Send + Sync {
 pub struct CopyReport {
     /// Paths added to the destination by this run.
     pub substituted: Vec<StorePath>,
-    /// Paths of the closures that were valid already.
+    /// Paths of the closures that were valid already, or that another process made valid
+    /// while this copy was at them.
     pub already_valid: usize,
     /// Paths that could not be made valid, with the reason.
     pub failed: BTreeMap<StorePath, Failure>,
@@ -604,7 +605,11 @@ impl Shared {
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
-        let Some((mut pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, &vouched, compression, &url).await? else { return Ok(()) };
+        let Some((mut pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, &vouched, compression, &url).await? else {
+            // Another process made it valid meanwhile.
+            self.lock_report().already_valid += 1;
+            return Ok(());
+        };
         let nar_size = unpacked.nar_size;
         let path = &narinfo.store_path;
         let mut until = Until::Ready;

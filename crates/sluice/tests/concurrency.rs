@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::*;
 
 /// Starts a copy whose standard error goes to a file (a pipe nobody drains while another
-/// copy is awaited would block it, holding its locks).
+/// copy is awaited would block it, holding its locks), and its JSON report to `<name>.json`.
 fn spawn_copy(tmp: &std::path::Path, root: &std::path::Path, name: &str, paths: &[&str]) -> (Child, std::path::PathBuf) {
     spawn_copy_from(&format!("file://{}", corpus().join("cache-xz").display()), tmp, root, name, paths)
 }
@@ -19,9 +19,10 @@ fn spawn_copy(tmp: &std::path::Path, root: &std::path::Path, name: &str, paths: 
 fn spawn_copy_from(url: &str, tmp: &std::path::Path, root: &std::path::Path, name: &str, paths: &[&str]) -> (Child, std::path::PathBuf) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     isolate(&mut cmd, tmp, "");
-    cmd.args(["copy", "--substituters", url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key()]);
+    cmd.args(["copy", "--json", "--substituters", url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key()]);
     let log = tmp.join(format!("{name}.log"));
-    let child = cmd.args(paths).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+    let report = std::fs::File::create(tmp.join(format!("{name}.json"))).unwrap();
+    let child = cmd.args(paths).stdout(report).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
     (child, log)
 }
 
@@ -87,48 +88,114 @@ fn daemon_adds_while_a_copy_runs() {
     assert_nix_verifies(tmp.path(), &root);
 }
 
+/// A copy of bash's closure over HTTP (so that its NAR requests can be counted) while this
+/// process holds bash's lock as Nix's `PathLocks` does, once the copy has tried the lock and
+/// waited 3 s.
+struct LockedCopy {
+    tmp: tempfile::TempDir,
+    root: std::path::PathBuf,
+    base: String,
+    lock_path: std::path::PathBuf,
+    lock: std::fs::File,
+    server: CacheServer,
+    nar_url: String,
+    copy: (Child, std::path::PathBuf),
+}
+
+impl LockedCopy {
+    fn start() -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let store = root.join("nix/store");
+        std::fs::create_dir_all(&store).unwrap();
+        let bash = corpus_path("bash-5.2-p15");
+        let base = bash.strip_prefix("/nix/store/").unwrap().to_owned();
+        let lock_path = store.join(format!("{base}.lock"));
+        let lock = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).unwrap();
+        // SAFETY: flock on an open file descriptor.
+        assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
+        let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &[]);
+        let narinfo = std::fs::read_to_string(corpus().join("cache-xz").join(format!("{}.narinfo", &base[..32]))).unwrap();
+        let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap().to_owned();
+        let copy = spawn_copy_from(&server.url, tmp.path(), &root, "copy", &[&bash]);
+        // The first attempt opens the NAR, finds the lock taken and drops it; the lock is then
+        // waited for with no NAR open (98ff53a opened it again at every retry: ~15 in 3 s).
+        let start = Instant::now();
+        while server.requests(&nar_url) == 0 && start.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+        let locked = LockedCopy { tmp, root, base, lock_path, lock, server, nar_url, copy };
+        assert!(locked.server.requests(&locked.nar_url) <= 1, "{} requests of {} while its path was locked", locked.server.requests(&locked.nar_url), locked.nar_url);
+        let store = locked.root.join("nix/store");
+        let temp_tree = store.join("00000000000000000000000000000000-sluice-unpacking").join(&locked.base);
+        assert!(!store.join(&locked.base).exists(), "the locked path was written");
+        assert!(!temp_tree.exists(), "the locked path's temporary tree was written");
+        locked
+    }
+
+    /// Releases the lock as Nix does (deleting the file, then marking it) and waits for the
+    /// copy; returns its JSON report.
+    fn release(self) -> (tempfile::TempDir, std::path::PathBuf, CacheServer, String, serde_json::Value) {
+        use std::io::Write;
+        let LockedCopy { tmp, root, lock_path, mut lock, server, nar_url, mut copy, .. } = self;
+        assert!(copy.0.try_wait().unwrap().is_none(), "the copy ended while the path was locked: {}", std::fs::read_to_string(&copy.1).unwrap_or_default());
+        std::fs::remove_file(&lock_path).unwrap();
+        lock.write_all(b"d").unwrap();
+        drop(lock);
+        wait_ok(copy, "copy after the lock was released");
+        let report = serde_json::from_slice(&std::fs::read(tmp.path().join("copy.json")).unwrap()).unwrap();
+        (tmp, root, server, nar_url, report)
+    }
+}
+
 /// A path whose lock another process holds (as Nix's `PathLocks` holds it while it adds the
 /// path) is not written by a copy, neither in its temporary tree nor at its location, while
 /// the lock is held: the copy takes the lock in the task that unpacks, finds it taken, lets go
-/// of its download and tries again later. Once the holder releases the lock as Nix does
-/// (deleting the file, then marking it), the copy adds the path itself.
+/// of its download and tries again later. Once the holder releases the lock, the copy adds the
+/// path itself.
 #[test]
 fn a_path_locked_by_another_process_is_left_alone_until_released() {
-    use std::io::Write;
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    let store = root.join("nix/store");
-    std::fs::create_dir_all(&store).unwrap();
-    let bash = corpus_path("bash-5.2-p15");
-    let base = bash.strip_prefix("/nix/store/").unwrap();
-    let lock_path = store.join(format!("{base}.lock"));
-    let mut lock = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).unwrap();
-    // SAFETY: flock on an open file descriptor.
-    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
-    // Over HTTP, so that the NAR requests made while the lock is held can be counted.
-    let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &[]);
-    let narinfo = std::fs::read_to_string(corpus().join("cache-xz").join(format!("{}.narinfo", &base[..32]))).unwrap();
-    let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap().to_owned();
-    let (mut child, log) = spawn_copy_from(&server.url, tmp.path(), &root, "copy", &[&bash]);
-    // The first attempt opens the NAR (once its references are valid), finds the lock taken
-    // and drops it; the lock is then waited for with no NAR open (98ff53a opened it again at
-    // every retry: ~15 in 3 s).
-    let start = Instant::now();
-    while server.requests(&nar_url) == 0 && start.elapsed() < Duration::from_secs(60) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_secs(3));
-    assert!(server.requests(&nar_url) <= 1, "{} requests of {nar_url} while its path was locked", server.requests(&nar_url));
-    let temp_tree = store.join("00000000000000000000000000000000-sluice-unpacking").join(base);
-    assert!(child.try_wait().unwrap().is_none(), "the copy ended while the path was locked: {}", std::fs::read_to_string(&log).unwrap_or_default());
-    assert!(!store.join(base).exists(), "the locked path was written");
-    assert!(!temp_tree.exists(), "the locked path's temporary tree was written");
-    std::fs::remove_file(&lock_path).unwrap();
-    lock.write_all(b"d").unwrap();
-    drop(lock);
-    wait_ok((child, log), "copy after the lock was released");
+    let locked = LockedCopy::start();
+    let base = locked.base.clone();
+    let (tmp, root, server, nar_url, report) = locked.release();
     assert_eq!(server.requests(&nar_url), 2, "the NAR is opened once more, with the lock held");
-    assert!(store.join(base).join("bin/bash").exists());
+    assert!(report["substituted"].as_array().unwrap().iter().any(|p| p.as_str() == Some(&format!("/nix/store/{base}"))), "{report}");
+    assert!(root.join("nix/store").join(&base).join("bin/bash").exists());
     assert_eq!(store_leftovers(&root), Vec::<String>::new());
+    assert_nix_verifies(tmp.path(), &root);
+}
+
+/// The holder of the lock registers the path (as a Nix that substituted it would) before it
+/// releases the lock: the copy finds it valid, does not download it again, and counts it as
+/// already valid, so that its report accounts for every path of the closure.
+#[test]
+fn a_path_another_process_made_valid_meanwhile_counts_as_already_valid() {
+    let locked = LockedCopy::start();
+    let (tmp, root, base) = (locked.tmp.path().to_owned(), locked.root.clone(), locked.base.clone());
+    let narinfo = std::fs::read_to_string(corpus().join("cache-xz").join(format!("{}.narinfo", &base[..32]))).unwrap();
+    let field = |name: &str| narinfo.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_default().to_owned();
+    let nar = std::process::Command::new("xz").args(["-dc"]).arg(corpus().join("cache-xz").join(field("URL: "))).output().unwrap();
+    check(&nar, "xz -d");
+    let mut restore = std::process::Command::new("nix-store");
+    isolate(&mut restore, &tmp, "");
+    let mut restore = restore.args(["--restore"]).arg(root.join("nix/store").join(&base)).stdin(Stdio::piped()).spawn().unwrap();
+    std::io::Write::write_all(restore.stdin.as_mut().unwrap(), &nar.stdout).unwrap();
+    assert!(restore.wait().unwrap().success());
+    let references: Vec<String> = field("References: ").split_whitespace().map(|r| format!("/nix/store/{r}")).collect();
+    let registration = format!("/nix/store/{base}\n{}\n{}\n\n{}\n{}\n", field("NarHash: "), field("NarSize: "), references.len(), references.join("\n"));
+    // Nix 2.8 looks at the path at its logical location (`/nix/store/…`) even for a chroot
+    // store: it runs where the store's `nix` directory is `/nix` (a mount namespace of its own).
+    let mut register = std::process::Command::new("unshare");
+    isolate(&mut register, &tmp, "");
+    register.args(["--mount", "--propagation", "private", "sh", "-c", "mount --bind \"$0\" /nix && exec nix-store --store local --register-validity --hash-given"]).arg(root.join("nix"));
+    let mut register = register.stdin(Stdio::piped()).spawn().unwrap();
+    std::io::Write::write_all(register.stdin.as_mut().unwrap(), registration.as_bytes()).unwrap();
+    assert!(register.wait().unwrap().success());
+    let (tmp, root, server, nar_url, report) = locked.release();
+    assert_eq!(server.requests(&nar_url), 1, "a path found valid is not downloaded again");
+    let closure = nix_path_info(tmp.path(), root.to_str().unwrap(), &format!("/nix/store/{base}")).len();
+    let substituted = report["substituted"].as_array().unwrap().len();
+    assert_eq!((substituted, report["alreadyValid"].as_u64().unwrap() as usize), (closure - 1, 1), "{report}");
     assert_nix_verifies(tmp.path(), &root);
 }
