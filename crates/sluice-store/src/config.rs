@@ -352,12 +352,22 @@ impl Settings {
     }
 }
 
-fn parse_bool(name: &str, v: &str) -> Result<bool, ConfigError> {
-    match v {
-        "true" => Ok(true),
-        "false" => Ok(false),
-        _ => Err(ConfigError::BadValue { name: name.into(), value: v.into(), expected: "a Boolean (true or false)" }),
+/// A Boolean as Nix reads a setting's value or a store URL's parameter
+/// (`BaseSetting<bool>::parse`, `src/libutil/config.cc`): `true`, `yes` or `1`; `false`, `no`
+/// or `0`; anything else is `None`.
+pub fn nix_bool(value: &str) -> Option<bool> {
+    match value {
+        "true" | "yes" | "1" => Some(true),
+        "false" | "no" | "0" => Some(false),
+        _ => None,
     }
+}
+
+/// What a Boolean's error says it must be.
+pub const NIX_BOOL: &str = "a Boolean (true, yes, 1, false, no or 0)";
+
+fn parse_bool(name: &str, v: &str) -> Result<bool, ConfigError> {
+    nix_bool(v).ok_or_else(|| ConfigError::BadValue { name: name.into(), value: v.into(), expected: NIX_BOOL })
 }
 
 fn parse_num(name: &str, v: &str) -> Result<u64, ConfigError> {
@@ -379,6 +389,20 @@ mod tests {
         assert_eq!(s.download_attempts, 2);
         assert_eq!(Settings::default().download_attempts, 5);
         assert_eq!(s.narinfo_cache_negative_ttl, 3600);
+    }
+
+    /// Booleans are read as Nix reads them: a `nix.conf` with `require-sigs = no` is Nix's.
+    #[test]
+    fn booleans_are_nix_s() {
+        for (text, value) in [("yes", true), ("1", true), ("true", true), ("no", false), ("0", false), ("false", false)] {
+            let mut raw = RawConfig::default();
+            raw.apply_text(&format!("require-sigs = {text}\nauto-optimise-store = {text}\n"), "test", None).unwrap();
+            let s = Settings::from_raw(&raw).unwrap();
+            assert_eq!((s.require_sigs, s.auto_optimise_store), (value, value), "{text}");
+        }
+        let mut raw = RawConfig::default();
+        raw.apply_text("require-sigs = True\n", "test", None).unwrap();
+        assert!(Settings::from_raw(&raw).unwrap_err().to_string().contains("a Boolean (true, yes, 1, false, no or 0)"));
     }
 
     #[test]

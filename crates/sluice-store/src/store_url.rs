@@ -359,13 +359,9 @@ impl<'a> Query<'a> {
         StoreUrlError::BadParam { url: self.url.to_string(), param: param.to_string(), value: value.to_string(), reason }
     }
 
-    /// `BaseSetting<bool>::parse`.
+    /// [`crate::config::nix_bool`].
     fn bool(&self, name: &str, value: &str) -> Result<bool, StoreUrlError> {
-        match value {
-            "true" | "yes" | "1" => Ok(true),
-            "false" | "no" | "0" => Ok(false),
-            _ => Err(self.bad(name, value, "not a Boolean (true, yes, 1, false, no or 0)")),
-        }
+        crate::config::nix_bool(value).ok_or_else(|| self.bad(name, value, "not a Boolean (true, yes, 1, false, no or 0)"))
     }
 
     /// `string2IntWithUnitPrefix`: an integer, optionally followed by K, M, G or T.
