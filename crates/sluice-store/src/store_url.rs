@@ -436,12 +436,13 @@ impl<'a> Query<'a> {
             },
             None => None,
         };
-        let mut secret_key_files = Vec::new();
-        for name in ["secret-key", "secret-keys"] {
-            for file in self.take(name).iter().flat_map(|v| v.split(',')).filter(|f| !f.is_empty()) {
-                secret_key_files.push(self.path(name, file)?);
-            }
-        }
+        // A key file is a plain string setting in Nix (`secretKeyFile`), read with `readFile`: a
+        // relative path is the working directory's.
+        let secret_key_files = ["secret-key", "secret-keys"]
+            .into_iter()
+            .flat_map(|name| self.take(name))
+            .flat_map(|v| v.split(',').filter(|f| !f.is_empty()).map(PathBuf::from).collect::<Vec<_>>())
+            .collect();
         Ok(CacheWriteParams {
             compression,
             compression_level,
@@ -565,6 +566,8 @@ mod tests {
         assert_eq!(c.write.compression, crate::compression::Compression::Xz);
         assert_eq!(c.write.compression_level, Some(9));
         assert_eq!(c.write.secret_key_files, [PathBuf::from("/k1"), "/k2".into(), "/k3".into()]);
+        // Relative key files are the working directory's, as Nix's `readFile(secretKeyFile)`.
+        assert_eq!(cache("file:///c?secret-key=ci-cache.sec").write.secret_key_files, [PathBuf::from("ci-cache.sec")]);
         let CacheKind::S3(s3) = c.kind else { panic!("{c:?}") };
         assert_eq!((s3.bucket.as_str(), s3.region.as_str(), s3.endpoint.as_deref(), s3.path_style), ("bucket", "eu-west-1", Some("127.0.0.1:9000"), true));
         assert_eq!((s3.multipart_upload, s3.multipart_chunk_size, s3.multipart_threshold), (true, 8 << 20, 100 << 20));

@@ -12,7 +12,7 @@ use crate::binary_cache::{BinaryCache, CacheError};
 use crate::closure::{ClosureQuery, Substituter};
 use crate::config::Settings;
 use crate::narinfo_cache::NarInfoCache;
-use crate::store_url::{CacheUrl, StoreUrl};
+use crate::store_url::{CacheKind, CacheUrl, StoreUrl};
 
 /// Most root narinfos fetched alongside `nix-cache-info`.
 pub const MAX_PREFETCH: usize = 64;
@@ -36,8 +36,14 @@ pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
     }
 }
 
+/// Opens the substituter at `url`. The narinfo disk cache serves and records only caches over
+/// the network: as in Nix, where the HTTP and S3 stores set `diskCache` and the local binary
+/// cache store does not (`http-binary-cache-store.cc`, `s3-binary-cache-store.cc`,
+/// `local-binary-cache-store.cc`), a `file://` cache's narinfos are read anew by every run, so
+/// that a path pushed into it, or a narinfo edited there, is seen at once.
 async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk: Option<&NarInfoCache>, store_dir: &StoreDir, prefetch: &[StorePath]) -> Result<Substituter, SubstituterError> {
     let curl = cache_url(url)?;
+    let disk = disk.filter(|_| curl.kind != CacheKind::File);
     let cached = disk.and_then(|d| d.cache_info(&curl.base).map_err(|e| tracing::warn!("{e}")).ok().flatten());
     let (disk_id, cache) = match cached {
         Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, settings, info)),

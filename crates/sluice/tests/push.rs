@@ -389,3 +389,24 @@ fn walk(dir: &Path) -> Vec<String> {
     out.sort();
     out
 }
+
+/// A `file://` cache's narinfos are read anew by each run, as Nix reads a local binary
+/// cache's (only its HTTP and S3 stores use the narinfo disk cache): a copy that found the
+/// cache empty does not keep failing for an hour after the closure is pushed into it.
+#[test]
+fn a_file_cache_is_read_anew_after_a_push_into_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, paths) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let cache = tmp.path().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let url = format!("file://{}", cache.display());
+    let copy_back = |to: &str| sluice(tmp.path(), &["copy", "--from", &url, "--to", tmp.path().join(to).to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]);
+    let o = copy_back("before");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no substituter has this path"), "{}", stderr(&o));
+    check(&sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &url, &root]), "push into the cache");
+    check(&copy_back("after"), "copy from the cache after the push");
+    assert_eq!(nix_path_info(tmp.path(), tmp.path().join("after").to_str().unwrap(), &root).len(), paths.len());
+}
