@@ -194,10 +194,15 @@ pub fn summarize(store_dir: &StoreDir, failed: &BTreeMap<StorePath, Failure>) ->
         let named = named.join(", ");
         lines.push(match cause {
             Cause::Untrusted { signers, trusted } => {
+                let unverified = crate::local::unverified_signers(signers, trusted);
                 let trusted = if trusted.is_empty() { "no key".to_owned() } else { trusted.join(", ") };
-                match signers.is_empty() {
-                    true => format!("{n} paths lack a signature by a trusted key: they have no signature (trusted-public-keys has {trusted}); mark the substituter '?trusted=true' if you trust it to serve unsigned paths ({named})"),
-                    false => format!(
+                match (signers.is_empty(), unverified.is_empty()) {
+                    (true, _) => format!("{n} paths lack a signature by a trusted key: they have no signature (trusted-public-keys has {trusted}); mark the substituter '?trusted=true' if you trust it to serve unsigned paths ({named})"),
+                    (false, false) => format!(
+                        "{n} paths lack a valid signature by a trusted key: their signatures by {} do not verify (not made over their NAR hash, size and references) ({named})",
+                        unverified.join(", ")
+                    ),
+                    (false, true) => format!(
                         "{n} paths lack a signature by a trusted key: they are signed by {} but trusted-public-keys has {trusted}; if you trust that key, add it to trusted-public-keys ({named})",
                         signers.join(", ")
                     ),
@@ -880,6 +885,26 @@ mod tests {
     /// The store path whose hash part is `c` 32 times.
     fn path(c: char) -> StorePath {
         StoreDir::default().parse_path(&format!("/nix/store/{}-p", c.to_string().repeat(32))).unwrap()
+    }
+
+    /// Paths signed under a trusted key's name whose signatures do not verify are told apart
+    /// from paths signed by a key that is not trusted.
+    #[test]
+    fn signatures_that_do_not_verify_are_named_so() {
+        let dir = StoreDir::default();
+        let untrusted = |signer: &str| Cause::Untrusted { signers: vec![signer.into()], trusted: vec!["cache-1".into()] };
+        let mut failed = BTreeMap::new();
+        for (c, signer) in [('0', "cache-1"), ('1', "cache-1"), ('2', "other-1"), ('3', "other-1")] {
+            failed.insert(path(c), Failure { cause: untrusted(signer), message: String::new() });
+        }
+        let p = |c: char| dir.display_path(&path(c));
+        assert_eq!(
+            summarize(&dir, &failed),
+            [
+                format!("2 paths lack a valid signature by a trusted key: their signatures by cache-1 do not verify (not made over their NAR hash, size and references) ({}, {})", p('0'), p('1')),
+                format!("2 paths lack a signature by a trusted key: they are signed by other-1 but trusted-public-keys has cache-1; if you trust that key, add it to trusted-public-keys ({}, {})", p('2'), p('3')),
+            ]
+        );
     }
 
     /// Causes many paths share are one line each, with the count and a few paths; a cause of

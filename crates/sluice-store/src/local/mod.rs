@@ -80,10 +80,21 @@ pub const TEMP_DIR: &str = "00000000000000000000000000000000-sluice-unpacking";
 /// Who signed an untrusted path and whom the policy trusts, as [`LocalStoreError::Untrusted`]
 /// says it.
 fn untrusted_detail(signers: &[String], trusted: &[String]) -> String {
-    match signers.is_empty() {
-        true => "it has no signature".to_owned(),
-        false => format!("signed by: {}; trusted: {}", signers.join(", "), if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") }),
+    if signers.is_empty() {
+        return "it has no signature".to_owned();
     }
+    let mut detail = format!("signed by: {}; trusted: {}", signers.join(", "), if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") });
+    let unverified = unverified_signers(signers, trusted);
+    if !unverified.is_empty() {
+        detail.push_str(&format!("; the signature by {} does not verify: it was not made over this NAR hash, size and references", unverified.join(", ")));
+    }
+    detail
+}
+
+/// The key names of `signers` that `trusted` has: signatures by a trusted key's name that
+/// did not verify (made by another key under that name, or over other path info).
+pub fn unverified_signers<'a>(signers: &'a [String], trusted: &[String]) -> Vec<&'a str> {
+    signers.iter().filter(|s| trusted.contains(s)).map(String::as_str).collect()
 }
 
 /// Errors of the local store. Each names the store path or file concerned.
