@@ -100,6 +100,12 @@ fn narinfo_of(cache: &std::path::Path, path: &str) -> std::path::PathBuf {
     cache.join(format!("{}.narinfo", &path["/nix/store/".len()..][..32]))
 }
 
+/// The NAR file of `path` in `cache` (its narinfo's `URL`).
+fn nar_file_of(cache: &std::path::Path, path: &str) -> std::path::PathBuf {
+    let narinfo = std::fs::read_to_string(narinfo_of(cache, path)).unwrap();
+    cache.join(narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap())
+}
+
 /// Makes libidn2's narinfo in `cache` claim glibc as a reference, closing a cycle with
 /// glibc's claim of libidn2. Its signature, over the references, no longer holds.
 fn claim_cycle(cache: &std::path::Path) {
@@ -165,8 +171,7 @@ fn a_reference_cycle_claimed_by_a_cache_fails_its_paths_instead_of_hanging() {
 fn a_cycle_claimed_only_by_a_fallback_narinfo_does_not_hang_the_copy() {
     let tmp = tempfile::tempdir().unwrap();
     let first = subset_cache(tmp.path(), "first");
-    let url = std::fs::read_to_string(narinfo_of(&first, LIBIDN2)).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_owned)).unwrap();
-    std::fs::remove_file(first.join(url)).unwrap();
+    std::fs::remove_file(nar_file_of(&first, LIBIDN2)).unwrap();
     let second = subset_cache(tmp.path(), "second");
     claim_cycle(&second);
     let subs = format!("file://{} file://{}?trusted=true", first.display(), second.display());
@@ -209,12 +214,12 @@ fn a_cycle_claimed_by_an_untrusted_narinfo_does_not_fail_paths_a_trusted_cache_h
 fn dependents_of_a_path_refused_at_commit_are_registered_after_its_next_substituter() {
     let tmp = tempfile::tempdir().unwrap();
     let first = subset_cache(tmp.path(), "first");
-    let url = std::fs::read_to_string(narinfo_of(&first, LIBIDN2)).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_owned)).unwrap();
-    let mut nar = std::fs::read(first.join(&url)).unwrap();
+    let nar_file = nar_file_of(&first, LIBIDN2);
+    let mut nar = std::fs::read(&nar_file).unwrap();
     // The first byte of the first regular file's contents.
     let at = nar.windows(8).position(|w| w == b"contents").unwrap() + 16;
     nar[at] ^= 1;
-    std::fs::write(first.join(&url), nar).unwrap();
+    std::fs::write(&nar_file, nar).unwrap();
     let subs = format!("file://{} file://{}", first.display(), corpus().join("cache-subset-none").display());
     let root = tmp.path().join("root");
     let top = corpus_path("hexurvend-wrapper");
@@ -234,8 +239,7 @@ fn a_path_failed_for_a_cycle_is_not_registered_by_its_next_substituter() {
     let tmp = tempfile::tempdir().unwrap();
     let first = subset_cache(tmp.path(), "first");
     claim_cycle(&first);
-    let url = std::fs::read_to_string(narinfo_of(&first, LIBIDN2)).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_owned)).unwrap();
-    std::fs::remove_file(first.join(url)).unwrap();
+    std::fs::remove_file(nar_file_of(&first, LIBIDN2)).unwrap();
     let subs = format!("file://{} file://{}", first.display(), corpus().join("cache-subset-none").display());
     let root = tmp.path().join("root");
     let top = corpus_path("hexurvend-wrapper");
