@@ -90,9 +90,9 @@ fn daemon_adds_while_a_copy_runs() {
 
 /// A copy of bash's closure over HTTP (so that its NAR requests can be counted) while this
 /// process holds bash's lock as Nix's `PathLocks` does, once the copy has tried the lock and
-/// waited 3 s.
+/// waited 3 s. (Fields are dropped in this order: the server is stopped while its state
+/// directory in `tmp` is still there.)
 struct LockedCopy {
-    tmp: tempfile::TempDir,
     root: std::path::PathBuf,
     base: String,
     lock_path: std::path::PathBuf,
@@ -100,6 +100,7 @@ struct LockedCopy {
     server: CacheServer,
     nar_url: String,
     copy: (Child, std::path::PathBuf),
+    tmp: tempfile::TempDir,
 }
 
 impl LockedCopy {
@@ -125,7 +126,7 @@ impl LockedCopy {
             std::thread::sleep(Duration::from_millis(100));
         }
         std::thread::sleep(Duration::from_secs(3));
-        let locked = LockedCopy { tmp, root, base, lock_path, lock, server, nar_url, copy };
+        let locked = LockedCopy { root, base, lock_path, lock, server, nar_url, copy, tmp };
         assert!(locked.server.requests(&locked.nar_url) <= 1, "{} requests of {} while its path was locked", locked.server.requests(&locked.nar_url), locked.nar_url);
         let store = locked.root.join("nix/store");
         let temp_tree = store.join("00000000000000000000000000000000-sluice-unpacking").join(&locked.base);
