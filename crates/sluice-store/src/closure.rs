@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
-use crate::local::{LocalStore, SignaturePolicy, TempRoots};
+use crate::local::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 use crate::narinfo_cache::{Cached, NarInfoCache};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
@@ -50,8 +50,10 @@ impl Substituter {
 pub enum ClosureEvent {
     /// Valid in the destination already; its references were not followed.
     Valid(StorePath),
-    /// Substituter number `cache` (an index into the engine's list) has it.
-    Found { narinfo: Arc<NarInfo>, cache: usize },
+    /// Substituter number `cache` (an index into the engine's list) has it; `vouched` when
+    /// [`ClosureQuery::accept`] checked this narinfo and accepted it (so that it is not
+    /// checked again).
+    Found { narinfo: Arc<NarInfo>, cache: usize, vouched: Option<VouchedInfo> },
     /// No substituter has it, and none failed.
     Unknown(StorePath),
     /// No substituter has it and at least one failed: the substituter's index and its error
@@ -292,10 +294,11 @@ struct Lookup {
 }
 
 impl Lookup {
-    /// Whether the substituter `i`'s `narinfo` may be used ([`ClosureQuery::accept`]).
-    fn accepted(&self, i: usize, narinfo: &NarInfo) -> bool {
-        let Some(policy) = &self.accept else { return true };
-        policy.for_source(self.subs[i].trusted).vouch(&self.store_dir, &ValidPathInfo::from_narinfo(narinfo, 0)).is_ok()
+    /// What [`ClosureQuery::accept`] makes of substituter `i`'s `narinfo`: `None` if there is
+    /// no policy, else the vouched info or `None` (refused).
+    fn vouch(&self, i: usize, narinfo: &NarInfo) -> Option<Option<VouchedInfo>> {
+        let policy = self.accept.as_ref()?;
+        Some(policy.for_source(self.subs[i].trusted).vouch_info(&self.store_dir, ValidPathInfo::from_narinfo(narinfo, 0)).ok())
     }
 
     /// Takes the answer of the highest-priority substituter that has the path (and whose
@@ -327,11 +330,14 @@ impl Lookup {
                 }
             };
             match parsed {
-                // Checked only while a later substituter may have an accepted one.
-                Ok(Some(narinfo)) if i < last && !self.accepted(i, &narinfo) => {
-                    refused.get_or_insert((i, narinfo));
-                }
                 Ok(Some(narinfo)) => {
+                    // Checked (once) only while a later substituter may have an accepted one,
+                    // or to choose between this one and one refused before.
+                    let vouched = if i < last || refused.is_some() { self.vouch(i, &narinfo) } else { None };
+                    if matches!(vouched, Some(None)) && i < last {
+                        refused.get_or_insert((i, narinfo));
+                        continue;
+                    }
                     // Failures of higher-priority caches are skipped, but not silently (those that
                     // disabled a whole cache were reported once already).
                     for (_, e) in errors.iter().filter(|(_, e)| !e.is_cache_wide()) {
@@ -343,18 +349,18 @@ impl Lookup {
                         }
                     }
                     // A narinfo refused before is passed over only for one that is accepted.
-                    let (narinfo, cache) = match refused {
-                        Some((first, refused)) if !self.accepted(i, &narinfo) => (refused, first),
-                        _ => (narinfo, i),
+                    let event = match (vouched, refused) {
+                        (Some(None), Some((first, refused))) => ClosureEvent::Found { narinfo: Arc::new(refused), cache: first, vouched: None },
+                        (vouched, _) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: i, vouched: vouched.flatten() },
                     };
-                    return self.outcome(ClosureEvent::Found { narinfo: Arc::new(narinfo), cache }, records);
+                    return self.outcome(event, records);
                 }
                 Ok(None) => {}
                 Err(e) => errors.push((i, Arc::new(e))),
             }
         }
         let event = match (refused, errors.is_empty()) {
-            (Some((cache, narinfo)), _) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache },
+            (Some((cache, narinfo)), _) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache, vouched: None },
             (None, true) => ClosureEvent::Unknown(path.clone()),
             (None, false) => ClosureEvent::Failed { path: path.clone(), errors },
         };

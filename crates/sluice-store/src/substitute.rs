@@ -399,7 +399,7 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
                 shared.lock_report().already_valid += 1;
                 shared.gate.set(&path, State::Valid);
             }
-            ClosureEvent::Found { narinfo, cache } => {
+            ClosureEvent::Found { narinfo, cache, vouched } => {
                 shared.observer.queued(&narinfo.store_path, narinfo.file_size.unwrap_or(0), narinfo.nar_size);
                 found.push(narinfo.clone());
                 let shared = shared.clone();
@@ -408,7 +408,7 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
                     // A bug must fail its path (and so its dependents), not leave them waiting.
                     let path = narinfo.store_path.clone();
                     let shown = store_dir.display_path(&path);
-                    let job = std::panic::AssertUnwindSafe(shared.clone().substitute(store_dir, narinfo, cache));
+                    let job = std::panic::AssertUnwindSafe(shared.clone().substitute(store_dir, narinfo, cache, vouched));
                     if futures::FutureExt::catch_unwind(job).await.is_err() {
                         shared.fail(&path, Failure::other(format!("{shown}: internal error (a panic) while substituting it")));
                     }
@@ -512,10 +512,10 @@ impl Shared {
         }
     }
 
-    async fn substitute(self: Arc<Self>, store_dir: StoreDir, narinfo: Arc<NarInfo>, cache: usize) {
+    async fn substitute(self: Arc<Self>, store_dir: StoreDir, narinfo: Arc<NarInfo>, cache: usize, vouched: Option<VouchedInfo>) {
         let path = narinfo.store_path.clone();
         let nar_size = narinfo.nar_size;
-        match self.substitute_from(&store_dir, narinfo, cache).await {
+        match self.substitute_from(&store_dir, narinfo, cache, vouched).await {
             Ok(()) => {
                 // Found valid after it was failed (for a cycle): it stays failed.
                 if self.gate.set(&path, State::Valid) {
@@ -533,11 +533,12 @@ impl Shared {
     /// only if it lists no other reference ([`Shared::within_walked`]). Nix would follow its
     /// references; here a path they add has not been looked up, and a cycle they close would
     /// not be seen.
-    async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize) -> Result<(), Failure> {
+    async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize, mut vouched: Option<VouchedInfo>) -> Result<(), Failure> {
         let walked = narinfo.clone();
         let path = narinfo.store_path.clone();
         let shown = store_dir.display_path(&path);
         let mut errors = Vec::new();
+        // `vouched`: the closure engine's verdict on this first candidate, if it checked it.
         let mut candidate = Some((narinfo, first));
         let mut next = first + 1;
         let mut refetched = Vec::new();
@@ -545,7 +546,7 @@ impl Shared {
         let mut eager = true;
         loop {
             if let Some((narinfo, i)) = candidate.take() {
-                match self.try_substituter(store_dir, &narinfo, i, &mut eager).await {
+                match self.try_substituter(store_dir, &narinfo, i, vouched.as_ref(), &mut eager).await {
                     Ok(()) => return Ok(()),
                     Err(Attempt::Yielded) => {
                         tracing::debug!("{shown}: gave its lock up to a queued path; downloading it again once its references are valid");
@@ -555,6 +556,8 @@ impl Shared {
                     }
                     Err(Attempt::Final(e)) => return Err(Failure { message: format!("{shown}: {}", e.message), ..e }),
                     Err(Attempt::TryNext(e)) => {
+                        // The next candidates are other narinfos.
+                        vouched = None;
                         errors.push(e);
                         last_failed = Some(i);
                         // A stale disk-cache entry gets one more try with the fresh narinfo.
@@ -599,13 +602,18 @@ impl Shared {
     }
 
     /// Substitutes `narinfo`'s path from substituter `i`, admitted eagerly or not (see
-    /// [`Shared::admit`]).
-    async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, eager: &mut bool) -> Result<(), Attempt> {
+    /// [`Shared::admit`]); `vouched` if the closure engine vouched for this narinfo already.
+    async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, vouched: Option<&VouchedInfo>, eager: &mut bool) -> Result<(), Attempt> {
         let (sub, trusted) = (&self.subs[i], self.subs[i].trusted);
         let cache = &sub.cache;
-        let info = ValidPathInfo::from_narinfo(narinfo, 0);
         let narinfo_url = cache.narinfo_url(&narinfo.store_path);
-        let vouched = self.opts.policy.for_source(trusted).vouch_info(store_dir, info).map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?;
+        let vouched = match vouched {
+            Some(vouched) => vouched.clone(),
+            None => {
+                let info = ValidPathInfo::from_narinfo(narinfo, 0);
+                self.opts.policy.for_source(trusted).vouch_info(store_dir, info).map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?
+            }
+        };
         let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(Failure::other(format!("{narinfo_url}: {e}"))))?;
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
