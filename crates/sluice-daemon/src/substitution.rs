@@ -92,7 +92,7 @@ impl Session {
     /// cannot be used are logged and left out, as Nix does.
     async fn open(store: &LocalStore, settings: &Settings, use_substitutes: bool) -> Result<Session, String> {
         let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
-        let client = binary_cache::http::client(settings)?;
+        let client = binary_cache::http::LazyClient::new(settings);
         let disk = substituters::open_disk_cache(settings);
         let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref(), store.store_dir()).await;
         for e in &errors {

@@ -146,8 +146,7 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
             Arc::new(LocalStoreHandle::new(url, store, policy))
         }
         StoreUrl::BinaryCache(curl) => {
-            let client = crate::binary_cache::http::client(settings).map_err(StoreError::Other)?;
-            Arc::new(BinaryCache::open(&curl, &client, settings).await?)
+            Arc::new(BinaryCache::open(&curl, &crate::binary_cache::http::LazyClient::new(settings), settings).await?)
         }
         StoreUrl::Daemon { socket, .. } => Arc::new(DaemonStore::connect(url, &socket, settings.lock_cpu, settings.require_sigs)?),
     })

@@ -8,6 +8,7 @@ use futures::future::join_all;
 use sluice_nix::cache_info::CacheInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
+use crate::binary_cache::http::LazyClient;
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::closure::{ClosureQuery, Substituter};
 use crate::config::Settings;
@@ -41,14 +42,14 @@ pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
 /// cache store does not (`http-binary-cache-store.cc`, `s3-binary-cache-store.cc`,
 /// `local-binary-cache-store.cc`), a `file://` cache's narinfos are read anew by every run, so
 /// that a path pushed into it, or a narinfo edited there, is seen at once.
-async fn open_one(url: &str, settings: &Settings, client: &reqwest::Client, disk: Option<&NarInfoCache>, store_dir: &StoreDir, prefetch: &[StorePath]) -> Result<Substituter, SubstituterError> {
+async fn open_one(url: &str, settings: &Settings, client: &LazyClient, disk: Option<&NarInfoCache>, store_dir: &StoreDir, prefetch: &[StorePath]) -> Result<Substituter, SubstituterError> {
     let curl = cache_url(url)?;
     let disk = disk.filter(|_| curl.kind != CacheKind::File);
     let cached = disk.and_then(|d| d.cache_info(&curl.base).map_err(|e| tracing::warn!("{e}")).ok().flatten());
     let (disk_id, cache) = match cached {
-        Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, settings, info)),
+        Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, settings, info)?),
         None => {
-            let mut cache = BinaryCache::new(&curl, client, settings, CacheInfo::default());
+            let mut cache = BinaryCache::new(&curl, client, settings, CacheInfo::default())?;
             // The narinfos of the roots travel alongside nix-cache-info: one round trip for both.
             let roots = &prefetch[..prefetch.len().min(MAX_PREFETCH)];
             let (info, answers) = futures::join!(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p))));
@@ -97,7 +98,7 @@ async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots:
 
 /// Opens `urls` as substituters for `store_dir`, sorted by priority. Returns the usable ones
 /// and one error per cache left out.
-pub async fn open(urls: &[String], settings: &Settings, client: &reqwest::Client, disk: Option<&NarInfoCache>, store_dir: &StoreDir) -> (Vec<Substituter>, Vec<SubstituterError>) {
+pub async fn open(urls: &[String], settings: &Settings, client: &LazyClient, disk: Option<&NarInfoCache>, store_dir: &StoreDir) -> (Vec<Substituter>, Vec<SubstituterError>) {
     open_prefetching(urls, settings, client, disk, store_dir, &[]).await
 }
 
@@ -107,7 +108,7 @@ pub async fn open(urls: &[String], settings: &Settings, client: &reqwest::Client
 pub async fn open_prefetching(
     urls: &[String],
     settings: &Settings,
-    client: &reqwest::Client,
+    client: &LazyClient,
     disk: Option<&NarInfoCache>,
     store_dir: &StoreDir,
     prefetch: &[StorePath],

@@ -43,7 +43,7 @@ async fn narinfos_kept_are_bounded_and_a_dropped_one_is_fetched_again() {
     }
     let StoreUrl::BinaryCache(url) = StoreUrl::parse(&format!("file://{}", dir.path().display())).unwrap() else { panic!("not a cache URL") };
     let settings = Settings::default();
-    let client = sluice_store::binary_cache::http::client(&settings).unwrap();
+    let client = sluice_store::binary_cache::http::LazyClient::new(&settings);
     let cache = BinaryCache::open(&url, &client, &settings).await.unwrap();
 
     let first = cache.query_path_info_from_hash_part(&hash_part(0)).await.unwrap().expect("path 0 is in the cache");

@@ -138,7 +138,7 @@ pub enum Caches {
 /// Opens the caches `urls` with the disk cache (see [`Caches`] for those that cannot be
 /// used); the narinfos of `roots` are asked for alongside each cache's `nix-cache-info`.
 pub async fn closure_query(urls: &[String], caches: Caches, settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck, roots: &[StorePath]) -> Result<ClosureQuery, String> {
-    let client = binary_cache::http::client(settings)?;
+    let client = binary_cache::http::LazyClient::new(settings);
     let disk = substituters::open_disk_cache(settings);
     let (subs, errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), store_dir, roots).await;
     for e in errors {

@@ -31,6 +31,9 @@ pub enum CacheError {
     /// A secret key file named by `secret-key`/`secret-keys` could not be used.
     #[error("{url}: secret key {}: {what}", file.display())]
     SecretKey { url: String, file: std::path::PathBuf, what: String },
+    /// The HTTP client for the cache could not be built ([`super::http::LazyClient::get`]).
+    #[error("{url}: {what}")]
+    Client { url: String, what: String },
     /// The cache failed earlier in this run and is no longer asked.
     #[error("{url}: not used for the rest of this run after an earlier failure: {reason}")]
     Disabled { url: String, reason: String },

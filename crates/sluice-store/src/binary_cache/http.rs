@@ -13,7 +13,7 @@
 use std::future::Future;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -66,6 +66,28 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
         }
     }
     b.build().map_err(|e| format!("cannot set up the HTTP client: {e}"))
+}
+
+/// The HTTP client of a run, built from its settings ([`client`]) when a cache over HTTP or
+/// S3 first asks for it, and once: a run with `file://` caches only never builds one, whose
+/// system CA certificates cost about 4 ms of CPU at the start of a copy (the corpus copy from
+/// `file://`, docs/benchmarks.md, issue 16).
+pub struct LazyClient {
+    settings: Settings,
+    client: OnceLock<Result<reqwest::Client, String>>,
+}
+
+impl LazyClient {
+    /// A client for `settings`, not built yet.
+    pub fn new(settings: &Settings) -> Self {
+        LazyClient { settings: settings.clone(), client: OnceLock::new() }
+    }
+
+    /// The client, built on the first call. Errors: the settings' `ssl-cert-file` cannot be
+    /// read or parsed, or the TLS set-up failed (the same error on every call).
+    pub fn get(&self) -> Result<&reqwest::Client, String> {
+        self.client.get_or_init(|| client(&self.settings)).as_ref().map_err(String::clone)
+    }
 }
 
 /// Requests in flight for existence checks and uploads (see [`WRITE_REQUESTS`]).

@@ -146,14 +146,16 @@ impl BinaryCache {
     /// A cache for `url` with `info` as its `nix-cache-info` (from the disk cache, or a default
     /// until [`BinaryCache::fetch_cache_info`] has answered); `?priority=` and
     /// `?want-mass-query=` override it, as Nix's `BinaryCacheStore::init`
-    /// (`src/libstore/binary-cache-store.cc`) takes its values only as defaults.
-    pub fn new(url: &CacheUrl, client: &reqwest::Client, settings: &Settings, info: CacheInfo) -> Self {
+    /// (`src/libstore/binary-cache-store.cc`) takes its values only as defaults. An HTTP or
+    /// S3 cache gets `client`'s client, built now if it was not: its error is the error here.
+    pub fn new(url: &CacheUrl, client: &http::LazyClient, settings: &Settings, info: CacheInfo) -> Result<Self, CacheError> {
         let CacheUrl { base, kind, common, write } = url;
+        let client = || client.get().map_err(|what| CacheError::Client { url: base.clone(), what });
         let (base, transport) = match kind {
             CacheKind::File => (base.clone(), Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://"))))),
-            CacheKind::Http => (base.clone(), Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client.clone(), settings)), s3: None }),
+            CacheKind::Http => (base.clone(), Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client()?.clone(), settings)), s3: None }),
             CacheKind::S3(params) => {
-                let s3 = s3::S3::new(params);
+                let (s3, client) = (s3::S3::new(params), client()?);
                 let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), settings).signed(s3.signer(client));
                 (base.clone(), Transport::Http { http: Box::new(http), s3: Some(Box::new(s3)) })
             }
@@ -174,7 +176,7 @@ impl BinaryCache {
             narinfos: std::sync::Mutex::new(hashlink::LruCache::new(NARINFOS_KEPT)),
         };
         cache.set_info(cache.info.clone());
-        cache
+        Ok(cache)
     }
 
     /// Replaces the cache's `nix-cache-info` (keeping the URL's overrides).

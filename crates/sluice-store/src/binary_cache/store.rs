@@ -47,8 +47,8 @@ impl BinaryCache {
     /// `BinaryCacheStore::init` writes it at once); over HTTP it is written now, as Nix's
     /// `HttpBinaryCacheStore::init` does, and a server that refuses it is not a binary cache
     /// ([`BinaryCache::read_without_cache_info`]'s error, Nix's words).
-    pub async fn open(url: &CacheUrl, client: &reqwest::Client, settings: &Settings) -> Result<Self, CacheError> {
-        let mut cache = BinaryCache::new(url, client, settings, Default::default());
+    pub async fn open(url: &CacheUrl, client: &super::http::LazyClient, settings: &Settings) -> Result<Self, CacheError> {
+        let mut cache = BinaryCache::new(url, client, settings, Default::default())?;
         let info = match cache.fetch_cache_info().await? {
             Some(info) => info,
             None => match cache.read_without_cache_info() {
