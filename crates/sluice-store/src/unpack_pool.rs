@@ -1,5 +1,5 @@
-//! The process's unpacking threads: as many as the cores, started on first use and fed in
-//! order through one queue, for blocking work that never waits on a peer (unpacking a NAR
+//! The process's unpacking threads: as many as the cores, started on first use and fed
+//! through one queue, highest priority first, for blocking work that never waits on a peer (unpacking a NAR
 //! whose bytes are on this machine, a `file://` cache's). Tokio's blocking pool (up to
 //! `max_blocking_threads`, 96 in `sluice`) starts a thread whenever none is idle, so a copy
 //! that hands it a NAR per path ran on dozens of threads, each with its own allocator arena,
@@ -7,9 +7,16 @@
 //! `file://` this pool cut the CPU by about a tenth (docs/benchmarks.md, issue 16, fourth
 //! session). A NAR arriving over the network is still unpacked on tokio's pool: a transfer
 //! that trickles in holds one of many threads there, and would hold one of these few.
+//!
+//! A job's priority is a number its submitter may raise while it waits, read when a thread
+//! takes the next job (the waiting jobs are scanned: at most the copy's `--jobs`, 256 by
+//! default). The substitution gives a path's unpacking its depth in the closure, so that the
+//! references of a path are unpacked before it and registration keeps pace (`substitute.rs`).
 
+use std::cmp::Reverse;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{mpsc, Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 
 use tokio::sync::oneshot;
 
@@ -21,43 +28,78 @@ fn threads() -> usize {
     crate::cores().max(2)
 }
 
-/// Where jobs go; `None` if no thread could be started (jobs then run on tokio's pool).
-fn queue() -> Option<&'static mpsc::Sender<Job>> {
-    static QUEUE: OnceLock<Option<mpsc::Sender<Job>>> = OnceLock::new();
+/// A job waiting for a thread, with its priority (read when a thread takes the next job) and
+/// its place in the order of arrival.
+struct Queued {
+    priority: Arc<AtomicUsize>,
+    seq: u64,
+    job: Job,
+}
+
+/// The jobs waiting, and the condition the idle threads wait on.
+struct Queue {
+    waiting: Mutex<(Vec<Queued>, u64)>,
+    ready: Condvar,
+}
+
+impl Queue {
+    /// The waiting job of highest priority, the earliest among equals; waits for one.
+    fn next(&self) -> Job {
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let best = waiting.0.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
+            if let Some(i) = best {
+                return waiting.0.swap_remove(i).job;
+            }
+            waiting = self.ready.wait(waiting).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Queues `job` behind those that came before it.
+    fn push(&self, priority: Arc<AtomicUsize>, job: Job) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        let seq = waiting.1;
+        waiting.1 += 1;
+        waiting.0.push(Queued { priority, seq, job });
+        drop(waiting);
+        self.ready.notify_one();
+    }
+}
+
+/// The queue, its threads started on first use; `None` if no thread could be started (jobs
+/// then run on tokio's pool).
+fn queue() -> Option<&'static Queue> {
+    static QUEUE: OnceLock<Option<Arc<Queue>>> = OnceLock::new();
     QUEUE
         .get_or_init(|| {
-            let (tx, rx) = mpsc::channel::<Job>();
-            let rx = std::sync::Arc::new(Mutex::new(rx));
+            let queue = Arc::new(Queue { waiting: Mutex::new((Vec::new(), 0)), ready: Condvar::new() });
             let mut started = 0;
             for i in 0..threads() {
-                let rx = rx.clone();
+                let queue = queue.clone();
                 let worker = move || loop {
-                    // The lock is held only while waiting for the next job.
-                    let job = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
-                    match job {
-                        Ok(job) => job(),
-                        Err(_) => return,
-                    }
+                    (queue.next())();
                 };
                 started += usize::from(std::thread::Builder::new().name(format!("unpack-{i}")).spawn(worker).is_ok());
             }
-            (started > 0).then_some(tx)
+            (started > 0).then_some(queue)
         })
-        .as_ref()
+        .as_deref()
 }
 
-/// Runs `f` on one of the unpacking threads, after the jobs queued before it, and returns
-/// its result; `Err` with the panic's message if `f` panicked (the thread lives on).
-pub(crate) async fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+/// Runs `f` on one of the unpacking threads, before the waiting jobs of lower `priority` (as
+/// it is when a thread becomes free) and after those that came earlier with the same, and
+/// returns its result; `Err` with the panic's message if `f` panicked (the thread lives on).
+pub(crate) async fn run<T: Send + 'static>(priority: Arc<AtomicUsize>, f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
     let Some(queue) = queue() else {
         return tokio::task::spawn_blocking(f).await.map_err(|e| e.to_string());
     };
     let (tx, rx) = oneshot::channel();
-    let job: Job = Box::new(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)).map_err(|panic| panic_message(&*panic)));
-    });
-    // The threads never end, so the queue is always received from.
-    let _ = queue.send(job);
+    queue.push(
+        priority,
+        Box::new(move || {
+            let _ = tx.send(catch_unwind(AssertUnwindSafe(f)).map_err(|panic| panic_message(&*panic)));
+        }),
+    );
     rx.await.map_err(|_| "an unpacking thread stopped".to_owned())?
 }
 
@@ -75,11 +117,55 @@ mod tests {
     /// error while the threads go on with the next jobs.
     #[tokio::test]
     async fn jobs_run_on_the_pool_and_survive_panics() {
-        let name = run(|| std::thread::current().name().map(str::to_owned)).await.unwrap();
+        let name = run(Default::default(), || std::thread::current().name().map(str::to_owned)).await.unwrap();
         assert!(name.is_some_and(|n| n.starts_with("unpack-")));
-        let panicked = run(|| -> u32 { panic!("bad NAR") }).await.unwrap_err();
+        let panicked = run(Default::default(), || -> u32 { panic!("bad NAR") }).await.unwrap_err();
         assert_eq!(panicked, "an unpacking thread panicked: bad NAR");
-        let results = futures::future::join_all((0..64u32).map(|i| run(move || i * 2))).await;
+        let results = futures::future::join_all((0..64u32).map(|i| run(Default::default(), move || i * 2))).await;
         assert_eq!(results.into_iter().map(Result::unwrap).collect::<Vec<_>>(), (0..64).map(|i| i * 2).collect::<Vec<_>>());
+    }
+
+    /// A free thread takes the waiting job of highest priority as it is then (a priority
+    /// raised after the job was queued counts), the earliest among equals.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_free_thread_takes_the_job_of_highest_priority() {
+        // Every thread held by a job that waits to be released, one at a time.
+        let started = Arc::new(AtomicUsize::new(0));
+        let (releases, blockers): (Vec<_>, Vec<_>) = (0..threads())
+            .map(|_| {
+                let (release, wait) = std::sync::mpsc::channel::<()>();
+                let started = started.clone();
+                (release, tokio::spawn(run(Arc::new(AtomicUsize::new(usize::MAX)), move || {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    let _ = wait.recv();
+                })))
+            })
+            .unzip();
+        while started.load(Ordering::SeqCst) < threads() {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let raised = Arc::new(AtomicUsize::new(0));
+        let jobs: Vec<_> = [("low", Arc::new(AtomicUsize::new(1))), ("high", Arc::new(AtomicUsize::new(5))), ("high, later", Arc::new(AtomicUsize::new(5))), ("raised", raised.clone())]
+            .into_iter()
+            .map(|(name, priority)| {
+                let order = order.clone();
+                let job = tokio::spawn(run(priority, move || order.lock().unwrap().push(name)));
+                // Queued in this order.
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                job
+            })
+            .collect();
+        raised.store(9, Ordering::SeqCst);
+        // One thread goes on, and takes the four jobs one after another.
+        releases[0].send(()).unwrap();
+        for job in jobs {
+            job.await.unwrap().unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), ["raised", "high", "high, later", "low"]);
+        drop(releases);
+        for blocker in blockers {
+            blocker.await.unwrap().unwrap();
+        }
     }
 }
