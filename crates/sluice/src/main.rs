@@ -26,10 +26,11 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// jemalloc's options (its `malloc_conf`, read at its start; `_RJEM_MALLOC_CONF` in the
 /// environment adds to them): pages freed are given back after 100 ms rather than jemalloc's
-/// 10 s, which kept every download buffer of a copy over the network resident. The corpus
-/// copy over HTTPS at RTT 100 ms (`bench/copy-floor`, 3 runs): peak RSS 77 -> 66 MiB (glibc's
-/// malloc: 54 MiB), the copy from `file://` into tmpfs no slower (10 alternating runs).
-/// Giving pages back at once (`dirty_decay_ms:0`) cost 14 % more CPU there.
+/// 10 s, which kept download buffers of a copy over the network resident. The corpus copy
+/// over HTTPS at RTT 100 ms (`bench/copy-floor`): median peak RSS 77 MiB before, 66-74 MiB in
+/// three later runs of 3-5 copies (single copies 63-78; glibc's malloc 51-54 MiB), the copy
+/// from `file://` into tmpfs no slower (10 alternating runs). Giving pages back at once
+/// (`dirty_decay_ms:0`) cost 14 % more CPU there; one arena instead of 8 changed nothing.
 #[export_name = "_rjem_malloc_conf"]
 static JEMALLOC_OPTIONS: &[u8; 19] = b"dirty_decay_ms:100\0";
 
