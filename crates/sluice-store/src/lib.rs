@@ -11,6 +11,7 @@ pub mod builtins;
 mod by_key;
 mod causes;
 pub mod closure;
+mod closure_depth;
 pub mod compression;
 pub mod encoder_memory;
 pub mod config;

@@ -39,7 +39,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sluice_nix::narinfo::NarInfo;
@@ -49,6 +48,7 @@ use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit};
 
 use crate::binary_cache::{CacheError, NarStream};
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
+use crate::closure_depth::ClosureDepths;
 use crate::compression::Compression;
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
@@ -294,9 +294,8 @@ struct Shared {
     repair: bool,
     /// Paths ready to be registered (their references are valid or handed to it before).
     registrar: mpsc::UnboundedSender<Commit>,
-    /// The depth of each path found (or referred to) so far, the priority of its unpacking
-    /// (see [`Shared::depth`]).
-    depths: Mutex<HashMap<StorePath, Arc<AtomicUsize>>>,
+    /// The priorities of the paths' unpacking.
+    depths: ClosureDepths,
 }
 
 /// A path whose tree is unpacked and whose references are valid or handed to the registrar
@@ -386,7 +385,7 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
         observer,
         report: Mutex::new(CopyReport::default()),
         repair,
-        depths: Mutex::default(),
+        depths: ClosureDepths::default(),
     });
     let (tx, mut rx) = mpsc::unbounded_channel();
     let engine = {
@@ -405,10 +404,7 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
                 shared.gate.set(&path, State::Valid);
             }
             ClosureEvent::Found { narinfo, cache, vouched } => {
-                let below = shared.depth(&narinfo.store_path).load(Ordering::Relaxed) + 1;
-                for r in narinfo.references.iter().filter(|r| **r != narinfo.store_path) {
-                    shared.depth(r).fetch_max(below, Ordering::Relaxed);
-                }
+                shared.depths.found(&narinfo.store_path, &narinfo.references);
                 shared.observer.queued(&narinfo.store_path, narinfo.file_size.unwrap_or(0), narinfo.nar_size);
                 found.push(narinfo.clone());
                 let shared = shared.clone();
@@ -500,20 +496,6 @@ impl<R: Read> Read for SizeLimit<R> {
 }
 
 impl Shared {
-    /// The depth of `path` in the closure as far as it is known: 0 for a root, and for a
-    /// reference at least one more than each path found so far that refers to it (raised as
-    /// they are found; not carried on to the references of a path found earlier, so that a
-    /// found path costs its references and no more, cycles included). A reference is deeper
-    /// than the paths that refer to it, so the unpacking threads, taking the deepest NAR first
-    /// (`unpack_pool.rs`), unpack a path's references before it, and the registrar registers
-    /// paths while others unpack. Unpacked in the order found (largest NAR first among those
-    /// waiting for a job slot), 700 of the corpus's 1056 paths waited for glibc or for a few
-    /// small libraries found last, and were registered on one thread in the last 25 ms of a
-    /// 135 ms copy (the corpus copy from `file://` into tmpfs, issue 16).
-    fn depth(&self, path: &StorePath) -> Arc<AtomicUsize> {
-        self.depths.lock().unwrap_or_else(|p| p.into_inner()).entry(path.clone()).or_default().clone()
-    }
-
     fn lock_report(&self) -> std::sync::MutexGuard<'_, CopyReport> {
         self.report.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -816,7 +798,7 @@ impl Shared {
                 Ok(Some(Locked::Unpacked { pending, result: result.map(|u| (u, total)) }))
             };
             let locked = match local {
-                true => crate::unpack_pool::run(self.depth(&narinfo.store_path), unpack).await,
+                true => crate::unpack_pool::run(self.depths.of(&narinfo.store_path), unpack).await,
                 false => tokio::task::spawn_blocking(unpack).await.map_err(|e| e.to_string()),
             };
             let locked = locked.map_err(|e| Attempt::Final(Failure::other(e)))?;

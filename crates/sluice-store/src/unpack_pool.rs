@@ -1,6 +1,6 @@
 //! The process's unpacking threads: as many as the cores, started on first use and fed
-//! through one queue, highest priority first, for blocking work that never waits on a peer (unpacking a NAR
-//! whose bytes are on this machine, a `file://` cache's). Tokio's blocking pool (up to
+//! through one queue, highest priority first, for blocking work that never waits on a peer
+//! (unpacking a NAR whose bytes are on this machine, a `file://` cache's). Tokio's blocking pool (up to
 //! `max_blocking_threads`, 96 in `sluice`) starts a thread whenever none is idle, so a copy
 //! that hands it a NAR per path ran on dozens of threads, each with its own allocator arena,
 //! and every hand-off woke and raced idle threads for the pool's lock: on the corpus copy from
@@ -10,8 +10,8 @@
 //!
 //! A job's priority is a number its submitter may raise while it waits, read when a thread
 //! takes the next job (the waiting jobs are scanned: at most the copy's `--jobs`, 256 by
-//! default). The substitution gives a path's unpacking its depth in the closure, so that the
-//! references of a path are unpacked before it and registration keeps pace (`substitute.rs`).
+//! default). The substitution gives a path's unpacking its depth in the closure
+//! (`closure_depth.rs`), so that the references of a path are unpacked before it.
 
 use std::cmp::Reverse;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -36,9 +36,16 @@ struct Queued {
     job: Job,
 }
 
+/// The jobs waiting, and the number the next one gets.
+#[derive(Default)]
+struct Waiting {
+    jobs: Vec<Queued>,
+    next_seq: u64,
+}
+
 /// The jobs waiting, and the condition the idle threads wait on.
 struct Queue {
-    waiting: Mutex<(Vec<Queued>, u64)>,
+    waiting: Mutex<Waiting>,
     ready: Condvar,
 }
 
@@ -47,9 +54,9 @@ impl Queue {
     fn next(&self) -> Job {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
-            let best = waiting.0.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
+            let best = waiting.jobs.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
             if let Some(i) = best {
-                return waiting.0.swap_remove(i).job;
+                return waiting.jobs.swap_remove(i).job;
             }
             waiting = self.ready.wait(waiting).unwrap_or_else(PoisonError::into_inner);
         }
@@ -58,9 +65,9 @@ impl Queue {
     /// Queues `job` behind those that came before it.
     fn push(&self, priority: Arc<AtomicUsize>, job: Job) {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-        let seq = waiting.1;
-        waiting.1 += 1;
-        waiting.0.push(Queued { priority, seq, job });
+        let seq = waiting.next_seq;
+        waiting.next_seq += 1;
+        waiting.jobs.push(Queued { priority, seq, job });
         drop(waiting);
         self.ready.notify_one();
     }
@@ -72,7 +79,7 @@ fn queue() -> Option<&'static Queue> {
     static QUEUE: OnceLock<Option<Arc<Queue>>> = OnceLock::new();
     QUEUE
         .get_or_init(|| {
-            let queue = Arc::new(Queue { waiting: Mutex::new((Vec::new(), 0)), ready: Condvar::new() });
+            let queue = Arc::new(Queue { waiting: Mutex::default(), ready: Condvar::new() });
             let mut started = 0;
             for i in 0..threads() {
                 let queue = queue.clone();

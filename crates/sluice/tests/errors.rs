@@ -78,6 +78,24 @@ fn from_unreachable_tls_or_401_is_one_error_saying_so() {
     }
 }
 
+/// An `ssl-cert-file` that cannot be read is the error of the cache that needs the HTTP
+/// client, naming the cache and the file; a copy from `file://` builds no client, so the
+/// setting is not read (Nix reads it only for its HTTP transfers too).
+#[test]
+fn an_unreadable_ssl_cert_file_fails_only_a_cache_over_https() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-ca.pem");
+    let missing = missing.to_str().unwrap();
+    let closed = format!("https://127.0.0.1:{}", closed_port());
+    let o = sluice(tmp.path(), &["copy", "--from", &closed, "--to", tmp.path().join("https").to_str().unwrap(), "--option", "ssl-cert-file", missing, TOP]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(error_lines(&o), [format!("error: {closed}: ssl-cert-file {missing}: No such file or directory (os error 2)")]);
+    let leaf = corpus_path("bash-5.2-p15");
+    let file = format!("file://{}", corpus().join("cache-zstd").display());
+    let o = copy_with(tmp.path(), &tmp.path().join("file"), &file, &corpus_key(), &[("ssl-cert-file", missing)], &[&leaf]);
+    check(&o, "a copy from file:// with an unreadable ssl-cert-file");
+}
+
 /// 1046 paths signed by a key nobody trusts: one line with the count, the key the narinfos
 /// carry, the trusted one and the fix; the 10 content-addressed paths need no signature and
 /// are copied. Real Nix 2.8 refuses the closure too.
