@@ -106,8 +106,9 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    raise_open_file_limit();
-    grow_descriptor_table();
+    if let Some(limit) = raise_open_file_limit() {
+        grow_descriptor_table(limit);
+    }
     let result = match cli.command {
         Command::Copy(a) => copy::run(a),
         Command::Missing(a) => missing::run(a),
@@ -132,7 +133,7 @@ fn main() -> ExitCode {
 const DESCRIPTOR_TABLE: libc::c_int = 16384;
 
 /// Grows the process's descriptor table, while it is the only thread, to hold the first
-/// [`DESCRIPTOR_TABLE`] descriptors (at most the soft limit): by duplicating standard error to
+/// [`DESCRIPTOR_TABLE`] descriptors (at most `soft_limit`, the soft limit on open files): by duplicating standard error to
 /// the highest of them and closing it again (the table never shrinks). Linux grows the table
 /// when a descriptor above its size is opened, doubling it from 64 entries, and a process
 /// with more than one thread waits in `synchronize_rcu()` each time (`expand_fdtable` in
@@ -140,15 +141,11 @@ const DESCRIPTOR_TABLE: libc::c_int = 16384;
 /// a thousand lock files grew it four times, and all its threads stood still for 10 to 20 ms
 /// each time (the corpus copy into tmpfs, issue 16). Grown here it costs 8 bytes and 2 bits per
 /// entry and no wait. Nothing to do if it fails.
-fn grow_descriptor_table() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes the struct passed to it; dup2 and close act on a descriptor
-    // number nothing else uses (above every open one, and no thread runs yet to open it).
+fn grow_descriptor_table(soft_limit: libc::rlim_t) {
+    let highest = soft_limit.min(DESCRIPTOR_TABLE as libc::rlim_t) as libc::c_int - 1;
+    // SAFETY: dup2 and close act on a descriptor number nothing else uses (above every open
+    // one, and no thread runs yet to open it).
     unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
-            return;
-        }
-        let highest = limit.rlim_cur.min(DESCRIPTOR_TABLE as libc::rlim_t) as libc::c_int - 1;
         if highest > 2 && libc::fcntl(highest, libc::F_GETFD) == -1 && libc::dup2(2, highest) == highest {
             libc::close(highest);
         }
@@ -159,14 +156,21 @@ fn grow_descriptor_table() {
 /// has downloaded and yet to register, as many as its budget allows (`sluice_store::fd_budget`:
 /// half the limit), and the daemon one socket per client: under the common soft limit of 1024
 /// (hard limits are far higher) a 1056-path copy would run short of locks and download its
-/// paths in dependency order, some of them twice.
-fn raise_open_file_limit() {
+/// paths in dependency order, some of them twice. Returns the soft limit now; `None` if it
+/// cannot be read.
+fn raise_open_file_limit() -> Option<libc::rlim_t> {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
     unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit { rlim_cur: limit.rlim_max, ..limit };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                return Some(raised.rlim_cur);
+            }
         }
     }
+    Some(limit.rlim_cur)
 }
