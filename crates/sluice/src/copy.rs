@@ -4,6 +4,7 @@
 //! at either end.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -84,7 +85,7 @@ fn push(args: Args) -> Result<ExitCode, String> {
         Log::get().error(&format!("{}: {reason}", store_dir.display_path(path)));
     }
     if args.json {
-        println!("{}", json_report(&store_dir, ("copied", &report.copied), report.already_valid, &report.failed, &[("narSize", report.nar_bytes)], secs));
+        print_report(&json_report(&store_dir, ("copied", &report.copied), report.already_valid, &report.failed, &[("narSize", report.nar_bytes)], secs))?;
     }
     eprintln!(
         "copied {} paths ({:.2} MiB of NAR) to {} in {:.2} s; {} already there, {} failed",
@@ -146,7 +147,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let missing: Vec<_> = roots.iter().filter(|r| !valid.contains(*r)).collect();
     if args.json {
         let sizes = [("downloadSize", report.downloaded), ("narSize", report.unpacked)];
-        println!("{}", json_report(&store_dir, ("substituted", &report.substituted), report.already_valid, &report.failed, &sizes, secs));
+        print_report(&json_report(&store_dir, ("substituted", &report.substituted), report.already_valid, &report.failed, &sizes, secs))?;
     }
     let summary = format!(
         "copied {} paths ({:.2} MiB downloaded, {:.2} MiB unpacked) in {:.2} s; {} already valid, {} failed",
@@ -162,6 +163,18 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Prints `--json`'s report, a line on standard output. A reader that went away (`| head`)
+/// is no error of the copy, which is done: `copy` ignores SIGPIPE (see `main.rs`), and the
+/// write's `EPIPE` is passed over where `println!` would panic. Another write error is
+/// returned.
+fn print_report(json: &serde_json::Value) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{json}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("writing the report to standard output: {e}")),
+        _ => Ok(()),
+    }
 }
 
 /// The `--json` report of a copy: the paths it added (under `done.0`), how many were there

@@ -86,6 +86,29 @@ fn copy_subset_of_every_compression() {
     }
 }
 
+/// `--json` into a pipe whose reader is gone (`sluice copy --json | head`) copies as without
+/// it and ends quietly. Regression: the report's `println!` panicked on `EPIPE` (`copy`
+/// ignores SIGPIPE, for its uploads), after the copy was done.
+#[test]
+fn copy_json_into_a_closed_pipe() {
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
+    let root_path = summary["subsetRoot"].as_str().expect("summary.json has subsetRoot").to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let url = format!("file://{}", corpus().join("cache-subset-gzip").display());
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["copy", "--json", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root_path]);
+    let o = cmd.stdout(writer).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "sluice copy --json into a closed pipe: {:?}\n{stderr}", o.status);
+    assert!(!stderr.contains("panicked"), "no panic: {stderr}");
+    assert!(stderr.contains("copied 25 paths"), "the copy's summary: {stderr}");
+    assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), &root_path).len(), 25, "the 25-path closure is valid");
+}
+
 /// Nodes get Nix's canonical metadata as they are unpacked, whatever the umask or a default
 /// ACL on the store's parent: mode 0444 or 0555 on files and directories, mtime 1 on
 /// everything (symlinks included). Regressions: with the metadata set at creation instead of
