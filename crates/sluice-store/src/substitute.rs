@@ -387,6 +387,27 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
         repair,
         depths: ClosureDepths::default(),
     });
+    // Dispatched on the runtime's workers, not on the caller's thread (`block_on` in the
+    // command line), so that each path found does not wake a sleeping thread (4 ms of the
+    // corpus's copy). In a set of its own: dropping this future (an interrupted copy, a
+    // daemon client gone) aborts it, and its tasks with it, as before.
+    let mut dispatch_task = tokio::task::JoinSet::new();
+    dispatch_task.spawn(dispatch(query, paths, shared.clone()));
+    if let Some(Err(e)) = dispatch_task.join_next().await {
+        if e.is_panic() {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+    let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
+    drop(registrar);
+    let _ = registrar_task.await;
+    report.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Starts the closure engine of `query` on `paths` and a substitution task for each path it
+/// finds; once the closure is known, fails the paths in reference cycles; returns when every
+/// task has ended.
+async fn dispatch(query: ClosureQuery, paths: Vec<StorePath>, shared: Arc<Shared>) {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let engine = {
         let query = query.clone();
@@ -444,10 +465,6 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
     }
     drop(found);
     while tasks.join_next().await.is_some() {}
-    let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
-    drop(registrar);
-    let _ = registrar_task.await;
-    report.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A reader that tells the observer how many bytes passed.
@@ -537,7 +554,8 @@ impl Shared {
     /// those: another substituter's narinfo (or a fresh one of the same substituter) is used
     /// only if it lists no other reference ([`Shared::within_walked`]). Nix would follow its
     /// references; here a path they add has not been looked up, and a cycle they close would
-    /// not be seen.
+    /// not be seen. The fallbacks' lookups are boxed futures: rare, they would otherwise make
+    /// every path's task larger for as long as it waits.
     async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize, mut vouched: Option<VouchedInfo>) -> Result<(), Failure> {
         let walked = narinfo.clone();
         let path = narinfo.store_path.clone();
@@ -568,7 +586,7 @@ impl Shared {
                         // A stale disk-cache entry gets one more try with the fresh narinfo.
                         if !refetched.contains(&i) {
                             refetched.push(i);
-                            if let Some(fresh) = self.refetch_narinfo(store_dir, &narinfo, i).await {
+                            if let Some(fresh) = Box::pin(self.refetch_narinfo(store_dir, &narinfo, i)).await {
                                 match self.within_walked(store_dir, &walked, &fresh, i) {
                                     Ok(()) => {
                                         candidate = Some((fresh, i));
@@ -584,7 +602,7 @@ impl Shared {
             let Some(sub) = self.subs.get(next) else { break };
             let i = next;
             next += 1;
-            match sub.cache.narinfo_text(&path).await {
+            match Box::pin(sub.cache.narinfo_text(&path)).await {
                 Ok(Some(text)) => match sub.cache.parse_narinfo(&path, store_dir, &text) {
                     Ok(ni) => match self.within_walked(store_dir, &walked, &ni, i) {
                         Err(e) => errors.push(e),
@@ -623,7 +641,17 @@ impl Shared {
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
-        let Some((mut pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, &vouched, compression, &url).await? else {
+        // Boxed: every path's task waits for its admission at once, and so its state is only
+        // as large as what it holds while waiting (a page of memory per path otherwise).
+        Box::pin(self.fetch_and_register(store_dir, sub, narinfo, &vouched, compression, &url)).await
+    }
+
+    /// Downloads and unpacks the NAR of `narinfo` from `sub` ([`Shared::fetch_nar`]), then
+    /// hands the path to the registrar once its references allow and waits for it to be
+    /// registered.
+    async fn fetch_and_register(&self, store_dir: &StoreDir, sub: &Substituter, narinfo: &NarInfo, vouched: &VouchedInfo, compression: Compression, url: &str) -> Result<(), Attempt> {
+        let trusted = sub.trusted;
+        let Some((mut pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, vouched, compression, url).await? else {
             // Another process made it valid meanwhile.
             self.lock_report().already_valid += 1;
             return Ok(());
@@ -665,7 +693,7 @@ impl Shared {
                     tracing::debug!("{e}; committing it again once its references are registered");
                     (pending, until) = (*back, Until::Valid);
                 }
-                uncommitted => return Err(Attempt::TryNext(Failure::store(&url, &uncommitted.into_error()))),
+                uncommitted => return Err(Attempt::TryNext(Failure::store(url, &uncommitted.into_error()))),
             }
         }
         let mut report = self.lock_report();
