@@ -61,7 +61,8 @@ pub enum LogFormat {
 #[derive(clap::Args, Debug, Clone)]
 pub struct LogFlags {
     /// More output: `-v` for each level above Nix's default (info); `-vv` also shows debug
-    /// messages of sluice. Verbose output prints lines instead of the progress line.
+    /// messages of sluice, `-vvvv` those of its HTTP and TLS libraries too. Verbose output
+    /// prints lines instead of the progress line.
     #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
     /// Less output: errors and warnings only, no progress.

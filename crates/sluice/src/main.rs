@@ -81,11 +81,13 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let log = log::Log::init(&cli.log);
-    // sluice's own messages: warnings by default, more with -v (info) and -vv (debug);
-    // `SLUICE_LOG` (an `EnvFilter`) wins.
+    // sluice's own messages: warnings by default, more with -v (info) and -vv (debug); the
+    // libraries' (HTTP, TLS) beyond warnings only at Nix's `vomit` level (-vvvv), where Nix
+    // turns on curl's verbose output. `SLUICE_LOG` (an `EnvFilter`) wins.
     let filter = match log.verbosity {
         ..=log::LVL_INFO => "warn",
-        4 => "info",
+        4 => "warn,sluice=info",
+        5 | 6 => "warn,sluice=debug",
         _ => "debug",
     };
     tracing_subscriber::fmt()

@@ -278,3 +278,24 @@ impl Drop for Tmux {
         self.run(&["kill-server"]);
     }
 }
+
+/// `-vv` shows sluice's own debug lines (each HTTP request it made), not the HTTP library's;
+/// those come at Nix's `vomit` level, `-vvvv`. Regression: `-vv` printed mostly hyper's
+/// connection-pool lines (`pooling idle connection`, `reuse idle connection`).
+#[test]
+fn debug_lines_are_sluices_own_until_vomit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = CacheServer::start(&corpus().join("cache-subset-none"), &tmp.path().join("srv"), &[]);
+    let top = subset_top();
+    for (flag, libraries) in [("-vv", false), ("-vvvv", true)] {
+        // A home of its own: no narinfo in the disk cache from the run before.
+        let run = tmp.path().join(flag);
+        std::fs::create_dir(&run).unwrap();
+        let o = copy(Copier::Sluice, &run, &server.url, &top, &[flag]);
+        let err = stderr(&o);
+        let requests = err.lines().filter(|l| l.starts_with("DEBUG request method=GET")).count();
+        // The cache's nix-cache-info, a narinfo and a NAR per path.
+        assert_eq!(requests, 1 + 2 * 25, "{flag}: sluice's request lines\n{err}");
+        assert_eq!(err.contains("idle connection"), libraries, "{flag}: the HTTP library's lines\n{err}");
+    }
+}
