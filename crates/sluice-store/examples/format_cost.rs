@@ -28,8 +28,12 @@
 //! frames with content sizes is decoded with helper threads, `compression/zstd_frames.rs`: the
 //! figures would not be one core's).
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::time::{Duration, Instant};
+
+use common::cpu_time;
 
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::{reader::parse, Discard};
@@ -96,18 +100,6 @@ fn load(dir: &std::path::Path, store_dir: &StoreDir) -> Result<Vec<Path>, String
             })
         })
         .collect()
-}
-
-/// CPU time of `clock` (`CLOCK_THREAD_CPUTIME_ID`, `CLOCK_PROCESS_CPUTIME_ID`).
-fn cpu_time(clock: libc::clockid_t) -> Duration {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime only writes the struct passed to it.
-    let r = unsafe { libc::clock_gettime(clock, &mut t) };
-    assert_eq!(r, 0, "clock_gettime");
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// Median thread CPU and wall time of a stage, in ms.

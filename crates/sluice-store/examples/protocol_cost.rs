@@ -38,9 +38,13 @@
 //! with its references and NAR hash, or if another thread of the process spent CPU during a
 //! run (the figures would not be one core's).
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+use common::cpu_time;
 
 use rustix::fs::{futimens, openat, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
 use sluice_nix::hash::{HashAlgo, Hasher};
@@ -125,18 +129,6 @@ fn visit(
     }
     order.push(info.clone());
     Ok(())
-}
-
-/// CPU time of `clock` (`CLOCK_THREAD_CPUTIME_ID`, `CLOCK_PROCESS_CPUTIME_ID`).
-fn cpu_time(clock: libc::clockid_t) -> Duration {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime only writes the struct passed to it.
-    let r = unsafe { libc::clock_gettime(clock, &mut t) };
-    assert_eq!(r, 0, "clock_gettime");
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// Thread CPU and wall time spent in a stage, summed over its parts, and the CPU other
