@@ -14,6 +14,7 @@ pub mod closure;
 mod closure_depth;
 pub mod compression;
 pub mod encoder_memory;
+pub mod failure;
 pub mod config;
 pub mod fd_budget;
 pub mod job_queue;

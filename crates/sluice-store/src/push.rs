@@ -17,6 +17,7 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::failure::Failure;
 use crate::reference_cycles::reference_cycles;
 use crate::store::{NarReader, Store, StoreError};
 
@@ -27,8 +28,8 @@ pub struct PushReport {
     pub copied: Vec<StorePath>,
     /// Paths of the closure the destination had already.
     pub already_valid: usize,
-    /// Paths that could not be added, with the reason.
-    pub failed: BTreeMap<StorePath, String>,
+    /// Paths that could not be added, with the reason (its message names the path).
+    pub failed: BTreeMap<StorePath, Failure>,
     /// Bytes of NAR read from the source.
     pub nar_bytes: u64,
 }
@@ -77,7 +78,7 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             if let Some(tx) = senders.remove(&path) {
                 let _ = tx.send(Err(message.clone()));
             }
-            report.failed.insert(path, message.clone());
+            report.failed.insert(path.clone(), Failure::other(format!("{}: {message}", dst.store_dir().display_path(&path))));
         }
     }
     missing.retain(|i| !report.failed.contains_key(&i.path));
@@ -98,16 +99,17 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         let (src, dst, slots, info, tx) = (src.clone(), dst.clone(), slots.clone(), info.clone(), senders.remove(&info.path));
         tasks.push(tokio::spawn(async move {
             let permit = slots.acquire_owned().await.expect("semaphore never closed");
-            let result = async {
-                let nar = src.nar_from_path(&info).await?;
-                let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
-                // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).
-                dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate).await
-            }
-            .await;
-            let outcome = result.map_err(|e| e.to_string());
+            let shown = dst.store_dir().display_path(&info.path);
+            let outcome = match src.nar_from_path(&info).await {
+                Err(e) => Err(Failure::copy(&shown, src.url(), &e)),
+                Ok(nar) => {
+                    let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
+                    // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).
+                    dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate).await.map_err(|e| Failure::copy(&shown, dst.url(), &e))
+                }
+            };
             if let Some(tx) = tx {
-                let _ = tx.send(outcome.clone());
+                let _ = tx.send(outcome.as_ref().map(|_| ()).map_err(|f| f.message.clone()));
             }
             (info.path, info.nar_size, outcome)
         }));

@@ -16,7 +16,8 @@ use sluice_store::local::SignaturePolicy;
 use sluice_store::push;
 use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
-use sluice_store::substitute::{copy_closure, summarize, SubstituteOptions};
+use sluice_store::failure::summarize;
+use sluice_store::substitute::{copy_closure, SubstituteOptions};
 
 use crate::log::{Log, LVL_WARN};
 use crate::progress::{Progress, MIB};
@@ -81,8 +82,8 @@ fn push(args: Args) -> Result<ExitCode, String> {
         Ok::<_, String>((report, src.store_dir().clone()))
     })?;
     let secs = started.elapsed().as_secs_f64();
-    for (path, reason) in &report.failed {
-        Log::get().error(&format!("{}: {reason}", store_dir.display_path(path)));
+    for line in summarize(&store_dir, &report.failed, "copied") {
+        Log::get().error(&line);
     }
     if args.json {
         print_report(&json_report(&store_dir, ("copied", &report.copied), report.already_valid, &report.failed, &[("narSize", report.nar_bytes)], secs))?;
@@ -139,7 +140,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let report = report.inspect_err(|_| rt.shutdown_background())?;
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
-    for line in summarize(&store_dir, &report.failed) {
+    for line in summarize(&store_dir, &report.failed, "substituted") {
         progress.error(&line);
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::substitute::{Failure, Observer};
+use sluice_store::failure::Failure;
+use sluice_store::substitute::Observer;
 
 use crate::log::{act, res, Activity, Log, LVL_INFO, LVL_WARN};
 

@@ -410,3 +410,28 @@ fn a_file_cache_is_read_anew_after_a_push_into_it() {
     check(&copy_back("after"), "copy from the cache after the push");
     assert_eq!(nix_path_info(tmp.path(), tmp.path().join("after").to_str().unwrap(), &root).len(), paths.len());
 }
+
+/// A cache that refuses every upload (nginx, which takes no PUT) fails the push with one line
+/// per cause, not one per path: the count, a few paths, the cache and its answer. Regression:
+/// a push of N paths printed N errors, all the same but for the path (Nix stops at the first).
+#[test]
+fn refused_uploads_are_one_error_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, _) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let cache = tmp.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let server = CacheServer::start(&cache, &tmp.path().join("srv"), &[]);
+    let o = sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &server.url, &root]);
+    assert!(!o.status.success(), "the push fails");
+    let err = stderr(&o);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    // The refused uploads; the paths whose reference failed first, if any, are a second line.
+    assert!((1..=2).contains(&errors.len()), "one line per cause:\n{err}");
+    let refused = format!("paths could not be copied because {} failed: ", server.url);
+    assert!(errors[0].contains(&refused) && errors[0].contains("the server refused the upload") && errors[0].contains("more)"), "{err}");
+    let counted: usize = errors.iter().map(|l| l["error: ".len()..].split(' ').next().unwrap().parse::<usize>().unwrap_or(1)).sum();
+    assert_eq!(counted, 25, "every path of the closure is counted once:\n{err}");
+    assert!(err.contains("copied 0 paths"), "{err}");
+}

@@ -13,7 +13,7 @@ use sluice_nix::wire::{
 };
 use sluice_store::builtins::Builtin;
 use sluice_store::closure::ClosureEvent;
-use sluice_store::substitute::{summarize, Cause};
+use sluice_store::failure::{summarize, Cause};
 
 use super::{builtin, delegate};
 use super::query::{derivation_outputs, load_derivation};
@@ -64,7 +64,7 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
     stderr.stop_activity(&mut c.w, parent)?;
     let mut report = result.map_err(Fail::Op)?;
     report.failed.retain(|_, f| f.cause != Cause::Unknown);
-    for line in summarize(&dir, &report.failed) {
+    for line in summarize(&dir, &report.failed, "substituted") {
         tracing::info!("{line}");
         c.log(&format!("error: {line}"))?;
     }
