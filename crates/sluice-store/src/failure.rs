@@ -26,6 +26,24 @@ pub enum Cause {
     Other,
 }
 
+impl Cause {
+    /// The cause of the store's refusal `e`: an untrusted path, else the path's own.
+    fn of_store(e: &LocalStoreError) -> Self {
+        match e {
+            LocalStoreError::Untrusted { signers, trusted, .. } => Cause::Untrusted { signers: signers.clone(), trusted: trusted.clone() },
+            _ => Cause::Other,
+        }
+    }
+
+    /// The cause of the cache at `url` failing with `e`: the whole cache's, or the path's own.
+    fn of_cache(url: &str, e: &CacheError) -> Self {
+        match e.is_cache_wide() {
+            true => Cause::Cache { url: url.to_owned() },
+            false => Cause::Other,
+        }
+    }
+}
+
 /// Why a path could not be substituted or copied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
@@ -48,20 +66,12 @@ impl Failure {
 
     /// The store refused the path (`url` is where it came from).
     pub(crate) fn store(url: &str, e: &LocalStoreError) -> Self {
-        let cause = match e {
-            LocalStoreError::Untrusted { signers, trusted, .. } => Cause::Untrusted { signers: signers.clone(), trusted: trusted.clone() },
-            _ => Cause::Other,
-        };
-        Failure { cause, message: format!("{url}: {e}") }
+        Failure { cause: Cause::of_store(e), message: format!("{url}: {e}") }
     }
 
     /// The cache at `url` failed with `e`.
     pub(crate) fn cache(url: &str, e: &CacheError) -> Self {
-        let cause = match e.is_cache_wide() {
-            true => Cause::Cache { url: url.to_owned() },
-            false => Cause::Other,
-        };
-        Failure { cause, message: e.to_string() }
+        Failure { cause: Cause::of_cache(url, e), message: e.to_string() }
     }
 
     /// Copying the path shown as `shown` failed with `e`, at the store `url` (the source while
@@ -71,8 +81,8 @@ impl Failure {
     pub(crate) fn copy(shown: &str, url: &str, e: &StoreError) -> Self {
         let cause = match e {
             StoreError::Cache(CacheError::Refused { .. }) => Cause::Cache { url: url.to_owned() },
-            StoreError::Cache(c) => Failure::cache(url, c).cause,
-            StoreError::Local(l) => Failure::store(url, l).cause,
+            StoreError::Cache(c) => Cause::of_cache(url, c),
+            StoreError::Local(l) => Cause::of_store(l),
             StoreError::ReferenceFailed { .. } => Cause::Reference,
             _ => Cause::Other,
         };
