@@ -303,37 +303,41 @@ async fn dispatch(query: ClosureQuery, paths: Vec<StorePath>, shared: Arc<Shared
     let mut tasks = tokio::task::JoinSet::new();
     // The narinfos found, for the cycles among them.
     let mut found: Vec<Arc<NarInfo>> = Vec::new();
-    while let Some(event) = rx.recv().await {
-        match event {
-            ClosureEvent::Valid(path) => {
-                // A copy killed between registering a path and releasing its lock left the lock file.
-                shared.dest.clear_stale_lock(&path);
-                shared.lock_report().already_valid += 1;
-                shared.gate.set(&path, State::Valid);
-            }
-            ClosureEvent::Found { narinfo, cache, vouched } => {
-                shared.depths.found(&narinfo.store_path, &narinfo.references);
-                shared.observer.queued(&narinfo.store_path, narinfo.file_size.unwrap_or(0), narinfo.nar_size);
-                found.push(narinfo.clone());
-                let shared = shared.clone();
-                let store_dir = query.store_dir.clone();
-                tasks.spawn(async move {
-                    // A bug must fail its path (and so its dependents), not leave them waiting.
-                    let path = narinfo.store_path.clone();
-                    let shown = store_dir.display_path(&path);
-                    let job = std::panic::AssertUnwindSafe(shared.clone().substitute(store_dir, narinfo, cache, vouched));
-                    if futures::FutureExt::catch_unwind(job).await.is_err() {
-                        shared.fail(&path, Failure::other(format!("{shown}: internal error (a panic) while substituting it")));
-                    }
-                });
-            }
-            ClosureEvent::Unknown(path) => {
-                let message = format!("{}: no substituter has this path", query.store_dir.display_path(&path));
-                shared.fail(&path, Failure { cause: Cause::Unknown, message });
-            }
-            ClosureEvent::Failed { path, errors } => {
-                let failures = errors.iter().map(|(i, e)| Failure::cache(query.substituters[*i].cache.url(), e)).collect();
-                shared.fail(&path, Failure::combine(&query.store_dir.display_path(&path), failures));
+    let mut events = Vec::new();
+    while rx.recv_many(&mut events, VOUCH_BATCH).await > 0 {
+        vouch_found(&shared.opts.policy, &query, &mut events);
+        for event in events.drain(..) {
+            match event {
+                ClosureEvent::Valid(path) => {
+                    // A copy killed between registering a path and releasing its lock left the lock file.
+                    shared.dest.clear_stale_lock(&path);
+                    shared.lock_report().already_valid += 1;
+                    shared.gate.set(&path, State::Valid);
+                }
+                ClosureEvent::Found { narinfo, cache, vouched } => {
+                    shared.depths.found(&narinfo.store_path, &narinfo.references);
+                    shared.observer.queued(&narinfo.store_path, narinfo.file_size.unwrap_or(0), narinfo.nar_size);
+                    found.push(narinfo.clone());
+                    let shared = shared.clone();
+                    let store_dir = query.store_dir.clone();
+                    tasks.spawn(async move {
+                        // A bug must fail its path (and so its dependents), not leave them waiting.
+                        let path = narinfo.store_path.clone();
+                        let shown = store_dir.display_path(&path);
+                        let job = std::panic::AssertUnwindSafe(shared.clone().substitute(store_dir, narinfo, cache, vouched));
+                        if futures::FutureExt::catch_unwind(job).await.is_err() {
+                            shared.fail(&path, Failure::other(format!("{shown}: internal error (a panic) while substituting it")));
+                        }
+                    });
+                }
+                ClosureEvent::Unknown(path) => {
+                    let message = format!("{}: no substituter has this path", query.store_dir.display_path(&path));
+                    shared.fail(&path, Failure { cause: Cause::Unknown, message });
+                }
+                ClosureEvent::Failed { path, errors } => {
+                    let failures = errors.iter().map(|(i, e)| Failure::cache(query.substituters[*i].cache.url(), e)).collect();
+                    shared.fail(&path, Failure::combine(&query.store_dir.display_path(&path), failures));
+                }
             }
         }
     }
@@ -352,6 +356,24 @@ async fn dispatch(query: ClosureQuery, paths: Vec<StorePath>, shared: Arc<Shared
     }
     drop(found);
     while tasks.join_next().await.is_some() {}
+}
+
+/// Most found paths whose signatures [`dispatch`] verifies together.
+const VOUCH_BATCH: usize = 64;
+
+/// Vouches for the narinfos found in `events` that the closure engine did not check (from
+/// substituters that are not `?trusted=true`), in one batch ([`SignaturePolicy::vouch_all`]),
+/// so that the path's task does not verify them alone: one ed25519 verification per path
+/// was the largest cost of the format. One refused is left as it is, and its task says why.
+fn vouch_found(policy: &SignaturePolicy, query: &ClosureQuery, events: &mut [ClosureEvent]) {
+    let unvouched: Vec<_> = events.iter_mut().filter_map(|event| match event {
+        ClosureEvent::Found { narinfo, cache, vouched: vouched @ None } if !query.substituters[*cache].trusted => Some((vouched, ValidPathInfo::from_narinfo(narinfo, 0))),
+        _ => None,
+    }).collect();
+    let (slots, infos): (Vec<_>, Vec<_>) = unvouched.into_iter().unzip();
+    for (slot, verdict) in slots.into_iter().zip(policy.vouch_all(&query.store_dir, infos)) {
+        *slot = verdict.ok();
+    }
 }
 
 /// A reader that tells the observer how many bytes passed.

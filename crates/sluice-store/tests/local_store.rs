@@ -1111,3 +1111,40 @@ fn nar_read_as_it_is_dumped_is_nix_s_nar() {
     let absent = StorePath::from_base_name("00000000000000000000000000000000-absent").unwrap();
     assert!(matches!(store.nar_dump(&absent), Err(LocalStoreError::NotValid { .. })));
 }
+
+/// `vouch_all` gives each info the verdict `vouch` gives it alone, in order, whatever the
+/// batch holds: the corpus's signed paths, one of them with its NarSize altered (its
+/// signature no longer holds), an unsigned `.drv` (vouched for by its content address) and an
+/// unsigned input-addressed path (refused, naming its signers and the trusted keys); and
+/// without `require-sigs`, all are accepted.
+#[test]
+fn vouching_together_gives_each_path_its_own_verdict() {
+    let dir = store_dir();
+    let read = |cache: &str| -> Vec<ValidPathInfo> {
+        let mut files: Vec<_> = std::fs::read_dir(Path::new(CORPUS).join(cache)).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "narinfo")).collect();
+        files.sort();
+        files.iter().map(|p| ValidPathInfo::from_narinfo(&NarInfo::parse(&dir, &std::fs::read_to_string(p).unwrap()).unwrap(), 0)).collect()
+    };
+    let mut infos = read("cache-zstd");
+    infos[3].nar_size += 1;
+    let mut drv = read("cache-drv").into_iter().find(|i| i.ca.is_some()).unwrap();
+    drv.sigs.clear();
+    let mut unsigned = infos[9].clone();
+    unsigned.sigs.clear();
+    infos.extend([drv, unsigned]);
+    let key = std::fs::read_to_string(Path::new(CORPUS).join("keys/cache-key.pub")).unwrap();
+    let strict = SignaturePolicy { require_sigs: true, trusted_keys: sluice_nix::signature::TrustedKeys::parse(&key).unwrap() };
+    let verdicts = strict.vouch_all(&dir, infos.clone());
+    assert_eq!(verdicts.len(), infos.len());
+    let mut refused = Vec::new();
+    for (i, (info, verdict)) in infos.iter().zip(&verdicts).enumerate() {
+        let alone = strict.vouch(&dir, info);
+        assert_eq!(verdict.as_ref().map(|v| v.info().path.clone()).map_err(|e| e.to_string()), alone.map(|_| info.path.clone()).map_err(|e| e.to_string()), "item {i}");
+        if verdict.is_err() {
+            refused.push(i);
+        }
+    }
+    assert_eq!(refused, [3, infos.len() - 1]);
+    assert!(strict.vouch(&dir, &infos[infos.len() - 2]).is_ok_and(|v| v == sluice_store::local::Vouched::ContentAddressed));
+    assert!(SignaturePolicy::unchecked().vouch_all(&dir, infos).iter().all(|v| v.is_ok()));
+}

@@ -115,16 +115,40 @@ impl SignaturePolicy {
         Ok(VouchedInfo { info, policy: self.clone() })
     }
 
+    /// [`SignaturePolicy::vouch_info`] of each of `infos`, in order, with their signatures
+    /// verified together ([`TrustedKeys::verifies_each`]): the same verdicts at about half the
+    /// CPU, for a substitution's narinfos found at once.
+    pub fn vouch_all(&self, store_dir: &StoreDir, infos: Vec<ValidPathInfo>) -> Vec<Result<VouchedInfo, LocalStoreError>> {
+        let signed = match self.require_sigs {
+            true => {
+                let fingerprints: Vec<String> = infos.iter().map(|info| info.fingerprint(store_dir)).collect();
+                let items: Vec<_> = fingerprints.iter().zip(&infos).map(|(f, info)| (f.as_str(), &info.sigs)).collect();
+                self.trusted_keys.verifies_each(&items)
+            }
+            false => vec![false; infos.len()],
+        };
+        infos.into_iter().zip(signed).map(|(info, signed)| {
+            self.verdict(store_dir, &info, signed)?;
+            Ok(VouchedInfo { info, policy: self.clone() })
+        }).collect()
+    }
+
     /// Whether `info` may be added as far as its claims go: [`Vouched`], or
     /// [`LocalStoreError::Untrusted`] naming the signers and the trusted keys. A
     /// [`Vouched::ContentAddressed`] path is admitted only if [`verify`] then finds its
     /// content matching.
     pub fn vouch(&self, store_dir: &StoreDir, info: &ValidPathInfo) -> Result<Vouched, LocalStoreError> {
+        let signed = self.require_sigs && self.trusted_keys.verifies_any(&info.fingerprint(store_dir), &info.sigs);
+        self.verdict(store_dir, info, signed)
+    }
+
+    /// [`SignaturePolicy::vouch`]'s verdict on `info`, given whether a trusted key `signed`
+    /// it (asked only if signatures are required).
+    fn verdict(&self, store_dir: &StoreDir, info: &ValidPathInfo, signed: bool) -> Result<Vouched, LocalStoreError> {
         if !self.require_sigs {
             return Ok(Vouched::Unchecked);
         }
-        let fingerprint = info.fingerprint(store_dir);
-        if info.sigs.iter().any(|s| self.trusted_keys.verifies(&fingerprint, s)) {
+        if signed {
             return Ok(Vouched::Signed);
         }
         if info.content_addressed_path(store_dir).as_ref() == Some(&info.path) {
