@@ -114,6 +114,9 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();
+    // The copy's lines, gathered into few writes until it returns (its last lines, and its
+    // errors, written before the command's own error, if any).
+    let _gathering = crate::stderr::Gathering::start();
     let progress = Progress::start(store_dir.clone(), args.json);
     let started = Instant::now();
     let rt = setup::runtime()?;

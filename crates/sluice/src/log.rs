@@ -117,7 +117,7 @@ impl Log {
         }
         match self.format {
             LogFormat::InternalJson => emit(json!({"action": "msg", "level": level, "msg": text})),
-            _ => eprintln!("{}", for_stderr(text)),
+            _ => crate::stderr::write(format!("{}\n", for_stderr(text)).as_bytes()),
         }
     }
 
@@ -129,15 +129,14 @@ impl Log {
                 "action": "msg", "column": null, "file": null, "level": LVL_ERROR, "line": null,
                 "msg": format!("error: {what}"), "raw_msg": what,
             })),
-            _ => eprintln!("error: {}", for_stderr(what)),
+            _ => crate::stderr::write(format!("error: {}\n", for_stderr(what)).as_bytes()),
         }
     }
 }
 
 /// Writes one `@nix {…}` line to standard error, whole.
 fn emit(value: serde_json::Value) {
-    let line = format!("@nix {value}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    crate::stderr::write(format!("@nix {value}\n").as_bytes());
 }
 
 /// Adds `fields` to a JSON line in the key order of Nix's (sorted: `fields` after `action`),
@@ -240,9 +239,7 @@ impl Drop for EventWriter {
         let text = String::from_utf8_lossy(&self.buf);
         match Log::get().format {
             LogFormat::InternalJson => emit(json!({"action": "msg", "level": self.level, "msg": text.trim_end()})),
-            _ => {
-                let _ = std::io::stderr().lock().write_all(for_stderr(&text).as_bytes());
-            }
+            _ => crate::stderr::write(for_stderr(&text).as_bytes()),
         }
     }
 }

@@ -13,6 +13,7 @@ mod path_info;
 mod progress;
 mod serve;
 mod setup;
+mod stderr;
 mod terminal;
 
 /// The allocator: jemalloc, whose per-thread caches take the buffers and path records that

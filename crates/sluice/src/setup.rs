@@ -143,7 +143,7 @@ pub async fn closure_query(urls: &[String], caches: Caches, settings: &Settings,
     let (subs, errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), store_dir, roots).await;
     for e in errors {
         match caches {
-            Caches::Substituters => eprintln!("warning: substituter left out: {e}"),
+            Caches::Substituters => crate::log::Log::get().msg(crate::log::LVL_WARN, &format!("warning: substituter left out: {e}")),
             // Every such error names the URL, as Nix's does (byte for byte for "does not appear
             // to be a binary cache").
             Caches::Named => return Err(e.to_string()),

@@ -299,3 +299,55 @@ fn debug_lines_are_sluices_own_until_vomit() {
         assert_eq!(err.contains("idle connection"), libraries, "{flag}: the HTTP library's lines\n{err}");
     }
 }
+
+/// A copy's standard error read through a pipe: with each line one `write` (as before), every
+/// line of the subset's 25 woke the reader; now they come in a few writes (counted by
+/// `strace`), all of them, the summary last.
+#[test]
+fn piped_lines_are_written_together() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, top) = (subset_cache(tmp.path()), subset_top());
+    let trace = tmp.path().join("writes");
+    let to = tmp.path().join("store");
+    let mut cmd = std::process::Command::new("strace");
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["-f", "-qq", "-e", "trace=write,writev", "-e", "signal=none", "-o", trace.to_str().unwrap(), env!("CARGO_BIN_EXE_sluice")]);
+    let o = cmd.args(["copy", "--from", &url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]).output().expect("strace runs (CI installs it)");
+    check(&o, "copy under strace");
+    let err = stderr(&o);
+    assert_eq!(copying_lines(&o).len(), 25, "{err}");
+    assert!(err.lines().last().unwrap().starts_with("copied 25 paths"), "{err}");
+    let writes = std::fs::read_to_string(&trace).unwrap().lines().filter(|l| l.split_once(' ').is_some_and(|(_, call)| call.starts_with("write(2,") || call.starts_with("writev(2,"))).count();
+    assert!((1..=3).contains(&writes), "{writes} writes to standard error:\n{err}");
+}
+
+/// Lines gathered are late by at most 50 ms: while the subset's top path waits for its NAR,
+/// which the cache sends after 3 s, the `copying path` lines of the others are in the pipe.
+#[test]
+fn gathered_lines_are_written_while_the_copy_waits() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, top) = (tmp.path().join("cache"), subset_top());
+    subset_cache(tmp.path());
+    let hash = top.trim_start_matches("/nix/store/").split('-').next().unwrap();
+    let narinfo = std::fs::read_to_string(dir.join(format!("{hash}.narinfo"))).unwrap();
+    let nar = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
+    let rules = tmp.path().join("rules.json");
+    std::fs::write(&rules, json!([{"path": format!("/{nar}"), "delay": 3}]).to_string()).unwrap();
+    let server = Scripted::start(&dir, Some(&rules), 0, &tmp.path().join("log"));
+    let to = tmp.path().join("store");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["copy", "--from", &server.url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
+    let started = std::time::Instant::now();
+    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let seen = started.elapsed();
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(child.wait().unwrap().success(), "{first}\n{rest:?}");
+    let ended = started.elapsed();
+    assert!(first.starts_with("copying path '") && !first.contains(&top), "{first}");
+    assert!(rest.iter().any(|l| l.contains(&top)), "{rest:?}");
+    assert!(ended >= std::time::Duration::from_secs(3) && seen + std::time::Duration::from_secs(2) < ended, "first line at {seen:?}, end at {ended:?}");
+}
