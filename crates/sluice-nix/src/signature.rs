@@ -182,6 +182,7 @@ impl TrustedKeys {
         }
         items.iter().zip(in_batch).map(|((fingerprint, sigs), named)| named && self.verifies_any(fingerprint, *sigs)).collect()
     }
+
     /// Number of the `sigs` that a trusted key verifies over `fingerprint`. Identical signature
     /// strings count once; malformed ones count zero.
     pub fn count_valid<'a>(&self, fingerprint: &str, sigs: impl IntoIterator<Item = &'a String>) -> usize {
