@@ -149,19 +149,22 @@ impl TrustedKeys {
         sigs.into_iter().any(|s| self.verifies(fingerprint, s))
     }
 
-    /// [`TrustedKeys::verifies_any`] of each `(fingerprint, sigs)` item, in order, with the
-    /// signatures checked together: for each item, its first signature named after a trusted
-    /// key goes into one batch equation (ed25519-dalek's `verify_batch`), which costs about
-    /// half as much CPU per signature as checking each alone once eight or more are together
-    /// (15.7 against 33 µs here). If the batch fails, every item is checked alone, so that
-    /// each gets its own answer; an item with no signature named after a trusted key is
-    /// `false` either way.
+    /// [`TrustedKeys::verifies_any`] of each `(fingerprint, sigs)` item, in order, answered by
+    /// one batch equation (ed25519-dalek's `verify_batch`) over each item's first signature
+    /// named after a trusted key: about half the CPU per signature of checking each alone,
+    /// once eight or more are together (15.7 against 33 µs here). An item with no signature
+    /// named after a trusted key is `false`. `None` if the batch does not hold: some signature
+    /// in it does not verify, and only checking each alone tells which (a hostile cache can
+    /// make every batch fail, so the caller decides where those checks run).
     ///
-    /// The batch equation accepts every signature that [`PublicKey::verify`] accepts, and
-    /// also one that a key's holder made with a small-order component added to its `R`
-    /// (which the single check refuses by comparing `R`'s bytes): no one without the secret
-    /// key can make either, so the answer about who signed is the same.
-    pub fn verifies_each<'a, S: IntoIterator<Item = &'a String> + Copy>(&self, items: &[(&str, S)]) -> Vec<bool> {
+    /// The batch equation holds for every signature that [`PublicKey::verify`] accepts. It may
+    /// also hold for one that [`PublicKey::verify`] refuses, but only one made by the key's
+    /// holder with a small-order point added to its `R`: the equation (without the cofactor)
+    /// leaves that point times a random 128-bit factor, which is zero with a chance of 1/2 to
+    /// 1/8 for such a signature. No one without the secret key can make one, so the answer
+    /// to who signed is the same; for such a signature Nix's answer can differ from sluice's,
+    /// and from one run to the next.
+    pub fn verify_together<'a, S: IntoIterator<Item = &'a String> + Copy>(&self, items: &[(&str, S)]) -> Option<Vec<bool>> {
         let mut in_batch = vec![false; items.len()];
         let (mut messages, mut signatures, mut keys) = (Vec::new(), Vec::new(), Vec::new());
         for (i, (fingerprint, sigs)) in items.iter().enumerate() {
@@ -176,11 +179,13 @@ impl TrustedKeys {
                 keys.push(key.key);
             }
         }
-        // A batch of one costs more than the single check (46 against 33 µs).
-        if signatures.len() >= 2 && ed25519_dalek::verify_batch(&messages, &signatures, &keys).is_ok() {
-            return in_batch;
-        }
-        items.iter().zip(in_batch).map(|((fingerprint, sigs), named)| named && self.verifies_any(fingerprint, *sigs)).collect()
+        let holds = match signatures.len() {
+            0 => true,
+            // A batch of one costs more than the single check (46 against 33 µs).
+            1 => keys[0].verify(messages[0], &signatures[0]).is_ok(),
+            _ => ed25519_dalek::verify_batch(&messages, &signatures, &keys).is_ok(),
+        };
+        holds.then_some(in_batch)
     }
 
     /// Number of the `sigs` that a trusted key verifies over `fingerprint`. Identical signature
@@ -217,23 +222,27 @@ mod tests {
         assert!(!format!("{sk:?}").contains(&sk.to_string()));
     }
 
-    /// Two trusted keys may share a name: a signature by the second is found even though the
-    /// batch tries the first (and fails); a batch of one is checked alone; a malformed
-    /// signature is passed over for the item's next one.
+    /// A batch holds only if every batched signature verifies: a signature by the second of
+    /// two trusted keys of one name fails the batch (the first is tried), as does a malformed
+    /// signature's item's next one made over another text; a malformed signature is passed
+    /// over for the item's next one; an item with no signature of a trusted name is `false`
+    /// without failing the batch.
     #[test]
-    fn verifies_each_with_keys_of_one_name() {
+    fn verify_together_holds_only_if_each_verifies() {
         let (a, b) = (SecretKey::from_seed("k-1", &[1; 32]), SecretKey::from_seed("k-1", &[2; 32]));
         let trusted = TrustedKeys::from_keys(vec![a.to_public(), b.to_public()]);
-        let sig = |k: &SecretKey, m: &str| vec![k.sign(m)];
-        let (s1, s2) = (sig(&a, "one"), sig(&b, "two"));
-        let (s3, s4) = (vec!["k-1:!!".to_owned(), a.sign("four")], vec!["k-1:!!".to_owned(), a.sign("four")]);
-        let items = [("one", &s1), ("two", &s2), ("three", &s3), ("four", &s4)];
-        assert_eq!(trusted.verifies_each(&items), [true, true, false, true]);
-        assert_eq!(trusted.verifies_each(&items[1..2]), [true]);
-        let only_a = TrustedKeys::from_keys(vec![a.to_public()]);
-        assert_eq!(only_a.verifies_each(&items), [true, false, false, true]);
-        let (t1, t2) = (sig(&a, "one"), vec![a.sign("two"), b.sign("two")]);
-        assert_eq!(only_a.verifies_each(&[("one", &t1), ("two", &t2)]), [true, true]);
+        let one = |k: &SecretKey, m: &str| vec![k.sign(m)];
+        let (s1, s2, unnamed) = (one(&a, "one"), one(&b, "two"), one(&SecretKey::from_seed("k-2", &[3; 32]), "three"));
+        let (s3, s4) = (vec!["k-1:!!".to_owned(), a.sign("not three")], vec!["k-1:!!".to_owned(), a.sign("four")]);
+        assert_eq!(trusted.verify_together(&[("one", &s1), ("three", &unnamed), ("four", &s4)]), Some(vec![true, false, true]));
+        assert_eq!(trusted.verify_together(&[("one", &s1), ("two", &s2)]), None);
+        assert_eq!(trusted.verify_together(&[("one", &s1), ("three", &s3)]), None);
+        assert_eq!(trusted.verify_together(&[("two", &s2)]), None);
+        assert_eq!(trusted.verify_together(&[("one", &s1)]), Some(vec![true]));
+        assert_eq!(trusted.verify_together::<&Vec<String>>(&[]), Some(vec![]));
+        for (text, sigs) in [("one", &s1), ("two", &s2), ("three", &s3), ("four", &s4), ("three", &unnamed)] {
+            assert_eq!(trusted.verifies_any(text, sigs), text != "three", "{text}");
+        }
     }
 
     #[test]

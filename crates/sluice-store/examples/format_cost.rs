@@ -174,7 +174,8 @@ fn main() -> Result<(), String> {
     let signatures = measure("signature", || {
         for batch in paths.chunks(VOUCH_BATCH) {
             let infos = batch.iter().map(|p| ValidPathInfo::from_narinfo(&p.narinfo, 0)).collect();
-            for (p, verdict) in batch.iter().zip(policy.vouch_all(&store_dir, infos)) {
+            let verdicts = policy.vouch_all(&store_dir, infos).ok_or("a signature does not verify")?;
+            for (p, verdict) in batch.iter().zip(verdicts) {
                 verdict.map_err(|e| format!("{}: {e}", p.hash_part))?;
             }
         }

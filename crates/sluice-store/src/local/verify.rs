@@ -116,21 +116,23 @@ impl SignaturePolicy {
     }
 
     /// [`SignaturePolicy::vouch_info`] of each of `infos`, in order, with their signatures
-    /// verified together ([`TrustedKeys::verifies_each`]): the same verdicts at about half the
-    /// CPU, for a substitution's narinfos found at once.
-    pub fn vouch_all(&self, store_dir: &StoreDir, infos: Vec<ValidPathInfo>) -> Vec<Result<VouchedInfo, LocalStoreError>> {
+    /// verified together ([`TrustedKeys::verify_together`]): the same verdicts at about half
+    /// the CPU, for a substitution's narinfos found at once. `None` if a signature among them
+    /// does not verify: each must then be vouched for alone to know which.
+    pub fn vouch_all(&self, store_dir: &StoreDir, infos: Vec<ValidPathInfo>) -> Option<Vec<Result<VouchedInfo, LocalStoreError>>> {
         let signed = match self.require_sigs {
             true => {
                 let fingerprints: Vec<String> = infos.iter().map(|info| info.fingerprint(store_dir)).collect();
                 let items: Vec<_> = fingerprints.iter().zip(&infos).map(|(f, info)| (f.as_str(), &info.sigs)).collect();
-                self.trusted_keys.verifies_each(&items)
+                self.trusted_keys.verify_together(&items)?
             }
             false => vec![false; infos.len()],
         };
-        infos.into_iter().zip(signed).map(|(info, signed)| {
+        let verdicts = infos.into_iter().zip(signed).map(|(info, signed)| {
             self.verdict(store_dir, &info, signed)?;
             Ok(VouchedInfo { info, policy: self.clone() })
-        }).collect()
+        });
+        Some(verdicts.collect())
     }
 
     /// Whether `info` may be added as far as its claims go: [`Vouched`], or
