@@ -114,9 +114,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();
-    // The copy's lines, gathered into few writes until it returns (its last lines, and its
-    // errors, written before the command's own error, if any).
-    let _gathering = crate::stderr::Gathering::start();
+    // The copy's lines, gathered into few writes while it runs.
+    let gathering = crate::stderr::Gathering::start();
     let progress = Progress::start(store_dir.clone(), args.json);
     let started = Instant::now();
     let rt = setup::runtime()?;
@@ -133,12 +132,15 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         tokio::select! {
             report = copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()) => Ok(report),
             // Ctrl-C: the line stays, marked; Nix's words for the error (`src/libmain/shared.cc`).
-            _ = tokio::signal::ctrl_c() => {
+            () = interrupted() => {
                 progress.interrupted();
                 Err("interrupted by the user".to_string())
             }
         }
     });
+    // Written out now: what follows (failures, the `--json` report, the summary, the error of
+    // an interrupted copy) comes after the copy's lines, in its own order.
+    drop(gathering);
     // An interrupted copy does not wait for the unpacking threads still running.
     let report = report.inspect_err(|_| rt.shutdown_background())?;
     progress.finish();
@@ -167,6 +169,19 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
     }
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Waits for SIGINT, SIGTERM or SIGHUP, on each of which Nix ends a command as on Ctrl-C
+/// ("interrupted by the user": `signalHandlerThread` in `src/libutil/unix/signals.cc`), so
+/// that a copy stopped by `timeout`, a service manager or a closed terminal says so and
+/// writes out its last lines. A signal whose handler cannot be set keeps its default action.
+async fn interrupted() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut signals: Vec<_> = [SignalKind::interrupt(), SignalKind::terminate(), SignalKind::hangup()].into_iter().filter_map(|kind| signal(kind).ok()).collect();
+    if signals.is_empty() {
+        return std::future::pending().await;
+    }
+    futures::future::select_all(signals.iter_mut().map(|s| Box::pin(s.recv()))).await;
 }
 
 /// Prints `--json`'s report, a line on standard output. A reader that went away (`| head`)

@@ -82,6 +82,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let log = log::Log::init(&cli.log);
+    stderr::write_waiting_lines_on_panic();
     // sluice's own messages: warnings by default, more with -v (info) and -vv (debug); the
     // libraries' (HTTP, TLS) beyond warnings only at Nix's `vomit` level (-vvvv), where Nix
     // turns on curl's verbose output. `SLUICE_LOG` (an `EnvFilter`) wins.

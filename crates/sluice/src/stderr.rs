@@ -11,7 +11,7 @@
 
 use std::io::Write;
 use std::sync::mpsc;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 /// Bytes waiting that are written at once (a pipe holds 64 KiB).
@@ -48,6 +48,21 @@ fn flush_locked(pending: &mut Pending) {
         let _ = std::io::stderr().lock().write_all(&pending.bytes);
         pending.bytes.clear();
     }
+}
+
+/// Makes a panic's message come after the lines written before it: the default hook writes
+/// to standard error directly, so the lines waiting are written first. Without waiting for
+/// the lock, which the panicking thread itself may hold (its message then comes first).
+pub fn write_waiting_lines_on_panic() {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        match PENDING.try_lock() {
+            Ok(mut pending) => flush_locked(&mut pending),
+            Err(TryLockError::Poisoned(poisoned)) => flush_locked(&mut poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        hook(info)
+    }));
 }
 
 /// Lines are gathered from [`Gathering::start`] until it is dropped, which writes what waits. A

@@ -301,8 +301,8 @@ fn debug_lines_are_sluices_own_until_vomit() {
 }
 
 /// A copy's standard error read through a pipe: with each line one `write` (as before), every
-/// line of the subset's 25 woke the reader; now they come in a few writes (counted by
-/// `strace`), all of them, the summary last.
+/// line of the subset's 25 woke the reader (26 writes with the summary); now the copy's lines
+/// come in a few writes (counted by `strace`), and then the summary, all of them.
 #[test]
 fn piped_lines_are_written_together() {
     let tmp = tempfile::tempdir().unwrap();
@@ -317,8 +317,28 @@ fn piped_lines_are_written_together() {
     let err = stderr(&o);
     assert_eq!(copying_lines(&o).len(), 25, "{err}");
     assert!(err.lines().last().unwrap().starts_with("copied 25 paths"), "{err}");
-    let writes = std::fs::read_to_string(&trace).unwrap().lines().filter(|l| l.split_once(' ').is_some_and(|(_, call)| call.starts_with("write(2,") || call.starts_with("writev(2,"))).count();
-    assert!((1..=3).contains(&writes), "{writes} writes to standard error:\n{err}");
+    let writes = std::fs::read_to_string(&trace).unwrap().lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|call| call.starts_with("write(2,") || call.starts_with("writev(2,"))).count();
+    assert!((1..=5).contains(&writes), "{writes} writes to standard error:\n{err}");
+}
+
+/// A copy of the subset's closure from a cache that sends the top path's NAR only after
+/// `delay` seconds, started with its standard error piped, into `tmp/store`; the server is
+/// returned with the child, to live as long as it.
+fn copy_waiting_for_the_top(tmp: &Path, delay: u64) -> (Scripted, std::process::Child) {
+    let (dir, top) = (tmp.join("cache"), subset_top());
+    subset_cache(tmp);
+    let hash = top.trim_start_matches("/nix/store/").split('-').next().unwrap();
+    let narinfo = std::fs::read_to_string(dir.join(format!("{hash}.narinfo"))).unwrap();
+    let nar = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
+    let rules = tmp.join("rules.json");
+    std::fs::write(&rules, json!([{"path": format!("/{nar}"), "delay": delay}]).to_string()).unwrap();
+    let server = Scripted::start(&dir, Some(&rules), 0, &tmp.join("log"));
+    let to = tmp.join("store");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, "");
+    cmd.args(["copy", "--from", &server.url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
+    let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    (server, child)
 }
 
 /// Lines gathered are late by at most 50 ms: while the subset's top path waits for its NAR,
@@ -327,27 +347,68 @@ fn piped_lines_are_written_together() {
 fn gathered_lines_are_written_while_the_copy_waits() {
     use std::io::BufRead;
     let tmp = tempfile::tempdir().unwrap();
-    let (dir, top) = (tmp.path().join("cache"), subset_top());
-    subset_cache(tmp.path());
-    let hash = top.trim_start_matches("/nix/store/").split('-').next().unwrap();
-    let narinfo = std::fs::read_to_string(dir.join(format!("{hash}.narinfo"))).unwrap();
-    let nar = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
-    let rules = tmp.path().join("rules.json");
-    std::fs::write(&rules, json!([{"path": format!("/{nar}"), "delay": 3}]).to_string()).unwrap();
-    let server = Scripted::start(&dir, Some(&rules), 0, &tmp.path().join("log"));
-    let to = tmp.path().join("store");
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
-    isolate(&mut cmd, tmp.path(), "");
-    cmd.args(["copy", "--from", &server.url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
     let started = std::time::Instant::now();
-    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let (_server, mut child) = copy_waiting_for_the_top(tmp.path(), 3);
     let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
     let seen = started.elapsed();
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(child.wait().unwrap().success(), "{first}\n{rest:?}");
     let ended = started.elapsed();
+    let top = subset_top();
     assert!(first.starts_with("copying path '") && !first.contains(&top), "{first}");
     assert!(rest.iter().any(|l| l.contains(&top)), "{rest:?}");
     assert!(ended >= std::time::Duration::from_secs(3) && seen + std::time::Duration::from_secs(2) < ended, "first line at {seen:?}, end at {ended:?}");
+}
+
+/// SIGTERM and SIGHUP end a copy as Ctrl-C does, as Nix treats all three
+/// (`src/libutil/unix/signals.cc`): it exits with status 1 after `error: interrupted by the
+/// user`, and every path it registered has its `copying path` line. Regression: SIGTERM
+/// killed it, and the lines gathered in its last 50 ms were lost with it.
+#[test]
+fn sigterm_and_sighup_interrupt_a_copy() {
+    use std::io::BufRead;
+    for signal in ["TERM", "HUP"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (_server, mut child) = copy_waiting_for_the_top(tmp.path(), 30);
+        let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+        let first = lines.next().unwrap().unwrap();
+        // The other paths are registered while the top one waits for its NAR.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        check(&std::process::Command::new("kill").arg(format!("-{signal}")).arg(child.id().to_string()).output().unwrap(), "kill");
+        let rest: Vec<String> = std::iter::once(first).chain(lines.map(Result::unwrap)).collect();
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(1), "SIG{signal}: {status:?}\n{rest:#?}");
+        assert_eq!(rest.last().map(String::as_str), Some("error: interrupted by the user"), "SIG{signal}: {rest:#?}");
+        let copying = rest.iter().filter(|l| l.starts_with("copying path ")).count() as u64;
+        let (registered, _) = registered_rows(&tmp.path().join("store"));
+        assert!(registered > 0 && copying >= registered, "SIG{signal}: {registered} registered, {copying} lines: {rest:#?}");
+    }
+}
+
+/// With `--json` and both streams in one pipe (`2>&1`), a failing copy's lines come in the
+/// order they were made: the copy's lines and its errors, then the JSON report, then the
+/// summary. Regression: the errors waited in the gathered lines while the report went out.
+#[test]
+fn errors_come_before_the_json_report_in_one_pipe() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (url, top) = (subset_cache(tmp.path()), subset_top());
+    // A leaf the top path refers to (and so its referrers) cannot be substituted.
+    let dir = tmp.path().join("cache");
+    let leaf = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).find(|p| {
+        std::fs::read_to_string(p).is_ok_and(|t| t.lines().any(|l| l == "References: ") && t.contains("StorePath: "))
+    });
+    let leaf = leaf.unwrap_or_else(|| panic!("no narinfo without references in {}", dir.display()));
+    std::fs::remove_file(&leaf).unwrap();
+    let to = tmp.path().join("store");
+    let mut cmd = std::process::Command::new("sh");
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["-c", "exec \"$0\" \"$@\" 2>&1", env!("CARGO_BIN_EXE_sluice"), "copy", "--json", "--from", &url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
+    let o = cmd.output().unwrap();
+    assert!(!o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = out.lines().collect();
+    let at = |pred: &dyn Fn(&str) -> bool| lines.iter().position(|l| pred(l)).unwrap_or_else(|| panic!("{out}"));
+    let (json, last_error, summary) = (at(&|l| l.starts_with('{')), lines.iter().rposition(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("{out}")), at(&|l| l.starts_with("copied ")));
+    assert!(last_error < json && json < summary, "{out}");
 }
