@@ -390,17 +390,24 @@ fn walk(dir: &Path) -> Vec<String> {
     out
 }
 
+/// The subset's top path and closure, a source store under `tmp` holding them, and an empty
+/// binary cache directory `tmp/cache` (its `nix-cache-info` only).
+fn subset_and_empty_cache(tmp: &Path) -> (String, BTreeSet<String>, PathBuf, PathBuf) {
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let cache = tmp.join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    (root, paths, src, cache)
+}
+
 /// A `file://` cache's narinfos are read anew by each run, as Nix reads a local binary
 /// cache's (only its HTTP and S3 stores use the narinfo disk cache): a copy that found the
 /// cache empty does not keep failing for an hour after the closure is pushed into it.
 #[test]
 fn a_file_cache_is_read_anew_after_a_push_into_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let (root, paths) = subset();
-    let src = source_store(tmp.path(), "cache-subset-none", &root);
-    let cache = tmp.path().join("cache");
-    std::fs::create_dir_all(&cache).unwrap();
-    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let (root, paths, src, cache) = subset_and_empty_cache(tmp.path());
     let url = format!("file://{}", cache.display());
     let copy_back = |to: &str| sluice(tmp.path(), &["copy", "--from", &url, "--to", tmp.path().join(to).to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]);
     let o = copy_back("before");
@@ -417,11 +424,7 @@ fn a_file_cache_is_read_anew_after_a_push_into_it() {
 #[test]
 fn refused_uploads_are_one_error_line() {
     let tmp = tempfile::tempdir().unwrap();
-    let (root, _) = subset();
-    let src = source_store(tmp.path(), "cache-subset-none", &root);
-    let cache = tmp.path().join("cache");
-    std::fs::create_dir(&cache).unwrap();
-    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let (root, _, src, cache) = subset_and_empty_cache(tmp.path());
     let server = CacheServer::start(&cache, &tmp.path().join("srv"), &[]);
     let o = sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &server.url, &root]);
     assert!(!o.status.success(), "the push fails");
