@@ -142,7 +142,13 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // an interrupted copy) comes after the copy's lines, in its own order.
     drop(gathering);
     // An interrupted copy does not wait for the unpacking threads still running.
-    let report = report.inspect_err(|_| rt.shutdown_background())?;
+    let report = match report {
+        Ok(report) => report,
+        Err(e) => {
+            rt.shutdown_background();
+            return Err(e);
+        }
+    };
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
     for line in summarize(&store_dir, &report.failed, "substituted") {
@@ -168,6 +174,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
         progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
     }
+    // Every task of the copy has ended.
+    setup::leave_runtime(rt);
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
