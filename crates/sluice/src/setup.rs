@@ -99,8 +99,9 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
 /// exit frees everything at once. At the end of the corpus copy from `file://` into tmpfs that
 /// was about 230 `madvise` calls; the median time from the last path placed to the process's
 /// exit went from 5.4 to 3.35 ms (18 copies each; docs/benchmarks.md, issue 16). Only for a
-/// runtime none of whose tasks is left, so that nothing it would drop (a store, temporary
-/// roots) stays open.
+/// runtime whose tasks that hold a store or temporary roots have all ended, so that those are
+/// dropped and closed by their owner as before; what else is left (an HTTP client's idle
+/// connections) the exit closes as the runtime's drop would.
 pub fn leave_runtime(rt: tokio::runtime::Runtime) {
     std::mem::forget(rt);
 }
