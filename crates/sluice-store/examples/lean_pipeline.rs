@@ -8,7 +8,7 @@
 //!
 //! CACHE_DIR is a `file://` binary cache, STORE_ROOT a directory where a new store is made
 //! (`local?root=STORE_ROOT`), PUBLIC_KEY the cache's key (`name:base64`), STORE_PATH the
-//! closure's top path. Three threads, no runtime, no task per path:
+//! closure's top path. Four threads, no runtime, no task per path:
 //!
 //! - this thread walks the closure level by level, reading and parsing each narinfo, checks
 //!   the signatures of 64 at a time ([`SignaturePolicy::vouch_all`], as the substitution does)
@@ -139,9 +139,21 @@ fn unpack(store: &Arc<LocalStore>, roots: &TempRoots, queue: &Queue, registrar: 
         let decoder = job.compression.decoder_sized(file, job.file_size).map_err(|e| format!("{shown}: {e}"))?;
         let mut nar = BufReader::with_capacity(read_buffer(Some(pending.info().nar_size)), decoder);
         pending.unpack(&mut nar).map_err(|e| format!("{shown}: {e}"))?;
-        registrar.send(pending).map_err(|_| "the registrar stopped")?;
+        registrar.send(pending).map_err(|_| REGISTRAR_STOPPED)?;
     }
     Ok(())
+}
+
+/// An unpacking thread's error when the registrar ended first (its own error says why).
+const REGISTRAR_STOPPED: &str = "the registrar stopped";
+
+/// Closes the queue when dropped, so that the unpacking threads end even if the walk panics.
+struct Closing<'a>(&'a Queue);
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 /// Commits what arrives, each path once its references are registered; returns the paths
@@ -210,12 +222,17 @@ fn main() -> Result<(), String> {
             })
             .collect();
         drop(to_registrar);
-        let walked = walk(Path::new(cache), &store_dir, &policy, top, &queue);
-        queue.close();
-        for u in unpackers {
-            u.join().unwrap()?;
+        let walked = {
+            let _closing = Closing(&queue);
+            walk(Path::new(cache), &store_dir, &policy, top, &queue)
+        };
+        let unpacked: Result<Vec<()>, String> = unpackers.into_iter().map(|u| u.join().unwrap()).collect();
+        let registered = registrar.join().unwrap();
+        match (unpacked, registered) {
+            (Err(e), Err(why)) if e == REGISTRAR_STOPPED => Err(why),
+            (Err(e), _) => Err(e),
+            (Ok(_), registered) => Ok((walked?, registered?)),
         }
-        Ok::<_, String>((walked?, registrar.join().unwrap()?))
     })?;
     let wall = start.elapsed();
     for (path, info) in registered.iter().zip(store.query_path_infos(&registered)) {

@@ -174,7 +174,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
         progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
     }
-    // Every task of the copy has ended: `dest` and `temp_roots` are dropped here, as before.
+    // The copy's tasks have ended (and its temporary roots with them); `dest` is dropped at
+    // the end of this function, as before.
     setup::leave_runtime(rt);
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

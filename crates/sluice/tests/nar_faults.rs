@@ -54,6 +54,8 @@ fn bogus_lengths_are_refused_without_following_them() {
         let (o, kib, took) = copy_measured(tmp.path(), &root, C04, &path);
         let expected = reasons.iter().find(|(v, _)| *v == variant).unwrap().1;
         assert_refused(&o, &path, expected);
+        // A copy that failed closes the store as one that did not.
+        assert_store_closed(&root);
         assert!(kib < 64 * 1024, "{variant}: peak RSS {kib} KiB");
         assert!(took < Duration::from_secs(2), "{variant}: took {took:?}");
         assert_absent(tmp.path(), &root, &path);

@@ -214,6 +214,17 @@ pub fn store_leftovers(root: &Path) -> Vec<String> {
     store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock")).collect()
 }
 
+/// Asserts that the sluice command that just ended closed the store under `root`, before
+/// anything else opens it: no temporary roots left, the database's write-ahead log
+/// checkpointed and removed (the database was closed), nothing temporary in the store.
+pub fn assert_store_closed(root: &Path) {
+    let state = root.join("nix/var/nix");
+    let roots = std::fs::read_dir(state.join("temproots")).map_or(0, |d| d.count());
+    assert_eq!(roots, 0, "temporary roots left");
+    assert!(!state.join("db/db.sqlite-wal").exists(), "the database was not closed");
+    assert_eq!(store_leftovers(root), Vec::<String>::new());
+}
+
 /// `(rows, distinct paths)` of the `ValidPaths` table of the store under `root`.
 pub fn registered_rows(root: &Path) -> (u64, u64) {
     let db = root.join("nix/var/nix/db/db.sqlite");
