@@ -138,6 +138,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
             }
         }
     });
+    default_signal_actions();
     // Written out now: what follows (failures, the `--json` report, the summary, the error of
     // an interrupted copy) comes after the copy's lines, in its own order.
     drop(gathering);
@@ -191,6 +192,20 @@ async fn interrupted() {
         return std::future::pending().await;
     }
     futures::future::select_all(signals.iter_mut().map(|s| Box::pin(s.recv()))).await;
+}
+
+/// Gives SIGINT, SIGTERM and SIGHUP their default action back once the copy is over: tokio's
+/// handlers ([`interrupted`]) stay installed for the process's life and would leave a copy
+/// whose `--json` report waits on a pipe nobody reads to SIGKILL alone. What is left to do
+/// (the report, the summary) is ended by them as before the copy started.
+fn default_signal_actions() {
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: setting a signal's disposition to the default; tokio's driver, which no
+        // longer waits for it, only stops hearing of it.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+        }
+    }
 }
 
 /// Prints `--json`'s report, a line on standard output. A reader that went away (`| head`)

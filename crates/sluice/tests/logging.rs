@@ -386,6 +386,48 @@ fn sigterm_and_sighup_interrupt_a_copy() {
     }
 }
 
+/// Once the copy is done, SIGTERM ends it as before it started, even while its `--json`
+/// report waits on a pipe nobody reads (shrunk to a page, so that the corpus's report fills
+/// it). Regression: the copy's handler stayed installed and swallowed SIGTERM; only SIGKILL
+/// ended the process.
+#[test]
+fn sigterm_ends_a_copy_whose_report_waits() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("store");
+    let url = format!("file://{}", corpus().join("cache-zstd").display());
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["copy", "--json", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP]);
+    let mut child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    // SAFETY: resizing the pipe this process holds the read end of.
+    assert!(unsafe { libc::fcntl(stdout.as_raw_fd(), libc::F_SETPIPE_SZ, 4096) } > 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !root.join("nix/var/nix/db/db.sqlite").exists() || registered_rows(&root).0 < 1056 {
+        assert!(std::time::Instant::now() < deadline, "the copy did not finish");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The report is written after the last registration; give it time to fill the pipe.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "the report did not wait on the pipe");
+    check(&std::process::Command::new("kill").arg("-TERM").arg(child.id().to_string()).output().unwrap(), "kill");
+    let ended = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > ended {
+            child.kill().unwrap();
+            panic!("SIGTERM did not end a copy waiting on its report");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    drop(stdout);
+}
+
 /// With `--json` and both streams in one pipe (`2>&1`), a failing copy's lines come in the
 /// order they were made: the copy's lines and its errors, then the JSON report, then the
 /// summary. Regression: the errors waited in the gathered lines while the report went out.
