@@ -17,7 +17,7 @@
 //!    64 paths (the fingerprints and one batch equation of ed25519), as the substitution vouches
 //!    for the paths found at once (`substitute.rs`, `vouch_found`);
 //! 3. decompression: `Compression::decoder_sized` read through a buffer of `read_buffer`'s
-//!    size, as `substitute.rs` `fetch_nar` reads it, into nothing (the bytes are counted);
+//!    size, into nothing (the bytes are counted);
 //! 4. the NAR's sha256 (`Hasher`), over the whole NAR at once;
 //! 5. NAR parse: `nar::reader::parse` with the `Discard` visitor (the unpacker minus its files);
 //! 6. the sum of the medians of 2–5: the work per path that the format mandates beyond reading

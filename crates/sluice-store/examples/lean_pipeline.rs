@@ -36,7 +36,7 @@ use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::compression::{read_buffer, Compression};
+use sluice_store::compression::{Compression, NAR_READ_BUFFER};
 use sluice_store::local::{LocalStore, PendingPath, SignaturePolicy, TempRoots, TryAdd, VouchedInfo};
 use sluice_store::store_url::LocalStoreConfig;
 
@@ -137,7 +137,7 @@ fn unpack(store: &Arc<LocalStore>, roots: &TempRoots, queue: &Queue, registrar: 
         };
         let file = std::fs::File::open(&job.nar).map_err(|e| format!("{shown}: {e}"))?;
         let decoder = job.compression.decoder_sized(file, job.file_size).map_err(|e| format!("{shown}: {e}"))?;
-        let mut nar = BufReader::with_capacity(read_buffer(Some(pending.info().nar_size)), decoder);
+        let mut nar = BufReader::with_capacity(NAR_READ_BUFFER, decoder);
         pending.unpack(&mut nar).map_err(|e| format!("{shown}: {e}"))?;
         registrar.send(pending).map_err(|_| REGISTRAR_STOPPED)?;
     }

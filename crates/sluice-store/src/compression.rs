@@ -185,6 +185,13 @@ pub fn read_buffer(size: Option<u64>) -> usize {
     size.map_or(MAX, |s| s.clamp(8 * 1024, MAX)) as usize
 }
 
+/// Bytes of the buffer a decoded NAR is parsed from. The parser's small reads (tags, lengths,
+/// names) are served from it; a file's contents, read in chunks at least this large, bypass
+/// it (`BufReader` hands such reads straight to the decoder), so that the contents are copied
+/// once between the decoder and the file, and a NAR does not get a buffer as large as itself,
+/// to be zeroed and faulted in (measured in docs/benchmarks.md, issue 16, sixth session).
+pub const NAR_READ_BUFFER: usize = 8 * 1024;
+
 /// A compressing writer made by [`Compression::encoder`].
 pub enum Encoder<W: Write> {
     None(W),

@@ -742,10 +742,8 @@ impl Shared {
                 let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0 };
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
-                        // The NAR parser's small reads need a buffer, as large as the NAR at most
-                        // (SizeLimit gives no more).
-                        let capacity = crate::compression::read_buffer(Some(nar_size));
-                        let mut nar = std::io::BufReader::with_capacity(capacity, SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size });
+                        let limited = SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size };
+                        let mut nar = std::io::BufReader::with_capacity(crate::compression::NAR_READ_BUFFER, limited);
                         pending.unpack(&mut nar).map_err(|e| format!("{unpack_url}: {e}"))
                     }
                     Err(e) => Err(format!("{unpack_url}: {e}")),

@@ -37,7 +37,12 @@ pub(super) const QUERY_REFERRERS: &str =
 const QUERY_ID: &str = "select id from ValidPaths where path = ?";
 const QUERY_ALL: &str = "select path from ValidPaths";
 const REGISTER_VALID_PATH: &str = "insert into ValidPaths (path, hash, registrationTime, deriver, narSize, ultimate, sigs, ca) values (?, ?, ?, ?, ?, ?, ?, ?)";
-const ADD_REFERENCE: &str = "insert or replace into Refs (referrer, reference) values (?, ?)";
+/// Nix writes `insert or replace`; both leave the one row a (referrer, reference) pair can have
+/// (foreign keys are checked either way: `or` does not apply to them). But `replace`, which
+/// may delete a row, makes SQLite keep a statement journal for every reference inserted
+/// (`memjrnlWrite`: 10–15 % of a registration's CPU, docs/benchmarks.md, issue 16, sixth
+/// session).
+const ADD_REFERENCE: &str = "insert or ignore into Refs (referrer, reference) values (?, ?)";
 const ADD_DERIVATION_OUTPUT: &str = "insert or replace into DerivationOutputs (drv, id, path) values (?, ?, ?)";
 
 /// The `ValidPaths` row of a path, as stored (its path first), and its references.
