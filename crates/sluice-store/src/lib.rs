@@ -35,3 +35,13 @@ pub fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
 }
+
+/// Waits, for at most `timeout`, until the process's unpacking threads have nothing left to
+/// do; whether they got there. For a command stopped by a signal, once the futures of its
+/// copy are dropped (its runtime shut down): unpacking jobs not begun are dropped, and those
+/// running stop at their NAR's next read and remove their temporary trees and release their
+/// paths' locks, so that the store is left as a finished command leaves it. (Nix's goals do
+/// the same as they are interrupted: `checkInterrupt` in its copy loops.)
+pub fn wait_for_unpacking(timeout: std::time::Duration) -> bool {
+    unpack_pool::wait_idle(timeout)
+}

@@ -39,6 +39,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sluice_nix::narinfo::NarInfo;
@@ -392,21 +393,37 @@ fn vouch_found(policy: &SignaturePolicy, query: &ClosureQuery, events: &[Closure
         .collect()
 }
 
-/// A reader that tells the observer how many bytes passed.
+/// A reader that tells the observer how many bytes passed, and fails once its job is
+/// [`Abandoned`].
 struct Counting<R> {
     inner: R,
     observer: Arc<dyn Observer>,
     /// The URL of the cache the bytes come from.
     cache: String,
     total: u64,
+    abandoned: Arc<AtomicBool>,
 }
 
 impl<R: Read> Read for Counting<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return Err(std::io::Error::other("the copy was stopped"));
+        }
         let n = self.inner.read(buf)?;
         self.total += n as u64;
         self.observer.downloaded(&self.cache, n as u64);
         Ok(n)
+    }
+}
+
+/// Set when dropped: held by the future that waits for an unpacking job, so that a job whose
+/// copy stopped (the future dropped: an interrupted command, a daemon client gone) ends at its
+/// NAR's next read instead of unpacking the rest, and its tree and lock go with it.
+struct Abandoned(Arc<AtomicBool>);
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -729,6 +746,8 @@ impl Shared {
             let (path, nar_size, file_size) = (narinfo.store_path.clone(), narinfo.nar_size, narinfo.file_size);
             let (dest, vouched_here, roots, repair) = (self.dest.clone(), vouched.clone(), self.roots.clone(), self.repair);
             let locked = pending.take();
+            let abandoned = Arc::new(AtomicBool::new(false));
+            let waiting = Abandoned(abandoned.clone());
             let unpack = move || {
                 let mut pending = match locked {
                     Some(pending) => pending,
@@ -739,7 +758,7 @@ impl Shared {
                     },
                 };
                 observer.started(&path, &cache_url);
-                let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0 };
+                let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0, abandoned };
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
                         let limited = SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size };
@@ -755,6 +774,7 @@ impl Shared {
                 true => crate::unpack_pool::run(self.depths.of(&narinfo.store_path), unpack).await,
                 false => tokio::task::spawn_blocking(unpack).await.map_err(|e| e.to_string()),
             };
+            drop(waiting);
             let locked = locked.map_err(|e| Attempt::Final(Failure::other(e)))?;
             drop(permit);
             let (locked, unpacked) = match locked? {

@@ -36,29 +36,43 @@ struct Queued {
     job: Job,
 }
 
-/// The jobs waiting, and the number the next one gets.
+/// The jobs waiting, the number the next one gets, and how many are running.
 #[derive(Default)]
 struct Waiting {
     jobs: Vec<Queued>,
     next_seq: u64,
+    running: usize,
 }
 
-/// The jobs waiting, and the condition the idle threads wait on.
+/// The jobs waiting, the condition the idle threads wait on, and the one [`wait_idle`] waits
+/// on.
 struct Queue {
     waiting: Mutex<Waiting>,
     ready: Condvar,
+    idle: Condvar,
 }
 
 impl Queue {
-    /// The waiting job of highest priority, the earliest among equals; waits for one.
+    /// The waiting job of highest priority, the earliest among equals; waits for one. It
+    /// counts as running until [`Queue::done`].
     fn next(&self) -> Job {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             let best = waiting.jobs.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
             if let Some(i) = best {
+                waiting.running += 1;
                 return waiting.jobs.swap_remove(i).job;
             }
             waiting = self.ready.wait(waiting).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// A job taken by [`Queue::next`] has ended.
+    fn done(&self) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.running -= 1;
+        if waiting.running == 0 && waiting.jobs.is_empty() {
+            self.idle.notify_all();
         }
     }
 
@@ -73,18 +87,21 @@ impl Queue {
     }
 }
 
+/// The queue and its threads, once started ([`queue`]).
+static QUEUE: OnceLock<Option<Arc<Queue>>> = OnceLock::new();
+
 /// The queue, its threads started on first use; `None` if no thread could be started (jobs
 /// then run on tokio's pool).
 fn queue() -> Option<&'static Queue> {
-    static QUEUE: OnceLock<Option<Arc<Queue>>> = OnceLock::new();
     QUEUE
         .get_or_init(|| {
-            let queue = Arc::new(Queue { waiting: Mutex::default(), ready: Condvar::new() });
+            let queue = Arc::new(Queue { waiting: Mutex::default(), ready: Condvar::new(), idle: Condvar::new() });
             let mut started = 0;
             for i in 0..threads() {
                 let queue = queue.clone();
                 let worker = move || loop {
                     (queue.next())();
+                    queue.done();
                 };
                 started += usize::from(std::thread::Builder::new().name(format!("unpack-{i}")).spawn(worker).is_ok());
             }
@@ -104,10 +121,26 @@ pub(crate) async fn run<T: Send + 'static>(priority: Arc<AtomicUsize>, f: impl F
     queue.push(
         priority,
         Box::new(move || {
+            // Nobody waits for it any more (its copy stopped, its client went away): not begun.
+            if tx.is_closed() {
+                return;
+            }
             let _ = tx.send(catch_unwind(AssertUnwindSafe(f)).map_err(|panic| panic_message(&*panic)));
         }),
     );
     rx.await.map_err(|_| "an unpacking thread stopped".to_owned())?
+}
+
+/// Waits until no job runs or waits, for at most `timeout`; whether that happened. A stopping
+/// process calls it once the futures waiting for its jobs are dropped: jobs not begun are then
+/// dropped as a thread takes them, and a job running ends as its work allows (a substitution's
+/// at its NAR's next read, `substitute.rs`), releasing what it holds (a path's lock and
+/// temporary tree) before the process exits.
+pub(crate) fn wait_idle(timeout: std::time::Duration) -> bool {
+    let Some(queue) = QUEUE.get().and_then(Option::as_deref) else { return true };
+    let waiting = queue.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+    let (waiting, _) = queue.idle.wait_timeout_while(waiting, timeout, |w| w.running > 0 || !w.jobs.is_empty()).unwrap_or_else(PoisonError::into_inner);
+    waiting.running == 0 && waiting.jobs.is_empty()
 }
 
 /// The message a panic was raised with.

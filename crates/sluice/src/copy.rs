@@ -142,11 +142,10 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // Written out now: what follows (failures, the `--json` report, the summary, the error of
     // an interrupted copy) comes after the copy's lines, in its own order.
     drop(gathering);
-    // An interrupted copy does not wait for the unpacking threads still running.
     let report = match report {
         Ok(report) => report,
         Err(e) => {
-            rt.shutdown_background();
+            stop(rt);
             return Err(e);
         }
     };
@@ -179,6 +178,24 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     // the end of this function, as before.
     setup::leave_runtime(rt);
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The longest an interrupted copy waits for its work in flight to end: in practice, as long as
+/// a registration or a read of one NAR takes.
+const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Ends an interrupted copy's work before the process exits, so that the store is left as a
+/// finished command leaves it: the runtime's tasks are dropped (with them the paths they hold:
+/// temporary trees removed, locks released) and its blocking work waited for (a registration
+/// in progress ends), then the unpacking threads, whose jobs stop at their NAR's next read
+/// ([`sluice_store::wait_for_unpacking`]). The store itself, and its temporary roots, are
+/// closed when the caller drops them. Each wait is bounded by [`STOP_WAIT`]: past it, the
+/// process exits with what is still running, as before this (a `kill -9` leaves no less).
+fn stop(rt: tokio::runtime::Runtime) {
+    rt.shutdown_timeout(STOP_WAIT);
+    if !sluice_store::wait_for_unpacking(STOP_WAIT) {
+        tracing::warn!("the unpacking threads did not stop within {} s", STOP_WAIT.as_secs());
+    }
 }
 
 /// Waits for SIGINT, SIGTERM or SIGHUP, on each of which Nix ends a command as on Ctrl-C

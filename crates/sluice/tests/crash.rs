@@ -67,3 +67,42 @@ fn kill_9_at_random_moments_then_rerun() {
     assert_eq!(store_leftovers(&root), Vec::<String>::new());
     assert_eq!(registered_rows(&root), (1056, 1056));
 }
+
+/// SIGINT, SIGTERM or SIGHUP while a copy runs (from nginx at RTT 50 ms, NARs unpacked on
+/// tokio's blocking threads, and from a `file://` cache, NARs unpacked on the unpacking
+/// threads; stopped once 50 paths are in place, so that others are being downloaded, unpacked
+/// and registered at that moment):
+/// the copy says Nix's `interrupted by the user`, fails, and leaves the store as a finished
+/// command leaves it (Nix's substitution goals clean up as they are interrupted): no temporary
+/// root, the database closed, no temporary tree and no lock file; what it registered is valid
+/// to real Nix. Before, the copy left its temporary roots, the database's write-ahead log and
+/// the lock files of the paths in flight.
+#[test]
+fn a_signal_stops_a_copy_and_leaves_the_store_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = CacheServer::start(&corpus().join("cache-zstd"), &tmp.path().join("srv"), &["--rtt-ms", "50"]);
+    let file = format!("file://{}", corpus().join("cache-zstd").display());
+    let cases = [("SIGINT", libc::SIGINT, &server.url), ("SIGTERM", libc::SIGTERM, &server.url), ("SIGHUP", libc::SIGHUP, &server.url), ("SIGINT-file", libc::SIGINT, &file)];
+    for (name, signal, from) in cases {
+        let root = tmp.path().join(name);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp.path(), "");
+        let args = ["copy", "--from", from, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
+        let child = cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let placed = || store_entries(&root).iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock")).count();
+        let start = Instant::now();
+        while placed() < 50 {
+            assert!(start.elapsed() < Duration::from_secs(120), "{name}: fewer than 50 paths placed in 120 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: a signal to the child this test started and has not waited for.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+        let o = child.wait_with_output().unwrap();
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains("error: interrupted by the user"), "{name}: {:?}\n{err}", o.status);
+        assert_store_closed(&root);
+        let (registered, _) = registered_rows(&root);
+        assert!(registered < 1056, "{name}: the copy was not stopped ({registered} paths registered)");
+        assert_nix_verifies(tmp.path(), &root);
+    }
+}
