@@ -277,8 +277,8 @@ async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths
     });
     // Dispatched on the runtime's workers, not on the caller's thread (`block_on` in the
     // command line), so that each path found does not wake a sleeping thread (4 ms of the
-    // corpus's copy). In a set of its own: dropping this future (an interrupted copy, a
-    // daemon client gone) aborts it, and its tasks with it, as before.
+    // corpus's copy). In a set of its own: dropping this future (an interrupted copy) aborts
+    // it, and its tasks with it, as before.
     let mut dispatch_task = tokio::task::JoinSet::new();
     dispatch_task.spawn(dispatch(query, paths, shared.clone()));
     if let Some(Err(e)) = dispatch_task.join_next().await {
@@ -417,7 +417,7 @@ impl<R: Read> Read for Counting<R> {
 }
 
 /// Set when dropped: held by the future that waits for an unpacking job, so that a job whose
-/// copy stopped (the future dropped: an interrupted command, a daemon client gone) ends at its
+/// copy stopped (the future dropped: an interrupted command) ends at its
 /// NAR's next read instead of unpacking the rest, and its tree and lock go with it.
 struct Abandoned(Arc<AtomicBool>);
 

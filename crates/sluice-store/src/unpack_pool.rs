@@ -121,7 +121,7 @@ pub(crate) async fn run<T: Send + 'static>(priority: Arc<AtomicUsize>, f: impl F
     queue.push(
         priority,
         Box::new(move || {
-            // Nobody waits for it any more (its copy stopped, its client went away): not begun.
+            // Nobody waits for it any more (its copy stopped): not begun.
             if tx.is_closed() {
                 return;
             }

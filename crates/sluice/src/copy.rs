@@ -102,6 +102,13 @@ fn push(args: Args) -> Result<ExitCode, String> {
 
 /// Substitutes from binary caches into a local store (the pipeline).
 fn substitute(args: Args) -> Result<ExitCode, String> {
+    let rt = setup::runtime()?;
+    // Caught from here on: a copy interrupted while it opens the store or its caches stops as
+    // cleanly as one interrupted later.
+    let mut interrupts = {
+        let _runtime = rt.enter();
+        Interrupts::catch()
+    };
     let setup::Destination { settings, store: dest, store_dir, roots } = setup::destination(&args.cache, args.to.as_deref(), &args.paths)?;
     let to = args.to.clone().unwrap_or_else(|| settings.store.clone());
     dest.ensure_writable("copy paths into it").map_err(|e| format!("{to}: {e}"))?;
@@ -118,37 +125,42 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let gathering = crate::stderr::Gathering::start();
     let progress = Progress::start(store_dir.clone(), args.json);
     let started = Instant::now();
-    let rt = setup::runtime()?;
     let report = rt.block_on(async {
-        let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
-        let caches = if args.from.is_some() { setup::Caches::Named } else { setup::Caches::Substituters };
-        let mut query = setup::closure_query(&urls, caches, &settings, &store_dir, is_valid, &roots).await?;
-        // `trusted` makes a substituter's paths need no signature; the store `nix copy
-        // --from` copies from is not a substituter, and its paths are checked all the same
-        // (Nix 2.8/2.26 `copyPaths` with `checkSigs`): so is `--from`'s here.
-        if args.from.is_some() {
-            Arc::get_mut(&mut query.substituters).into_iter().flatten().for_each(|s| s.trusted = false);
-        }
+        let copy = async {
+            let is_valid = closure::validity_in(Some(dest.clone()), Some(temp_roots.clone()));
+            let caches = if args.from.is_some() { setup::Caches::Named } else { setup::Caches::Substituters };
+            let mut query = setup::closure_query(&urls, caches, &settings, &store_dir, is_valid, &roots).await?;
+            // `trusted` makes a substituter's paths need no signature; the store `nix copy
+            // --from` copies from is not a substituter, and its paths are checked all the same
+            // (Nix 2.8/2.26 `copyPaths` with `checkSigs`): so is `--from`'s here.
+            if args.from.is_some() {
+                Arc::get_mut(&mut query.substituters).into_iter().flatten().for_each(|s| s.trusted = false);
+            }
+            Ok(copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()).await)
+        };
         tokio::select! {
-            report = copy_closure(query, dest.clone(), temp_roots, roots.clone(), opts, progress.clone()) => Ok(report),
+            report = copy => report,
             // Ctrl-C: the line stays, marked; Nix's words for the error (`src/libmain/shared.cc`).
-            () = interrupted() => {
+            () = interrupts.wait() => {
                 progress.interrupted();
                 Err("interrupted by the user".to_string())
             }
         }
     });
-    default_signal_actions();
     // Written out now: what follows (failures, the `--json` report, the summary, the error of
     // an interrupted copy) comes after the copy's lines, in its own order.
     drop(gathering);
     let report = match report {
         Ok(report) => report,
         Err(e) => {
+            // The signals are still caught while the copy's work ends: a second Ctrl-C does
+            // not cut the clean-up short.
             stop(rt);
+            default_signal_actions();
             return Err(e);
         }
     };
+    default_signal_actions();
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
     for line in summarize(&store_dir, &report.failed, "substituted") {
@@ -189,30 +201,43 @@ const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// temporary trees removed, locks released) and its blocking work waited for (a registration
 /// in progress ends), then the unpacking threads, whose jobs stop at their NAR's next read
 /// ([`sluice_store::wait_for_unpacking`]). The store itself, and its temporary roots, are
-/// closed when the caller drops them. Each wait is bounded by [`STOP_WAIT`]: past it, the
-/// process exits with what is still running, as before this (a `kill -9` leaves no less).
+/// closed when the caller drops them. Both waits together are bounded by [`STOP_WAIT`]: past
+/// it, the process exits with what is still running (what a `kill -9` would leave: the next
+/// command that adds those paths clears their locks and trees).
 fn stop(rt: tokio::runtime::Runtime) {
+    let deadline = Instant::now() + STOP_WAIT;
     rt.shutdown_timeout(STOP_WAIT);
-    if !sluice_store::wait_for_unpacking(STOP_WAIT) {
-        tracing::warn!("the unpacking threads did not stop within {} s", STOP_WAIT.as_secs());
+    if !sluice_store::wait_for_unpacking(deadline.saturating_duration_since(Instant::now())) {
+        tracing::warn!("the copy's work did not end within {} s; what it held is left to the next command", STOP_WAIT.as_secs());
     }
 }
 
-/// Waits for SIGINT, SIGTERM or SIGHUP, on each of which Nix ends a command as on Ctrl-C
-/// ("interrupted by the user": `signalHandlerThread` in `src/libutil/unix/signals.cc`), so
-/// that a copy stopped by `timeout`, a service manager or a closed terminal says so and
-/// writes out its last lines. A signal whose handler cannot be set keeps its default action.
-async fn interrupted() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut signals: Vec<_> = [SignalKind::interrupt(), SignalKind::terminate(), SignalKind::hangup()].into_iter().filter_map(|kind| signal(kind).ok()).collect();
-    if signals.is_empty() {
-        return std::future::pending().await;
+/// SIGINT, SIGTERM and SIGHUP, caught from [`Interrupts::catch`] on; on each, Nix ends a
+/// command as on Ctrl-C ("interrupted by the user": `signalHandlerThread` in
+/// `src/libutil/unix/signals.cc`), so that a copy stopped by `timeout`, a service manager or a
+/// closed terminal says so and writes out its last lines. A signal whose handler cannot be set
+/// keeps its default action.
+struct Interrupts(Vec<tokio::signal::unix::Signal>);
+
+impl Interrupts {
+    /// Installs the handlers; in a runtime's context. A signal that arrives from now on is
+    /// seen by [`Interrupts::wait`], however much later it is first called.
+    fn catch() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        Interrupts([SignalKind::interrupt(), SignalKind::terminate(), SignalKind::hangup()].into_iter().filter_map(|kind| signal(kind).ok()).collect())
     }
-    futures::future::select_all(signals.iter_mut().map(|s| Box::pin(s.recv()))).await;
+
+    /// Waits for the first of the signals.
+    async fn wait(&mut self) {
+        if self.0.is_empty() {
+            return std::future::pending().await;
+        }
+        futures::future::select_all(self.0.iter_mut().map(|s| Box::pin(s.recv()))).await;
+    }
 }
 
 /// Gives SIGINT, SIGTERM and SIGHUP their default action back once the copy is over: tokio's
-/// handlers ([`interrupted`]) stay installed for the process's life and would leave a copy
+/// handlers ([`Interrupts`]) stay installed for the process's life and would leave a copy
 /// whose `--json` report waits on a pipe nobody reads to SIGKILL alone. What is left to do
 /// (the report, the summary) is ended by them as before the copy started.
 fn default_signal_actions() {

@@ -68,41 +68,73 @@ fn kill_9_at_random_moments_then_rerun() {
     assert_eq!(registered_rows(&root), (1056, 1056));
 }
 
-/// SIGINT, SIGTERM or SIGHUP while a copy runs (from nginx at RTT 50 ms, NARs unpacked on
-/// tokio's blocking threads, and from a `file://` cache, NARs unpacked on the unpacking
-/// threads; stopped once 50 paths are in place, so that others are being downloaded, unpacked
-/// and registered at that moment):
-/// the copy says Nix's `interrupted by the user`, fails, and leaves the store as a finished
+/// When the signals of [`a_signal_stops_a_copy_and_leaves_the_store_closed`] are sent.
+enum Moment {
+    /// Once this many paths are in place.
+    Placed(usize),
+    /// This long after the start.
+    After(Duration),
+}
+
+/// SIGINT, SIGTERM or SIGHUP while a copy runs: from nginx at RTT 50 ms (NARs unpacked on
+/// tokio's blocking threads) and from a `file://` cache (NARs unpacked on the unpacking
+/// threads), once 50 paths are in place, so that others are being downloaded, unpacked and
+/// registered at that moment; a second Ctrl-C 20 ms after the first (while the copy stops);
+/// and a SIGTERM 300 ms in from a cache at RTT 500 ms, while the copy opens its caches. Each
+/// copy says Nix's `interrupted by the user`, fails, and leaves the store as a finished
 /// command leaves it (Nix's substitution goals clean up as they are interrupted): no temporary
-/// root, the database closed, no temporary tree and no lock file; what it registered is valid
-/// to real Nix. Before, the copy left its temporary roots, the database's write-ahead log and
-/// the lock files of the paths in flight.
+/// root, the database closed, no temporary tree, no lock file and no unregistered tree at a
+/// store path; what it registered is valid to real Nix. Before, the copy left its temporary
+/// roots, the database's write-ahead log and the lock files and trees of the paths in flight,
+/// a second signal killed it in the middle of stopping, and a signal before the caches were
+/// open killed it outright.
 #[test]
 fn a_signal_stops_a_copy_and_leaves_the_store_closed() {
     let tmp = tempfile::tempdir().unwrap();
     let server = CacheServer::start(&corpus().join("cache-zstd"), &tmp.path().join("srv"), &["--rtt-ms", "50"]);
+    let slow = CacheServer::start(&corpus().join("cache-zstd"), &tmp.path().join("slow"), &["--rtt-ms", "500"]);
     let file = format!("file://{}", corpus().join("cache-zstd").display());
-    let cases = [("SIGINT", libc::SIGINT, &server.url), ("SIGTERM", libc::SIGTERM, &server.url), ("SIGHUP", libc::SIGHUP, &server.url), ("SIGINT-file", libc::SIGINT, &file)];
-    for (name, signal, from) in cases {
+    let (int, term, hup) = (libc::SIGINT, libc::SIGTERM, libc::SIGHUP);
+    let cases: [(&str, &str, Moment, &[i32]); 6] = [
+        ("SIGINT", &server.url, Moment::Placed(50), &[int]),
+        ("SIGTERM", &server.url, Moment::Placed(50), &[term]),
+        ("SIGHUP", &server.url, Moment::Placed(50), &[hup]),
+        ("SIGINT-file", &file, Moment::Placed(50), &[int]),
+        ("SIGINT-twice", &server.url, Moment::Placed(50), &[int, int]),
+        ("SIGTERM-early", &slow.url, Moment::After(Duration::from_millis(300)), &[term]),
+    ];
+    for (name, from, moment, signals) in cases {
         let root = tmp.path().join(name);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp.path(), "");
         let args = ["copy", "--from", from, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
         let child = cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let placed = || store_entries(&root).iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock")).count();
+        let placed = || store_entries(&root).iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && e.as_str() != sluice_store::local::TEMP_DIR).count();
         let start = Instant::now();
-        while placed() < 50 {
-            assert!(start.elapsed() < Duration::from_secs(120), "{name}: fewer than 50 paths placed in 120 s");
-            std::thread::sleep(Duration::from_millis(10));
+        match moment {
+            Moment::Placed(n) => {
+                while placed() < n {
+                    assert!(start.elapsed() < Duration::from_secs(120), "{name}: fewer than {n} paths placed in 120 s");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            Moment::After(d) => std::thread::sleep(d),
         }
-        // SAFETY: a signal to the child this test started and has not waited for.
-        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+        for (i, signal) in signals.iter().enumerate() {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            // SAFETY: a signal to the child this test started and has not waited for.
+            assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, *signal) }, 0);
+        }
         let o = child.wait_with_output().unwrap();
         let err = stderr(&o);
-        assert!(!o.status.success() && err.contains("error: interrupted by the user"), "{name}: {:?}\n{err}", o.status);
+        assert!(o.status.code() == Some(1) && err.contains("error: interrupted by the user"), "{name}: {:?}\n{err}", o.status);
         assert_store_closed(&root);
         let (registered, _) = registered_rows(&root);
         assert!(registered < 1056, "{name}: the copy was not stopped ({registered} paths registered)");
-        assert_nix_verifies(tmp.path(), &root);
+        if registered > 0 {
+            assert_nix_verifies(tmp.path(), &root);
+        }
     }
 }

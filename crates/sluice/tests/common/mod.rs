@@ -7,6 +7,8 @@ mod scripted;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use sluice_store::local::TEMP_DIR;
+
 #[allow(unused_imports)]
 pub use scripted::{closed_port, Scripted};
 
@@ -208,21 +210,42 @@ pub fn copy_with(tmp: &Path, root: &Path, substituters: &str, key: &str, options
     sluice(tmp, &args)
 }
 
-/// Entries of the store directory that a finished run must not leave: temporary trees
-/// (`.<name>.sluice`, anything hidden except Nix's `.links`) and `.lock` files.
+/// Entries of the store directory that a finished run must not leave: temporary trees (in
+/// `sluice_store::local::TEMP_DIR`, shown as `TEMP_DIR/<name>`; anything hidden except Nix's `.links`) and `.lock`
+/// files.
 pub fn store_leftovers(root: &Path) -> Vec<String> {
-    store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock")).collect()
+    let mut left: Vec<String> = store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock")).collect();
+    if let Ok(temp) = std::fs::read_dir(root.join("nix/store").join(TEMP_DIR)) {
+        left.extend(temp.map(|e| format!("{TEMP_DIR}/{}", e.unwrap().file_name().to_string_lossy())));
+    }
+    left
 }
 
 /// Asserts that the sluice command that just ended closed the store under `root`, before
 /// anything else opens it: no temporary roots left, the database's write-ahead log
-/// checkpointed and removed (the database was closed), nothing temporary in the store.
+/// checkpointed and removed (the database was closed), nothing temporary in the store, and
+/// no tree at a store path that is not registered.
 pub fn assert_store_closed(root: &Path) {
     let state = root.join("nix/var/nix");
     let roots = std::fs::read_dir(state.join("temproots")).map_or(0, |d| d.count());
     assert_eq!(roots, 0, "temporary roots left");
     assert!(!state.join("db/db.sqlite-wal").exists(), "the database was not closed");
     assert_eq!(store_leftovers(root), Vec::<String>::new());
+    let registered = registered_base_names(root);
+    let unregistered: Vec<String> = store_entries(root).into_iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && e != TEMP_DIR && !registered.contains(e)).collect();
+    assert_eq!(unregistered, Vec::<String>::new(), "trees at store paths that are not registered");
+}
+
+/// The base names of the paths registered in the store under `root` (none without a database).
+pub fn registered_base_names(root: &Path) -> std::collections::BTreeSet<String> {
+    let db = root.join("nix/var/nix/db/db.sqlite");
+    if !db.exists() {
+        return Default::default();
+    }
+    let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); [print(p.rsplit('/',1)[1]) for (p,) in c.execute('select path from ValidPaths')]";
+    let o = Command::new("python3").args(["-c", script]).arg(&db).output().unwrap();
+    check(&o, "reading ValidPaths");
+    String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect()
 }
 
 /// `(rows, distinct paths)` of the `ValidPaths` table of the store under `root`.
