@@ -167,6 +167,9 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         progress.error(&line);
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
+    // Closed before the report is written: a report that waits on its reader, ended there by
+    // a signal, leaves the store as a finished command does.
+    drop(dest);
     // Roots that failed have their reason printed already; others are named here.
     let missing: Vec<_> = roots.iter().filter(|r| !valid.contains(*r)).collect();
     if args.json {
@@ -186,8 +189,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
         progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
     }
-    // The copy's tasks have ended (and its temporary roots with them); `dest` is dropped at
-    // the end of this function, as before.
+    // The copy's tasks have ended (and its temporary roots with them), and the store is closed.
     setup::leave_runtime(rt);
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }

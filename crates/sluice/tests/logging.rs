@@ -388,8 +388,9 @@ fn sigterm_and_sighup_interrupt_a_copy() {
 
 /// Once the copy is done, SIGTERM ends it as before it started, even while its `--json`
 /// report waits on a pipe nobody reads (shrunk to a page, so that the corpus's report fills
-/// it). Regression: the copy's handler stayed installed and swallowed SIGTERM; only SIGKILL
-/// ended the process.
+/// it), and the store is closed by then. Regressions: the copy's handler stayed installed and
+/// swallowed SIGTERM, only SIGKILL ended the process; the store was closed only after the
+/// report, so SIGTERM there left the database's write-ahead log and the temporary roots.
 #[test]
 fn sigterm_ends_a_copy_whose_report_waits() {
     use std::os::fd::AsRawFd;
@@ -426,6 +427,8 @@ fn sigterm_ends_a_copy_whose_report_waits() {
     };
     assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
     drop(stdout);
+    // The store was closed before the report was written.
+    assert_store_closed(&root);
 }
 
 /// With `--json` and both streams in one pipe (`2>&1`), a failing copy's lines come in the
