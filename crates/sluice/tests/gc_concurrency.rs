@@ -72,18 +72,6 @@ fn closure() -> BTreeSet<String> {
     std::fs::read_to_string(corpus().join("truth/closure-paths.txt")).unwrap().lines().map(str::to_string).collect()
 }
 
-/// Valid paths of the store under `root` (its `ValidPaths` table), as `/nix/store/…`.
-fn valid_paths(root: &Path) -> BTreeSet<String> {
-    let db = root.join("nix/var/nix/db/db.sqlite");
-    if !db.exists() {
-        return BTreeSet::new();
-    }
-    let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); [print(p) for (p,) in c.execute('select path from ValidPaths')]";
-    let o = Command::new("python3").args(["-c", script]).arg(&db).output().unwrap();
-    check(&o, "reading ValidPaths");
-    String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect()
-}
-
 /// What a finished run must not leave under `root` (see the module comment), given the valid
 /// paths: names in the store directory, then other files as paths relative to `root`.
 fn leftovers(root: &Path, valid: &BTreeSet<String>) -> Vec<String> {
@@ -132,7 +120,7 @@ fn first<T: std::fmt::Debug>(items: impl IntoIterator<Item = T>, n: usize) -> St
 /// leftovers. Empty when all is well.
 fn store_problems(tmp: &Path, root: &Path, what: &str) -> Vec<String> {
     let mut problems = Vec::new();
-    let valid = valid_paths(root);
+    let valid = registered_paths(root);
     let want = closure();
     let missing: Vec<&String> = want.difference(&valid).collect();
     let extra: Vec<&String> = valid.difference(&want).collect();
@@ -618,7 +606,7 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
             let running = child.try_wait().unwrap().is_none();
             let _ = child.kill();
             let _ = child.wait();
-            let valid = valid_paths(&root);
+            let valid = registered_paths(&root);
             eprintln!("{what}, attempt {attempt}: killed after {:.2} s ({} paths printed as copied), {} valid", t0.elapsed().as_secs_f64(), copied_so_far(&err), valid.len());
             if running && !valid.is_empty() && valid.len() < 1056 {
                 killed_store = Some((root, valid));
@@ -660,7 +648,7 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         if !c.status.is_some_and(|s| s.success()) {
             problems.push(format!("{what}: collector after the kill: {:?}: {}", c.status, c.stderr));
         }
-        let after_gc = valid_paths(&gc_root);
+        let after_gc = registered_paths(&gc_root);
         if after_gc != valid {
             problems.push(format!("{what}: the collector changed the valid paths: {} before, {} after", valid.len(), after_gc.len()));
         }
@@ -680,7 +668,7 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         let (mut child, out, err) = spawn_logged(copy_paths_command(tmp, &root, &zstd_cache(), &[&leaf]), tmp, "next");
         let status = wait_until(&mut child, Instant::now() + Duration::from_secs(60));
         problems.extend(copy_problems(status, &out, &err, &format!("{what}, next run (one leaf)")));
-        let now_valid = valid_paths(&root);
+        let now_valid = registered_paths(&root);
         if !now_valid.contains(&leaf) || now_valid.len() != valid.len() + 1 {
             problems.push(format!("{what}: after the next run, {} valid paths (want {} + the leaf {leaf})", now_valid.len(), valid.len()));
         }

@@ -231,18 +231,20 @@ pub fn assert_store_closed(root: &Path) {
     assert_eq!(roots, 0, "temporary roots left");
     assert!(!state.join("db/db.sqlite-wal").exists(), "the database was not closed");
     assert_eq!(store_leftovers(root), Vec::<String>::new());
-    let registered = registered_base_names(root);
-    let unregistered: Vec<String> = store_entries(root).into_iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && e != TEMP_DIR && !registered.contains(e)).collect();
+    let paths = registered_paths(root);
+    let registered: std::collections::BTreeSet<&str> = paths.iter().filter_map(|p| p.rsplit('/').next()).collect();
+    let unregistered: Vec<String> = store_entries(root).into_iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && e != TEMP_DIR && !registered.contains(e.as_str())).collect();
     assert_eq!(unregistered, Vec::<String>::new(), "trees at store paths that are not registered");
 }
 
-/// The base names of the paths registered in the store under `root` (none without a database).
-pub fn registered_base_names(root: &Path) -> std::collections::BTreeSet<String> {
+/// The paths registered in the store under `root` (its `ValidPaths` table), as `/nix/store/…`;
+/// none without a database.
+pub fn registered_paths(root: &Path) -> std::collections::BTreeSet<String> {
     let db = root.join("nix/var/nix/db/db.sqlite");
     if !db.exists() {
         return Default::default();
     }
-    let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); [print(p.rsplit('/',1)[1]) for (p,) in c.execute('select path from ValidPaths')]";
+    let script = "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); [print(p) for (p,) in c.execute('select path from ValidPaths')]";
     let o = Command::new("python3").args(["-c", script]).arg(&db).output().unwrap();
     check(&o, "reading ValidPaths");
     String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect()
