@@ -45,7 +45,7 @@ struct Waiting {
 }
 
 /// The jobs waiting, the condition the idle threads wait on, and the one [`wait_idle`] waits
-/// on.
+/// on (told when a thread finds nothing to do and none runs).
 struct Queue {
     waiting: Mutex<Waiting>,
     ready: Condvar,
@@ -54,25 +54,21 @@ struct Queue {
 
 impl Queue {
     /// The waiting job of highest priority, the earliest among equals; waits for one. It
-    /// counts as running until [`Queue::done`].
-    fn next(&self) -> Job {
+    /// counts as running until the same thread asks for its next job with `finished_one` (one
+    /// lock per job for both).
+    fn next(&self, finished_one: bool) -> Job {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.running -= usize::from(finished_one);
         loop {
             let best = waiting.jobs.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
             if let Some(i) = best {
                 waiting.running += 1;
                 return waiting.jobs.swap_remove(i).job;
             }
+            if waiting.running == 0 {
+                self.idle.notify_all();
+            }
             waiting = self.ready.wait(waiting).unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// A job taken by [`Queue::next`] has ended.
-    fn done(&self) {
-        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-        waiting.running -= 1;
-        if waiting.running == 0 && waiting.jobs.is_empty() {
-            self.idle.notify_all();
         }
     }
 
@@ -99,9 +95,12 @@ fn queue() -> Option<&'static Queue> {
             let mut started = 0;
             for i in 0..threads() {
                 let queue = queue.clone();
-                let worker = move || loop {
-                    (queue.next())();
-                    queue.done();
+                let worker = move || {
+                    let mut finished_one = false;
+                    loop {
+                        (queue.next(finished_one))();
+                        finished_one = true;
+                    }
                 };
                 started += usize::from(std::thread::Builder::new().name(format!("unpack-{i}")).spawn(worker).is_ok());
             }
