@@ -488,6 +488,8 @@ fn stale_unregistered_tree_is_replaced() {
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
         }
     }
+    // As the store makes it: private.
+    std::fs::set_permissions(root.join("nix/store").join(TEMP_DIR), std::fs::Permissions::from_mode(0o700)).unwrap();
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     assert!(dump(&store, &info.path) == nar);
     let temp_dir = root.join("nix/store").join(TEMP_DIR);
@@ -1062,6 +1064,86 @@ fn dump_of_a_deep_tree_is_nix_s_nar_on_a_worker_s_stack() {
     let reference = nix_ok("nix-store", &["--dump", root.to_str().unwrap()], scratch.path());
     assert_eq!(dumped.len(), reference.len());
     assert!(dumped == reference, "the NAR of the deep tree differs from nix-store --dump's");
+}
+
+/// A NAR whose paths are longer than the kernel takes (`PATH_MAX`, 4096 bytes): 1,500 nested
+/// directories, every 50th with a 200-byte name, a file, an executable, a symlink and an empty
+/// directory every 100 levels: 9,000 bytes at the bottom. The unpacker names nodes by their path
+/// from a held directory and holds one every 1 KiB of path; the store's tree dumps as the NAR.
+#[test]
+fn a_nar_deeper_than_path_max_round_trips_through_the_store() {
+    use rustix::fs::{mkdirat, openat, symlinkat, Mode, OFlags};
+    let tmp = Scratch::new();
+    let tree = tmp.path().join("deep");
+    std::fs::create_dir(&tree).unwrap();
+    let mut dir = rustix::fs::open(&tree, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    let long = "l".repeat(200);
+    for level in 0..1500 {
+        if level % 100 == 0 {
+            for (name, mode) in [("f", 0o644), ("x", 0o755)] {
+                let file = openat(&dir, name, OFlags::CREATE | OFlags::WRONLY, Mode::from_raw_mode(mode)).unwrap();
+                rustix::io::write(&file, format!("level {level}\n").as_bytes()).unwrap();
+            }
+            symlinkat("../f", &dir, "s").unwrap();
+            mkdirat(&dir, "e", Mode::from_raw_mode(0o755)).unwrap();
+        }
+        let name = if level % 50 == 49 { long.as_str() } else { "a" };
+        mkdirat(&dir, name, Mode::from_raw_mode(0o755)).unwrap();
+        dir = openat(&dir, name, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    }
+    let mut nar = Vec::new();
+    sluice_store::local::dump_fs_path(&tree, &mut nar).unwrap();
+    let info = ValidPathInfo {
+        path: store_dir().parse_path("/nix/store/0000000000000000000000000000d1ip-deep").unwrap(),
+        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &nar),
+        nar_size: nar.len() as u64,
+        references: BTreeSet::new(),
+        deriver: None,
+        registration_time: 0,
+        ultimate: false,
+        sigs: BTreeSet::new(),
+        ca: None,
+    };
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
+    assert!(dump(&store, &info.path) == nar, "the store's tree of the deep NAR dumps otherwise");
+    let real = store.real_path(&info.path);
+    assert_canonical(&real.join("f"));
+    assert_canonical(&real.join("e"));
+    assert_eq!(std::fs::symlink_metadata(real.join("a/a/a")).unwrap().permissions().mode() & 0o7777, 0o555);
+    assert_eq!(std::fs::symlink_metadata(real.join("s")).unwrap().mtime(), 1);
+}
+
+/// A directory of temporary trees that another user made first (a build user, in Nix's store
+/// directory that group nixbld may write in), or that others may write in, is refused with an
+/// error naming it, and nothing is added: its writer could replace a verified tree before its
+/// rename. Once it is private, the same addition succeeds.
+#[test]
+fn a_directory_of_temporary_trees_others_may_write_is_refused() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let temp = root.join("nix/store").join(TEMP_DIR);
+    std::fs::create_dir(&temp).unwrap();
+    let (info, nar) = fixture("varied-tree.nar");
+    let mut foreign = vec![(0o777, None)];
+    if rustix::process::geteuid().is_root() {
+        foreign.push((0o700, Some(65534)));
+    }
+    for (mode, owner) in foreign {
+        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode)).unwrap();
+        std::os::unix::fs::chown(&temp, owner, None).unwrap();
+        let err = add(&store, &info, &mut nar.as_slice()).unwrap_err().to_string();
+        let owned = format!("owned by uid {} with mode {mode:04o}", owner.unwrap_or(rustix::process::geteuid().as_raw()));
+        assert!(err.starts_with(&format!("using {}: {owned}", temp.display())) && err.ends_with("remove it"), "{err}");
+        assert!(!store.is_valid_path(&info.path).unwrap());
+        assert!(std::fs::read_dir(&temp).unwrap().next().is_none(), "something was unpacked into it");
+    }
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::chown(&temp, Some(rustix::process::geteuid().as_raw()), None).unwrap();
+    assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
+    assert!(dump(&store, &info.path) == nar);
 }
 
 /// The NAR of a store path read as it is dumped (`LocalStore::nar_dump`: what a push reads,

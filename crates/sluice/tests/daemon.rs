@@ -1814,6 +1814,8 @@ fn a_path_named_like_the_temporary_directory_is_refused() {
     let temp = store.join("00000000000000000000000000000000-sluice-unpacking");
     let inflight = "0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a-inflight";
     std::fs::create_dir_all(temp.join(inflight)).unwrap();
+    // As the store makes it: private.
+    std::fs::set_permissions(&temp, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let lock = std::fs::File::create(store.join(format!("{inflight}.lock"))).unwrap();
     // SAFETY: flock on an open file descriptor.
     assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);

@@ -208,6 +208,40 @@ fn transport_errors_name_their_cause() {
     assert!(stderr(&o).to_lowercase().contains("certificate") || stderr(&o).contains("UnknownIssuer"), "{}", stderr(&o));
 }
 
+/// A NAR nested deeper than the open-file limit (300 directories, under `ulimit -n 64`) is
+/// restored as Nix restores it: its dump is the NAR. The unpacker held a descriptor for every
+/// directory above the node being made, and failed with "Too many open files" at level 60; it
+/// now holds one for each KiB of path (`unpack.rs`), so a copy's unpacking jobs hold a few
+/// descriptors each however deep their trees (`fd_budget.rs`).
+#[test]
+fn nar_deeper_than_the_open_file_limit_restores() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tree = tmp.path().join("deep");
+    let mut dir = tree.clone();
+    for level in 0..300 {
+        if level % 50 == 0 {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("f"), format!("level {level}\n")).unwrap();
+        }
+        dir.push("a");
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    let nar = tmp.path().join("deep.nar");
+    let dumped = Command::new("nix-store").args(["--dump", tree.to_str().unwrap()]).output().unwrap();
+    check(&dumped, "nix-store --dump");
+    std::fs::write(&nar, &dumped.stdout).unwrap();
+    let restored = tmp.path().join("restored");
+    let o = Command::new("sh")
+        .args(["-c", "ulimit -n 64 && exec \"$0\" nar restore \"$1\"", env!("CARGO_BIN_EXE_sluice"), restored.to_str().unwrap()])
+        .stdin(std::fs::File::open(&nar).unwrap())
+        .output()
+        .unwrap();
+    check(&o, "sluice nar restore under ulimit -n 64");
+    let again = Command::new("nix-store").args(["--dump", restored.to_str().unwrap()]).output().unwrap();
+    check(&again, "nix-store --dump of the restored tree");
+    assert!(again.stdout == dumped.stdout, "the restored tree dumps otherwise");
+}
+
 /// `nix-store --restore` creates files 0644/0755 (then umask); `sluice nar restore` makes them
 /// read-only (0444/0555), unlike the tool it mirrors. Canonical store metadata is given only
 /// when unpacking into a store.

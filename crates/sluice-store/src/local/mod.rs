@@ -482,7 +482,11 @@ impl LocalStore {
     /// if Nix's collector deleted it meanwhile (while nobody rooted it: its link count is 0
     /// now, and a collector that was deleting it finished before the caller's root was taken),
     /// it is made again. The first time, also removes the trees there whose path's lock
-    /// nobody holds (left by a killed run).
+    /// nobody holds (left by a killed run). A directory there that another user owns, or that
+    /// others may write in, is refused (an `Io` error saying so): whoever can write in it could
+    /// replace a verified tree before its rename, and the unpacker names nodes by their paths in
+    /// it. A store directory others may write in (Nix's `/nix/store`, 1775 root:nixbld) lets a
+    /// build user make it first.
     fn open_temp_dir(&self) -> Result<Arc<TempDir>, LocalStoreError> {
         let path = self.layout.real_store_dir.join(TEMP_DIR);
         let mut cached = self.temp_dir.lock().unwrap_or_else(|p| p.into_inner());
@@ -494,6 +498,7 @@ impl LocalStore {
             Err(e) => return Err(io_err("creating", &path)(e.into())),
         }
         let fd = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
+        private_dir(fd.as_fd()).map_err(io_err("using", &path))?;
         let dir = Arc::new(TempDir { creation: unpack::creation_modes(fd.as_fd()), fd });
         self.stale_trees.call_once(|| self.remove_stale_trees(dir.fd.as_fd()));
         *cached = Some(Arc::clone(&dir));
@@ -771,6 +776,18 @@ impl Read for ContentHashingReader<'_> {
 }
 
 /// Maps an I/O error to [`LocalStoreError::Io`] for `what` on `path`.
+/// Whether only this process's user may write in the directory `dir`: it owns it, and its mode
+/// gives its group and others nothing. A `PermissionDenied` error naming owner and mode if not.
+fn private_dir(dir: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    let st = rustix::fs::fstat(dir)?;
+    let uid = rustix::process::geteuid().as_raw();
+    if st.st_uid == uid && st.st_mode & 0o077 == 0 {
+        return Ok(());
+    }
+    let why = format!("owned by uid {} with mode {:04o}, where only this process's user (uid {uid}) may write; remove it", st.st_uid, st.st_mode & 0o7777);
+    Err(io::Error::new(io::ErrorKind::PermissionDenied, why))
+}
+
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LocalStoreError {
     let path = path.to_owned();
     move |source| LocalStoreError::Io { what, path, source }

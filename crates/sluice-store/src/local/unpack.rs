@@ -1,7 +1,20 @@
 //! A [`NarVisitor`] that materialises a NAR as a file tree: the NAR's root becomes the entry
-//! `root_name` of an already open directory (the store directory). Every node is created
-//! exclusively (`O_CREAT|O_EXCL`, `mkdirat`, `symlinkat`) relative to its parent's descriptor,
-//! so nothing existing is overwritten and no symlink is ever followed.
+//! `root_name` of an already open directory (the store's private temporary directory). Every
+//! node is created exclusively (`O_CREAT|O_EXCL` and `O_NOFOLLOW`, `mkdirat`, `symlinkat`), so
+//! nothing existing is overwritten and no symlink is followed at a node's own name.
+//!
+//! Nodes below the root are made by their path relative to the root's descriptor (`a/b/file`),
+//! as Nix's `restorePath` and `tar -x` make them by path, not relative to a descriptor of their
+//! own directory: holding one for every directory above the node being made failed with "Too
+//! many open files" on a NAR nested deeper than the open-file limit, which Nix restores, and
+//! made a copy's unpacking jobs hold as many descriptors as their trees are deep. The
+//! directories on such a path are the ones this unpacker made, in a tree only its user can
+//! write (made 0755 or 0555, in the store's private temporary directory or a fresh root), and a
+//! NAR cannot put a symlink where a directory was made (its names are unique and every node is
+//! created exclusively), so the walk meets only those directories. A directory whose path from
+//! the nearest descriptor held would exceed [`HELD_PATH_MAX`] bytes is opened and held, so no
+//! path given to the kernel nears `PATH_MAX` however deep the NAR: a job holds the root's
+//! descriptor and one more per KiB of path.
 //!
 //! Files are created with the permissions of a [`FileModes`]. For a store
 //! ([`FileModes::STORE`]) every node gets Nix's canonical metadata as it is made
@@ -21,7 +34,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use rustix::fs::{fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlags, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
+use rustix::fs::{chmodat, fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlags, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::{NarPath, NarVisitor};
 
@@ -31,8 +44,8 @@ use super::tree::{open_dir, remove_tree};
 pub(super) struct Unpacker<'a> {
     parent: BorrowedFd<'a>,
     root_name: &'a [u8],
-    /// Descriptors of the directories being filled, from the root down.
-    open_dirs: Vec<OwnedFd>,
+    /// The directories being filled, from the root down.
+    dirs: OpenDirs,
     flat_algo: Option<HashAlgo>,
     flat_hash: Option<Hash>,
     modes: FileModes,
@@ -79,7 +92,7 @@ impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
     /// `creation`: [`creation_modes`] of `parent`.
     pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, creation: Creation) -> Self {
-        Unpacker { parent, root_name, open_dirs: Vec::new(), flat_algo, flat_hash: None, modes, creation, buf: Vec::new() }
+        Unpacker { parent, root_name, dirs: OpenDirs::default(), flat_algo, flat_hash: None, modes, creation, buf: Vec::new() }
     }
 
     /// Whether a node's mode must be set after its creation for the canonical metadata.
@@ -92,15 +105,18 @@ impl<'a> Unpacker<'a> {
         self.modes.canonical && self.creation == Creation::ExactReadOnlyDirs
     }
 
-    /// Runs `create` for the node `path` in `dir`; for the root of a store's temporary tree
+    /// Runs `create` for the node `path` with the directory to make it in and its path there
+    /// ([`Unpacker::slot`]); for the root of a store's temporary tree
     /// ([`FileModes::STORE`]), if `EEXIST` says an interrupted addition left a tree there,
     /// removes it and runs `create` again (`nix-store --restore` fails instead, as Nix's
     /// `restorePath`).
-    fn create<T>(&self, path: &NarPath, dir: BorrowedFd<'_>, create: impl Fn() -> rustix::io::Result<T>) -> io::Result<T> {
-        match create() {
-            Err(rustix::io::Errno::EXIST) if path.is_empty() && self.modes.canonical => {
-                remove_tree(dir, self.root_name).map_err(at(path))?;
-                create().map_err(|e| at(path)(e.into()))
+    fn create<T>(&mut self, path: &NarPath, create: impl Fn(BorrowedFd<'_>, &[u8]) -> rustix::io::Result<T>) -> io::Result<T> {
+        let canonical = self.modes.canonical;
+        let (dir, name) = self.slot(path)?;
+        match create(dir, name) {
+            Err(rustix::io::Errno::EXIST) if path.is_empty() && canonical => {
+                remove_tree(dir, name).map_err(at(path))?;
+                create(dir, name).map_err(|e| at(path)(e.into()))
             }
             r => r.map_err(|e| at(path)(e.into())),
         }
@@ -112,19 +128,125 @@ impl<'a> Unpacker<'a> {
         self.flat_hash
     }
 
-    /// The directory to create `path`'s node in, and the node's name there. Rejects a path
-    /// that is not a child of the innermost open directory, and names that could escape it.
-    fn slot<'s>(&'s self, path: &'s NarPath) -> io::Result<(BorrowedFd<'s>, &'s [u8])> {
+    /// The directory to create `path`'s node in, and the node's path relative to it (see the
+    /// module documentation). Rejects a path that is not a child of the innermost open
+    /// directory, and names that could escape it.
+    fn slot<'s>(&'s mut self, path: &'s NarPath) -> io::Result<(BorrowedFd<'s>, &'s [u8])> {
         let Some((name, ancestors)) = path.split_last() else {
             return Ok((self.parent, self.root_name));
         };
-        if ancestors.len() + 1 != self.open_dirs.len() {
+        if ancestors.len() + 1 != self.dirs.depth() {
             return Err(invalid(path, "entry outside the directory being unpacked"));
         }
         if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
             return Err(invalid(path, "invalid entry name"));
         }
-        Ok((self.open_dirs[ancestors.len()].as_fd(), name))
+        Ok(self.dirs.child(name))
+    }
+}
+
+/// The longest path, in bytes, by which a node is made relative to a held directory
+/// descriptor (a fourth of Linux's `PATH_MAX`).
+const HELD_PATH_MAX: usize = 1024;
+
+/// The directories an [`Unpacker`] is filling, from the root down: the root's descriptor and
+/// those of the few directories deeper than [`HELD_PATH_MAX`] bytes below the last one held,
+/// and the path from the root to the innermost.
+#[derive(Default)]
+struct OpenDirs {
+    /// The innermost directory's path from the root, each component followed by `/`; then,
+    /// while a child's path is being given out, that child's name.
+    rel: Vec<u8>,
+    /// Per open directory, root first: the length of `rel` that is its path.
+    ends: Vec<usize>,
+    /// The directories held open, root first: the descriptor, and the length of `rel` at
+    /// which paths relative to it begin.
+    held: Vec<(OwnedFd, usize)>,
+}
+
+/// A directory of an [`OpenDirs`]: held open, or named by a path relative to one that is.
+enum DirRef<'a> {
+    Held(BorrowedFd<'a>),
+    Below(BorrowedFd<'a>, &'a [u8]),
+}
+
+impl OpenDirs {
+    /// How many directories are open.
+    fn depth(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// The innermost held directory and the path of the child `name` of the innermost open
+    /// directory relative to it.
+    fn child(&mut self, name: &[u8]) -> (BorrowedFd<'_>, &[u8]) {
+        let end = *self.ends.last().expect("a child's directory is open");
+        self.rel.truncate(end);
+        self.rel.extend_from_slice(name);
+        let (fd, from) = self.held.last().expect("the root is held");
+        (fd.as_fd(), &self.rel[*from..])
+    }
+
+    /// Opens the directory `name`, just made in the innermost open directory (or, for the
+    /// root, in `parent`), as the new innermost one; `open` opens it, given its parent and its
+    /// path there, when it is to be held.
+    fn push(&mut self, name: &[u8], parent: BorrowedFd<'_>, open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>) -> io::Result<()> {
+        let Some(&end) = self.ends.last() else {
+            let fd = open(parent, name)?;
+            self.held.push((fd, 0));
+            self.ends.push(0);
+            return Ok(());
+        };
+        self.rel.truncate(end);
+        self.rel.extend_from_slice(name);
+        let from = self.held.last().expect("the root is held").1;
+        if self.rel.len() - from > HELD_PATH_MAX {
+            let fd = open(self.held.last().expect("the root is held").0.as_fd(), &self.rel[from..end + name.len()])?;
+            self.rel.push(b'/');
+            self.held.push((fd, self.rel.len()));
+        } else {
+            self.rel.push(b'/');
+        }
+        self.ends.push(self.rel.len());
+        Ok(())
+    }
+
+    /// The innermost open directory.
+    fn innermost(&self) -> DirRef<'_> {
+        let end = *self.ends.last().expect("a directory is open");
+        let (fd, from) = self.held.last().expect("the root is held");
+        match end == *from {
+            true => DirRef::Held(fd.as_fd()),
+            // Without its trailing `/`.
+            false => DirRef::Below(fd.as_fd(), &self.rel[*from..end - 1]),
+        }
+    }
+
+    /// Closes the innermost open directory.
+    fn pop(&mut self) {
+        let end = self.ends.pop().expect("a directory is open");
+        if self.held.last().is_some_and(|(_, from)| *from == end) {
+            self.held.pop();
+        }
+        self.rel.truncate(self.ends.last().copied().unwrap_or(0));
+    }
+}
+
+impl DirRef<'_> {
+    /// Sets the directory's mode (`fchmod`, or `fchmodat` on its path: the path's last
+    /// component is a directory this unpacker made).
+    fn chmod(&self, mode: Mode) -> rustix::io::Result<()> {
+        match self {
+            DirRef::Held(fd) => fchmod(fd, mode),
+            DirRef::Below(fd, path) => chmodat(fd, *path, mode, AtFlags::empty()),
+        }
+    }
+
+    /// Sets the directory's times, not following a symlink.
+    fn set_times(&self, times: &Timestamps) -> rustix::io::Result<()> {
+        match self {
+            DirRef::Held(fd) => futimens(fd, times),
+            DirRef::Below(fd, path) => utimensat(fd, *path, times, AtFlags::SYMLINK_NOFOLLOW),
+        }
     }
 }
 
@@ -148,10 +270,9 @@ fn display(path: &NarPath) -> String {
 
 impl NarVisitor for Unpacker<'_> {
     fn regular(&mut self, path: &NarPath, executable: bool, size: u64, _offset: u64, contents: &mut dyn Read) -> io::Result<()> {
-        let (dir, name) = self.slot(path)?;
         let mode = Mode::from_raw_mode(if executable { self.modes.executable } else { self.modes.regular });
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let mut file = File::from(self.create(path, dir, || openat(dir, name, flags, mode))?);
+        let mut file = File::from(self.create(path, |dir, name| openat(dir, name, flags, mode))?);
         let mut hasher = self.flat_algo.filter(|_| path.is_empty()).map(Hasher::new);
         let want = usize::try_from(size).unwrap_or(usize::MAX).min(COPY_BUFFER);
         if self.buf.len() < want {
@@ -184,43 +305,45 @@ impl NarVisitor for Unpacker<'_> {
     }
 
     fn symlink(&mut self, path: &NarPath, target: &[u8]) -> io::Result<()> {
-        let (dir, name) = self.slot(path)?;
         if target.is_empty() || target.contains(&0) {
             return Err(invalid(path, "symlink target is empty or contains NUL"));
         }
-        self.create(path, dir, || symlinkat(target, dir, name))?;
-        if self.modes.canonical {
-            utimensat(dir, name, &store_times(), AtFlags::SYMLINK_NOFOLLOW).map_err(|e| at(path)(e.into()))?;
-        }
-        Ok(())
+        let canonical = self.modes.canonical;
+        self.create(path, |dir, name| {
+            symlinkat(target, dir, name)?;
+            match canonical {
+                true => utimensat(dir, name, &store_times(), AtFlags::SYMLINK_NOFOLLOW),
+                false => Ok(()),
+            }
+        })
     }
 
     fn directory_start(&mut self, path: &NarPath) -> io::Result<()> {
-        let (dir, name) = self.slot(path)?;
         let mode = Mode::from_raw_mode(if self.read_only_dirs() { 0o555 } else { 0o755 });
-        self.create(path, dir, || mkdirat(dir, name, mode))?;
-        let fd = open_dir(dir, name).map_err(at(path))?;
+        self.create(path, |dir, name| mkdirat(dir, name, mode))?;
+        let name = path.last().map_or(self.root_name, |n| n.as_slice());
+        self.dirs.push(name, self.parent, |dir, name| open_dir(dir, name)).map_err(at(path))?;
         if self.set_modes() {
             // Writable by its owner until its last entry is made, whatever the umask (0222
             // would leave it 0555 and unfillable).
-            fchmod(&fd, Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
+            self.dirs.innermost().chmod(Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
         }
-        self.open_dirs.push(fd);
         Ok(())
     }
 
     fn directory_end(&mut self, path: &NarPath) -> io::Result<()> {
-        if self.open_dirs.len() != path.len() + 1 {
+        if self.dirs.depth() != path.len() + 1 {
             return Err(invalid(path, "end of a directory that is not open"));
         }
-        let dir = self.open_dirs.pop().expect("checked above");
         if self.modes.canonical {
+            let dir = self.dirs.innermost();
             if !self.read_only_dirs() {
-                fchmod(&dir, Mode::from_raw_mode(0o555)).map_err(|e| at(path)(e.into()))?;
+                dir.chmod(Mode::from_raw_mode(0o555)).map_err(|e| at(path)(e.into()))?;
             }
             // After the last entry, which changed the directory's mtime.
-            futimens(&dir, &store_times()).map_err(|e| at(path)(e.into()))?;
+            dir.set_times(&store_times()).map_err(|e| at(path)(e.into()))?;
         }
+        self.dirs.pop();
         Ok(())
     }
 }
