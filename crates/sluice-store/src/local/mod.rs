@@ -498,7 +498,7 @@ impl LocalStore {
             Err(e) => return Err(io_err("creating", &path)(e.into())),
         }
         let fd = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
-        private_dir(fd.as_fd()).map_err(io_err("using", &path))?;
+        tree::owned_dir(fd.as_fd(), 0o077, "no permission for group or others; remove it").map_err(io_err("using", &path))?;
         let dir = Arc::new(TempDir { creation: unpack::creation_modes(fd.as_fd()), fd });
         self.stale_trees.call_once(|| self.remove_stale_trees(dir.fd.as_fd()));
         *cached = Some(Arc::clone(&dir));
@@ -776,18 +776,6 @@ impl Read for ContentHashingReader<'_> {
 }
 
 /// Maps an I/O error to [`LocalStoreError::Io`] for `what` on `path`.
-/// Whether only this process's user may write in the directory `dir`: it owns it, and its mode
-/// gives its group and others nothing. A `PermissionDenied` error naming owner and mode if not.
-fn private_dir(dir: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
-    let st = rustix::fs::fstat(dir)?;
-    let uid = rustix::process::geteuid().as_raw();
-    if st.st_uid == uid && st.st_mode & 0o077 == 0 {
-        return Ok(());
-    }
-    let why = format!("owned by uid {} with mode {:04o}, where only this process's user (uid {uid}) may write; remove it", st.st_uid, st.st_mode & 0o7777);
-    Err(io::Error::new(io::ErrorKind::PermissionDenied, why))
-}
-
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LocalStoreError {
     let path = path.to_owned();
     move |source| LocalStoreError::Io { what, path, source }

@@ -13,6 +13,20 @@ pub(super) fn open_dir(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<OwnedF
     Ok(openat(parent, name, flags, Mode::empty())?)
 }
 
+/// Checks that this process's user owns the open directory `dir` and that its mode has none of
+/// the bits `forbidden` (`0o077`: nothing for group and others; `0o022`: no writing by them).
+/// Otherwise a `PermissionDenied` error naming its owner and mode and saying, by `wanted`, what
+/// was required.
+pub(super) fn owned_dir(dir: BorrowedFd<'_>, forbidden: u32, wanted: &str) -> io::Result<()> {
+    let st = rustix::fs::fstat(dir)?;
+    let uid = rustix::process::geteuid().as_raw();
+    if st.st_uid == uid && st.st_mode & forbidden == 0 {
+        return Ok(());
+    }
+    let why = format!("owned by uid {} with mode {:04o}; it must be this process's user's (uid {uid}), with {wanted}", st.st_uid, st.st_mode & 0o7777);
+    Err(io::Error::new(io::ErrorKind::PermissionDenied, why))
+}
+
 /// The entry names of the open directory `dir` (without `.` and `..`), sorted by bytes as
 /// NAR directories are.
 pub(super) fn sorted_entries(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {

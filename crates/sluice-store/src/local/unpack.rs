@@ -9,7 +9,8 @@
 //! many open files" on a NAR nested deeper than the open-file limit, which Nix restores, and
 //! made a copy's unpacking jobs hold as many descriptors as their trees are deep. The
 //! directories on such a path are the ones this unpacker made, in a tree only its user can
-//! write (made 0755 or 0555, in the store's private temporary directory or a fresh root), and a
+//! write (made 0755 or 0555; its root, once opened, is checked to be this user's and not
+//! writable by others, as someone who may write in its parent could have swapped it), and a
 //! NAR cannot put a symlink where a directory was made (its names are unique and every node is
 //! created exclusively), so the walk meets only those directories. A directory whose path from
 //! the nearest descriptor held would exceed [`HELD_PATH_MAX`] bytes is opened and held, so no
@@ -38,7 +39,7 @@ use rustix::fs::{chmodat, fchmod, futimens, mkdirat, openat, symlinkat, utimensa
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::{NarPath, NarVisitor};
 
-use super::tree::{open_dir, remove_tree};
+use super::tree::{open_dir, owned_dir, remove_tree};
 
 /// Unpacks into `parent/root_name`; see the module documentation.
 pub(super) struct Unpacker<'a> {
@@ -145,8 +146,9 @@ impl<'a> Unpacker<'a> {
     }
 }
 
-/// The longest path, in bytes, by which a node is made relative to a held directory
-/// descriptor (a fourth of Linux's `PATH_MAX`).
+/// The longest path, in bytes, of a directory made relative to a held directory descriptor
+/// before it is held itself (a fourth of Linux's `PATH_MAX`): a node's path from a held
+/// directory is at most this, a `/` and its name (255 bytes at most), 1,280 bytes.
 const HELD_PATH_MAX: usize = 1024;
 
 /// The directories an [`Unpacker`] is filling, from the root down: the root's descriptor and
@@ -192,6 +194,11 @@ impl OpenDirs {
     fn push(&mut self, name: &[u8], parent: BorrowedFd<'_>, open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>) -> io::Result<()> {
         let Some(&end) = self.ends.last() else {
             let fd = open(parent, name)?;
+            // The root just made: between its `mkdirat` and this `openat`, someone who may write in
+            // `parent` (an unsticky shared directory, for `nar restore`) could have put their own
+            // directory there, whose entries they could replace with symlinks that the paths below
+            // would follow.
+            owned_dir(fd.as_fd(), 0o022, "no writing by group or others")?;
             self.held.push((fd, 0));
             self.ends.push(0);
             return Ok(());
