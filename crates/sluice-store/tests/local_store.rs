@@ -1066,6 +1066,21 @@ fn dump_of_a_deep_tree_is_nix_s_nar_on_a_worker_s_stack() {
     assert!(dumped == reference, "the NAR of the deep tree differs from nix-store --dump's");
 }
 
+/// An input-addressed info for `base_name` with no references, honest about `nar`.
+fn honest_info(base_name: &str, nar: &[u8]) -> ValidPathInfo {
+    ValidPathInfo {
+        path: StorePath::from_base_name(base_name).unwrap(),
+        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, nar),
+        nar_size: nar.len() as u64,
+        references: BTreeSet::new(),
+        deriver: None,
+        registration_time: 0,
+        ultimate: false,
+        sigs: BTreeSet::new(),
+        ca: None,
+    }
+}
+
 /// A NAR whose paths are longer than the kernel takes (`PATH_MAX`, 4096 bytes): 1,500 nested
 /// directories, every 50th with a 200-byte name, a file, an executable, a symlink and an empty
 /// directory every 100 levels: 9,000 bytes at the bottom. The unpacker names nodes by their path
@@ -1093,17 +1108,7 @@ fn a_nar_deeper_than_path_max_round_trips_through_the_store() {
     }
     let mut nar = Vec::new();
     sluice_store::local::dump_fs_path(&tree, &mut nar).unwrap();
-    let info = ValidPathInfo {
-        path: store_dir().parse_path("/nix/store/0000000000000000000000000000d1ip-deep").unwrap(),
-        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &nar),
-        nar_size: nar.len() as u64,
-        references: BTreeSet::new(),
-        deriver: None,
-        registration_time: 0,
-        ultimate: false,
-        sigs: BTreeSet::new(),
-        ca: None,
-    };
+    let info = honest_info("0000000000000000000000000000d1ip-deep", &nar);
     let root = tmp.path().join("root");
     let store = open_store(&root);
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
@@ -1166,17 +1171,7 @@ fn nar_read_as_it_is_dumped_is_nix_s_nar() {
     let nar = nix_ok("nix-store", &["--dump", tree.to_str().unwrap()], tmp.path());
 
     let store = open_store(&tmp.path().join("root"));
-    let info = ValidPathInfo {
-        path: StorePath::from_base_name("0c7dkrjr7zzqbk8b7ww6r7z4nr4z4ly0-dumped").unwrap(),
-        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &nar),
-        nar_size: nar.len() as u64,
-        references: BTreeSet::new(),
-        deriver: None,
-        registration_time: 0,
-        ultimate: false,
-        sigs: BTreeSet::new(),
-        ca: None,
-    };
+    let info = honest_info("0c7dkrjr7zzqbk8b7ww6r7z4nr4z4ly0-dumped", &nar);
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     for chunk in [1, 7, 8, 4096, 65536, 1 << 20] {
         let mut reader = store.nar_dump(&info.path).unwrap();
