@@ -205,13 +205,11 @@ impl OpenDirs {
         };
         self.rel.truncate(end);
         self.rel.extend_from_slice(name);
-        let from = self.held.last().expect("the root is held").1;
-        if self.rel.len() - from > HELD_PATH_MAX {
-            let fd = open(self.held.last().expect("the root is held").0.as_fd(), &self.rel[from..end + name.len()])?;
-            self.rel.push(b'/');
+        let (held, from) = self.held.last().expect("the root is held");
+        let fd = (self.rel.len() - from > HELD_PATH_MAX).then(|| open(held.as_fd(), &self.rel[*from..])).transpose()?;
+        self.rel.push(b'/');
+        if let Some(fd) = fd {
             self.held.push((fd, self.rel.len()));
-        } else {
-            self.rel.push(b'/');
         }
         self.ends.push(self.rel.len());
         Ok(())
