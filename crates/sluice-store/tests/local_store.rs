@@ -1081,43 +1081,70 @@ fn honest_info(base_name: &str, nar: &[u8]) -> ValidPathInfo {
     }
 }
 
-/// A NAR whose paths are longer than the kernel takes (`PATH_MAX`, 4096 bytes): 1,500 nested
-/// directories, every 50th with a 200-byte name, a file, an executable, a symlink and an empty
-/// directory every 100 levels: 9,000 bytes at the bottom. The unpacker names nodes by their path
-/// from a held directory and holds one every 1 KiB of path; the store's tree dumps as the NAR.
-#[test]
-fn a_nar_deeper_than_path_max_round_trips_through_the_store() {
+/// A tree of `levels` nested directories `a` with, at the bottom, a file named `name_len` bytes
+/// (`l`…), and at the top a file, an executable, a symlink and an empty directory; its NAR.
+fn deep_nar(at: &Path, levels: usize, name_len: usize) -> Vec<u8> {
     use rustix::fs::{mkdirat, openat, symlinkat, Mode, OFlags};
-    let tmp = Scratch::new();
-    let tree = tmp.path().join("deep");
-    std::fs::create_dir(&tree).unwrap();
-    let mut dir = rustix::fs::open(&tree, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
-    let long = "l".repeat(200);
-    for level in 0..1500 {
-        if level % 100 == 0 {
-            for (name, mode) in [("f", 0o644), ("x", 0o755)] {
-                let file = openat(&dir, name, OFlags::CREATE | OFlags::WRONLY, Mode::from_raw_mode(mode)).unwrap();
-                rustix::io::write(&file, format!("level {level}\n").as_bytes()).unwrap();
-            }
-            symlinkat("../f", &dir, "s").unwrap();
-            mkdirat(&dir, "e", Mode::from_raw_mode(0o755)).unwrap();
-        }
-        let name = if level % 50 == 49 { long.as_str() } else { "a" };
-        mkdirat(&dir, name, Mode::from_raw_mode(0o755)).unwrap();
-        dir = openat(&dir, name, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    std::fs::create_dir(at).unwrap();
+    let mut dir = rustix::fs::open(at, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    for (name, mode) in [("f", 0o644), ("x", 0o755)] {
+        let file = openat(&dir, name, OFlags::CREATE | OFlags::WRONLY, Mode::from_raw_mode(mode)).unwrap();
+        rustix::io::write(&file, b"top\n").unwrap();
     }
+    symlinkat("f", &dir, "s").unwrap();
+    mkdirat(&dir, "e", Mode::from_raw_mode(0o755)).unwrap();
+    for _ in 0..levels {
+        mkdirat(&dir, "a", Mode::from_raw_mode(0o755)).unwrap();
+        dir = openat(&dir, "a", OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    }
+    let file = openat(&dir, "l".repeat(name_len).as_str(), OFlags::CREATE | OFlags::WRONLY, Mode::from_raw_mode(0o644)).unwrap();
+    rustix::io::write(&file, b"bottom\n").unwrap();
     let mut nar = Vec::new();
-    sluice_store::local::dump_fs_path(&tree, &mut nar).unwrap();
-    let info = honest_info("0000000000000000000000000000d1ip-deep", &nar);
+    sluice_store::local::dump_fs_path(at, &mut nar).unwrap();
+    nar
+}
+
+/// A store path is added only if Nix could make and read its tree where the store keeps it:
+/// a NAR whose deepest file would have a path in the store of 4,096 bytes (`PATH_MAX` with the
+/// final NUL) is refused with an error naming the limit, and nothing of it is left; one byte
+/// shorter (about 2,000 nested directories, so the unpacker holds a directory every KiB of
+/// path) is added, its tree dumps as the NAR and Nix 2.8 verifies the store. Nix's
+/// `restorePath` names nodes by their full path: it fails on the first NAR with
+/// "File name too long", as does its `--verify --check-contents` on a store holding such a
+/// tree.
+#[test]
+fn a_nar_with_a_path_longer_than_path_max_allows_is_refused() {
+    let tmp = Scratch::new();
     let root = tmp.path().join("root");
     let store = open_store(&root);
-    assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
-    assert!(dump(&store, &info.path) == nar, "the store's tree of the deep NAR dumps otherwise");
-    let real = store.real_path(&info.path);
-    assert_canonical(&real.join("f"));
-    assert_canonical(&real.join("e"));
-    assert_eq!(std::fs::symlink_metadata(real.join("a/a/a")).unwrap().permissions().mode() & 0o7777, 0o555);
-    assert_eq!(std::fs::symlink_metadata(real.join("s")).unwrap().mtime(), 1);
+    for (base, extra) in [("0000000000000000000000000000d1iq-deep", 1), ("0000000000000000000000000000d1ip-deep", 0)] {
+        let path = StorePath::from_base_name(base).unwrap();
+        let in_store = store.real_path(&path).as_os_str().len().max(shown(&path).len());
+        // `<store path>/a/…/a/lll…`: 4,095 bytes with no extra.
+        let below = 4096 - 2 - in_store + extra;
+        let levels = (below - 100) / 2;
+        let nar = deep_nar(&tmp.path().join(base), levels, below - 2 * levels);
+        let info = honest_info(base, &nar);
+        let added = add(&store, &info, &mut nar.as_slice());
+        if extra == 0 {
+            assert!(added.unwrap());
+            assert!(dump(&store, &path) == nar, "the store's tree of the deep NAR dumps otherwise");
+            let real = store.real_path(&path);
+            assert_canonical(&real.join("f"));
+            assert_canonical(&real.join("x"));
+            assert_canonical(&real.join("e"));
+            assert_eq!(std::fs::symlink_metadata(real.join("a/a/a")).unwrap().permissions().mode() & 0o7777, 0o555);
+            continue;
+        }
+        let err = added.unwrap_err().to_string();
+        let why = format!("its path would be {} bytes below the tree's root, where {} fit in PATH_MAX (4096 bytes): Nix could neither make nor read it", below, below - 1);
+        assert!(err.contains(&why), "{err}");
+        assert!(err.contains("/a/a/a/a/") && err.contains("…") && err.contains("lll"), "{err}");
+        assert!(!store.is_valid_path(&path).unwrap());
+        assert!(!store.real_path(&path).exists());
+        assert!(std::fs::read_dir(root.join("nix/store").join(TEMP_DIR)).unwrap().next().is_none(), "a temporary tree was left");
+    }
+    verify_with_nix(&root, tmp.path());
 }
 
 /// A directory of temporary trees that another user made first (a build user, in Nix's store

@@ -34,7 +34,9 @@ pub fn dump_fs_path(path: &Path, out: &mut dyn Write) -> io::Result<()> {
 /// Unpacks the NAR read from `nar` at `dest`, which must not exist yet; returns the NAR's
 /// size in bytes. Files are created as `nix-store --restore` creates them (0666, or 0777 if
 /// executable, less the umask).
-/// A NAR that turns out to be invalid leaves nothing at `dest`.
+/// A NAR that turns out to be invalid leaves nothing at `dest`. Unlike a store's tree, a tree
+/// restored here may be deeper than `PATH_MAX` (as `tar -x` makes one): it is not Nix's to
+/// read.
 pub fn restore_nar(nar: &mut dyn Read, dest: &Path) -> Result<u64, NarError> {
     use std::os::fd::AsFd;
     let (dir, name) = parent_and_name(dest).map_err(|source| NarError::Io { offset: 0, source })?;
@@ -42,7 +44,7 @@ pub fn restore_nar(nar: &mut dyn Read, dest: &Path) -> Result<u64, NarError> {
         let source = io::Error::new(io::ErrorKind::AlreadyExists, format!("{} exists already", dest.display()));
         return Err(NarError::Io { offset: 0, source });
     }
-    let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None, unpack::FileModes::RESTORE, unpack::Creation::Fchmod);
+    let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None, unpack::FileModes::RESTORE, unpack::Creation::Fchmod, usize::MAX);
     let result = parse(nar, &mut unpacker);
     if result.is_err() {
         // The parse error is the one to report.

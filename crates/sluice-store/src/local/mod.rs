@@ -575,7 +575,10 @@ impl PendingPath {
         let threaded = self.info.nar_size >= nar_hash_thread::THREADED_FROM;
         let mut reader = nar_hash_thread::NarHashingReader::new(ContentHashingReader { inner: nar, hasher: nar_hasher }, threaded);
         let name = self.info.path.base_name().as_bytes();
-        let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.creation);
+        // Nix reads the tree at its real path, and at its store path wherever the store is
+        // used as the store directory itself (a chroot store moved into place).
+        let root = self.store.real_path(&self.info.path).as_os_str().len().max(self.store.store_dir.display_path(&self.info.path).len());
+        let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.creation, unpack::room_below(root));
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
         let (nar_hash, content) = reader.finish().map_err(io_err("hashing the NAR of", &self.store.real_path(&self.info.path)))?;

@@ -27,6 +27,13 @@
 //! file costs `openat`, its writes, `futimens` and `close`; a directory one `fchmod` (to
 //! 0555 once filled), or none where this process may fill a directory made 0555 at once (root).
 //!
+//! A node whose path would be longer than [`PATH_MAX`] allows where the tree is to be used
+//! (the caller says how many bytes its paths below the root may have: [`Unpacker::new`]'s
+//! `room`) is refused before it is made: Nix's `restorePath`, `dumpPath` and
+//! `canonicalisePathMetaData` name every node by its full path, so Nix could neither make such
+//! a tree nor read it back (`nix-store --verify --check-contents` fails on it, and so would a
+//! copy of it by Nix).
+//!
 //! A root left by an interrupted addition of the same path (its adder was killed) is found by
 //! the exclusive creation failing with `EEXIST`; it is removed and the root made again, so no
 //! `stat` is spent looking for it beforehand.
@@ -52,10 +59,16 @@ pub(super) struct Unpacker<'a> {
     modes: FileModes,
     /// How nodes made in `parent` get their modes ([`creation_modes`]).
     creation: Creation,
+    /// The most bytes a node's path below the root (`a/b/file`) may have.
+    room: usize,
     /// File contents pass through here: as long as the largest file so far, at most
     /// [`COPY_BUFFER`] bytes (one buffer per NAR, not one per file).
     buf: Vec<u8>,
 }
+
+/// Linux's `PATH_MAX`: the most bytes a path given to the kernel may have, its final NUL
+/// included (`<linux/limits.h>`).
+pub(super) const PATH_MAX: usize = 4096;
 
 /// The most bytes of a file's contents read and written at once.
 const COPY_BUFFER: usize = 64 * 1024;
@@ -91,9 +104,10 @@ pub(super) fn store_times() -> Timestamps {
 
 impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
-    /// `creation`: [`creation_modes`] of `parent`.
-    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, creation: Creation) -> Self {
-        Unpacker { parent, root_name, dirs: OpenDirs::default(), flat_algo, flat_hash: None, modes, creation, buf: Vec::new() }
+    /// `creation`: [`creation_modes`] of `parent`. `room`: the most bytes a node's path below
+    /// the root may have ([`room_below`]); a longer one fails the NAR.
+    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, creation: Creation, room: usize) -> Self {
+        Unpacker { parent, root_name, dirs: OpenDirs::default(), flat_algo, flat_hash: None, modes, creation, room, buf: Vec::new() }
     }
 
     /// Whether a node's mode must be set after its creation for the canonical metadata.
@@ -142,8 +156,19 @@ impl<'a> Unpacker<'a> {
         if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
             return Err(invalid(path, "invalid entry name"));
         }
+        let below = self.dirs.below_root(name);
+        if below > self.room {
+            let why = format!("its path would be {below} bytes below the tree's root, where {} fit in PATH_MAX ({PATH_MAX} bytes): Nix could neither make nor read it", self.room);
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{}: {why}", abbreviated(path))));
+        }
         Ok(self.dirs.child(name))
     }
+}
+
+/// The most bytes a node's path below a tree's root may have when the root's own path is
+/// `root` bytes long: what [`PATH_MAX`] leaves after the root, a `/` and the final NUL.
+pub(super) fn room_below(root: usize) -> usize {
+    PATH_MAX.saturating_sub(root + 2)
 }
 
 /// The longest path, in bytes, of a directory made relative to a held directory descriptor
@@ -176,6 +201,12 @@ impl OpenDirs {
     /// How many directories are open.
     fn depth(&self) -> usize {
         self.ends.len()
+    }
+
+    /// The length in bytes of the path from the root of the child `name` of the innermost
+    /// open directory.
+    fn below_root(&self, name: &[u8]) -> usize {
+        self.ends.last().copied().unwrap_or(0) + name.len()
     }
 
     /// The innermost held directory and the path of the child `name` of the innermost open
@@ -265,6 +296,16 @@ fn at(path: &NarPath) -> impl FnOnce(io::Error) -> io::Error + '_ {
     move |e| io::Error::new(e.kind(), format!("{}: {e}", display(path)))
 }
 
+/// [`display`] of `path`, its middle left out when it is longer than 160 bytes.
+fn abbreviated(path: &NarPath) -> String {
+    let shown = display(path);
+    let chars: Vec<char> = shown.chars().collect();
+    match chars.len() > 160 {
+        true => format!("{}…{}", chars[..80].iter().collect::<String>(), chars[chars.len() - 80..].iter().collect::<String>()),
+        false => shown,
+    }
+}
+
 /// `/a/b` for the path components `[a, b]` (`/` for the root), lossily decoded.
 fn display(path: &NarPath) -> String {
     if path.is_empty() {
@@ -327,7 +368,7 @@ impl NarVisitor for Unpacker<'_> {
         let mode = Mode::from_raw_mode(if self.read_only_dirs() { 0o555 } else { 0o755 });
         self.create(path, |dir, name| mkdirat(dir, name, mode))?;
         let name = path.last().map_or(self.root_name, |n| n.as_slice());
-        self.dirs.push(name, self.parent, |dir, name| open_dir(dir, name)).map_err(at(path))?;
+        self.dirs.push(name, self.parent, open_dir).map_err(at(path))?;
         if self.set_modes() {
             // Writable by its owner until its last entry is made, whatever the umask (0222
             // would leave it 0555 and unfillable).
