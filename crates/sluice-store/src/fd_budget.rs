@@ -19,8 +19,7 @@ const RESERVE: u64 = 64;
 
 /// Descriptors a download job may hold besides its path's lock: its NAR, the file being
 /// written, its tree's root directory and one more for each KiB of path below it
-/// (`local/unpack.rs`; paths of over 3 KiB borrow from the reserve: a NAR nested
-/// thousands deep with long names still makes its job hold hundreds).
+/// (`local/unpack.rs`): at most three, as a store's paths must fit in `PATH_MAX` (4 KiB).
 const FDS_PER_JOB: u64 = 6;
 
 /// Path locks allowed however low the limit: a copy needs at least one to progress, a few
