@@ -1138,7 +1138,7 @@ fn a_nar_with_a_path_longer_than_path_max_allows_is_refused() {
         }
         let err = added.unwrap_err().to_string();
         let why = format!("its path would be {} bytes below the tree's root, where {} fit in PATH_MAX (4096 bytes): Nix could neither make nor read it", below, below - 1);
-        assert!(err.contains(&why), "{err}");
+        assert!(err.contains(&why) && !err.contains("I/O error"), "{err}");
         assert!(err.contains("/a/a/a/a/") && err.contains("…") && err.contains("lll"), "{err}");
         assert!(!store.is_valid_path(&path).unwrap());
         assert!(!store.real_path(&path).exists());

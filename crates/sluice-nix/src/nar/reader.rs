@@ -52,7 +52,9 @@ fn show(bytes: &[u8]) -> String {
 
 /// Parses one NAR from `reader`, calling `visitor` for each node, and returns the number of
 /// bytes the NAR took. Reads exactly the NAR: no byte after its end is consumed. Errors from
-/// the visitor are returned as [`NarError::Io`].
+/// the visitor are returned as [`NarError::Io`], or as [`NarError::Invalid`] if their kind is
+/// `InvalidData` (the visitor refused the NAR's contents); errors reading a file's contents
+/// as [`NarError::Io`] (or [`NarError::Truncated`]).
 pub fn parse<R: std::io::Read, V: super::NarVisitor + ?Sized>(reader: R, visitor: &mut V) -> Result<u64, NarError> {
     let mut p = Parser { r: reader, pos: 0 };
     p.archive(visitor)?;
@@ -169,8 +171,14 @@ impl<R: Read> Parser<R> {
         Ok(())
     }
 
+    /// A visitor's error: [`NarError::Invalid`] when it refused what the NAR holds
+    /// (`InvalidData`: a name it cannot make, a path too long for its target), else
+    /// [`NarError::Io`].
     fn visit<T>(&self, r: std::io::Result<T>) -> Result<T, NarError> {
-        r.map_err(|source| NarError::Io { offset: self.pos, source })
+        r.map_err(|source| match source.kind() {
+            std::io::ErrorKind::InvalidData => NarError::Invalid { offset: self.pos, what: source.to_string() },
+            _ => NarError::Io { offset: self.pos, source },
+        })
     }
 
     fn archive<V: NarVisitor + ?Sized>(&mut self, v: &mut V) -> Result<(), NarError> {
@@ -402,7 +410,12 @@ mod tests {
             self.0.extend_from_slice(&b);
             Ok(())
         }
-        fn symlink(&mut self, _: &NarPath, _: &[u8]) -> std::io::Result<()> { Err(std::io::Error::other("no links")) }
+        fn symlink(&mut self, _: &NarPath, target: &[u8]) -> std::io::Result<()> {
+            match target {
+                b"refuse" => Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "refused 'refuse'")),
+                _ => Err(std::io::Error::other("no links")),
+            }
+        }
         fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
         fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
     }
@@ -413,9 +426,12 @@ mod tests {
         let mut p = Partial(Vec::new());
         assert_eq!(parse(&data[..], &mut p).unwrap(), data.len() as u64);
         assert_eq!(p.0, b"hel");
-        // Visitor errors come back as Io; truncation inside contents as Truncated.
+        // Visitor errors come back as Io, or Invalid if it refused the contents; truncation
+        // inside contents as Truncated.
         let link = nar(&[b"nix-archive-1", b"(", b"type", b"symlink", b"target", b"x", b")"]);
         assert!(matches!(parse(&link[..], &mut p), Err(NarError::Io { .. })));
+        let refused = nar(&[b"nix-archive-1", b"(", b"type", b"symlink", b"target", b"refuse", b")"]);
+        assert_eq!(parse(&refused[..], &mut p).unwrap_err().to_string(), format!("NAR: refused 'refuse' at byte {}", refused.len() - 16), "after the target, before the closing ')'");
         let cut = &data[..data.len() - 12];
         assert!(matches!(parse(cut, &mut p), Err(NarError::Truncated { .. })));
         assert!(matches!(parse(cut, &mut Discard), Err(NarError::Truncated { .. })));
