@@ -99,6 +99,36 @@ fn kill_9_at_random_moments_then_rerun() {
     assert_complete_and_clean(tmp.path(), &root);
 }
 
+/// A run killed while releasing the locks of a batch it had just registered (references
+/// first) leaves lock files on valid paths that the next run's closure walk never reaches (the
+/// references of a valid path are not walked). Every path of the corpus closure is given such
+/// a lock file, one of them held by another process: a rerun that finds the closure valid
+/// removes all but the held one (only the top path's went before, and the kill test found 9
+/// left on a batch's paths).
+#[test]
+fn lock_files_left_on_a_registered_batch_are_removed_by_the_next_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let url = format!("file://{}", corpus().join("cache-xz").display());
+    let args = ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
+    check(&sluice(tmp.path(), &args), "the copy");
+    let closure = std::fs::read_to_string(corpus().join("truth/closure-paths.txt")).unwrap();
+    let locks: Vec<_> = closure.lines().map(|p| root.join("nix/store").join(format!("{}.lock", p.trim_start_matches("/nix/store/")))).collect();
+    assert_eq!(locks.len(), 1056);
+    for lock in &locks {
+        std::fs::File::create(lock).unwrap();
+    }
+    // Held as Nix's `lockFile` holds one, by a process that is adding the path.
+    let held = std::fs::File::open(&locks[500]).unwrap();
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let o = sluice(tmp.path(), &args);
+    check(&o, "the rerun");
+    assert!(stderr(&o).contains("copied 0 paths"), "{}", stderr(&o));
+    let name = locks[500].file_name().unwrap().to_string_lossy().into_owned();
+    assert_eq!(store_leftovers(&root), vec![name]);
+    drop(held);
+}
+
 /// When the signals of [`a_signal_stops_a_copy_and_leaves_the_store_closed`] are sent.
 enum Moment {
     /// Once this many paths are in place.

@@ -87,13 +87,16 @@ impl PathLock {
 /// Removes `<real_path>.lock` if a killed process left it behind: only when nobody holds it
 /// (a non-blocking exclusive `flock` succeeds) and it was not already released (empty), using
 /// the same unlink-then-mark protocol as a holder's release. Best effort; never blocks.
-pub(super) fn clear_stale(real_path: &Path) {
+/// Whether it removed one.
+pub(super) fn clear_stale(real_path: &Path) -> bool {
     let lock_path = lock_path(real_path);
-    let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&lock_path) else { return };
+    let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&lock_path) else { return false };
     if flock(&file, FlockOperation::NonBlockingLockExclusive).is_ok() && file.metadata().is_ok_and(|m| m.len() == 0) {
-        let _ = std::fs::remove_file(&lock_path);
+        let removed = std::fs::remove_file(&lock_path).is_ok();
         let _ = file.write_all(b"d");
+        return removed;
     }
+    false
 }
 
 impl Drop for PathLock {

@@ -348,13 +348,26 @@ impl LocalStore {
     }
 
     /// Removes the lock file of the valid path `path` if a killed process left it (nobody
-    /// holds it). Cheap when there is none: one failed `open`. Does nothing in a read-only
-    /// store.
+    /// holds it), and if it did, those left on the paths of its closure: a process killed while
+    /// releasing the locks of a batch it had just registered ([`LocalStore::commit_all`],
+    /// references first) left them on the referrers in that batch, and a caller that walks a
+    /// closure does not look at the references of a valid path. Cheap when there is none: one
+    /// failed `open`. Does nothing in a read-only store.
     pub fn clear_stale_lock(&self, path: &StorePath) {
-        if self.read_only {
+        if self.read_only || !lock::clear_stale(&self.real_path(path)) {
             return;
         }
-        lock::clear_stale(&self.real_path(path));
+        let mut seen = BTreeSet::from([path.clone()]);
+        let mut next = vec![path.clone()];
+        while let Some(p) = next.pop() {
+            let Ok(Some(info)) = self.registry.query_path_info(&p) else { continue };
+            for r in info.references {
+                if seen.insert(r.clone()) {
+                    lock::clear_stale(&self.real_path(&r));
+                    next.push(r);
+                }
+            }
+        }
     }
 
     /// Makes `info.path` a temporary root in `roots`, then takes its per-path lock (blocking
