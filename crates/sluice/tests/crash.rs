@@ -44,7 +44,7 @@ fn kill_9_at_random_moments_then_rerun() {
     // The kill moments are spread over what a whole copy takes with this build on this machine
     // (a fixed span would outlast most copies of a release build on a fast one): the shorter
     // of two, as the first reads the cache's files from the disk.
-    let whole = (0..2)
+    let mut whole = (0..2)
         .map(|_| {
             let scratch = tempfile::tempdir().unwrap();
             let start = Instant::now();
@@ -58,7 +58,6 @@ fn kill_9_at_random_moments_then_rerun() {
     // its moment (the whole copy measured on a loaded machine outlasts the runs that follow)
     // leaves a store that is checked, and the next runs start a new one, the same moment
     // again; a run that completes from an empty store is the whole copy's time from then on.
-    let mut whole = whole;
     let fractions = delays(KILLS, 1000);
     let (mut killed, mut stores, mut runs, mut fresh) = (0, 0, 0, true);
     let mut root = tmp.path().join("root0");
