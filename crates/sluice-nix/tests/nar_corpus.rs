@@ -1,7 +1,6 @@
 //! NAR reader, writer and listing against Nix's conformance vectors, the cases and the corpus.
 
-mod common;
-use common::{files, read_string, shared};
+use crate::common::{files, read_string, shared};
 use sluice_nix::hash::{Hash, HashAlgo};
 use sluice_nix::nar::listing::{list, JsonKeys, TextOptions};
 use sluice_nix::nar::reader::{parse, validate, NarError};

@@ -1,7 +1,6 @@
 //! narinfo, signatures and content addresses against the real Nix 2.8 corpus and the cases.
 
-mod common;
-use common::{files, read_string, shared};
+use crate::common::{files, read_string, shared};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::Hash;
 use sluice_nix::narinfo::{NarInfo, NarInfoError};

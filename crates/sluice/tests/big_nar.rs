@@ -3,12 +3,11 @@
 //! with a peak RSS far below the NAR's size, and real Nix verifies the result; pushed into a
 //! `file://` cache with xz and zstd, with and without `parallel-compression`, under 150 MiB.
 
-mod common;
 
 use std::io::Write;
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 /// Bytes of the generated file (the NAR is 120 bytes longer).
 const SIZE: usize = 1 << 30;

@@ -1,13 +1,12 @@
-//! Concurrency (issue 6, kind 9): several `sluice copy` processes with overlapping closures
+//! Concurrency: several `sluice copy` processes with overlapping closures
 //! into one store at once, and a `sluice daemon` adding paths while a copy runs. Every path
 //! ends registered once and valid (real Nix's `--verify --check-contents`), nothing is left over.
 
-mod common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Starts a copy whose standard error goes to a file (a pipe nobody drains while another
 /// copy is awaited would block it, holding its locks), and its JSON report to `<name>.json`.

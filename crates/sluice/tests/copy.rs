@@ -2,12 +2,11 @@
 //! `file://` caches of every compression, into fresh chroot stores that real Nix 2.8 then
 //! verifies and describes exactly as the cache did.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// The fields `nix path-info --json` must agree on between the copy and the cache.

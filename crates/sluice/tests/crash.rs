@@ -1,14 +1,13 @@
-//! Crashes (issue 6, kind 8): `sluice copy` of the corpus closure is killed with SIGKILL at
+//! Crashes: `sluice copy` of the corpus closure is killed with SIGKILL at
 //! many moments, each run continuing the previous one's store; a final run completes. Then
 //! real Nix's `nix-store --verify --check-contents` is clean, every path of the closure is
 //! valid, and no temporary tree (`.<name>.sluice`) or `.lock` file remains.
 
-mod common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Kill moments, in ms after the start: spread over a copy's whole run (a few ms: opening the
 /// store; later: mid-download, mid-unpack, mid-registration), in a fixed pseudo-random order.

@@ -3,11 +3,12 @@
 //! store prepared identically; and the worker-protocol handshake driver of case 19. These
 //! tests need Nix on `PATH` and fail (never skip) without it.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::common;
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
@@ -2745,7 +2746,7 @@ fn is_valid_after_result(client: &mut std::os::unix::net::UnixStream, path: &[u8
 }
 
 // ---------------------------------------------------------------------------------------------
-// `sluice copy` to and from a daemon (issue 13, "One Store interface"): the daemon client's
+// `sluice copy` to and from a daemon: the daemon client's
 // NarFromPath and AddMultipleToStore, against Nix 2.8's `nix-daemon` and `sluice daemon`.
 
 /// `sluice copy --from file://… --to unix://…` (AddMultipleToStore, signatures checked by the

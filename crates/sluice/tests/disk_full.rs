@@ -1,14 +1,13 @@
-//! Disk full (issue 6, kind 10): the store lives on a 4 MiB tmpfs mounted by the test (needs
+//! Disk full: the store lives on a 4 MiB tmpfs mounted by the test (needs
 //! root), the corpus closure (22.8 MB of NARs) fills it mid-copy. The copy fails with a clear
 //! error, every path registered before stays valid, and after the filesystem is enlarged a
 //! rerun completes. The tmpfs is unmounted at the end, also when the test fails.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 /// A tmpfs mounted at a directory; unmounted (lazily) on drop.
 struct Tmpfs {

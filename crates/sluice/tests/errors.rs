@@ -1,12 +1,11 @@
-//! Errors people can act on (issue 12): a `--from` that cannot be used is one hard error that
+//! Errors people can act on: a `--from` that cannot be used is one hard error that
 //! says why, as real Nix 2.8 refuses it too; failures that share a cause are one line with the
 //! count, what the paths carry and the fix.
 
-mod common;
 
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 
 /// The `error:` lines of `sluice`'s standard error.
 fn error_lines(o: &std::process::Output) -> Vec<String> {

@@ -2,9 +2,8 @@
 //! NarHash/NarSize (case 08). A refused path is neither registered nor left at its final
 //! path, and no temporary tree or lock file remains; an accepted one is verified by real Nix.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 
 #[test]
 fn signature_rules_of_case_09() {

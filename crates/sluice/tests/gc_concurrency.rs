@@ -43,9 +43,8 @@
 //!
 //! Each test runs once (`SLUICE_SOAK=N` repeats each N times) under hard timeouts. Soak:
 //!
-//!     SLUICE_SOAK=20 cargo test -p sluice --test gc_concurrency -- --test-threads 1 --nocapture
+//!     SLUICE_SOAK=20 cargo test -p sluice --test integration gc_concurrency:: -- --test-threads 1 --nocapture
 
-mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -55,7 +54,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Repetitions of each test: `SLUICE_SOAK` or 1.
 fn reps() -> usize {

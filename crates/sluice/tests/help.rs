@@ -1,9 +1,8 @@
-//! Issue 12, "command line and output": shell completions and man pages come from the same
+//! Shell completions and man pages come from the same
 //! clap definitions as `--help`, so every command and option appears in each.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 
 /// Every subcommand, as `sluice --help` lists it.
 const COMMANDS: [&str; 9] = ["copy", "missing", "path-info", "nar", "daemon", "serve", "key", "completions", "man"];

@@ -4,12 +4,11 @@
 //! to `download-attempts`, then the next substituter is used; a failing cache is skipped for
 //! the rest of the run with one warning. Short timeouts keep the run time small.
 
-mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 const C10: &str = "10-http-403-401-404";
 const C12: &str = "12-http-truncated-body";

@@ -3,13 +3,12 @@
 //! `--log-format internal-json` read by a parser: every line `@nix ` and JSON, activities
 //! started and stopped in pairs, and each kind of line with Nix 2.26's keys and values.
 
-mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Output;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 /// The subset cache's top-level path (a 25-path closure).

@@ -1,9 +1,8 @@
 //! `sluice missing` against the corpus truth of real Nix's dry runs, the narinfo disk cache
 //! (a warm run sends no narinfo request), and the priority rule between substituters.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 
 fn truth(name: &str) -> String {
     std::fs::read_to_string(corpus().join("truth").join(name)).unwrap()

@@ -4,13 +4,12 @@
 //! `Content-Encoding: gzip` is decoded, and a wrong FileSize only warns (the content is
 //! verified by the signed NarHash). Nothing is ever left at a refused path's final place.
 
-mod common;
 
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 const C04: &str = "04-nar-bogus-lengths";
 const C06: &str = "06-nar-directory-entries";

@@ -1,13 +1,12 @@
-//! Issue 12, "command line and output": `sluice nar ls` prints what real Nix 2.26's `nix nar ls`
+//! `sluice nar ls` prints what real Nix 2.26's `nix nar ls`
 //! prints for the same NAR, byte for byte, below the root as at it, and with `--as-nix 2.8`
 //! what Nix 2.8's prints; a path either refuses gets the same refusal.
 
-mod common;
 
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 
 /// A NAR (by Nix 2.8's `nix-store --dump`) of a tree with nested directories, an executable,
 /// a symlink and an empty directory; and one of a lone file.

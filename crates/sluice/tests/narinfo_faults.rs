@@ -3,12 +3,11 @@
 //! fallback to the next cache after a corrupt narinfo, a narinfo for another path, an HTML
 //! page served with 200, the forms of `URL`, and broken `nix-cache-info` files.
 
-mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use common::*;
+use crate::common::*;
 
 const C01: &str = "01-narinfo-compressed-without-filehash";
 const C02: &str = "02-narinfo-field-validation";

@@ -1,15 +1,14 @@
-//! NARs compressed for decoding on several cores (issue 13, "Reading what modern Nix writes"):
+//! NARs compressed for decoding on several cores:
 //! xz written by real Nix 2.26 with `parallel-compression=true` (many blocks), zstd written by
 //! sluice's push as Nix 2.35 writes it (independent 16 MiB frames), and Nix 2.26's zstd (one
 //! frame, streamed as before), each substituted by sluice and checked byte for byte and by
 //! real Nix.
 
-mod common;
 
 use std::path::Path;
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 /// A file of `mib` MiB, compressible like a binary (random runs between zero runs).
 fn blob(path: &Path, mib: usize) {

@@ -1,11 +1,10 @@
-//! Issue 12, "command line and output": `path-info` prints what real Nix 2.26's `nix path-info`
+//! `path-info` prints what real Nix 2.26's `nix path-info`
 //! prints for the same store, byte for byte, and with `--as-nix 2.8` what Nix 2.8's prints.
 
-mod common;
 
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 
 /// `--json` (an object keyed by path, `null` for a path that is not valid, `ca`, `deriver`,
 /// `registrationTime`, `ultimate` and `signatures` always there, a cache's `url`,

@@ -5,13 +5,12 @@
 //! --features binary`, which `.ci/run` does), started by the tests with and without
 //! credentials.
 
-mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::*;
+use crate::common::*;
 
 /// The 25-path subset's root and its paths.
 fn subset() -> (String, BTreeSet<String>) {

@@ -1,5 +1,5 @@
-//! Review of issue 2 ("Done when"): a closure sluice has never seen, and regression tests for
-//! the defects the review found.
+//! Regressions: a closure sluice has never seen, and regression tests for
+//! the defects hostile reviews found.
 //!
 //! `unseen_closure_over_http_verified_by_nix` builds a fresh closure with
 //! `shared/corpus/make-corpus` (250 paths, depth 7, a NEW random signing key each run; the shape
@@ -13,13 +13,12 @@
 //! The tests marked `#[ignore = "defect: …"]` reproduce defects found in the review; run them
 //! with `cargo test -p sluice --test review -- --ignored`. Remove the `ignore` once fixed.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 const FIELDS: [&str; 7] = ["path", "narHash", "narSize", "references", "deriver", "ca", "signatures"];

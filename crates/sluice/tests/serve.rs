@@ -6,7 +6,6 @@
 //! hostile clients (traversal, huge headers, thousands of
 //! idle connections, a client that stops reading).
 
-mod common;
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -15,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// The 25-path subset's root and its paths.
 fn subset() -> (String, BTreeSet<String>) {

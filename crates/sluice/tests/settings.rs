@@ -1,12 +1,11 @@
-//! Issue 12, "settings and caches": a Nix user's configuration means to sluice what it means
+//! Settings: a Nix user's configuration means to sluice what it means
 //! to real Nix 2.8, each checked side by side with Nix on the same files and caches.
 
-mod common;
 
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::*;
+use crate::common::*;
 
 /// Runs `cmd` with only the Nix configuration given by `env` (`NIX_CONFIG` and the config
 /// directories of [`isolate`] removed or replaced).

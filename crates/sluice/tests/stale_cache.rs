@@ -1,12 +1,11 @@
-//! A stale narinfo disk cache (issue 6, kind 7): a cached narinfo whose NAR is now gone (404)
+//! A stale narinfo disk cache: a cached narinfo whose NAR is now gone (404)
 //! or whose NAR no longer matches is dropped and the narinfo fetched again, once, before the
 //! path fails. Two runs share one disk cache; between them the binary cache is "rebuilt".
 
-mod common;
 
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 
 const C02: &str = "02-narinfo-field-validation";
 const OK: &str = "/nix/store/j2yfr439465w3qg0kz6c1h1x6x5hf4zp-ok-baseline";

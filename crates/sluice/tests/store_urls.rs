@@ -3,13 +3,12 @@
 //! and `state`, `real`, `read-only` and `require-sigs` do what Nix's `local-store.hh` and
 //! `local-fs-store.hh` say, as real Nix 2.8 confirms.
 
-mod common;
 
 use std::path::Path;
 use std::process::Output;
 use std::time::SystemTime;
 
-use common::*;
+use crate::common::*;
 
 /// The sample cache (`sample/` in the repository): its `file://` URL, top path and key.
 struct Sample {

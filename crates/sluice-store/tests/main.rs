@@ -1,0 +1,4 @@
+//! The integration tests of `sluice-store`, one binary: a module per behaviour, shared helpers in `common`.
+
+mod binary_cache_bound;
+mod local_store;
