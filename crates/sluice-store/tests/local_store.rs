@@ -26,14 +26,14 @@ const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpu
 
 /// A temporary directory that can be deleted without root although store paths in it are
 /// read-only: directories are made writable before `TempDir` removes the tree.
-struct Scratch(TempDir);
+pub(crate) struct Scratch(TempDir);
 
 impl Scratch {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Scratch(TempDir::new().unwrap())
     }
 
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         self.0.path()
     }
 }
@@ -56,7 +56,7 @@ fn subset_cache() -> PathBuf {
     Path::new(CORPUS).join("cache-subset-none")
 }
 
-fn store_dir() -> StoreDir {
+pub(crate) fn store_dir() -> StoreDir {
     StoreDir::default()
 }
 
@@ -79,7 +79,7 @@ fn nix(program: &str, args: &[&str], scratch: &Path) -> Output {
 }
 
 /// Like [`nix`], and asserts success with no error or warning on stderr.
-fn nix_ok(program: &str, args: &[&str], scratch: &Path) -> Vec<u8> {
+pub(crate) fn nix_ok(program: &str, args: &[&str], scratch: &Path) -> Vec<u8> {
     let out = nix(program, args, scratch);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{program} {args:?} failed ({}): {stderr}", out.status);
@@ -145,15 +145,15 @@ fn add_subset(store: &Arc<LocalStore>) -> Vec<ValidPathInfo> {
 
 /// Adds `info`'s path from `nar` with signatures not required (the content is still checked),
 /// rooted only for the addition.
-fn add(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<bool, LocalStoreError> {
+pub(crate) fn add(store: &Arc<LocalStore>, info: &ValidPathInfo, nar: &mut dyn Read) -> Result<bool, LocalStoreError> {
     store.add_nar(info.clone(), nar, &SignaturePolicy::unchecked(), &store.temp_roots())
 }
 
-fn open_store(root: &Path) -> Arc<LocalStore> {
+pub(crate) fn open_store(root: &Path) -> Arc<LocalStore> {
     Arc::new(LocalStore::open(&LocalStoreConfig::with_root(root)).unwrap())
 }
 
-fn shown(path: &StorePath) -> String {
+pub(crate) fn shown(path: &StorePath) -> String {
     store_dir().display_path(path)
 }
 
@@ -172,7 +172,7 @@ fn store_entries(root: &Path) -> BTreeSet<String> {
         .collect()
 }
 
-fn dump(store: &LocalStore, path: &StorePath) -> Vec<u8> {
+pub(crate) fn dump(store: &LocalStore, path: &StorePath) -> Vec<u8> {
     let mut out = Vec::new();
     store.dump_path(path, &mut out).unwrap();
     out
@@ -196,7 +196,7 @@ fn assert_nix_dumps(root: &Path, path: &StorePath, nar: &[u8], scratch: &Path) {
     assert!(dumped == nar, "nix store dump-path of {path} differs");
 }
 
-fn verify_with_nix(root: &Path, scratch: &Path) {
+pub(crate) fn verify_with_nix(root: &Path, scratch: &Path) {
     nix_ok("nix-store", &["--store", root.to_str().unwrap(), "--verify", "--check-contents"], scratch);
 }
 
@@ -1067,7 +1067,7 @@ fn dump_of_a_deep_tree_is_nix_s_nar_on_a_worker_s_stack() {
 }
 
 /// An input-addressed info for `base_name` with no references, honest about `nar`.
-fn honest_info(base_name: &str, nar: &[u8]) -> ValidPathInfo {
+pub(crate) fn honest_info(base_name: &str, nar: &[u8]) -> ValidPathInfo {
     ValidPathInfo {
         path: StorePath::from_base_name(base_name).unwrap(),
         nar_hash: Hash::digest_bytes(HashAlgo::Sha256, nar),
@@ -1083,7 +1083,7 @@ fn honest_info(base_name: &str, nar: &[u8]) -> ValidPathInfo {
 
 /// A tree of `levels` nested directories `a` with, at the bottom, a file named `name_len` bytes
 /// (`l`…), and at the top a file, an executable, a symlink and an empty directory; its NAR.
-fn deep_nar(at: &Path, levels: usize, name_len: usize) -> Vec<u8> {
+pub(crate) fn deep_nar(at: &Path, levels: usize, name_len: usize) -> Vec<u8> {
     use rustix::fs::{mkdirat, openat, symlinkat, Mode, OFlags};
     std::fs::create_dir(at).unwrap();
     let mut dir = rustix::fs::open(at, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
@@ -1104,6 +1104,13 @@ fn deep_nar(at: &Path, levels: usize, name_len: usize) -> Vec<u8> {
     nar
 }
 
+/// The length of the longest path below `path`'s root that fits in `PATH_MAX` in `store`
+/// (`<store path>/a/…/a/lll…` of 4,095 bytes).
+pub(crate) fn deepest_below(store: &LocalStore, path: &StorePath) -> usize {
+    let in_store = store.real_path(path).as_os_str().len().max(shown(path).len());
+    4096 - 2 - in_store
+}
+
 /// A store path is added only if Nix could make and read its tree where the store keeps it:
 /// a NAR whose deepest file would have a path in the store of 4,096 bytes (`PATH_MAX` with the
 /// final NUL) is refused with an error naming the limit, and nothing of it is left; one byte
@@ -1119,9 +1126,7 @@ fn a_nar_with_a_path_longer_than_path_max_allows_is_refused() {
     let store = open_store(&root);
     for (base, extra) in [("0000000000000000000000000000d1iq-deep", 1), ("0000000000000000000000000000d1ip-deep", 0)] {
         let path = StorePath::from_base_name(base).unwrap();
-        let in_store = store.real_path(&path).as_os_str().len().max(shown(&path).len());
-        // `<store path>/a/…/a/lll…`: 4,095 bytes with no extra.
-        let below = 4096 - 2 - in_store + extra;
+        let below = deepest_below(&store, &path) + extra;
         let levels = (below - 100) / 2;
         let nar = deep_nar(&tmp.path().join(base), levels, below - 2 * levels);
         let info = honest_info(base, &nar);

@@ -2,3 +2,5 @@
 
 mod binary_cache_bound;
 mod local_store;
+mod deep_trees;
+mod links;

@@ -46,7 +46,7 @@ pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, visible: &BTr
     let root = Node::Dir(std::mem::take(&mut env.root));
     let failed = |e: io::Error| BuiltinError::Failed(format!("writing the NAR of the user environment: {e}"));
     let mut nar = NarWriter::new(spool).map_err(failed)?;
-    write_nar(&mut nar, &mut Vec::new(), &root).map_err(failed)
+    write_nar(&mut nar, &root).map_err(failed)
 }
 
 /// A package of the environment.
@@ -107,7 +107,7 @@ impl Env<'_, '_> {
         if !done.insert(path.to_owned()) {
             return Ok(());
         }
-        self.create_links(Path::new(path), &mut Vec::new(), priority)?;
+        self.create_links(Path::new(path), priority)?;
         let list = Path::new(path).join("nix-support/propagated-user-env-packages");
         match self.view.resolve(&list).and_then(|p| std::fs::read(self.view.real(&p)?)) {
             Ok(text) => postponed.extend(String::from_utf8_lossy(&text).split([' ', '\n']).filter(|p| !p.is_empty() && !done.contains(*p)).map(str::to_owned)),
@@ -117,9 +117,23 @@ impl Env<'_, '_> {
         Ok(())
     }
 
-    /// Nix's `createLinks`: links the entries of `src_dir` into the environment's directory at
-    /// `dst` (components), at `priority`.
-    fn create_links(&mut self, src_dir: &Path, dst: &mut Vec<Vec<u8>>, priority: i64) -> Result<(), BuiltinError> {
+    /// Nix's `createLinks`: links the entries of the package directory `src_dir` into the
+    /// environment's root, at `priority`. The walk keeps its own stack of steps, not the
+    /// thread's, so that packages as deep as the store accepts cannot overflow a worker's stack.
+    fn create_links(&mut self, src_dir: &Path, priority: i64) -> Result<(), BuiltinError> {
+        let mut steps = vec![Step::Dir { src: src_dir.to_owned(), dst: Vec::new(), priority }];
+        while let Some(step) = steps.pop() {
+            match step {
+                Step::Dir { src, dst, priority } => self.dir_links(&src, &dst, priority, &mut steps)?,
+                Step::Entry { src, dst, priority } => self.link_entry(&src, dst, priority, &mut steps)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// One directory of [`Env::create_links`]: its entries, to link into `dst` (components),
+    /// pushed onto `steps` so that they are linked in order.
+    fn dir_links(&mut self, src_dir: &Path, dst: &[Vec<u8>], priority: i64, steps: &mut Vec<Step>) -> Result<(), BuiltinError> {
         let failed = |what: &str, p: &Path, e: io::Error| BuiltinError::Failed(format!("{what} '{}': {e}", p.display()));
         let entries = match self.view.read_dir(src_dir) {
             Ok(entries) => entries,
@@ -129,22 +143,21 @@ impl Env<'_, '_> {
             }
             Err(e) => return Err(failed("opening directory", src_dir, e)),
         };
-        for name in entries.into_iter().filter(|n| !n.starts_with(b".")) {
+        for name in entries.into_iter().filter(|n| !n.starts_with(b".")).rev() {
             let src = src_dir.join(OsStr::from_bytes(&name));
-            dst.push(name);
-            let result = self.link_entry(&src, dst, priority);
-            dst.pop();
-            result?;
+            let mut entry_dst = dst.to_vec();
+            entry_dst.push(name);
+            steps.push(Step::Entry { src, dst: entry_dst, priority });
         }
         Ok(())
     }
 
     /// One entry of [`Env::create_links`]: `src` into `dst`.
-    fn link_entry(&mut self, src: &Path, dst: &mut Vec<Vec<u8>>, priority: i64) -> Result<(), BuiltinError> {
+    fn link_entry(&mut self, src: &Path, dst: Vec<Vec<u8>>, priority: i64, steps: &mut Vec<Step>) -> Result<(), BuiltinError> {
         let src_is_dir = match self.view.stat_is_dir(src) {
             Ok(d) => d,
             Err(e) if is_absent(&e) => {
-                let msg = format!("skipping dangling symlink '{}'", self.shown(dst).display());
+                let msg = format!("skipping dangling symlink '{}'", self.shown(&dst).display());
                 (self.warn)(&msg);
                 return Ok(());
             }
@@ -154,22 +167,27 @@ impl Env<'_, '_> {
         if SKIPPED.iter().any(|s| src.as_os_str().as_bytes().ends_with(s.as_bytes())) {
             return Ok(());
         }
-        let existing = match self.node(dst) {
+        let existing = match self.node(&dst) {
             Some(Node::Dir(_)) => Some(None),
             Some(Node::Link(target)) => Some(Some(target.clone())),
             None => None,
         };
         match (src_is_dir, existing) {
-            (true, Some(None)) => return self.create_links(src, dst, priority),
+            (true, Some(None)) => {
+                steps.push(Step::Dir { src: src.to_owned(), dst, priority });
+                return Ok(());
+            }
             (true, Some(Some(link))) => {
                 let target = self.view.resolve(&link).map_err(|e| BuiltinError::Failed(format!("getting status of '{}': {e}", link.display())))?;
                 if !self.view.stat_is_dir(&target).unwrap_or(false) {
                     return Err(BuiltinError::Failed(format!("collision between '{}' and non-directory '{}'", src.display(), target.display())));
                 }
-                self.set(dst, Node::Dir(BTreeMap::new()));
+                self.set(&dst, Node::Dir(BTreeMap::new()));
                 let previous = self.priorities.get(dst.as_slice()).copied().unwrap_or(0);
-                self.create_links(&target, dst, previous)?;
-                return self.create_links(src, dst, priority);
+                // The link's target first, then `src`, as Nix's recursion does.
+                steps.push(Step::Dir { src: src.to_owned(), dst: dst.clone(), priority });
+                steps.push(Step::Dir { src: target, dst, priority: previous });
+                return Ok(());
             }
             (false, Some(Some(link))) => {
                 let previous = self.priorities.get(dst.as_slice()).copied().unwrap_or(0);
@@ -185,12 +203,12 @@ impl Env<'_, '_> {
                 }
             }
             (false, Some(None)) => {
-                return Err(BuiltinError::Failed(format!("collision between non-directory '{}' and directory '{}'", src.display(), self.shown(dst).display())));
+                return Err(BuiltinError::Failed(format!("collision between non-directory '{}' and directory '{}'", src.display(), self.shown(&dst).display())));
             }
             (_, None) => {}
         }
-        self.set(dst, Node::Link(src.to_owned()));
-        self.priorities.insert(dst.clone(), priority);
+        self.set(&dst, Node::Link(src.to_owned()));
+        self.priorities.insert(dst, priority);
         Ok(())
     }
 
@@ -226,18 +244,41 @@ impl Env<'_, '_> {
     }
 }
 
-/// Writes `node` at `path` into the NAR.
-fn write_nar(nar: &mut NarWriter<&mut Spool>, path: &mut Vec<Vec<u8>>, node: &Node) -> io::Result<()> {
-    match node {
-        Node::Link(target) => nar.symlink(path, target.as_os_str().as_bytes()),
-        Node::Dir(entries) => {
-            nar.directory_start(path)?;
-            for (name, child) in entries {
+/// A step of [`Env::create_links`]'s walk.
+enum Step {
+    /// Link the entries of the directory `src` into `dst`.
+    Dir { src: PathBuf, dst: Vec<Vec<u8>>, priority: i64 },
+    /// Link `src` at `dst`.
+    Entry { src: PathBuf, dst: Vec<Vec<u8>>, priority: i64 },
+}
+
+/// Writes the environment `root` into the NAR, with a stack of its own.
+fn write_nar(nar: &mut NarWriter<&mut Spool>, root: &Node) -> io::Result<()> {
+    let mut path: Vec<Vec<u8>> = Vec::new();
+    let entries = match root {
+        Node::Link(target) => return nar.symlink(&path, target.as_os_str().as_bytes()),
+        Node::Dir(entries) => entries,
+    };
+    nar.directory_start(&path)?;
+    let mut open = vec![entries.iter()];
+    while let Some(dir) = open.last_mut() {
+        match dir.next() {
+            Some((name, Node::Link(target))) => {
                 path.push(name.clone());
-                write_nar(nar, path, child)?;
+                nar.symlink(&path, target.as_os_str().as_bytes())?;
                 path.pop();
             }
-            nar.directory_end(path)
+            Some((name, Node::Dir(entries))) => {
+                path.push(name.clone());
+                nar.directory_start(&path)?;
+                open.push(entries.iter());
+            }
+            None => {
+                open.pop();
+                nar.directory_end(&path)?;
+                path.pop();
+            }
         }
     }
+    Ok(())
 }

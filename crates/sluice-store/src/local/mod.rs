@@ -640,7 +640,7 @@ impl PendingPath {
         let name = info.path.base_name();
         if self.store.auto_optimise.load(std::sync::atomic::Ordering::Relaxed) {
             let shown = self.store.real_path(&info.path);
-            self.store.optimise_tree(self.temp_dir.fd.as_fd(), name.as_bytes(), &shown, self.repair, &mut |event| match event {
+            self.store.optimise_tree(self.temp_dir.fd.as_fd(), name.as_bytes(), &shown, &mut |event| match event {
                 OptimiseEvent::Warning(msg) => tracing::warn!("{msg}"),
                 OptimiseEvent::Info(msg) => tracing::info!("{msg}"),
                 OptimiseEvent::Progress { .. } => {}

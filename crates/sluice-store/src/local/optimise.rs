@@ -8,7 +8,9 @@
 //! writable for the rename and canonicalised again after it (mode 0555, mtime 1); the store
 //! directory itself is never touched. Writable regular files (modified by someone) are left
 //! alone with Nix's warning, and a `.links` entry whose size differs from the file's is
-//! removed as corrupt, as Nix does. The garbage collector deletes the entries nobody links to
+//! removed as corrupt, as Nix does; unlike Nix, an entry is also hashed once per run before a
+//! file is replaced by a link to it, and one whose contents no longer match its name is
+//! replaced by the file (Nix links intact files to it: NixOS/nix#3230). The garbage collector deletes the entries nobody links to
 //! any more (`gc.rs`).
 
 use std::collections::HashSet;
@@ -63,7 +65,7 @@ impl LocalStore {
     pub fn optimise_store(&self, roots: &TempRoots, observe: &mut dyn FnMut(OptimiseEvent<'_>)) -> Result<OptimiseStats, LocalStoreError> {
         self.ensure_writable("optimise the store")?;
         let paths = self.query_all_valid_paths()?;
-        let mut optimiser = Optimiser::new(self, load_inodes(&self.links_path())?, false, observe)?;
+        let mut optimiser = Optimiser::new(self, load_inodes(&self.links_path())?, observe)?;
         let expected = paths.len() as u64;
         (optimiser.observe)(OptimiseEvent::Progress { done: 0, expected });
         for (done, path) in paths.iter().enumerate() {
@@ -80,10 +82,8 @@ impl LocalStore {
     /// before it is moved into place; `shown` names it in messages) against `.links`, as
     /// `auto-optimise-store` makes Nix do for every path it adds (Nix's `optimisePath`, with
     /// no inodes known beforehand). `parent`'s own mode is left alone.
-    /// `repair`: the tree replaces a damaged one, so a `.links` entry is hashed before it is
-    /// linked to (it may be damaged too).
-    pub(super) fn optimise_tree(&self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, repair: bool, observe: &mut dyn FnMut(OptimiseEvent<'_>)) -> Result<OptimiseStats, LocalStoreError> {
-        let mut optimiser = Optimiser::new(self, HashSet::new(), repair, observe)?;
+    pub(super) fn optimise_tree(&self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, observe: &mut dyn FnMut(OptimiseEvent<'_>)) -> Result<OptimiseStats, LocalStoreError> {
+        let mut optimiser = Optimiser::new(self, HashSet::new(), observe)?;
         optimiser.optimise_path(parent, name, shown, false)?;
         Ok(optimiser.stats)
     }
@@ -112,31 +112,66 @@ struct Optimiser<'s, 'o> {
     links: OwnedFd,
     /// Inodes known to be in `.links` (Nix's `InodeHash`).
     inodes: HashSet<u64>,
-    /// Nix's `repair` flag: also check a `.links` entry's contents before linking to it.
-    repair: bool,
+    /// Inodes of `.links` entries whose contents were found to match their names in this run.
+    verified: HashSet<u64>,
     stats: OptimiseStats,
     observe: &'o mut dyn FnMut(OptimiseEvent<'_>),
 }
 
 impl<'s, 'o> Optimiser<'s, 'o> {
-    fn new(store: &'s LocalStore, inodes: HashSet<u64>, repair: bool, observe: &'o mut dyn FnMut(OptimiseEvent<'_>)) -> Result<Self, LocalStoreError> {
+    fn new(store: &'s LocalStore, inodes: HashSet<u64>, observe: &'o mut dyn FnMut(OptimiseEvent<'_>)) -> Result<Self, LocalStoreError> {
         let links = open_dir(store.store_fd.as_fd(), LINKS_DIR.as_bytes()).map_err(io_err("opening directory", &store.links_path()))?;
-        Ok(Optimiser { store, links, inodes, repair, stats: OptimiseStats::default(), observe })
+        Ok(Optimiser { store, links, inodes, verified: HashSet::new(), stats: OptimiseStats::default(), observe })
     }
 
-    /// Nix's `optimisePath_` for the node `name` of `parent`, shown as `shown`; `toggle`:
-    /// `parent` is a directory of a store path, made writable for the replacement.
+    /// Nix's `optimisePath_` for the tree `name` of `parent`, shown as `shown`; `toggle`:
+    /// `parent` is a directory of a store path, made writable for a replacement. The walk
+    /// keeps its own stack of open directories, not the thread's: a tree as deep as the store
+    /// accepts (about 2,000 levels within `PATH_MAX`) overflowed a daemon worker's stack and
+    /// aborted the daemon when this recursed.
     fn optimise_path(&mut self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, toggle: bool) -> Result<(), LocalStoreError> {
+        let mut shown = shown.to_path_buf();
+        // The directories being visited, innermost last, each with its entries still to visit.
+        let mut open: Vec<(OwnedFd, Vec<Vec<u8>>)> = Vec::new();
+        if let Some(dir) = self.optimise_node(parent, name, &shown, toggle)? {
+            open.push(dir);
+        }
+        while let Some((dir, entries)) = open.last_mut() {
+            let Some(entry) = entries.pop() else {
+                open.pop();
+                shown.pop();
+                continue;
+            };
+            shown.push(std::ffi::OsStr::from_bytes(&entry));
+            let inner = self.optimise_node(dir.as_fd(), &entry, &shown, true)?;
+            match inner {
+                Some(inner) => open.push(inner),
+                None => {
+                    shown.pop();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One node of [`Optimiser::optimise_path`]'s walk: a directory is opened and returned with
+    /// its entries not yet linked; a file or symlink is linked to its `.links` entry.
+    fn optimise_node(&mut self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, toggle: bool) -> Result<Option<(OwnedFd, Vec<Vec<u8>>)>, LocalStoreError> {
         let st = statat(parent, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err("getting status of", shown)(e.into()))?;
         let file_type = FileType::from_raw_mode(st.st_mode);
         if file_type == FileType::Directory {
             let dir = open_dir(parent, name).map_err(io_err("opening directory", shown))?;
-            for entry in self.unlinked_entries(dir.as_fd(), shown)? {
-                let child = shown.join(std::ffi::OsStr::from_bytes(&entry));
-                self.optimise_path(dir.as_fd(), &entry, &child, true)?;
-            }
-            return Ok(());
+            let entries = self.unlinked_entries(dir.as_fd(), shown)?;
+            return Ok(Some((dir, entries)));
         }
+        self.link_node(parent, name, shown, toggle, &st)?;
+        Ok(None)
+    }
+
+    /// Replaces the file or symlink `name` of `parent` (status `st`) by a hard link to its
+    /// `.links` entry, making the entry if there is none.
+    fn link_node(&mut self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, toggle: bool, st: &rustix::fs::Stat) -> Result<(), LocalStoreError> {
+        let file_type = FileType::from_raw_mode(st.st_mode);
         // Linux can hard-link symlinks (Nix's CAN_LINK_SYMLINK).
         if file_type != FileType::RegularFile && file_type != FileType::Symlink {
             return Ok(());
@@ -151,42 +186,53 @@ impl<'s, 'o> Optimiser<'s, 'o> {
         let hash = nar_hash(parent, name).map_err(io_err("hashing", shown))?;
         let link_name = hash.to_nix32();
         let link_path = self.store.links_path().join(&link_name);
-        let links = self.links.as_fd();
-        if let Some(link) = stat_if_exists(links, &link_name).map_err(io_err("getting status of", &link_path))? {
-            let corrupt = link.st_size != st.st_size || (self.repair && nar_hash(links, link_name.as_bytes()).map_err(io_err("hashing", &link_path))? != hash);
-            if corrupt {
-                (self.observe)(OptimiseEvent::Warning(&format!("removing corrupted link '{}'", link_path.display())));
-                (self.observe)(OptimiseEvent::Warning(
-                    "There may be more corrupted paths.\nYou should run `nix-store --verify --check-contents --repair` to fix them all",
-                ));
-                unlinkat(links, &link_name, AtFlags::empty()).map_err(|e| io_err("removing", &link_path)(e.into()))?;
+        if let Some(link) = stat_if_exists(self.links.as_fd(), &link_name).map_err(io_err("getting status of", &link_path))? {
+            if link.st_size != st.st_size {
+                self.remove_corrupted(&link_name, &link_path)?;
             }
         }
-        match linkat(parent, name, links, &link_name, AtFlags::empty()) {
-            Ok(()) => {
-                // The first file with these contents: it is the entry now.
-                self.inodes.insert(st.st_ino);
+        let mut tries = 0;
+        loop {
+            match linkat(parent, name, self.links.as_fd(), &link_name, AtFlags::empty()) {
+                Ok(()) => {
+                    // The first file with these contents: it is the entry now.
+                    self.inodes.insert(st.st_ino);
+                    self.verified.insert(st.st_ino);
+                    return Ok(());
+                }
+                // Another file (or process) made the entry first: link to it below.
+                Err(Errno::EXIST) => {}
+                // On ext4, probably a full directory index: this file is not deduplicated.
+                Err(Errno::NOSPC) => {
+                    let msg = format!("cannot link '{}' to '{}': {}", link_path.display(), shown.display(), io::Error::from(Errno::NOSPC));
+                    (self.observe)(OptimiseEvent::Info(&msg));
+                    return Ok(());
+                }
+                Err(e) => return Err(io_err("linking into .links", shown)(e.into())),
+            }
+            let link = statat(self.links.as_fd(), &link_name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err("getting status of", &link_path)(e.into()))?;
+            if link.st_ino == st.st_ino {
                 return Ok(());
             }
-            // Another file (or process) made the entry first: link to it below.
-            Err(Errno::EXIST) => {}
-            // On ext4, probably a full directory index: this file is not deduplicated.
-            Err(Errno::NOSPC) => {
-                let msg = format!("cannot link '{}' to '{}': {}", link_path.display(), shown.display(), io::Error::from(Errno::NOSPC));
-                (self.observe)(OptimiseEvent::Info(&msg));
+            // An entry's name says what its contents were, not what they are (a disk fault, a
+            // write through another link): linking to a damaged one would damage this file, so
+            // its NAR is compared once per run, and a damaged one is replaced by this file.
+            if self.verified.contains(&link.st_ino) || nar_hash(self.links.as_fd(), link_name.as_bytes()).map_err(io_err("hashing", &link_path))? == hash {
+                self.verified.insert(link.st_ino);
+                break;
+            }
+            self.remove_corrupted(&link_name, &link_path)?;
+            tries += 1;
+            if tries > 1 {
+                // Another process keeps making a damaged entry: leave this file alone.
                 return Ok(());
             }
-            Err(e) => return Err(io_err("linking into .links", shown)(e.into())),
-        }
-        let link = statat(links, &link_name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err("getting status of", &link_path)(e.into()))?;
-        if link.st_ino == st.st_ino {
-            return Ok(());
         }
         let _writable = if toggle { Some(WritableDir::new(parent, shown)?) } else { None };
         let store_fd = self.store.store_fd.as_fd();
         let temp_name = format!(".tmp-link-{}-{}", std::process::id(), TEMP_LINK_COUNTER.fetch_add(1, Ordering::Relaxed));
         let temp_path = self.store.layout.real_store_dir.join(&temp_name);
-        match linkat(links, &link_name, store_fd, &temp_name, AtFlags::empty()) {
+        match linkat(self.links.as_fd(), &link_name, store_fd, &temp_name, AtFlags::empty()) {
             Ok(()) => {}
             // Too many links to one inode (likely an empty file): leave this one alone.
             Err(Errno::MLINK) => {
@@ -213,6 +259,18 @@ impl<'s, 'o> Optimiser<'s, 'o> {
         self.stats.bytes_freed += size;
         self.stats.blocks_freed += blocks;
         Ok(())
+    }
+
+    /// Removes the damaged `.links` entry `link_name`, with Nix's warnings.
+    fn remove_corrupted(&mut self, link_name: &str, link_path: &Path) -> Result<(), LocalStoreError> {
+        (self.observe)(OptimiseEvent::Warning(&format!("removing corrupted link '{}'", link_path.display())));
+        (self.observe)(OptimiseEvent::Warning(
+            "There may be more corrupted paths.\nYou should run `nix-store --verify --check-contents --repair` to fix them all",
+        ));
+        match unlinkat(self.links.as_fd(), link_name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => Ok(()),
+            Err(e) => Err(io_err("removing", link_path)(e.into())),
+        }
     }
 
     /// The entries of `dir` whose inode is not in `.links` already (Nix's

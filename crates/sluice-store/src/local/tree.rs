@@ -62,17 +62,49 @@ pub(super) fn delete_tree(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<Opt
         Err(rustix::io::Errno::NOENT) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
-        let dir = open_dir(parent, name)?;
-        fchmod(&dir, Mode::from_raw_mode(0o700))?;
-        let mut freed = 0;
-        for entry in sorted_entries(dir.as_fd())? {
-            freed += delete_tree(dir.as_fd(), &entry)?.unwrap_or(0);
-        }
-        unlinkat(parent, name, AtFlags::REMOVEDIR)?;
-        Ok(Some(freed))
-    } else {
+    if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
         unlinkat(parent, name, AtFlags::empty())?;
-        Ok(Some(if st.st_nlink <= 2 { st.st_size as u64 } else { 0 }))
+        return Ok(Some(freed_by(&st)));
+    }
+    // The directories being emptied, innermost last, each with its name in the one below and
+    // its entries still to delete: a stack of its own, not the thread's (a tree as deep as the
+    // store accepts overflowed a thread's stack when this recursed).
+    let mut open = vec![emptied_dir(parent, name)?];
+    let mut freed = 0;
+    while let Some((dir, _, entries)) = open.last_mut() {
+        let Some(entry) = entries.pop() else {
+            let Some((_, dir_name, _)) = open.pop() else { break };
+            let up = open.last().map_or(parent, |(d, _, _)| d.as_fd());
+            unlinkat(up, &dir_name, AtFlags::REMOVEDIR)?;
+            continue;
+        };
+        let st = statat(dir.as_fd(), &entry, AtFlags::SYMLINK_NOFOLLOW)?;
+        if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            let inner = emptied_dir(dir.as_fd(), &entry)?;
+            open.push(inner);
+        } else {
+            unlinkat(dir.as_fd(), &entry, AtFlags::empty())?;
+            freed += freed_by(&st);
+        }
+    }
+    Ok(Some(freed))
+}
+
+/// The directory `name` of `parent` opened and made writable to be emptied, with its name and
+/// its entries.
+fn emptied_dir(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<(OwnedFd, Vec<u8>, Vec<Vec<u8>>)> {
+    let dir = open_dir(parent, name)?;
+    fchmod(&dir, Mode::from_raw_mode(0o700))?;
+    let entries = sorted_entries(dir.as_fd())?;
+    Ok((dir, name.to_vec(), entries))
+}
+
+/// What deleting a non-directory with status `st` likely frees: its size with one or two
+/// links (two: probably also linked from `.links`, whose copy the collector deletes next).
+fn freed_by(st: &rustix::fs::Stat) -> u64 {
+    if st.st_nlink <= 2 {
+        st.st_size as u64
+    } else {
+        0
     }
 }
