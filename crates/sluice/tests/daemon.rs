@@ -2943,3 +2943,57 @@ fn a_batch_refused_partway_leaves_a_closed_valid_subset() {
         verified(&env, env.path(root).to_str().unwrap());
     }
 }
+
+/// Makes `dir` a tree whose deepest file has a path of 4,095 bytes (the most `PATH_MAX`
+/// allows) once it is the store path `/nix/store/<hash>-deep` in the store under `root`: about
+/// 2,000 nested directories.
+fn deepest_tree(dir: &Path, root: &Path) {
+    let in_store = root.join("nix/store/00000000000000000000000000000000-deep").as_os_str().len();
+    let below = 4096 - 2 - in_store;
+    let levels = (below - 100) / 2;
+    std::fs::create_dir(dir).unwrap();
+    std::fs::write(dir.join("f"), "top\n").unwrap();
+    let mut deepest = dir.to_path_buf();
+    for _ in 0..levels {
+        deepest.push("a");
+        std::fs::create_dir(&deepest).unwrap();
+    }
+    std::fs::write(deepest.join("l".repeat(below - 2 * levels)), "top\n").unwrap();
+}
+
+/// Any local user can add a tree as deep as the store accepts and have it optimised (Nix
+/// 2.8 clients as `nobody`: `nix-store --add`, then `--optimise`; with
+/// `auto-optimise-store = true`, the addition alone), and the daemon goes on serving: root then
+/// verifies the store's contents and deletes the path through it. Each walk recursed, and
+/// overflowing a worker's stack aborted the daemon for every client.
+#[test]
+fn the_deepest_tree_a_user_adds_is_optimised_verified_and_deleted_by_the_daemon() {
+    let env = Env::new();
+    let cache = env.cache();
+    open_to_nobody(&env);
+    let tree = env.path("deep");
+    deepest_tree(&tree, &env.path("root"));
+    let tree = tree.to_str().unwrap();
+    for config in ["", "auto-optimise-store = true"] {
+        let daemon = env.daemon("root", &cache, config);
+        let url = daemon.url.as_str();
+        let (ok, added, err) = as_nobody(&env, "nix-store", &["--store", url, "--add", tree]);
+        assert!(ok, "{config}: {err}");
+        let added = added.trim().to_owned();
+        if config.is_empty() {
+            let (ok, _, err) = as_nobody(&env, "nix-store", &["--store", url, "--optimise"]);
+            assert!(ok, "{err}");
+            assert!(err.contains("freed by hard-linking 1 files"), "the bottom file linked to f: {err}");
+        }
+        let real = env.path("root/nix/store").join(Path::new(&added).file_name().unwrap());
+        use std::os::unix::fs::MetadataExt;
+        assert!(real.join("f").metadata().unwrap().nlink() >= 2, "{config}: f is not in .links");
+        let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", url, "--verify", "--check-contents"]);
+        assert!(ok && !err.contains("error"), "{config}: {err}");
+        let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", url, "--delete", &added]);
+        assert!(ok, "{config}: {err}");
+        assert!(!real.exists(), "{config}: {} is still there", real.display());
+        drop(daemon);
+        std::fs::remove_file(env.path("socket")).unwrap();
+    }
+}
