@@ -39,7 +39,7 @@ const PROPAGATED_PRIORITY: i64 = 1000;
 pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, visible: &BTreeSet<StorePath>, out: &StorePath, spool: &mut Spool) -> Result<(), BuiltinError> {
     let packages = packages(drv.attr("derivations")?)?;
     let manifest = drv.attr("manifest")?.to_owned();
-    let view = View { store: cx.store, visible };
+    let view = View::new(cx.store, visible);
     let mut env = Env { view, root: BTreeMap::new(), priorities: BTreeMap::new(), out: PathBuf::from(cx.store.store_dir().display_path(out)), warn: cx.warn };
     env.build_profile(packages)?;
     env.root.insert(b"manifest.nix".to_vec(), Node::Link(PathBuf::from(manifest)));

@@ -39,7 +39,7 @@ pub(super) fn build(store: &LocalStore, visible: &BTreeSet<StorePath>, drv: &Bui
     if !matches!((components.next(), components.next()), (Some(Component::Normal(_)), None)) || channel_name.contains('/') {
         return Err(failed(format!("channelName is not allowed to contain filesystem separators, got {channel_name}")));
     }
-    let view = View { store, visible };
+    let view = View::new(store, visible);
     let tarball = view.resolve(Path::new(src)).and_then(|p| view.real(&p)).and_then(std::fs::File::open);
     let tarball = tarball.map_err(|e| failed(format!("opening channel tarball '{src}': {e}")))?;
     let dir = tempfile::tempdir().map_err(|e| failed(format!("creating a temporary directory in {}: {e}", std::env::temp_dir().display())))?;

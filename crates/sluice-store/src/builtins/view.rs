@@ -3,7 +3,8 @@
 //! same view. Shared by `builtin:buildenv` (the packages it links) and
 //! `builtin:unpack-channel` (the tarball it reads).
 
-use std::collections::BTreeSet;
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
@@ -32,9 +33,18 @@ pub(super) struct View<'a> {
     pub(super) store: &'a LocalStore,
     /// The paths that exist in the view.
     pub(super) visible: &'a BTreeSet<StorePath>,
+    /// Paths resolved so far and what they resolved to: a walk resolves each entry of a
+    /// directory it resolved before, so that only the last component is looked at (resolving
+    /// every path from the root made a tree `n` deep cost `n³`).
+    resolved: RefCell<HashMap<PathBuf, PathBuf>>,
 }
 
-impl View<'_> {
+impl<'a> View<'a> {
+    /// The store `store` with only `visible` in it.
+    pub(super) fn new(store: &'a LocalStore, visible: &'a BTreeSet<StorePath>) -> Self {
+        View { store, visible, resolved: RefCell::new(HashMap::new()) }
+    }
+
     /// Where the logical path `p` (without symlinks in it, as [`View::resolve`] gives) is on
     /// disk; `NotFound` outside the visible paths.
     pub(super) fn real(&self, p: &Path) -> io::Result<PathBuf> {
@@ -57,8 +67,17 @@ impl View<'_> {
     /// `p` with every symlink in it followed (Nix's `canonPath(p, true)`), as a logical path;
     /// fails as `lstat` would on a missing component.
     pub(super) fn resolve(&self, p: &Path) -> io::Result<PathBuf> {
-        let mut todo: Vec<PathBuf> = p.components().rev().map(|c| PathBuf::from(c.as_os_str())).collect();
-        let mut cur = PathBuf::from("/");
+        if let Some(done) = self.resolved.borrow().get(p) {
+            return Ok(done.clone());
+        }
+        let known_parent = match (p.parent(), p.file_name()) {
+            (Some(parent), Some(name)) => self.resolved.borrow().get(parent).map(|dir| (dir.clone(), name.to_owned())),
+            _ => None,
+        };
+        let (mut cur, mut todo) = match known_parent {
+            Some((dir, name)) => (dir, vec![PathBuf::from(name)]),
+            None => (PathBuf::from("/"), p.components().rev().map(|c| PathBuf::from(c.as_os_str())).collect()),
+        };
         let mut followed = 0;
         let store_depth = Path::new(self.store.store_dir().as_str()).components().count();
         while let Some(c) = todo.pop() {
@@ -87,6 +106,7 @@ impl View<'_> {
                 todo.extend(target.components().rev().map(|c| PathBuf::from(c.as_os_str())));
             }
         }
+        self.resolved.borrow_mut().insert(p.to_owned(), cur.clone());
         Ok(cur)
     }
 
