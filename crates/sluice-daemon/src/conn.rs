@@ -1,4 +1,4 @@
-//! One client connection: the greeting, then operations until the client hangs up. Replies
+//! One client connection's context (the server loop is `server::serve_connection`). Replies
 //! follow Nix's `TunnelLogger`: log messages, then `LAST` and the result, or `ERROR`. A
 //! request that cannot be read (malformed, truncated, oversized, unknown op) is answered
 //! with one `ERROR` and the connection is closed, since the stream cannot be resynchronised;
@@ -8,12 +8,10 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_nix::wire::{read_store_path, read_u64, ProtocolVersion, StderrWriter, WireError};
+use sluice_nix::wire::{read_store_path, ProtocolVersion, StderrWriter, WireError};
 use sluice_store::local::{LocalStore, TempRoots};
 
-use crate::affinity::{Follower, Pinned};
-use crate::duplex::{duplex, ClientInput, Input, Output};
-use crate::handshake::{greet, HandshakeError};
+use crate::duplex::{Input, Output};
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::Daemon;
@@ -126,74 +124,4 @@ impl Conn<'_> {
         self.stderr().next(&mut self.w, &format!("{line}\n"))?;
         self.w.flush()
     }
-}
-
-/// Serves one client until it disconnects or sends something unreadable. `label` names the
-/// connection in the daemon's log; `client_pid` is the peer process, if known.
-pub(crate) fn serve(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<dyn Write + Send>, peer: Peer, client_pid: Option<i32>, label: &str) {
-    let (input, mut w) = duplex(reader, writer);
-    let mut r = BufReader::with_capacity(64 * 1024, input);
-    let greeting = match greet(&mut r, &mut w, peer.trusted) {
-        Ok(g) => g,
-        Err(HandshakeError::BadMagic(m)) => {
-            tracing::warn!("{label}: error: protocol mismatch (client sent {m:#x}); connection closed");
-            return;
-        }
-        Err(e) => {
-            tracing::warn!("{label}: handshake failed: {e}; connection closed");
-            return;
-        }
-    };
-    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, temp_roots: daemon.store().temp_roots() };
-    if !conn.peer.allowed {
-        let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
-        tracing::warn!("{label}: {msg}");
-        let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
-        return;
-    }
-    let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
-    let mut follower = client_pid.filter(|_| greeting.cpu.is_none() && daemon.follow_client_cpu).map(Follower::new);
-    tracing::debug!("{label}: protocol {} user {} trusted {}", conn.version, conn.peer.name, conn.peer.trusted);
-    if let Err(e) = conn.stderr().last(&mut conn.w).and_then(|()| conn.w.flush()) {
-        tracing::debug!("{label}: client gone: {e}");
-        return;
-    }
-    let mut ops = 0u64;
-    loop {
-        let op = match read_u64(&mut conn.r, "operation") {
-            Ok(op) => op,
-            Err(e) if e.is_eof() => break,
-            Err(e) => {
-                tracing::info!("{label}: {e}");
-                break;
-            }
-        };
-        ops += 1;
-        if let Some(f) = &mut follower {
-            f.tick();
-        }
-        match crate::ops::dispatch(&mut conn, op) {
-            Ok(()) => {}
-            Err(Fail::Op(msg)) => {
-                tracing::debug!("{label}: op {op} failed: {msg}");
-                if let Err(e) = conn.stderr().error(&mut conn.w, &msg) {
-                    tracing::debug!("{label}: client gone: {e}");
-                    break;
-                }
-            }
-            Err(Fail::Fatal(msg)) => {
-                tracing::warn!("{label}: op {op}: {msg}; connection closed");
-                let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
-                break;
-            }
-            Err(Fail::Output(e)) => {
-                tracing::debug!("{label}: client gone: {e}");
-                break;
-            }
-        }
-    }
-    if let Err(e) = conn.w.flush() {
-        tracing::debug!("{label}: client gone: {e}");
-    }
-    tracing::debug!("{label}: {ops} operations");
 }

@@ -7,8 +7,17 @@ use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::Arc;
 
+use std::io::{BufReader, Write};
+
+use sluice_nix::wire::read_u64;
+
+use crate::affinity::{Follower, Pinned};
+use crate::conn::{Conn, Fail};
+use crate::duplex::{duplex, ClientInput};
+use crate::handshake::{greet, HandshakeError};
+use crate::options::ClientOptions;
 use crate::trust::Peer;
-use crate::{conn, Daemon, DaemonError};
+use crate::{Daemon, DaemonError};
 
 /// Listens on `socket` (replacing a stale socket file, creating its directory, mode 0666 so
 /// that every user can connect; `allowed-users` decides) and serves clients until the
@@ -60,7 +69,7 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
         let label = format!("connection {n} ({})", peer.name);
         let spawned = std::thread::Builder::new()
             .name(format!("sluice-worker-{n}"))
-            .spawn(move || conn::serve(&daemon, Box::new(reader), Box::new(stream), peer, Some(pid), &label));
+            .spawn(move || serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some(pid), &label));
         if let Err(e) = spawned {
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
         }
@@ -71,6 +80,76 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
 /// Serves one client on standard input and output, then returns.
 pub fn serve_stdio(daemon: Arc<Daemon>) -> Result<(), DaemonError> {
     let peer = Peer { name: "stdio client".into(), trusted: true, allowed: true };
-    conn::serve(&daemon, Box::new(std::io::stdin()), Box::new(std::io::stdout()), peer, None, "stdio");
+    serve_connection(&daemon, Box::new(std::io::stdin()), Box::new(std::io::stdout()), peer, None, "stdio");
     Ok(())
+}
+
+/// Serves one client until it disconnects or sends something unreadable. `label` names the
+/// connection in the daemon's log; `client_pid` is the peer process, if known.
+fn serve_connection(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<dyn Write + Send>, peer: Peer, client_pid: Option<i32>, label: &str) {
+    let (input, mut w) = duplex(reader, writer);
+    let mut r = BufReader::with_capacity(64 * 1024, input);
+    let greeting = match greet(&mut r, &mut w, peer.trusted) {
+        Ok(g) => g,
+        Err(HandshakeError::BadMagic(m)) => {
+            tracing::warn!("{label}: error: protocol mismatch (client sent {m:#x}); connection closed");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!("{label}: handshake failed: {e}; connection closed");
+            return;
+        }
+    };
+    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, temp_roots: daemon.store().temp_roots() };
+    if !conn.peer.allowed {
+        let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
+        tracing::warn!("{label}: {msg}");
+        let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
+        return;
+    }
+    let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
+    let mut follower = client_pid.filter(|_| greeting.cpu.is_none() && daemon.follow_client_cpu).map(Follower::new);
+    tracing::debug!("{label}: protocol {} user {} trusted {}", conn.version, conn.peer.name, conn.peer.trusted);
+    if let Err(e) = conn.stderr().last(&mut conn.w).and_then(|()| conn.w.flush()) {
+        tracing::debug!("{label}: client gone: {e}");
+        return;
+    }
+    let mut ops = 0u64;
+    loop {
+        let op = match read_u64(&mut conn.r, "operation") {
+            Ok(op) => op,
+            Err(e) if e.is_eof() => break,
+            Err(e) => {
+                tracing::info!("{label}: {e}");
+                break;
+            }
+        };
+        ops += 1;
+        if let Some(f) = &mut follower {
+            f.tick();
+        }
+        match crate::ops::dispatch(&mut conn, op) {
+            Ok(()) => {}
+            Err(Fail::Op(msg)) => {
+                tracing::debug!("{label}: op {op} failed: {msg}");
+                if let Err(e) = conn.stderr().error(&mut conn.w, &msg) {
+                    tracing::debug!("{label}: client gone: {e}");
+                    break;
+                }
+            }
+            Err(Fail::Fatal(msg)) => {
+                tracing::warn!("{label}: op {op}: {msg}; connection closed");
+                let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
+                break;
+            }
+            Err(Fail::Output(e)) => {
+                tracing::debug!("{label}: client gone: {e}");
+                break;
+            }
+        }
+    }
+    if let Err(e) = conn.w.flush() {
+        tracing::debug!("{label}: client gone: {e}");
+    }
+    tracing::debug!("{label}: {ops} operations");
 }

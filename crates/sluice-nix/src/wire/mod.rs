@@ -13,6 +13,7 @@
 mod derivation;
 mod error;
 mod framed;
+pub mod ops;
 mod primitives;
 mod stderr;
 mod stderr_read;
