@@ -57,6 +57,8 @@ pub enum DaemonError {
 /// substituters used for substitution.
 pub struct Daemon {
     store: Arc<LocalStore>,
+    /// The store URL's `require-sigs`, which wins over the setting (`SignaturePolicy::requires_sigs`).
+    store_require_sigs: Option<bool>,
     /// The daemon's settings (nix.conf, `NIX_CONFIG`); clients' overrides apply on top.
     config: RawConfig,
     users: trust::Users,
@@ -87,7 +89,7 @@ pub struct DaemonOptions {
 impl Daemon {
     /// Opens the local store `store` (Nix's `LocalStoreConfig`, `src/libstore/local-store.hh`)
     /// with the daemon settings `config` (`trusted-users`, `allowed-users`, `substituters`, …).
-    /// The store's `require-sigs`, when given, replaces that setting in `config`;
+    /// The store's `require-sigs`, when given, wins over that setting (and a client's);
     /// `auto-optimise-store` is the daemon's for every client (Nix applies a trusted client's
     /// override in its forked worker; sluice's store is shared). A read-only
     /// store is refused: connections write temporary roots.
@@ -96,10 +98,8 @@ impl Daemon {
     }
 
     /// [`open`](Self::open) with `options`.
-    pub fn open_with(store: &LocalStoreConfig, mut config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
-        if let Some(require) = store.require_sigs {
-            config.set("require-sigs", if require { "true" } else { "false" });
-        }
+    pub fn open_with(store: &LocalStoreConfig, config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
+        let store_require_sigs = store.require_sigs;
         let store = Arc::new(LocalStore::open(store)?);
         store.set_auto_optimise(sluice_store::config::Settings::from_raw(&config)?.auto_optimise_store);
         store.ensure_writable("serve it (the daemon writes temporary roots)")?;
@@ -111,6 +111,7 @@ impl Daemon {
             .map_err(DaemonError::Runtime)?;
         Ok(Arc::new(Daemon {
             store,
+            store_require_sigs,
             users: trust::Users::from_config(&config),
             config,
             runtime,

@@ -7,7 +7,6 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
@@ -186,8 +185,7 @@ pub(crate) fn repair(daemon: &Daemon, settings: &Settings, use_substitutes: bool
 
 /// [`copy`], or with `repair` a repair of the valid `paths`.
 fn pipeline(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, repair: bool, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
-    let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
-    let policy = SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys };
+    let policy = SignaturePolicy::from_settings(settings, daemon.store_require_sigs).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs.unwrap_or(sluice_store::substitute::DEFAULT_JOBS), policy };
     daemon.runtime.block_on(async {
         let query = closure_query(daemon, settings, use_substitutes, Some(roots.clone())).await?;

@@ -215,6 +215,9 @@ pub struct Settings {
     /// Public keys `name:base64`, space-separated in nix.conf.
     pub trusted_public_keys: Vec<String>,
     pub require_sigs: bool,
+    /// Whether signatures are checked at all (Nix's `checkSigs`; false for `--no-check-sigs`):
+    /// not a nix.conf setting, a command's flag. See `SignaturePolicy::requires_sigs`.
+    pub check_sigs: bool,
     /// Connections per cache for HTTP/1.1 (Nix: `http-connections`, default 25); 0 means no
     /// limit, as it does to curl's `CURLMOPT_MAX_TOTAL_CONNECTIONS` that Nix hands it to
     /// (`src/libstore/filetransfer.cc`). See [`Settings::http_connection_limit`].
@@ -273,6 +276,7 @@ impl Default for Settings {
             substituters: vec!["https://cache.nixos.org/".into()],
             trusted_public_keys: vec!["cache.nixos.org-1:6NCHdD59X431o0gWypbMrAURkbJ16ZPMQFGspcDShjY=".into()],
             require_sigs: true,
+            check_sigs: true,
             http_connections: 25,
             max_substitution_jobs: None,
             netrc_file: nix_conf_dir().join("netrc"),

@@ -137,12 +137,7 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
         StoreUrl::Local(config) => {
             let store = LocalStore::open(&config).map(Arc::new)?;
             store.set_auto_optimise(settings.auto_optimise_store);
-            // `require-sigs=false` in the URL turns the check off; it cannot turn on what the
-            // settings (or `--no-check-sigs`) turned off.
-            let policy = crate::local::SignaturePolicy {
-                require_sigs: config.require_sigs.map_or(settings.require_sigs, |r| r && settings.require_sigs),
-                trusted_keys: sluice_nix::signature::TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| StoreError::Other(format!("trusted-public-keys: {e}")))?,
-            };
+            let policy = crate::local::SignaturePolicy::from_settings(settings, config.require_sigs).map_err(|e| StoreError::Other(e.to_string()))?;
             Arc::new(LocalStoreHandle::new(url, store, policy))
         }
         StoreUrl::BinaryCache(curl) => {

@@ -9,7 +9,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure;
 use sluice_store::local::SignaturePolicy;
@@ -116,8 +115,9 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),
     };
-    let trusted_keys = TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}"))?;
-    let opts = SubstituteOptions { jobs: args.jobs as usize, policy: SignaturePolicy { require_sigs: settings.require_sigs, trusted_keys } };
+    // The destination's `require-sigs` is already in `settings` (`setup::destination`).
+    let policy = SignaturePolicy::from_settings(&settings, None).map_err(|e| e.to_string())?;
+    let opts = SubstituteOptions { jobs: args.jobs as usize, policy };
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.
     let temp_roots = dest.temp_roots();

@@ -80,7 +80,9 @@ pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
     if let Some(n) = flags.config.http_connections {
         raw.set("http-connections", &n.to_string());
     }
-    Settings::from_raw(&raw).map_err(|e| e.to_string())
+    let mut settings = Settings::from_raw(&raw).map_err(|e| e.to_string())?;
+    settings.check_sigs = !flags.no_check_sigs;
+    Ok(settings)
 }
 
 /// Threads for blocking work (unpacking, SQLite, locks): NAR jobs beyond this wait for a
@@ -175,15 +177,11 @@ pub struct Destination {
 }
 
 /// Reads the settings, opens the local store `url` (default: [`default_store`]) and parses
-/// `paths`. The URL's
-/// `require-sigs` replaces the setting (Nix's `LocalStoreConfig::requireSigs` defaults to it),
-/// but `--no-check-sigs` still wins, as Nix's `checkSigs` does.
+/// `paths`. The settings' `require_sigs` becomes the store's (`SignaturePolicy::requires_sigs`).
 pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> Result<Destination, String> {
     let mut settings = settings(flags)?;
     let config = local_config(url.unwrap_or(&settings.store))?;
-    if let Some(require) = config.require_sigs {
-        settings.require_sigs = require && !flags.no_check_sigs;
-    }
+    settings.require_sigs = sluice_store::local::SignaturePolicy::requires_sigs(settings.require_sigs, config.require_sigs, settings.check_sigs);
     let store = LocalStore::open(&config).map(Arc::new).map_err(|e| e.to_string())?;
     store.set_auto_optimise(settings.auto_optimise_store);
     let store_dir = store.store_dir().clone();

@@ -135,8 +135,9 @@ pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
 /// `trusted-public-keys`, waived by `dont_check_sigs` only for a trusted client (Nix's
 /// `daemon.cc`: `if (!trusted) dontCheckSigs = false`).
 fn policy(c: &Conn, dont_check_sigs: bool) -> Result<SignaturePolicy, Fail> {
-    let require_sigs = c.options.settings()?.require_sigs;
-    Ok(SignaturePolicy { require_sigs: require_sigs && !(dont_check_sigs && c.peer.trusted), trusted_keys: c.options.trusted_keys()? })
+    let setting = c.options.settings()?.require_sigs;
+    let require_sigs = SignaturePolicy::requires_sigs(setting, c.daemon.store_require_sigs, !(dont_check_sigs && c.peer.trusted));
+    Ok(SignaturePolicy { require_sigs, trusted_keys: c.options.trusted_keys()? })
 }
 
 /// The `repair` flag of an add operation, honoured for a trusted client only.

@@ -47,7 +47,7 @@ pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use temp_roots::TempRoots;
-pub use verify::{SignaturePolicy, Vouched, VouchedInfo};
+pub use verify::{SignaturePolicy, TrustedKeysError, Vouched, VouchedInfo};
 pub use verify_store::{Repairer, VerifyMessage};
 
 use std::collections::BTreeSet;

@@ -86,7 +86,34 @@ pub(super) enum CaHashing {
     Flat(HashAlgo),
 }
 
+/// The `trusted-public-keys` setting could not be read into keys.
+#[derive(Debug, thiserror::Error)]
+#[error("trusted-public-keys: {0}")]
+pub struct TrustedKeysError(String);
+
 impl SignaturePolicy {
+    /// Nix's rule for whether paths added to a store need a trusted signature: the store's
+    /// own `require-sigs` (its URL parameter, `store_require_sigs`) when given, else the
+    /// global `require-sigs` setting it defaults to (`LocalStoreConfig::requireSigs`,
+    /// `src/libstore/local-store.hh`); and never when the caller does not check signatures
+    /// (`check_sigs` false: `nix copy --no-check-sigs`, a trusted daemon client's
+    /// `dontCheckSigs`; `checkSigs = NoCheckSigs` in `src/libstore/local-store.cc`'s
+    /// `addToStore`, which tests `requireSigs && checkSigs`).
+    pub fn requires_sigs(setting: bool, store_require_sigs: Option<bool>, check_sigs: bool) -> bool {
+        store_require_sigs.unwrap_or(setting) && check_sigs
+    }
+
+    /// The policy of a store opened with `settings` whose URL gave `store_require_sigs`:
+    /// [`requires_sigs`](Self::requires_sigs) with `settings.require_sigs` and
+    /// `settings.check_sigs`, and the `trusted-public-keys`. Errors: a key that does not parse
+    /// ([`TrustedKeysError`], naming the setting).
+    pub fn from_settings(settings: &crate::config::Settings, store_require_sigs: Option<bool>) -> Result<Self, TrustedKeysError> {
+        Ok(SignaturePolicy {
+            require_sigs: Self::requires_sigs(settings.require_sigs, store_require_sigs, settings.check_sigs),
+            trusted_keys: TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| TrustedKeysError(e.to_string()))?,
+        })
+    }
+
     /// A policy that requires no signature (a trusted client's `dontCheckSigs`).
     pub fn unchecked() -> Self {
         SignaturePolicy { require_sigs: false, trusted_keys: TrustedKeys::default() }
@@ -242,4 +269,34 @@ pub(super) fn verify_derivation(store: &LocalStore, info: &ValidPathInfo, aterm:
     drv.check_outputs(dir, &info.path, &mut |input| store.drv_hashes(input)).map_err(LocalStoreError::DerivationOutputs)?;
     let outputs = drv.output_paths(dir).map_err(parse_error)?;
     Ok(outputs.into_iter().filter_map(|(name, path)| Some((name, path?))).collect())
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::SignaturePolicy;
+
+    #[test]
+    fn require_sigs_rule_table() {
+        // (global setting, URL's require-sigs, check_sigs) -> required, as Nix's
+        // `requireSigs && checkSigs` with `requireSigs` defaulting to the setting.
+        let table = [
+            (true, None, true, true),
+            (false, None, true, false),
+            (true, Some(false), true, false),
+            (false, Some(true), true, true),
+            (true, Some(true), true, true),
+            (true, None, false, false),
+            (false, Some(true), false, false),
+            (true, Some(true), false, false),
+        ];
+        for (setting, url, check, want) in table {
+            assert_eq!(SignaturePolicy::requires_sigs(setting, url, check), want, "{setting} {url:?} {check}");
+        }
+        let mut settings = crate::config::Settings { require_sigs: false, ..Default::default() };
+        assert!(SignaturePolicy::from_settings(&settings, Some(true)).unwrap().require_sigs);
+        settings.check_sigs = false;
+        assert!(!SignaturePolicy::from_settings(&settings, Some(true)).unwrap().require_sigs);
+        settings.trusted_public_keys = vec!["nokey".into()];
+        assert!(SignaturePolicy::from_settings(&settings, None).unwrap_err().to_string().starts_with("trusted-public-keys: "));
+    }
 }
