@@ -3022,3 +3022,29 @@ fn buildenv_of_packages_1500_levels_deep() {
     assert_eq!(std::fs::read_link(real.join(&deep).join("a.txt")).unwrap(), Path::new(&a).join(&deep).join("a.txt"));
     assert_eq!(std::fs::read_link(real.join(&deep).join("b.txt")).unwrap(), Path::new(&b).join(&deep).join("b.txt"));
 }
+
+/// A process whose environment names a path by its store name (`/nix/store/…`) keeps it alive
+/// in a chroot store, through `sluice daemon` as through Nix 2.8's `nix-daemon`: live while
+/// the process runs, dead once it is gone. sluice looked for the real directory's name only.
+#[test]
+fn a_runtime_root_by_its_store_name_keeps_a_path_in_a_chroot_store() {
+    let env = Env::new();
+    let cache = env.cache();
+    let sluice_daemon = env.daemon("root", &cache, "");
+    let nix_daemon = env.nix_daemon("reference.socket", "reference", "");
+    let file = env.path("kept.txt");
+    std::fs::write(&file, "kept by an environment\n").unwrap();
+    let urls = [sluice_daemon.url.clone(), nix_daemon.url.clone()];
+    let added: Vec<String> = urls.iter().map(|url| env.nix("nix-store", &["--store", url, "--add", file.to_str().unwrap()]).trim().to_owned()).collect();
+    assert_eq!(added[0], added[1]);
+    let listed = |url: &str, what: &str| env.nix("nix-store", &["--store", url, "--gc", what]).lines().any(|l| l == added[0]);
+    let mut holder = Command::new("sleep").arg("60").env("KEEP", format!("x:{}/bin", added[0])).spawn().unwrap();
+    for url in &urls {
+        assert!(listed(url, "--print-live") && !listed(url, "--print-dead"), "{url}: not kept by the environment");
+    }
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    for url in &urls {
+        assert!(!listed(url, "--print-live") && listed(url, "--print-dead"), "{url}: still kept");
+    }
+}

@@ -327,10 +327,12 @@ impl LocalStore {
     }
 
     /// Nix's `findRuntimeRoots` on Linux: what processes run, have open, map or name in their
-    /// environment, and three kernel settings. The links are into the real store directory
-    /// (the store directory itself, except for a chroot store).
+    /// environment, and three kernel settings. A path counts by its real name (where a chroot
+    /// store's processes have it open) and by its store name (`/nix/store/…`, which Nix looks
+    /// for, in a program's environment say): keeping more is safe.
     fn find_runtime_roots(&self, censor: bool, roots: &mut Roots) -> Result<(), LocalStoreError> {
-        let prefix = format!("{}/", self.layout.real_store_dir.display());
+        let mut prefixes = vec![format!("{}/", self.layout.real_store_dir.display()), format!("{}/", self.store_dir.as_str())];
+        prefixes.dedup();
         let mut unchecked: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         let link = |file: String, unchecked: &mut BTreeMap<String, BTreeSet<String>>| {
             if let Ok(target) = std::fs::read_link(&file) {
@@ -361,7 +363,7 @@ impl LocalStore {
                 }
                 let environ = format!("/proc/{pid}/environ");
                 if let Ok(env) = std::fs::read(&environ) {
-                    for found in store_paths_in(&env, prefix.as_bytes()) {
+                    for found in prefixes.iter().flat_map(|prefix| store_paths_in(&env, prefix.as_bytes())) {
                         unchecked.entry(found).or_default().insert(environ.clone());
                     }
                 }
@@ -373,7 +375,7 @@ impl LocalStore {
             }
         }
         for (target, links) in unchecked {
-            let Some(rest) = target.strip_prefix(&prefix) else { continue };
+            let Some(rest) = prefixes.iter().find_map(|prefix| target.strip_prefix(prefix.as_str())) else { continue };
             let Ok(path) = StorePath::from_base_name(rest.split('/').next().unwrap_or(rest)) else { continue };
             if !self.is_valid_path(&path)? {
                 continue;
