@@ -101,7 +101,7 @@ impl Daemon {
     pub fn open_with(store: &LocalStoreConfig, config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
         let store_require_sigs = store.require_sigs;
         let store = Arc::new(LocalStore::open(store)?);
-        store.set_auto_optimise(sluice_store::config::Settings::from_raw(&config)?.auto_optimise_store);
+        sluice_store::config::Settings::from_raw(&config)?.configure_local_store(&store);
         store.ensure_writable("serve it (the daemon writes temporary roots)")?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

@@ -139,6 +139,20 @@ impl Derivation {
             .collect()
     }
 
+    /// The experimental features its outputs need, as Nix's `parseDerivationOutput` requires
+    /// them (`src/libstore/derivations.cc`): `ca-derivations` for a floating content-addressed
+    /// output, `impure-derivations` for an impure one.
+    pub fn required_experimental_features(&self) -> BTreeSet<&'static str> {
+        self.outputs
+            .values()
+            .filter_map(|k| match k {
+                OutputKind::Floating(_) => Some("ca-derivations"),
+                OutputKind::Impure(_) => Some("impure-derivations"),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The derivation's type (Nix's `BasicDerivation::type`), refusing the combinations Nix
     /// refuses, in its words.
     pub fn derivation_type(&self) -> Result<DerivationType, DerivationError> {

@@ -261,6 +261,9 @@ pub struct Settings {
     /// ([`crate::remote::DaemonStore`]) pins its connection's thread to one CPU and asks the
     /// daemon to run its worker there.
     pub lock_cpu: bool,
+    /// `experimental-features` (default none): what a local store lets derivations use
+    /// ([`crate::local::LocalStore::set_experimental_features`]).
+    pub experimental_features: Vec<String>,
 }
 
 /// Whether a daemon client pins itself and its daemon worker to one CPU when no `lock-cpu`
@@ -291,17 +294,28 @@ impl Default for Settings {
             keep_derivations: true,
             auto_optimise_store: false,
             lock_cpu: LOCK_CPU_DEFAULT,
+            experimental_features: Vec::new(),
         }
     }
 }
 
 impl Settings {
+    /// Applies to the local store `store` the settings that govern what it accepts and how it
+    /// keeps paths: `auto-optimise-store` and `experimental-features`.
+    pub fn configure_local_store(&self, store: &crate::local::LocalStore) {
+        store.set_auto_optimise(self.auto_optimise_store);
+        store.set_experimental_features(self.experimental_features.iter().map(String::as_str));
+    }
+
     /// Settings from Nix's defaults overlaid with `raw` and the SSL environment variables.
     pub fn from_raw(raw: &RawConfig) -> Result<Self, ConfigError> {
         let mut s = Settings::default();
         let list = |v: &str| v.split_whitespace().map(String::from).collect::<Vec<_>>();
         if let Some(v) = raw.get("substituters") {
             s.substituters = list(v);
+        }
+        if let Some(v) = raw.get("experimental-features") {
+            s.experimental_features = list(v);
         }
         if let Some(v) = raw.get("trusted-public-keys") {
             s.trusted_public_keys = list(v);

@@ -136,7 +136,7 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
     Ok(match StoreUrl::parse(url)? {
         StoreUrl::Local(config) => {
             let store = LocalStore::open(&config).map(Arc::new)?;
-            store.set_auto_optimise(settings.auto_optimise_store);
+            settings.configure_local_store(&store);
             let policy = crate::local::SignaturePolicy::from_settings(settings, config.require_sigs).map_err(|e| StoreError::Other(e.to_string()))?;
             Arc::new(LocalStoreHandle::new(url, store, policy))
         }

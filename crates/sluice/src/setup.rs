@@ -183,7 +183,7 @@ pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> R
     let config = local_config(url.unwrap_or(&settings.store))?;
     settings.require_sigs = sluice_store::local::SignaturePolicy::requires_sigs(settings.require_sigs, config.require_sigs, settings.check_sigs);
     let store = LocalStore::open(&config).map(Arc::new).map_err(|e| e.to_string())?;
-    store.set_auto_optimise(settings.auto_optimise_store);
+    settings.configure_local_store(&store);
     let store_dir = store.store_dir().clone();
     let roots = parse_paths(&store_dir, paths)?;
     Ok(Destination { settings, store, store_dir, roots })

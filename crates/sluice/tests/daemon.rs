@@ -3048,3 +3048,44 @@ fn a_runtime_root_by_its_store_name_keeps_a_path_in_a_chroot_store() {
         assert!(!listed(url, "--print-live") && listed(url, "--print-dead"), "{url}: still kept");
     }
 }
+
+/// A derivation with a floating content-addressed output is registered only where
+/// `experimental-features` has `ca-derivations`, as Nix's `parseDerivation` decides at every
+/// registration: `nix-store --add` of such a `.drv` as `nobody` through `sluice daemon` fails
+/// with Nix 2.8's own words in direct mode, and `sluice copy` of it from a cache (where Nix
+/// with the feature put it, unsigned but content-addressed) fails the same way; with the
+/// feature, both register it.
+#[test]
+fn ca_floating_derivations_need_the_experimental_feature() {
+    let env = Env::new();
+    let cache = env.cache();
+    open_to_nobody(&env);
+    let drv = env.path("floating.drv");
+    std::fs::write(&drv, r#"Derive([("out","","r:sha256","")],[],[],"x86_64-linux","/bin/sh",[],[("out","")])"#).unwrap();
+    let drv = drv.to_str().unwrap();
+    let disabled = "experimental Nix feature 'ca-derivations' is disabled";
+    let direct = format!("local?root={}", env.path("direct").display());
+    let out = env.cmd("nix-store").args(["--store", &direct, "--add", drv]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains(disabled), "Nix 2.8: {}", String::from_utf8_lossy(&out.stderr));
+    let added = env.nix("nix-store", &["--store", &direct, "--add", drv, "--option", "extra-experimental-features", "ca-derivations"]).trim().to_owned();
+    let bin_cache = format!("file://{}", env.path("ca-cache").display());
+    env.nix("nix", &["copy", "--derivation", "--from", &direct, "--to", &bin_cache, &added, "--option", "extra-experimental-features", "ca-derivations"]);
+
+    for (config, allowed) in [("", false), ("experimental-features = ca-derivations", true)] {
+        let daemon = env.daemon("root", &cache, config);
+        let (ok, out, err) = as_nobody(&env, "nix-store", &["--store", &daemon.url, "--add", drv]);
+        assert_eq!(ok, allowed, "daemon with '{config}': {err}");
+        if allowed {
+            assert_eq!(out.trim(), added);
+        } else {
+            assert!(err.contains(disabled), "{err}");
+        }
+        drop(daemon);
+        std::fs::remove_file(env.path("socket")).unwrap();
+        let to = format!("local?root={}", env.path(&format!("copy-{allowed}")).display());
+        let out = env.cmd(sluice()).args(["copy", "--from", &bin_cache, "--to", &to, &added]).env("NIX_CONFIG", format!("substituters =\n{config}")).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), allowed, "sluice copy with '{config}': {err}");
+        assert!(allowed || err.contains(disabled), "{err}");
+    }
+}

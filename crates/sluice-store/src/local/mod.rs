@@ -183,6 +183,9 @@ pub struct LocalStore {
     /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
     /// moved into place ([`LocalStore::set_auto_optimise`]).
     auto_optimise: std::sync::atomic::AtomicBool,
+    /// The experimental features that derivations registered here may use
+    /// ([`LocalStore::set_experimental_features`]).
+    features: std::sync::atomic::AtomicU8,
     /// The hashes modulo of derivations read so far (`LocalStore::drv_hashes`).
     drv_hashes: drv_hashes::DrvHashMemo,
 }
@@ -262,7 +265,7 @@ impl LocalStore {
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default(), drv_hashes: Default::default() })
+        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default(), features: Default::default(), drv_hashes: Default::default() })
     }
 
     /// Sets `auto-optimise-store` (Nix's default: false): from now on, the files of every path
@@ -270,6 +273,15 @@ impl LocalStore {
     /// is moved into place, as Nix's `addToStore` calls `optimisePath` before registering.
     pub fn set_auto_optimise(&self, on: bool) {
         self.auto_optimise.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets the `experimental-features` (Nix's default: none) that a derivation registered
+    /// from now on may need: `ca-derivations` for floating content-addressed outputs,
+    /// `impure-derivations` for impure ones (Nix's `parseDerivation` refuses them otherwise,
+    /// at every registration of a `.drv`). Other features change nothing here.
+    pub fn set_experimental_features<'f>(&self, features: impl IntoIterator<Item = &'f str>) {
+        let bits = features.into_iter().fold(0, |bits, f| bits | verify::feature_bit(f));
+        self.features.store(bits, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Fails with [`LocalStoreError::ReadOnly`] if the store was opened read-only: every

@@ -260,6 +260,13 @@ pub(super) fn verify_derivation(store: &LocalStore, info: &ValidPathInfo, aterm:
     let shown = dir.display_path(&info.path);
     let parse_error = |e| LocalStoreError::Derivation { path: shown.clone(), source: e };
     let drv = Derivation::parse(dir, drv_name(&info.path), aterm).map_err(parse_error)?;
+    let enabled = store.features.load(std::sync::atomic::Ordering::Relaxed);
+    for needed in drv.required_experimental_features() {
+        if enabled & feature_bit(needed) == 0 {
+            let why = format!("experimental Nix feature '{needed}' is disabled; add '--extra-experimental-features {needed}' to enable it");
+            return Err(parse_error(DerivationError(why)));
+        }
+    }
     let inputs: Vec<&StorePath> = drv.input_drvs.keys().filter(|p| !batch.contains(*p)).collect();
     let valid = store.registry.valid_paths(inputs.iter().copied())?;
     if let Some(input) = inputs.into_iter().find(|p| !valid.contains(*p)) {
@@ -269,6 +276,16 @@ pub(super) fn verify_derivation(store: &LocalStore, info: &ValidPathInfo, aterm:
     drv.check_outputs(dir, &info.path, &mut |input| store.drv_hashes(input)).map_err(LocalStoreError::DerivationOutputs)?;
     let outputs = drv.output_paths(dir).map_err(parse_error)?;
     Ok(outputs.into_iter().filter_map(|(name, path)| Some((name, path?))).collect())
+}
+
+/// The bit of [`LocalStore`]'s enabled features that stands for the experimental feature
+/// `name` (0 for a feature the registration of derivations does not depend on).
+pub(super) fn feature_bit(name: &str) -> u8 {
+    match name {
+        "ca-derivations" => 1,
+        "impure-derivations" => 2,
+        _ => 0,
+    }
 }
 
 #[cfg(test)]
