@@ -139,15 +139,44 @@ impl NarEntry {
     /// directory's entries are shown as `{}`.
     pub fn to_json(&self, recursive: bool, keys: JsonKeys) -> Vec<u8> {
         let mut out = Vec::new();
-        self.write_json(&mut out, recursive, true, keys);
+        self.write_json(&mut out, recursive, keys);
         out
     }
 
-    /// Writes straight into `out` (recursion with small frames: a NAR may nest 2048 deep).
-    fn write_json(&self, out: &mut Vec<u8>, recursive: bool, expand: bool, keys: JsonKeys) {
+    /// Writes straight into `out`, keeping the open directories on a heap stack (a listing is
+    /// rendered on a server's worker threads, whatever the depth of the tree).
+    fn write_json(&self, out: &mut Vec<u8>, recursive: bool, keys: JsonKeys) {
+        let mut open = Vec::new();
+        if let Some(entries) = self.open_json(out, true, keys) {
+            open.push((entries, true));
+        }
+        while let Some((entries, first)) = open.last_mut() {
+            match entries.next() {
+                Some((name, child)) => {
+                    if !std::mem::take(first) {
+                        out.push(b',');
+                    }
+                    json_string(out, name);
+                    out.push(b':');
+                    if let Some(entries) = child.open_json(out, recursive, keys) {
+                        open.push((entries, true));
+                    }
+                }
+                None => {
+                    open.pop();
+                    out.push(b'}');
+                    Self::close_json(out, b"\"type\":\"directory\"", keys);
+                }
+            }
+        }
+    }
+
+    /// Writes this node's JSON object, or only its head when it is a directory to `expand`
+    /// (whose entries the caller writes, then closes it with [`NarEntry::close_json`]).
+    fn open_json<'a>(&'a self, out: &mut Vec<u8>, expand: bool, keys: JsonKeys) -> Option<std::collections::btree_map::Iter<'a, Vec<u8>, NarEntry>> {
         if !expand {
             out.extend_from_slice(b"{}");
-            return;
+            return None;
         }
         let kind: &[u8] = match self {
             NarEntry::Regular { .. } => b"\"type\":\"regular\"",
@@ -173,17 +202,15 @@ impl NarEntry {
             }
             NarEntry::Directory { entries } => {
                 out.extend_from_slice(b"\"entries\":{");
-                for (i, (name, child)) in entries.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    json_string(out, name);
-                    out.push(b':');
-                    child.write_json(out, recursive, recursive, keys);
-                }
-                out.push(b'}');
+                return Some(entries.iter());
             }
         }
+        Self::close_json(out, kind, keys);
+        None
+    }
+
+    /// Ends a node's JSON object whose type member is `kind`.
+    fn close_json(out: &mut Vec<u8>, kind: &[u8], keys: JsonKeys) {
         if keys == JsonKeys::Sorted {
             out.push(b',');
             out.extend_from_slice(kind);
@@ -193,32 +220,41 @@ impl NarEntry {
 
     /// `nix nar ls` text output for this node, labelled `label` (Nix uses `.` for a directory
     /// root and the base name of the requested path otherwise). Lines end in `\n`; long lines
-    /// are `<mode> <size right-aligned in 20> <path>[ -> <target>]`.
+    /// are `<mode> <size right-aligned in 20> <path>[ -> <target>]`. Nix's `doPath` lists a
+    /// directory's contents (or, with `-d`, the node itself) and its `showFile` one line per
+    /// node, then with `-R` a directory's contents; the open directories are kept on a heap
+    /// stack.
     pub fn to_text(&self, label: &str, opts: TextOptions) -> Vec<u8> {
         let mut out = Vec::new();
         let mut rel = label.as_bytes().to_vec();
-        self.text_path(&mut out, &mut rel, opts, opts.directory);
+        let mut open = Vec::new();
+        match self {
+            NarEntry::Directory { entries } if !opts.directory => open.push((entries.iter(), rel.len())),
+            _ => {
+                self.text_line(&mut out, &rel, opts);
+                if let (true, NarEntry::Directory { entries }) = (opts.recursive, self) {
+                    open.push((entries.iter(), rel.len()));
+                }
+            }
+        }
+        while let Some((entries, len)) = open.last_mut() {
+            rel.truncate(*len);
+            let Some((name, child)) = entries.next() else {
+                open.pop();
+                continue;
+            };
+            rel.push(b'/');
+            rel.extend_from_slice(name);
+            child.text_line(&mut out, &rel, opts);
+            if let (true, NarEntry::Directory { entries }) = (opts.recursive, child) {
+                open.push((entries.iter(), rel.len()));
+            }
+        }
         out
     }
 
-    /// Nix's `doPath`: a directory's contents, or the node itself.
-    fn text_path(&self, out: &mut Vec<u8>, rel: &mut Vec<u8>, opts: TextOptions, show_directory: bool) {
-        match self {
-            NarEntry::Directory { entries } if !show_directory => {
-                for (name, child) in entries {
-                    let len = rel.len();
-                    rel.push(b'/');
-                    rel.extend_from_slice(name);
-                    child.text_file(out, rel, opts);
-                    rel.truncate(len);
-                }
-            }
-            _ => self.text_file(out, rel, opts),
-        }
-    }
-
-    /// Nix's `showFile`: one line, then the contents of a directory when recursive.
-    fn text_file(&self, out: &mut Vec<u8>, rel: &mut Vec<u8>, opts: TextOptions) {
+    /// One line of the text listing: this node at `rel`.
+    fn text_line(&self, out: &mut Vec<u8>, rel: &[u8], opts: TextOptions) {
         if opts.long {
             let mode = match self {
                 NarEntry::Regular { executable: true, .. } => "-r-xr-xr-x",
@@ -236,8 +272,20 @@ impl NarEntry {
             out.extend_from_slice(rel);
         }
         out.push(b'\n');
-        if opts.recursive && matches!(self, NarEntry::Directory { .. }) {
-            self.text_path(out, rel, opts, false);
+    }
+}
+
+/// A deep tree is dropped from a heap stack: the derived drop would recurse once per level.
+impl Drop for NarEntry {
+    fn drop(&mut self) {
+        let NarEntry::Directory { entries } = self else { return };
+        let mut pending = vec![std::mem::take(entries)];
+        while let Some(dir) = pending.pop() {
+            for (_, mut child) in dir {
+                if let NarEntry::Directory { entries } = &mut child {
+                    pending.push(std::mem::take(entries));
+                }
+            }
         }
     }
 }
@@ -294,6 +342,41 @@ mod tests {
         assert_eq!(tree.find([]), Some(&tree));
         let leaf = tree.find(["a"]).unwrap();
         assert_eq!(String::from_utf8(leaf.to_text("a", long)).unwrap(), "-r-xr-xr-x                    2 a\n");
+    }
+
+    /// The deepest NAR the reader accepts is listed, rendered both ways and dropped on a
+    /// thread whose stack is a 32nd of a default thread's: nothing recurses per level.
+    #[test]
+    fn the_deepest_listing_renders_and_drops_on_a_small_stack() {
+        let depth = crate::nar::reader::MAX_DEPTH;
+        let mut w = NarWriter::new(Vec::new()).unwrap();
+        let mut path: Vec<Vec<u8>> = Vec::new();
+        for _ in 0..depth {
+            w.directory_start(&path).unwrap();
+            path.push(b"d".to_vec());
+        }
+        w.symlink(&path, b"x").unwrap();
+        while path.pop().is_some() {
+            w.directory_end(&path).unwrap();
+        }
+        let nar = w.into_inner();
+        let rendered = std::thread::Builder::new()
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                let tree = list(&nar[..]).unwrap();
+                let json = [JsonKeys::Nix2_8, JsonKeys::Sorted].map(|k| String::from_utf8(tree.to_json(true, k)).unwrap());
+                (json, String::from_utf8(tree.to_text(".", TextOptions { long: false, recursive: true, directory: false })).unwrap())
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        let ([nix2_8, sorted], text) = rendered;
+        let nested = |open: &str, leaf: &str, close: &str| format!("{}{leaf}{}", open.repeat(depth), close.repeat(depth));
+        assert_eq!(nix2_8, nested(r#"{"type":"directory","entries":{"d":"#, r#"{"type":"symlink","target":"x"}"#, "}}"));
+        assert_eq!(sorted, nested(r#"{"entries":{"d":"#, r#"{"target":"x","type":"symlink"}"#, r#"},"type":"directory"}"#));
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), depth);
+        assert_eq!(lines[depth - 1].len(), 1 + 2 * depth);
     }
 
     #[test]
