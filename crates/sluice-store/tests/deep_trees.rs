@@ -75,3 +75,29 @@ fn every_walk_over_the_deepest_tree_runs_on_a_small_stack() {
         assert!(!root.join("nix/store").join(base).exists(), "{base} is still there");
     }
 }
+
+/// A user's `gcroots/per-user` directory nested as deep as `PATH_MAX` allows, with a root at the
+/// bottom: finding the roots (every GC, and `--gc --print-roots` as any user through the
+/// daemon) keeps its own stack and finds that root.
+#[test]
+fn roots_below_the_deepest_gcroots_tree_are_found_on_a_small_stack() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    let nar = deep_nar(&tmp.path().join("tree"), 1, 1);
+    let base = "0000000000000000000000000000d1ir-rooted";
+    assert!(add(&store, &honest_info(base, &nar), &mut nar.as_slice()).unwrap());
+    let user_dir = root.join("nix/var/nix/gcroots/per-user/nobody");
+    std::fs::create_dir_all(&user_dir).unwrap();
+    let levels = (4096 - 2 - user_dir.as_os_str().len() - "/root".len()) / 2;
+    let mut link = user_dir;
+    for _ in 0..levels {
+        link.push("d");
+    }
+    std::fs::create_dir_all(&link).unwrap();
+    link.push("root");
+    std::os::unix::fs::symlink(format!("/nix/store/{base}"), &link).unwrap();
+    let roots = on_small_stack(move || store.find_roots(false).unwrap());
+    let path = StorePath::from_base_name(base).unwrap();
+    assert_eq!(roots.get(&path).map(|links| links.iter().cloned().collect::<Vec<_>>()), Some(vec![link.display().to_string()]));
+}

@@ -254,9 +254,21 @@ impl LocalStore {
         Ok(roots)
     }
 
-    /// Nix's `findRoots(path, type, roots)`: `path` and, for a directory, everything below.
-    /// Entries that cannot be read (EACCES, ENOENT, ENOTDIR) are skipped.
-    fn find_roots_in(&self, path: &Path, roots: &mut Roots) -> Result<(), LocalStoreError> {
+    /// Nix's `findRoots(path, type, roots)`: `top` and, for a directory, everything below.
+    /// Entries that cannot be read (EACCES, ENOENT, ENOTDIR) are skipped. Users write below
+    /// `gcroots/per-user`, so the directories still to read are kept on a heap stack, not by
+    /// recursion per level.
+    fn find_roots_in(&self, top: &Path, roots: &mut Roots) -> Result<(), LocalStoreError> {
+        let mut pending = vec![top.to_owned()];
+        while let Some(path) = pending.pop() {
+            self.find_root_at(&path, roots, &mut pending)?;
+        }
+        Ok(())
+    }
+
+    /// One entry of [`LocalStore::find_roots_in`]'s walk: a root it is, or a directory whose
+    /// entries go onto `pending`.
+    fn find_root_at(&self, path: &Path, roots: &mut Roots, pending: &mut Vec<PathBuf>) -> Result<(), LocalStoreError> {
         let skippable = |e: &io::Error| {
             [rustix::io::Errno::ACCESS, rustix::io::Errno::NOENT, rustix::io::Errno::NOTDIR].iter().any(|n| e.raw_os_error() == Some(n.raw_os_error()))
         };
@@ -272,8 +284,7 @@ impl LocalStore {
                 Err(e) => return Err(io_err("listing the roots in", path)(e)),
             };
             for entry in entries {
-                let entry = entry.map_err(io_err("listing the roots in", path))?;
-                self.find_roots_in(&entry.path(), roots)?;
+                pending.push(entry.map_err(io_err("listing the roots in", path))?.path());
             }
         } else if meta.file_type().is_symlink() {
             let target = std::fs::read_link(path).map_err(io_err("reading the root", path))?;
