@@ -198,22 +198,29 @@ async fn store_entries(store: &dyn Store, roots: Vec<StorePath>, recursive: bool
 
 /// The entries with every path after its references, as Nix's `topoSortPaths` orders them
 /// (`src/libutil/topo-sort.hh`): a depth-first walk in path order, each path emitted after the
-/// references among the entries.
+/// references among the entries. The walk keeps its own stack: a cache's closure may be a
+/// chain of any length.
 fn topo_sorted(entries: &BTreeMap<StorePath, Entry>) -> Vec<&StorePath> {
-    fn visit<'a>(path: &'a StorePath, entries: &'a BTreeMap<StorePath, Entry>, seen: &mut BTreeSet<&'a StorePath>, out: &mut Vec<&'a StorePath>) {
-        if !seen.insert(path) {
-            return;
-        }
-        for r in entries[path].info.references.iter().filter(|r| *r != path) {
-            if let Some((key, _)) = entries.get_key_value(r) {
-                visit(key, entries, seen, out);
-            }
-        }
-        out.push(path);
+    fn among<'a>(entries: &'a BTreeMap<StorePath, Entry>, path: &'a StorePath) -> impl Iterator<Item = &'a StorePath> {
+        let refs = entries.get(path).map(|e| &e.info.references).into_iter().flatten();
+        refs.filter(move |r| *r != path).filter_map(|r| entries.get_key_value(r).map(|(key, _)| key))
     }
     let (mut seen, mut out) = (BTreeSet::new(), Vec::new());
-    for path in entries.keys() {
-        visit(path, entries, &mut seen, &mut out);
+    for top in entries.keys() {
+        if !seen.insert(top) {
+            continue;
+        }
+        let mut walk = vec![(top, among(entries, top))];
+        while let Some((path, refs)) = walk.last_mut() {
+            match refs.next() {
+                Some(r) if seen.insert(r) => walk.push((r, among(entries, r))),
+                Some(_) => {}
+                None => {
+                    out.push(*path);
+                    walk.pop();
+                }
+            }
+        }
     }
     out
 }
@@ -315,4 +322,28 @@ fn to_json_2_8(e: &Entry, store_dir: &StoreDir, closure: Option<&(u64, u64)>) ->
         }
     }
     Value::Object(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_nix::hash::{Hash, HashAlgo};
+    use sluice_nix::path_info::ValidPathInfo;
+
+    /// A chain of 100,000 paths, each referring to the next (and to itself), is ordered with
+    /// every path after its references, on a thread with a 64 KiB stack.
+    #[test]
+    fn a_long_chain_is_sorted_on_a_small_stack() {
+        const N: usize = 100_000;
+        let path = |i: usize| StorePath::from_base_name(&format!("{i:032}-p")).unwrap();
+        let entries: BTreeMap<StorePath, Entry> = (0..N)
+            .map(|i| {
+                let references = std::iter::once(path(i)).chain((i + 1 < N).then(|| path(i + 1))).collect();
+                let info = ValidPathInfo { path: path(i), nar_hash: Hash::digest_bytes(HashAlgo::Sha256, b""), nar_size: 0, references, deriver: None, registration_time: 0, ultimate: false, sigs: Default::default(), ca: None };
+                (path(i), PathInfo::of(info))
+            })
+            .collect();
+        let sorted: Vec<StorePath> = std::thread::Builder::new().stack_size(64 << 10).spawn(move || topo_sorted(&entries).into_iter().cloned().collect()).unwrap().join().unwrap();
+        assert_eq!(sorted, (0..N).rev().map(path).collect::<Vec<_>>());
+    }
 }

@@ -614,9 +614,9 @@ impl Collection<'_> {
         let mut referrers_left: BTreeMap<&StorePath, usize> = paths.iter().map(|p| (p, 0)).collect();
         for p in paths {
             let refs = self.store.query_path_info(p)?.map(|i| i.references).unwrap_or_default();
-            let within: Vec<&StorePath> = paths.iter().filter(|r| *r != p && refs.contains(*r)).collect();
+            let within: Vec<&StorePath> = refs.iter().filter(|r| *r != p).filter_map(|r| paths.get(r)).collect();
             for r in &within {
-                *referrers_left.get_mut(r).expect("within the set") += 1;
+                *referrers_left.entry(r).or_default() += 1;
             }
             references.insert(p, within);
         }
@@ -624,9 +624,9 @@ impl Collection<'_> {
         let mut sorted = Vec::with_capacity(paths.len());
         while let Some(p) = ready.pop() {
             sorted.push(p.clone());
-            for r in &references[p] {
-                let n = referrers_left.get_mut(r).expect("within the set");
-                *n -= 1;
+            for r in references.get(p).into_iter().flatten() {
+                let n = referrers_left.entry(r).or_default();
+                *n = n.saturating_sub(1);
                 if *n == 0 {
                     ready.push(r);
                 }
