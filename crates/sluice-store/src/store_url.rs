@@ -138,7 +138,7 @@ pub enum CacheKind { File, Http, S3(S3Params) }
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheWriteParams {
     /// `compression=` of NARs: `xz`, `zstd`, `br`, `gzip`, `bzip2` or `none`; default
-    /// [`DEFAULT_COMPRESSION`] (Nix's is `xz`; see the README for why sluice's differs).
+    /// [`DEFAULT_COMPRESSION`] (Nix's is `xz`; `docs/caches.md` says why sluice's differs).
     pub compression: crate::compression::Compression,
     /// `compression-level=N`; `None` (Nix's -1): the method's default level.
     pub compression_level: Option<i32>,

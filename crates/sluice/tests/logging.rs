@@ -62,7 +62,7 @@ fn piped_output_prints_the_copying_lines_real_nix_prints() {
         let want = copying_lines(&o);
         assert_eq!(want.len(), 25, "{nix:?} prints a line per path:\n{}", stderr(&o));
         assert_eq!(ours, want, "{nix:?}");
-        // Nix counts the missing paths first; sluice queries them while copying (README).
+        // Nix counts the missing paths first; sluice queries them while copying (docs/logging.md).
         assert!(stderr(&o).lines().any(|l| l == "copying 25 paths..."), "{nix:?}");
     }
     // --quiet drops them, as Nix's.

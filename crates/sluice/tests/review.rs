@@ -109,7 +109,7 @@ fn nar_restore_leaves_nothing_on_reject() {
     }
 }
 
-/// README: "metadata of paths … as `nix path-info` prints it". Without `--json`, Nix 2.8 prints
+/// docs/usage.md: "metadata of paths … as `nix path-info` prints it". Without `--json`, Nix 2.8 prints
 /// `-r` closures in topological order (dependencies first); sluice prints them sorted by hash.
 #[test]
 fn path_info_text_order_matches_nix() {
