@@ -1,5 +1,5 @@
 //! The CPU that Nix's binary-cache format itself demands to substitute a closure, on one core
-//! and without creating a file: the lower bound of issue 16. Whatever a client does about files,
+//! and without creating a file: the lower bound of a copy. Whatever a client does about files,
 //! locks and its database, it must parse each narinfo, check one signature per path, decompress
 //! each NAR, hash it and parse it; this measures that part, so that a bound for `sluice copy`
 //! on a 2-core machine is (stage 6) / 2 of CPU on top of the files' own system calls.

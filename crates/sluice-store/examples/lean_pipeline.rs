@@ -1,5 +1,5 @@
 //! The CPU of sluice's own parts substituting a closure from a `file://` cache, put together
-//! with as little coordination as a pipeline can have (issue 16: is the gap to the `tar -x`
+//! with as little coordination as a pipeline can have (is the gap to the `tar -x`
 //! floor in the parts, or in the way `sluice copy` puts them together?). Run by
 //! `bench/copy-floor --lean`, beside `sluice copy`:
 //!

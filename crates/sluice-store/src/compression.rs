@@ -189,7 +189,7 @@ pub fn read_buffer(size: Option<u64>) -> usize {
 /// names) are served from it; a file's contents, read in chunks at least this large, bypass
 /// it (`BufReader` hands such reads straight to the decoder), so that the contents are copied
 /// once between the decoder and the file, and a NAR does not get a buffer as large as itself,
-/// to be zeroed and faulted in (measured in docs/benchmarks.md, issue 16, sixth session).
+/// to be zeroed and faulted in (docs/benchmarks.md).
 pub const NAR_READ_BUFFER: usize = 8 * 1024;
 
 /// A compressing writer made by [`Compression::encoder`].

@@ -3,9 +3,8 @@
 //! (unpacking a NAR whose bytes are on this machine, a `file://` cache's). Tokio's blocking pool (up to
 //! `max_blocking_threads`, 96 in `sluice`) starts a thread whenever none is idle, so a copy
 //! that hands it a NAR per path ran on dozens of threads, each with its own allocator arena,
-//! and every hand-off woke and raced idle threads for the pool's lock: on the corpus copy from
-//! `file://` this pool cut the CPU by about a tenth (docs/benchmarks.md, issue 16, fourth
-//! session). A NAR arriving over the network is still unpacked on tokio's pool: a transfer
+//! and every hand-off woke and raced idle threads for the pool's lock, which cost a tenth of a
+//! copy's CPU (docs/benchmarks.md). A NAR arriving over the network is still unpacked on tokio's pool: a transfer
 //! that trickles in holds one of many threads there, and would hold one of these few.
 //!
 //! A job's priority is a number its submitter may raise while it waits, read when a thread

@@ -18,20 +18,15 @@ mod terminal;
 
 /// The allocator: jemalloc, whose per-thread caches take the buffers and path records that
 /// one thread allocates and another frees (a NAR's chunks, unpacked on one thread and
-/// registered on another) without glibc's arena locks and consolidations. On the corpus copy
-/// from `file://` into tmpfs (8 alternating runs): task-clock 235 -> 222 ms, wall 170 -> 158 ms,
-/// peak RSS 33 -> 38 MiB (docs/benchmarks.md, issue 16). mimalloc, tried the same way, raised
-/// the peak RSS to 85 MiB and the system time with its page faults.
+/// registered on another) without glibc's arena locks; docs/benchmarks.md has the comparison
+/// with glibc's malloc and mimalloc.
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// jemalloc's options (its `malloc_conf`, read at its start; `_RJEM_MALLOC_CONF` in the
 /// environment adds to them): pages freed are given back after 100 ms rather than jemalloc's
-/// 10 s, which kept download buffers of a copy over the network resident. The corpus copy
-/// over HTTPS at RTT 100 ms (`bench/copy-floor`): median peak RSS 77 MiB before, 66-74 MiB in
-/// three later runs of 3-5 copies (single copies 63-78; glibc's malloc 51-54 MiB), the copy
-/// from `file://` into tmpfs no slower (10 alternating runs). Giving pages back at once
-/// (`dirty_decay_ms:0`) cost 14 % more CPU there; one arena instead of 8 changed nothing.
+/// 10 s, which kept a network copy's download buffers resident; giving them back at once costs
+/// CPU (docs/benchmarks.md).
 #[export_name = "_rjem_malloc_conf"]
 static JEMALLOC_OPTIONS: &[u8; 19] = b"dirty_decay_ms:100\0";
 
@@ -142,9 +137,8 @@ const DESCRIPTOR_TABLE: libc::c_int = 16384;
 /// when a descriptor above its size is opened, doubling it from 64 entries, and a process
 /// with more than one thread waits in `synchronize_rcu()` each time (`expand_fdtable` in
 /// `fs/file.c`) while every other thread that opens a file waits for it: a copy that holds
-/// a thousand lock files grew it four times, and all its threads stood still for 10 to 20 ms
-/// each time (the corpus copy into tmpfs, issue 16). Grown here it costs 8 bytes and 2 bits per
-/// entry and no wait. Nothing to do if it fails.
+/// a thousand lock files grew it four times, each time stopping all its threads (measured in
+/// docs/benchmarks.md). Grown here it costs 8 bytes and 2 bits per entry and no wait. Nothing to do if it fails.
 fn grow_descriptor_table(soft_limit: libc::rlim_t) {
     let highest = soft_limit.min(DESCRIPTOR_TABLE as libc::rlim_t) as libc::c_int - 1;
     // SAFETY: dup2 and close act on a descriptor number nothing else uses (above every open

@@ -3,8 +3,7 @@
 //! A copy logs a line per path (`copying path 'X' from 'URL'...`, or in JSON an activity's
 //! start, results and stop), as Nix does. Written one `write` each into a pipe (a CI log, a
 //! script, nix-output-monitor), every line wakes the reader, on the core the copy's other half
-//! needs: the corpus copy (1056 paths) into tmpfs took 134 ms with its standard error read by
-//! `cat`, 118 ms with its lines gathered (8 alternating runs, medians). While [`Gathering`],
+//! needs, and slows the copy (docs/benchmarks.md). While [`Gathering`],
 //! lines are written together: at once when [`FULL`] bytes are waiting, and otherwise every
 //! [`EVERY`], so that a line is late by at most that. The order of lines is kept: every line
 //! sluice writes to standard error goes through [`write`].

@@ -10,8 +10,8 @@
 //! NAR downloads go over [`NAR_CONNECTIONS`] connections of their own, opened at the same
 //! moment ([`ClientPool::next_nar`]): a NAR stream holds one of its connection's streams until
 //! its body is read (while it is unpacked), so on shared connections the narinfo requests of
-//! the closure's last levels queued behind NAR bytes (issue 16: the last narinfo at RTT 100
-//! arrived 15.3 RTT after the start instead of depth + 3 = 12).
+//! the closure's last levels queued behind NAR bytes, and the last narinfo came round trips
+//! late (docs/benchmarks.md).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};

@@ -1,8 +1,7 @@
 //! zstd streams (one frame or several, as `zstd` and Nix before 2.35 write them) decoded with
 //! decompression contexts the process keeps: a context holds its window buffer (up to the
 //! frame's window, 2 MiB at Nix's default level), and making one per NAR, then faulting in and
-//! freeing its buffers, was 2 % of a copy's CPU samples (`ZSTD_createDCtx`; kept, the copy's
-//! page faults fell by 13 %: docs/benchmarks.md, issue 16, fourth session). Decoding is zstd's
+//! freeing its buffers, showed in a copy's profile (docs/benchmarks.md). Decoding is zstd's
 //! `ZSTD_decompressStream`; as Nix's `makeDecompressionSink` (`src/libutil/compression.cc`,
 //! zstd through libarchive) reads them, concatenated frames are decoded in turn and skippable
 //! frames skipped.

@@ -40,8 +40,7 @@ const REGISTER_VALID_PATH: &str = "insert into ValidPaths (path, hash, registrat
 /// Nix writes `insert or replace`; both leave the one row a (referrer, reference) pair can have
 /// (foreign keys are checked either way: `or` does not apply to them). But `replace`, which
 /// may delete a row, makes SQLite keep a statement journal for every reference inserted
-/// (`memjrnlWrite`: 10–15 % of a registration's CPU, docs/benchmarks.md, issue 16, sixth
-/// session).
+/// (`memjrnlWrite`, a tenth of a registration's CPU: docs/benchmarks.md).
 const ADD_REFERENCE: &str = "insert or ignore into Refs (referrer, reference) values (?, ?)";
 const ADD_DERIVATION_OUTPUT: &str = "insert or replace into DerivationOutputs (drv, id, path) values (?, ?, ?)";
 
