@@ -3,8 +3,9 @@
 //! substituter, signatures verified with the server's public key, `nix path-info -r --json`
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
 //! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
-//! hostile clients (traversal, huge headers, thousands of
-//! idle connections, a client that stops reading).
+//! hostile clients (traversal, huge headers, thousands of idle connections, a client that
+//! stops reading, h2c connections that only answer PINGs, a request body trickled a byte at a
+//! time, HTTP/2 streams never read) beside a slow reader that keeps up.
 
 
 use std::collections::BTreeSet;
@@ -29,6 +30,13 @@ fn source_store(tmp: &Path, root: &str) -> PathBuf {
     let from = format!("file://{}", corpus().join("cache-xz").display());
     check(&sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]), "filling the source store");
     src
+}
+
+/// `sluice serve ARGS` of a store holding the 25-path subset (under `tmp`), and the subset's paths.
+fn serve_subset(tmp: &Path, args: &[&str]) -> (Server, BTreeSet<String>) {
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    (Server::start(tmp, &src, args), paths)
 }
 
 /// A new signing key under `tmp`: (secret key file, public key).
@@ -501,11 +509,8 @@ impl H2 {
 #[test]
 fn h2c_connections_that_only_ping_are_closed_when_idle_and_lock_no_client_out() {
     let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let (root, _) = subset();
-    let src = source_store(tmp, &root);
     // As many connections as the server takes: a client coming next waits in the backlog.
-    let server = Server::start(tmp, &src, &["--idle-timeout", "2", "--max-connections", "200"]);
+    let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "2", "--max-connections", "200"]);
     let mut pingers: Vec<H2> = (0..200).map(|_| H2::connect(&server.addr, 65535)).collect();
     // Each one served (the server's SETTINGS came) before the real client connects.
     let mut served = vec![false; pingers.len()];
@@ -554,10 +559,7 @@ fn h2c_connections_that_only_ping_are_closed_when_idle_and_lock_no_client_out() 
 #[test]
 fn a_request_body_trickled_a_byte_at_a_time_is_ended() {
     let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let (root, _) = subset();
-    let src = source_store(tmp, &root);
-    let server = Server::start(tmp, &src, &["--idle-timeout", "3"]);
+    let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
     let mut s = TcpStream::connect(&server.addr).unwrap();
     s.write_all(b"POST /_sluice/v1/narinfos HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n").unwrap();
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -583,10 +585,7 @@ fn a_request_body_trickled_a_byte_at_a_time_is_ended() {
 #[test]
 fn h2_a_slow_download_goes_on_while_streams_never_read_are_closed() {
     let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let (root, paths) = subset();
-    let src = source_store(tmp, &root);
-    let server = Server::start(tmp, &src, &["--idle-timeout", "3"]);
+    let (server, paths) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
     // glibc's NAR, the subset's largest (about 300 KB).
     let glibc = paths.iter().find(|p| p.ends_with("-glibc-2.37-8")).unwrap();
     let narinfo = server.raw(format!("GET /{}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", &glibc["/nix/store/".len()..][..32]).as_bytes());
