@@ -10,11 +10,11 @@
 //!   and at once if it then writes less than [`progress::STEP`] bytes in an `idle` period:
 //!   what travels without a request (HTTP/2 PINGs and their ACKs, SETTINGS, WINDOW_UPDATE, a
 //!   request head a byte at a time) keeps no connection open;
-//! - a request in progress must make progress whenever it waits on the client: move
-//!   [`progress::STEP`] bytes of its request body or of its response, or end, within each
-//!   `idle` period ([`crate::progress`]); otherwise its connection is closed at once (a
+//! - while a request in progress waits on the client (for its body, or to take its answer),
+//!   the connection must move [`progress::STEP`] bytes (request body bytes read, bytes
+//!   written) within each `idle` period ([`crate::progress`]), or it is closed at once: a
 //!   request body trickled a byte at a time, a client that stops reading a NAR, HTTP/2 streams
-//!   opened and never finished or never read). Time the server itself takes (a slow store)
+//!   opened and never finished or never read. Time the server itself takes (a slow store)
 //!   does not count;
 //! - HTTP/1.1 request heads must arrive within `idle` and fit [`MAX_HEAD`] bytes (hyper
 //!   answers 431 past it); HTTP/2 header lists are bounded the same, streams per connection

@@ -560,6 +560,9 @@ fn h2c_connections_that_only_ping_are_closed_when_idle_and_lock_no_client_out() 
 fn a_request_body_trickled_a_byte_at_a_time_is_ended() {
     let tmp = tempfile::tempdir().unwrap();
     let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
+    // A keep-alive connection after its request, idle meanwhile.
+    let mut kept = TcpStream::connect(&server.addr).unwrap();
+    kept.write_all(b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     let mut s = TcpStream::connect(&server.addr).unwrap();
     s.write_all(b"POST /_sluice/v1/narinfos HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n").unwrap();
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -579,6 +582,10 @@ fn a_request_body_trickled_a_byte_at_a_time_is_ended() {
     };
     let ended = ended.expect("the trickled request still going after 15 s");
     assert!(ended >= Duration::from_secs(3) && ended < Duration::from_secs(7), "ended after {ended:?}");
+    let mut answer = String::new();
+    kept.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    assert!(kept.read_to_string(&mut answer).is_ok(), "the keep-alive connection still open: {answer:?}");
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("StoreDir: /nix/store"), "{answer}");
     assert_eq!(server.status_of("/nix-cache-info"), 200);
 }
 
