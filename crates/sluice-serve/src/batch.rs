@@ -17,7 +17,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, Response, StatusCode};
 use sluice_nix::path_info::ValidPathInfo;
@@ -25,7 +24,7 @@ use sluice_nix::store_path::StorePath;
 use sluice_store::store::StoreError;
 use tokio::sync::mpsc;
 
-use crate::routes::{is_hash_part, App};
+use crate::routes::{is_hash_part, App, RequestBody};
 
 /// Where the batch endpoints live (after the leading `/`).
 pub const PREFIX: &str = "_sluice/v1/";
@@ -73,7 +72,7 @@ fn refuse(code: StatusCode, text: String) -> Answer {
 
 /// Answers a batch request: reads and checks the hash parts, then streams the lines as a
 /// task walks the store.
-pub async fn answer(app: Arc<App>, kind: Kind, req: Request<Incoming>) -> Answer {
+pub async fn answer(app: Arc<App>, kind: Kind, req: Request<RequestBody>) -> Answer {
     let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {

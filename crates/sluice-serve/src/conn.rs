@@ -5,34 +5,39 @@
 //! - at most `max_connections` at once; past that the server stops accepting (the kernel's
 //!   backlog holds the rest) until one closes;
 //! - a TLS handshake must finish within [`HANDSHAKE_TIMEOUT`];
-//! - a connection with a read or write pending and no byte moved either way for `idle`
-//!   is closed ([`Deadline`]): an idle keep-alive connection, a client that stops reading a
-//!   NAR, one that sends a request a byte a minute;
+//! - a connection with no request in progress for `idle` (since it opened or its last request
+//!   ended) is closed, gracefully (HTTP/2 GOAWAY, HTTP/1.1 after the answer being written),
+//!   and at once if it then writes less than [`progress::STEP`] bytes in an `idle` period:
+//!   what travels without a request (HTTP/2 PINGs and their ACKs, SETTINGS, WINDOW_UPDATE, a
+//!   request head a byte at a time) keeps no connection open;
+//! - while a request in progress waits on the client (for its body, or to take its answer),
+//!   the connection must move [`progress::STEP`] bytes (request body bytes read, bytes
+//!   written) within each `idle` period ([`crate::progress`]), or it is closed at once: a
+//!   request body trickled a byte at a time, a client that stops reading a NAR, HTTP/2 streams
+//!   opened and never finished or never read. Time the server itself takes (a slow store)
+//!   does not count;
 //! - HTTP/1.1 request heads must arrive within `idle` and fit [`MAX_HEAD`] bytes (hyper
 //!   answers 431 past it); HTTP/2 header lists are bounded the same, streams per connection
 //!   by [`MAX_STREAMS`], and what is buffered for sending per stream by [`MAX_SEND_BUF`].
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::io;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::body::Incoming;
-use hyper::{Request, Response};
+use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
-use tokio::time::{Instant, Sleep};
 use tokio_rustls::rustls;
 use tokio_rustls::TlsAcceptor;
 
-use crate::routes::{App, Body};
+use crate::progress::{self, Activity, Counted, Side, Tracked, Verdict};
+use crate::routes::App;
 
 /// Most bytes of an HTTP/1.1 request head (request line and headers), and of an HTTP/2 header
 /// list.
@@ -49,7 +54,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Limits {
     /// Connections open at once.
     pub max_connections: usize,
-    /// Time without progress after which a connection is closed.
+    /// Time after which a connection without a request, or a request waiting on its client
+    /// without progress, is closed.
     pub idle: Duration,
 }
 
@@ -74,14 +80,7 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, String> {
 pub async fn run(listeners: Vec<TcpListener>, tls: Option<TlsAcceptor>, app: Arc<App>, limits: Limits) -> io::Result<()> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle).max_buf_size(MAX_HEAD);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(MAX_STREAMS)
-        .max_header_list_size(MAX_HEAD as u32)
-        .max_send_buf_size(MAX_SEND_BUF)
-        .keep_alive_interval(Some(limits.idle / 2))
-        .keep_alive_timeout(limits.idle / 2);
+    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS).max_header_list_size(MAX_HEAD as u32).max_send_buf_size(MAX_SEND_BUF);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let accepting = listeners.into_iter().map(|l| tokio::spawn(accept_loop(l, tls.clone(), app.clone(), builder.clone(), slots.clone(), limits.idle)));
     for done in futures::future::join_all(accepting).await {
@@ -107,15 +106,10 @@ async fn accept_loop(listener: TcpListener, tls: Option<TlsAcceptor>, app: Arc<A
         let (app, builder, tls) = (app.clone(), builder.clone(), tls.clone());
         tokio::spawn(async move {
             let _slot = slot;
-            let io = Deadline::new(tcp, idle);
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let app = app.clone();
-                async move { Ok::<Response<Body>, Infallible>(app.handle(req).await) }
-            });
             let served = match tls {
-                None => builder.serve_connection(TokioIo::new(io), service).await,
-                Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
-                    Ok(Ok(stream)) => builder.serve_connection(TokioIo::new(stream), service).await,
+                None => serve(&builder, tcp, app, idle).await,
+                Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => serve(&builder, stream, app, idle).await,
                     Ok(Err(e)) => Err(e.into()),
                     Err(_) => Err("TLS handshake timed out".into()),
                 },
@@ -127,73 +121,36 @@ async fn accept_loop(listener: TcpListener, tls: Option<TlsAcceptor>, app: Arc<A
     }
 }
 
-/// A stream that fails with `TimedOut` once a read or write has been pending for `timeout`
-/// with no byte moved either way since the last progress.
-pub struct Deadline<T> {
-    inner: T,
-    timeout: Duration,
-    last_progress: Instant,
-    sleep: Pin<Box<Sleep>>,
-}
-
-impl<T> Deadline<T> {
-    pub fn new(inner: T, timeout: Duration) -> Self {
-        let now = Instant::now();
-        Deadline { inner, timeout, last_progress: now, sleep: Box::pin(tokio::time::sleep_until(now + timeout)) }
-    }
-
-    /// After the inner stream returned `Pending`: arms the timer for the current deadline
-    /// and fails once it has passed.
-    fn pending(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
-        let deadline = self.last_progress + self.timeout;
-        if self.sleep.deadline() != deadline {
-            self.sleep.as_mut().reset(deadline);
-        }
-        match self.sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, format!("no progress for {} s", self.timeout.as_secs()))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn progressed<R>(&mut self, r: Poll<io::Result<R>>, cx: &mut Context<'_>) -> Poll<io::Result<R>> {
-        match r {
-            Poll::Ready(r) => {
-                self.last_progress = Instant::now();
-                Poll::Ready(r)
+/// Serves `app` on one connection, each request and its bodies [`Tracked`] in the
+/// connection's [`Activity`], until the client closes it or the watchdog does (see the
+/// module doc).
+async fn serve<S>(builder: &auto::Builder<TokioExecutor>, stream: S, app: Arc<App>, idle: Duration) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let activity = Activity::new(idle);
+    let requests = activity.clone();
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let (app, request) = (app.clone(), requests.start());
+        let req = req.map(|body| Tracked::new(body, Side::Request, request.clone()));
+        async move { Ok::<_, Infallible>(app.handle(req).await.map(|body| Tracked::new(body, Side::Response, request))) }
+    });
+    let conn = builder.serve_connection(TokioIo::new(Counted::new(stream, activity.clone())), service);
+    tokio::pin!(conn);
+    let verdict = tokio::select! {
+        served = conn.as_mut() => return served,
+        verdict = activity.verdict() => verdict,
+    };
+    match verdict {
+        Verdict::Stalled => Err(format!("a request waited on the client while less than {} bytes moved in {} s", progress::STEP, idle.as_secs()).into()),
+        Verdict::Idle => {
+            // What the connection still holds of its last answers goes out at the same rate.
+            conn.as_mut().graceful_shutdown();
+            let closing = tokio::time::Instant::now();
+            tokio::select! {
+                served = conn => served,
+                () = activity.stalled(closing) => Err(format!("closing: less than {} bytes written in {} s", progress::STEP, idle.as_secs()).into()),
             }
-            Poll::Pending => self.pending(cx).map(Err),
         }
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Deadline<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        self.progressed(r, cx)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Deadline<T> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.progressed(r, cx)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let r = Pin::new(&mut self.inner).poll_flush(cx);
-        self.progressed(r, cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.progressed(r, cx)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
     }
 }

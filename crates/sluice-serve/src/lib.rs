@@ -2,12 +2,13 @@
 //! a binary cache that unmodified Nix substitutes from (as nix-serve and harmonia do), plus
 //! batch endpoints that give sluice's closure engine many narinfos, or a whole closure, in one
 //! round trip. [`routes`] answers requests, [`batch`] the batch endpoints, [`narinfo`] renders
-//! what both serve, [`conn`] accepts connections and bounds them, [`metrics`] counts.
+//! what both serve, [`conn`] accepts connections and bounds them ([`progress`] tells what moves), [`metrics`] counts.
 
 pub mod batch;
 pub mod conn;
 pub mod metrics;
 pub mod narinfo;
+pub mod progress;
 pub mod routes;
 
 pub use conn::{run, tls_acceptor, Limits};

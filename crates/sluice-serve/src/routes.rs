@@ -15,7 +15,6 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, RANGE};
 use hyper::{Method, Request, Response, StatusCode};
 use sluice_nix::base32;
@@ -25,10 +24,13 @@ use sluice_nix::store_path::{StorePath, HASH_PART_LEN};
 use sluice_store::store::{NarReader, Store, StoreError};
 
 use crate::metrics::{Metered, Metrics};
+use crate::progress::Tracked;
 use crate::{batch, narinfo};
 
 /// A response body: streamed, metered.
 pub type Body = Metered<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>;
+/// A request body: the connection's, tracked for progress ([`crate::progress`]).
+pub type RequestBody = Tracked<hyper::body::Incoming>;
 
 /// Longest request target and header line accepted, as nginx's default
 /// `large_client_header_buffers 4 8k` (414 and 431 past it; nginx says 414 and 400).
@@ -262,7 +264,7 @@ fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes
 
 impl App {
     /// Answers one request (never fails: store errors become 500 naming the store and path).
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+    pub async fn handle(self: Arc<Self>, req: Request<RequestBody>) -> Response<Body> {
         let started = Instant::now();
         let path = req.uri().path().to_string();
         let route = route(&path);
@@ -279,7 +281,7 @@ impl App {
         Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started))
     }
 
-    async fn answer(self: &Arc<Self>, route: Route<'_>, req: Request<Incoming>) -> Result<Answer, StoreError> {
+    async fn answer(self: &Arc<Self>, route: Route<'_>, req: Request<RequestBody>) -> Result<Answer, StoreError> {
         if req.uri().to_string().len() > MAX_LINE {
             return Ok(status(StatusCode::URI_TOO_LONG, "request target too long"));
         }

@@ -41,8 +41,10 @@ pub struct Args {
     /// Connections open at once; more wait in the listen backlog.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
-    /// Seconds a connection may wait with nothing moving before it is closed (also the time a
-    /// request head may take to arrive).
+    /// Seconds a connection may stay without a request in progress before it is closed
+    /// (HTTP/2 PINGs do not count), within which a request head must arrive, and within which
+    /// a connection must move 64 KiB while a request on it waits on the client (sending its
+    /// body, reading the answer).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout: u64,
     #[command(flatten)]

@@ -3,8 +3,9 @@
 //! substituter, signatures verified with the server's public key, `nix path-info -r --json`
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
 //! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
-//! hostile clients (traversal, huge headers, thousands of
-//! idle connections, a client that stops reading).
+//! hostile clients (traversal, huge headers, thousands of idle connections, a client that
+//! stops reading, h2c connections that only answer PINGs, a request body trickled a byte at a
+//! time, HTTP/2 streams never read) beside a slow reader that keeps up.
 
 
 use std::collections::BTreeSet;
@@ -29,6 +30,13 @@ fn source_store(tmp: &Path, root: &str) -> PathBuf {
     let from = format!("file://{}", corpus().join("cache-xz").display());
     check(&sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]), "filling the source store");
     src
+}
+
+/// `sluice serve ARGS` of a store holding the 25-path subset (under `tmp`), and the subset's paths.
+fn serve_subset(tmp: &Path, args: &[&str]) -> (Server, BTreeSet<String>) {
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    (Server::start(tmp, &src, args), paths)
 }
 
 /// A new signing key under `tmp`: (secret key file, public key).
@@ -400,4 +408,235 @@ fn a_path_deleted_is_404_right_after_being_served_and_ranges_are_the_nar_bytes()
     check(&deleted, "nix store delete");
     assert_eq!(server.status_of(&format!("/{hash}.narinfo")), 404);
     assert_eq!(server.status_of(&format!("/{url}")), 404);
+}
+
+/// A raw HTTP/2 client (h2c with prior knowledge) for what curl does not do: a connection that
+/// only pings, streams never read, a download whose window opens slowly. Its socket does not
+/// block: [`H2::frames`] returns what has arrived.
+struct H2 {
+    s: TcpStream,
+    buf: Vec<u8>,
+    /// Whether the server has closed the connection.
+    closed: bool,
+}
+
+/// A frame as received: type, flags, stream and payload.
+type Frame = (u8, u8, u32, Vec<u8>);
+
+const DATA: u8 = 0;
+const HEADERS: u8 = 1;
+const SETTINGS: u8 = 4;
+const PING: u8 = 6;
+const WINDOW_UPDATE: u8 = 8;
+/// The END_STREAM flag (of DATA and HEADERS); ACK of SETTINGS and PING.
+const END_STREAM_OR_ACK: u8 = 1;
+
+impl H2 {
+    /// Connects and sends the preface and SETTINGS with `window` as the initial window of
+    /// each stream.
+    fn connect(addr: &str, window: u32) -> H2 {
+        let mut c = H2 { s: TcpStream::connect(addr).unwrap(), buf: Vec::new(), closed: false };
+        c.s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+        let mut initial_window = vec![0, 4];
+        initial_window.extend(window.to_be_bytes());
+        c.send(SETTINGS, 0, 0, &initial_window);
+        c.s.set_nonblocking(true).unwrap();
+        c
+    }
+
+    fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let mut frame = u32::try_from(payload.len()).unwrap().to_be_bytes()[1..].to_vec();
+        frame.extend([kind, flags]);
+        frame.extend(stream.to_be_bytes());
+        frame.extend(payload);
+        if self.s.write_all(&frame).is_err() {
+            self.closed = true;
+        }
+    }
+
+    /// Opens stream `stream` with `GET target` (HPACK: `:method GET` and `:scheme http`
+    /// indexed, `:path` and `:authority` literal).
+    fn get(&mut self, stream: u32, target: &str) {
+        let mut block = vec![0x82, 0x86, 0x04, u8::try_from(target.len()).unwrap()];
+        assert!(target.len() < 127);
+        block.extend(target.as_bytes());
+        block.extend([0x01, 1, b'x']);
+        self.send(HEADERS, 0x4 | END_STREAM_OR_ACK, stream, &block);
+    }
+
+    /// Opens `window` more bytes for stream `stream` and for the connection.
+    fn open_window(&mut self, stream: u32, window: u32) {
+        for s in [0, stream] {
+            self.send(WINDOW_UPDATE, 0, s, &window.to_be_bytes());
+        }
+    }
+
+    /// The frames that have arrived, the server's SETTINGS and PINGs acknowledged; sets
+    /// `closed` once the server has closed the connection.
+    fn frames(&mut self) -> Vec<Frame> {
+        let mut chunk = [0u8; 16384];
+        loop {
+            match self.s.read(&mut chunk) {
+                Ok(0) => self.closed = true,
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    continue;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => self.closed = true,
+            }
+            break;
+        }
+        let mut frames = Vec::new();
+        while self.buf.len() >= 9 {
+            let len = u32::from_be_bytes([0, self.buf[0], self.buf[1], self.buf[2]]) as usize;
+            if self.buf.len() < 9 + len {
+                break;
+            }
+            let frame: Vec<u8> = self.buf.drain(..9 + len).collect();
+            let (kind, flags, stream) = (frame[3], frame[4], u32::from_be_bytes(frame[5..9].try_into().unwrap()) & 0x7fff_ffff);
+            match (kind, flags & END_STREAM_OR_ACK) {
+                (SETTINGS, 0) => self.send(SETTINGS, END_STREAM_OR_ACK, 0, &[]),
+                (PING, 0) => self.send(PING, END_STREAM_OR_ACK, 0, &frame[9..]),
+                _ => {}
+            }
+            frames.push((kind, flags, stream, frame[9..].to_vec()));
+        }
+        frames
+    }
+}
+
+#[test]
+fn h2c_connections_that_only_ping_are_closed_when_idle_and_lock_no_client_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    // As many connections as the server takes: a client coming next waits in the backlog.
+    let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "2", "--max-connections", "200"]);
+    let mut pingers: Vec<H2> = (0..200).map(|_| H2::connect(&server.addr, 65535)).collect();
+    // Each one served (the server's SETTINGS came) before the real client connects.
+    let mut served = vec![false; pingers.len()];
+    let started = Instant::now();
+    while served.contains(&false) && started.elapsed() < Duration::from_secs(10) {
+        for (p, served) in pingers.iter_mut().zip(&mut served) {
+            *served |= p.frames().iter().any(|f| f.0 == SETTINGS);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!served.contains(&false), "{} connections not served", served.iter().filter(|s| !**s).count());
+
+    // The pingers answer the server's PINGs and ping every 0.5 s, while a real client asks.
+    let started = Instant::now();
+    let (answer, answered_in, closed_in) = std::thread::scope(|scope| {
+        let real = scope.spawn(|| {
+            let answer = server.raw(b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+            (answer, started.elapsed())
+        });
+        let mut closed_in = None;
+        for tick in 0.. {
+            for p in pingers.iter_mut().filter(|p| !p.closed) {
+                p.frames();
+                if tick % 5 == 0 {
+                    p.send(PING, 0, 0, b"sluice!!");
+                }
+            }
+            if closed_in.is_none() && pingers.iter().all(|p| p.closed) {
+                closed_in = Some(started.elapsed());
+            }
+            if real.is_finished() && closed_in.is_some() || started.elapsed() > Duration::from_secs(12) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let (answer, answered_in) = real.join().unwrap();
+        (answer, answered_in, closed_in)
+    });
+    let open = pingers.iter().filter(|p| !p.closed).count();
+    assert!(answer.starts_with("HTTP/1.1 200"), "the real client got {answer:?} after {answered_in:?}, beside {open} pinging connections");
+    assert!(answered_in < Duration::from_secs(5), "answered in {answered_in:?}");
+    let closed_in = closed_in.unwrap_or_else(|| panic!("{open} of 200 pinging connections still open after 12 s"));
+    assert!(closed_in < Duration::from_secs(5), "closed in {closed_in:?}");
+}
+
+#[test]
+fn a_request_body_trickled_a_byte_at_a_time_is_ended() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
+    // A keep-alive connection after its request, idle meanwhile.
+    let mut kept = TcpStream::connect(&server.addr).unwrap();
+    kept.write_all(b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.write_all(b"POST /_sluice/v1/narinfos HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    // A byte every 2 s: each within the idle timeout, the body never within it.
+    let started = Instant::now();
+    let ended = loop {
+        if started.elapsed() > Duration::from_secs(15) {
+            break None;
+        }
+        if s.write_all(b" ").is_err() {
+            break Some(started.elapsed());
+        }
+        match s.read(&mut [0u8; 512]) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            _ => break Some(started.elapsed()),
+        }
+    };
+    let ended = ended.expect("the trickled request still going after 15 s");
+    assert!(ended >= Duration::from_secs(3) && ended < Duration::from_secs(7), "ended after {ended:?}");
+    let mut answer = String::new();
+    kept.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    assert!(kept.read_to_string(&mut answer).is_ok(), "the keep-alive connection still open: {answer:?}");
+    assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("StoreDir: /nix/store"), "{answer}");
+    assert_eq!(server.status_of("/nix-cache-info"), 200);
+}
+
+#[test]
+fn h2_a_slow_download_goes_on_while_streams_never_read_are_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (server, paths) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
+    // glibc's NAR, the subset's largest (about 300 KB).
+    let glibc = paths.iter().find(|p| p.ends_with("-glibc-2.37-8")).unwrap();
+    let narinfo = server.raw(format!("GET /{}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", &glibc["/nix/store/".len()..][..32]).as_bytes());
+    let field = |name: &str| body_of(&narinfo).lines().find_map(|l| l.strip_prefix(name)).unwrap().to_string();
+    let (url, size): (String, usize) = (format!("/{}", field("URL: ")), field("NarSize: ").parse().unwrap());
+
+    // A window opened at 40 KiB/s (past 16 KiB), over twice the 64 KiB per 3 s needed; and as
+    // many streams as allowed, never read.
+    let mut slow = H2::connect(&server.addr, 16384);
+    slow.get(1, &url);
+    let mut stuck = H2::connect(&server.addr, 0);
+    for stream in 0..64 {
+        stuck.get(2 * stream + 1, &url);
+    }
+    let started = Instant::now();
+    let (mut status, mut received, mut done, mut stuck_closed, mut opened) = (None, 0, None, None, 0);
+    while (done.is_none() || stuck_closed.is_none()) && started.elapsed() < Duration::from_secs(30) && !slow.closed {
+        for (kind, flags, stream, payload) in slow.frames() {
+            match (kind, stream) {
+                (HEADERS, 1) => status = Some(payload[0]),
+                (DATA, 1) => received += payload.len(),
+                _ => {}
+            }
+            if stream == 1 && flags & END_STREAM_OR_ACK != 0 {
+                done = Some(started.elapsed());
+            }
+        }
+        let due = (started.elapsed().as_secs_f64() * 40960.0) as u32;
+        if done.is_none() && due > opened {
+            slow.open_window(1, due - opened);
+            opened = due;
+        }
+        stuck.frames();
+        if stuck.closed && stuck_closed.is_none() {
+            stuck_closed = Some(started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    // :status 200, as HPACK's static entry 8.
+    assert_eq!(status, Some(0x88));
+    assert_eq!(received, size, "NAR bytes received after {:?} (closed: {})", started.elapsed(), slow.closed);
+    let done = done.expect("the download never ended");
+    assert!(done > Duration::from_secs(6), "downloaded in {done:?}, not slowly");
+    let stuck_closed = stuck_closed.expect("64 streams never read still open after 30 s");
+    assert!(stuck_closed < Duration::from_secs(7), "closed after {stuck_closed:?}");
+    assert_eq!(server.status_of("/nix-cache-info"), 200);
 }
