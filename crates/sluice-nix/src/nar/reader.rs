@@ -12,7 +12,7 @@
 
 use std::io::Read;
 
-use super::{check_name, NarVisitor, MAGIC};
+use super::{check_name, show_bytes as show, NarVisitor, MAGIC};
 
 /// Longest entry name accepted (Linux `NAME_MAX`).
 pub const MAX_NAME_LEN: usize = 255;
@@ -42,12 +42,6 @@ impl NarError {
             NarError::Truncated { offset } | NarError::Invalid { offset, .. } | NarError::Io { offset, .. } => *offset,
         }
     }
-}
-
-/// Shows a token for an error message (escaped, shortened).
-fn show(bytes: &[u8]) -> String {
-    let s: String = bytes.iter().take(40).flat_map(|&b| std::ascii::escape_default(b)).map(char::from).collect();
-    if bytes.len() > 40 { format!("'{s}…'") } else { format!("'{s}'") }
 }
 
 /// Parses one NAR from `reader`, calling `visitor` for each node, and returns the number of
@@ -182,16 +176,18 @@ impl<R: Read> Parser<R> {
     }
 
     fn archive<V: NarVisitor + ?Sized>(&mut self, v: &mut V) -> Result<(), NarError> {
-        let len = self.u64()?;
-        if len != MAGIC.len() as u64 {
-            return self.invalid(0, "not a NAR (bad magic: no 'nix-archive-1' header)");
+        // Nix's words (`archive.cc`), and what stands where the header belongs.
+        let not_a_nar = |head: &[u8]| format!("not a NAR: input doesn't look like a Nix archive (bad magic: it starts with {}, not the 'nix-archive-1' header)", show(head));
+        let mut head = [0u8; 8 + 16];
+        self.read_exact(&mut head[..8])?;
+        if head[..8] != (MAGIC.len() as u64).to_le_bytes() {
+            return self.invalid(0, not_a_nar(&head[..8]));
         }
-        let mut magic = [0u8; 13];
-        self.read_exact(&mut magic)?;
-        if magic != MAGIC.as_bytes() {
-            return self.invalid(0, "not a NAR (bad magic: no 'nix-archive-1' header)");
+        self.read_exact(&mut head[8..8 + MAGIC.len()])?;
+        if head[8..8 + MAGIC.len()] != *MAGIC.as_bytes() {
+            return self.invalid(0, not_a_nar(&head[..8 + MAGIC.len()]));
         }
-        self.padding(13)?;
+        self.padding(MAGIC.len() as u64)?;
 
         let mut path: Vec<Vec<u8>> = Vec::new();
         // For each open directory, the name of its last entry so far.
@@ -366,7 +362,8 @@ mod tests {
         assert!(err(&nar(&[m, b"(", b"type", b"regular", b"size"])).contains("expected 'contents', got 'size'"));
         assert!(err(&nar(&[m, b"(", b"type", b"directory", b"bogus"])).contains("expected 'entry' or ')'"));
         assert!(err(&nar(&[m, b"[", b"type"])).contains("expected '('"));
-        assert!(err(&nar(&[b"nix-archive-2"])).contains("bad magic"));
+        assert_eq!(err(&nar(&[b"nix-archive-2"])), "NAR: not a NAR: input doesn't look like a Nix archive (bad magic: it starts with '\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-archive-2', not the 'nix-archive-1' header) at byte 0");
+        assert!(err(b"<html><body>").contains("it starts with '<html><b'"));
         assert!(err(&[]).contains("unexpected end"));
         let long = vec![b'a'; MAX_NAME_LEN + 1];
         let e = err(&nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long]));
