@@ -196,6 +196,43 @@ fn nar_refusals_where_nix_226_fails_too() {
     }
 }
 
+/// `nar restore` and `nar ls` take an input that is one NAR: data after the archive's end (a
+/// second NAR, bytes appended) is refused, naming the offset where the NAR ended, and nothing
+/// is left restored. Real Nix 2.8's `nix-store --restore` stops at the NAR's end and takes it,
+/// the rest cut silently. (A NAR framed in a cache file is read as Nix reads it:
+/// `bytes_after_the_nar_in_a_cache_file_are_ignored_as_by_nix`.)
+#[test]
+fn nar_restore_and_ls_refuse_data_after_the_archive() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = nar_of(&[b"(", b"type", b"regular", b"contents", b"hi", b")"]);
+    let restore = |prog: &str, file: &Path, dest: &Path| {
+        let mut cmd = Command::new(prog);
+        isolate(&mut cmd, tmp.path(), "");
+        let args: &[&str] = if prog == "nix-store" { &["--restore"] } else { &["nar", "restore"] };
+        cmd.args(args).arg(dest).stdin(std::fs::File::open(file).unwrap()).output().unwrap()
+    };
+    let after = [("two-nars", one.clone(), "'\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-arch'"), ("one-zero", vec![0], "'\\x00'"), ("alone", Vec::new(), "")];
+    for (name, tail, shown) in after {
+        let file = tmp.path().join(format!("{name}.nar"));
+        std::fs::write(&file, [one.clone(), tail].concat()).unwrap();
+        let (ours, theirs) = (tmp.path().join(format!("ours-{name}")), tmp.path().join(format!("theirs-{name}")));
+        let o = restore(env!("CARGO_BIN_EXE_sluice"), &file, &ours);
+        check(&restore("nix-store", &file, &theirs), &format!("Nix 2.8's nix-store --restore of {name}"));
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"hi", "{name}: Nix 2.8 stops at the NAR's end");
+        let ls = sluice(tmp.path(), &["nar", "ls", file.to_str().unwrap(), "/"]);
+        if shown.is_empty() {
+            check(&o, name);
+            assert_eq!(std::fs::read(&ours).unwrap(), b"hi");
+            check(&ls, name);
+            continue;
+        }
+        let why = format!("NAR: data after the end of the archive (the NAR ends here, then {shown} follows) at byte {}", one.len());
+        assert!(!o.status.success() && stderr(&o).contains(&why), "{name}: {}", stderr(&o));
+        assert!(!ours.exists(), "{name}: nothing left restored");
+        assert!(!ls.status.success() && stderr(&ls).contains(&why), "{name}: {}", stderr(&ls));
+    }
+}
+
 /// A cache's NAR file with bytes after the NAR (its NarHash and NarSize those of the NAR) is
 /// substituted, as real Nix 2.8 substitutes it (`restorePath` reads only the NAR): both stores
 /// end up with the same verified path. A NAR longer than its NarSize is still refused.

@@ -55,6 +55,30 @@ pub fn parse<R: std::io::Read, V: super::NarVisitor + ?Sized>(reader: R, visitor
     Ok(p.pos)
 }
 
+/// [`parse`] of an input that is one NAR and nothing else (a NAR file, `nix-store
+/// --restore`'s standard input): a byte after the NAR's end is refused as
+/// [`NarError::Invalid`] at the offset where the NAR ended, so that two NARs one after the
+/// other, or a damaged stream, are not cut silently. Nix 2.8 and 2.26 (`parseDump` in
+/// `src/libutil/archive.cc`) stop reading at the NAR's end and ignore the rest; a NAR framed
+/// in a larger stream (the daemon protocol, a cache's decompressed file, checked against its
+/// `NarHash` and `NarSize`) is read with [`parse`], as Nix reads it.
+pub fn parse_whole<R: std::io::Read, V: super::NarVisitor + ?Sized>(mut reader: R, visitor: &mut V) -> Result<u64, NarError> {
+    let len = parse(&mut reader, visitor)?;
+    let mut after = [0u8; 16];
+    let n = loop {
+        match reader.read(&mut after) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => return Err(NarError::Io { offset: len, source }),
+        }
+    };
+    if n > 0 {
+        let what = format!("data after the end of the archive (the NAR ends here, then {} follows)", show(after.get(..n).unwrap_or_default()));
+        return Err(NarError::Invalid { offset: len, what });
+    }
+    Ok(len)
+}
+
 /// Checks that `reader` holds one valid NAR (see [`parse`]); returns its length.
 pub fn validate<R: std::io::Read>(reader: R) -> Result<u64, NarError> {
     parse(reader, &mut super::Discard)
@@ -374,6 +398,17 @@ mod tests {
         let ok = nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long[1..], b"node",
             b"(", b"type", b"symlink", b"target", &target[1..], b")", b")", b")"]);
         assert_eq!(validate(&ok[..]).unwrap(), ok.len() as u64);
+    }
+
+    #[test]
+    fn parse_whole_refuses_data_after_the_archive() {
+        let one = regular_file_nar(b"hi", false);
+        assert_eq!(parse_whole(&one[..], &mut Discard).unwrap(), one.len() as u64);
+        let two = [one.clone(), one.clone()].concat();
+        let e = parse_whole(&two[..], &mut Discard).unwrap_err();
+        assert_eq!((e.offset(), e.to_string().contains("data after the end of the archive")), (one.len() as u64, true), "{e}");
+        // `parse` stops at the NAR's end, the rest left to the caller.
+        assert_eq!(parse(&two[..], &mut Discard).unwrap(), one.len() as u64);
     }
 
     #[test]
