@@ -243,6 +243,28 @@ fn broken_nix_cache_info() {
     }
 }
 
+/// One cache's `nix-cache-info` that Nix cannot read (`Priority: high`, on which Nix's
+/// `std::stoi` throws) leaves that cache out with a warning naming it, the line and the field,
+/// and the next cache serves the path. Real Nix 2.8 ends the whole run ("error: stoi"): the
+/// `std::invalid_argument` is no Nix error, which opening the substituters would have turned
+/// into a warning (Nix 2.26's `BinaryCacheStore::init` reads `Priority` the same way).
+#[test]
+fn an_unreadable_nix_cache_info_leaves_its_cache_out_not_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = cache_copy(tmp.path(), "bad");
+    std::fs::write(bad.join("nix-cache-info"), "StoreDir: /nix/store\nPriority: high\n").unwrap();
+    let subs = format!("{} {}", file_url(&bad), file_url(&case_dir(C02).join("cache")));
+    let root = tmp.path().join("root");
+    let o = copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]);
+    check(&o, "copy with one unreadable nix-cache-info");
+    let warning = format!("warning: substituter left out: {}/nix-cache-info: invalid nix-cache-info: nix-cache-info line 2: Priority \"high\": not an integer", file_url(&bad));
+    assert!(stderr(&o).contains(&warning), "{}", stderr(&o));
+    assert_nix_verifies(tmp.path(), &root);
+    let theirs = tmp.path().join("theirs");
+    let n = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &subs, "--option", "trusted-public-keys", &case_key(C02)]);
+    assert!(!n.status.success() && stderr(&n).contains("error: stoi"), "Nix 2.8: {}", stderr(&n));
+}
+
 /// As Nix reads a narinfo (2.8 and 2.26 alike, `NarInfo::NarInfo`): a field given again takes
 /// its last value (here `URL`, first a NAR that does not exist), `Sig` lines repeat, an
 /// unknown field need not have a space after its `:`; real Nix 2.8 substitutes the same file.
