@@ -9,7 +9,8 @@
 //! with the reader's store directory by the reader (`BinaryCache::check_store_dir`). Nix
 //! compares every `StoreDir` line, so two lines that differ are refused here: no store
 //! directory passes both (repeating one value is fine). Of several `Priority` or
-//! `WantMassQuery` lines the last counts, as in Nix.
+//! `WantMassQuery` lines the last counts, as in Nix. An HTML page (a parked domain's, a
+//! captive portal's) is refused, where Nix reads it as a file without fields.
 
 /// A binary cache's `nix-cache-info`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +40,11 @@ pub struct CacheInfoError { pub line: usize, pub what: String }
 impl CacheInfo {
     /// Parses the file; `line` in errors is 1-based.
     pub fn parse(text: &str) -> Result<Self, CacheInfoError> {
+        // Nix 2.26 takes a page as a file without fields; its narinfos then fail one by one.
+        if let Some(start) = crate::html_page(text) {
+            let what = format!("the body is not a nix-cache-info but an HTML page ({start}): a parked domain or a captive portal answers every URL with one");
+            return Err(CacheInfoError { line: 1, what });
+        }
         let mut info = CacheInfo::default();
         // The first `StoreDir` line, 1-based.
         let mut store_dir_line = None;
@@ -121,6 +127,9 @@ mod tests {
             CacheInfoError { line: 3, what: "StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\" (Nix checks each StoreDir line against the store directory)".into() }
         );
         assert_eq!(CacheInfo::parse("Priority: 1\nPriority: 2\nWantMassQuery: 1\nWantMassQuery: 0\n").unwrap(), CacheInfo { priority: 2, ..CacheInfo::default() });
+        // A parked domain's page (Nix reads it as a file without fields).
+        let page = CacheInfo::parse("\n  <html><head><title>parked</title></head></html>\n").unwrap_err();
+        assert_eq!(page.what, "the body is not a nix-cache-info but an HTML page ('<html><head><title>parked</title></head></html>'): a parked domain or a captive portal answers every URL with one");
         let corpus = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus/cache-xz/nix-cache-info")).unwrap();
         assert_eq!(CacheInfo::parse(&corpus).unwrap(), CacheInfo::default());
     }

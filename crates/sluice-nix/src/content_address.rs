@@ -59,7 +59,7 @@ impl ContentAddress {
     /// Errors (as [`StorePathError::BadName`]) when the combination is impossible in Nix: a
     /// text path referencing itself, or a flat / non-sha256 fixed path with references.
     pub fn store_path(&self, store_dir: &StoreDir, name: &str, references: &[StorePath], self_ref: bool) -> Result<StorePath, StorePathError> {
-        let impossible = |why| Err(StorePathError::BadName(name.to_owned(), why));
+        let impossible = |why: &str| Err(StorePathError::BadName(name.to_owned(), why.to_owned()));
         match self {
             ContentAddress::Text(hash) => {
                 if self_ref {

@@ -66,6 +66,10 @@ pub enum NarInfoError {
     Missing(&'static str),
     #[error("narinfo field {field}: {what}")]
     Field { field: &'static str, what: String },
+    /// The body is an HTML page ([`crate::html_page`]; `start` is its beginning): the URL is
+    /// answered by something other than a binary cache.
+    #[error("the body is not a narinfo but an HTML page ({start}): a parked domain or a captive portal answers every URL with one")]
+    HtmlPage { start: String },
 }
 
 /// The known fields, in Nix's print order (`System` is parsed, printed when set).
@@ -107,8 +111,18 @@ fn parse_base_name(field: &'static str, value: &str) -> Result<StorePath, NarInf
 }
 
 impl NarInfo {
+    /// Fails with [`NarInfoError::HtmlPage`] when `text` is an HTML page (checked before
+    /// anything else: the first line of a page is no narinfo line either, but that says less).
+    pub fn check_not_html(text: &str) -> Result<(), NarInfoError> {
+        match crate::html_page(text) {
+            Some(start) => Err(NarInfoError::HtmlPage { start }),
+            None => Ok(()),
+        }
+    }
+
     /// Parses narinfo text for `store_dir`.
     pub fn parse(store_dir: &StoreDir, text: &str) -> Result<Self, NarInfoError> {
+        Self::check_not_html(text)?;
         let mut store_path = None;
         let mut url = None;
         let mut compression = None;
@@ -314,6 +328,13 @@ NarSize: 632\n";
             "1;/nix/store/2bvi3293ai6jdq2fbcix6d4xchrsw3a1-udev-rules.conf;sha256:1082vds2vznpw83g7s5pg2xa6h9xa6zr409nx35h853nqdl0qml5;632;\
 /nix/store/0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a,/nix/store/zzbi3293ai6jdq2fbcix6d4xchrsw3a1-b"
         );
+    }
+
+    #[test]
+    fn an_html_page_is_named() {
+        let start = "'<!doctype html> <p>Buy this domain</p>'".to_owned();
+        assert_eq!(parse("\n<!doctype html>\n<p>Buy this domain</p>\n"), Err(NarInfoError::HtmlPage { start }));
+        assert!(parse(&format!("{BASE}X-Note: <b>\n")).is_ok());
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub enum StorePathError {
     #[error("store path {0:?} has an invalid hash part")]
     BadHashPart(String),
     #[error("store path {0:?} has an invalid name: {1}")]
-    BadName(String, &'static str),
+    BadName(String, String),
     #[error("path {path:?} is not in the store directory {store_dir:?}")]
     NotInStore { path: String, store_dir: String },
 }
@@ -37,7 +37,7 @@ const NO_DASH: &str = "no '-' after the hash part (Nix 2.26 does not check it, b
 
 /// Checks a store path name (the part after `<hash>-`); `path` is only for the error.
 pub fn check_name(path: &str, name: &str) -> Result<(), StorePathError> {
-    let bad = |why| Err(StorePathError::BadName(path.to_owned(), why));
+    let bad = |why: &str| Err(StorePathError::BadName(path.to_owned(), why.to_owned()));
     if name.is_empty() {
         return bad("empty name");
     }
@@ -49,8 +49,9 @@ pub fn check_name(path: &str, name: &str) -> Result<(), StorePathError> {
         Some("..") => return bad("the first dash-separated component must not be '..'"),
         _ => {}
     }
-    if !name.bytes().all(|c| c.is_ascii_alphanumeric() || b"+-._?=".contains(&c)) {
-        return bad("illegal character (allowed: A-Z a-z 0-9 + - . _ ? =)");
+    // Named as Nix 2.26 names it ("contains illegal character"), with where it is.
+    if let Some((at, c)) = name.char_indices().find(|&(_, c)| !(c.is_ascii_alphanumeric() || "+-._?=".contains(c))) {
+        return bad(&format!("illegal character '{}' at byte {at} of the name (allowed: A-Z a-z 0-9 + - . _ ? =)", c.escape_debug()));
     }
     Ok(())
 }
@@ -71,7 +72,7 @@ impl StorePath {
         }
         let name = rest
             .strip_prefix('-')
-            .ok_or(StorePathError::BadName(s.to_owned(), NO_DASH))?;
+            .ok_or_else(|| StorePathError::BadName(s.to_owned(), NO_DASH.to_owned()))?;
         check_name(s, name)?;
         Ok(StorePath { base_name: s.to_owned() })
     }
@@ -206,6 +207,10 @@ mod tests {
         assert!(matches!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-a/b"), Err(BadName(..))));
         assert!(matches!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-a\r"), Err(BadName(..))));
         assert!(StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3é-a").is_err());
+        assert_eq!(
+            StorePath::from_base_name("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-hello world").unwrap_err().to_string(),
+            "store path \"433r6hrfzj8vvazpcnl77q6m3lm3vw3g-hello world\" has an invalid name: illegal character ' ' at byte 5 of the name (allowed: A-Z a-z 0-9 + - . _ ? =)"
+        );
         let long = format!("433r6hrfzj8vvazpcnl77q6m3lm3vw3g-{}", "a".repeat(212));
         // Nix 2.26's rule for names beginning with a period.
         for name in [".", "..", ".-x", "..-x"] {

@@ -29,6 +29,9 @@ pub enum CompressionError {
     Unknown(String),
     #[error("Compression is {declared} but the data starts like {actual}")]
     Mismatch { declared: &'static str, actual: &'static str },
+    /// The data starts like no format sluice knows (`head`: its first bytes, escaped).
+    #[error("Compression is {declared} but the data starts with {head}, which is no known format")]
+    Unrecognised { declared: &'static str, head: String },
     #[error("reading the start of the compressed data: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -155,8 +158,10 @@ impl Compression {
             }
             (None, Compression::Brotli) => {}
             (None, Compression::Zstd | Compression::Lz4) if skippable_frame(head) => {}
+            // What is not a NAR is the NAR reader's to say: where and how it is not one.
+            (None, Compression::None) => {}
             (None, declared) if !head.is_empty() => {
-                return Err(CompressionError::Mismatch { declared: declared.name(), actual: "no known format" })
+                return Err(CompressionError::Unrecognised { declared: declared.name(), head: sluice_nix::nar::show_bytes(head) })
             }
             _ => {}
         }
@@ -279,6 +284,13 @@ mod tests {
         let err = Compression::Zstd.decoder(&xz_bytes[..]).err().unwrap().to_string();
         assert_eq!(err, "Compression is zstd but the data starts like xz");
         assert!(matches!(Compression::parse("lz5"), Err(CompressionError::Unknown(_))));
+        // Bytes of no known format are shown; uncompressed, they are the NAR reader's to judge.
+        let page = b"<html>\n<body>".to_vec();
+        let err = Compression::Xz.decoder(&page[..]).err().unwrap().to_string();
+        assert_eq!(err, "Compression is xz but the data starts with '<html>\\n<body>', which is no known format");
+        let mut out = Vec::new();
+        Compression::None.decoder(&page[..]).unwrap().read_to_end(&mut out).unwrap();
+        assert_eq!(out, page);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use sluice_nix::nar::listing::{list, JsonKeys, NarEntry, TextOptions};
+use sluice_nix::nar::listing::{list_whole, JsonKeys, NarEntry, TextOptions};
 use sluice_store::local::{dump_fs_path, restore_nar};
 
 use crate::as_nix::NixVersion;
@@ -18,7 +18,8 @@ pub enum Command {
         /// The file, directory or symlink to serialise (not followed).
         path: PathBuf,
     },
-    /// Unpack the NAR on standard input into DIR, which must not exist.
+    /// Unpack the NAR on standard input into DIR, which must not exist; the input must end
+    /// where the NAR does.
     Restore {
         /// The directory to create.
         dir: PathBuf,
@@ -65,7 +66,7 @@ pub fn run(cmd: Command) -> Result<ExitCode, String> {
             }
             let components = ls_components(&path, as_nix)?;
             let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-            let root = list(std::io::BufReader::new(f)).map_err(|e| format!("{}: {e}", file.display()))?;
+            let root = list_whole(std::io::BufReader::new(f)).map_err(|e| format!("{}: {e}", file.display()))?;
             let shown = match as_nix {
                 // A NAR accessor's paths show as `«unknown»/…` in Nix 2.26 (`showPath`).
                 NixVersion::V2_26 => format!("«unknown»/{}", components.join("/")),

@@ -118,7 +118,8 @@ fn untrusted_key_failures_are_one_line() {
 }
 
 /// Store path names as Nix 2.26 takes them (`checkName`, `StorePath::StorePath` in `path.cc`):
-/// `.`, `..` and a first dash-separated component of either are refused, naming the rule;
+/// `.`, `..` and a first dash-separated component of either are refused, naming the rule (an
+/// illegal character by itself and where it is, as Nix 2.26 names it);
 /// `.foo` and `...` are names (Nix 2.8 took all six); 211 characters at most; the hash part in
 /// nixbase32; an empty name refused. Each asked of an empty store by `path-info` and by real
 /// Nix 2.26's `nix-store --check-validity` (through `nix-modern`). Kept: a base name whose 33rd
@@ -140,7 +141,9 @@ fn store_path_names_are_nix_2_26s() {
         (format!("{hash}-"), true, Some("is too short")),
         (max, false, None),
         (over, true, Some("name longer than 211 characters")),
-        (format!("{hash}-a!b"), true, Some("illegal character")),
+        (format!("{hash}-a!b"), true, Some("has an invalid name: illegal character '!' at byte 1 of the name")),
+        (format!("{hash}-gcc-é"), true, Some("has an invalid name: illegal character 'é' at byte 4 of the name")),
+        (format!("{hash}-a\tb"), true, Some("has an invalid name: illegal character '\\t' at byte 1 of the name")),
         ("0za6hhg5kdh6vk2ds8m40snyz7aar7ae-x".into(), true, Some("invalid hash part")),
         (format!("{hash}_x"), false, Some("no '-' after the hash part (Nix 2.26 does not check it")),
     ];

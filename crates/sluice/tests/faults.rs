@@ -35,6 +35,10 @@ fn signature_rules_of_case_09() {
             if ["untrusted-only", "keyname-relabelled"].contains(&variant.as_str()) {
                 assert!(err.contains("(signed by: other-cache-1; trusted: case-test-1)"), "{variant}: the key names: {err}");
             }
+            // An unsigned path names the trusted keys too (what would have vouched for it).
+            if variant == "no-sig" {
+                assert!(err.contains("lacks a signature by a trusted key (it has no signature; trusted: case-test-1)"), "{variant}: the key names: {err}");
+            }
             // A signature under the trusted key's name that does not verify is told apart.
             let unverified = "the signature by case-test-1 does not verify: it was not made over this NAR hash, size and references";
             assert_eq!(err.contains(unverified), ["wrong-key-same-name", "fingerprint-short-refs", "sig-of-other-path", "bad-base64-only", "truncated-sig"].contains(&variant.as_str()), "{variant}: {err}");

@@ -41,7 +41,8 @@ fn assert_refused(o: &Output, path: &str, reasons: &[&str]) {
 #[test]
 fn bogus_lengths_are_refused_without_following_them() {
     let reasons: &[(&str, &[&str])] = &[
-        ("no-magic", &["not a NAR", "magic"]),
+        // What is wrong with it, not that its bytes are of no known compression.
+        ("no-magic", &["NAR: not a NAR: input doesn't look like a Nix archive (bad magic: it starts with '\\x00\\x00\\x88\\'\\x02\\x00\\x04\\x00', not the 'nix-archive-1' header) at byte 0"]),
         ("huge-token", &["too long"]),
         ("big-token", &["too long"]),
         ("huge-contents", &["unexpected end", "NarSize"]),
@@ -192,6 +193,43 @@ fn nar_refusals_where_nix_226_fails_too() {
         if let Some(why) = refusal {
             assert!(err.contains(why), "{name}: {err}");
         }
+    }
+}
+
+/// `nar restore` and `nar ls` take an input that is one NAR: data after the archive's end (a
+/// second NAR, bytes appended) is refused, naming the offset where the NAR ended, and nothing
+/// is left restored. Real Nix 2.8's `nix-store --restore` stops at the NAR's end and takes it,
+/// the rest cut silently. (A NAR framed in a cache file is read as Nix reads it:
+/// `bytes_after_the_nar_in_a_cache_file_are_ignored_as_by_nix`.)
+#[test]
+fn nar_restore_and_ls_refuse_data_after_the_archive() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = nar_of(&[b"(", b"type", b"regular", b"contents", b"hi", b")"]);
+    let restore = |prog: &str, file: &Path, dest: &Path| {
+        let mut cmd = Command::new(prog);
+        isolate(&mut cmd, tmp.path(), "");
+        let args: &[&str] = if prog == "nix-store" { &["--restore"] } else { &["nar", "restore"] };
+        cmd.args(args).arg(dest).stdin(std::fs::File::open(file).unwrap()).output().unwrap()
+    };
+    let after = [("two-nars", one.clone(), "'\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-arch'"), ("one-zero", vec![0], "'\\x00'"), ("alone", Vec::new(), "")];
+    for (name, tail, shown) in after {
+        let file = tmp.path().join(format!("{name}.nar"));
+        std::fs::write(&file, [one.clone(), tail].concat()).unwrap();
+        let (ours, theirs) = (tmp.path().join(format!("ours-{name}")), tmp.path().join(format!("theirs-{name}")));
+        let o = restore(env!("CARGO_BIN_EXE_sluice"), &file, &ours);
+        check(&restore("nix-store", &file, &theirs), &format!("Nix 2.8's nix-store --restore of {name}"));
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"hi", "{name}: Nix 2.8 stops at the NAR's end");
+        let ls = sluice(tmp.path(), &["nar", "ls", file.to_str().unwrap(), "/"]);
+        if shown.is_empty() {
+            check(&o, name);
+            assert_eq!(std::fs::read(&ours).unwrap(), b"hi");
+            check(&ls, name);
+            continue;
+        }
+        let why = format!("NAR: data after the end of the archive (the NAR ends here, then {shown} follows) at byte {}", one.len());
+        assert!(!o.status.success() && stderr(&o).contains(&why), "{name}: {}", stderr(&o));
+        assert!(!ours.exists(), "{name}: nothing left restored");
+        assert!(!ls.status.success() && stderr(&ls).contains(&why), "{name}: {}", stderr(&ls));
     }
 }
 

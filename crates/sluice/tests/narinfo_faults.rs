@@ -1,7 +1,8 @@
 //! narinfo and `nix-cache-info` content, end to end through `sluice copy` (cases 01, 02):
 //! optional FileHash/FileSize, required fields named in errors, hash encodings, line format,
 //! fallback to the next cache after a corrupt narinfo, a narinfo for another path, an HTML
-//! page served with 200, the forms of `URL`, and broken `nix-cache-info` files.
+//! page served with 200 (for narinfos, or for every URL), the forms of `URL`, and broken
+//! `nix-cache-info` files.
 
 
 use std::os::unix::fs::PermissionsExt;
@@ -120,21 +121,66 @@ fn narinfo_for_another_path_is_refused() {
     assert_absent(tmp.path(), &root, OK);
 }
 
+/// A portal that answers `200` and an HTML page for `pattern` (a regex on the request path).
+fn portal(tmp: &Path, pattern: &str) -> Scripted {
+    let rules = tmp.join("rules.json");
+    let page = "<!DOCTYPE html>\n<html><body>Welcome to our captive portal</body></html>\n";
+    std::fs::write(&rules, serde_json::json!([{ "path": pattern, "body": page }]).to_string()).unwrap();
+    Scripted::start(&case_dir(C02).join("cache"), Some(&rules), 0, &tmp.join("log"))
+}
+
+/// A cache whose narinfos became HTML pages (its `nix-cache-info` still real, as the disk
+/// cache remembers it): the page is named as such, and the cache is given up on for the run
+/// after the first one (asked first, `?priority=10`), the next cache serving the paths.
 #[test]
 fn html_page_with_200_is_not_a_narinfo() {
     let tmp = tempfile::tempdir().unwrap();
-    let rules = tmp.path().join("rules.json");
-    std::fs::write(&rules, r#"[{"path": "/[0-9a-z]{32}\\.narinfo", "body": "<html><body>Welcome to our captive portal</body></html>\n"}]"#).unwrap();
-    let portal = Scripted::start(&case_dir(C02).join("cache"), Some(&rules), 0, &tmp.path().join("log"));
+    let portal = portal(tmp.path(), "/[0-9a-z]{32}\\.narinfo");
     let root = tmp.path().join("root");
     let alone = copy_with(tmp.path(), &root, &portal.url, &case_key(C02), &[], &[OK]);
     assert_eq!(alone.status.code(), Some(1));
     let err = stderr(&alone);
-    assert!(err.contains(&format!("{}/{}.narinfo", portal.url, &OK[11..43])) && err.contains("invalid narinfo"), "{err}");
+    let page = "the body is not a narinfo but an HTML page ('<!DOCTYPE html> <html><body>Welcome to our captive portal</b…'): a parked domain or a captive portal answers every URL with one";
+    assert!(err.contains(&format!("{}/{}.narinfo: invalid narinfo: {page}", portal.url, &OK[11..43])), "{err}");
     assert_absent(tmp.path(), &root, OK);
-    let subs = format!("{} {}", portal.url, file_url(&case_dir(C02).join("cache")));
-    check(&copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]), "fallback after an HTML narinfo");
+    let other = "/nix/store/8lkcxl53llk5fi2gsvl23y2i1zmr8zjr-unknown-fields";
+    let subs = format!("{}?priority=10 {}", portal.url, file_url(&case_dir(C02).join("cache")));
+    let o = copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK, other]);
+    check(&o, "fallback after an HTML narinfo");
+    let err = stderr(&o);
+    let warned = format!("substituter {} is not used for the rest of this run: ", portal.url);
+    assert_eq!(err.lines().filter(|l| l.contains(&warned) && l.contains(page)).count(), 1, "one warning: {err}");
     assert!(portal.requests(|p| p.starts_with("/nar/")).is_empty(), "the portal's page was never used as a narinfo");
+}
+
+/// A parked domain or captive portal answers every URL, `nix-cache-info` too, with `200` and
+/// an HTML page: the cache is left out at once with a warning naming it, and the next cache
+/// serves the path; alone, the run fails saying why. Real Nix 2.8 reads the page as a
+/// `nix-cache-info` without fields, then fails the run on the first narinfo ("NAR info file
+/// … is corrupt"), the next cache unasked.
+#[test]
+fn a_parked_domain_is_left_out_and_the_next_cache_serves() {
+    let tmp = tempfile::tempdir().unwrap();
+    let portal = portal(tmp.path(), ".*");
+    let page = "the body is not a nix-cache-info but an HTML page ('<!DOCTYPE html> <html><body>Welcome to our captive portal</b…')";
+    let left_out = format!("warning: substituter left out: {}/nix-cache-info: invalid nix-cache-info: nix-cache-info line 1: {page}", portal.url);
+    let root = tmp.path().join("root");
+    let alone = copy_with(tmp.path(), &root, &portal.url, &case_key(C02), &[], &[OK]);
+    assert_eq!(alone.status.code(), Some(1));
+    assert!(stderr(&alone).contains(&left_out), "{}", stderr(&alone));
+    assert_absent(tmp.path(), &root, OK);
+    let subs = format!("{}?priority=10 {}", portal.url, file_url(&case_dir(C02).join("cache")));
+    let o = copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]);
+    check(&o, "the next cache after a parked domain");
+    // Said once: the narinfo asked alongside `nix-cache-info` (a page too) adds nothing.
+    let err = stderr(&o);
+    let named: Vec<&str> = err.lines().filter(|l| l.contains(&portal.url)).collect();
+    assert!(named.len() == 1 && named[0].starts_with(&left_out), "{err}");
+    assert_nix_verifies(tmp.path(), &root);
+    assert!(portal.requests(|p| p.starts_with("/nar/")).is_empty(), "the portal's pages were never used");
+    let theirs = tmp.path().join("theirs");
+    let n = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &subs, "--option", "trusted-public-keys", &case_key(C02)]);
+    assert!(!n.status.success() && stderr(&n).contains(&format!("NAR info file '{}.narinfo' is corrupt", &OK[11..43])), "Nix 2.8: {}", stderr(&n));
 }
 
 #[test]
@@ -195,6 +241,28 @@ fn broken_nix_cache_info() {
         let theirs = nix_modern(tmp.path(), &["nix", "path-info", "--store", &file_url(&cache), OK]);
         assert_eq!(theirs.status.success(), refusal.is_none(), "{name}: Nix 2.26 says {}", stderr(&theirs));
     }
+}
+
+/// One cache's `nix-cache-info` that Nix cannot read (`Priority: high`, on which Nix's
+/// `std::stoi` throws) leaves that cache out with a warning naming it, the line and the field,
+/// and the next cache serves the path. Real Nix 2.8 ends the whole run ("error: stoi"): the
+/// `std::invalid_argument` is no Nix error, which opening the substituters would have turned
+/// into a warning (Nix 2.26's `BinaryCacheStore::init` reads `Priority` the same way).
+#[test]
+fn an_unreadable_nix_cache_info_leaves_its_cache_out_not_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = cache_copy(tmp.path(), "bad");
+    std::fs::write(bad.join("nix-cache-info"), "StoreDir: /nix/store\nPriority: high\n").unwrap();
+    let subs = format!("{} {}", file_url(&bad), file_url(&case_dir(C02).join("cache")));
+    let root = tmp.path().join("root");
+    let o = copy_with(tmp.path(), &root, &subs, &case_key(C02), &[], &[OK]);
+    check(&o, "copy with one unreadable nix-cache-info");
+    let warning = format!("warning: substituter left out: {}/nix-cache-info: invalid nix-cache-info: nix-cache-info line 2: Priority \"high\": not an integer", file_url(&bad));
+    assert!(stderr(&o).contains(&warning), "{}", stderr(&o));
+    assert_nix_verifies(tmp.path(), &root);
+    let theirs = tmp.path().join("theirs");
+    let n = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &subs, "--option", "trusted-public-keys", &case_key(C02)]);
+    assert!(!n.status.success() && stderr(&n).contains("error: stoi"), "Nix 2.8: {}", stderr(&n));
 }
 
 /// As Nix reads a narinfo (2.8 and 2.26 alike, `NarInfo::NarInfo`): a field given again takes

@@ -36,10 +36,21 @@ pub enum JsonKeys {
     Sorted,
 }
 
-/// Parses a NAR into its listing (contents are read and discarded).
+/// Parses a NAR into its listing (contents are read and discarded); the reader stops at the
+/// NAR's end ([`super::reader::parse`]).
 pub fn list<R: std::io::Read>(reader: R) -> Result<NarEntry, NarError> {
+    build(|b| super::reader::parse(reader, b))
+}
+
+/// [`list`] of an input that is one NAR and nothing else: data after its end is refused
+/// ([`super::reader::parse_whole`]).
+pub fn list_whole<R: std::io::Read>(reader: R) -> Result<NarEntry, NarError> {
+    build(|b| super::reader::parse_whole(reader, b))
+}
+
+fn build(parse: impl FnOnce(&mut ListingBuilder) -> Result<u64, NarError>) -> Result<NarEntry, NarError> {
     let mut b = ListingBuilder::default();
-    let len = super::reader::parse(reader, &mut b)?;
+    let len = parse(&mut b)?;
     b.finish().ok_or(NarError::Invalid { offset: len, what: "NAR has no root node".into() })
 }
 

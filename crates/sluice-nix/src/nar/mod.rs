@@ -22,6 +22,13 @@ pub mod writer;
 /// The first token of every NAR.
 pub const MAGIC: &str = "nix-archive-1";
 
+/// Shows bytes of a NAR (a token, or what stands where a NAR should start) for an error
+/// message: quoted, escaped, the first 40 of them.
+pub fn show_bytes(bytes: &[u8]) -> String {
+    let s: String = bytes.iter().take(40).flat_map(|&b| std::ascii::escape_default(b)).map(char::from).collect();
+    if bytes.len() > 40 { format!("'{s}…'") } else { format!("'{s}'") }
+}
+
 /// A node's position in the NAR: the entry names from the root down (empty for the root).
 /// Names are validated by the reader: non-empty, not `.` or `..`, no `/` or NUL.
 pub type NarPath = [Vec<u8>];

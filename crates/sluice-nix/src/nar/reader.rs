@@ -12,7 +12,7 @@
 
 use std::io::Read;
 
-use super::{check_name, NarVisitor, MAGIC};
+use super::{check_name, show_bytes as show, NarVisitor, MAGIC};
 
 /// Longest entry name accepted (Linux `NAME_MAX`).
 pub const MAX_NAME_LEN: usize = 255;
@@ -44,12 +44,6 @@ impl NarError {
     }
 }
 
-/// Shows a token for an error message (escaped, shortened).
-fn show(bytes: &[u8]) -> String {
-    let s: String = bytes.iter().take(40).flat_map(|&b| std::ascii::escape_default(b)).map(char::from).collect();
-    if bytes.len() > 40 { format!("'{s}…'") } else { format!("'{s}'") }
-}
-
 /// Parses one NAR from `reader`, calling `visitor` for each node, and returns the number of
 /// bytes the NAR took. Reads exactly the NAR: no byte after its end is consumed. Errors from
 /// the visitor are returned as [`NarError::Io`], or as [`NarError::Invalid`] if their kind is
@@ -59,6 +53,30 @@ pub fn parse<R: std::io::Read, V: super::NarVisitor + ?Sized>(reader: R, visitor
     let mut p = Parser { r: reader, pos: 0 };
     p.archive(visitor)?;
     Ok(p.pos)
+}
+
+/// [`parse`] of an input that is one NAR and nothing else (a NAR file, `nix-store
+/// --restore`'s standard input): a byte after the NAR's end is refused as
+/// [`NarError::Invalid`] at the offset where the NAR ended, so that two NARs one after the
+/// other, or a damaged stream, are not cut silently. Nix 2.8 and 2.26 (`parseDump` in
+/// `src/libutil/archive.cc`) stop reading at the NAR's end and ignore the rest; a NAR framed
+/// in a larger stream (the daemon protocol, a cache's decompressed file, checked against its
+/// `NarHash` and `NarSize`) is read with [`parse`], as Nix reads it.
+pub fn parse_whole<R: std::io::Read, V: super::NarVisitor + ?Sized>(mut reader: R, visitor: &mut V) -> Result<u64, NarError> {
+    let len = parse(&mut reader, visitor)?;
+    let mut after = [0u8; 16];
+    let n = loop {
+        match reader.read(&mut after) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => return Err(NarError::Io { offset: len, source }),
+        }
+    };
+    if n > 0 {
+        let what = format!("data after the end of the archive (the NAR ends here, then {} follows)", show(after.get(..n).unwrap_or_default()));
+        return Err(NarError::Invalid { offset: len, what });
+    }
+    Ok(len)
 }
 
 /// Checks that `reader` holds one valid NAR (see [`parse`]); returns its length.
@@ -182,16 +200,18 @@ impl<R: Read> Parser<R> {
     }
 
     fn archive<V: NarVisitor + ?Sized>(&mut self, v: &mut V) -> Result<(), NarError> {
-        let len = self.u64()?;
-        if len != MAGIC.len() as u64 {
-            return self.invalid(0, "not a NAR (bad magic: no 'nix-archive-1' header)");
+        // Nix's words (`archive.cc`), and what stands where the header belongs.
+        let not_a_nar = |head: &[u8]| format!("not a NAR: input doesn't look like a Nix archive (bad magic: it starts with {}, not the 'nix-archive-1' header)", show(head));
+        let mut head = [0u8; 8 + 16];
+        self.read_exact(&mut head[..8])?;
+        if head[..8] != (MAGIC.len() as u64).to_le_bytes() {
+            return self.invalid(0, not_a_nar(&head[..8]));
         }
-        let mut magic = [0u8; 13];
-        self.read_exact(&mut magic)?;
-        if magic != MAGIC.as_bytes() {
-            return self.invalid(0, "not a NAR (bad magic: no 'nix-archive-1' header)");
+        self.read_exact(&mut head[8..8 + MAGIC.len()])?;
+        if head[8..8 + MAGIC.len()] != *MAGIC.as_bytes() {
+            return self.invalid(0, not_a_nar(&head[..8 + MAGIC.len()]));
         }
-        self.padding(13)?;
+        self.padding(MAGIC.len() as u64)?;
 
         let mut path: Vec<Vec<u8>> = Vec::new();
         // For each open directory, the name of its last entry so far.
@@ -366,7 +386,8 @@ mod tests {
         assert!(err(&nar(&[m, b"(", b"type", b"regular", b"size"])).contains("expected 'contents', got 'size'"));
         assert!(err(&nar(&[m, b"(", b"type", b"directory", b"bogus"])).contains("expected 'entry' or ')'"));
         assert!(err(&nar(&[m, b"[", b"type"])).contains("expected '('"));
-        assert!(err(&nar(&[b"nix-archive-2"])).contains("bad magic"));
+        assert_eq!(err(&nar(&[b"nix-archive-2"])), "NAR: not a NAR: input doesn't look like a Nix archive (bad magic: it starts with '\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-archive-2', not the 'nix-archive-1' header) at byte 0");
+        assert!(err(b"<html><body>").contains("it starts with '<html><b'"));
         assert!(err(&[]).contains("unexpected end"));
         let long = vec![b'a'; MAX_NAME_LEN + 1];
         let e = err(&nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long]));
@@ -377,6 +398,17 @@ mod tests {
         let ok = nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long[1..], b"node",
             b"(", b"type", b"symlink", b"target", &target[1..], b")", b")", b")"]);
         assert_eq!(validate(&ok[..]).unwrap(), ok.len() as u64);
+    }
+
+    #[test]
+    fn parse_whole_refuses_data_after_the_archive() {
+        let one = regular_file_nar(b"hi", false);
+        assert_eq!(parse_whole(&one[..], &mut Discard).unwrap(), one.len() as u64);
+        let two = [one.clone(), one.clone()].concat();
+        let e = parse_whole(&two[..], &mut Discard).unwrap_err();
+        assert_eq!((e.offset(), e.to_string().contains("data after the end of the archive")), (one.len() as u64, true), "{e}");
+        // `parse` stops at the NAR's end, the rest left to the caller.
+        assert_eq!(parse(&two[..], &mut Discard).unwrap(), one.len() as u64);
     }
 
     #[test]

@@ -75,11 +75,13 @@ impl CacheError {
     }
 
     /// Whether the failure concerns the whole cache rather than one file: it stayed transient
-    /// through every attempt, or the cache refused our credentials (401, 407). Such a cache is
-    /// skipped for the rest of the run. A shortage of this machine's resources (see
+    /// through every attempt, the cache refused our credentials (401, 407), or it answered a
+    /// narinfo with an HTML page (a parked domain, a captive portal). Such a cache is skipped
+    /// for the rest of the run. A shortage of this machine's resources (see
     /// [`is_local_shortage`](Self::is_local_shortage)) says nothing about the cache.
     pub fn disables_cache(&self) -> bool {
-        (self.is_transient() && !self.is_local_shortage()) || matches!(self, CacheError::Status { status: 401 | 407, .. })
+        (self.is_transient() && !self.is_local_shortage())
+            || matches!(self, CacheError::Status { status: 401 | 407, .. } | CacheError::NarInfo { source: sluice_nix::narinfo::NarInfoError::HtmlPage { .. }, .. })
     }
 
     /// Whether the failure is the whole cache's, not one file's: it disables the cache

@@ -302,9 +302,12 @@ impl BinaryCache {
     /// have it.
     pub async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
         let Some(bytes) = self.get(&format!("{hash_part}.narinfo")).await? else { return Ok(None) };
-        String::from_utf8(bytes)
-            .map(Some)
-            .map_err(|_| CacheError::Io { url: self.narinfo_url_of(hash_part), source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text") })
+        let text = String::from_utf8(bytes)
+            .map_err(|_| CacheError::Io { url: self.narinfo_url_of(hash_part), source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text") })?;
+        // A page is the whole cache's answer, not this narinfo's: the cache is given up on.
+        let page = NarInfo::check_not_html(&text).map_err(|source| CacheError::NarInfo { url: self.narinfo_url_of(hash_part), source });
+        self.health.observe(&self.url, page)?;
+        Ok(Some(text))
     }
 
     /// The narinfos of the closures of `roots` in one request to `sluice serve`'s batch

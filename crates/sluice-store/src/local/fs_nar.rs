@@ -6,7 +6,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use sluice_nix::nar::reader::{parse, NarError};
+use sluice_nix::nar::reader::{parse_whole, NarError};
 use sluice_nix::nar::writer::NarWriter;
 
 use super::{dump, tree, unpack};
@@ -34,7 +34,8 @@ pub fn dump_fs_path(path: &Path, out: &mut dyn Write) -> io::Result<()> {
 /// Unpacks the NAR read from `nar` at `dest`, which must not exist yet; returns the NAR's
 /// size in bytes. Files are created as `nix-store --restore` creates them (0666, or 0777 if
 /// executable, less the umask).
-/// A NAR that turns out to be invalid leaves nothing at `dest`. Unlike a store's tree, a tree
+/// The NAR must be the whole of `nar`: data after its end is refused
+/// ([`parse_whole`]). A NAR that turns out to be invalid leaves nothing at `dest`. Unlike a store's tree, a tree
 /// restored here may be deeper than `PATH_MAX` (as `tar -x` makes one): it is not Nix's to
 /// read.
 pub fn restore_nar(nar: &mut dyn Read, dest: &Path) -> Result<u64, NarError> {
@@ -45,7 +46,7 @@ pub fn restore_nar(nar: &mut dyn Read, dest: &Path) -> Result<u64, NarError> {
         return Err(NarError::Io { offset: 0, source });
     }
     let mut unpacker = unpack::Unpacker::new(dir.as_fd(), name, None, unpack::FileModes::RESTORE, unpack::Creation::Fchmod, usize::MAX);
-    let result = parse(nar, &mut unpacker);
+    let result = parse_whole(nar, &mut unpacker);
     if result.is_err() {
         // The parse error is the one to report.
         let _ = tree::remove_tree(dir.as_fd(), name);

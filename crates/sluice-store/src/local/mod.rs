@@ -80,10 +80,11 @@ pub const TEMP_DIR: &str = "00000000000000000000000000000000-sluice-unpacking";
 /// Who signed an untrusted path and whom the policy trusts, as [`LocalStoreError::Untrusted`]
 /// says it.
 fn untrusted_detail(signers: &[String], trusted: &[String]) -> String {
+    let trusted_names = if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") };
     if signers.is_empty() {
-        return "it has no signature".to_owned();
+        return format!("it has no signature; trusted: {trusted_names}");
     }
-    let mut detail = format!("signed by: {}; trusted: {}", signers.join(", "), if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") });
+    let mut detail = format!("signed by: {}; trusted: {trusted_names}", signers.join(", "));
     let unverified = unverified_signers(signers, trusted);
     if !unverified.is_empty() {
         detail.push_str(&format!("; the signature by {} does not verify: it was not made over this NAR hash, size and references", unverified.join(", ")));
