@@ -45,7 +45,7 @@ use crate::store::{Store, StoreFuture};
 #[derive(Debug)]
 pub struct StoreUrl {
     url: String,
-    kind: &'static dyn StoreKind,
+    kind: &'static StoreKind,
     config: Box<dyn StoreConfig>,
 }
 
@@ -225,13 +225,13 @@ impl StoreUrl {
             return StoreUrl::parse(&if query.is_empty() { main.to_owned() } else { format!("{main}?{query}") });
         }
         let kind = crate::registry::kind_of(main).ok_or_else(|| StoreUrlError::Unsupported(url.to_string()))?;
-        let config = kind.parse(url, main, Query::parse(url, query, kind)?)?;
+        let config = (kind.parse)(url, main, Query::parse(url, query, kind)?)?;
         Ok(StoreUrl { url: url.to_string(), kind, config })
     }
 
     /// The kind of store, as messages name it ("local store", "binary cache").
     pub fn kind_name(&self) -> &'static str {
-        self.kind.name()
+        self.kind.name
     }
 
     /// The binary cache the URL names, for a kind that can be a substituter.
@@ -268,12 +268,12 @@ fn auto_is_daemon() -> bool {
 /// typed fields by the kind; the rest are validated and kept by [`Query::finish`].
 pub(crate) struct Query<'a> {
     url: &'a str,
-    kind: &'static dyn StoreKind,
+    kind: &'static StoreKind,
     params: BTreeMap<String, String>,
 }
 
 impl<'a> Query<'a> {
-    fn parse(url: &'a str, query: &str, kind: &'static dyn StoreKind) -> Result<Self, StoreUrlError> {
+    fn parse(url: &'a str, query: &str, kind: &'static StoreKind) -> Result<Self, StoreUrlError> {
         let mut params = BTreeMap::new();
         for text in query.split('&').filter(|p| !p.is_empty()) {
             let malformed = || StoreUrlError::Malformed { url: url.to_string(), text: text.to_string() };
@@ -281,7 +281,7 @@ impl<'a> Query<'a> {
             let (name, value) = (percent_decode(name).ok_or_else(malformed)?, percent_decode(value).ok_or_else(malformed)?);
             if param_type(kind, &name).is_none() {
                 return Err(match crate::registry::is_known_param(&name) {
-                    true => StoreUrlError::WrongKind { url: url.to_string(), param: name, kind: kind.name() },
+                    true => StoreUrlError::WrongKind { url: url.to_string(), param: name, kind: kind.name },
                     false => StoreUrlError::UnknownParam { url: url.to_string(), param: name },
                 });
             }
@@ -386,8 +386,8 @@ impl<'a> Query<'a> {
 }
 
 /// The type of the parameter `name` if `kind` takes it.
-fn param_type(kind: &dyn StoreKind, name: &str) -> Option<ParamType> {
-    COMMON.iter().chain(kind.params().iter().copied().flatten()).find(|(n, _)| *n == name).map(|(_, ty)| *ty)
+fn param_type(kind: &StoreKind, name: &str) -> Option<ParamType> {
+    COMMON.iter().chain(kind.params.iter().copied().flatten()).find(|(n, _)| *n == name).map(|(_, ty)| *ty)
 }
 
 /// Nix's `canonPath` without following symbolic links: `None` for a relative path; `.`, `..`

@@ -19,8 +19,13 @@ use crate::store::{Store, StoreFuture};
 use crate::store_url::{CacheKind, CacheUrl, CacheWriteParams, Param, ParamType, Query, StoreUrlError, DEFAULT_COMPRESSION};
 
 /// The kind of the file and HTTP binary caches.
-#[derive(Debug)]
-pub(super) struct Kind;
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "binary cache",
+    forms: "file://, http://, https://",
+    claims: |main| ["file://", "http://", "https://"].iter().any(|scheme| main.starts_with(scheme)),
+    params: &[CACHE],
+    parse,
+};
 
 /// The parameters of Nix's `BinaryCacheStoreConfig` (`binary-cache-store.hh`), which every
 /// binary cache takes.
@@ -35,31 +40,14 @@ pub(super) const CACHE: &[Param] = &[
     ("secret-keys", ParamType::Text),
 ];
 
-impl StoreKind for Kind {
-    fn name(&self) -> &'static str {
-        "binary cache"
-    }
-
-    fn forms(&self) -> &'static str {
-        "file://, http://, https://"
-    }
-
-    fn claims(&self, main: &str) -> bool {
-        ["file://", "http://", "https://"].iter().any(|scheme| main.starts_with(scheme))
-    }
-
-    fn params(&self) -> &'static [&'static [Param]] {
-        &[CACHE]
-    }
-
-    fn parse(&self, url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-        let kind = match main.strip_prefix("file://") {
-            Some(dir) if !dir.starts_with('/') => return Err(StoreUrlError::Unsupported(url.to_string())),
-            Some(_) => CacheKind::File,
-            None => CacheKind::Http,
-        };
-        cache_url(main, kind, q)
-    }
+/// Parses the kind's URL and parameters.
+fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    let kind = match main.strip_prefix("file://") {
+        Some(dir) if !dir.starts_with('/') => return Err(StoreUrlError::Unsupported(url.to_string())),
+        Some(_) => CacheKind::File,
+        None => CacheKind::Http,
+    };
+    cache_url(main, kind, q)
 }
 
 /// The cache `main` of transport `kind`, with the parameters of writing to it and the common

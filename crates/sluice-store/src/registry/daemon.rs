@@ -14,11 +14,16 @@ use super::{StoreConfig, StoreKind};
 use crate::config::Settings;
 use crate::remote::DaemonStore;
 use crate::store::{Store, StoreFuture};
-use crate::store_url::{Param, ParamType, Query, StoreUrlError, DEFAULT_DAEMON_SOCKET, LOCAL_FS};
+use crate::store_url::{ParamType, Query, StoreUrlError, DEFAULT_DAEMON_SOCKET, LOCAL_FS};
 
 /// The daemon's kind.
-#[derive(Debug)]
-pub(super) struct Kind;
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "daemon store",
+    forms: "daemon, unix://",
+    claims: |main| main == "daemon" || main.starts_with("unix://"),
+    params: &[LOCAL_FS, &[("max-connections", ParamType::Int), ("max-connection-age", ParamType::Int)]],
+    parse,
+};
 
 /// A daemon store's configuration: the socket to connect to.
 #[derive(Debug)]
@@ -26,32 +31,15 @@ struct DaemonConfig {
     socket: PathBuf,
 }
 
-impl StoreKind for Kind {
-    fn name(&self) -> &'static str {
-        "daemon store"
-    }
-
-    fn forms(&self) -> &'static str {
-        "daemon, unix://"
-    }
-
-    fn claims(&self, main: &str) -> bool {
-        main == "daemon" || main.starts_with("unix://")
-    }
-
-    fn params(&self) -> &'static [&'static [Param]] {
-        &[LOCAL_FS, &[("max-connections", ParamType::Int), ("max-connection-age", ParamType::Int)]]
-    }
-
-    fn parse(&self, url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-        let socket = match main.strip_prefix("unix://").unwrap_or("") {
-            "" => std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from),
-            path if path.starts_with('/') => PathBuf::from(path),
-            _ => return Err(StoreUrlError::Unsupported(url.to_string())),
-        };
-        q.finish()?;
-        Ok(Box::new(DaemonConfig { socket }))
-    }
+/// Parses the kind's URL and parameters.
+fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    let socket = match main.strip_prefix("unix://").unwrap_or("") {
+        "" => std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from),
+        path if path.starts_with('/') => PathBuf::from(path),
+        _ => return Err(StoreUrlError::Unsupported(url.to_string())),
+    };
+    q.finish()?;
+    Ok(Box::new(DaemonConfig { socket }))
 }
 
 impl StoreConfig for DaemonConfig {

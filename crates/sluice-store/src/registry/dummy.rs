@@ -8,43 +8,28 @@ use std::sync::Arc;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use super::{StoreConfig, StoreKind};
+use super::{scheme_only, StoreConfig, StoreKind};
 use crate::config::Settings;
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
-use crate::store_url::{Param, Query, StoreUrlError};
+use crate::store_url::{Query, StoreUrlError};
 
 /// The dummy store's kind.
-#[derive(Debug)]
-pub(super) struct Kind;
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "dummy store",
+    forms: "dummy://",
+    claims: |main| main.starts_with("dummy://"),
+    params: &[],
+    parse,
+};
 
 /// The dummy store's configuration: nothing beyond the common parameters.
 #[derive(Debug)]
 struct DummyConfig;
 
-impl StoreKind for Kind {
-    fn name(&self) -> &'static str {
-        "dummy store"
-    }
-
-    fn forms(&self) -> &'static str {
-        "dummy://"
-    }
-
-    fn claims(&self, main: &str) -> bool {
-        main.starts_with("dummy://")
-    }
-
-    fn params(&self) -> &'static [&'static [Param]] {
-        &[]
-    }
-
-    fn parse(&self, url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-        if main != "dummy://" {
-            return Err(StoreUrlError::Unsupported(url.to_string()));
-        }
-        q.finish()?;
-        Ok(Box::new(DummyConfig))
-    }
+/// Parses the kind's URL and parameters.
+fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    scheme_only(url, main, "dummy://", q)?;
+    Ok(Box::new(DummyConfig))
 }
 
 impl StoreConfig for DummyConfig {

@@ -13,40 +13,28 @@ use super::{StoreConfig, StoreKind};
 use crate::config::Settings;
 use crate::local::{LocalStore, LocalStoreHandle, SignaturePolicy};
 use crate::store::{Store, StoreError, StoreFuture};
-use crate::store_url::{canon_path, LocalFsDirs, LocalStoreConfig, Param, ParamType, Query, StoreUrlError, LOCAL_FS};
+use crate::store_url::{canon_path, LocalFsDirs, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
 
 /// The local store's kind.
-#[derive(Debug)]
-pub(super) struct Kind;
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "local store",
+    forms: "local, local?root=DIR, an absolute path",
+    claims: |main| main == "local" || main.starts_with('/'),
+    params: &[LOCAL_FS, &[("require-sigs", ParamType::Bool), ("read-only", ParamType::Bool)]],
+    parse,
+};
 
-impl StoreKind for Kind {
-    fn name(&self) -> &'static str {
-        "local store"
-    }
-
-    fn forms(&self) -> &'static str {
-        "local, local?root=DIR, an absolute path"
-    }
-
-    fn claims(&self, main: &str) -> bool {
-        main == "local" || main.starts_with('/')
-    }
-
-    fn params(&self) -> &'static [&'static [Param]] {
-        &[LOCAL_FS, &[("require-sigs", ParamType::Bool), ("read-only", ParamType::Bool)]]
-    }
-
-    fn parse(&self, _url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-        let root = match q.take("root") {
-            Some(v) => q.optional_path("root", &v)?,
-            None => (main != "local").then(|| canon_path(main)).flatten(),
-        };
-        let mut dirs = LocalFsDirs::under(root.as_deref());
-        q.take_dirs(&mut dirs)?;
-        let read_only = q.take_bool("read-only")?.unwrap_or(false);
-        let require_sigs = q.take_bool("require-sigs")?;
-        Ok(Box::new(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))
-    }
+/// Parses the kind's URL and parameters.
+fn parse(_url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    let root = match q.take("root") {
+        Some(v) => q.optional_path("root", &v)?,
+        None => (main != "local").then(|| canon_path(main)).flatten(),
+    };
+    let mut dirs = LocalFsDirs::under(root.as_deref());
+    q.take_dirs(&mut dirs)?;
+    let read_only = q.take_bool("read-only")?.unwrap_or(false);
+    let require_sigs = q.take_bool("require-sigs")?;
+    Ok(Box::new(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))
 }
 
 impl StoreConfig for LocalStoreConfig {

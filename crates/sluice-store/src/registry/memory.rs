@@ -13,43 +13,28 @@ use sluice_nix::nar::Discard;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use super::{StoreConfig, StoreKind};
+use super::{scheme_only, StoreConfig, StoreKind};
 use crate::config::Settings;
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
-use crate::store_url::{Param, Query, StoreUrlError};
+use crate::store_url::{Query, StoreUrlError};
 
 /// The in-memory store's kind.
-#[derive(Debug)]
-pub(super) struct Kind;
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "memory store",
+    forms: "memory://",
+    claims: |main| main.starts_with("memory://"),
+    params: &[],
+    parse,
+};
 
 /// The in-memory store's configuration: nothing beyond the common parameters.
 #[derive(Debug)]
 struct MemoryConfig;
 
-impl StoreKind for Kind {
-    fn name(&self) -> &'static str {
-        "memory store"
-    }
-
-    fn forms(&self) -> &'static str {
-        "memory://"
-    }
-
-    fn claims(&self, main: &str) -> bool {
-        main.starts_with("memory://")
-    }
-
-    fn params(&self) -> &'static [&'static [Param]] {
-        &[]
-    }
-
-    fn parse(&self, url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-        if main != "memory://" {
-            return Err(StoreUrlError::Unsupported(url.to_string()));
-        }
-        q.finish()?;
-        Ok(Box::new(MemoryConfig))
-    }
+/// Parses the kind's URL and parameters.
+fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    scheme_only(url, main, "memory://", q)?;
+    Ok(Box::new(MemoryConfig))
 }
 
 impl StoreConfig for MemoryConfig {

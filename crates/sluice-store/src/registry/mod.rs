@@ -5,8 +5,8 @@
 //! on kinds of store. As Nix's `Implementations::add` (`src/libstore/store-api.cc`,
 //! `RegisterStoreImplementation`) and snix's store composition registry.
 //!
-//! Adding a kind: a file here with a unit struct `Kind` implementing [`StoreKind`] and its
-//! configuration implementing [`StoreConfig`], and its module name in [`kinds!`].
+//! Adding a kind: a file here with its [`StoreKind`] as `KIND` and its configuration
+//! implementing [`StoreConfig`], and its module name in [`kinds!`].
 
 use std::any::Any;
 use std::fmt::Debug;
@@ -17,23 +17,20 @@ use crate::store::{Store, StoreFuture};
 use crate::store_url::{CacheUrl, LocalStoreConfig, Param, Query, StoreUrlError};
 
 /// A kind of store: Nix's `StoreFactory` (`src/libstore/store-api.hh`).
-pub(crate) trait StoreKind: Debug + Sync {
+#[derive(Debug)]
+pub(crate) struct StoreKind {
     /// The kind as messages name it ("local store", "binary cache").
-    fn name(&self) -> &'static str;
-
+    pub name: &'static str,
     /// Its URL forms, for the message that lists what is supported ("file://, http://").
-    fn forms(&self) -> &'static str;
-
-    /// Whether `main`, a URL without its `?` parameters, is one of this kind's.
-    fn claims(&self, main: &str) -> bool;
-
+    pub forms: &'static str,
+    /// Whether a URL without its `?` parameters is one of this kind's.
+    pub claims: fn(&str) -> bool,
     /// The parameters the kind takes besides [`crate::store_url::COMMON`], with their types.
-    fn params(&self) -> &'static [&'static [Param]];
-
-    /// Parses the URL `url` (`main` without its parameters) and takes its parameters from
-    /// `query`, which has only parameters the kind takes; [`Query::finish`] takes the common
-    /// ones and validates the rest.
-    fn parse(&self, url: &str, main: &str, query: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError>;
+    pub params: &'static [&'static [Param]],
+    /// Parses the URL (first argument; second: without its parameters) and takes its
+    /// parameters from the query, which has only parameters the kind takes;
+    /// [`Query::finish`] takes the common ones and validates the rest.
+    pub parse: fn(&str, &str, Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError>,
 }
 
 /// A store's configuration, parsed from its URL: what opens it, and what callers ask of a
@@ -54,12 +51,12 @@ pub(crate) trait StoreConfig: Debug + Send + Sync + Any {
     }
 }
 
-/// Declares each kind's module and lists its `Kind` in [`KINDS`].
+/// Declares each kind's module and lists its `KIND` in [`KINDS`].
 macro_rules! kinds {
     ($($module:ident),* $(,)?) => {
         $(mod $module;)*
         /// Every kind of store, in the order they are offered a URL.
-        static KINDS: &[&dyn StoreKind] = &[$(&$module::Kind),*];
+        static KINDS: &[&StoreKind] = &[$(&$module::KIND),*];
     };
 }
 
@@ -73,21 +70,30 @@ kinds! {
 }
 
 /// The kind whose URL `main` is.
-pub(crate) fn kind_of(main: &str) -> Option<&'static dyn StoreKind> {
-    KINDS.iter().copied().find(|k| k.claims(main))
+pub(crate) fn kind_of(main: &str) -> Option<&'static StoreKind> {
+    KINDS.iter().copied().find(|k| (k.claims)(main))
 }
 
 /// Whether some kind takes the parameter `name` (else it is unknown to every store).
 pub(crate) fn is_known_param(name: &str) -> bool {
-    KINDS.iter().flat_map(|k| k.params().iter().copied().flatten()).any(|(n, _)| *n == name)
+    KINDS.iter().flat_map(|k| k.params.iter().copied().flatten()).any(|(n, _)| *n == name)
 }
 
 /// Every kind's URL forms: "A, B or C".
 pub(crate) fn forms() -> String {
-    let forms: Vec<&str> = KINDS.iter().map(|k| k.forms()).collect();
+    let forms: Vec<&str> = KINDS.iter().map(|k| k.forms).collect();
     match forms.split_last() {
         Some((last, [])) => last.to_string(),
         Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
         None => String::new(),
     }
+}
+
+/// For a kind whose URL is `form` alone with the common parameters (`dummy://`): refuses
+/// anything after the scheme, as Nix's `DummyStoreConfig` refuses an authority.
+fn scheme_only(url: &str, main: &str, form: &str, query: Query<'_>) -> Result<(), StoreUrlError> {
+    if main != form {
+        return Err(StoreUrlError::Unsupported(url.to_string()));
+    }
+    query.finish().map(drop)
 }

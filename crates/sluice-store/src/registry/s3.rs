@@ -6,50 +6,38 @@
 
 use super::binary_cache::{cache_url, CACHE};
 use super::{StoreConfig, StoreKind};
-use crate::store_url::{CacheKind, Param, ParamType, Query, S3Params, StoreUrlError};
+use crate::store_url::{CacheKind, ParamType, Query, S3Params, StoreUrlError};
 
 /// The kind of S3 binary caches.
-#[derive(Debug)]
-pub(super) struct Kind;
-
-impl StoreKind for Kind {
-    fn name(&self) -> &'static str {
-        "S3 binary cache"
-    }
-
-    fn forms(&self) -> &'static str {
-        "s3://BUCKET"
-    }
-
-    fn claims(&self, main: &str) -> bool {
-        main.starts_with("s3://")
-    }
-
-    fn params(&self) -> &'static [&'static [Param]] {
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "S3 binary cache",
+    forms: "s3://BUCKET",
+    claims: |main| main.starts_with("s3://"),
+    params: &[
+        CACHE,
         &[
-            CACHE,
-            &[
-                ("region", ParamType::Text),
-                ("endpoint", ParamType::Text),
-                ("profile", ParamType::Text),
-                ("scheme", ParamType::Text),
-                ("addressing-style", ParamType::Text),
-                ("multipart-upload", ParamType::Bool),
-                ("multipart-chunk-size", ParamType::Int),
-                ("multipart-threshold", ParamType::Int),
-                ("storage-class", ParamType::Text),
-            ],
-        ]
-    }
+            ("region", ParamType::Text),
+            ("endpoint", ParamType::Text),
+            ("profile", ParamType::Text),
+            ("scheme", ParamType::Text),
+            ("addressing-style", ParamType::Text),
+            ("multipart-upload", ParamType::Bool),
+            ("multipart-chunk-size", ParamType::Int),
+            ("multipart-threshold", ParamType::Int),
+            ("storage-class", ParamType::Text),
+        ],
+    ],
+    parse,
+};
 
-    fn parse(&self, url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-        match main.strip_prefix("s3://") {
-            Some(bucket) if !bucket.is_empty() && !bucket.contains('/') => {
-                let s3 = take_s3(&mut q, bucket)?;
-                cache_url(main, CacheKind::S3(s3), q)
-            }
-            _ => Err(StoreUrlError::Unsupported(url.to_string())),
+/// Parses the kind's URL and parameters.
+fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    match main.strip_prefix("s3://") {
+        Some(bucket) if !bucket.is_empty() && !bucket.contains('/') => {
+            let s3 = take_s3(&mut q, bucket)?;
+            cache_url(main, CacheKind::S3(s3), q)
         }
+        _ => Err(StoreUrlError::Unsupported(url.to_string())),
     }
 }
 
