@@ -1,6 +1,7 @@
 //! The contract of the `Store` interface (`sluice_store::store`), the same scenarios against
-//! every kind of store, in-process, without Nix or a server: a local store in a scratch
-//! directory, a `file://` binary cache, `memory://`, and `dummy://` for what it refuses.
+//! every kind of store, in-process, without Nix or a server process: a local store in a
+//! scratch directory, `file://`, `http://` and `s3://` binary caches (the last two served by
+//! a thread of the test), `memory://`, and `dummy://` for what it refuses.
 //! Queries of absent paths, an addition and its NAR read back, a closure copied in order
 //! (a path is visible only once its publish gate opens, never if it fails), and refusal of a
 //! NAR that does not match its info.
@@ -18,13 +19,18 @@ use sluice_store::config::Settings;
 use sluice_store::push::copy_closures;
 use sluice_store::store::{open_store, PublishGate, Store, StoreError};
 
+use crate::common::DirServer;
 use crate::local_store::{honest_info, Scratch};
 
 /// A fresh store of every kind that holds paths, under `scratch`: local (signatures not
-/// required, so that unsigned paths are taken), `file://` and `memory://`.
-fn writable_urls(scratch: &Scratch) -> [String; 3] {
+/// required, so that unsigned paths are taken), `file://`, `http://` and `s3://` (served from
+/// `scratch` by a [`DirServer`] in this process) and `memory://`.
+fn writable_urls(scratch: &Scratch) -> [String; 5] {
     let dir = scratch.path();
-    [format!("{}?require-sigs=false", dir.join("local").display()), format!("file://{}", dir.join("cache").display()), "memory://".to_string()]
+    let server = DirServer::start(dir);
+    std::fs::create_dir(dir.join("bucket")).unwrap();
+    let s3 = format!("s3://bucket?endpoint={}&scheme=http", server.url.trim_start_matches("http://"));
+    [format!("{}?require-sigs=false", dir.join("local").display()), format!("file://{}", dir.join("cache").display()), format!("{}/http", server.url), s3, "memory://".to_string()]
 }
 
 async fn open(url: &str) -> Arc<dyn Store> {
@@ -60,8 +66,7 @@ async fn is_valid(store: &dyn Store, path: &StorePath) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_answers_queries_of_absent_paths() {
     let scratch = Scratch::new();
-    let [local, file, memory] = writable_urls(&scratch);
-    for url in [local, file, memory, "dummy://".to_string()] {
+    for url in writable_urls(&scratch).into_iter().chain(["dummy://".to_string()]) {
         let store = open(&url).await;
         let absent = [path("absent"), path("also-absent")];
         let infos = store.query_path_infos(&absent).await.unwrap_or_else(|e| panic!("{url}: {e}"));
@@ -87,8 +92,13 @@ async fn every_store_adds_a_path_and_gives_its_nar_back() {
         assert_eq!((&found.path, &found.nar_hash, found.nar_size, &found.references), (&info.path, &info.nar_hash, info.nar_size, &info.references), "{url}");
         assert_eq!(store.query_path_from_hash_part(info.path.hash_part()).await.unwrap(), Some(info.path.clone()), "{url}");
         assert_eq!(store.query_path_from_hash_part(path("absent").hash_part()).await.unwrap(), None, "{url}");
-        let mut nar = Vec::new();
-        store.nar_from_path(info).await.unwrap_or_else(|e| panic!("{url}: {e}")).read_to_end(&mut nar).unwrap();
+        // A NAR reader is read on a blocking thread, as the trait says.
+        let mut reader = store.nar_from_path(info).await.unwrap_or_else(|e| panic!("{url}: {e}"));
+        let nar = tokio::task::spawn_blocking(move || {
+            let mut nar = Vec::new();
+            reader.read_to_end(&mut nar).map(|_| nar)
+        });
+        let nar = nar.await.unwrap().unwrap_or_else(|e| panic!("{url}: {e}"));
         assert!(nar == added.1, "{url}: the NAR read back differs from the one added");
         let (sink, dumped) = shared_sink();
         store.dump_nar(info, Box::new(sink)).await.unwrap_or_else(|e| panic!("{url}: {e}"));
