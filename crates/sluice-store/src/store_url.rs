@@ -17,7 +17,7 @@
 //! without `=`, a bad value. (Nix ignores a parameter without `=` with a warning and keeps the
 //! first of two with the same name.)
 //!
-//! The parameters every kind takes ([`COMMON`], Nix's `StoreConfig`, `store-api.hh`):
+//! The parameters every kind takes (`COMMON`, Nix's `StoreConfig`, `store-api.hh`):
 //!
 //! | parameter | in sluice |
 //! |---|---|
@@ -27,7 +27,7 @@
 //! | `trusted` | caches: [`CommonParams::trusted`]; others: accepted, no effect |
 //! | `path-info-cache-size`, `system-features` | accepted, no effect (sluice keeps no path-info cache and does not build) |
 //!
-//! Those of a local file system store ([`LOCAL_FS`], Nix's `LocalFSStoreConfig`,
+//! Those of a local file system store (`LOCAL_FS`, Nix's `LocalFSStoreConfig`,
 //! `local-fs-store.hh`), which the local and daemon kinds take: `root`, `state`, `log`, `real`
 //! ([`LocalFsDirs`]). Parameters accepted with no effect are kept, validated, in
 //! [`CommonParams::unused`]; none of them changes what Nix would do with the store in the

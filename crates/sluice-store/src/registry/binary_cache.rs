@@ -87,7 +87,6 @@ fn take_write(q: &mut Query<'_>) -> Result<CacheWriteParams, StoreUrlError> {
     })
 }
 
-
 impl StoreConfig for CacheUrl {
     /// A binary cache, written to with the URL's compression and keys, its `nix-cache-info`
     /// created when missing once something is added.

@@ -1,4 +1,4 @@
-//! The kinds of store, each in one file of this directory and one line of [`kinds!`]: a kind
+//! The kinds of store, each in one file of this directory and one line of `kinds!`: a kind
 //! says which URLs are its own, parses its own parameters into a [`StoreConfig`], and the
 //! configuration opens the store and answers what callers ask of a store before opening it
 //! (can it be a substituter, is it the local store). Nothing outside this directory matches
@@ -6,7 +6,7 @@
 //! `RegisterStoreImplementation`) and snix's store composition registry.
 //!
 //! Adding a kind: a file here with its [`StoreKind`] as `KIND` and its configuration
-//! implementing [`StoreConfig`], and its module name in [`kinds!`].
+//! implementing [`StoreConfig`], and its module name in `kinds!`.
 
 use std::any::Any;
 use std::fmt::Debug;
