@@ -30,8 +30,11 @@ pub(crate) struct StoreKind {
     /// Parses the URL (first argument; second: without its parameters) and takes its
     /// parameters from the query, which has only parameters the kind takes;
     /// [`Query::finish`] takes the common ones and validates the rest.
-    pub parse: fn(&str, &str, Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError>,
+    pub parse: Parser,
 }
+
+/// A kind's parser (see [`StoreKind::parse`]).
+pub(crate) type Parser = fn(&str, &str, Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError>;
 
 /// A store's configuration, parsed from its URL: what opens it, and what callers ask of a
 /// store before opening it. Nix's `StoreConfig` (`src/libstore/store-api.hh`).
