@@ -1,6 +1,6 @@
 //! Nix stores and the engines that move store paths between them: the [`store::Store`]
-//! interface and [`store::open_store`], the local store (Nix's own on-disk layout and SQLite
-//! database), binary-cache stores (`file://`, `http(s)://`, `s3://`), the daemon client, the
+//! interface, [`store::open_store`] and the registry of kinds of store (`registry/`), the
+//! local store (Nix's own on-disk layout and SQLite database), binary-cache stores (`file://`, `http(s)://`, `s3://`), the daemon client, the
 //! narinfo disk cache, the closure engine, the substitution pipeline (caches → local store)
 //! and the push engine (any store → any store).
 
@@ -22,6 +22,7 @@ pub mod narinfo_cache;
 pub mod netrc;
 pub mod push;
 mod reference_cycles;
+mod registry;
 pub mod store;
 pub mod store_url;
 pub mod substitute;

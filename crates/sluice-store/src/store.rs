@@ -2,8 +2,9 @@
 //! as far as moving paths between stores needs it: path infos in batches, valid paths, a NAR as
 //! a stream, adding a path from a NAR stream; and [`open_store`], the one place a store URL
 //! becomes a store. Implemented by the local store ([`crate::local::LocalStoreHandle`]), every
-//! binary-cache transport ([`crate::binary_cache::BinaryCache`]: file, HTTP, S3) and the
-//! daemon client ([`crate::remote::DaemonStore`]).
+//! binary-cache transport ([`crate::binary_cache::BinaryCache`]: file, HTTP, S3), the
+//! daemon client ([`crate::remote::DaemonStore`]), and the `dummy://` and `memory://` stores
+//! of `registry/`, where every kind of store is registered.
 //!
 //! The substitution pipeline ([`crate::substitute`]) stays the fast path from binary caches
 //! into a local store; [`crate::push`] moves closures between any two stores through this
@@ -17,10 +18,10 @@ use futures::future::BoxFuture;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::binary_cache::{BinaryCache, CacheError};
+use crate::binary_cache::CacheError;
 use crate::config::Settings;
-use crate::local::{LocalStore, LocalStoreError, LocalStoreHandle};
-use crate::remote::{DaemonStore, RemoteError};
+use crate::local::LocalStoreError;
+use crate::remote::RemoteError;
 use crate::store_url::{StoreUrl, StoreUrlError};
 
 /// A future returned by a [`Store`] method.
@@ -129,22 +130,10 @@ pub trait Store: Send + Sync {
     fn parallelism(&self) -> usize;
 }
 
-/// Opens the store `url` with `settings` (Nix's `openStore`): a local or chroot store, a
-/// binary cache (`file://`, `http(s)://`, `s3://`; written to with the URL's compression and
-/// keys, its `nix-cache-info` created when missing once something is added) or a daemon.
+/// Opens the store `url` with `settings` (Nix's `openStore`), as the kind of store that
+/// claims the URL opens it (`registry/`).
 pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>, StoreError> {
-    Ok(match StoreUrl::parse(url)? {
-        StoreUrl::Local(config) => {
-            let store = LocalStore::open(&config).map(Arc::new)?;
-            settings.configure_local_store(&store);
-            let policy = crate::local::SignaturePolicy::from_settings(settings, config.require_sigs).map_err(|e| StoreError::Other(e.to_string()))?;
-            Arc::new(LocalStoreHandle::new(url, store, policy))
-        }
-        StoreUrl::BinaryCache(curl) => {
-            Arc::new(BinaryCache::open(&curl, &crate::binary_cache::http::LazyClient::new(settings), settings).await?)
-        }
-        StoreUrl::Daemon { socket, .. } => Arc::new(DaemonStore::connect(url, &socket, settings.lock_cpu, settings.require_sigs)?),
-    })
+    StoreUrl::parse(url)?.open(settings).await
 }
 
 /// The read end of a pipe another thread writes a NAR into (a daemon's NarFromPath; a local

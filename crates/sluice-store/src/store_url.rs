@@ -1,11 +1,11 @@
 //! Store URLs as Nix writes them (`src/libstore/store-reference.cc`, `store-api.cc`
-//! `openStore`, Nix 2.26): `local`, a bare absolute path (the same as `local?root=PATH`),
-//! `file:///dir`, `http://…`, `https://…`, `daemon`, `unix://PATH` and `auto` (or the empty
-//! string: the local store if its state directory, `$NIX_STATE_DIR` or `/nix/var/nix`, is
-//! writable, else the daemon if its socket exists, else the local store; Nix's `getStoreType`
-//! in `store-api.cc`, without 2.8's fallback to a store under `~/.local/share/nix/root` when
-//! `/nix` does not exist), each followed by
-//! `?name=value&…` parameters (percent-decoded, as Nix's `decodeQuery` in `src/libutil/url.cc`).
+//! `openStore`, Nix 2.26): a kind's own form (`local`, `file:///dir`, …; every kind registered
+//! in `registry/` names its forms, parameters and Nix sources in its module doc), or
+//! `auto` (or the empty string: the local store if its state directory, `$NIX_STATE_DIR` or
+//! `/nix/var/nix`, is writable, else the daemon if its socket exists, else the local store;
+//! Nix's `getStoreType` in `store-api.cc`, without 2.8's fallback to a store under
+//! `~/.local/share/nix/root` when `/nix` does not exist), each followed by `?name=value&…`
+//! parameters (percent-decoded, as Nix's `decodeQuery` in `src/libutil/url.cc`).
 //!
 //! Every parameter Nix 2.26 accepts for a kind of store is accepted here for that kind, read as
 //! Nix reads its setting type (`src/libutil/config.cc`): Booleans `true`/`yes`/`1` and
@@ -17,40 +17,36 @@
 //! without `=`, a bad value. (Nix ignores a parameter without `=` with a warning and keeps the
 //! first of two with the same name.)
 //!
-//! | parameter | Nix source | stores | in sluice |
-//! |---|---|---|---|
-//! | `store` | `store-dir-config.hh` | all | must be `/nix/store`: sluice's store directory is fixed, anything else is refused |
-//! | `priority` | `store-api.hh` | all | caches: overrides `nix-cache-info` (an int, negative too); others: accepted, no effect (only substituters have one) |
-//! | `want-mass-query` | `store-api.hh` | all | caches: overrides `nix-cache-info`; others: accepted, no effect |
-//! | `trusted` | `store-api.hh` | all | caches: [`CommonParams::trusted`]; others: accepted, no effect |
-//! | `path-info-cache-size`, `system-features` | `store-api.hh` | all | accepted, no effect (sluice keeps no path-info cache and does not build) |
-//! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | local, daemon | local: where the store lives ([`LocalFsDirs`]); daemon: accepted, no effect (sluice's daemon client only queries) |
-//! | `read-only` | `local-store.hh` | local | nothing is created or written; adding paths is refused |
-//! | `require-sigs` | `local-store.hh` | local | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting) |
-//! | `max-connections`, `max-connection-age` | `remote-store.hh` | daemon | accepted, no effect (sluice's client holds one connection) |
-//! | `compression`, `compression-level`, `parallel-compression`, `write-nar-listing`, `secret-key`, `secret-keys` | `binary-cache-store.hh` | caches | how sluice writes to the cache ([`CacheWriteParams`]); `secret-keys` (Nix 2.35) is a comma-separated list of key files |
-//! | `index-debug-info`, `local-nar-cache` | `binary-cache-store.hh` | caches | accepted, no effect (sluice writes no debug-info index and keeps no NAR cache) |
-//! | `region`, `endpoint`, `profile`, `scheme`, `addressing-style`, `multipart-upload`, `multipart-chunk-size`, `multipart-threshold`, `storage-class` | `s3-binary-cache-store.hh` (Nix 2.35) | `s3://` | [`S3Params`] |
+//! The parameters every kind takes (`COMMON`, Nix's `StoreConfig`, `store-api.hh`):
 //!
-//! `http-binary-cache-store.hh`, `local-binary-cache-store.hh` and `uds-remote-store.hh` add no
-//! parameters of their own. SSH and overlay stores are not supported, so their parameters are
-//! not either. Parameters accepted with no effect are
-//! kept, validated, in [`CommonParams::unused`]; none of them changes what Nix would do with the
-//! store in the operations sluice performs, so none is refused.
+//! | parameter | in sluice |
+//! |---|---|
+//! | `store` | must be `/nix/store`: sluice's store directory is fixed, anything else is refused |
+//! | `priority` | caches: overrides `nix-cache-info` (an int, negative too); others: accepted, no effect (only substituters have one) |
+//! | `want-mass-query` | caches: overrides `nix-cache-info`; others: accepted, no effect |
+//! | `trusted` | caches: [`CommonParams::trusted`]; others: accepted, no effect |
+//! | `path-info-cache-size`, `system-features` | accepted, no effect (sluice keeps no path-info cache and does not build) |
+//!
+//! Those of a local file system store (`LOCAL_FS`, Nix's `LocalFSStoreConfig`,
+//! `local-fs-store.hh`), which the local and daemon kinds take: `root`, `state`, `log`, `real`
+//! ([`LocalFsDirs`]). Parameters accepted with no effect are kept, validated, in
+//! [`CommonParams::unused`]; none of them changes what Nix would do with the store in the
+//! operations sluice performs, so none is refused.
 
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
-/// A parsed store URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreUrl {
-    /// A local store (`local`, `local?root=DIR`, `/DIR`).
-    Local(LocalStoreConfig),
-    /// A binary cache.
-    BinaryCache(CacheUrl),
-    /// A daemon's Unix socket: `unix://PATH`, or `daemon` (and `unix://`) for the default
-    /// socket (`$NIX_DAEMON_SOCKET_PATH`, else `/nix/var/nix/daemon-socket/socket`).
-    Daemon { socket: PathBuf, common: CommonParams },
+use crate::config::Settings;
+use crate::registry::{StoreConfig, StoreKind};
+use crate::store::{Store, StoreFuture};
+
+/// A parsed store URL: its kind and the configuration the kind parsed from it.
+#[derive(Debug)]
+pub struct StoreUrl {
+    url: String,
+    kind: &'static StoreKind,
+    config: Box<dyn StoreConfig>,
 }
 
 /// The default daemon socket.
@@ -98,7 +94,8 @@ impl LocalFsDirs {
     }
 }
 
-/// A local store's configuration: Nix's `LocalStoreConfig` (`src/libstore/local-store.hh`).
+/// A local store's configuration: Nix's `LocalStoreConfig` (`src/libstore/local-store.hh`),
+/// parsed by the local kind (`registry/local.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalStoreConfig {
     pub dirs: LocalFsDirs,
@@ -119,7 +116,8 @@ impl LocalStoreConfig {
     }
 }
 
-/// A binary cache's URL: `base` has no trailing slash and no query.
+/// A binary cache's URL: `base` has no trailing slash and no query. Parsed by the binary
+/// cache kinds (`registry/binary_cache.rs`, `registry/s3.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheUrl {
     pub base: String,
@@ -182,7 +180,7 @@ pub struct S3Params {
 /// Why a store URL was rejected. Each names the URL as given.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StoreUrlError {
-    #[error("unsupported store URL {0:?} (expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https:// or s3://BUCKET)")]
+    #[error("unsupported store URL {0:?} (expected {forms})", forms = crate::registry::forms())]
     Unsupported(String),
     #[error("store URL {url:?}: unknown parameter {param:?}")]
     UnknownParam { url: String, param: String },
@@ -196,123 +194,65 @@ pub enum StoreUrlError {
     BadParam { url: String, param: String, value: String, reason: &'static str },
 }
 
-/// The kinds of store (a bit set), for the parameters each takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Kinds(u8);
-
-const LOCAL: Kinds = Kinds(1);
-const CACHE: Kinds = Kinds(2);
-const DAEMON: Kinds = Kinds(4);
-/// `s3://`, a binary cache with parameters of its own.
-const S3: Kinds = Kinds(8);
-const ALL: Kinds = Kinds(15);
-const LOCAL_FS: Kinds = Kinds(LOCAL.0 | DAEMON.0);
-
-impl Kinds {
-    fn name(self) -> &'static str {
-        match self {
-            LOCAL => "local store",
-            CACHE => "binary cache",
-            DAEMON => "daemon store",
-            _ => "S3 binary cache",
-        }
-    }
-}
-
 /// How Nix reads a setting's value (`src/libutil/config.cc`).
 #[derive(Debug, Clone, Copy)]
-enum Type { Bool, Int, Path, OptionalPath, Text }
+pub(crate) enum ParamType { Bool, Int, Path, OptionalPath, Text }
 
-/// Every parameter Nix 2.26 accepts, its type and the stores that take it (see the module doc
-/// for the Nix header each comes from).
-const PARAMS: &[(&str, Type, Kinds)] = &[
-    ("store", Type::Path, ALL),
-    ("path-info-cache-size", Type::Int, ALL),
-    ("trusted", Type::Bool, ALL),
-    ("priority", Type::Int, ALL),
-    ("want-mass-query", Type::Bool, ALL),
-    ("system-features", Type::Text, ALL),
-    ("root", Type::OptionalPath, LOCAL_FS),
-    ("state", Type::Path, LOCAL_FS),
-    ("log", Type::Path, LOCAL_FS),
-    ("real", Type::Path, LOCAL_FS),
-    ("require-sigs", Type::Bool, LOCAL),
-    ("read-only", Type::Bool, LOCAL),
-    ("max-connections", Type::Int, DAEMON),
-    ("max-connection-age", Type::Int, DAEMON),
-    ("compression", Type::Text, CACHE),
-    ("write-nar-listing", Type::Bool, CACHE),
-    ("index-debug-info", Type::Bool, CACHE),
-    ("secret-key", Type::Text, CACHE),
-    ("local-nar-cache", Type::Text, CACHE),
-    ("parallel-compression", Type::Bool, CACHE),
-    ("compression-level", Type::Int, CACHE),
-    ("secret-keys", Type::Text, CACHE),
-    ("region", Type::Text, S3),
-    ("endpoint", Type::Text, S3),
-    ("profile", Type::Text, S3),
-    ("scheme", Type::Text, S3),
-    ("addressing-style", Type::Text, S3),
-    ("multipart-upload", Type::Bool, S3),
-    ("multipart-chunk-size", Type::Int, S3),
-    ("multipart-threshold", Type::Int, S3),
-    ("storage-class", Type::Text, S3),
+/// A parameter a kind of store takes: its name and type.
+pub(crate) type Param = (&'static str, ParamType);
+
+/// The parameters of Nix's `StoreConfig` (`store-api.hh`), which every kind takes.
+pub(crate) const COMMON: &[Param] = &[
+    ("store", ParamType::Path),
+    ("path-info-cache-size", ParamType::Int),
+    ("trusted", ParamType::Bool),
+    ("priority", ParamType::Int),
+    ("want-mass-query", ParamType::Bool),
+    ("system-features", ParamType::Text),
 ];
 
+/// The parameters of Nix's `LocalFSStoreConfig` (`local-fs-store.hh`): the local and daemon
+/// kinds take them.
+pub(crate) const LOCAL_FS: &[Param] = &[("root", ParamType::OptionalPath), ("state", ParamType::Path), ("log", ParamType::Path), ("real", ParamType::Path)];
+
 impl StoreUrl {
-    /// Parses a store URL and its parameters; see the module doc for what is accepted.
+    /// Parses a store URL and its parameters with the kind that claims it (see the module doc
+    /// for what is accepted); nothing is opened.
     pub fn parse(url: &str) -> Result<Self, StoreUrlError> {
         let (main, query) = url.split_once('?').unwrap_or((url, ""));
         if main == "auto" || main.is_empty() {
             let main = if auto_is_daemon() { "daemon" } else { "local" };
             return StoreUrl::parse(&if query.is_empty() { main.to_owned() } else { format!("{main}?{query}") });
         }
-        let kind = if main == "daemon" || main.starts_with("unix://") {
-            DAEMON
-        } else if main == "local" || main.starts_with('/') {
-            LOCAL
-        } else if main.starts_with("file://") || main.starts_with("http://") || main.starts_with("https://") {
-            CACHE
-        } else if main.starts_with("s3://") {
-            Kinds(CACHE.0 | S3.0)
-        } else {
-            return Err(StoreUrlError::Unsupported(url.to_string()));
-        };
-        let mut q = Query::parse(url, query, kind)?;
-        match kind {
-            LOCAL => {
-                let root = match q.take("root") {
-                    Some(v) => q.optional_path("root", &v)?,
-                    None => (main != "local").then(|| canon_path(main)).flatten(),
-                };
-                let mut dirs = LocalFsDirs::under(root.as_deref());
-                q.take_dirs(&mut dirs)?;
-                let read_only = q.take_bool("read-only")?.unwrap_or(false);
-                let require_sigs = q.take_bool("require-sigs")?;
-                Ok(StoreUrl::Local(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))
-            }
-            DAEMON => {
-                let socket = match main.strip_prefix("unix://").unwrap_or("") {
-                    "" => std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from),
-                    path if path.starts_with('/') => PathBuf::from(path),
-                    _ => return Err(StoreUrlError::Unsupported(url.to_string())),
-                };
-                Ok(StoreUrl::Daemon { socket, common: q.finish()? })
-            }
-            _ => {
-                if main.strip_prefix("file://").is_some_and(|dir| !dir.starts_with('/')) {
-                    return Err(StoreUrlError::Unsupported(url.to_string()));
-                }
-                let kind = match main.strip_prefix("s3://") {
-                    Some(bucket) if bucket.is_empty() || bucket.contains('/') => return Err(StoreUrlError::Unsupported(url.to_string())),
-                    Some(bucket) => CacheKind::S3(q.take_s3(bucket)?),
-                    None if main.starts_with("file://") => CacheKind::File,
-                    None => CacheKind::Http,
-                };
-                let write = q.take_write()?;
-                Ok(StoreUrl::BinaryCache(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, common: q.finish()?, write }))
-            }
-        }
+        let kind = crate::registry::kind_of(main).ok_or_else(|| StoreUrlError::Unsupported(url.to_string()))?;
+        let config = (kind.parse)(url, main, Query::parse(url, query, kind)?)?;
+        Ok(StoreUrl { url: url.to_string(), kind, config })
+    }
+
+    /// The kind of store, as messages name it ("local store", "binary cache").
+    pub fn kind_name(&self) -> &'static str {
+        self.kind.name
+    }
+
+    /// The binary cache the URL names, for a kind that can be a substituter.
+    pub fn as_cache(&self) -> Option<&CacheUrl> {
+        self.config.as_cache()
+    }
+
+    /// The local store the URL names, for code that needs the local store itself.
+    pub fn as_local(&self) -> Option<&LocalStoreConfig> {
+        self.config.as_local()
+    }
+
+    /// Opens the store with `settings` (Nix's `openStore`).
+    pub fn open<'a>(&'a self, settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
+        self.config.open(&self.url, settings)
+    }
+
+    /// The configuration the kind parsed, for a kind's own tests.
+    #[cfg(test)]
+    pub(crate) fn config(&self) -> &dyn StoreConfig {
+        self.config.as_ref()
     }
 }
 
@@ -324,48 +264,50 @@ fn auto_is_daemon() -> bool {
     rustix::fs::access(&state, rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK).is_err() && socket.exists()
 }
 
-/// A URL's parameters, checked against [`PARAMS`] for its kind of store, taken one by one
-/// into typed fields; the rest are validated and kept by [`Query::finish`].
-struct Query<'a> {
+/// A URL's parameters, checked against those its kind of store takes, taken one by one into
+/// typed fields by the kind; the rest are validated and kept by [`Query::finish`].
+pub(crate) struct Query<'a> {
     url: &'a str,
+    kind: &'static StoreKind,
     params: BTreeMap<String, String>,
 }
 
 impl<'a> Query<'a> {
-    fn parse(url: &'a str, query: &str, kind: Kinds) -> Result<Self, StoreUrlError> {
+    fn parse(url: &'a str, query: &str, kind: &'static StoreKind) -> Result<Self, StoreUrlError> {
         let mut params = BTreeMap::new();
         for text in query.split('&').filter(|p| !p.is_empty()) {
             let malformed = || StoreUrlError::Malformed { url: url.to_string(), text: text.to_string() };
             let (name, value) = text.split_once('=').ok_or_else(malformed)?;
             let (name, value) = (percent_decode(name).ok_or_else(malformed)?, percent_decode(value).ok_or_else(malformed)?);
-            match PARAMS.iter().find(|(n, _, _)| *n == name) {
-                None => return Err(StoreUrlError::UnknownParam { url: url.to_string(), param: name }),
-                Some((_, _, kinds)) if kinds.0 & kind.0 == 0 => return Err(StoreUrlError::WrongKind { url: url.to_string(), param: name, kind: kind.name() }),
-                Some(_) => {}
+            if param_type(kind, &name).is_none() {
+                return Err(match crate::registry::is_known_param(&name) {
+                    true => StoreUrlError::WrongKind { url: url.to_string(), param: name, kind: kind.name },
+                    false => StoreUrlError::UnknownParam { url: url.to_string(), param: name },
+                });
             }
             if params.contains_key(&name) {
                 return Err(StoreUrlError::Duplicate { url: url.to_string(), param: name });
             }
             params.insert(name, value);
         }
-        Ok(Query { url, params })
+        Ok(Query { url, kind, params })
     }
 
-    fn take(&mut self, name: &str) -> Option<String> {
+    pub(crate) fn take(&mut self, name: &str) -> Option<String> {
         self.params.remove(name)
     }
 
-    fn bad(&self, param: &str, value: &str, reason: &'static str) -> StoreUrlError {
+    pub(crate) fn bad(&self, param: &str, value: &str, reason: &'static str) -> StoreUrlError {
         StoreUrlError::BadParam { url: self.url.to_string(), param: param.to_string(), value: value.to_string(), reason }
     }
 
     /// [`crate::config::nix_bool`].
-    fn bool(&self, name: &str, value: &str) -> Result<bool, StoreUrlError> {
+    pub(crate) fn bool(&self, name: &str, value: &str) -> Result<bool, StoreUrlError> {
         crate::config::nix_bool(value).ok_or_else(|| self.bad(name, value, "not a Boolean (true, yes, 1, false, no or 0)"))
     }
 
     /// `string2IntWithUnitPrefix`: an integer, optionally followed by K, M, G or T.
-    fn int(&self, name: &str, value: &str) -> Result<i64, StoreUrlError> {
+    pub(crate) fn int(&self, name: &str, value: &str) -> Result<i64, StoreUrlError> {
         let bad = || self.bad(name, value, "not an integer (optionally followed by K, M, G or T)");
         let (digits, shift) = match value.as_bytes().last().map(u8::to_ascii_uppercase) {
             Some(b'K') => (&value[..value.len() - 1], 10),
@@ -379,34 +321,34 @@ impl<'a> Query<'a> {
     }
 
     /// `PathSetting::parse`: a non-empty absolute path, canonicalised.
-    fn path(&self, name: &str, value: &str) -> Result<PathBuf, StoreUrlError> {
+    pub(crate) fn path(&self, name: &str, value: &str) -> Result<PathBuf, StoreUrlError> {
         self.optional_path(name, value)?.ok_or_else(|| self.bad(name, value, "a path cannot be empty"))
     }
 
     /// `OptionalPathSetting::parse`: empty is none.
-    fn optional_path(&self, name: &str, value: &str) -> Result<Option<PathBuf>, StoreUrlError> {
+    pub(crate) fn optional_path(&self, name: &str, value: &str) -> Result<Option<PathBuf>, StoreUrlError> {
         if value.is_empty() {
             return Ok(None);
         }
         canon_path(value).map(Some).ok_or_else(|| self.bad(name, value, "not an absolute path"))
     }
 
-    fn check(&self, name: &str, value: &str, ty: Type) -> Result<(), StoreUrlError> {
+    fn check(&self, name: &str, value: &str, ty: ParamType) -> Result<(), StoreUrlError> {
         match ty {
-            Type::Bool => self.bool(name, value).map(drop),
-            Type::Int => self.int(name, value).map(drop),
-            Type::Path => self.path(name, value).map(drop),
-            Type::OptionalPath => self.optional_path(name, value).map(drop),
-            Type::Text => Ok(()),
+            ParamType::Bool => self.bool(name, value).map(drop),
+            ParamType::Int => self.int(name, value).map(drop),
+            ParamType::Path => self.path(name, value).map(drop),
+            ParamType::OptionalPath => self.optional_path(name, value).map(drop),
+            ParamType::Text => Ok(()),
         }
     }
 
-    fn take_bool(&mut self, name: &str) -> Result<Option<bool>, StoreUrlError> {
+    pub(crate) fn take_bool(&mut self, name: &str) -> Result<Option<bool>, StoreUrlError> {
         self.take(name).map(|v| self.bool(name, &v)).transpose()
     }
 
     /// `state`, `log` and `real` over the defaults in `dirs`.
-    fn take_dirs(&mut self, dirs: &mut LocalFsDirs) -> Result<(), StoreUrlError> {
+    pub(crate) fn take_dirs(&mut self, dirs: &mut LocalFsDirs) -> Result<(), StoreUrlError> {
         for (name, dir) in [("state", &mut dirs.state), ("log", &mut dirs.log), ("real", &mut dirs.real)] {
             if let Some(v) = self.take(name) {
                 *dir = self.path(name, &v)?;
@@ -415,7 +357,7 @@ impl<'a> Query<'a> {
         Ok(())
     }
 
-    fn take_size(&mut self, name: &str, default: u64) -> Result<u64, StoreUrlError> {
+    pub(crate) fn take_size(&mut self, name: &str, default: u64) -> Result<u64, StoreUrlError> {
         match self.take(name) {
             Some(v) => u64::try_from(self.int(name, &v)?).map_err(|_| self.bad(name, &v, "a size cannot be negative")),
             None => Ok(default),
@@ -423,64 +365,8 @@ impl<'a> Query<'a> {
     }
 
     /// The parameters of writing to a binary cache ([`CacheWriteParams`]).
-    fn take_write(&mut self) -> Result<CacheWriteParams, StoreUrlError> {
-        let compression = match self.take("compression") {
-            Some(v) => crate::compression::Compression::parse(&v).map_err(|_| self.bad("compression", &v, "not one of xz, zstd, br, gzip, bzip2, none"))?,
-            None => DEFAULT_COMPRESSION,
-        };
-        let compression_level = match self.take("compression-level") {
-            Some(v) => match i32::try_from(self.int("compression-level", &v)?) {
-                Ok(-1) => None,
-                Ok(n) => Some(n),
-                Err(_) => return Err(self.bad("compression-level", &v, "out of range")),
-            },
-            None => None,
-        };
-        // A key file is a plain string setting in Nix (`secretKeyFile`), read with `readFile`: a
-        // relative path is the working directory's.
-        let secret_key_files = ["secret-key", "secret-keys"]
-            .into_iter()
-            .flat_map(|name| self.take(name))
-            .flat_map(|v| v.split(',').filter(|f| !f.is_empty()).map(PathBuf::from).collect::<Vec<_>>())
-            .collect();
-        Ok(CacheWriteParams {
-            compression,
-            compression_level,
-            parallel_compression: self.take_bool("parallel-compression")?.unwrap_or(false),
-            write_nar_listing: self.take_bool("write-nar-listing")?.unwrap_or(false),
-            secret_key_files,
-        })
-    }
-
-    /// The parameters of an `s3://BUCKET` URL ([`S3Params`]).
-    fn take_s3(&mut self, bucket: &str) -> Result<S3Params, StoreUrlError> {
-        let endpoint = self.take("endpoint").filter(|e| !e.is_empty());
-        let path_style = match self.take("addressing-style").as_deref() {
-            None | Some("auto") => endpoint.is_some(),
-            Some("path") => true,
-            Some("virtual") => false,
-            Some(other) => return Err(self.bad("addressing-style", other, "not one of auto, path, virtual")),
-        };
-        let scheme = self.take("scheme").unwrap_or_else(|| "https".into());
-        if scheme != "http" && scheme != "https" {
-            return Err(self.bad("scheme", &scheme, "not http or https"));
-        }
-        Ok(S3Params {
-            bucket: bucket.to_string(),
-            region: self.take("region").unwrap_or_else(|| "us-east-1".into()),
-            endpoint,
-            profile: self.take("profile").filter(|p| !p.is_empty()),
-            scheme,
-            path_style,
-            multipart_upload: self.take_bool("multipart-upload")?.unwrap_or(false),
-            multipart_chunk_size: self.take_size("multipart-chunk-size", 5 << 20)?,
-            multipart_threshold: self.take_size("multipart-threshold", 100 << 20)?,
-            storage_class: self.take("storage-class").filter(|c| !c.is_empty()),
-        })
-    }
-
     /// Takes the [`CommonParams`], checks `store` and validates and keeps the rest.
-    fn finish(mut self) -> Result<CommonParams, StoreUrlError> {
+    pub(crate) fn finish(mut self) -> Result<CommonParams, StoreUrlError> {
         if let Some(v) = self.take("store") {
             if self.path("store", &v)? != Path::new(STORE_DIR) {
                 return Err(self.bad("store", &v, "sluice supports only the store directory /nix/store"));
@@ -493,16 +379,20 @@ impl<'a> Query<'a> {
         let want_mass_query = self.take_bool("want-mass-query")?;
         let trusted = self.take_bool("trusted")?.unwrap_or(false);
         for (name, value) in &self.params {
-            let ty = PARAMS.iter().find(|(n, _, _)| n == name).map_or(Type::Text, |(_, ty, _)| *ty);
-            self.check(name, value, ty)?;
+            self.check(name, value, param_type(self.kind, name).unwrap_or(ParamType::Text))?;
         }
         Ok(CommonParams { priority, want_mass_query, trusted, unused: self.params })
     }
 }
 
+/// The type of the parameter `name` if `kind` takes it.
+fn param_type(kind: &StoreKind, name: &str) -> Option<ParamType> {
+    COMMON.iter().chain(kind.params.iter().copied().flatten()).find(|(n, _)| *n == name).map(|(_, ty)| *ty)
+}
+
 /// Nix's `canonPath` without following symbolic links: `None` for a relative path; `.`, `..`
 /// and repeated or trailing slashes removed.
-fn canon_path(path: &str) -> Option<PathBuf> {
+pub(crate) fn canon_path(path: &str) -> Option<PathBuf> {
     if !path.starts_with('/') {
         return None;
     }
@@ -542,18 +432,18 @@ fn percent_decode(text: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    fn parsed(url: &str) -> StoreUrl {
+        StoreUrl::parse(url).unwrap_or_else(|e| panic!("{url}: {e}"))
+    }
+
     fn local(url: &str) -> LocalStoreConfig {
-        match StoreUrl::parse(url) {
-            Ok(StoreUrl::Local(c)) => c,
-            other => panic!("{url}: {other:?}"),
-        }
+        let parsed = parsed(url);
+        parsed.as_local().cloned().unwrap_or_else(|| panic!("{url}: {parsed:?}"))
     }
 
     fn cache(url: &str) -> CacheUrl {
-        match StoreUrl::parse(url) {
-            Ok(StoreUrl::BinaryCache(c)) => c,
-            other => panic!("{url}: {other:?}"),
-        }
+        let parsed = parsed(url);
+        parsed.as_cache().cloned().unwrap_or_else(|| panic!("{url}: {parsed:?}"))
     }
 
     fn default_write() -> CacheWriteParams {
@@ -577,7 +467,7 @@ mod tests {
     }
 
     fn err(url: &str) -> String {
-        StoreUrl::parse(url).expect_err(url).to_string()
+        StoreUrl::parse(url).err().unwrap_or_else(|| panic!("{url} was accepted")).to_string()
     }
 
     #[test]
@@ -621,23 +511,12 @@ mod tests {
     }
 
     #[test]
-    fn daemon_forms() {
-        let socket = |url: &str| match StoreUrl::parse(url) {
-            Ok(StoreUrl::Daemon { socket, common }) => (socket, common.unused.len()),
-            other => panic!("{url}: {other:?}"),
-        };
-        assert_eq!(socket("unix:///tmp/d/socket?real=/x&root=/r&state=/s&log=/l&max-connections=4&max-connection-age=60"), ("/tmp/d/socket".into(), 6));
-        if std::env::var_os("NIX_DAEMON_SOCKET_PATH").is_none() {
-            assert_eq!(socket("daemon?store=/nix/store"), (DEFAULT_DAEMON_SOCKET.into(), 0));
-            assert_eq!(socket("unix://"), (DEFAULT_DAEMON_SOCKET.into(), 0));
-        }
-    }
-
-    #[test]
     fn unsupported_forms() {
-        for url in ["s4://x", "s3://", "s3://bucket/dir", "ssh://host", "unix://relative", "file://relative", "relative/path"] {
-            assert_eq!(StoreUrl::parse(url), Err(StoreUrlError::Unsupported(url.into())));
+        for url in ["s4://x", "s3://", "s3://bucket/dir", "ssh://host", "unix://relative", "file://relative", "relative/path", "dummy://x", "dummy", "memory://x"] {
+            assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
+        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy:// or memory://)";
+        assert_eq!(err("ssh://host"), format!("unsupported store URL \"ssh://host\" {expected}"));
     }
 
     #[test]
@@ -667,5 +546,7 @@ mod tests {
         bad("local?path-info-cache-size=1X", "path-info-cache-size", "1X");
         assert!(bad("local?store=/foo/store&root=/tmp/x", "store", "/foo/store").ends_with("sluice supports only the store directory /nix/store"));
         bad("file:///c?store=/gnu/store", "store", "/gnu/store");
+        assert_eq!(err("dummy://?root=/r"), r#"store URL "dummy://?root=/r": parameter "root" is not one of a dummy store"#);
+        bad("memory://?priority=x", "priority", "x");
     }
 }

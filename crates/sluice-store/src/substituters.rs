@@ -31,10 +31,7 @@ pub enum SubstituterError {
 
 /// Parses a substituter URL, which must name a binary cache.
 pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
-    match StoreUrl::parse(url)? {
-        StoreUrl::BinaryCache(c) => Ok(c),
-        StoreUrl::Local(_) | StoreUrl::Daemon { .. } => Err(SubstituterError::NotACache { url: url.to_string() }),
-    }
+    StoreUrl::parse(url)?.as_cache().cloned().ok_or_else(|| SubstituterError::NotACache { url: url.to_string() })
 }
 
 /// Opens the substituter at `url`. The narinfo disk cache serves and records only caches over

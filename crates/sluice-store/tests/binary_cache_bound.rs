@@ -41,7 +41,7 @@ async fn narinfos_kept_are_bounded_and_a_dropped_one_is_fetched_again() {
         );
         std::fs::write(dir.path().join(format!("{h}.narinfo")), text).unwrap();
     }
-    let StoreUrl::BinaryCache(url) = StoreUrl::parse(&format!("file://{}", dir.path().display())).unwrap() else { panic!("not a cache URL") };
+    let url = StoreUrl::parse(&format!("file://{}", dir.path().display())).unwrap().as_cache().cloned().expect("a cache URL");
     let settings = Settings::default();
     let client = sluice_store::binary_cache::http::LazyClient::new(&settings);
     let cache = BinaryCache::open(&url, &client, &settings).await.unwrap();

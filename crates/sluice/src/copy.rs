@@ -58,8 +58,8 @@ pub struct Args {
 /// stores goes through the `Store` interface.
 pub fn run(args: Args) -> Result<ExitCode, String> {
     // Without --to, the `store` setting's local store.
-    let into_local = args.to.as_deref().is_none_or(|t| matches!(StoreUrl::parse(t), Ok(StoreUrl::Local(_))));
-    let from_cache = args.from.as_deref().is_none_or(|f| matches!(StoreUrl::parse(f), Ok(StoreUrl::BinaryCache(_))));
+    let into_local = args.to.as_deref().is_none_or(|t| StoreUrl::parse(t).is_ok_and(|u| u.as_local().is_some()));
+    let from_cache = args.from.as_deref().is_none_or(|f| StoreUrl::parse(f).is_ok_and(|u| u.as_cache().is_some()));
     match into_local && from_cache {
         true => substitute(args),
         false => push(args),

@@ -33,14 +33,12 @@ pub struct Args {
 
 /// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let store = match StoreUrl::parse(&args.store).map_err(|e| e.to_string())? {
-        StoreUrl::Local(config) => config,
-        StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => return Err(format!("{}: the daemon serves a local store, not a binary cache or another daemon", args.store)),
-    };
+    let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
+    let store = url.as_local().ok_or_else(|| format!("{}: the daemon serves a local store, not a {}", args.store, url.kind_name()))?;
     let config = crate::setup::raw_config(&[])?;
     let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
     let options = sluice_daemon::DaemonOptions { follow_client_cpu: args.follow_client_cpu, build_via };
-    let daemon = sluice_daemon::Daemon::open_with(&store, config, options).map_err(|e| e.to_string())?;
+    let daemon = sluice_daemon::Daemon::open_with(store, config, options).map_err(|e| e.to_string())?;
     let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };
     served.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)

@@ -134,10 +134,7 @@ fn follow_links(store_dir: &StoreDir, arg: &str) -> String {
 /// Parses a store URL that must name a local store (all its parameters checked, nothing
 /// opened yet).
 pub fn local_config(url: &str) -> Result<LocalStoreConfig, String> {
-    match StoreUrl::parse(url).map_err(|e| e.to_string())? {
-        StoreUrl::Local(config) => Ok(config),
-        StoreUrl::BinaryCache(_) | StoreUrl::Daemon { .. } => Err(format!("{url}: this command needs a local store here")),
-    }
+    StoreUrl::parse(url).map_err(|e| e.to_string())?.as_local().cloned().ok_or_else(|| format!("{url}: this command needs a local store here"))
 }
 
 /// Where the caches of a closure query come from.

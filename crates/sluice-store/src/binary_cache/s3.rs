@@ -285,8 +285,8 @@ mod tests {
 
     #[test]
     fn bucket_urls() {
-        let mut p = match crate::store_url::StoreUrl::parse("s3://b?endpoint=127.0.0.1:9000&scheme=http").unwrap() {
-            crate::store_url::StoreUrl::BinaryCache(crate::store_url::CacheUrl { kind: crate::store_url::CacheKind::S3(p), .. }) => p,
+        let mut p = match crate::store_url::StoreUrl::parse("s3://b?endpoint=127.0.0.1:9000&scheme=http").unwrap().as_cache().cloned() {
+            Some(crate::store_url::CacheUrl { kind: crate::store_url::CacheKind::S3(p), .. }) => p,
             other => panic!("{other:?}"),
         };
         assert_eq!(S3::new(&p).bucket_url(), "http://127.0.0.1:9000/b");

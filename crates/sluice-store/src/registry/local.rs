@@ -1,0 +1,53 @@
+//! The local store: `local`, `local?root=DIR`, or a bare absolute path (the same as
+//! `local?root=PATH`, a chroot store); Nix's `LocalStore` (`src/libstore/local-store.cc`).
+//!
+//! | parameter | Nix source | in sluice |
+//! |---|---|---|
+//! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | where the store lives ([`LocalFsDirs`]) |
+//! | `read-only` | `local-store.hh` | nothing is created or written; adding paths is refused |
+//! | `require-sigs` | `local-store.hh` | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting; [`SignaturePolicy::from_settings`]) |
+
+use std::sync::Arc;
+
+use super::{StoreConfig, StoreKind};
+use crate::config::Settings;
+use crate::local::{LocalStore, LocalStoreHandle, SignaturePolicy};
+use crate::store::{Store, StoreError, StoreFuture};
+use crate::store_url::{canon_path, LocalFsDirs, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
+
+/// The local store's kind.
+pub(super) const KIND: StoreKind = StoreKind {
+    name: "local store",
+    forms: "local, local?root=DIR, an absolute path",
+    claims: |main| main == "local" || main.starts_with('/'),
+    params: &[LOCAL_FS, &[("require-sigs", ParamType::Bool), ("read-only", ParamType::Bool)]],
+    parse,
+};
+
+/// Parses the kind's URL and parameters.
+fn parse(_url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    let root = match q.take("root") {
+        Some(v) => q.optional_path("root", &v)?,
+        None => (main != "local").then(|| canon_path(main)).flatten(),
+    };
+    let mut dirs = LocalFsDirs::under(root.as_deref());
+    q.take_dirs(&mut dirs)?;
+    let read_only = q.take_bool("read-only")?.unwrap_or(false);
+    let require_sigs = q.take_bool("require-sigs")?;
+    Ok(Box::new(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))
+}
+
+impl StoreConfig for LocalStoreConfig {
+    fn open<'a>(&'a self, url: &'a str, settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
+        Box::pin(async move {
+            let store = LocalStore::open(self).map(Arc::new)?;
+            settings.configure_local_store(&store);
+            let policy = SignaturePolicy::from_settings(settings, self.require_sigs).map_err(|e| StoreError::Other(e.to_string()))?;
+            Ok(Arc::new(LocalStoreHandle::new(url, store, policy)) as Arc<dyn Store>)
+        })
+    }
+
+    fn as_local(&self) -> Option<&LocalStoreConfig> {
+        Some(self)
+    }
+}
