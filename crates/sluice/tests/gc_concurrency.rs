@@ -80,11 +80,7 @@ fn leftovers(root: &Path, valid: &BTreeSet<String>) -> Vec<String> {
         if name == ".links" || valid.contains(&format!("/nix/store/{name}")) {
             continue;
         }
-        let p = store.join(&name);
-        let empty_dir = std::fs::read_dir(&p).map(|mut d| d.next().is_none()).unwrap_or(false);
-        if !(empty_dir && name.contains("sluice")) {
-            out.push(name);
-        }
+        out.push(name);
     }
     let nix_own = ["nix/store", "nix/var/nix/db", "nix/var/nix/gcroots", "nix/var/nix/profiles", "nix/var/nix/temproots", "nix/var/nix/gc-socket", "nix/var/nix/gc.lock", "nix/var/nix/daemon-socket", "nix/var/log"];
     let mut stack = vec![root.to_path_buf()];
@@ -327,12 +323,9 @@ fn collector_problems(runs: &[Collection], from: Instant, to: Instant, what: &st
     let mut problems = Vec::new();
     let overlapping = runs.iter().filter(|c| c.start < to && c.end > from).count();
     let failed: Vec<String> = runs.iter().filter(|c| !c.status.is_some_and(|s| s.success())).map(|c| format!("{:?}: {}", c.status, c.stderr.lines().last().unwrap_or(""))).collect();
-    // The directory of temporary trees is garbage whenever nobody roots it: before the run's
-    // first addition roots it, and after the run exits. A collection deleting it then is
-    // right (a root sent meanwhile waits for the deletion to end, and the run makes it
-    // again); deleting it while a tree in it is in use would fail that path, which the
-    // run's exit status and the validity checks catch.
-    let deleted: Vec<&String> = runs.iter().flat_map(|c| c.deleted.iter().filter(|n| n.as_str() != sluice_store::local::TEMP_DIR)).collect();
+    // A directory of temporary trees is rooted from before it is made until it is removed:
+    // deleting one is a problem too.
+    let deleted: Vec<&String> = runs.iter().flat_map(|c| c.deleted.iter()).collect();
     let deleted_paths = deleted.iter().filter(|n| !n.starts_with('.') && !n.ends_with(".lock")).count();
     let deleted_hidden = deleted.iter().filter(|n| n.starts_with('.')).count();
     let deleted_locks = deleted.iter().filter(|n| n.ends_with(".lock")).count();
