@@ -15,8 +15,8 @@
 //!
 //! "Nothing left over" (see [`leftovers`]): the store directory `ROOT/nix/store` holds exactly
 //! the valid paths (the `ValidPaths` table) and Nix's `.links`, nothing else — no temporary
-//! trees, no `.lock` files (Nix removes its own after substituting), no other names; an
-//! empty directory whose name contains `sluice` is tolerated (an empty temporary container).
+//! trees or directories of them, no `.lock` files (Nix removes its own after substituting), no
+//! other names.
 //! Elsewhere under `ROOT` no file may remain outside Nix's own state (`db`, `gcroots`,
 //! `profiles`, `temproots`, `gc-socket`, `gc.lock`, `daemon-socket`, `var/log`), apart
 //! from empty `*.lock` files. `temproots/<pid>` files are not checked: Nix's collector removes
@@ -74,7 +74,6 @@ fn closure() -> BTreeSet<String> {
 /// What a finished run must not leave under `root` (see the module comment), given the valid
 /// paths: names in the store directory, then other files as paths relative to `root`.
 fn leftovers(root: &Path, valid: &BTreeSet<String>) -> Vec<String> {
-    let store = root.join("nix/store");
     let mut out = Vec::new();
     for name in store_entries(root) {
         if name == ".links" || valid.contains(&format!("/nix/store/{name}")) {
@@ -684,4 +683,61 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         stage("rerun verified");
         assert_no_problems(&problems);
     }
+}
+
+/// A directory of temporary trees in use (an addition unpacked into it, not committed) is kept
+/// by Nix 2.8's, Nix 2.26's and sluice's collectors, while one a killed run left beside it (its
+/// hash part rooted by nobody, its lock free) is deleted by each; the addition then completes
+/// and its directory goes with it: the store directory holds the path and `.links` only.
+#[test]
+fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one() {
+    use sluice_nix::hash::{Hash, HashAlgo};
+    use sluice_store::local::{is_temp_dir, LocalStore, SignaturePolicy};
+    let tmp = scratch();
+    let tmp = tmp.path();
+    let root = tmp.join("root");
+    let store = Arc::new(LocalStore::open(&sluice_store::store_url::LocalStoreConfig::with_root(&root)).unwrap());
+    let nar = sluice_nix::nar::writer::regular_file_nar(b"in flight", false);
+    let info = sluice_nix::path_info::ValidPathInfo {
+        path: sluice_nix::store_path::StorePath::from_base_name("4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g-in-flight").unwrap(),
+        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &nar),
+        nar_size: nar.len() as u64,
+        references: BTreeSet::new(),
+        deriver: None,
+        registration_time: 0,
+        ultimate: false,
+        sigs: BTreeSet::new(),
+        ca: None,
+    };
+    let roots = store.temp_roots();
+    let mut pending = store.begin_add(info.clone(), &roots).unwrap().unwrap();
+    pending.unpack(&mut nar.as_slice()).unwrap();
+    let store_dir = root.join("nix/store");
+    let temp_dirs = || store_entries(&root).into_iter().filter(|e| is_temp_dir(e)).collect::<Vec<_>>();
+    let live = temp_dirs();
+    assert_eq!(live.len(), 1, "{live:?}");
+    let tree = store_dir.join(&live[0]).join(info.path.base_name());
+    let mut collectors = vec![Collector::Nix2_8, Collector::Sluice];
+    match nix_modern_ready() {
+        Ok(()) => collectors.push(Collector::Nix2_26),
+        Err(why) => eprintln!("skipping Nix 2.26: {why}"),
+    }
+    let daemon = start_sluice_daemon(tmp, &root, &collector_socket(tmp), "", "collector-daemon").0;
+    for (n, which) in collectors.into_iter().enumerate() {
+        let dead = format!("{n}{}-sluice-unpacking", "5h".repeat(15) + "5");
+        std::fs::create_dir_all(store_dir.join(&dead).join("left")).unwrap();
+        let c = collect(tmp, which, &root, n);
+        assert!(c.status.is_some_and(|s| s.success()), "{which:?}: {}", c.stderr);
+        assert!(tree.is_file(), "{which:?} deleted the tree in use ({:?}): {}", c.deleted, c.stderr);
+        assert!(!store_dir.join(&dead).exists(), "{which:?} kept a dead directory of temporary trees: {}", c.stderr);
+        assert_eq!(c.deleted, vec![dead.clone()], "{which:?}");
+    }
+    let mut daemon = daemon;
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    pending.commit(&SignaturePolicy::unchecked()).unwrap();
+    drop(roots);
+    let mut left = store_entries(&root);
+    left.sort();
+    assert_eq!(left, [".links".to_owned(), info.path.base_name().to_owned()]);
 }
