@@ -689,6 +689,9 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
 /// by Nix 2.8's, Nix 2.26's and sluice's collectors, while one a killed run left beside it (its
 /// hash part rooted by nobody, its lock free) is deleted by each; the addition then completes
 /// and its directory goes with it: the store directory holds the path and `.links` only.
+/// Nix 2.26's own temporary directory (`tmp-<pid>-<n>`), locked by its holder, is kept by
+/// 2.26's collector and sluice's, and deleted by 2.8's, which deletes every name that is not a
+/// store path (why sluice's directories are named like store paths and rooted).
 #[test]
 fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one() {
     use sluice_nix::hash::{Hash, HashAlgo};
@@ -726,11 +729,26 @@ fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one()
     for (n, which) in collectors.into_iter().enumerate() {
         let dead = format!("{n}{}-sluice-unpacking", "5h".repeat(15) + "5");
         std::fs::create_dir_all(store_dir.join(&dead).join("left")).unwrap();
+        let nix_tmp = format!("tmp-{}-{n}", std::process::id());
+        std::fs::create_dir(store_dir.join(&nix_tmp)).unwrap();
+        let held = std::fs::File::open(store_dir.join(&nix_tmp)).unwrap();
+        // SAFETY: flock on an open file descriptor.
+        assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
         let c = collect(tmp, which, &root, n);
         assert!(c.status.is_some_and(|s| s.success()), "{which:?}: {}", c.stderr);
         assert!(tree.is_file(), "{which:?} deleted the tree in use ({:?}): {}", c.deleted, c.stderr);
         assert!(!store_dir.join(&dead).exists(), "{which:?} kept a dead directory of temporary trees: {}", c.stderr);
-        assert_eq!(c.deleted, vec![dead.clone()], "{which:?}");
+        let mut deleted = vec![dead.clone()];
+        if matches!(which, Collector::Nix2_8) {
+            deleted.push(nix_tmp.clone());
+        } else {
+            std::fs::remove_dir(store_dir.join(&nix_tmp)).unwrap();
+        }
+        deleted.sort();
+        let mut seen = c.deleted.clone();
+        seen.sort();
+        assert_eq!(seen, deleted, "{which:?}");
+        drop(held);
     }
     let mut daemon = daemon;
     let _ = daemon.kill();
