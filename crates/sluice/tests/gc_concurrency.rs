@@ -701,17 +701,12 @@ fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one()
     let root = tmp.join("root");
     let store = Arc::new(LocalStore::open(&sluice_store::store_url::LocalStoreConfig::with_root(&root)).unwrap());
     let nar = sluice_nix::nar::writer::regular_file_nar(b"in flight", false);
-    let info = sluice_nix::path_info::ValidPathInfo {
-        path: sluice_nix::store_path::StorePath::from_base_name("4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g-in-flight").unwrap(),
-        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &nar),
-        nar_size: nar.len() as u64,
-        references: BTreeSet::new(),
-        deriver: None,
-        registration_time: 0,
-        ultimate: false,
-        sigs: BTreeSet::new(),
-        ca: None,
-    };
+    let narinfo = format!(
+        "StorePath: /nix/store/4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g-in-flight\nURL: nar/x.nar\nCompression: none\nNarHash: {}\nNarSize: {}\nReferences: \n",
+        Hash::digest_bytes(HashAlgo::Sha256, &nar).to_nix32_prefixed(),
+        nar.len()
+    );
+    let info = sluice_nix::path_info::ValidPathInfo::from_narinfo(&sluice_nix::narinfo::NarInfo::parse(&Default::default(), &narinfo).unwrap(), 0);
     let roots = store.temp_roots();
     let mut pending = store.begin_add(info.clone(), &roots).unwrap().unwrap();
     pending.unpack(&mut nar.as_slice()).unwrap();
