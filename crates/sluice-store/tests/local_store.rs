@@ -1151,6 +1151,34 @@ fn names_another_user_made_first_stop_no_addition() {
     drop(held);
 }
 
+/// With `auto-optimise-store`, the temporary link that replaces a file by its `.links` copy is
+/// made in the store directory under a name nobody can take first: sluice named it
+/// `.tmp-link-<pid>-<counter>`, and another user who made the next names first (a build user,
+/// in Nix's store directory) failed every addition with "linking …: File exists".
+#[test]
+fn temporary_link_names_another_user_made_first_stop_no_optimised_addition() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    store.set_auto_optimise(true);
+    let taken: Vec<PathBuf> = (0..2000).map(|n| root.join(format!("nix/store/.tmp-link-{}-{n}", std::process::id()))).collect();
+    for name in &taken {
+        File::create(name).unwrap();
+    }
+    let nar = regular_file_nar(b"the same contents in two paths", false);
+    for base in ["6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j-first", "7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k-second"] {
+        let info = honest_info(base, &nar);
+        assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
+    }
+    let first = std::fs::metadata(root.join("nix/store/6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j-first")).unwrap();
+    let second = std::fs::metadata(root.join("nix/store/7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k-second")).unwrap();
+    assert_eq!(first.ino(), second.ino(), "the second path's file is not linked to the first's");
+    for name in &taken {
+        std::fs::remove_file(name).unwrap();
+    }
+    assert_eq!(store_entries(&root).into_iter().filter(|e| e.starts_with('.')).collect::<Vec<_>>(), Vec::<String>::new());
+}
+
 /// The NAR of a store path read as it is dumped (`LocalStore::nar_dump`: what a push reads,
 /// with no thread or pipe between) is Nix 2.8's `nix-store --dump` of the same tree, whatever
 /// the size of the reads: files up to 64 KiB go out with their tokens, larger ones are
