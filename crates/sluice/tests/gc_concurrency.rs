@@ -720,7 +720,9 @@ fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one()
         Ok(()) => collectors.push(Collector::Nix2_26),
         Err(why) => eprintln!("skipping Nix 2.26: {why}"),
     }
-    let daemon = start_sluice_daemon(tmp, &root, &collector_socket(tmp), "", "collector-daemon").0;
+    // What each collection did, looked at once the collecting daemon is stopped.
+    let mut daemon = start_sluice_daemon(tmp, &root, &collector_socket(tmp), "", "collector-daemon").0;
+    let mut runs = Vec::new();
     for (n, which) in collectors.into_iter().enumerate() {
         let dead = format!("{n}{}-sluice-unpacking", "5h".repeat(15) + "5");
         std::fs::create_dir_all(store_dir.join(&dead).join("left")).unwrap();
@@ -730,24 +732,23 @@ fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one()
         // SAFETY: flock on an open file descriptor.
         assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
         let c = collect(tmp, which, &root, n);
-        assert!(c.status.is_some_and(|s| s.success()), "{which:?}: {}", c.stderr);
-        assert!(tree.is_file(), "{which:?} deleted the tree in use ({:?}): {}", c.deleted, c.stderr);
-        assert!(!store_dir.join(&dead).exists(), "{which:?} kept a dead directory of temporary trees: {}", c.stderr);
-        let mut deleted = vec![dead.clone()];
-        if matches!(which, Collector::Nix2_8) {
-            deleted.push(nix_tmp.clone());
-        } else {
-            std::fs::remove_dir(store_dir.join(&nix_tmp)).unwrap();
-        }
-        deleted.sort();
-        let mut seen = c.deleted.clone();
-        seen.sort();
-        assert_eq!(seen, deleted, "{which:?}");
-        drop(held);
+        let kept = (tree.is_file(), store_dir.join(&dead).exists(), store_dir.join(&nix_tmp).exists());
+        let _ = std::fs::remove_dir(store_dir.join(&nix_tmp));
+        runs.push((which, c, kept, dead, nix_tmp));
     }
-    let mut daemon = daemon;
     let _ = daemon.kill();
     let _ = daemon.wait();
+    for (which, c, (tree_kept, dead_kept, nix_tmp_kept), dead, nix_tmp) in runs {
+        assert!(c.status.is_some_and(|s| s.success()), "{which:?}: {}", c.stderr);
+        assert!(tree_kept, "{which:?} deleted the tree in use ({:?}): {}", c.deleted, c.stderr);
+        assert!(!dead_kept, "{which:?} kept a dead directory of temporary trees: {}", c.stderr);
+        let nix_2_8 = matches!(which, Collector::Nix2_8);
+        assert_eq!(nix_tmp_kept, !nix_2_8, "{which:?}: the locked {nix_tmp}");
+        let mut deleted = c.deleted.clone();
+        deleted.sort();
+        let expected = if nix_2_8 { vec![dead, nix_tmp] } else { vec![dead] };
+        assert_eq!(deleted, expected, "{which:?}");
+    }
     pending.commit(&SignaturePolicy::unchecked()).unwrap();
     drop(roots);
     let mut left = store_entries(&root);
