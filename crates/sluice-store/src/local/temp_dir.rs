@@ -75,9 +75,14 @@ impl TempDir {
                 Err(rustix::io::Errno::EXIST) => continue,
                 Err(e) => return Err(io_err("creating", &real)(e.into())),
             }
-            let fd = tree::open_dir(parent, name.as_bytes()).map_err(io_err("opening", &real))?;
+            // Until it is locked, another opener's removal of stale directories may take it
+            // (it is then gone, or locked by the remover): another name.
+            let fd = match tree::open_dir(parent, name.as_bytes()) {
+                Ok(fd) => fd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err("opening", &real)(e)),
+            };
             tree::owned_dir(fd.as_fd(), 0o077, "no permission for group or others").map_err(io_err("using", &real))?;
-            // Another opener's removal of stale directories locked it before us and removes it.
             if !lock_as_named(parent, name.as_bytes(), fd.as_fd()) {
                 continue;
             }
