@@ -18,7 +18,7 @@ use sluice_nix::nar::writer::regular_file_nar;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, Uncommitted, TEMP_DIR};
+use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, Uncommitted, is_temp_dir};
 use sluice_store::store_url::LocalStoreConfig;
 use tempfile::TempDir;
 
@@ -157,19 +157,15 @@ pub(crate) fn shown(path: &StorePath) -> String {
     store_dir().display_path(path)
 }
 
-/// The entries of the real store directory other than `.links` and the directory of
-/// temporary trees, which must be empty.
+/// The entries of the real store directory other than `.links` (a directory of temporary
+/// trees among them).
 fn store_entries(root: &Path) -> BTreeSet<String> {
-    let temp = root.join("nix/store").join(TEMP_DIR);
-    if temp.exists() {
-        let left: Vec<_> = std::fs::read_dir(&temp).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert!(left.is_empty(), "temporary trees left behind: {left:?}");
-    }
-    std::fs::read_dir(root.join("nix/store"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|name| name != ".links" && name != TEMP_DIR)
-        .collect()
+    std::fs::read_dir(root.join("nix/store")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|name| name != ".links").collect()
+}
+
+/// The directories of temporary trees in the store directory.
+fn temp_dirs(root: &Path) -> Vec<PathBuf> {
+    store_entries(root).into_iter().filter(|n| is_temp_dir(n)).map(|n| root.join("nix/store").join(n)).collect()
 }
 
 pub(crate) fn dump(store: &LocalStore, path: &StorePath) -> Vec<u8> {
@@ -378,8 +374,10 @@ fn unpack_hashes_a_root_file_and_can_be_repeated() {
     assert_eq!(unpacked.nar_hash, info.nar_hash);
     assert_eq!(unpacked.nar_size, info.nar_size);
     assert_eq!(unpacked.ca_hash, None, "no content address, no content hash");
-    let temp_file = root.join("nix/store").join(TEMP_DIR).join(info.path.base_name());
-    assert!(temp_file.is_file(), "unpacked into the directory of temporary trees");
+    let temp = temp_dirs(&root);
+    assert_eq!(temp.len(), 1, "one directory of temporary trees while an addition is in progress");
+    assert_eq!(std::fs::metadata(&temp[0]).unwrap().permissions().mode() & 0o7777, 0o700);
+    assert!(temp[0].join(info.path.base_name()).is_file(), "unpacked into the directory of temporary trees");
     pending.commit(&unchecked).unwrap();
     let meta = std::fs::symlink_metadata(store.real_path(&info.path)).unwrap();
     assert_eq!(meta.permissions().mode() & 0o7777, 0o555);
@@ -459,28 +457,25 @@ fn missing_reference_leaves_nothing() {
     });
 }
 
+/// What killed runs leave: a read-only tree at a path's location (a crash between rename and
+/// registration, or a half-copied tree), and directories of temporary trees, with trees in
+/// them (one with the name sluice used before they were made per run). The first addition
+/// replaces the tree and removes the directories whose lock is free; the one whose holder
+/// (another process) lives is kept, and removed by the next opener once its holder is gone.
 #[test]
-fn stale_unregistered_tree_is_replaced() {
+fn stale_unregistered_tree_and_temporary_directories_are_removed() {
     let tmp = Scratch::new();
     let root = tmp.path().join("root");
     let store = open_store(&root);
     let (info, nar) = fixture("varied-tree.nar");
-    let (other, _) = fixture("symlink-root.nar");
-    let (busy, _) = fixture("exec-file-root.nar");
-    // What a crash between rename and registration, or a half-copied tree, leaves: a
-    // read-only tree at the final path, plus stale temporary trees, of this path and of
-    // another one; and the temporary tree of a path whose adder (another process) is alive.
-    let temp = format!("{TEMP_DIR}/");
-    let names = [info.path.base_name().to_owned(), temp.clone() + info.path.base_name(), temp.clone() + other.path.base_name(), temp.clone() + busy.path.base_name()];
-    let lock_file = format!("{}.lock", store.real_path(&busy.path).display());
-    let mut holder = Command::new("flock")
-        .args([lock_file.as_str(), "-c", "echo locked; sleep 3"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("flock(1) from util-linux");
-    let mut line = [0u8; 7];
-    holder.stdout.take().unwrap().read_exact(&mut line).unwrap();
-    for name in names {
+    let (other, other_nar) = fixture("symlink-root.nar");
+    let dead = ["00000000000000000000000000000000-sluice-unpacking", "1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b-sluice-unpacking"];
+    let live = "2c2c2c2c2c2c2c2c2c2c2c2c2c2c2c2c-sluice-unpacking";
+    let mut names = vec![info.path.base_name().to_owned()];
+    for dir in dead.iter().chain([&live]) {
+        names.extend([format!("{dir}/{}", info.path.base_name()), format!("{dir}/{}", other.path.base_name())]);
+    }
+    for name in &names {
         let stale = root.join("nix/store").join(name);
         std::fs::create_dir_all(stale.join("sub")).unwrap();
         std::fs::write(stale.join("sub/file"), b"stale").unwrap();
@@ -488,45 +483,19 @@ fn stale_unregistered_tree_is_replaced() {
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
         }
     }
-    // As the store makes it: private.
-    std::fs::set_permissions(root.join("nix/store").join(TEMP_DIR), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let live_dir = root.join("nix/store").join(live);
+    let mut holder = Command::new("flock").arg(&live_dir).args(["-c", "echo locked; sleep 3"]).stdout(std::process::Stdio::piped()).spawn().expect("flock(1) from util-linux");
+    let mut line = [0u8; 7];
+    holder.stdout.take().unwrap().read_exact(&mut line).unwrap();
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     assert!(dump(&store, &info.path) == nar);
-    let temp_dir = root.join("nix/store").join(TEMP_DIR);
-    let left: Vec<_> = std::fs::read_dir(&temp_dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-    assert_eq!(left, [busy.path.base_name().to_owned()], "only the tree whose adder lives is kept");
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned(), live.to_owned()]), "only the directory whose holder lives is kept");
+    assert_eq!(std::fs::read_dir(&live_dir).unwrap().count(), 2, "the live directory's trees were touched");
     assert!(holder.wait().unwrap().success());
-    let kept = temp_dir.join(busy.path.base_name());
-    for dir in [kept.join("sub"), kept.clone()] {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    std::fs::remove_dir_all(kept).unwrap();
-    let _ = std::fs::remove_file(lock_file);
-    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned()]));
-    verify_with_nix(&root, tmp.path());
-}
-
-/// A temporary tree of the path that appears after the store's first addition (its adder was
-/// killed after this store cleared the stale trees) is found by the unpacking's exclusive
-/// creation of the root (`EEXIST`), removed, and unpacked again.
-#[test]
-fn temporary_tree_left_after_the_first_addition_is_replaced() {
-    let tmp = Scratch::new();
-    let root = tmp.path().join("root");
+    drop(store);
     let store = open_store(&root);
-    let (first, first_nar) = fixture("symlink-root.nar");
-    let (info, nar) = fixture("varied-tree.nar");
-    assert!(add(&store, &first, &mut first_nar.as_slice()).unwrap());
-    let stale = root.join("nix/store").join(TEMP_DIR).join(info.path.base_name());
-    std::fs::create_dir_all(stale.join("sub")).unwrap();
-    std::fs::write(stale.join("sub/file"), b"stale").unwrap();
-    for dir in [stale.join("sub"), stale.clone()] {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
-    }
-    assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
-    assert!(dump(&store, &info.path) == nar);
-    assert_eq!(std::fs::read_dir(root.join("nix/store").join(TEMP_DIR)).unwrap().count(), 0);
-    assert_eq!(store_entries(&root), BTreeSet::from([first.path.base_name().to_owned(), info.path.base_name().to_owned()]));
+    assert!(add(&store, &other, &mut other_nar.as_slice()).unwrap());
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned(), other.path.base_name().to_owned()]));
     verify_with_nix(&root, tmp.path());
 }
 
@@ -1148,40 +1117,66 @@ fn a_nar_with_a_path_longer_than_path_max_allows_is_refused() {
         assert!(err.contains("/a/a/a/a/") && err.contains("…") && err.contains("lll"), "{err}");
         assert!(!store.is_valid_path(&path).unwrap());
         assert!(!store.real_path(&path).exists());
-        assert!(std::fs::read_dir(root.join("nix/store").join(TEMP_DIR)).unwrap().next().is_none(), "a temporary tree was left");
+        assert_eq!(temp_dirs(&root), Vec::<PathBuf>::new(), "a directory of temporary trees was left");
     }
     verify_with_nix(&root, tmp.path());
 }
 
-/// A directory of temporary trees that another user made first (a build user, in Nix's store
-/// directory that group nixbld may write in), or that others may write in, is refused with an
-/// error naming it, and nothing is added: its writer could replace a verified tree before its
-/// rename. Once it is private, the same addition succeeds.
+/// Names another user made first in the store directory (a build user, in Nix's store
+/// directory that group nixbld may write in), named like directories of temporary trees, one
+/// of them writable by all and one locked by its maker, stop no addition: each addition's
+/// directory is new (sluice once used one fixed name, and refused a directory there that it
+/// did not own privately: "owned by uid 65534 with mode 0777", and nothing could be added).
+/// The unlocked one is removed as a killed run's; the locked one is left to its maker.
 #[test]
-fn a_directory_of_temporary_trees_others_may_write_is_refused() {
+fn names_another_user_made_first_stop_no_addition() {
     let tmp = Scratch::new();
     let root = tmp.path().join("root");
     let store = open_store(&root);
-    let temp = root.join("nix/store").join(TEMP_DIR);
-    std::fs::create_dir(&temp).unwrap();
     let (info, nar) = fixture("varied-tree.nar");
-    let mut foreign = vec![(0o777, None)];
-    if rustix::process::geteuid().is_root() {
-        foreign.push((0o700, Some(65534)));
+    let foreign = root.join("nix/store/00000000000000000000000000000000-sluice-unpacking");
+    let locked = root.join("nix/store/3d3d3d3d3d3d3d3d3d3d3d3d3d3d3d3d-sluice-unpacking");
+    for dir in [&foreign, &locked] {
+        std::fs::create_dir(dir).unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        if rustix::process::geteuid().is_root() {
+            std::os::unix::fs::chown(dir, Some(65534), Some(65534)).unwrap();
+        }
     }
-    for (mode, owner) in foreign {
-        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(mode)).unwrap();
-        std::os::unix::fs::chown(&temp, owner, None).unwrap();
-        let err = add(&store, &info, &mut nar.as_slice()).unwrap_err().to_string();
-        let owned = format!("owned by uid {} with mode {mode:04o}", owner.unwrap_or(rustix::process::geteuid().as_raw()));
-        assert!(err.starts_with(&format!("using {}: {owned}", temp.display())) && err.ends_with("remove it"), "{err}");
-        assert!(!store.is_valid_path(&info.path).unwrap());
-        assert!(std::fs::read_dir(&temp).unwrap().next().is_none(), "something was unpacked into it");
-    }
-    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o700)).unwrap();
-    std::os::unix::fs::chown(&temp, Some(rustix::process::geteuid().as_raw()), None).unwrap();
+    let held = File::open(&locked).unwrap();
+    rustix::fs::flock(&held, rustix::fs::FlockOperation::LockExclusive).unwrap();
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     assert!(dump(&store, &info.path) == nar);
+    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned(), locked.file_name().unwrap().to_string_lossy().into_owned()]));
+    drop(held);
+}
+
+/// With `auto-optimise-store`, the temporary link that replaces a file by its `.links` copy is
+/// made in the store directory under a name nobody can take first: sluice named it
+/// `.tmp-link-<pid>-<counter>`, and another user who made the next names first (a build user,
+/// in Nix's store directory) failed every addition with "linking …: File exists".
+#[test]
+fn temporary_link_names_another_user_made_first_stop_no_optimised_addition() {
+    let tmp = Scratch::new();
+    let root = tmp.path().join("root");
+    let store = open_store(&root);
+    store.set_auto_optimise(true);
+    let taken: Vec<PathBuf> = (0..2000).map(|n| root.join(format!("nix/store/.tmp-link-{}-{n}", std::process::id()))).collect();
+    for name in &taken {
+        File::create(name).unwrap();
+    }
+    let nar = regular_file_nar(b"the same contents in two paths", false);
+    for base in ["6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j-first", "7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k-second"] {
+        let info = honest_info(base, &nar);
+        assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
+    }
+    let first = std::fs::metadata(root.join("nix/store/6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j6j-first")).unwrap();
+    let second = std::fs::metadata(root.join("nix/store/7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k7k-second")).unwrap();
+    assert_eq!(first.ino(), second.ino(), "the second path's file is not linked to the first's");
+    for name in &taken {
+        std::fs::remove_file(name).unwrap();
+    }
+    assert_eq!(store_entries(&root).into_iter().filter(|e| e.starts_with('.')).collect::<Vec<_>>(), Vec::<String>::new());
 }
 
 /// The NAR of a store path read as it is dumped (`LocalStore::nar_dump`: what a push reads,

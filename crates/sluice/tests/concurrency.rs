@@ -128,9 +128,9 @@ impl LockedCopy {
         let locked = LockedCopy { root, base, lock_path, lock, server, nar_url, copy, tmp };
         assert!(locked.server.requests(&locked.nar_url) <= 1, "{} requests of {} while its path was locked", locked.server.requests(&locked.nar_url), locked.nar_url);
         let store = locked.root.join("nix/store");
-        let temp_tree = store.join("00000000000000000000000000000000-sluice-unpacking").join(&locked.base);
         assert!(!store.join(&locked.base).exists(), "the locked path was written");
-        assert!(!temp_tree.exists(), "the locked path's temporary tree was written");
+        let temp_trees: Vec<_> = store_entries(&locked.root).into_iter().filter(|e| sluice_store::local::is_temp_dir(e)).map(|d| store.join(d).join(&locked.base)).filter(|t| t.exists()).collect();
+        assert!(temp_trees.is_empty(), "the locked path's temporary tree was written: {temp_trees:?}");
         locked
     }
 

@@ -168,7 +168,7 @@ fn a_signal_stops_a_copy_and_leaves_the_store_closed() {
         isolate(&mut cmd, tmp.path(), "");
         let args = ["copy", "--from", from, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
         let child = cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let placed = || store_entries(&root).iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && e.as_str() != sluice_store::local::TEMP_DIR).count();
+        let placed = || store_entries(&root).iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !sluice_store::local::is_temp_dir(e)).count();
         let start = Instant::now();
         match moment {
             Moment::Placed(n) => {

@@ -312,8 +312,7 @@ fn garbage_collection_matches_nix() {
         }
     }
     let both = |program: &str, args: &[&str]| -> Vec<(bool, String, String)> { stores.iter().map(|(url, root)| run(url, root, program, args)).collect() };
-    // sluice's directory of temporary trees (`TEMP_DIR`) is only in the store sluice fills.
-    let sorted = |s: &str| s.lines().filter(|l| !l.contains("-sluice-unpacking")).map(str::to_owned).collect::<std::collections::BTreeSet<_>>();
+    let sorted = |s: &str| s.lines().map(str::to_owned).collect::<std::collections::BTreeSet<_>>();
 
     for listing in ["--print-live", "--print-dead"] {
         let out = both("nix-store", &["--gc", listing]);
@@ -339,7 +338,7 @@ fn garbage_collection_matches_nix() {
     let dead_before = sorted(&ok(run(&daemon.url, &stores[0].1, "nix-store", &["--gc", "--print-dead"])));
     for (ok_, _, err) in both("nix", &["store", "gc", "--max", "1"]) {
         assert!(ok_, "{err}");
-        let deleted: Vec<&str> = err.lines().filter_map(|l| l.strip_prefix("deleting '").and_then(|l| l.strip_suffix('\''))).filter(|l| !l.contains("-sluice-unpacking")).collect();
+        let deleted: Vec<&str> = err.lines().filter_map(|l| l.strip_prefix("deleting '").and_then(|l| l.strip_suffix('\''))).collect();
         assert!(!deleted.is_empty() && deleted.len() < dead_before.len(), "{err}");
         assert!(deleted.iter().all(|p| dead_before.contains(*p)), "{deleted:?} not all in {dead_before:?}");
     }
@@ -862,8 +861,7 @@ fn derivation_only_in_a_cache_is_substituted_first() {
             };
             assert!(ok, "{client} through {}: {err}", daemon.url);
             assert_eq!(out.trim(), LIBIDN2, "{client} through {}: {err}", daemon.url);
-            // sluice's directory of trees being unpacked is not a store path.
-            let entries = store_entries(&env, root).into_iter().filter(|e| !e.ends_with("-sluice-unpacking")).collect::<Vec<_>>();
+            let entries = store_entries(&env, root);
             stores.push((client, root.clone(), entries));
         }
     }
@@ -1800,30 +1798,32 @@ fn substituted_derivation_whose_outputs_lie_is_refused() {
     assert_eq!(is_valid(&mut client, shown.as_bytes()), 0, "{shown} is valid");
 }
 
-/// A path named like the store's directory of temporary trees
-/// (`00000000000000000000000000000000-sluice-unpacking`), added by a client that may skip
-/// signatures (root, trusted, `dontCheckSigs`; a cache signed by a trusted key could serve it
-/// too): the addition first removed "the unregistered tree at the path's location", which is
-/// that directory with every concurrent addition's tree in it (their additions then failed).
-/// It must be refused, and another adder's tree (its lock held) left alone.
+/// A path named like a directory of temporary trees in use (`<hash part>-sluice-unpacking`:
+/// anyone who lists the store directory sees the names of those in use), added by a client
+/// that may skip signatures (root, trusted, `dontCheckSigs`; a cache signed by a trusted key
+/// could serve it too): the addition would first remove "the unregistered tree at the path's
+/// location", which is that directory with every concurrent addition's tree in it (their
+/// additions would then fail). It must be refused, and the directory (locked by its holder)
+/// left alone.
 #[test]
 fn a_path_named_like_the_temporary_directory_is_refused() {
     use std::io::Write;
     let env = Env::new();
     let daemon = env.daemon("root", &env.cache(), "");
     let store = env.path("root/nix/store");
-    let temp = store.join("00000000000000000000000000000000-sluice-unpacking");
+    let name = "1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b-sluice-unpacking";
+    let temp = store.join(name);
     let inflight = "0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a-inflight";
     std::fs::create_dir_all(temp.join(inflight)).unwrap();
-    // As the store makes it: private.
+    // As its holder makes it: private, and locked while in use.
     std::fs::set_permissions(&temp, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-    let lock = std::fs::File::create(store.join(format!("{inflight}.lock"))).unwrap();
+    let held = std::fs::File::open(&temp).unwrap();
     // SAFETY: flock on an open file descriptor.
-    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
     let (mut client, trusted) = raw_client(&env, 37);
     assert_eq!(trusted, Some(1));
     let nar = regular_file_nar(b"x", false);
-    let shown = "/nix/store/00000000000000000000000000000000-sluice-unpacking";
+    let shown = format!("/nix/store/{name}");
     let nar_hash = Hash::digest_bytes(HashAlgo::Sha256, &nar).to_base16();
     let args: Vec<Result<u64, &[u8]>> =
         vec![Err(shown.as_bytes()), Err(b""), Err(nar_hash.as_bytes()), Ok(0), Ok(0), Ok(nar.len() as u64), Ok(0), Ok(0), Err(b"")];
@@ -2871,7 +2871,7 @@ fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
             _ => format!("cannot add path '{dep}' because it lacks a signature by a trusted key"),
         };
         assert!(err.contains(&format!("daemon at {}: AddMultipleToStore: {words}", daemon.url.trim_start_matches("unix://"))), "{root}: {err}");
-        let after: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !e.ends_with("-sluice-unpacking")).collect();
+        let after = store_entries(&env, root);
         assert_eq!(after, before, "{root}: the refused add left something");
         let (ok, _, err) = as_root(&env, false, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);
         assert!(ok, "{root}: a trusted client's --no-check-sigs: {err}");
@@ -2926,9 +2926,7 @@ fn a_batch_refused_partway_leaves_a_closed_valid_subset() {
             assert_eq!(closed, valid.iter().map(|p| p.to_string()).collect(), "{root}: what is valid is not closed under references");
         }
         verified(&env, direct);
-        let unpacking = env.path(root).join("nix/store/00000000000000000000000000000000-sluice-unpacking");
-        assert!(std::fs::read_dir(&unpacking).map_or(true, |mut d| d.next().is_none()), "{root}: a temporary tree was left");
-        let trees: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !e.ends_with(".lock") && !e.ends_with("-sluice-unpacking")).collect();
+        let trees: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !e.ends_with(".lock")).collect();
         let expected: Vec<String> = valid.iter().map(|p| p.trim_start_matches("/nix/store/").to_string()).collect();
         assert_eq!(trees, expected, "{root}: trees beside the valid paths");
         // The summary line's count (an error line may say "not copied" too).

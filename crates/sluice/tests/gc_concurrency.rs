@@ -15,8 +15,8 @@
 //!
 //! "Nothing left over" (see [`leftovers`]): the store directory `ROOT/nix/store` holds exactly
 //! the valid paths (the `ValidPaths` table) and Nix's `.links`, nothing else — no temporary
-//! trees, no `.lock` files (Nix removes its own after substituting), no other names; an
-//! empty directory whose name contains `sluice` is tolerated (an empty temporary container).
+//! trees or directories of them, no `.lock` files (Nix removes its own after substituting), no
+//! other names.
 //! Elsewhere under `ROOT` no file may remain outside Nix's own state (`db`, `gcroots`,
 //! `profiles`, `temproots`, `gc-socket`, `gc.lock`, `daemon-socket`, `var/log`), apart
 //! from empty `*.lock` files. `temproots/<pid>` files are not checked: Nix's collector removes
@@ -74,17 +74,12 @@ fn closure() -> BTreeSet<String> {
 /// What a finished run must not leave under `root` (see the module comment), given the valid
 /// paths: names in the store directory, then other files as paths relative to `root`.
 fn leftovers(root: &Path, valid: &BTreeSet<String>) -> Vec<String> {
-    let store = root.join("nix/store");
     let mut out = Vec::new();
     for name in store_entries(root) {
         if name == ".links" || valid.contains(&format!("/nix/store/{name}")) {
             continue;
         }
-        let p = store.join(&name);
-        let empty_dir = std::fs::read_dir(&p).map(|mut d| d.next().is_none()).unwrap_or(false);
-        if !(empty_dir && name.contains("sluice")) {
-            out.push(name);
-        }
+        out.push(name);
     }
     let nix_own = ["nix/store", "nix/var/nix/db", "nix/var/nix/gcroots", "nix/var/nix/profiles", "nix/var/nix/temproots", "nix/var/nix/gc-socket", "nix/var/nix/gc.lock", "nix/var/nix/daemon-socket", "nix/var/log"];
     let mut stack = vec![root.to_path_buf()];
@@ -327,12 +322,9 @@ fn collector_problems(runs: &[Collection], from: Instant, to: Instant, what: &st
     let mut problems = Vec::new();
     let overlapping = runs.iter().filter(|c| c.start < to && c.end > from).count();
     let failed: Vec<String> = runs.iter().filter(|c| !c.status.is_some_and(|s| s.success())).map(|c| format!("{:?}: {}", c.status, c.stderr.lines().last().unwrap_or(""))).collect();
-    // The directory of temporary trees is garbage whenever nobody roots it: before the run's
-    // first addition roots it, and after the run exits. A collection deleting it then is
-    // right (a root sent meanwhile waits for the deletion to end, and the run makes it
-    // again); deleting it while a tree in it is in use would fail that path, which the
-    // run's exit status and the validity checks catch.
-    let deleted: Vec<&String> = runs.iter().flat_map(|c| c.deleted.iter().filter(|n| n.as_str() != sluice_store::local::TEMP_DIR)).collect();
+    // A directory of temporary trees is rooted from before it is made until it is removed:
+    // deleting one is a problem too.
+    let deleted: Vec<&String> = runs.iter().flat_map(|c| c.deleted.iter()).collect();
     let deleted_paths = deleted.iter().filter(|n| !n.starts_with('.') && !n.ends_with(".lock")).count();
     let deleted_hidden = deleted.iter().filter(|n| n.starts_with('.')).count();
     let deleted_locks = deleted.iter().filter(|n| n.ends_with(".lock")).count();
@@ -691,4 +683,75 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         stage("rerun verified");
         assert_no_problems(&problems);
     }
+}
+
+/// A directory of temporary trees in use (an addition unpacked into it, not committed) is kept
+/// by Nix 2.8's, Nix 2.26's and sluice's collectors, while one a killed run left beside it (its
+/// hash part rooted by nobody, its lock free) is deleted by each; the addition then completes
+/// and its directory goes with it: the store directory holds the path and `.links` only.
+/// Nix 2.26's own temporary directory (`tmp-<pid>-<n>`), locked by its holder, is kept by
+/// 2.26's collector and sluice's, and deleted by 2.8's, which deletes every name that is not a
+/// store path (why sluice's directories are named like store paths and rooted).
+#[test]
+fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one() {
+    use sluice_nix::hash::{Hash, HashAlgo};
+    use sluice_store::local::{is_temp_dir, LocalStore, SignaturePolicy};
+    let tmp = scratch();
+    let tmp = tmp.path();
+    let root = tmp.join("root");
+    let store = Arc::new(LocalStore::open(&sluice_store::store_url::LocalStoreConfig::with_root(&root)).unwrap());
+    let nar = sluice_nix::nar::writer::regular_file_nar(b"in flight", false);
+    let narinfo = format!(
+        "StorePath: /nix/store/4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g4g-in-flight\nURL: nar/x.nar\nCompression: none\nNarHash: {}\nNarSize: {}\nReferences: \n",
+        Hash::digest_bytes(HashAlgo::Sha256, &nar).to_nix32_prefixed(),
+        nar.len()
+    );
+    let info = sluice_nix::path_info::ValidPathInfo::from_narinfo(&sluice_nix::narinfo::NarInfo::parse(&Default::default(), &narinfo).unwrap(), 0);
+    let roots = store.temp_roots();
+    let mut pending = store.begin_add(info.clone(), &roots).unwrap().unwrap();
+    pending.unpack(&mut nar.as_slice()).unwrap();
+    let store_dir = root.join("nix/store");
+    let temp_dirs = || store_entries(&root).into_iter().filter(|e| is_temp_dir(e)).collect::<Vec<_>>();
+    let live = temp_dirs();
+    assert_eq!(live.len(), 1, "{live:?}");
+    let tree = store_dir.join(&live[0]).join(info.path.base_name());
+    let mut collectors = vec![Collector::Nix2_8, Collector::Sluice];
+    match nix_modern_ready() {
+        Ok(()) => collectors.push(Collector::Nix2_26),
+        Err(why) => eprintln!("skipping Nix 2.26: {why}"),
+    }
+    // What each collection did, looked at once the collecting daemon is stopped.
+    let mut daemon = start_sluice_daemon(tmp, &root, &collector_socket(tmp), "", "collector-daemon").0;
+    let mut runs = Vec::new();
+    for (n, which) in collectors.into_iter().enumerate() {
+        let dead = format!("{n}{}-sluice-unpacking", "5h".repeat(15) + "5");
+        std::fs::create_dir_all(store_dir.join(&dead).join("left")).unwrap();
+        let nix_tmp = format!("tmp-{}-{n}", std::process::id());
+        std::fs::create_dir(store_dir.join(&nix_tmp)).unwrap();
+        let held = std::fs::File::open(store_dir.join(&nix_tmp)).unwrap();
+        // SAFETY: flock on an open file descriptor.
+        assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
+        let c = collect(tmp, which, &root, n);
+        let kept = (tree.is_file(), store_dir.join(&dead).exists(), store_dir.join(&nix_tmp).exists());
+        let _ = std::fs::remove_dir(store_dir.join(&nix_tmp));
+        runs.push((which, c, kept, dead, nix_tmp));
+    }
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    for (which, c, (tree_kept, dead_kept, nix_tmp_kept), dead, nix_tmp) in runs {
+        assert!(c.status.is_some_and(|s| s.success()), "{which:?}: {}", c.stderr);
+        assert!(tree_kept, "{which:?} deleted the tree in use ({:?}): {}", c.deleted, c.stderr);
+        assert!(!dead_kept, "{which:?} kept a dead directory of temporary trees: {}", c.stderr);
+        let nix_2_8 = matches!(which, Collector::Nix2_8);
+        assert_eq!(nix_tmp_kept, !nix_2_8, "{which:?}: the locked {nix_tmp}");
+        let mut deleted = c.deleted.clone();
+        deleted.sort();
+        let expected = if nix_2_8 { vec![dead, nix_tmp] } else { vec![dead] };
+        assert_eq!(deleted, expected, "{which:?}");
+    }
+    pending.commit(&SignaturePolicy::unchecked()).unwrap();
+    drop(roots);
+    let mut left = store_entries(&root);
+    left.sort();
+    assert_eq!(left, [".links".to_owned(), info.path.base_name().to_owned()]);
 }

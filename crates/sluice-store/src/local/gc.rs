@@ -13,12 +13,14 @@
 //!   `auto` links removed; regular files named like a valid path), runtime roots
 //!   (`/proc/<pid>/{exe,cwd,fd/*,maps,environ}` and three kernel settings) and the live
 //!   holders' temporary roots, honoured by hash part (a root keeps `<hash>-x.lock`, a sluice
-//!   tree directory rooted by hash part, …);
+//!   directory of temporary trees, rooted by its holder, …);
 //! * a path is visited with its referrers (and, with `keep-derivations`, a derivation's
 //!   outputs; with `keep-outputs`, an output's derivers); if none of them is a root, all are
 //!   dead, and are unregistered (`invalidatePathChecked`) then deleted, referrers first;
 //! * every other name in the store directory is deleted too, except `.links`, whose files
-//!   with one link left are deleted last.
+//!   with one link left are deleted last, and a name starting with `tmp-` (Nix 2.26's
+//!   `createTempDirInStore`) that is not a directory that can be locked at once: its holder is
+//!   at work (Nix 2.26; 2.8 deletes it).
 //!
 //! Differences, each deliberate: a name that is not a store path is deleted only by an action
 //! that deletes (Nix 2.8 and 2.26 delete it even for `--print-dead`); the whole visited set of
@@ -441,6 +443,13 @@ impl LocalStore {
     }
 }
 
+/// Whether `name` in `parent` is a directory whose lock (`flock`) can be taken at once, as
+/// Nix 2.26's `deleteFromStore` asks of a temporary directory before deleting it. The lock
+/// is released on return: the directory is deleted next.
+fn unlocked_dir(parent: std::os::fd::BorrowedFd<'_>, name: &[u8]) -> bool {
+    tree::open_dir(parent, name).is_ok_and(|dir| flock(&dir, FlockOperation::NonBlockingLockExclusive).is_ok())
+}
+
 /// What Nix shows an untrusted client instead of a temporary or runtime root's label.
 const CENSORED: &str = "{censored}";
 
@@ -639,6 +648,10 @@ impl Collection<'_> {
     /// more than `max_freed` bytes were freed.
     fn delete_from_store(&mut self, name: &[u8]) -> Result<(), Stop> {
         let shown = format!("{}/{}", self.store.store_dir.as_str(), String::from_utf8_lossy(name));
+        if name.starts_with(b"tmp-") && !unlocked_dir(self.store.store_fd.as_fd(), name) {
+            tracing::debug!("skipping locked tempdir '{shown}'");
+            return Ok(());
+        }
         (self.log)(&format!("deleting '{shown}'"));
         let real = self.store.layout.real_store_dir.join(OsStr::from_bytes(name));
         let freed = tree::delete_tree(self.store.store_fd.as_fd(), name).map_err(io_err("deleting", &real))?;

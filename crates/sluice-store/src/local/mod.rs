@@ -13,12 +13,12 @@
 //! Nothing appears at a store path's location before its contents are complete, verified and
 //! durable, and a tree found there unregistered (after a crash) is replaced.
 //!
-//! Temporary trees live in one directory of the store directory, [`TEMP_DIR`], named like a
-//! store path so that Nix's garbage collector spares it while a holder of temporary roots
-//! roots its hash part (every adding holder does), and deletes it with whatever a killed run
-//! left once nobody does. A tree there is named after its path's base name and belongs to
-//! the holder of that path's lock; the first addition of each opened store removes the
-//! trees whose lock nobody holds.
+//! Temporary trees live in a directory of the store directory that the store makes for the
+//! additions in progress and removes when the last of them ends (see [`temp_dir`]): new,
+//! private, locked and rooted by its holder, named like a store path with a random hash part
+//! so that Nix's collectors keep it while it lives and delete it once its holder is gone. A
+//! tree there is named after its path's base name and belongs to the holder of that path's
+//! lock.
 
 mod api;
 mod as_store;
@@ -34,6 +34,7 @@ mod optimise;
 mod queries;
 mod registry;
 mod schema;
+mod temp_dir;
 mod temp_roots;
 mod tree;
 mod unpack;
@@ -46,6 +47,7 @@ pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use optimise::{OptimiseEvent, OptimiseStats};
+pub use temp_dir::{is_temp_dir, TEMP_DIR_NAME};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, TrustedKeysError, Vouched, VouchedInfo};
 pub use verify_store::{Repairer, VerifyMessage};
@@ -54,11 +56,10 @@ use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Once, OnceLock, Weak};
 
-use rustix::fs::{mkdirat, open, openat, renameat, renameat_with, Mode, OFlags, RenameFlags};
+use rustix::fs::{open, openat, renameat, renameat_with, Mode, OFlags, RenameFlags};
 use sluice_nix::derivation::DerivationError;
 use sluice_nix::hash::{Hash, Hasher};
 use sluice_nix::hash_modulo::ModuloHasher;
@@ -71,11 +72,8 @@ use crate::store_url::LocalStoreConfig;
 use layout::Layout;
 use lock::PathLock;
 use registry::Registry;
+use temp_dir::TempDir;
 use verify::CaHashing;
-
-/// The directory of temporary trees in the store directory (see the module documentation).
-/// Its hash part is a temporary root of every holder that adds paths.
-pub const TEMP_DIR: &str = "00000000000000000000000000000000-sluice-unpacking";
 
 /// Who signed an untrusted path and whom the policy trusts, as [`LocalStoreError::Untrusted`]
 /// says it.
@@ -176,11 +174,15 @@ pub struct LocalStore {
     /// The real store directory, opened once: every node of a store path is reached from it.
     store_fd: OwnedFd,
     registry: Registry,
-    /// Removal of the temporary trees killed runs left, at the first addition.
-    stale_trees: Once,
-    /// [`TEMP_DIR`], opened at the first addition; opened again if a collector deleted it
-    /// while nobody rooted it (see [`LocalStore::open_temp_dir`]).
-    temp_dir: std::sync::Mutex<Option<Arc<TempDir>>>,
+    /// Removal of the directories of temporary trees that killed runs left, at the first
+    /// addition or stale lock file (see [`LocalStore::remove_stale_temp_dirs`]).
+    stale_temp_dirs: Once,
+    /// The directory of temporary trees of the additions in progress, if any: it goes with
+    /// the last of them.
+    temp_dir: std::sync::Mutex<Weak<TempDir>>,
+    /// How nodes made in a directory of temporary trees get their modes
+    /// ([`unpack::creation_modes`] of the first one).
+    creation: OnceLock<unpack::Creation>,
     /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
     /// moved into place ([`LocalStore::set_auto_optimise`]).
     auto_optimise: std::sync::atomic::AtomicBool,
@@ -214,8 +216,8 @@ pub enum TryAdd {
 }
 
 /// A store path being added with the info its source claims: holds the per-path lock, the
-/// caller's temporary roots (the path and [`TEMP_DIR`] among them) and the temporary tree
-/// `TEMP_DIR/<base name>`. Dropping it without `commit` removes the temporary tree and the
+/// caller's temporary roots (the path among them) and the temporary tree `<base name>` in the
+/// store's directory of temporary trees. Dropping it without `commit` removes the temporary tree and the
 /// lock. (It owns an `Arc` of its store so that it can move between threads and tasks while
 /// it waits for its references to become valid.)
 pub struct PendingPath {
@@ -223,9 +225,8 @@ pub struct PendingPath {
     info: ValidPathInfo,
     /// The policy that vouched for `info` ([`VouchedInfo`]), if one did.
     vouched: Option<SignaturePolicy>,
-    /// [`TEMP_DIR`], opened after it was rooted (shared by all additions: a pending path
-    /// holds one open file, its lock). Only the holder of the path's lock uses the tree named
-    /// after the path there.
+    /// The directory of temporary trees (shared by the additions in progress). Only the
+    /// holder of the path's lock uses the tree named after the path there.
     temp_dir: Arc<TempDir>,
     /// Whether this value may have made the temporary tree that is there now: false until
     /// [`PendingPath::unpack`] starts and after the tree was renamed into place or removed,
@@ -240,13 +241,6 @@ pub struct PendingPath {
     _lock: PathLock,
     /// Keeps the roots until the path is registered or given up.
     _roots: TempRoots,
-}
-
-/// [`TEMP_DIR`], open, and how nodes made in it get their modes ([`unpack::creation_modes`],
-/// known when it is opened).
-struct TempDir {
-    fd: OwnedFd,
-    creation: unpack::Creation,
 }
 
 impl LocalStore {
@@ -266,7 +260,7 @@ impl LocalStore {
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_trees: Once::new(), temp_dir: Default::default(), auto_optimise: Default::default(), features: Default::default(), drv_hashes: Default::default() })
+        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_temp_dirs: Once::new(), temp_dir: Default::default(), creation: OnceLock::new(), auto_optimise: Default::default(), features: Default::default(), drv_hashes: Default::default() })
     }
 
     /// Sets `auto-optimise-store` (Nix's default: false): from now on, the files of every path
@@ -365,8 +359,11 @@ impl LocalStore {
     /// releasing the locks of a batch it had just registered ([`LocalStore::commit_all`],
     /// references first) left them on the referrers in that batch, and a caller that walks a
     /// closure does not look at the references of a valid path. Cheap when there is none: one
-    /// failed `open`. Does nothing in a read-only store.
+    /// failed `open`. The first call of an opened store (as its first addition) also removes
+    /// the directories of temporary trees that killed runs left, so that a run that finds
+    /// everything valid removes them too. Does nothing in a read-only store.
     pub fn clear_stale_lock(&self, path: &StorePath) {
+        self.remove_stale_temp_dirs();
         if self.read_only || !lock::clear_stale(&self.real_path(path)) {
             return;
         }
@@ -392,7 +389,7 @@ impl LocalStore {
     /// just found the path invalid, so a check before locking would be a second one).
     pub fn begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
         self.ensure_writable("add paths")?;
-        roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
+        roots.add(&info.path)?;
         let real_path = self.real_path(&info.path);
         let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
         self.start_add(info, None, lock, roots)
@@ -416,7 +413,7 @@ impl LocalStore {
     /// [`LocalStore::try_begin_add`], with the policy that vouched for `info`, if any.
     fn try_begin(self: &Arc<Self>, info: ValidPathInfo, vouched: Option<SignaturePolicy>, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("add paths")?;
-        roots.add_all(&[info.path.clone(), self.temp_dir_path()])?;
+        roots.add(&info.path)?;
         let real_path = self.real_path(&info.path);
         match PathLock::try_acquire(&real_path).map_err(io_err("locking", &real_path))? {
             None => Ok(TryAdd::Busy),
@@ -448,7 +445,7 @@ impl LocalStore {
     /// [`LocalStore::try_begin_repair`], or with `block` [`LocalStore::begin_repair`].
     fn start_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots, block: bool) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("repair paths")?;
-        roots.add_all(&[offered.path.clone(), self.temp_dir_path()])?;
+        roots.add(&offered.path)?;
         let shown = || self.store_dir.display_path(&offered.path);
         let info = self.query_path_info(&offered.path)?.ok_or_else(|| LocalStoreError::NotValid { path: shown() })?;
         if info.nar_hash != offered.nar_hash || info.nar_size != offered.nar_size {
@@ -484,70 +481,19 @@ impl LocalStore {
         self.query_valid_paths(paths)
     }
 
-    /// [`TEMP_DIR`] as a store path, for rooting.
-    fn temp_dir_path(&self) -> StorePath {
-        StorePath::from_base_name(TEMP_DIR).expect("TEMP_DIR is a valid base name")
-    }
-
     /// With `info.path`'s lock held: `None` if it is valid, else a [`PendingPath`] (`vouched`:
     /// the policy that vouched for `info`).
     fn start_add(self: &Arc<Self>, info: ValidPathInfo, vouched: Option<SignaturePolicy>, lock: PathLock, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
         if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
-        // Its "unregistered tree" would be the directory of every addition's temporary tree.
-        if info.path == self.temp_dir_path() {
-            return Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&info.path), what: "this name is reserved for the store's temporary trees" });
+        // Its "unregistered tree" could be a directory of every addition's temporary tree.
+        if info.path.name() == TEMP_DIR_NAME {
+            return Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&info.path), what: "this name is reserved for the store's directories of temporary trees" });
         }
         let mut pending = self.pending(info, lock, roots, false)?;
         pending.vouched = vouched;
         Ok(Some(pending))
-    }
-
-    /// [`TEMP_DIR`] (rooted by the caller), created if missing. The open directory is kept;
-    /// if Nix's collector deleted it meanwhile (while nobody rooted it: its link count is 0
-    /// now, and a collector that was deleting it finished before the caller's root was taken),
-    /// it is made again. The first time, also removes the trees there whose path's lock
-    /// nobody holds (left by a killed run). A directory there that another user owns, or that
-    /// others may write in, is refused (an `Io` error saying so): whoever can write in it could
-    /// replace a verified tree before its rename, and the unpacker names nodes by their paths in
-    /// it. A store directory others may write in (Nix's `/nix/store`, 1775 root:nixbld) lets a
-    /// build user make it first.
-    fn open_temp_dir(&self) -> Result<Arc<TempDir>, LocalStoreError> {
-        let path = self.layout.real_store_dir.join(TEMP_DIR);
-        let mut cached = self.temp_dir.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(dir) = cached.as_ref().filter(|d| rustix::fs::fstat(d.fd.as_fd()).is_ok_and(|st| st.st_nlink > 0)) {
-            return Ok(Arc::clone(dir));
-        }
-        match mkdirat(self.store_fd.as_fd(), TEMP_DIR, Mode::RWXU) {
-            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-            Err(e) => return Err(io_err("creating", &path)(e.into())),
-        }
-        let fd = tree::open_dir(self.store_fd.as_fd(), TEMP_DIR.as_bytes()).map_err(io_err("opening", &path))?;
-        tree::owned_dir(fd.as_fd(), 0o077, "no permission for group or others; remove it").map_err(io_err("using", &path))?;
-        let dir = Arc::new(TempDir { creation: unpack::creation_modes(fd.as_fd()), fd });
-        self.stale_trees.call_once(|| self.remove_stale_trees(dir.fd.as_fd()));
-        *cached = Some(Arc::clone(&dir));
-        Ok(dir)
-    }
-
-    /// Removes the trees in the temporary directory `dir` whose path's lock can be taken:
-    /// their adder is gone. Best effort: a failure is logged.
-    fn remove_stale_trees(&self, dir: std::os::fd::BorrowedFd<'_>) {
-        let names = match tree::sorted_entries(dir) {
-            Ok(names) => names,
-            Err(e) => return tracing::warn!("listing {}: {e}", self.layout.real_store_dir.join(TEMP_DIR).display()),
-        };
-        for name in names {
-            let Ok(lock) = PathLock::try_acquire(&self.layout.real_store_dir.join(std::ffi::OsStr::from_bytes(&name))) else { continue };
-            if lock.is_none() {
-                continue; // its adder is at work
-            }
-            match tree::remove_tree(dir, &name) {
-                Ok(_) => tracing::info!("removed the temporary tree {} left by an interrupted addition", String::from_utf8_lossy(&name)),
-                Err(e) => tracing::warn!("removing the temporary tree {}: {e}", String::from_utf8_lossy(&name)),
-            }
-        }
     }
 
     /// Adds `info`'s path from its NAR under `policy`: [`begin_add`](Self::begin_add),
@@ -722,7 +668,7 @@ impl PendingPath {
     }
 
     fn temp_path(&self) -> PathBuf {
-        self.store.layout.real_store_dir.join(TEMP_DIR).join(self.info.path.base_name())
+        self.temp_dir.path.join(self.info.path.base_name())
     }
 
     /// The full store path, for messages.

@@ -18,7 +18,6 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{fchmod, fstat, futimens, linkat, renameat, statat, unlinkat, AtFlags, Dir, FileType, Mode};
 use rustix::io::Errno;
@@ -54,9 +53,6 @@ pub enum OptimiseEvent<'a> {
     /// A message Nix prints at its informational level.
     Info(&'a str),
 }
-
-/// Distinguishes this process's temporary link names (with its pid).
-static TEMP_LINK_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl LocalStore {
     /// Deduplicates every valid path (Nix's `LocalStore::optimiseStore`): each is made a
@@ -230,19 +226,25 @@ impl<'s, 'o> Optimiser<'s, 'o> {
         }
         let _writable = if toggle { Some(WritableDir::new(parent, shown)?) } else { None };
         let store_fd = self.store.store_fd.as_fd();
-        let temp_name = format!(".tmp-link-{}-{}", std::process::id(), TEMP_LINK_COUNTER.fetch_add(1, Ordering::Relaxed));
-        let temp_path = self.store.layout.real_store_dir.join(&temp_name);
-        match linkat(self.links.as_fd(), &link_name, store_fd, &temp_name, AtFlags::empty()) {
-            Ok(()) => {}
-            // Too many links to one inode (likely an empty file): leave this one alone.
-            Err(Errno::MLINK) => {
-                if st.st_size > 0 {
-                    (self.observe)(OptimiseEvent::Info(&format!("'{}' has maximum number of links", link_path.display())));
+        // A random name, as Nix's (`.tmp-link-<pid>-<random>`), drawn again if someone made it
+        // first: the store directory may be writable by others (build users).
+        let (temp_name, temp_path) = loop {
+            let random = super::temp_dir::random_bytes::<8>().map_err(io_err("naming a temporary link in", &self.store.layout.real_store_dir))?;
+            let temp_name = format!(".tmp-link-{}-{}", std::process::id(), u64::from_ne_bytes(random));
+            let temp_path = self.store.layout.real_store_dir.join(&temp_name);
+            match linkat(self.links.as_fd(), &link_name, store_fd, &temp_name, AtFlags::empty()) {
+                Ok(()) => break (temp_name, temp_path),
+                Err(Errno::EXIST) => continue,
+                // Too many links to one inode (likely an empty file): leave this one alone.
+                Err(Errno::MLINK) => {
+                    if st.st_size > 0 {
+                        (self.observe)(OptimiseEvent::Info(&format!("'{}' has maximum number of links", link_path.display())));
+                    }
+                    return Ok(());
                 }
-                return Ok(());
+                Err(e) => return Err(io_err("linking", &temp_path)(e.into())),
             }
-            Err(e) => return Err(io_err("linking", &temp_path)(e.into())),
-        }
+        };
         self.inodes.insert(st.st_ino);
         if let Err(e) = renameat(store_fd, &temp_name, parent, name) {
             if let Err(u) = unlinkat(store_fd, &temp_name, AtFlags::empty()) {

@@ -33,10 +33,6 @@
 //! `canonicalisePathMetaData` name every node by its full path, so Nix could neither make such
 //! a tree nor read it back (`nix-store --verify --check-contents` fails on it, and so would a
 //! copy of it by Nix).
-//!
-//! A root left by an interrupted addition of the same path (its adder was killed) is found by
-//! the exclusive creation failing with `EEXIST`; it is removed and the root made again, so no
-//! `stat` is spent looking for it beforehand.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -121,20 +117,10 @@ impl<'a> Unpacker<'a> {
     }
 
     /// Runs `create` for the node `path` with the directory to make it in and its path there
-    /// ([`Unpacker::slot`]); for the root of a store's temporary tree
-    /// ([`FileModes::STORE`]), if `EEXIST` says an interrupted addition left a tree there,
-    /// removes it and runs `create` again (`nix-store --restore` fails instead, as Nix's
-    /// `restorePath`).
+    /// ([`Unpacker::slot`]).
     fn create<T>(&mut self, path: &NarPath, create: impl Fn(BorrowedFd<'_>, &[u8]) -> rustix::io::Result<T>) -> io::Result<T> {
-        let canonical = self.modes.canonical;
         let (dir, name) = self.slot(path)?;
-        match create(dir, name) {
-            Err(rustix::io::Errno::EXIST) if path.is_empty() && canonical => {
-                remove_tree(dir, name).map_err(at(path))?;
-                create(dir, name).map_err(|e| at(path)(e.into()))
-            }
-            r => r.map_err(|e| at(path)(e.into())),
-        }
+        create(dir, name).map_err(|e| at(path)(e.into()))
     }
 
     /// The hash of the root regular file's contents, if one was asked for and the root is a

@@ -7,7 +7,7 @@ mod scripted;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use sluice_store::local::TEMP_DIR;
+use sluice_store::local::is_temp_dir;
 
 #[allow(unused_imports)]
 pub use scripted::{closed_port, Scripted};
@@ -210,15 +210,11 @@ pub fn copy_with(tmp: &Path, root: &Path, substituters: &str, key: &str, options
     sluice(tmp, &args)
 }
 
-/// Entries of the store directory that a finished run must not leave: temporary trees (in
-/// `sluice_store::local::TEMP_DIR`, shown as `TEMP_DIR/<name>`; anything hidden except Nix's `.links`) and `.lock`
-/// files.
+/// Entries of the store directory that a finished run must not leave: directories of
+/// temporary trees (`sluice_store::local::is_temp_dir`), anything hidden except Nix's `.links`,
+/// and `.lock` files.
 pub fn store_leftovers(root: &Path) -> Vec<String> {
-    let mut left: Vec<String> = store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock")).collect();
-    if let Ok(temp) = std::fs::read_dir(root.join("nix/store").join(TEMP_DIR)) {
-        left.extend(temp.map(|e| format!("{TEMP_DIR}/{}", e.unwrap().file_name().to_string_lossy())));
-    }
-    left
+    store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock") || is_temp_dir(e)).collect()
 }
 
 /// Asserts that the sluice command that just ended closed the store under `root`, before
@@ -233,7 +229,7 @@ pub fn assert_store_closed(root: &Path) {
     assert_eq!(store_leftovers(root), Vec::<String>::new());
     let paths = registered_paths(root);
     let registered: std::collections::BTreeSet<&str> = paths.iter().filter_map(|p| p.rsplit('/').next()).collect();
-    let unregistered: Vec<String> = store_entries(root).into_iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && e != TEMP_DIR && !registered.contains(e.as_str())).collect();
+    let unregistered: Vec<String> = store_entries(root).into_iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !registered.contains(e.as_str())).collect();
     assert_eq!(unregistered, Vec::<String>::new(), "trees at store paths that are not registered");
 }
 
