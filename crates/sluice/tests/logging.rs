@@ -317,7 +317,9 @@ fn piped_lines_are_written_together() {
     assert_eq!(copying_lines(&o).len(), 25, "{err}");
     assert!(err.lines().last().unwrap().starts_with("copied 25 paths"), "{err}");
     let writes = std::fs::read_to_string(&trace).unwrap().lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|call| call.starts_with("write(2,") || call.starts_with("writev(2,"))).count();
-    assert!((1..=5).contains(&writes), "{writes} writes to standard error:\n{err}");
+    // A write every 50 ms at most, then the summary's: a copy slowed by strace on a busy
+    // machine takes a few windows more, far from a write per line.
+    assert!((1..=10).contains(&writes), "{writes} writes to standard error:\n{err}");
 }
 
 /// A copy of the subset's closure from a cache that sends the top path's NAR only after
