@@ -5,8 +5,9 @@
 //! the build operations, sent as `sluice_nix::wire::ops` requests, with the old CPU-affinity
 //! hint; and [`DaemonStore`], a daemon behind the [`Store`](crate::store::Store) interface.
 //! With `lock-cpu`, the client pins its thread to the CPU it is running on and sends that CPU
-//! in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as Nix 1.6–2.5 did), so that a daemon which honours it (sluice does) runs the connection's
-//! worker on the same CPU and each round trip avoids a cross-CPU wake-up.
+//! in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as Nix 1.6–2.5 did), so that a
+//! daemon which honours it (sluice does) runs the connection's worker on the same CPU and each
+//! round trip avoids a cross-CPU wake-up.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::UnixStream;
