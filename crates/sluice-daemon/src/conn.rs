@@ -8,7 +8,8 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_nix::wire::{read_store_path, ProtocolVersion, StderrWriter, WireError};
+use sluice_nix::wire::ops::{Op, Request};
+use sluice_nix::wire::{ProtocolVersion, StderrWriter, WireError};
 use sluice_store::local::{LocalStore, TempRoots};
 
 use crate::duplex::{Input, Output};
@@ -82,21 +83,22 @@ impl Conn<'_> {
         self.daemon.store().store_dir()
     }
 
-    /// Reads one store path argument.
-    pub(crate) fn read_path(&mut self, what: &'static str) -> Result<StorePath, Fail> {
+    /// Reads the request of an operation (after its number) as this connection's version
+    /// sends it; one that cannot be read is fatal.
+    pub(crate) fn read_request<R: Request>(&mut self) -> Result<R, Fail> {
         let dir = self.daemon.store().store_dir();
-        Ok(read_store_path(&mut self.r, dir, what)?)
+        Ok(R::read(&mut self.r, dir, self.version)?)
     }
 
     /// Whether the read buffer already holds a whole next request for operation `op` whose
-    /// one argument is a string of at most `max` bytes (such as a store path). If so, the
-    /// operation number is consumed and the argument is what is read next; if not, nothing is
+    /// request is one string of at most `max` bytes (such as a store path). If so, the
+    /// operation number is consumed and its request is what is read next; if not, nothing is
     /// consumed. Reads nothing from the client.
-    pub(crate) fn take_buffered_request(&mut self, op: u64, max: u64) -> bool {
+    pub(crate) fn take_buffered_request(&mut self, op: Op, max: u64) -> bool {
         let buf = self.r.buffer();
         let word = |at: usize| buf.get(at..at + 8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map(u64::from_le_bytes);
         let whole = match (word(0), word(8)) {
-            (Some(o), Some(len)) if o == op && len <= max => buf.len() as u64 >= 16 + len.next_multiple_of(8),
+            (Some(o), Some(len)) if o == op.to_wire() && len <= max => buf.len() as u64 >= 16 + len.next_multiple_of(8),
             _ => false,
         };
         if whole {

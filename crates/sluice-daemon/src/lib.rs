@@ -14,7 +14,6 @@ mod duplex;
 mod handshake;
 mod ops;
 mod options;
-mod roots;
 mod server;
 mod substitution;
 mod trust;

@@ -1,6 +1,6 @@
-//! SetOptions (op 19): the client's settings for the rest of the connection (Nix
-//! `ClientSettings::apply` in `daemon.cc`). Overrides apply on top of the daemon's own
-//! settings; an untrusted client may only set a few harmless ones and `substituters` (or its
+//! A connection's settings, as the client's SetOptions leaves them (Nix
+//! `ClientSettings::apply` in `daemon.cc`; the operation is `ops::options`). Overrides apply on
+//! top of the daemon's own settings; an untrusted client may only set a few harmless ones and `substituters` (or its
 //! alias `binary-caches`) to daemon-trusted ones, and is warned (as Nix ≥ 2.13 warns; 2.8 only
 //! logged it at debug level) about everything else it tried. See `docs/daemon-trust.md`.
 
@@ -8,11 +8,10 @@ use std::cell::OnceCell;
 use std::sync::Arc;
 
 use sluice_nix::signature::TrustedKeys;
-use sluice_nix::wire::{read_string_pairs, read_u64};
+use sluice_nix::wire::ops::{ClientSettings, SetOptions};
 use sluice_store::config::{setting_of, RawConfig, Settings};
-use sluice_store::remote::{ClientSettings, USE_SUBSTITUTES};
 
-use crate::conn::{Conn, Fail, OpResult};
+use crate::conn::Fail;
 use crate::Daemon;
 
 /// Settings an untrusted client may still change, by the exact name Nix compares
@@ -52,19 +51,21 @@ pub(crate) struct ClientOptions {
     pub forwarded: Vec<(String, String)>,
 }
 
-/// Nix's defaults of the numeric settings (`globals.hh`): nothing kept or retried, verbosity
-/// info, one build job, no silence limit, verbose builds, all cores, substitutes used.
-const DEFAULT_NUMERIC: ClientSettings = [0, 0, 0, 3, 1, 0, 1, 0, 0, 0, 0, 1];
-
 impl ClientOptions {
     /// Whether substituters may be used at all (the client's useSubstitutes).
     pub(crate) fn use_substitutes(&self) -> bool {
-        self.numeric[USE_SUBSTITUTES] != 0
+        self.numeric.use_substitutes
     }
 
-    /// The daemon's own settings, before any SetOptions.
+    /// The daemon's own settings, before any SetOptions (the numeric ones Nix's defaults).
     pub(crate) fn new(daemon: &Daemon) -> Self {
-        ClientOptions { raw: daemon.config.clone(), numeric: DEFAULT_NUMERIC, forwarded: Vec::new(), settings: OnceCell::new(), trusted_keys: OnceCell::new() }
+        ClientOptions {
+            raw: daemon.config.clone(),
+            numeric: ClientSettings::default(),
+            forwarded: Vec::new(),
+            settings: OnceCell::new(),
+            trusted_keys: OnceCell::new(),
+        }
     }
 
     /// The typed settings (substituters, keys, timeouts); an error names a bad value.
@@ -79,50 +80,40 @@ impl ClientOptions {
         let keys = self.trusted_keys.get_or_init(|| TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}")));
         keys.clone().map_err(Fail::Op)
     }
-}
 
-/// SetOptions: keepFailed, keepGoing, tryFallback, verbosity, maxBuildJobs, maxSilentTime,
-/// useBuildHook (obsolete), verboseBuild, logType and printBuildTrace (obsolete), buildCores,
-/// useSubstitutes, then (≥ 1.12) the overrides. Replies `LAST` with no result.
-pub(crate) fn set_options(c: &mut Conn) -> OpResult {
-    let mut fields = [0u64; 12];
-    for f in &mut fields {
-        *f = read_u64(&mut c.r, "SetOptions field")?;
-    }
-    let overrides = if c.version.at_least(12) { read_string_pairs(&mut c.r, 100_000, 1 << 20, "setting override")? } else { Vec::new() };
-    let mut options = ClientOptions::new(c.daemon);
-    options.numeric = fields;
-    let mut warnings = Vec::new();
-    for (name, value) in overrides {
-        // `binary-caches` is Nix's old alias of `substituters`.
-        let name = match name.as_str() {
-            "binary-caches" => "substituters".to_owned(),
-            "extra-binary-caches" => "extra-substituters".to_owned(),
-            _ => name,
-        };
-        if IGNORED.contains(&name.as_str()) {
-            continue;
-        }
-        if c.peer.trusted || UNPRIVILEGED.contains(&name.as_str()) || (name == "builders" && value.is_empty()) {
-            options.raw.set(&name, &value);
-            if !NOT_FORWARDED.contains(&setting_of(&name).1) {
-                options.forwarded.push((name, value));
+    /// The settings of a client (`trusted` or not) after its SetOptions `request`, on top of
+    /// the daemon's own, and the warnings for the overrides refused.
+    pub(crate) fn apply(daemon: &Daemon, trusted: bool, request: SetOptions) -> (Self, Vec<String>) {
+        let mut options = ClientOptions::new(daemon);
+        options.numeric = request.settings;
+        let mut warnings = Vec::new();
+        for (name, value) in request.overrides {
+            // `binary-caches` is Nix's old alias of `substituters`.
+            let name = match name.as_str() {
+                "binary-caches" => "substituters".to_owned(),
+                "extra-binary-caches" => "extra-substituters".to_owned(),
+                _ => name,
+            };
+            if IGNORED.contains(&name.as_str()) {
+                continue;
             }
-        } else if name == "substituters" {
-            // Nix's `setSubstituters`: the setting itself or an alias, not `extra-substituters`.
-            let accepted = trusted_substituters(&c.daemon.config, &value, &mut warnings);
-            options.raw.set("substituters", &accepted.join(" "));
-        } else {
-            warnings.push(format!(
-                "ignoring the client-specified setting '{name}', because it is a restricted setting and you are not a trusted user"
-            ));
+            if trusted || UNPRIVILEGED.contains(&name.as_str()) || (name == "builders" && value.is_empty()) {
+                options.raw.set(&name, &value);
+                if !NOT_FORWARDED.contains(&setting_of(&name).1) {
+                    options.forwarded.push((name, value));
+                }
+            } else if name == "substituters" {
+                // Nix's `setSubstituters`: the setting itself or an alias, not `extra-substituters`.
+                let accepted = trusted_substituters(&daemon.config, &value, &mut warnings);
+                options.raw.set("substituters", &accepted.join(" "));
+            } else {
+                warnings.push(format!(
+                    "ignoring the client-specified setting '{name}', because it is a restricted setting and you are not a trusted user"
+                ));
+            }
         }
+        (options, warnings)
     }
-    c.options = options;
-    for w in warnings {
-        c.log(&format!("warning: {w}")).map_err(Fail::Output)?;
-    }
-    c.reply(|_, _| Ok(()))
 }
 
 /// The substituters in `value` that the daemon trusts (its `substituters` and

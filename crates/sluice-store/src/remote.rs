@@ -1,21 +1,27 @@
-//! A client of a Nix daemon (`sluice daemon` or `nix-daemon`) over its Unix socket: the
-//! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`):
-//! queries, a NAR read (NarFromPath), additions (AddToStoreNar, AddMultipleToStore) and the build operations,
-//! with the old CPU-affinity hint; and [`DaemonStore`], a daemon behind the
-//! [`Store`](crate::store::Store) interface. With `lock-cpu`, the client pins its thread to the CPU it is
-//! running on and sends that CPU in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as
-//! Nix 1.6–2.5 did), so that a daemon which honours it (sluice does) runs the connection's
-//! worker on the same CPU and each round trip avoids a cross-CPU wake-up.
+//! A client of a Nix daemon (`sluice daemon` or `nix-daemon`): [`DaemonConnection`], the
+//! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`) over any
+//! byte stream (a Unix socket, or a child process's standard input and output as `ssh-ng://`
+//! uses): queries, a NAR read (NarFromPath), additions (AddToStoreNar, AddMultipleToStore) and
+//! the build operations, sent as `sluice_nix::wire::ops` requests, with the old CPU-affinity
+//! hint; and [`DaemonStore`], a daemon behind the [`Store`](crate::store::Store) interface.
+//! With `lock-cpu`, the client pins its thread to the CPU it is running on and sends that CPU
+//! in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as Nix 1.6–2.5 did), so that a
+//! daemon which honours it (sluice does) runs the connection's worker on the same CPU and each
+//! round trip avoids a cross-CPU wake-up.
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
 use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::wire::ops::{
+    write_request, AddMultipleToStore, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults, IsValidPath, NarFromPath, QueryPathInfo, Request,
+    SetOptions,
+};
 use sluice_nix::wire::{
-    read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info,
-    write_basic_derivation, write_bool, write_bytes, write_derived_path, write_keyed_path_info, write_string_pairs, write_u64, BasicDerivation, BuildMode,
-    BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
+    read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info, write_keyed_path_info,
+    write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1,
+    WORKER_MAGIC_2,
 };
 
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
@@ -36,87 +42,92 @@ const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
 /// may itself be waiting for its replies to be read.
 pub const PIPELINE_BYTES: usize = 64 << 10;
 
-const OP_IS_VALID_PATH: u64 = 1;
-const OP_BUILD_PATHS: u64 = 9;
-const OP_SET_OPTIONS: u64 = 19;
-const OP_QUERY_PATH_INFO: u64 = 26;
-const OP_BUILD_DERIVATION: u64 = 36;
-const OP_NAR_FROM_PATH: u64 = 38;
-const OP_ADD_TO_STORE_NAR: u64 = 39;
-const OP_ADD_MULTIPLE_TO_STORE: u64 = 44;
-const OP_BUILD_PATHS_WITH_RESULTS: u64 = 46;
-
 /// Receives the stderr messages of an operation (log lines, activities, results) as they
 /// come, to pass them on; an error stops the operation ([`RemoteError::Relay`]).
 pub type Relay<'a> = &'a mut dyn FnMut(&StderrMessage) -> std::io::Result<()>;
 
-/// The numeric settings of SetOptions, in Nix's order (`RemoteStore::setOptions` in
-/// `remote-store.cc`): keepFailed, keepGoing, tryFallback, verbosity, maxBuildJobs,
-/// maxSilentTime, useBuildHook (obsolete, 1), verboseBuild (as a verbosity), logType and
-/// printBuildTrace (obsolete, 0), buildCores, useSubstitutes.
-pub type ClientSettings = [u64; 12];
-
-/// The index of useSubstitutes in [`ClientSettings`].
-pub const USE_SUBSTITUTES: usize = 11;
-
-/// Errors talking to a daemon. Each names the socket and what was being done.
+/// Errors talking to a daemon. Each names the daemon (its socket's path, or what else it is
+/// reached through) and what was being done.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {
-    /// The socket could not be connected to.
-    #[error("connecting to the daemon at {}: {source}", socket.display())]
-    Connect { socket: PathBuf, #[source] source: std::io::Error },
+    /// The daemon could not be reached.
+    #[error("connecting to the daemon at {daemon}: {source}")]
+    Connect { daemon: String, #[source] source: std::io::Error },
     /// Reading from or writing to the connection failed.
-    #[error("daemon at {}: {what}: {source}", socket.display())]
-    Io { socket: PathBuf, what: &'static str, #[source] source: std::io::Error },
+    #[error("daemon at {daemon}: {what}: {source}")]
+    Io { daemon: String, what: &'static str, #[source] source: std::io::Error },
     /// The daemon sent something malformed.
-    #[error("daemon at {}: {what}: {source}", socket.display())]
-    Wire { socket: PathBuf, what: &'static str, #[source] source: WireError },
+    #[error("daemon at {daemon}: {what}: {source}")]
+    Wire { daemon: String, what: &'static str, #[source] source: WireError },
     /// The peer is not a daemon this client can talk to.
-    #[error("daemon at {}: {message}", socket.display())]
-    Protocol { message: String, socket: PathBuf },
+    #[error("daemon at {daemon}: {message}")]
+    Protocol { message: String, daemon: String },
     /// The daemon reported that the operation failed.
-    #[error("daemon at {}: {what}: {message}", socket.display())]
-    Daemon { socket: PathBuf, what: &'static str, message: String },
+    #[error("daemon at {daemon}: {what}: {message}")]
+    Daemon { daemon: String, what: &'static str, message: String },
     /// Passing on the daemon's messages failed (see [`Relay`]).
-    #[error("relaying the messages of the daemon at {}: {source}", socket.display())]
-    Relay { socket: PathBuf, #[source] source: std::io::Error },
+    #[error("relaying the messages of the daemon at {daemon}: {source}")]
+    Relay { daemon: String, #[source] source: std::io::Error },
     /// Reading the NAR of `path` to send it failed (the daemon was sent a cut-short NAR,
     /// which it refuses).
-    #[error("daemon at {}: reading the NAR of {path} to add it: {source}", socket.display())]
-    Nar { socket: PathBuf, path: String, #[source] source: std::io::Error },
+    #[error("daemon at {daemon}: reading the NAR of {path} to add it: {source}")]
+    Nar { daemon: String, path: String, #[source] source: std::io::Error },
 }
 
-/// A connection to a daemon. Not shareable between threads: the worker protocol is one
-/// request at a time.
-pub struct RemoteStore {
-    socket: PathBuf,
-    r: BufReader<UnixStream>,
-    w: BufWriter<UnixStream>,
+/// The reading side of a daemon's byte stream.
+pub type DaemonReader = Box<dyn Read + Send>;
+/// The writing side of a daemon's byte stream.
+pub type DaemonWriter = Box<dyn Write + Send>;
+
+/// A connection to a daemon, over any byte stream: [`DaemonConnection::connect`] opens a Unix
+/// socket, [`DaemonConnection::over`] takes a stream already open. Not shareable between
+/// threads: the worker protocol is one request at a time.
+pub struct DaemonConnection {
+    /// The daemon, as errors name it.
+    daemon: String,
+    r: BufReader<DaemonReader>,
+    w: BufWriter<DaemonWriter>,
     version: ProtocolVersion,
     store_dir: StoreDir,
     daemon_version: Option<String>,
     pinned_cpu: Option<usize>,
 }
 
-impl RemoteStore {
-    /// Connects to the daemon at `socket` and greets it. With `lock_cpu`, first pins the
-    /// calling thread, for the rest of its life, to the CPU it runs on (if that fails, the
-    /// connection goes on unpinned and sends no hint) and asks the daemon to run its worker
-    /// there.
+impl DaemonConnection {
+    /// Connects to the daemon listening on the Unix socket `socket` and greets it. With
+    /// `lock_cpu`, first pins the calling thread, for the rest of its life, to the CPU it runs
+    /// on (if that fails, the connection goes on unpinned and sends no hint) and asks the
+    /// daemon to run its worker there.
     pub fn connect(socket: &Path, lock_cpu: bool) -> Result<Self, RemoteError> {
-        let stream = UnixStream::connect(socket).map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
-        let reader = stream.try_clone().map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
-        let mut store = RemoteStore {
-            socket: socket.to_owned(),
+        let daemon = socket.display().to_string();
+        let connect_err = |source| RemoteError::Connect { daemon: daemon.clone(), source };
+        let stream = UnixStream::connect(socket).map_err(connect_err)?;
+        let reader = stream.try_clone().map_err(connect_err)?;
+        let pinned_cpu = if lock_cpu { pin_to_current_cpu() } else { None };
+        Self::greeted(daemon, Box::new(reader), Box::new(stream), pinned_cpu)
+    }
+
+    /// Greets the daemon that reads what `writer` writes and answers on `reader` (such as a
+    /// `nix-daemon --stdio`'s standard input and output), named `daemon` in errors. No CPU
+    /// hint is sent.
+    pub fn over(daemon: String, reader: DaemonReader, writer: DaemonWriter) -> Result<Self, RemoteError> {
+        Self::greeted(daemon, reader, writer, None)
+    }
+
+    /// The connection over `reader` and `writer`, greeted, having named `pinned_cpu` to the
+    /// daemon.
+    fn greeted(daemon: String, reader: DaemonReader, writer: DaemonWriter, pinned_cpu: Option<usize>) -> Result<Self, RemoteError> {
+        let mut conn = DaemonConnection {
+            daemon,
             r: BufReader::with_capacity(64 * 1024, reader),
-            w: BufWriter::with_capacity(64 * 1024, stream),
+            w: BufWriter::with_capacity(64 * 1024, writer),
             version: CLIENT_VERSION,
             store_dir: StoreDir::default(),
             daemon_version: None,
-            pinned_cpu: if lock_cpu { pin_to_current_cpu() } else { None },
+            pinned_cpu,
         };
-        store.greet()?;
-        Ok(store)
+        conn.greet()?;
+        Ok(conn)
     }
 
     /// The negotiated protocol version.
@@ -141,14 +152,14 @@ impl RemoteStore {
 
     /// Whether `path` is valid in the daemon's store.
     pub fn is_valid_path(&mut self, path: &StorePath) -> Result<bool, RemoteError> {
-        self.request(OP_IS_VALID_PATH, path, "IsValidPath")?;
+        self.request(&IsValidPath { path: path.clone() }, "IsValidPath")?;
         let valid = read_bool(&mut self.r, "validity");
         valid.map_err(self.wire_err("reading the IsValidPath result"))
     }
 
     /// The registration of `path`, or `None` if it is not valid.
     pub fn query_path_info(&mut self, path: &StorePath) -> Result<Option<ValidPathInfo>, RemoteError> {
-        self.request(OP_QUERY_PATH_INFO, path, "QueryPathInfo")?;
+        self.request(&QueryPathInfo { path: path.clone() }, "QueryPathInfo")?;
         self.read_path_info(path)
     }
 
@@ -162,13 +173,12 @@ impl RemoteStore {
         let mut rest = paths;
         while !rest.is_empty() {
             let io = self.io_err("QueryPathInfo");
-            let (mut sent, mut bytes) = (0, 0);
-            while sent < rest.len() && bytes < PIPELINE_BYTES {
-                let shown = self.store_dir.display_path(&rest[sent]);
-                write_u64(&mut self.w, OP_QUERY_PATH_INFO).and_then(|()| write_bytes(&mut self.w, shown.as_bytes())).map_err(&io)?;
-                bytes += 16 + shown.len().next_multiple_of(8);
+            let (mut sent, mut request) = (0, Vec::new());
+            while sent < rest.len() && request.len() < PIPELINE_BYTES {
+                write_request(&mut request, &self.store_dir, self.version, &QueryPathInfo { path: rest[sent].clone() }).map_err(&io)?;
                 sent += 1;
             }
+            self.w.write_all(&request).map_err(&io)?;
             self.w.flush().map_err(&io)?;
             for path in &rest[..sent] {
                 self.finish_stderr("QueryPathInfo")?;
@@ -189,12 +199,12 @@ impl RemoteStore {
         Ok(Some(info))
     }
 
-    /// NarFromPath (op 38): the NAR of the valid path `path`, `nar_size` bytes (its registered
+    /// NarFromPath: the NAR of the valid path `path`, `nar_size` bytes (its registered
     /// size), into `sink` (Nix `RemoteStore::narFromPath`: after `LAST`, the bare NAR). The
     /// whole NAR is read even when writing `sink` fails, so that the connection stays in step:
     /// that failure is the inner result.
     pub fn nar_from_path(&mut self, path: &StorePath, nar_size: u64, sink: &mut dyn Write) -> Result<std::io::Result<()>, RemoteError> {
-        self.request(OP_NAR_FROM_PATH, path, "NarFromPath")?;
+        self.request(&NarFromPath { path: path.clone() }, "NarFromPath")?;
         let io = self.io_err("reading the NAR (NarFromPath)");
         let (mut nar, mut buf, mut written) = ((&mut self.r).take(nar_size), vec![0u8; 64 << 10], Ok(()));
         loop {
@@ -211,7 +221,7 @@ impl RemoteStore {
         }
     }
 
-    /// AddToStoreNar (op 39, daemons of protocol ≥ 1.23): adds `info.path` from the NAR read
+    /// AddToStoreNar (daemons of protocol ≥ 1.23): adds `info.path` from the NAR read
     /// from `nar`, as Nix's `RemoteStore::addToStore` sends it: the info in its keyed form,
     /// repair (false), dontCheckSigs (`!check_sigs`; a daemon checks an untrusted client's
     /// signatures anyway), then the NAR as a framed stream while another thread reads the
@@ -222,17 +232,14 @@ impl RemoteStore {
         let what = "AddToStoreNar";
         if !self.version.at_least(23) {
             let message = format!("{what} needs protocol 1.23 (Nix 2.4), the daemon speaks {}", self.version);
-            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
         }
-        let io = self.io_err(what);
-        write_u64(&mut self.w, OP_ADD_TO_STORE_NAR).map_err(&io)?;
-        write_keyed_path_info(&mut self.w, &self.store_dir, self.version, info).map_err(&io)?;
-        write_bool(&mut self.w, false).and_then(|()| write_bool(&mut self.w, !check_sigs)).map_err(&io)?;
-        let (socket, shown) = (self.socket.clone(), self.store_dir.display_path(&info.path));
-        self.with_framed_sink(what, |out| Ok(copy_nar(nar, out)?.map(drop).map_err(|source| RemoteError::Nar { socket, path: shown, source })))
+        self.send(&AddToStoreNar { info: info.clone(), repair: false, dont_check_sigs: !check_sigs }, what)?;
+        let (daemon, shown) = (self.daemon.clone(), self.store_dir.display_path(&info.path));
+        self.with_framed_sink(what, |out| Ok(copy_nar(nar, out)?.map(drop).map_err(|source| RemoteError::Nar { daemon, path: shown, source })))
     }
 
-    /// AddMultipleToStore (op 44, daemons of protocol ≥ 1.32): adds every path of `paths`, in
+    /// AddMultipleToStore (daemons of protocol ≥ 1.32): adds every path of `paths`, in
     /// order, in one operation, as Nix's `RemoteStore::addMultipleToStore` sends it: repair
     /// (false), dontCheckSigs (`!check_sigs`), then one framed stream of the count and, per
     /// path, its keyed info in the protocol 1.16 form followed by exactly `NarSize` bytes of
@@ -243,12 +250,10 @@ impl RemoteStore {
         let what = "AddMultipleToStore";
         if !self.version.at_least(batch::MULTIPLE_VERSION) {
             let message = format!("{what} needs protocol 1.32 (Nix 2.4), the daemon speaks {}", self.version);
-            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
         }
-        let io = self.io_err(what);
-        write_u64(&mut self.w, OP_ADD_MULTIPLE_TO_STORE).map_err(&io)?;
-        write_bool(&mut self.w, false).and_then(|()| write_bool(&mut self.w, !check_sigs)).map_err(&io)?;
-        let (socket, dir) = (self.socket.clone(), self.store_dir.clone());
+        self.send(&AddMultipleToStore { repair: false, dont_check_sigs: !check_sigs }, what)?;
+        let (daemon, dir) = (self.daemon.clone(), self.store_dir.clone());
         self.with_framed_sink(what, |out| {
             write_u64(out, paths.len() as u64)?;
             for (info, nar) in paths.iter_mut() {
@@ -258,7 +263,7 @@ impl RemoteStore {
                     false => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the NAR ended after {n} of its {} bytes", info.nar_size))),
                 });
                 if let Err(source) = read {
-                    return Ok(Err(RemoteError::Nar { socket, path: dir.display_path(&info.path), source }));
+                    return Ok(Err(RemoteError::Nar { daemon, path: dir.display_path(&info.path), source }));
                 }
             }
             Ok(Ok(()))
@@ -273,9 +278,9 @@ impl RemoteStore {
     fn with_framed_sink(&mut self, what: &'static str, send: impl FnOnce(&mut dyn Write) -> std::io::Result<Result<(), RemoteError>>) -> Result<(), RemoteError> {
         let io = self.io_err(what);
         self.w.flush().map_err(&io)?;
-        let RemoteStore { socket, r, w, version, .. } = self;
+        let DaemonConnection { daemon, r, w, version, .. } = self;
         let (sent, replied) = std::thread::scope(|scope| {
-            let daemon = scope.spawn(|| relay_stderr(r, *version, socket, what, &mut log_message));
+            let replies = scope.spawn(|| relay_stderr(r, *version, daemon, what, &mut log_message));
             let sent = (|| {
                 // Frames of up to 64 KiB: the infos' small writes are gathered.
                 let mut framed = BufWriter::with_capacity(64 << 10, FramedWriter::new(&mut *w));
@@ -283,9 +288,9 @@ impl RemoteStore {
                 framed.into_inner().map_err(std::io::IntoInnerError::into_error)?.finish()?.flush()?;
                 Ok(outcome)
             })();
-            (sent, daemon.join())
+            (sent, replies.join())
         });
-        let replied = replied.unwrap_or_else(|_| Err(RemoteError::Protocol { message: format!("{what}: the thread reading the daemon's messages panicked"), socket: self.socket.clone() }));
+        let replied = replied.unwrap_or_else(|_| Err(RemoteError::Protocol { message: format!("{what}: the thread reading the daemon's messages panicked"), daemon: self.daemon.clone() }));
         match sent {
             Ok(Ok(())) => replied,
             Ok(Err(nar)) => Err(nar),
@@ -293,45 +298,38 @@ impl RemoteStore {
         }
     }
 
-    /// SetOptions (op 19) with the numeric settings `settings` and the setting overrides
-    /// `overrides` (name, value), as Nix's `RemoteStore::setOptions` sends them
-    /// (`remote-store.cc`; overrides are in every protocol sluice speaks, ≥ 1.21). The
-    /// daemon's error if it refuses them.
-    pub fn set_options(&mut self, settings: &ClientSettings, overrides: &[(String, String)]) -> Result<(), RemoteError> {
-        let io = self.io_err("SetOptions");
-        write_u64(&mut self.w, OP_SET_OPTIONS).map_err(&io)?;
-        for n in settings {
-            write_u64(&mut self.w, *n).map_err(&io)?;
-        }
-        write_string_pairs(&mut self.w, overrides.iter().map(|(k, v)| (k, v))).and_then(|()| self.w.flush()).map_err(&io)?;
-        self.finish_stderr("SetOptions")
+    /// SetOptions: the numeric settings and the setting overrides (name, value) of
+    /// `options`, as Nix's `RemoteStore::setOptions` sends them (`remote-store.cc`; overrides
+    /// are in every protocol sluice speaks, ≥ 1.21). The daemon's error if it refuses them.
+    pub fn set_options(&mut self, options: &SetOptions) -> Result<(), RemoteError> {
+        self.request(options, "SetOptions")
     }
 
-    /// BuildPaths (op 9): realises `targets` in `mode` (Nix `RemoteStore::buildPaths`),
+    /// BuildPaths: realises `targets` in `mode` (Nix `RemoteStore::buildPaths`),
     /// passing the daemon's messages to `relay`. The daemon's error if any target failed.
     pub fn build_paths(&mut self, targets: &[DerivedPath], mode: BuildMode, relay: Relay) -> Result<(), RemoteError> {
         let what = "BuildPaths";
-        self.send_derived_paths(OP_BUILD_PATHS, targets, mode, what)?;
+        self.send(&BuildPaths { targets: targets.to_vec(), mode }, what)?;
         self.relay_stderr(what, relay)?;
         read_u64(&mut self.r, "BuildPaths result").map_err(self.wire_err(what))?;
         Ok(())
     }
 
-    /// BuildPathsWithResults (op 46, daemons of protocol ≥ 1.34): realises `targets` in
+    /// BuildPathsWithResults (daemons of protocol ≥ 1.34): realises `targets` in
     /// `mode` (Nix `RemoteStore::buildPathsWithResults`), passing the daemon's messages to
     /// `relay`; a result per target, keyed by the target as the daemon names it.
     pub fn build_paths_with_results(&mut self, targets: &[DerivedPath], mode: BuildMode, relay: Relay) -> Result<Vec<(DerivedPath, BuildResult)>, RemoteError> {
         let what = "BuildPathsWithResults";
         if !self.version.at_least(34) {
             let message = format!("{what} needs protocol 1.34 (Nix 2.8), the daemon speaks {}", self.version);
-            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
         }
-        self.send_derived_paths(OP_BUILD_PATHS_WITH_RESULTS, targets, mode, what)?;
+        self.send(&BuildPathsWithResults { targets: targets.to_vec(), mode }, what)?;
         self.relay_stderr(what, relay)?;
         let n = read_u64(&mut self.r, "build result count").map_err(self.wire_err(what))?;
         if n > targets.len() as u64 {
             let message = format!("{what}: {n} results for {} paths", targets.len());
-            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
         }
         let mut results = Vec::with_capacity(n as usize);
         for _ in 0..n {
@@ -340,28 +338,14 @@ impl RemoteStore {
         Ok(results)
     }
 
-    /// BuildDerivation (op 36): builds `drv`, the derivation at `drv_path` in wire form, in
+    /// BuildDerivation: builds `drv`, the derivation at `drv_path` in wire form, in
     /// `mode` (Nix `putBuildDerivationRequest`, `worker-protocol-connection.cc`), passing the
     /// daemon's messages to `relay`. The result in the negotiated version's form.
     pub fn build_derivation(&mut self, drv_path: &StorePath, drv: &BasicDerivation, mode: BuildMode, relay: Relay) -> Result<BuildResult, RemoteError> {
         let what = "BuildDerivation";
-        let io = self.io_err(what);
-        let name = drv_path.name().strip_suffix(".drv").unwrap_or(drv_path.name());
-        let shown = self.store_dir.display_path(drv_path);
-        write_u64(&mut self.w, OP_BUILD_DERIVATION).and_then(|()| write_bytes(&mut self.w, shown.as_bytes())).map_err(&io)?;
-        write_basic_derivation(&mut self.w, &self.store_dir, name, drv).and_then(|()| mode.write(&mut self.w)).and_then(|()| self.w.flush()).map_err(&io)?;
+        self.send(&BuildDerivation { drv_path: drv_path.clone(), drv: drv.clone(), mode }, what)?;
         self.relay_stderr(what, relay)?;
         read_build_result(&mut self.r, self.version).map_err(self.wire_err(what))
-    }
-
-    /// Sends operation `op` with `targets` and `mode`.
-    fn send_derived_paths(&mut self, op: u64, targets: &[DerivedPath], mode: BuildMode, what: &'static str) -> Result<(), RemoteError> {
-        let io = self.io_err(what);
-        write_u64(&mut self.w, op).and_then(|()| write_u64(&mut self.w, targets.len() as u64)).map_err(&io)?;
-        for t in targets {
-            write_derived_path(&mut self.w, &self.store_dir, self.version, t).map_err(&io)?;
-        }
-        mode.write(&mut self.w).and_then(|()| self.w.flush()).map_err(&io)
     }
 
     /// The greeting: magic numbers, versions, the affinity hint, obsolete reserveSpace, the
@@ -372,12 +356,12 @@ impl RemoteStore {
         write_u64(&mut self.w, WORKER_MAGIC_1).and_then(|()| self.w.flush()).map_err(io)?;
         let magic = read_u64(&mut self.r, "daemon magic").map_err(self.wire_err(what))?;
         if magic != WORKER_MAGIC_2 {
-            return Err(RemoteError::Protocol { message: format!("not a Nix daemon (it answered {magic:#x})"), socket: self.socket.clone() });
+            return Err(RemoteError::Protocol { message: format!("not a Nix daemon (it answered {magic:#x})"), daemon: self.daemon.clone() });
         }
         let daemon = ProtocolVersion::from_wire(read_u64(&mut self.r, "daemon version").map_err(self.wire_err(what))?);
         if daemon.major != 1 || daemon < MIN_DAEMON_VERSION {
             let message = format!("unsupported daemon protocol {daemon} (this client needs 1.21 to 1.x)");
-            return Err(RemoteError::Protocol { message, socket: self.socket.clone() });
+            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
         }
         self.version = daemon.min(CLIENT_VERSION);
         let io = self.io_err(what);
@@ -395,11 +379,15 @@ impl RemoteStore {
         self.finish_stderr(what)
     }
 
-    /// Sends an operation taking one store path.
-    fn request(&mut self, op: u64, path: &StorePath, what: &'static str) -> Result<(), RemoteError> {
-        let shown = self.store_dir.display_path(path);
+    /// Sends `request` (its operation number and header) and flushes it.
+    fn send<R: Request>(&mut self, request: &R, what: &'static str) -> Result<(), RemoteError> {
         let io = self.io_err(what);
-        write_u64(&mut self.w, op).and_then(|()| write_bytes(&mut self.w, shown.as_bytes())).and_then(|()| self.w.flush()).map_err(io)?;
+        write_request(&mut self.w, &self.store_dir, self.version, request).and_then(|()| self.w.flush()).map_err(io)
+    }
+
+    /// Sends `request`, then reads the daemon's messages up to `LAST` (its result follows).
+    fn request<R: Request>(&mut self, request: &R, what: &'static str) -> Result<(), RemoteError> {
+        self.send(request, what)?;
         self.finish_stderr(what)
     }
 
@@ -410,28 +398,28 @@ impl RemoteStore {
 
     /// Reads stderr messages up to `LAST` or `ERROR`, passing each other one to `relay`.
     fn relay_stderr(&mut self, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
-        relay_stderr(&mut self.r, self.version, &self.socket, what, relay)
+        relay_stderr(&mut self.r, self.version, &self.daemon, what, relay)
     }
 
     fn io_err(&self, what: &'static str) -> impl Fn(std::io::Error) -> RemoteError {
-        let socket = self.socket.clone();
-        move |source| RemoteError::Io { socket: socket.clone(), what, source }
+        let daemon = self.daemon.clone();
+        move |source| RemoteError::Io { daemon: daemon.clone(), what, source }
     }
 
     fn wire_err(&self, what: &'static str) -> impl FnOnce(WireError) -> RemoteError {
-        let socket = self.socket.clone();
-        move |source| RemoteError::Wire { socket, what, source }
+        let daemon = self.daemon.clone();
+        move |source| RemoteError::Wire { daemon, what, source }
     }
 }
 
 /// Reads stderr messages from `r` up to `LAST` or `ERROR` (Nix `processStderr`), passing each
 /// other one to `relay` as it comes.
-fn relay_stderr(r: &mut BufReader<UnixStream>, version: ProtocolVersion, socket: &Path, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
+fn relay_stderr(r: &mut BufReader<DaemonReader>, version: ProtocolVersion, daemon: &str, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
     loop {
-        match read_stderr_message(r, version).map_err(|source| RemoteError::Wire { socket: socket.to_owned(), what, source })? {
+        match read_stderr_message(r, version).map_err(|source| RemoteError::Wire { daemon: daemon.to_owned(), what, source })? {
             StderrMessage::Last => return Ok(()),
-            StderrMessage::Error(message) => return Err(RemoteError::Daemon { socket: socket.to_owned(), what, message }),
-            m => relay(&m).map_err(|source| RemoteError::Relay { socket: socket.to_owned(), source })?,
+            StderrMessage::Error(message) => return Err(RemoteError::Daemon { daemon: daemon.to_owned(), what, message }),
+            m => relay(&m).map_err(|source| RemoteError::Relay { daemon: daemon.to_owned(), source })?,
         }
     }
 }
@@ -497,7 +485,7 @@ pub struct DaemonStore {
 /// Work for the connection's thread.
 enum Job {
     /// An operation.
-    Run(Box<dyn FnOnce(&mut Connection) + Send>),
+    Run(Box<dyn FnOnce(&mut Reconnecting) + Send>),
     /// A path to add, with the additions queued behind it ([`batch::Addition`]).
     Add(batch::Addition),
 }
@@ -507,19 +495,19 @@ enum Job {
 const ADDITIONS_AT_ONCE: usize = 64;
 
 /// The connection of a [`DaemonStore`], on its thread; `None` after a failure.
-struct Connection {
+struct Reconnecting {
     socket: PathBuf,
     lock_cpu: bool,
-    conn: Option<RemoteStore>,
+    conn: Option<DaemonConnection>,
 }
 
-impl Connection {
+impl Reconnecting {
     /// Runs `f` on the connection, connecting first if there is none; a failure drops it, as
     /// it may have left the connection out of step (a batch's replies unread).
-    fn with<T>(&mut self, f: impl FnOnce(&mut RemoteStore) -> Result<T, RemoteError>) -> Result<T, RemoteError> {
+    fn with<T>(&mut self, f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError>) -> Result<T, RemoteError> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
-            None => self.conn.insert(RemoteStore::connect(&self.socket, self.lock_cpu)?),
+            None => self.conn.insert(DaemonConnection::connect(&self.socket, self.lock_cpu)?),
         };
         let result = f(conn);
         if result.is_err() {
@@ -531,13 +519,13 @@ impl Connection {
 
 impl DaemonStore {
     /// Connects to the daemon at `socket` (opened as `url`) from the connection's new thread,
-    /// pinned with `lock_cpu` (see [`RemoteStore::connect`]); additions ask the daemon to check
+    /// pinned with `lock_cpu` (see [`DaemonConnection::connect`]); additions ask the daemon to check
     /// signatures when `check_sigs` (Nix's `CheckSigs`; `false` is `--no-check-sigs`, which a
     /// daemon honours only for a trusted client).
     pub fn connect(url: &str, socket: &Path, lock_cpu: bool, check_sigs: bool) -> Result<Self, RemoteError> {
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let (greeted, greeting) = std::sync::mpsc::channel();
-        let mut conn = Connection { socket: socket.to_owned(), lock_cpu, conn: None };
+        let mut conn = Reconnecting { socket: socket.to_owned(), lock_cpu, conn: None };
         let spawned = std::thread::Builder::new().name("sluice-daemon-client".into()).spawn(move || {
             let greeting = conn.with(|c| Ok((c.store_dir().clone(), c.version())));
             let ok = greeting.is_ok();
@@ -546,16 +534,16 @@ impl DaemonStore {
                 batch::serve(&mut conn, &queue, check_sigs);
             }
         });
-        spawned.map_err(|source| RemoteError::Connect { socket: socket.to_owned(), source })?;
-        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), socket: socket.to_owned() };
+        spawned.map_err(|source| RemoteError::Connect { daemon: socket.display().to_string(), source })?;
+        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: socket.display().to_string() };
         let (store_dir, version) = greeting.recv().map_err(|_| ended())??;
         Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs })
     }
 
     /// Runs `f` on the connection's thread.
-    async fn run<T: Send + 'static>(&self, f: impl FnOnce(&mut RemoteStore) -> Result<T, RemoteError> + Send + 'static) -> Result<T, StoreError> {
+    async fn run<T: Send + 'static>(&self, f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError> + Send + 'static) -> Result<T, StoreError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.jobs.send(Job::Run(Box::new(move |conn: &mut Connection| drop(tx.send(conn.with(f)))))).map_err(|_| self.ended())?;
+        self.jobs.send(Job::Run(Box::new(move |conn: &mut Reconnecting| drop(tx.send(conn.with(f)))))).map_err(|_| self.ended())?;
         Ok(rx.await.map_err(|_| self.ended())??)
     }
 

@@ -580,6 +580,42 @@ fn worker_protocol_handshake_case_19() {
     assert!(unknown.contains("after op 999: [('ERROR', 'invalid operation 999')]") && closed(&unknown), "{unknown}");
 }
 
+/// sluice's own daemon client over a child's standard input and output, as `ssh-ng://` runs
+/// `nix-daemon --stdio` (here `sluice daemon --stdio`, whose one client is trusted): it greets,
+/// sets options, adds a path and finds it, with the replies of pipelined queries in order.
+#[test]
+fn the_daemon_client_runs_over_a_childs_stdio() {
+    let env = Env::new();
+    let mut child = env.cmd(sluice()).args(["daemon", "--stdio", "--store"]).arg(env.path("root")).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let (stdin, stdout) = (child.stdin.take().unwrap(), child.stdout.take().unwrap());
+    let mut conn = sluice_store::remote::DaemonConnection::over("sluice daemon --stdio".into(), Box::new(stdout), Box::new(stdin)).unwrap();
+    assert_eq!(conn.version().to_string(), "1.34");
+    assert!(conn.daemon_version().is_some_and(|v| v.starts_with("2.8.0 (sluice ")), "{:?}", conn.daemon_version());
+    conn.set_options(&sluice_nix::wire::ops::SetOptions::default()).unwrap();
+    let (path, nar, ca) = honest_dep();
+    let missing = StoreDir::default().parse_path("/nix/store/00000000000000000000000000000000-missing").unwrap();
+    assert!(!conn.is_valid_path(&path).unwrap());
+    let info = sluice_nix::path_info::ValidPathInfo {
+        path: path.clone(),
+        deriver: None,
+        nar_hash: Hash::digest_bytes(HashAlgo::Sha256, &nar),
+        references: Default::default(),
+        registration_time: 0,
+        nar_size: nar.len() as u64,
+        ultimate: false,
+        sigs: Default::default(),
+        ca: Some(ca),
+    };
+    conn.add_to_store_nar(&info, &mut nar.as_slice(), true).unwrap();
+    assert!(conn.is_valid_path(&path).unwrap());
+    let infos = conn.query_path_infos(&[missing, path.clone()]).unwrap();
+    assert!(infos[0].is_none());
+    let found = infos[1].as_ref().expect("the path added is valid");
+    assert_eq!((&found.path, &found.nar_hash, found.nar_size), (&path, &info.nar_hash, info.nar_size));
+    drop(conn);
+    assert!(child.wait().unwrap().success());
+}
+
 /// `Cpus_allowed_list` of each of process `pid`'s daemon worker threads (`sluice-worker-N`).
 fn worker_cpus(pid: u32) -> Vec<String> {
     let mut lists = Vec::new();
@@ -673,7 +709,7 @@ fn old_style_client_gets_its_worker_pinned() {
     // sluice's own client with lock-cpu: pinned to its current CPU, and so is its worker.
     let socket2 = socket.clone();
     let (client_cpu, valid) = std::thread::spawn(move || {
-        let mut store = sluice_store::remote::RemoteStore::connect(&socket2, true).unwrap();
+        let mut store = sluice_store::remote::DaemonConnection::connect(&socket2, true).unwrap();
         let cpu = store.pinned_cpu().expect("the client pinned itself");
         wait_for_worker_on(pid, &cpu.to_string());
         let missing = store.store_dir().parse_path("/nix/store/00000000000000000000000000000000-missing").unwrap();

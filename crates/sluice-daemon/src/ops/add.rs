@@ -19,32 +19,24 @@ use std::sync::Arc;
 use sluice_nix::nar::reader::parse;
 use sluice_nix::nar::Discard;
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_nix::wire::{
-    read_bool, read_bytes, read_keyed_path_info, read_store_path_set, read_string, read_u64, write_bytes, write_keyed_path_info, write_u64,
-    FramedReader, ProtocolVersion,
-};
+use sluice_nix::wire::ops::{AddMultipleToStore, AddTextToStore, AddToStore, AddToStoreNar};
+use sluice_nix::wire::{read_bytes, read_keyed_path_info, read_u64, write_bytes, write_keyed_path_info, write_u64, FramedReader, ProtocolVersion};
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 
 use super::payload::{add_content, Ingestion, RootFile};
 use crate::conn::{op_err, Conn, Fail, OpResult, Reader, Writer};
 
-/// Longest name of a new path (Nix's limit is 211 characters; the store path check says why).
-const MAX_NAME: u64 = 1024;
-/// Largest text accepted by AddTextToStore, in bytes.
-const MAX_TEXT: u64 = 256 << 20;
 /// Most paths in one AddMultipleToStore.
 const MAX_PATHS: u64 = 1 << 22;
 
 /// AddToStore: ≥ 1.25 name, method, references, repair, then the framed data → the keyed
 /// path info; before, name, fixed, recursive, algorithm, then a NAR → the path.
-pub(super) fn add_to_store(c: &mut Conn) -> OpResult {
-    if !c.version.at_least(25) {
-        return add_to_store_legacy(c);
-    }
-    let name = read_string(&mut c.r, MAX_NAME, "name")?;
-    let method = read_string(&mut c.r, 64, "content-address method")?;
-    let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
-    let repair = read_repair(c)?;
+pub(super) fn add_to_store(c: &mut Conn, request: AddToStore) -> OpResult {
+    let (name, method, references, repair) = match request {
+        AddToStore::Modern { name, method, references, repair } => (name, method, references, repair),
+        AddToStore::Legacy { name, fixed, recursive, algo } => return add_to_store_legacy(c, name, fixed, recursive, &algo),
+    };
+    let repair = honoured_repair(c, repair);
     let store = Arc::clone(c.store());
     let policy = policy(c, false)?;
     let mut framed = FramedReader::new(&mut c.r);
@@ -57,11 +49,7 @@ pub(super) fn add_to_store(c: &mut Conn) -> OpResult {
 }
 
 /// Legacy AddToStore (< 1.25): the data is a NAR on the connection, even for flat files.
-fn add_to_store_legacy(c: &mut Conn) -> OpResult {
-    let name = read_string(&mut c.r, MAX_NAME, "name")?;
-    let fixed = read_bool(&mut c.r, "fixed flag")?;
-    let recursive = read_u64(&mut c.r, "recursive flag")?;
-    let algo = read_string(&mut c.r, 16, "hash algorithm")?;
+fn add_to_store_legacy(c: &mut Conn, name: String, fixed: bool, recursive: u64, algo: &str) -> OpResult {
     if recursive > 1 {
         return Err(Fail::Fatal(format!("unsupported file ingestion method {recursive}")));
     }
@@ -84,10 +72,7 @@ fn add_to_store_legacy(c: &mut Conn) -> OpResult {
 }
 
 /// AddTextToStore (obsolete since 1.25): name, text, references → the path.
-pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
-    let name = read_string(&mut c.r, MAX_NAME, "name")?;
-    let text = read_bytes(&mut c.r, MAX_TEXT, "text")?;
-    let references = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "references")?;
+pub(super) fn add_text_to_store(c: &mut Conn, AddTextToStore { name, text, references }: AddTextToStore) -> OpResult {
     let policy = policy(c, false)?;
     let info = add_content(c.daemon.store(), &c.temp_roots, &policy, &name, Ingestion::Text, references, &mut text.as_slice(), false)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
@@ -96,10 +81,8 @@ pub(super) fn add_text_to_store(c: &mut Conn) -> OpResult {
 /// AddToStoreNar: the path's info (path, deriver, NAR hash, references, registration time,
 /// NAR size, ultimate, signatures, content address), repair, dontCheckSigs, then the NAR
 /// (framed ≥ 1.23, else pulled with `STDERR_READ`). Replies `LAST` with no result.
-pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
-    let mut info = read_keyed_path_info(&mut c.r, c.daemon.store().store_dir(), ProtocolVersion::new(1, 16))?;
-    let repair = read_repair(c)?;
-    let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")?;
+pub(super) fn add_to_store_nar(c: &mut Conn, AddToStoreNar { mut info, repair, dont_check_sigs }: AddToStoreNar) -> OpResult {
+    let repair = honoured_repair(c, repair);
     if !c.peer.trusted {
         info.ultimate = false;
     }
@@ -119,9 +102,8 @@ pub(super) fn add_to_store_nar(c: &mut Conn) -> OpResult {
 
 /// AddMultipleToStore: repair, dontCheckSigs, then a framed stream of a count and, per path,
 /// its keyed info (1.16 form) followed by its NAR. Replies `LAST` with no result.
-pub(super) fn add_multiple_to_store(c: &mut Conn) -> OpResult {
-    let repair = read_repair(c)?;
-    let dont_check_sigs = read_bool(&mut c.r, "dontCheckSigs flag")?;
+pub(super) fn add_multiple_to_store(c: &mut Conn, AddMultipleToStore { repair, dont_check_sigs }: AddMultipleToStore) -> OpResult {
+    let repair = honoured_repair(c, repair);
     let policy = policy(c, dont_check_sigs);
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
@@ -141,8 +123,8 @@ fn policy(c: &Conn, dont_check_sigs: bool) -> Result<SignaturePolicy, Fail> {
 }
 
 /// The `repair` flag of an add operation, honoured for a trusted client only.
-fn read_repair(c: &mut Conn) -> Result<bool, Fail> {
-    Ok(read_bool(&mut c.r, "repair flag")? && c.peer.trusted)
+fn honoured_repair(c: &Conn, repair: bool) -> bool {
+    repair && c.peer.trusted
 }
 
 /// Adds each path of an AddMultipleToStore payload (repairing valid ones with `repair`).

@@ -4,7 +4,8 @@
 //! daemon of `--build-via` (`delegate`), for trusted clients.
 
 use sluice_nix::store_path::{StorePath, StorePathError};
-use sluice_nix::wire::{read_basic_derivation, write_build_result, BuildMode, BuildStatus};
+use sluice_nix::wire::ops::BuildDerivation;
+use sluice_nix::wire::{write_build_result, BuildMode, BuildStatus};
 
 use super::{builtin, delegate};
 use super::realise::{build_result, BUILD_VIA_HINT, built_outputs, normal_mode_only, realise_by_substitution, realised_status};
@@ -18,10 +19,7 @@ use crate::conn::{Conn, Fail, OpResult};
 /// the client. An untrusted client may only send content-addressed (fixed, floating or
 /// impure) derivations: any other gets Nix's refusal, as an operation error, whether or not
 /// its outputs are valid (Nix `daemon.cc`: `if (!(drvType.isCA() || trusted)) throw`).
-pub(super) fn build_derivation(c: &mut Conn) -> OpResult {
-    let drv_path = c.read_path("derivation path")?;
-    let drv = read_basic_derivation(&mut c.r, c.daemon.store().store_dir())?;
-    let mode = BuildMode::read(&mut c.r)?;
+pub(super) fn build_derivation(c: &mut Conn, BuildDerivation { drv_path, drv, mode }: BuildDerivation) -> OpResult {
     let dir = c.dir().clone();
     let shown = dir.display_path(&drv_path);
     let cannot = |why: &dyn std::fmt::Display| Fail::Op(format!("cannot build '{shown}': {why}"));

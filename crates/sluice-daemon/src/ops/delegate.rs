@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::StderrMessage;
-use sluice_store::remote::{Relay, RemoteError, RemoteStore, USE_SUBSTITUTES};
+use sluice_nix::wire::ops::{ClientSettings, SetOptions};
+use sluice_store::remote::{DaemonConnection, Relay, RemoteError};
 
 use super::query::{derivation_outputs, load_derivation};
 use super::realise::realise_by_substitution;
@@ -28,18 +29,17 @@ pub(super) fn enabled(c: &Conn) -> bool {
 /// substitution settings: `ClientOptions::forwarded`), relaying its messages to the client. The Nix daemon's error
 /// becomes the operation's error, in its own words; the client going away ends the
 /// connection, which makes the Nix daemon stop the build.
-pub(super) fn forward<T>(c: &mut Conn, op: impl FnOnce(&mut RemoteStore, Relay) -> Result<T, RemoteError>) -> Result<T, Fail> {
+pub(super) fn forward<T>(c: &mut Conn, op: impl FnOnce(&mut DaemonConnection, Relay) -> Result<T, RemoteError>) -> Result<T, Fail> {
     let Some(socket) = c.daemon.build_via.as_deref() else { return Err(Fail::Op("no --build-via daemon to build with".into())) };
     let why = |e: RemoteError| match e {
         RemoteError::Relay { source, .. } => Fail::Output(source),
         RemoteError::Daemon { message, .. } => Fail::Op(message),
         e => Fail::Op(format!("building through the Nix daemon: {e}")),
     };
-    let mut nix = RemoteStore::connect(socket, false).map_err(why)?;
-    let mut settings = c.options.numeric;
+    let mut nix = DaemonConnection::connect(socket, false).map_err(why)?;
     // useSubstitutes: sluice has substituted what any cache has.
-    settings[USE_SUBSTITUTES] = 0;
-    nix.set_options(&settings, &c.options.forwarded).map_err(why)?;
+    let settings = ClientSettings { use_substitutes: false, ..c.options.numeric };
+    nix.set_options(&SetOptions { settings, overrides: c.options.forwarded.clone() }).map_err(why)?;
     let stderr = c.stderr();
     let w = &mut c.w;
     let mut relay = |m: &StderrMessage| {

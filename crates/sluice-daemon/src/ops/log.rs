@@ -9,7 +9,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use sluice_nix::store_path::StorePath;
-use sluice_nix::wire::{read_string, write_u64, FramedReader, MAX_PATH_LEN};
+use sluice_nix::wire::ops::AddBuildLog;
+use sluice_nix::wire::{write_u64, FramedReader};
 
 use super::add::finish_framed;
 use crate::conn::{Conn, Fail, OpResult};
@@ -18,9 +19,8 @@ use crate::conn::{Conn, Fail, OpResult};
 /// accepted), then the log as a framed stream → 1. Only for trusted clients. The stream is
 /// always read to its end, so a refusal leaves the connection usable. A log already stored
 /// for the derivation is kept, as Nix keeps it.
-pub(super) fn add_build_log(c: &mut Conn) -> OpResult {
-    let text = read_string(&mut c.r, MAX_PATH_LEN, "derivation path")?;
-    let drv = StorePath::from_base_name(&text).or_else(|_| c.dir().parse_path(&text)).map_err(|e| Fail::Op(format!("cannot add a build log: {e}")));
+pub(super) fn add_build_log(c: &mut Conn, AddBuildLog { drv }: AddBuildLog) -> OpResult {
+    let drv = StorePath::from_base_name(&drv).or_else(|_| c.dir().parse_path(&drv)).map_err(|e| Fail::Op(format!("cannot add a build log: {e}")));
     let target = drv.and_then(|drv| {
         if !c.peer.trusted {
             return Err(Fail::Op("you are not privileged to add logs".into()));

@@ -2,7 +2,8 @@
 //! AddSignatures.
 
 use sluice_nix::store_path::StorePath;
-use sluice_nix::wire::{read_bool, read_store_path_set, read_strings, read_u64, write_bool, write_bytes, write_u64};
+use sluice_nix::wire::ops::{AddSignatures, CollectGarbage, NarFromPath, OptimiseStore, VerifyStore};
+use sluice_nix::wire::{write_bool, write_bytes, write_u64};
 use sluice_nix::wire::ActivityField;
 use sluice_store::local::{GcAction, GcOptions, OptimiseEvent, Repairer, VerifyMessage};
 
@@ -13,9 +14,7 @@ use crate::conn::{op_err, Conn, Fail, OpResult};
 /// Only trusted clients may repair, with Nix's message. A damaged path is repaired by the
 /// connection's substituters, through the store's verification boundary (its NAR must have
 /// the registered hash).
-pub(super) fn verify_store(c: &mut Conn) -> OpResult {
-    let check_contents = read_bool(&mut c.r, "checkContents flag")?;
-    let repair = read_bool(&mut c.r, "repair flag")?;
+pub(super) fn verify_store(c: &mut Conn, VerifyStore { check_contents, repair }: VerifyStore) -> OpResult {
     if repair && !c.peer.trusted {
         return Err(Fail::Op("you are not privileged to repair paths".into()));
     }
@@ -42,8 +41,7 @@ pub(super) fn verify_store(c: &mut Conn) -> OpResult {
 }
 
 /// NarFromPath: path → `LAST`, then the path's NAR, unframed.
-pub(super) fn nar_from_path(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
+pub(super) fn nar_from_path(c: &mut Conn, NarFromPath { path }: NarFromPath) -> OpResult {
     if !c.store().is_valid_path(&path).map_err(op_err)? {
         return Err(Fail::Op(format!("path '{}' is not valid", c.dir().display_path(&path))));
     }
@@ -57,9 +55,7 @@ pub(super) fn nar_from_path(c: &mut Conn) -> OpResult {
 
 /// AddSignatures: path, signatures → 1. Only for trusted clients, as in Nix 2.8 (Nix ≥ 2.17
 /// lets any allowed user add signatures; see `docs/daemon-trust.md`).
-pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
-    let sigs = read_strings(&mut c.r, 1 << 16, 4096, "signatures")?;
+pub(super) fn add_signatures(c: &mut Conn, AddSignatures { path, sigs }: AddSignatures) -> OpResult {
     if !c.peer.trusted {
         return Err(Fail::Op("you are not privileged to add signatures".into()));
     }
@@ -72,14 +68,7 @@ pub(super) fn add_signatures(c: &mut Conn) -> OpResult {
 /// `wopCollectGarbage`). ignoreLiveness is refused to every client, as Nix does; untrusted
 /// clients may collect. `keep-outputs` and `keep-derivations` are the connection's settings.
 /// The collector's progress lines reach the client as log lines.
-pub(super) fn collect_garbage(c: &mut Conn) -> OpResult {
-    let action = read_u64(&mut c.r, "GC action")?;
-    let paths_to_delete = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths to delete")?;
-    let ignore_liveness = read_bool(&mut c.r, "ignoreLiveness flag")?;
-    let max_freed = read_u64(&mut c.r, "maxFreed")?;
-    for _ in 0..3 {
-        read_u64(&mut c.r, "obsolete GC field")?;
-    }
+pub(super) fn collect_garbage(c: &mut Conn, CollectGarbage { action, paths_to_delete, ignore_liveness, max_freed }: CollectGarbage) -> OpResult {
     let action = GcAction::from_wire(action).ok_or_else(|| Fail::Op(format!("invalid GC action {action}")))?;
     if ignore_liveness {
         return Err(Fail::Op("you are not allowed to ignore liveness".into()));
@@ -112,7 +101,7 @@ const RES_PROGRESS: u64 = 105;
 /// `.links`, with an `actOptimiseStore` activity reporting the paths done, Nix's warnings,
 /// and its closing line `<MiB> MiB freed by hard-linking <n> files` (Nix 2.8's `showBytes`).
 /// Any client may optimise, as with Nix.
-pub(super) fn optimise_store(c: &mut Conn) -> OpResult {
+pub(super) fn optimise_store(c: &mut Conn, _: OptimiseStore) -> OpResult {
     let stderr = c.stderr();
     let activity = c.daemon.activity_id();
     stderr.start_activity(&mut c.w, activity, 0, ACT_OPTIMISE_STORE, "", &[], 0)?;

@@ -4,22 +4,23 @@
 use sluice_nix::derivation::{drv_name, Derivation};
 use sluice_nix::store_path::StorePath;
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_nix::wire::{read_bool, MAX_PATH_LEN, read_store_path_set, read_string, write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info};
+use sluice_nix::wire::ops::{
+    IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryReferrers, QueryValidDerivers, QueryValidPaths,
+};
+use sluice_nix::wire::{write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info, MAX_PATH_LEN};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// IsValidPath: path → bool.
-pub(super) fn is_valid_path(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
+pub(super) fn is_valid_path(c: &mut Conn, IsValidPath { path }: IsValidPath) -> OpResult {
     let valid = c.store().is_valid_path(&path).map_err(op_err)?;
     c.reply(|w, _| write_bool(w, valid))
 }
 
 /// QueryValidPaths: path set, (≥ 1.27) substitute flag → the valid subset, after trying to
 /// substitute the others when asked.
-pub(super) fn valid_paths(c: &mut Conn) -> OpResult {
-    let paths: Vec<StorePath> = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect();
-    let substitute = c.version.at_least(27) && read_bool(&mut c.r, "substitute flag")?;
+pub(super) fn valid_paths(c: &mut Conn, QueryValidPaths { paths, substitute }: QueryValidPaths) -> OpResult {
+    let paths: Vec<StorePath> = paths.into_iter().collect();
     if substitute && c.options.use_substitutes() {
         let missing: Vec<StorePath> = {
             let valid = c.store().query_valid_paths(&paths).map_err(op_err)?;
@@ -41,13 +42,13 @@ const PATH_INFO_BATCH: usize = 1024;
 /// is an error. Further QueryPathInfo requests that have already arrived whole (from a client
 /// that pipelines) are answered with this one, their paths read from the database in one
 /// transaction; each gets its own reply, in order.
-pub(super) fn path_info(c: &mut Conn) -> OpResult {
-    let mut paths = vec![c.read_path("path")?];
+pub(super) fn path_info(c: &mut Conn, QueryPathInfo { path }: QueryPathInfo) -> OpResult {
+    let mut paths = vec![path];
     // A later request that cannot be read ends the connection, after the earlier ones' replies.
     let mut unreadable = None;
-    while unreadable.is_none() && paths.len() < PATH_INFO_BATCH && c.take_buffered_request(super::QUERY_PATH_INFO, MAX_PATH_LEN) {
-        match c.read_path("path") {
-            Ok(path) => paths.push(path),
+    while unreadable.is_none() && paths.len() < PATH_INFO_BATCH && c.take_buffered_request(Op::QueryPathInfo, MAX_PATH_LEN) {
+        match c.read_request::<QueryPathInfo>() {
+            Ok(QueryPathInfo { path }) => paths.push(path),
             Err(e) => unreadable = Some(e),
         }
     }
@@ -84,36 +85,32 @@ fn answer_path_info(c: &mut Conn, path: &StorePath, info: Option<ValidPathInfo>)
 }
 
 /// QueryReferrers: path → the valid paths referring to it.
-pub(super) fn referrers(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
+pub(super) fn referrers(c: &mut Conn, QueryReferrers { path }: QueryReferrers) -> OpResult {
     let refs = c.store().query_referrers(&path).map_err(op_err)?;
     c.reply(|w, dir| write_store_path_set(w, dir, refs.iter()))
 }
 
 /// QueryAllValidPaths: → every valid path.
-pub(super) fn all_valid_paths(c: &mut Conn) -> OpResult {
+pub(super) fn all_valid_paths(c: &mut Conn, _: QueryAllValidPaths) -> OpResult {
     let all = c.store().query_all_valid_paths().map_err(op_err)?;
     c.reply(|w, dir| write_store_path_set(w, dir, all.iter()))
 }
 
 /// QueryPathFromHashPart: hash part → the valid path with it, or the empty string.
-pub(super) fn path_from_hash_part(c: &mut Conn) -> OpResult {
-    let hash_part = read_string(&mut c.r, 64, "hash part")?;
+pub(super) fn path_from_hash_part(c: &mut Conn, QueryPathFromHashPart { hash_part }: QueryPathFromHashPart) -> OpResult {
     let found = c.store().query_path_from_hash_part(&hash_part).map_err(op_err)?;
     c.reply(|w, dir| write_optional_store_path(w, dir, found.as_ref()))
 }
 
 /// QueryValidDerivers: output path → the valid derivations registered as producing it.
-pub(super) fn valid_derivers(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
+pub(super) fn valid_derivers(c: &mut Conn, QueryValidDerivers { path }: QueryValidDerivers) -> OpResult {
     let derivers = c.store().query_valid_derivers(&path).map_err(op_err)?;
     c.reply(|w, dir| write_store_path_set(w, dir, derivers.iter()))
 }
 
 /// QueryDerivationOutputMap: derivation path → output name → output path, as registered
 /// (Nix 2.8 without `ca-derivations`: outputs whose path is not fixed are absent).
-pub(super) fn derivation_output_map(c: &mut Conn) -> OpResult {
-    let drv = c.read_path("derivation path")?;
+pub(super) fn derivation_output_map(c: &mut Conn, QueryDerivationOutputMap { path: drv }: QueryDerivationOutputMap) -> OpResult {
     let outputs = c.store().query_derivation_output_map(&drv).map_err(op_err)?;
     c.reply(|w, dir| {
         write_u64(w, outputs.len() as u64)?;

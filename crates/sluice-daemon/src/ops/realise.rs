@@ -7,9 +7,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use sluice_nix::store_path::StorePath;
+use sluice_nix::wire::ops::{BuildPaths, BuildPathsWithResults, EnsurePath, QueryMissing, QuerySubstitutablePathInfos, QuerySubstitutablePaths};
 use sluice_nix::wire::{
-    read_derived_paths, read_store_path, read_store_path_set, read_string, read_u64, write_keyed_build_result, write_optional_store_path,
-    write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec,
+    write_keyed_build_result, write_optional_store_path, write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode, BuildResult,
+    BuildStatus, DerivedPath, OutputsSpec,
 };
 use sluice_store::builtins::Builtin;
 use sluice_store::closure::ClosureEvent;
@@ -72,8 +73,7 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
 }
 
 /// EnsurePath: path → 1 once it is valid (substituting it if needed).
-pub(super) fn ensure_path(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
+pub(super) fn ensure_path(c: &mut Conn, EnsurePath { path }: EnsurePath) -> OpResult {
     if !c.store().is_valid_path(&path).map_err(op_err)? {
         substitute(c, vec![path.clone()])?;
         if !c.store().is_valid_path(&path).map_err(op_err)? {
@@ -125,8 +125,7 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
 /// Derivation outputs that no substituter has are `willBuild` (the derivation). A `.drv` that
 /// is not valid is `unknown`, as Nix 2.8 and 2.26 report it (`Store::queryMissing` in
 /// `misc.cc`: "FIXME: we could try to substitute the derivation"): BuildPaths substitutes it.
-pub(super) fn query_missing(c: &mut Conn) -> OpResult {
-    let targets = read_derived_paths(&mut c.r, c.daemon.store().store_dir(), c.version)?;
+pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing) -> OpResult {
     let settings = c.options.settings()?;
     let (mut will_build, mut will_substitute, mut unknown) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar) = (0u64, 0u64);
@@ -192,29 +191,16 @@ fn substitutable(c: &Conn, paths: Vec<StorePath>) -> Result<Vec<std::sync::Arc<s
 }
 
 /// QuerySubstitutablePaths: path set → the subset some substituter has.
-pub(super) fn substitutable_paths(c: &mut Conn) -> OpResult {
-    let paths = read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect();
+pub(super) fn substitutable_paths(c: &mut Conn, QuerySubstitutablePaths { paths }: QuerySubstitutablePaths) -> OpResult {
+    let paths = paths.into_iter().collect();
     let found: BTreeSet<StorePath> = substitutable(c, paths)?.into_iter().map(|n| n.store_path.clone()).collect();
     c.reply(|w, dir| write_store_path_set(w, dir, found.iter()))
 }
 
 /// QuerySubstitutablePathInfos: (≥ 1.22) map path → content address, or (before) a path set
 /// → count, then per path: path, deriver, references, download size, NAR size.
-pub(super) fn substitutable_path_infos(c: &mut Conn) -> OpResult {
-    let paths: Vec<StorePath> = if c.version.at_least(22) {
-        let n = read_u64(&mut c.r, "path count")?;
-        if n > 1 << 22 {
-            return Err(Fail::Fatal(format!("QuerySubstitutablePathInfos: {n} paths, more than the maximum of {}", 1u64 << 22)));
-        }
-        let mut v = Vec::new();
-        for _ in 0..n {
-            v.push(read_store_path(&mut c.r, c.daemon.store().store_dir(), "path")?);
-            read_string(&mut c.r, 4096, "content address")?;
-        }
-        v
-    } else {
-        read_store_path_set(&mut c.r, c.daemon.store().store_dir(), "paths")?.into_iter().collect()
-    };
+pub(super) fn substitutable_path_infos(c: &mut Conn, QuerySubstitutablePathInfos { paths }: QuerySubstitutablePathInfos) -> OpResult {
+    let paths = paths.into_iter().map(|(path, _)| path).collect();
     let infos = substitutable(c, paths)?;
     c.reply(|w, dir| {
         write_u64(w, infos.len() as u64)?;
@@ -264,24 +250,32 @@ pub(super) fn realised_status(paths: &[StorePath], valid_before: &BTreeSet<Store
     }
 }
 
-/// BuildPaths (derived paths, (≥ 1.15) build mode → 1) and BuildPathsWithResults (→ one
-/// keyed build result per derived path). The `.drv` files of derivations that are not valid
-/// are substituted first, then the wanted paths. With `--build-via`, derivations whose outputs
+/// BuildPaths: derived paths, (≥ 1.15) build mode → 1 ([`realise`]).
+pub(super) fn build_paths(c: &mut Conn, BuildPaths { targets, mode }: BuildPaths) -> OpResult {
+    realise(c, &targets, mode, false)
+}
+
+/// BuildPathsWithResults: derived paths, build mode → one keyed build result per derived
+/// path ([`realise`]).
+pub(super) fn build_paths_with_results(c: &mut Conn, BuildPathsWithResults { targets, mode }: BuildPathsWithResults) -> OpResult {
+    realise(c, &targets, mode, true)
+}
+
+/// BuildPaths and (`with_results`) BuildPathsWithResults of `targets` in `mode`. The `.drv`
+/// files of derivations that are not valid are substituted first, then the wanted paths. With `--build-via`, derivations whose outputs
 /// are still missing are built through the Nix daemon (after their inputs are substituted), and
 /// checking or repairing (trusted clients only, as Nix) is left to it whole; without it, a
 /// missing output fails with a message saying that sluice does not build.
-pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
-    let targets = read_derived_paths(&mut c.r, c.daemon.store().store_dir(), c.version)?;
-    let mode = if with_results || c.version.at_least(15) { BuildMode::read(&mut c.r)? } else { BuildMode::Normal };
+fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results: bool) -> OpResult {
     if mode == BuildMode::Repair && !c.peer.trusted {
         return Err(Fail::Fatal("repairing is not allowed because you are not in 'trusted-users'".into()));
     }
     if mode != BuildMode::Normal && delegate::enabled(c) {
-        let results = delegated(c, &targets, mode, with_results)?;
-        return reply_results(c, &targets, &results, with_results);
+        let results = delegated(c, targets, mode, with_results)?;
+        return reply_results(c, targets, &results, with_results);
     }
     normal_mode_only(mode)?;
-    substitute_derivations(c, &targets)?;
+    substitute_derivations(c, targets)?;
     let wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
     let (valid_before, mut valid) = realise_by_substitution(c, &all)?;
@@ -333,7 +327,7 @@ pub(super) fn build_paths(c: &mut Conn, with_results: bool) -> OpResult {
             res
         })
         .collect();
-    reply_results(c, &targets, &results, with_results)
+    reply_results(c, targets, &results, with_results)
 }
 
 /// Why the outputs `absent` of `drv` stay missing without `--build-via`: sluice does not

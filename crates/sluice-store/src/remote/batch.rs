@@ -10,7 +10,7 @@ use std::sync::mpsc::Receiver;
 
 use sluice_nix::path_info::ValidPathInfo;
 
-use super::{Connection, Job};
+use super::{Job, Reconnecting};
 use crate::store::{NarReader, StoreError};
 
 /// The protocol minor version from which a daemon takes AddMultipleToStore (1.32, Nix 2.4).
@@ -25,7 +25,7 @@ pub(super) struct Addition {
 
 /// Runs the jobs of `queue` on `conn` until every sender is gone; additions ask the daemon
 /// to check signatures when `check_sigs`.
-pub(super) fn serve(conn: &mut Connection, queue: &Receiver<Job>, check_sigs: bool) {
+pub(super) fn serve(conn: &mut Reconnecting, queue: &Receiver<Job>, check_sigs: bool) {
     let mut next = None;
     while let Some(job) = next.take().or_else(|| queue.recv().ok()) {
         match job {
@@ -51,7 +51,7 @@ pub(super) fn serve(conn: &mut Connection, queue: &Receiver<Job>, check_sigs: bo
 /// were added) and answers each addition. When a batch fails, the daemon has added the
 /// paths before the one it refused (it adds them in order): those it now has valid are
 /// answered as added, the others with the failure.
-fn add(conn: &mut Connection, mut batch: Vec<Addition>, check_sigs: bool) {
+fn add(conn: &mut Reconnecting, mut batch: Vec<Addition>, check_sigs: bool) {
     let multiple = conn.with(|c| Ok(c.version().at_least(MULTIPLE_VERSION))).unwrap_or(false);
     if !multiple {
         for mut a in batch {

@@ -7,26 +7,25 @@ use std::path::Path;
 
 use sluice_nix::base32;
 use sluice_nix::hash::{Hash, HashAlgo};
-use sluice_nix::wire::{read_string, write_bytes, write_u64};
+use sluice_nix::wire::ops::{AddIndirectRoot, AddPermRoot, AddTempRoot, FindRoots, SyncWithGc};
+use sluice_nix::wire::{write_bytes, write_u64};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// AddTempRoot: path → 1.
-pub(crate) fn add_temp_root(c: &mut Conn) -> OpResult {
-    let path = c.read_path("path")?;
+pub(super) fn add_temp_root(c: &mut Conn, AddTempRoot { path }: AddTempRoot) -> OpResult {
     c.add_temp_root(&path)?;
     c.reply(|w, _| write_u64(w, 1))
 }
 
 /// SyncWithGC (obsolete): → 1.
-pub(crate) fn sync_with_gc(c: &mut Conn) -> OpResult {
+pub(super) fn sync_with_gc(c: &mut Conn, _: SyncWithGc) -> OpResult {
     c.reply(|w, _| write_u64(w, 1))
 }
 
 /// AddIndirectRoot: the absolute path of a symlink to a store path → 1, after linking
 /// `gcroots/auto/<sha1 of the path, nixbase32>` to it.
-pub(crate) fn add_indirect_root(c: &mut Conn) -> OpResult {
-    let link = read_string(&mut c.r, 4096, "root path")?;
+pub(super) fn add_indirect_root(c: &mut Conn, AddIndirectRoot { link }: AddIndirectRoot) -> OpResult {
     if !link.starts_with('/') {
         return Err(Fail::Op(format!("indirect root '{link}' is not an absolute path")));
     }
@@ -35,19 +34,22 @@ pub(crate) fn add_indirect_root(c: &mut Conn) -> OpResult {
 }
 
 /// Nix 2.26's refusal of AddPermRoot to an untrusted client.
-pub(crate) const PERM_ROOT_REFUSED: &str =
+const PERM_ROOT_REFUSED: &str =
     "you are not privileged to create perm roots\n\nhint: you can just do this client-side without special privileges, and probably want to do that instead.";
 
-/// AddPermRoot (≥ 1.36): store path, root path → the root path, after making it a symlink to
-/// the store path and an indirect root. Only for trusted clients: the daemon would create the
-/// symlink with its own rights. As Nix 2.26, an untrusted client is refused before its
-/// arguments are read, so the connection ends after the error.
-pub(crate) fn add_perm_root(c: &mut Conn) -> OpResult {
-    if !c.peer.trusted {
-        return Err(Fail::Fatal(PERM_ROOT_REFUSED.into()));
+/// Whether the client may send AddPermRoot: only a trusted client, since the daemon would
+/// create the symlink with its own rights. As Nix 2.26, an untrusted client is refused before
+/// its request is read, so the connection ends after the error.
+pub(super) fn may_add_perm_root(c: &Conn) -> Result<(), Fail> {
+    match c.peer.trusted {
+        true => Ok(()),
+        false => Err(Fail::Fatal(PERM_ROOT_REFUSED.into())),
     }
-    let path = c.read_path("store path")?;
-    let root = read_string(&mut c.r, 4096, "root path")?;
+}
+
+/// AddPermRoot (≥ 1.36; [`may_add_perm_root`]): store path, root path → the root path, after
+/// making it a symlink to the store path and an indirect root.
+pub(super) fn add_perm_root(c: &mut Conn, AddPermRoot { path, root }: AddPermRoot) -> OpResult {
     if !root.starts_with('/') || root.starts_with(&format!("{}/", c.dir().as_str())) {
         return Err(Fail::Op(format!("creating a garbage collector root ({root}) in the Nix store is forbidden; it must be an absolute path outside it")));
     }
@@ -75,7 +77,7 @@ fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
 /// them (see [`sluice_store::local::LocalStore::find_roots`]): an indirect root is listed as
 /// the user's link (`/home/u/result`), not as its `gcroots/auto` entry; runtime and temporary
 /// roots are labelled `{censored}` for an untrusted client.
-pub(crate) fn find_roots(c: &mut Conn) -> OpResult {
+pub(super) fn find_roots(c: &mut Conn, _: FindRoots) -> OpResult {
     let roots = c.store().find_roots(!c.peer.trusted).map_err(op_err)?;
     c.reply(|w, dir| {
         write_u64(w, roots.values().map(|links| links.len() as u64).sum())?;
