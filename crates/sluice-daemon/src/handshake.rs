@@ -5,7 +5,10 @@
 
 use std::io::{Read, Write};
 
-use sluice_nix::wire::{read_bool, read_u64, write_bytes, write_trusted_flag, write_u64, ProtocolVersion, StderrWriter, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2};
+use sluice_nix::wire::{
+    read_bool, read_u64, write_bytes, write_trusted_flag, write_u64, ProtocolVersion, StderrWriter, WireError, WORKER_MAGIC_1,
+    WORKER_MAGIC_2,
+};
 
 use crate::{MIN_CLIENT_VERSION, NIX_VERSION, PROTOCOL_VERSION};
 
@@ -61,7 +64,10 @@ pub(crate) fn greet(r: &mut impl Read, w: &mut impl Write, trusted: bool) -> Res
         write_trusted_flag(w, Some(trusted))?;
     }
     let refusal = if client.major != 1 {
-        Some(format!("unsupported protocol version {client} (this daemon speaks 1.{} to 1.{})", MIN_CLIENT_VERSION.minor, PROTOCOL_VERSION.minor))
+        Some(format!(
+            "unsupported protocol version {client} (this daemon speaks 1.{} to 1.{})",
+            MIN_CLIENT_VERSION.minor, PROTOCOL_VERSION.minor
+        ))
     } else if client < MIN_CLIENT_VERSION {
         Some(format!("the Nix client version is too old: protocol {client}, the minimum is {MIN_CLIENT_VERSION}"))
     } else {

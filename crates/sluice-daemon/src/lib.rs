@@ -45,7 +45,12 @@ pub enum DaemonError {
     #[error("opening the store: {0}")]
     Store(#[from] LocalStoreError),
     #[error("{what} {}: {source}", path.display())]
-    Io { what: &'static str, path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("daemon settings: {0}")]
     Config(#[from] sluice_store::config::ConfigError),
     #[error("starting the async runtime: {0}")]

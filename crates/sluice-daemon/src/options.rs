@@ -77,7 +77,9 @@ impl ClientOptions {
     /// The `trusted-public-keys` (the error `trusted-public-keys: …` names a bad one).
     pub(crate) fn trusted_keys(&self) -> Result<TrustedKeys, Fail> {
         let settings = self.settings()?;
-        let keys = self.trusted_keys.get_or_init(|| TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}")));
+        let keys = self
+            .trusted_keys
+            .get_or_init(|| TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| format!("trusted-public-keys: {e}")));
         keys.clone().map_err(Fail::Op)
     }
 
@@ -119,7 +121,8 @@ impl ClientOptions {
 /// The substituters in `value` that the daemon trusts (its `substituters` and
 /// `trusted-substituters`, with or without a trailing slash); a warning for each other one.
 fn trusted_substituters(daemon: &RawConfig, value: &str, warnings: &mut Vec<String>) -> Vec<String> {
-    let trusted: Vec<&str> = ["substituters", "trusted-substituters"].iter().filter_map(|k| daemon.get(k)).flat_map(str::split_whitespace).collect();
+    let trusted: Vec<&str> =
+        ["substituters", "trusted-substituters"].iter().filter_map(|k| daemon.get(k)).flat_map(str::split_whitespace).collect();
     let mut out = Vec::new();
     for s in value.split_whitespace() {
         if trusted.contains(&s) {

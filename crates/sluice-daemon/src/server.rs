@@ -86,7 +86,14 @@ pub fn serve_stdio(daemon: Arc<Daemon>) -> Result<(), DaemonError> {
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
 /// connection in the daemon's log; `client_pid` is the peer process, if known.
-fn serve_connection(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<dyn Write + Send>, peer: Peer, client_pid: Option<i32>, label: &str) {
+fn serve_connection(
+    daemon: &Daemon,
+    reader: Box<dyn ClientInput>,
+    writer: Box<dyn Write + Send>,
+    peer: Peer,
+    client_pid: Option<i32>,
+    label: &str,
+) {
     let (input, mut w) = duplex(reader, writer);
     let mut r = BufReader::with_capacity(64 * 1024, input);
     let greeting = match greet(&mut r, &mut w, peer.trusted) {
@@ -100,7 +107,15 @@ fn serve_connection(daemon: &Daemon, reader: Box<dyn ClientInput>, writer: Box<d
             return;
         }
     };
-    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, temp_roots: daemon.store().temp_roots() };
+    let mut conn = Conn {
+        daemon,
+        r,
+        w,
+        version: greeting.version,
+        options: ClientOptions::new(daemon),
+        peer,
+        temp_roots: daemon.store().temp_roots(),
+    };
     if !conn.peer.allowed {
         let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
         tracing::warn!("{label}: {msg}");

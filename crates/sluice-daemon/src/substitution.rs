@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex};
 use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
-use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_store::failure::Failure;
-use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
+use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_store::narinfo_cache::NarInfoCache;
+use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
 use sluice_store::{binary_cache, substituters};
 use tokio::sync::{mpsc, OnceCell};
 
@@ -138,20 +138,35 @@ impl Sessions {
         let session = cell.get_or_try_init(|| async { Session::open(store, settings, use_substitutes).await.map(Arc::new) }).await?;
         Ok(Arc::clone(session))
     }
-
 }
 
 /// The closure engine on the daemon's session for `settings`. Paths whose validity is looked
 /// up are made temporary roots in `roots` first, if given (for a substitution).
-async fn closure_query(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Option<TempRoots>) -> Result<ClosureQuery, String> {
+async fn closure_query(
+    daemon: &Daemon,
+    settings: &Settings,
+    use_substitutes: bool,
+    roots: Option<TempRoots>,
+) -> Result<ClosureQuery, String> {
     let session = daemon.sessions.get(&daemon.store, settings, use_substitutes).await?;
     let is_valid = closure::validity_in(Some(Arc::clone(&daemon.store)), roots);
-    Ok(ClosureQuery { substituters: Arc::clone(&session.substituters), disk_cache: session.disk.clone(), store_dir: daemon.store.store_dir().clone(), is_valid, accept: None })
+    Ok(ClosureQuery {
+        substituters: Arc::clone(&session.substituters),
+        disk_cache: session.disk.clone(),
+        store_dir: daemon.store.store_dir().clone(),
+        is_valid,
+        accept: None,
+    })
 }
 
 /// What the substituters know about the closures of `roots` (paths valid in the store are not
 /// followed).
-pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: Vec<StorePath>) -> Result<Vec<ClosureEvent>, String> {
+pub(crate) fn query(
+    daemon: &Daemon,
+    settings: &Settings,
+    use_substitutes: bool,
+    roots: Vec<StorePath>,
+) -> Result<Vec<ClosureEvent>, String> {
     daemon.runtime.block_on(async {
         let query = closure_query(daemon, settings, use_substitutes, None).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -168,13 +183,26 @@ pub(crate) fn query(daemon: &Daemon, settings: &Settings, use_substitutes: bool,
 /// Substitutes the closures of `paths` into the store, calling `progress` on the worker
 /// thread as paths start and finish. Every path of the closures is a temporary root in
 /// `roots` (the connection's) from before its validity is looked at.
-pub(crate) fn copy(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
+pub(crate) fn copy(
+    daemon: &Daemon,
+    settings: &Settings,
+    use_substitutes: bool,
+    roots: &TempRoots,
+    paths: Vec<StorePath>,
+    progress: impl FnMut(Progress),
+) -> Result<CopyReport, String> {
     pipeline(daemon, settings, use_substitutes, roots, paths, false, progress)
 }
 
 /// Substitutes the damaged valid path `path` again (Nix's `repairPath`; see
 /// [`sluice_store::substitute::repair_paths`]); the error says why it could not be.
-pub(crate) fn repair(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, path: &StorePath) -> Result<(), String> {
+pub(crate) fn repair(
+    daemon: &Daemon,
+    settings: &Settings,
+    use_substitutes: bool,
+    roots: &TempRoots,
+    path: &StorePath,
+) -> Result<(), String> {
     let report = pipeline(daemon, settings, use_substitutes, roots, vec![path.clone()], true, |_| {})?;
     match report.failed.get(path) {
         Some(why) => Err(why.message.clone()),
@@ -184,7 +212,15 @@ pub(crate) fn repair(daemon: &Daemon, settings: &Settings, use_substitutes: bool
 }
 
 /// [`copy`], or with `repair` a repair of the valid `paths`.
-fn pipeline(daemon: &Daemon, settings: &Settings, use_substitutes: bool, roots: &TempRoots, paths: Vec<StorePath>, repair: bool, mut progress: impl FnMut(Progress)) -> Result<CopyReport, String> {
+fn pipeline(
+    daemon: &Daemon,
+    settings: &Settings,
+    use_substitutes: bool,
+    roots: &TempRoots,
+    paths: Vec<StorePath>,
+    repair: bool,
+    mut progress: impl FnMut(Progress),
+) -> Result<CopyReport, String> {
     let policy = SignaturePolicy::from_settings(settings, daemon.store_require_sigs).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs.unwrap_or(sluice_store::substitute::DEFAULT_JOBS), policy };
     daemon.runtime.block_on(async {

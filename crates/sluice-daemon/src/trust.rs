@@ -43,9 +43,8 @@ impl Users {
             .filter(|f| f.len() > 3 && (f[2].parse() == Ok(gid) || f[3].split(',').any(|m| m == name)))
             .map(|f| f[0])
             .collect();
-        let matches = |list: &[String]| {
-            list.iter().any(|u| u == "*" || *u == name || u.strip_prefix('@').is_some_and(|g| groups.contains(&g)))
-        };
+        let matches =
+            |list: &[String]| list.iter().any(|u| u == "*" || *u == name || u.strip_prefix('@').is_some_and(|g| groups.contains(&g)));
         let trusted = matches(&self.trusted);
         Peer { allowed: trusted || matches(&self.allowed), trusted, name }
     }

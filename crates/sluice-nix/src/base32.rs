@@ -74,11 +74,8 @@ pub fn decode(s: &str) -> Result<Vec<u8>, Base32Error> {
     let n = decoded_len(s.len()).ok_or(Base32Error::InvalidLength(s.len()))?;
     let mut out = vec![0u8; n];
     for (k, c) in s.bytes().enumerate() {
-        let d = digit_value(c).ok_or_else(|| {
-            Base32Error::InvalidChar(
-                s.get(k..).and_then(|t| t.chars().next()).unwrap_or(char::REPLACEMENT_CHARACTER),
-            )
-        })?;
+        let d = digit_value(c)
+            .ok_or_else(|| Base32Error::InvalidChar(s.get(k..).and_then(|t| t.chars().next()).unwrap_or(char::REPLACEMENT_CHARACTER)))?;
         let b = (s.len() - 1 - k) * 5;
         let (i, j) = (b / 8, b % 8);
         let wide = u16::from(d) << j;
@@ -116,9 +113,8 @@ mod tests {
     fn known_vectors() {
         // sha256("") as Nix prints it.
         let empty = [
-            0xe3, 0xb0, 0xc4, 0x42, 0x98, 0xfc, 0x1c, 0x14, 0x9a, 0xfb, 0xf4, 0xc8, 0x99, 0x6f,
-            0xb9, 0x24, 0x27, 0xae, 0x41, 0xe4, 0x64, 0x9b, 0x93, 0x4c, 0xa4, 0x95, 0x99, 0x1b,
-            0x78, 0x52, 0xb8, 0x55,
+            0xe3, 0xb0, 0xc4, 0x42, 0x98, 0xfc, 0x1c, 0x14, 0x9a, 0xfb, 0xf4, 0xc8, 0x99, 0x6f, 0xb9, 0x24, 0x27, 0xae, 0x41, 0xe4, 0x64,
+            0x9b, 0x93, 0x4c, 0xa4, 0x95, 0x99, 0x1b, 0x78, 0x52, 0xb8, 0x55,
         ];
         let s = "0mdqa9w1p6cmli6976v4wi0sw9r4p5prkj7lzfd1877wk11c9c73";
         assert_eq!(encode(&empty), s);

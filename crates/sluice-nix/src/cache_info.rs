@@ -29,13 +29,18 @@ pub struct CacheInfo {
 pub const BATCH_KEY: &str = "SluiceBatch";
 
 impl Default for CacheInfo {
-    fn default() -> Self { CacheInfo { store_dir: "/nix/store".into(), want_mass_query: false, priority: 50, batch: false } }
+    fn default() -> Self {
+        CacheInfo { store_dir: "/nix/store".into(), want_mass_query: false, priority: 50, batch: false }
+    }
 }
 
 /// A malformed line (1-based) and why.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("nix-cache-info line {line}: {what}")]
-pub struct CacheInfoError { pub line: usize, pub what: String }
+pub struct CacheInfoError {
+    pub line: usize,
+    pub what: String,
+}
 
 impl CacheInfo {
     /// Parses the file; `line` in errors is 1-based.
@@ -64,7 +69,10 @@ impl CacheInfo {
                     Some(_) => {}
                 },
                 "WantMassQuery" => info.want_mass_query = value == "1",
-                "Priority" => info.priority = stoi(value).map_err(|what| CacheInfoError { line: i + 1, what: format!("Priority {value:?}: {what}") })?,
+                "Priority" => {
+                    info.priority =
+                        stoi(value).map_err(|what| CacheInfoError { line: i + 1, what: format!("Priority {value:?}: {what}") })?
+                }
                 BATCH_KEY => info.batch = value == "1",
                 _ => {}
             }
@@ -75,12 +83,7 @@ impl CacheInfo {
     /// Prints Nix's three fields, one per line, and `SluiceBatch: 1` when set.
     pub fn to_text(&self) -> String {
         let batch = if self.batch { format!("{BATCH_KEY}: 1\n") } else { String::new() };
-        format!(
-            "StoreDir: {}\nWantMassQuery: {}\nPriority: {}\n{batch}",
-            self.store_dir,
-            u8::from(self.want_mass_query),
-            self.priority
-        )
+        format!("StoreDir: {}\nWantMassQuery: {}\nPriority: {}\n{batch}", self.store_dir, u8::from(self.want_mass_query), self.priority)
     }
 }
 
@@ -116,7 +119,10 @@ mod tests {
         assert_eq!(CacheInfo::parse("Priority: -1\n").unwrap().priority, -1);
         assert_eq!(CacheInfo::parse("Priority: +30 # fast mirror\n").unwrap().priority, 30);
         assert_eq!(CacheInfo::parse("Priority:\t7\r\n").unwrap().priority, 7);
-        assert_eq!(CacheInfo::parse("Priority: x\n").unwrap_err(), CacheInfoError { line: 1, what: "Priority \"x\": not an integer (Nix's std::stoi throws invalid_argument)".into() });
+        assert_eq!(
+            CacheInfo::parse("Priority: x\n").unwrap_err(),
+            CacheInfoError { line: 1, what: "Priority \"x\": not an integer (Nix's std::stoi throws invalid_argument)".into() }
+        );
         assert_eq!(CacheInfo::parse("\n\nPriority: 2147483648\n").unwrap_err().line, 3);
         assert_eq!(CacheInfo::parse(" Priority: 1\nPriority : 2\n").unwrap().priority, 50);
         assert_eq!(CacheInfo::parse("StoreDir: rel\n").unwrap().store_dir, "rel");
@@ -126,11 +132,15 @@ mod tests {
             CacheInfo::parse("StoreDir: /nix/store\nPriority: 3\nStoreDir: /gnu/store\n").unwrap_err(),
             CacheInfoError { line: 3, what: "StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\" (Nix checks each StoreDir line against the store directory)".into() }
         );
-        assert_eq!(CacheInfo::parse("Priority: 1\nPriority: 2\nWantMassQuery: 1\nWantMassQuery: 0\n").unwrap(), CacheInfo { priority: 2, ..CacheInfo::default() });
+        assert_eq!(
+            CacheInfo::parse("Priority: 1\nPriority: 2\nWantMassQuery: 1\nWantMassQuery: 0\n").unwrap(),
+            CacheInfo { priority: 2, ..CacheInfo::default() }
+        );
         // A parked domain's page (Nix reads it as a file without fields).
         let page = CacheInfo::parse("\n  <html><head><title>parked</title></head></html>\n").unwrap_err();
         assert_eq!(page.what, "the body is not a nix-cache-info but an HTML page ('<html><head><title>parked</title></head></html>'): a parked domain or a captive portal answers every URL with one");
-        let corpus = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus/cache-xz/nix-cache-info")).unwrap();
+        let corpus =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/corpus/cache-xz/nix-cache-info")).unwrap();
         assert_eq!(CacheInfo::parse(&corpus).unwrap(), CacheInfo::default());
     }
 }

@@ -58,7 +58,13 @@ impl ContentAddress {
     ///
     /// Errors (as [`StorePathError::BadName`]) when the combination is impossible in Nix: a
     /// text path referencing itself, or a flat / non-sha256 fixed path with references.
-    pub fn store_path(&self, store_dir: &StoreDir, name: &str, references: &[StorePath], self_ref: bool) -> Result<StorePath, StorePathError> {
+    pub fn store_path(
+        &self,
+        store_dir: &StoreDir,
+        name: &str,
+        references: &[StorePath],
+        self_ref: bool,
+    ) -> Result<StorePath, StorePathError> {
         let impossible = |why: &str| Err(StorePathError::BadName(name.to_owned(), why.to_owned()));
         match self {
             ContentAddress::Text(hash) => {
@@ -113,7 +119,9 @@ impl std::fmt::Display for ContentAddress {
 
 impl std::str::FromStr for ContentAddress {
     type Err = ContentAddressError;
-    fn from_str(s: &str) -> Result<Self, ContentAddressError> { ContentAddress::parse(s) }
+    fn from_str(s: &str) -> Result<Self, ContentAddressError> {
+        ContentAddress::parse(s)
+    }
 }
 
 #[cfg(test)]
@@ -132,7 +140,15 @@ mod tests {
         let hex = Hash::digest_bytes(HashAlgo::Sha1, b"x").to_base16();
         let ca = ContentAddress::parse(&format!("fixed:r:sha1:{hex}")).unwrap();
         assert_eq!(ca, ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha1, b"x") });
-        for bad in ["", "text:", "text:sha1:".to_owned().as_str(), "fixed:r:", "fixed:sha256:abc", "blob:sha256:x", "text:sha256-47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU="] {
+        for bad in [
+            "",
+            "text:",
+            "text:sha1:".to_owned().as_str(),
+            "fixed:r:",
+            "fixed:sha256:abc",
+            "blob:sha256:x",
+            "text:sha256-47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU=",
+        ] {
             assert!(ContentAddress::parse(bad).is_err(), "{bad}");
         }
         let sha1_text = format!("text:sha1:{hex}");

@@ -157,15 +157,25 @@ impl Derivation {
     /// refuses, in its words.
     pub fn derivation_type(&self) -> Result<DerivationType, DerivationError> {
         let err = |m: &str| Err(DerivationError(m.to_owned()));
-        let kinds: BTreeSet<u8> = self.outputs.values().map(|k| match k {
-            OutputKind::InputAddressed(_) => 0,
-            OutputKind::Fixed(_) => 1,
-            OutputKind::Floating(_) => 2,
-            OutputKind::Deferred => 3,
-            OutputKind::Impure(_) => 4,
-        }).collect();
-        let floating_algos: BTreeSet<&str> =
-            self.outputs.values().filter_map(|k| match k { OutputKind::Floating(a) => Some(a.rsplit(':').next().unwrap_or(a)), _ => None }).collect();
+        let kinds: BTreeSet<u8> = self
+            .outputs
+            .values()
+            .map(|k| match k {
+                OutputKind::InputAddressed(_) => 0,
+                OutputKind::Fixed(_) => 1,
+                OutputKind::Floating(_) => 2,
+                OutputKind::Deferred => 3,
+                OutputKind::Impure(_) => 4,
+            })
+            .collect();
+        let floating_algos: BTreeSet<&str> = self
+            .outputs
+            .values()
+            .filter_map(|k| match k {
+                OutputKind::Floating(a) => Some(a.rsplit(':').next().unwrap_or(a)),
+                _ => None,
+            })
+            .collect();
         if floating_algos.len() > 1 {
             return err("all floating outputs must use the same hash type");
         }
@@ -255,7 +265,11 @@ impl Derivation {
                 .iter()
                 .map(|(id, kind)| {
                     let (algo, hash) = kind.algo_and_hash();
-                    let path = kind.path(dir, &self.name, id).ok().flatten().ok_or_else(|| DerivationError(format!("fixed output {id:?} has no valid path")))?;
+                    let path = kind
+                        .path(dir, &self.name, id)
+                        .ok()
+                        .flatten()
+                        .ok_or_else(|| DerivationError(format!("fixed output {id:?} has no valid path")))?;
                     let text = format!("fixed:out:{algo}:{hash}:{}", dir.display_path(&path));
                     Ok((id.clone(), Hash::digest_bytes(HashAlgo::Sha256, text.as_bytes())))
                 })
@@ -265,7 +279,9 @@ impl Derivation {
         for (drv, wanted) in &self.input_drvs {
             let hashes = input_hashes(drv)?;
             for output in wanted {
-                let h = hashes.get(output).ok_or_else(|| DerivationError(format!("no hash for output '{output}' of derivation '{}'", self.name)))?;
+                let h = hashes
+                    .get(output)
+                    .ok_or_else(|| DerivationError(format!("no hash for output '{output}' of derivation '{}'", self.name)))?;
                 inputs.entry(h.to_base16()).or_default().insert(output.clone());
             }
         }
@@ -293,7 +309,9 @@ impl Derivation {
                         Some(h) => h,
                         None => hashes.insert(self.hash_modulo(dir, true, input_hashes)?),
                     };
-                    let hash = hashes.get(id).ok_or_else(|| DerivationError(format!("derivation '{shown}' has unexpected output '{}' named '{id}'", dir.display_path(claimed))))?;
+                    let hash = hashes.get(id).ok_or_else(|| {
+                        DerivationError(format!("derivation '{shown}' has unexpected output '{}' named '{id}'", dir.display_path(claimed)))
+                    })?;
                     let recomputed = dir
                         .make_store_path(&format!("output:{id}"), hash, &output_path_name(&self.name, id))
                         .map_err(|e| DerivationError(format!("derivation '{shown}', output '{id}': {e}")))?;
@@ -556,7 +574,11 @@ mod tests {
 
     /// The hash modulo of the corpus derivation `drv`, memoised in `memo` (Nix's
     /// `pathDerivationModulo`).
-    fn corpus_hashes(drvs: &BTreeMap<StorePath, Vec<u8>>, memo: &mut BTreeMap<StorePath, DrvHashes>, drv: &StorePath) -> Result<DrvHashes, DerivationError> {
+    fn corpus_hashes(
+        drvs: &BTreeMap<StorePath, Vec<u8>>,
+        memo: &mut BTreeMap<StorePath, DrvHashes>,
+        drv: &StorePath,
+    ) -> Result<DrvHashes, DerivationError> {
         if let Some(h) = memo.get(drv) {
             return Ok(h.clone());
         }
@@ -568,7 +590,12 @@ mod tests {
     }
 
     /// [`Derivation::check_outputs`] of `aterm` at `drv` against the corpus.
-    fn check(drvs: &BTreeMap<StorePath, Vec<u8>>, memo: &mut BTreeMap<StorePath, DrvHashes>, drv: &StorePath, aterm: &[u8]) -> Result<(), DerivationError> {
+    fn check(
+        drvs: &BTreeMap<StorePath, Vec<u8>>,
+        memo: &mut BTreeMap<StorePath, DrvHashes>,
+        drv: &StorePath,
+        aterm: &[u8],
+    ) -> Result<(), DerivationError> {
         let parsed = Derivation::parse(&store_dir(), drv_name(drv), aterm)?;
         parsed.check_outputs(&store_dir(), drv, &mut |p| corpus_hashes(drvs, memo, p))
     }
@@ -632,7 +659,10 @@ mod tests {
     /// A real derivation with an input-addressed output, and one with a fixed output.
     fn corpus_examples(drvs: &BTreeMap<StorePath, Vec<u8>>) -> (StorePath, StorePath) {
         let parsed = |p: &StorePath| Derivation::parse(&store_dir(), drv_name(p), &drvs[p]).unwrap();
-        let ia = drvs.keys().find(|p| parsed(p).derivation_type() == Ok(DerivationType::InputAddressed) && !parsed(p).input_drvs.is_empty()).unwrap();
+        let ia = drvs
+            .keys()
+            .find(|p| parsed(p).derivation_type() == Ok(DerivationType::InputAddressed) && !parsed(p).input_drvs.is_empty())
+            .unwrap();
         let fixed = drvs.keys().find(|p| parsed(p).derivation_type() == Ok(DerivationType::Fixed)).unwrap();
         (ia.clone(), fixed.clone())
     }
@@ -645,7 +675,8 @@ mod tests {
         let (ia, fixed) = corpus_examples(&drvs);
         let text = |p: &StorePath| String::from_utf8(drvs[p].clone()).unwrap();
         let shown = |p: &StorePath| store_dir().display_path(p);
-        let out_of = |p: &StorePath| parse_outputs(&store_dir(), p, &drvs[p]).unwrap().into_iter().find(|(n, _)| n == "out").unwrap().1.unwrap();
+        let out_of =
+            |p: &StorePath| parse_outputs(&store_dir(), p, &drvs[p]).unwrap().into_iter().find(|(n, _)| n == "out").unwrap().1.unwrap();
         let victim = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.35-163";
 
         // Another package's output path claimed (in the outputs and the environment).
@@ -671,7 +702,10 @@ mod tests {
         let other = format!("{}{}", if hash.starts_with('0') { '1' } else { '0' }, &hash[1..]);
         let lie = text(&fixed).replace(&hash, &other);
         let err = check(&drvs, &mut memo, &fixed, lie.as_bytes()).unwrap_err().0;
-        let moved = Derivation::parse(&store_dir(), drv_name(&fixed), lie.as_bytes()).unwrap().output_paths(&store_dir()).unwrap()[0].1.clone().unwrap();
+        let moved = Derivation::parse(&store_dir(), drv_name(&fixed), lie.as_bytes()).unwrap().output_paths(&store_dir()).unwrap()[0]
+            .1
+            .clone()
+            .unwrap();
         assert_eq!(err, format!("derivation '{}' has incorrect environment variable 'out', should be '{}'", shown(&fixed), shown(&moved)));
 
         // An input derivation's hash is what the output path depends on: one not found is an error.

@@ -8,11 +8,19 @@ use crate::base32;
 
 /// A hash algorithm Nix knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum HashAlgo { Md5, Sha1, Sha256, Sha512 }
+pub enum HashAlgo {
+    Md5,
+    Sha1,
+    Sha256,
+    Sha512,
+}
 
 /// A hash: algorithm and digest (16, 20, 32 or 64 bytes).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Hash { algo: HashAlgo, digest: Vec<u8> }
+pub struct Hash {
+    algo: HashAlgo,
+    digest: Vec<u8>,
+}
 
 /// Errors parsing a hash.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -57,7 +65,9 @@ impl HashAlgo {
 }
 
 impl std::fmt::Display for HashAlgo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(self.name()) }
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Decodes lowercase or uppercase base16.
@@ -86,7 +96,9 @@ fn encode_base16(bytes: &[u8]) -> String {
 }
 
 /// Length of the padded base64 encoding of `n` bytes.
-fn base64_len(n: usize) -> usize { n.div_ceil(3) * 4 }
+fn base64_len(n: usize) -> usize {
+    n.div_ceil(3) * 4
+}
 
 impl Hash {
     /// Builds a hash from a digest of the right length for `algo`.
@@ -94,9 +106,13 @@ impl Hash {
         (digest.len() == algo.digest_len()).then(|| Hash { algo, digest: digest.to_vec() })
     }
     /// The algorithm.
-    pub fn algo(&self) -> HashAlgo { self.algo }
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
     /// The raw digest bytes.
-    pub fn digest(&self) -> &[u8] { &self.digest }
+    pub fn digest(&self) -> &[u8] {
+        &self.digest
+    }
 
     /// Parses `algo:<base16|nixbase32|base64>` or SRI `algo-<base64>`.
     pub fn parse(s: &str) -> Result<Self, HashError> {
@@ -138,22 +154,28 @@ impl Hash {
         } else {
             None
         };
-        digest
-            .and_then(|d| Hash::new(algo, &d))
-            .ok_or_else(|| Self::bad(s, algo))
+        digest.and_then(|d| Hash::new(algo, &d)).ok_or_else(|| Self::bad(s, algo))
     }
     /// `sha256:<nixbase32>`, as in narinfo files.
-    pub fn to_nix32_prefixed(&self) -> String { format!("{}:{}", self.algo, self.to_nix32()) }
+    pub fn to_nix32_prefixed(&self) -> String {
+        format!("{}:{}", self.algo, self.to_nix32())
+    }
     /// `sha256:<base16>`, as in Nix's database (ValidPaths.hash).
-    pub fn to_base16_prefixed(&self) -> String { format!("{}:{}", self.algo, self.to_base16()) }
+    pub fn to_base16_prefixed(&self) -> String {
+        format!("{}:{}", self.algo, self.to_base16())
+    }
     /// `sha256-<base64>`, as in `nix path-info --json`.
     pub fn to_sri(&self) -> String {
         format!("{}-{}", self.algo, base64::engine::general_purpose::STANDARD.encode(&self.digest))
     }
     /// Bare lowercase base16 digest.
-    pub fn to_base16(&self) -> String { encode_base16(&self.digest) }
+    pub fn to_base16(&self) -> String {
+        encode_base16(&self.digest)
+    }
     /// Bare nixbase32 digest.
-    pub fn to_nix32(&self) -> String { base32::encode(&self.digest) }
+    pub fn to_nix32(&self) -> String {
+        base32::encode(&self.digest)
+    }
     /// Hashes `data` in one go.
     pub fn digest_bytes(algo: HashAlgo, data: &[u8]) -> Self {
         let mut h = Hasher::new(algo);
@@ -164,12 +186,16 @@ impl Hash {
 
 /// Prints `algo:<nixbase32>`, the narinfo form.
 impl std::fmt::Display for Hash {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.to_nix32_prefixed()) }
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.to_nix32_prefixed())
+    }
 }
 
 impl std::str::FromStr for Hash {
     type Err = HashError;
-    fn from_str(s: &str) -> Result<Self, HashError> { Hash::parse(s) }
+    fn from_str(s: &str) -> Result<Self, HashError> {
+        Hash::parse(s)
+    }
 }
 
 enum State {
@@ -180,7 +206,10 @@ enum State {
 }
 
 /// Incremental hashing; also a `Write` sink, and counts the bytes fed (NarSize).
-pub struct Hasher { state: State, len: u64 }
+pub struct Hasher {
+    state: State,
+    len: u64,
+}
 
 impl Hasher {
     /// An empty hasher for `algo`.
@@ -204,9 +233,13 @@ impl Hasher {
         }
     }
     /// Bytes fed so far.
-    pub fn len(&self) -> u64 { self.len }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
     /// Whether nothing was fed yet.
-    pub fn is_empty(&self) -> bool { self.len == 0 }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
     /// The hash of everything fed.
     pub fn finish(self) -> Hash {
         let (algo, digest) = match self.state {
@@ -220,22 +253,38 @@ impl Hasher {
 }
 
 impl std::io::Write for Hasher {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> { self.update(buf); Ok(buf.len()) }
-    fn flush(&mut self) -> std::io::Result<()> { Ok(()) }
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A reader that hashes (and counts) every byte read through it.
-pub struct HashingReader<R> { inner: R, hasher: Hasher }
+pub struct HashingReader<R> {
+    inner: R,
+    hasher: Hasher,
+}
 
 impl<R: std::io::Read> HashingReader<R> {
     /// Wraps `inner`, hashing with `algo`.
-    pub fn new(inner: R, algo: HashAlgo) -> Self { HashingReader { inner, hasher: Hasher::new(algo) } }
+    pub fn new(inner: R, algo: HashAlgo) -> Self {
+        HashingReader { inner, hasher: Hasher::new(algo) }
+    }
     /// Bytes read so far.
-    pub fn len(&self) -> u64 { self.hasher.len() }
+    pub fn len(&self) -> u64 {
+        self.hasher.len()
+    }
     /// Whether nothing was read yet.
-    pub fn is_empty(&self) -> bool { self.hasher.is_empty() }
+    pub fn is_empty(&self) -> bool {
+        self.hasher.is_empty()
+    }
     /// The hash of everything read, and the inner reader.
-    pub fn finish(self) -> (Hash, R) { (self.hasher.finish(), self.inner) }
+    pub fn finish(self) -> (Hash, R) {
+        (self.hasher.finish(), self.inner)
+    }
 }
 
 impl<R: std::io::Read> std::io::Read for HashingReader<R> {
@@ -277,10 +326,7 @@ mod tests {
     #[test]
     fn other_algos() {
         assert_eq!(Hash::digest_bytes(HashAlgo::Md5, b"").to_base16(), "d41d8cd98f00b204e9800998ecf8427e");
-        assert_eq!(
-            Hash::digest_bytes(HashAlgo::Sha1, b"").to_base16(),
-            "da39a3ee5e6b4b0d3255bfef95601890afd80709"
-        );
+        assert_eq!(Hash::digest_bytes(HashAlgo::Sha1, b"").to_base16(), "da39a3ee5e6b4b0d3255bfef95601890afd80709");
         let h = Hash::digest_bytes(HashAlgo::Sha512, b"abc");
         assert_eq!(Hash::parse(&h.to_nix32_prefixed()).unwrap(), h);
         assert_eq!(Hash::parse(&h.to_sri()).unwrap(), h);

@@ -73,10 +73,8 @@ pub enum NarInfoError {
 }
 
 /// The known fields, in Nix's print order (`System` is parsed, printed when set).
-const FIELDS: [&str; 12] = [
-    "StorePath", "URL", "Compression", "FileHash", "FileSize", "NarHash", "NarSize", "References",
-    "Deriver", "System", "Sig", "CA",
-];
+const FIELDS: [&str; 12] =
+    ["StorePath", "URL", "Compression", "FileHash", "FileSize", "NarHash", "NarSize", "References", "Deriver", "System", "Sig", "CA"];
 
 /// The `&'static str` name of a known field.
 fn known_field(name: &str) -> Option<&'static str> {
@@ -146,21 +144,23 @@ impl NarInfo {
                 None => return Err(line_err(format!("{rest:?} does not end in \\n (truncated file?)"))),
             };
             rest = tail;
-            let (name, after) = l.split_once(':').ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value' (no ':'; Nix would join it to the next line)")))?;
+            let (name, after) = l
+                .split_once(':')
+                .ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value' (no ':'; Nix would join it to the next line)")))?;
             if after.is_empty() && (known_field(name).is_some() || next_is_known(rest)) {
                 return Err(line_err(format!("{l:?} has nothing after its ':' (Nix 2.26 would read the next line as its value)")));
             }
             let Some(field) = known_field(name) else { continue };
             if l.ends_with('\r') {
-                return Err(line_err(format!("{l:?} ends in \\r (CRLF line endings are not allowed; Nix would keep the \\r in the value of {field})")));
+                return Err(line_err(format!(
+                    "{l:?} ends in \\r (CRLF line endings are not allowed; Nix would keep the \\r in the value of {field})"
+                )));
             }
             let Some(value) = after.strip_prefix(' ') else {
                 return Err(line_err(format!("{l:?}: the value of {field} must follow ': ' (Nix would drop its first character)")));
             };
             match field {
-                "StorePath" => {
-                    store_path = Some(store_dir.parse_path(value).map_err(|e| field_err("StorePath", e.to_string()))?)
-                }
+                "StorePath" => store_path = Some(store_dir.parse_path(value).map_err(|e| field_err("StorePath", e.to_string()))?),
                 "URL" => url = Some(value.to_owned()),
                 "Compression" => compression = Some(value.to_owned()),
                 "FileHash" => file_hash = Some(parse_hash("FileHash", value)?),
@@ -186,7 +186,11 @@ impl NarInfo {
                 "Sig" => signatures.push(value.to_owned()),
                 "CA" if ca.is_some() => return Err(field_err("CA", format!("given again on line {line} (extra CA)"))),
                 "CA" => {
-                    ca = Some(value).filter(|v| !v.is_empty()).map(ContentAddress::parse).transpose().map_err(|e| field_err("CA", e.to_string()))?;
+                    ca = Some(value)
+                        .filter(|v| !v.is_empty())
+                        .map(ContentAddress::parse)
+                        .transpose()
+                        .map_err(|e| field_err("CA", e.to_string()))?;
                 }
                 _ => {}
             }
@@ -310,7 +314,9 @@ Compression: xz\n\
 NarHash: sha256:1082vds2vznpw83g7s5pg2xa6h9xa6zr409nx35h853nqdl0qml5\n\
 NarSize: 632\n";
 
-    fn parse(text: &str) -> Result<NarInfo, NarInfoError> { NarInfo::parse(&StoreDir::default(), text) }
+    fn parse(text: &str) -> Result<NarInfo, NarInfoError> {
+        NarInfo::parse(&StoreDir::default(), text)
+    }
 
     #[test]
     fn references_are_sorted_for_print_and_fingerprint() {
@@ -343,7 +349,10 @@ NarSize: 632\n";
             Err(NarInfoError::Field { field, .. }) => field,
             other => panic!("{other:?}"),
         };
-        assert_eq!(field(format!("{BASE}References: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\nReferences: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\n")), "References");
+        assert_eq!(
+            field(format!("{BASE}References: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\nReferences: 0za6hhg5kdh6vk2ds8m40snyz7aar7a1-a\n")),
+            "References"
+        );
         assert_eq!(field(format!("{BASE}CA: fixed:r:sha256:1082vds2vznpw83g7s5pg2xa6h9xa6zr409nx35h853nqdl0qml5\nCA: \n")), "CA");
         assert!(matches!(parse(&format!("{BASE}NarSize:9\n")), Err(NarInfoError::Line { line: 6, .. })));
         assert_eq!(field(format!("{BASE}FileSize: 99999999999999999999999\n")), "FileSize");
@@ -362,8 +371,13 @@ NarSize: 632\n";
         assert!(matches!(parse(&format!("{BASE}Sig: k:x\r\n")), Err(NarInfoError::Line { line: 6, .. })));
         // As Nix 2.26: a field given again takes its last value; empty References lines and
         // empty CAs are nothing; a repeated Sig counts once; sizes may have a '+'.
-        let again = parse(&format!("{BASE}URL: nar/y.nar.xz\nReferences: \nReferences: \nCA: \nCA: \nSig: k:x\nSig: k:x\nNarSize: +0632\n")).unwrap();
-        assert_eq!((again.url.as_str(), again.references.len(), again.ca, again.signatures, again.nar_size), ("nar/y.nar.xz", 0, None, vec!["k:x".to_owned()], 632));
+        let again =
+            parse(&format!("{BASE}URL: nar/y.nar.xz\nReferences: \nReferences: \nCA: \nCA: \nSig: k:x\nSig: k:x\nNarSize: +0632\n"))
+                .unwrap();
+        assert_eq!(
+            (again.url.as_str(), again.references.len(), again.ca, again.signatures, again.nar_size),
+            ("nar/y.nar.xz", 0, None, vec!["k:x".to_owned()], 632)
+        );
         assert_eq!(field(format!("{BASE}NarSize: ++1\n")), "NarSize");
         assert_eq!(field(format!("{BASE}NarSize: -1\n")), "NarSize");
         assert_eq!(parse(BASE).unwrap().to_text(&StoreDir::default()), format!("{BASE}References: \n"));

@@ -64,7 +64,12 @@ impl PathInfo {
 
     /// What a binary cache answers with `narinfo` (no registration time: 0).
     pub fn from_narinfo(narinfo: &NarInfo) -> Self {
-        let nar_file = NarFile { url: narinfo.url.clone(), compression: narinfo.compression.clone(), file_hash: narinfo.file_hash.clone(), file_size: narinfo.file_size };
+        let nar_file = NarFile {
+            url: narinfo.url.clone(),
+            compression: narinfo.compression.clone(),
+            file_hash: narinfo.file_hash.clone(),
+            file_size: narinfo.file_size,
+        };
         PathInfo { info: ValidPathInfo::from_narinfo(narinfo, 0), nar_file: Some(nar_file) }
     }
 }
@@ -112,7 +117,13 @@ impl ValidPathInfo {
 
 /// The text a path's signatures sign (Nix's `ValidPathInfo::fingerprint`):
 /// `1;<store path>;<NarHash as sha256:nixbase32>;<NarSize>;<references, full paths, sorted, comma-separated>`.
-pub fn fingerprint<'a>(store_dir: &StoreDir, path: &StorePath, nar_hash: &Hash, nar_size: u64, references: impl Iterator<Item = &'a StorePath>) -> String {
+pub fn fingerprint<'a>(
+    store_dir: &StoreDir,
+    path: &StorePath,
+    nar_hash: &Hash,
+    nar_size: u64,
+    references: impl Iterator<Item = &'a StorePath>,
+) -> String {
     let mut refs: Vec<&StorePath> = references.collect();
     refs.sort();
     refs.dedup();

@@ -19,12 +19,20 @@ pub enum KeyError {
 
 /// A public key `name:base64(32 bytes)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PublicKey { name: String, key: ed25519_dalek::VerifyingKey }
+pub struct PublicKey {
+    name: String,
+    key: ed25519_dalek::VerifyingKey,
+}
 
 /// A secret key `name:base64(64 bytes: seed + public)`.
-pub struct SecretKey { name: String, key: ed25519_dalek::SigningKey }
+pub struct SecretKey {
+    name: String,
+    key: ed25519_dalek::SigningKey,
+}
 
-fn b64() -> &'static base64::engine::GeneralPurpose { &base64::engine::general_purpose::STANDARD }
+fn b64() -> &'static base64::engine::GeneralPurpose {
+    &base64::engine::general_purpose::STANDARD
+}
 
 /// Splits `name:base64` and decodes the base64 into exactly `N` bytes. The error shows only
 /// the name, never key material.
@@ -63,9 +71,13 @@ impl PublicKey {
         Ok(PublicKey { name, key })
     }
     /// The key name (before the `:`).
-    pub fn name(&self) -> &str { &self.name }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
     /// The 32 key bytes.
-    pub fn as_bytes(&self) -> &[u8; 32] { self.key.as_bytes() }
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        self.key.as_bytes()
+    }
     /// Whether `sig` (`name:base64`) is this key's valid signature of `fingerprint`. A
     /// signature with another key name or malformed base64 gives `false`.
     pub fn verify(&self, fingerprint: &str, sig: &str) -> bool {
@@ -108,9 +120,13 @@ impl SecretKey {
         SecretKey { name: name.to_owned(), key: ed25519_dalek::SigningKey::from_bytes(seed) }
     }
     /// The key name (before the `:`).
-    pub fn name(&self) -> &str { &self.name }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
     /// The matching public key, same name.
-    pub fn to_public(&self) -> PublicKey { PublicKey { name: self.name.clone(), key: self.key.verifying_key() } }
+    pub fn to_public(&self) -> PublicKey {
+        PublicKey { name: self.name.clone(), key: self.key.verifying_key() }
+    }
     /// `name:base64(signature)`.
     pub fn sign(&self, fingerprint: &str) -> String {
         format!("{}:{}", self.name, b64().encode(self.key.sign(fingerprint.as_bytes()).to_bytes()))
@@ -126,7 +142,9 @@ impl std::fmt::Display for SecretKey {
 
 /// A set of trusted public keys (`trusted-public-keys`).
 #[derive(Debug, Clone, Default)]
-pub struct TrustedKeys { keys: Vec<PublicKey> }
+pub struct TrustedKeys {
+    keys: Vec<PublicKey>,
+}
 
 impl TrustedKeys {
     /// Parses space-separated keys.
@@ -134,11 +152,17 @@ impl TrustedKeys {
         s.split_whitespace().map(PublicKey::parse).collect::<Result<Vec<_>, _>>().map(|keys| TrustedKeys { keys })
     }
     /// A set of the given keys.
-    pub fn from_keys(keys: Vec<PublicKey>) -> Self { TrustedKeys { keys } }
+    pub fn from_keys(keys: Vec<PublicKey>) -> Self {
+        TrustedKeys { keys }
+    }
     /// Adds a key.
-    pub fn push(&mut self, key: PublicKey) { self.keys.push(key) }
+    pub fn push(&mut self, key: PublicKey) {
+        self.keys.push(key)
+    }
     /// The keys, in the order given.
-    pub fn keys(&self) -> &[PublicKey] { &self.keys }
+    pub fn keys(&self) -> &[PublicKey] {
+        &self.keys
+    }
     /// Whether some trusted key (same name and key bytes) verifies `sig` over `fingerprint`.
     pub fn verifies(&self, fingerprint: &str, sig: &str) -> bool {
         self.keys.iter().any(|k| k.verify(fingerprint, sig))

@@ -15,7 +15,9 @@ pub const MAX_NAME_LEN: usize = 211;
 /// A store path without its store directory: hash part and name. Ordered as Nix orders the full
 /// paths within one store directory (byte order of the base name).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StorePath { base_name: String }
+pub struct StorePath {
+    base_name: String,
+}
 
 /// Errors validating a store path.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -70,20 +72,26 @@ impl StorePath {
         if !base32::is_digits(hash) {
             return Err(StorePathError::BadHashPart(s.to_owned()));
         }
-        let name = rest
-            .strip_prefix('-')
-            .ok_or_else(|| StorePathError::BadName(s.to_owned(), NO_DASH.to_owned()))?;
+        let name = rest.strip_prefix('-').ok_or_else(|| StorePathError::BadName(s.to_owned(), NO_DASH.to_owned()))?;
         check_name(s, name)?;
         Ok(StorePath { base_name: s.to_owned() })
     }
     /// The 32-character hash part.
-    pub fn hash_part(&self) -> &str { &self.base_name[..HASH_PART_LEN] }
+    pub fn hash_part(&self) -> &str {
+        &self.base_name[..HASH_PART_LEN]
+    }
     /// The name after the hash part and dash.
-    pub fn name(&self) -> &str { &self.base_name[HASH_PART_LEN + 1..] }
+    pub fn name(&self) -> &str {
+        &self.base_name[HASH_PART_LEN + 1..]
+    }
     /// `<hash>-<name>`.
-    pub fn base_name(&self) -> &str { &self.base_name }
+    pub fn base_name(&self) -> &str {
+        &self.base_name
+    }
     /// Whether the name ends in `.drv`.
-    pub fn is_derivation(&self) -> bool { self.name().ends_with(".drv") }
+    pub fn is_derivation(&self) -> bool {
+        self.name().ends_with(".drv")
+    }
     /// Builds a path from a 20-byte digest and a name (Nix's `StorePath(hash, name)`).
     pub fn from_digest(digest: &[u8; 20], name: &str) -> Result<Self, StorePathError> {
         let base_name = format!("{}-{}", base32::encode(digest), name);
@@ -103,13 +111,17 @@ impl StorePath {
 }
 
 impl std::fmt::Display for StorePath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.base_name) }
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.base_name)
+    }
 }
 
 impl std::str::FromStr for StorePath {
     type Err = StorePathError;
     /// Parses a base name `<hash>-<name>`.
-    fn from_str(s: &str) -> Result<Self, StorePathError> { StorePath::from_base_name(s) }
+    fn from_str(s: &str) -> Result<Self, StorePathError> {
+        StorePath::from_base_name(s)
+    }
 }
 
 /// Folds a digest to `n` bytes by XOR, as Nix's `compressHash`.
@@ -130,7 +142,11 @@ pub fn compress_hash(digest: &[u8], n: usize) -> Vec<u8> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreDir(String);
 
-impl Default for StoreDir { fn default() -> Self { StoreDir("/nix/store".into()) } }
+impl Default for StoreDir {
+    fn default() -> Self {
+        StoreDir("/nix/store".into())
+    }
+}
 
 impl StoreDir {
     /// A store directory: absolute, no trailing slash.
@@ -141,7 +157,9 @@ impl StoreDir {
         }
         Ok(StoreDir(dir.to_owned()))
     }
-    pub fn as_str(&self) -> &str { &self.0 }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
     /// The part of `path` after `<dir>/`.
     fn strip<'a>(&self, path: &'a str) -> Result<&'a str, StorePathError> {
         path.strip_prefix(self.0.as_str())

@@ -120,7 +120,11 @@ fn fixtures_round_trip_hash_and_list() {
         assert_eq!(Hash::digest_bytes(HashAlgo::Sha256, &nar).to_nix32(), hash, "{file}");
         let json = read(&shared(&format!("corpus/fixtures/{}", file.replace(".nar", ".ls.json"))));
         let tree = list(&nar[..]).unwrap();
-        assert!(tree.to_json(true, JsonKeys::Nix2_8) == json, "{file}: listing differs:\n{}", String::from_utf8_lossy(&tree.to_json(true, JsonKeys::Nix2_8)));
+        assert!(
+            tree.to_json(true, JsonKeys::Nix2_8) == json,
+            "{file}: listing differs:\n{}",
+            String::from_utf8_lossy(&tree.to_json(true, JsonKeys::Nix2_8))
+        );
         n += 1;
     }
     assert_eq!(n, 4);

@@ -22,8 +22,7 @@ fn name() -> impl Strategy<Value = Vec<u8>> {
 
 fn tree() -> impl Strategy<Value = Tree> {
     let leaf = prop_oneof![
-        (any::<bool>(), prop::collection::vec(any::<u8>(), 0..40))
-            .prop_map(|(executable, contents)| Tree::File { executable, contents }),
+        (any::<bool>(), prop::collection::vec(any::<u8>(), 0..40)).prop_map(|(executable, contents)| Tree::File { executable, contents }),
         prop::collection::vec(1u8..=255, 1..20).prop_map(Tree::Link),
     ];
     leaf.prop_recursive(4, 48, 6, |inner| prop::collection::btree_map(name(), inner, 0..6).prop_map(Tree::Dir))
@@ -31,9 +30,7 @@ fn tree() -> impl Strategy<Value = Tree> {
 
 fn write(t: &Tree, path: &mut Vec<Vec<u8>>, v: &mut dyn NarVisitor) {
     match t {
-        Tree::File { executable, contents } => {
-            v.regular(path, *executable, contents.len() as u64, 0, &mut &contents[..]).unwrap()
-        }
+        Tree::File { executable, contents } => v.regular(path, *executable, contents.len() as u64, 0, &mut &contents[..]).unwrap(),
         Tree::Link(target) => v.symlink(path, target).unwrap(),
         Tree::Dir(entries) => {
             v.directory_start(path).unwrap();
@@ -49,7 +46,10 @@ fn write(t: &Tree, path: &mut Vec<Vec<u8>>, v: &mut dyn NarVisitor) {
 
 /// Rebuilds a [`Tree`] from visitor calls.
 #[derive(Default)]
-struct Collect { root: Option<Tree>, open: Vec<BTreeMap<Vec<u8>, Tree>> }
+struct Collect {
+    root: Option<Tree>,
+    open: Vec<BTreeMap<Vec<u8>, Tree>>,
+}
 
 impl Collect {
     fn add(&mut self, path: &NarPath, t: Tree) {

@@ -47,7 +47,8 @@ fn corpus_signatures_verify_together_as_alone() {
     let dir = StoreDir::default();
     let trusted = TrustedKeys::from_keys(vec![corpus_key()]);
     let wrong = TrustedKeys::from_keys(vec![SecretKey::from_seed(corpus_key().name(), &[3; 32]).to_public()]);
-    let infos: Vec<NarInfo> = files("corpus/cache-zstd", ".narinfo").iter().map(|p| NarInfo::parse(&dir, &read_string(p)).unwrap()).collect();
+    let infos: Vec<NarInfo> =
+        files("corpus/cache-zstd", ".narinfo").iter().map(|p| NarInfo::parse(&dir, &read_string(p)).unwrap()).collect();
     assert_eq!(infos.len(), 1056);
     let mut fingerprints: Vec<String> = infos.iter().map(|i| i.fingerprint(&dir)).collect();
     let mut sigs: Vec<Vec<String>> = infos.iter().map(|i| i.signatures.clone()).collect();
@@ -62,7 +63,8 @@ fn corpus_signatures_verify_together_as_alone() {
     assert_eq!(answers.iter().enumerate().filter(|(_, v)| !**v).map(|(i, _)| i).collect::<Vec<_>>(), [7]);
     fingerprints[500] = fingerprints[500].replacen(&format!(";{};", infos[500].nar_size), &format!(";{};", infos[500].nar_size + 1), 1);
     assert_eq!(together(&trusted, &fingerprints, &sigs), None);
-    let alone: Vec<usize> = fingerprints.iter().zip(&sigs).enumerate().filter(|(_, (f, s))| !trusted.verifies_any(f, *s)).map(|(i, _)| i).collect();
+    let alone: Vec<usize> =
+        fingerprints.iter().zip(&sigs).enumerate().filter(|(_, (f, s))| !trusted.verifies_any(f, *s)).map(|(i, _)| i).collect();
     assert_eq!(alone, [7, 500]);
 }
 

@@ -1,9 +1,9 @@
 //! Parsers return errors, never panic, on arbitrary input.
 
 use proptest::prelude::*;
-use sluice_nix::{base32, cache_info::CacheInfo, content_address::ContentAddress, hash::Hash, narinfo::NarInfo};
 use sluice_nix::signature::{PublicKey, SecretKey, TrustedKeys};
 use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::{base32, cache_info::CacheInfo, content_address::ContentAddress, hash::Hash, narinfo::NarInfo};
 
 proptest! {
     #[test]

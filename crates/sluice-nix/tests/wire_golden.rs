@@ -14,7 +14,9 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::*;
 
 fn data(kind: &str, name: &str) -> (Vec<u8>, Value) {
-    let root = std::env::var_os("SLUICE_CONFORMANCE_DIR").map(PathBuf::from).unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/conformance/nix").into());
+    let root = std::env::var_os("SLUICE_CONFORMANCE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/conformance/nix").into());
     let dir = root.join("libstore-tests/data").join(kind);
     let bin = std::fs::read(dir.join(format!("{name}.bin"))).unwrap_or_else(|e| panic!("{name}.bin in {}: {e}", dir.display()));
     let json = std::fs::read_to_string(dir.join(format!("{name}.json"))).map(|t| serde_json::from_str(&t).unwrap()).unwrap_or(Value::Null);
@@ -178,21 +180,34 @@ fn path_info(j: &Value) -> ValidPathInfo {
         registration_time: j["registrationTime"].as_i64().unwrap(),
         nar_size: j["narSize"].as_u64().unwrap(),
         ultimate: j["ultimate"].as_bool().unwrap(),
-        sigs: j["signatures"].as_array().unwrap().iter().map(|s| format!("{}:{}", s["keyName"].as_str().unwrap(), s["sig"].as_str().unwrap())).collect(),
+        sigs: j["signatures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("{}:{}", s["keyName"].as_str().unwrap(), s["sig"].as_str().unwrap()))
+            .collect(),
         ca: ca(&j["ca"]),
     }
 }
 
 #[test]
 fn valid_path_infos() {
-    for (name, minor, keyed) in [("valid-path-info-1.15", 15, true), ("valid-path-info-1.16", 16, true), ("unkeyed-valid-path-info-1.15", 15, false)] {
+    for (name, minor, keyed) in
+        [("valid-path-info-1.15", 15, true), ("valid-path-info-1.16", 16, true), ("unkeyed-valid-path-info-1.15", 15, false)]
+    {
         let (bin, json) = data("worker-protocol", name);
-        let infos: Vec<ValidPathInfo> = json.as_array().unwrap().iter().map(path_info).map(|mut i| {
-            if minor < 16 {
-                (i.ultimate, i.sigs, i.ca) = (false, BTreeSet::new(), None);
-            }
-            i
-        }).collect();
+        let infos: Vec<ValidPathInfo> = json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(path_info)
+            .map(|mut i| {
+                if minor < 16 {
+                    (i.ultimate, i.sigs, i.ca) = (false, BTreeSet::new(), None);
+                }
+                i
+            })
+            .collect();
         let mut out = Vec::new();
         for i in &infos {
             if keyed {
@@ -204,7 +219,11 @@ fn valid_path_infos() {
         assert_eq!(out, bin, "{name}");
         let mut r = bin.as_slice();
         for i in &infos {
-            let back = if keyed { read_keyed_path_info(&mut r, &dir(), v(minor)) } else { read_unkeyed_path_info(&mut r, &dir(), v(minor), i.path.clone()) };
+            let back = if keyed {
+                read_keyed_path_info(&mut r, &dir(), v(minor))
+            } else {
+                read_unkeyed_path_info(&mut r, &dir(), v(minor), i.path.clone())
+            };
             assert_eq!(&back.unwrap(), i, "{name}");
         }
         assert!(r.is_empty());

@@ -80,16 +80,29 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, String> {
 pub async fn run(listeners: Vec<TcpListener>, tls: Option<TlsAcceptor>, app: Arc<App>, limits: Limits) -> io::Result<()> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle).max_buf_size(MAX_HEAD);
-    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_STREAMS).max_header_list_size(MAX_HEAD as u32).max_send_buf_size(MAX_SEND_BUF);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        .max_header_list_size(MAX_HEAD as u32)
+        .max_send_buf_size(MAX_SEND_BUF);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let accepting = listeners.into_iter().map(|l| tokio::spawn(accept_loop(l, tls.clone(), app.clone(), builder.clone(), slots.clone(), limits.idle)));
+    let accepting =
+        listeners.into_iter().map(|l| tokio::spawn(accept_loop(l, tls.clone(), app.clone(), builder.clone(), slots.clone(), limits.idle)));
     for done in futures::future::join_all(accepting).await {
         done.map_err(io::Error::other)??;
     }
     Ok(())
 }
 
-async fn accept_loop(listener: TcpListener, tls: Option<TlsAcceptor>, app: Arc<App>, builder: auto::Builder<TokioExecutor>, slots: Arc<Semaphore>, idle: Duration) -> io::Result<()> {
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    app: Arc<App>,
+    builder: auto::Builder<TokioExecutor>,
+    slots: Arc<Semaphore>,
+    idle: Duration,
+) -> io::Result<()> {
     loop {
         let slot = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
         let (tcp, peer) = match listener.accept().await {
@@ -124,7 +137,12 @@ async fn accept_loop(listener: TcpListener, tls: Option<TlsAcceptor>, app: Arc<A
 /// Serves `app` on one connection, each request and its bodies [`Tracked`] in the
 /// connection's [`Activity`], until the client closes it or the watchdog does (see the
 /// module doc).
-async fn serve<S>(builder: &auto::Builder<TokioExecutor>, stream: S, app: Arc<App>, idle: Duration) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+async fn serve<S>(
+    builder: &auto::Builder<TokioExecutor>,
+    stream: S,
+    app: Arc<App>,
+    idle: Duration,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -142,7 +160,9 @@ where
         verdict = activity.verdict() => verdict,
     };
     match verdict {
-        Verdict::Stalled => Err(format!("a request waited on the client while less than {} bytes moved in {} s", progress::STEP, idle.as_secs()).into()),
+        Verdict::Stalled => {
+            Err(format!("a request waited on the client while less than {} bytes moved in {} s", progress::STEP, idle.as_secs()).into())
+        }
         Verdict::Idle => {
             // What the connection still holds of its last answers goes out at the same rate.
             conn.as_mut().graceful_shutdown();

@@ -49,7 +49,9 @@ impl Metrics {
     pub fn render(&self) -> String {
         let all = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = String::new();
-        out.push_str("# HELP sluice_serve_requests_total Requests answered, by endpoint and status.\n# TYPE sluice_serve_requests_total counter\n");
+        out.push_str(
+            "# HELP sluice_serve_requests_total Requests answered, by endpoint and status.\n# TYPE sluice_serve_requests_total counter\n",
+        );
         for (name, e) in all.iter() {
             for (status, n) in &e.requests {
                 let _ = writeln!(out, "sluice_serve_requests_total{{endpoint=\"{name}\",status=\"{status}\"}} {n}");

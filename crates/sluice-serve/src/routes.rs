@@ -132,7 +132,11 @@ pub fn full(bytes: impl Into<Bytes>) -> http_body_util::combinators::UnsyncBoxBo
 /// of `write` before the body is complete ends the body with that error (the client sees the
 /// connection or stream reset, never a short body taken as whole). Writing fails as soon as
 /// the client goes away.
-pub fn stream<F>(skip: u64, limit: u64, write: impl FnOnce(BodySink) -> F) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>
+pub fn stream<F>(
+    skip: u64,
+    limit: u64,
+    write: impl FnOnce(BodySink) -> F,
+) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>
 where
     F: std::future::Future<Output = Result<(), StoreError>> + Send + 'static,
 {
@@ -356,7 +360,9 @@ impl App {
     async fn listing(&self, info: &ValidPathInfo) -> Result<Vec<u8>, StoreError> {
         let nar = self.store.nar_from_path(info).await?;
         let shown = self.store.store_dir().display_path(&info.path);
-        let listed = tokio::task::spawn_blocking(move || sluice_nix::nar::listing::list(nar)).await.map_err(|e| StoreError::Other(format!("{shown}: {e}")))?;
+        let listed = tokio::task::spawn_blocking(move || sluice_nix::nar::listing::list(nar))
+            .await
+            .map_err(|e| StoreError::Other(format!("{shown}: {e}")))?;
         let root = listed.map_err(|e| StoreError::Other(format!("listing the NAR of {shown}: {e}")))?;
         Ok(sluice_store::binary_cache::upload::listing_json(&root))
     }

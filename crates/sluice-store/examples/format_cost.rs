@@ -79,13 +79,10 @@ fn load(dir: &std::path::Path, store_dir: &StoreDir) -> Result<Vec<Path>, String
     names
         .into_iter()
         .map(|name| {
-            let text =
-                std::fs::read_to_string(dir.join(&name)).map_err(|e| format!("{name}: {e}"))?;
+            let text = std::fs::read_to_string(dir.join(&name)).map_err(|e| format!("{name}: {e}"))?;
             let narinfo = NarInfo::parse(store_dir, &text).map_err(|e| format!("{name}: {e}"))?;
-            let compression =
-                Compression::parse(&narinfo.compression).map_err(|e| format!("{name}: {e}"))?;
-            let compressed = std::fs::read(dir.join(&narinfo.url))
-                .map_err(|e| format!("{}: {e}", narinfo.url))?;
+            let compression = Compression::parse(&narinfo.compression).map_err(|e| format!("{name}: {e}"))?;
+            let compressed = std::fs::read(dir.join(&narinfo.url)).map_err(|e| format!("{}: {e}", narinfo.url))?;
             let mut nar = Vec::new();
             compression
                 .decoder_sized(&compressed[..], narinfo.file_size)
@@ -93,14 +90,7 @@ fn load(dir: &std::path::Path, store_dir: &StoreDir) -> Result<Vec<Path>, String
                 .read_to_end(&mut nar)
                 .map_err(|e| format!("{}: {e}", narinfo.url))?;
             let hash_part = name.trim_end_matches(".narinfo").to_owned();
-            Ok(Path {
-                hash_part,
-                text,
-                narinfo,
-                compression,
-                compressed,
-                nar,
-            })
+            Ok(Path { hash_part, text, narinfo, compression, compressed, nar })
         })
         .collect()
 }
@@ -121,27 +111,21 @@ fn median(mut ms: Vec<f64>) -> f64 {
 fn measure(name: &str, mut stage: impl FnMut() -> Result<(), String>) -> Result<Times, String> {
     let (mut cpu, mut wall) = (Vec::new(), Vec::new());
     for _ in 0..RUNS {
-        let (thread0, process0, wall0) = (
-            cpu_time(libc::CLOCK_THREAD_CPUTIME_ID),
-            cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID),
-            Instant::now(),
-        );
+        let (thread0, process0, wall0) =
+            (cpu_time(libc::CLOCK_THREAD_CPUTIME_ID), cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID), Instant::now());
         stage()?;
-        let (elapsed, thread, process) = (
-            wall0.elapsed(),
-            cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - thread0,
-            cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - process0,
-        );
+        let (elapsed, thread, process) =
+            (wall0.elapsed(), cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - thread0, cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - process0);
         if process.saturating_sub(thread) > thread / 100 + Duration::from_micros(100) {
-            return Err(format!("{name}: other threads spent {:?} of CPU beside this one's {thread:?}: not one core's cost", process - thread));
+            return Err(format!(
+                "{name}: other threads spent {:?} of CPU beside this one's {thread:?}: not one core's cost",
+                process - thread
+            ));
         }
         cpu.push(thread.as_secs_f64() * 1e3);
         wall.push(elapsed.as_secs_f64() * 1e3);
     }
-    Ok(Times {
-        cpu: median(cpu),
-        wall: median(wall),
-    })
+    Ok(Times { cpu: median(cpu), wall: median(wall) })
 }
 
 fn main() -> Result<(), String> {
@@ -151,22 +135,14 @@ fn main() -> Result<(), String> {
     };
     let store_dir = StoreDir::default();
     let key = std::fs::read_to_string(key).map_err(|e| format!("{key}: {e}"))?;
-    let policy = SignaturePolicy {
-        require_sigs: true,
-        trusted_keys: TrustedKeys::parse(key.trim()).map_err(|e| e.to_string())?,
-    };
+    let policy = SignaturePolicy { require_sigs: true, trusted_keys: TrustedKeys::parse(key.trim()).map_err(|e| e.to_string())? };
     let paths = load(std::path::Path::new(cache), &store_dir)?;
 
     let parse_narinfos = measure("narinfo parse", || {
         for p in &paths {
-            let narinfo =
-                NarInfo::parse(&store_dir, &p.text).map_err(|e| format!("{}: {e}", p.hash_part))?;
+            let narinfo = NarInfo::parse(&store_dir, &p.text).map_err(|e| format!("{}: {e}", p.hash_part))?;
             if narinfo.store_path.hash_part() != p.hash_part {
-                return Err(format!(
-                    "{}.narinfo is of {}",
-                    p.hash_part,
-                    store_dir.display_path(&narinfo.store_path)
-                ));
+                return Err(format!("{}.narinfo is of {}", p.hash_part, store_dir.display_path(&narinfo.store_path)));
             }
         }
         Ok(())
@@ -184,17 +160,11 @@ fn main() -> Result<(), String> {
     let decompression = measure("decompression", || {
         for p in &paths {
             let n = &p.narinfo;
-            let decoder = p
-                .compression
-                .decoder_sized(&p.compressed[..], n.file_size)
-                .map_err(|e| format!("{}: {e}", n.url))?;
+            let decoder = p.compression.decoder_sized(&p.compressed[..], n.file_size).map_err(|e| format!("{}: {e}", n.url))?;
             let mut reader = BufReader::with_capacity(read_buffer(Some(n.nar_size)), decoder);
             let mut total = 0u64;
             loop {
-                let len = reader
-                    .fill_buf()
-                    .map_err(|e| format!("{}: {e}", n.url))?
-                    .len();
+                let len = reader.fill_buf().map_err(|e| format!("{}: {e}", n.url))?.len();
                 if len == 0 {
                     break;
                 }
@@ -202,10 +172,7 @@ fn main() -> Result<(), String> {
                 total += len as u64;
             }
             if total != n.nar_size {
-                return Err(format!(
-                    "{}: {total} bytes, NarSize is {}",
-                    n.url, n.nar_size
-                ));
+                return Err(format!("{}: {total} bytes, NarSize is {}", n.url, n.nar_size));
             }
         }
         Ok(())
@@ -228,27 +195,18 @@ fn main() -> Result<(), String> {
     })?;
     let nar_parse = measure("NAR parse", || {
         for p in &paths {
-            let len =
-                parse(&p.nar[..], &mut Discard).map_err(|e| format!("{}: {e}", p.hash_part))?;
+            let len = parse(&p.nar[..], &mut Discard).map_err(|e| format!("{}: {e}", p.hash_part))?;
             if len != p.narinfo.nar_size {
-                return Err(format!(
-                    "{}: a NAR of {len} bytes, NarSize is {}",
-                    p.hash_part, p.narinfo.nar_size
-                ));
+                return Err(format!("{}: a NAR of {len} bytes, NarSize is {}", p.hash_part, p.narinfo.nar_size));
             }
         }
         Ok(())
     })?;
 
     let mandated = [&signatures, &decompression, &hashing, &nar_parse];
-    let total = Times {
-        cpu: mandated.iter().map(|t| t.cpu).sum(),
-        wall: mandated.iter().map(|t| t.wall).sum(),
-    };
+    let total = Times { cpu: mandated.iter().map(|t| t.cpu).sum(), wall: mandated.iter().map(|t| t.wall).sum() };
     let n = paths.len();
-    let (nar_bytes, file_bytes): (usize, usize) = paths.iter().fold((0, 0), |(a, b), p| {
-        (a + p.nar.len(), b + p.compressed.len())
-    });
+    let (nar_bytes, file_bytes): (usize, usize) = paths.iter().fold((0, 0), |(a, b), p| (a + p.nar.len(), b + p.compressed.len()));
     println!(
         "{n} paths, NARs {:.1} MB ({:.1} MB compressed); one thread, median of {RUNS} runs\n",
         nar_bytes as f64 / 1e6,
@@ -265,17 +223,8 @@ fn main() -> Result<(), String> {
         ("6. total of 2–5", &total),
     ];
     for (name, t) in stages {
-        println!(
-            "| {name} | {:.2} | {:.1} | {:.2} | {:.1} |",
-            t.cpu,
-            t.cpu * 1e3 / n as f64,
-            t.wall,
-            t.wall * 1e3 / n as f64
-        );
+        println!("| {name} | {:.2} | {:.1} | {:.2} | {:.1} |", t.cpu, t.cpu * 1e3 / n as f64, t.wall, t.wall * 1e3 / n as f64);
     }
-    println!(
-        "\nOn 2 cores, the format alone takes at least {:.1} ms of wall (stage 6's CPU / 2).",
-        total.cpu / 2.0
-    );
+    println!("\nOn 2 cores, the format alone takes at least {:.1} ms of wall (stage 6's CPU / 2).", total.cpu / 2.0);
     Ok(())
 }

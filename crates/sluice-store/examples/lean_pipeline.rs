@@ -33,8 +33,8 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use sluice_nix::narinfo::NarInfo;
-use sluice_nix::signature::TrustedKeys;
 use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::compression::{Compression, NAR_READ_BUFFER};
 use sluice_store::local::{LocalStore, PendingPath, SignaturePolicy, TempRoots, TryAdd, VouchedInfo};
@@ -158,7 +158,11 @@ impl Drop for Closing<'_> {
 
 /// Commits what arrives, each path once its references are registered; returns the paths
 /// registered and the number of commits.
-fn register(store: &LocalStore, policy: &SignaturePolicy, arrivals: mpsc::Receiver<PendingPath>) -> Result<(Vec<StorePath>, usize), String> {
+fn register(
+    store: &LocalStore,
+    policy: &SignaturePolicy,
+    arrivals: mpsc::Receiver<PendingPath>,
+) -> Result<(Vec<StorePath>, usize), String> {
     let (mut valid, mut waiting, mut commits) = (HashSet::new(), Vec::<PendingPath>::new(), 0);
     let mut registered = Vec::new();
     while let Ok(first) = arrivals.recv() {

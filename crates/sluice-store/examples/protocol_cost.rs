@@ -76,25 +76,17 @@ fn load(dir: &Path, store_dir: &StoreDir, nar: &[u8]) -> Result<Vec<ValidPathInf
     let nar_hash = hasher.finish();
     let mut infos = BTreeMap::new();
     for entry in std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
-        let name = entry
-            .map_err(|e| format!("{}: {e}", dir.display()))?
-            .file_name();
+        let name = entry.map_err(|e| format!("{}: {e}", dir.display()))?.file_name();
         let Some(name) = name.to_str().filter(|n| n.ends_with(".narinfo")) else {
             continue;
         };
         let text = std::fs::read_to_string(dir.join(name)).map_err(|e| format!("{name}: {e}"))?;
         let narinfo = NarInfo::parse(store_dir, &text).map_err(|e| format!("{name}: {e}"))?;
         if narinfo.store_path.is_derivation() {
-            return Err(format!(
-                "{name}: a derivation, whose minimal NAR would not parse as one"
-            ));
+            return Err(format!("{name}: a derivation, whose minimal NAR would not parse as one"));
         }
-        let info = ValidPathInfo {
-            nar_hash: nar_hash.clone(),
-            nar_size: nar.len() as u64,
-            ca: None,
-            ..ValidPathInfo::from_narinfo(&narinfo, 0)
-        };
+        let info =
+            ValidPathInfo { nar_hash: nar_hash.clone(), nar_size: nar.len() as u64, ca: None, ..ValidPathInfo::from_narinfo(&narinfo, 0) };
         infos.insert(info.path.clone(), info);
     }
     let mut order = Vec::with_capacity(infos.len());
@@ -119,11 +111,7 @@ fn visit(
     let info = &infos[path];
     for r in info.references.iter().filter(|r| *r != path) {
         if !infos.contains_key(r) {
-            return Err(format!(
-                "{}: its reference {} is not in the cache",
-                store_dir.display_path(path),
-                store_dir.display_path(r)
-            ));
+            return Err(format!("{}: its reference {} is not in the cache", store_dir.display_path(path), store_dir.display_path(r)));
         }
         visit(r, infos, done, order, store_dir)?;
     }
@@ -143,17 +131,11 @@ struct Spent {
 impl Spent {
     /// Runs `part` and adds its times.
     fn time<T>(&mut self, part: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-        let (thread0, process0, wall0) = (
-            cpu_time(libc::CLOCK_THREAD_CPUTIME_ID),
-            cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID),
-            Instant::now(),
-        );
+        let (thread0, process0, wall0) =
+            (cpu_time(libc::CLOCK_THREAD_CPUTIME_ID), cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID), Instant::now());
         let result = part();
-        let (wall, thread, process) = (
-            wall0.elapsed(),
-            cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - thread0,
-            cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - process0,
-        );
+        let (wall, thread, process) =
+            (wall0.elapsed(), cpu_time(libc::CLOCK_THREAD_CPUTIME_ID) - thread0, cpu_time(libc::CLOCK_PROCESS_CPUTIME_ID) - process0);
         self.cpu += thread;
         self.wall += wall;
         self.others += process.saturating_sub(thread);
@@ -163,7 +145,9 @@ impl Spent {
     /// Fails if other threads spent more than 1 % of this thread's CPU, plus 0.1 ms.
     fn one_core(&self, name: &str) -> Result<(), String> {
         match self.others > self.cpu / 100 + Duration::from_micros(100) {
-            true => Err(format!("{name}: other threads spent {:?} of CPU beside this one's {:?}: not one core's cost", self.others, self.cpu)),
+            true => {
+                Err(format!("{name}: other threads spent {:?} of CPU beside this one's {:?}: not one core's cost", self.others, self.cpu))
+            }
             false => Ok(()),
         }
     }
@@ -179,24 +163,12 @@ struct Run {
 
 /// Adds every path of `infos` (in order) to a new store under `root`, timing each stage,
 /// then makes as many empty files in `root/files`; removes `root` afterwards.
-fn run(
-    root: &Path,
-    infos: &[ValidPathInfo],
-    nar: &[u8],
-    policy: &SignaturePolicy,
-    store_dir: &StoreDir,
-) -> Result<Run, String> {
-    let store = std::sync::Arc::new(
-        LocalStore::open(&LocalStoreConfig::with_root(root)).map_err(|e| e.to_string())?,
-    );
+fn run(root: &Path, infos: &[ValidPathInfo], nar: &[u8], policy: &SignaturePolicy, store_dir: &StoreDir) -> Result<Run, String> {
+    let store = std::sync::Arc::new(LocalStore::open(&LocalStoreConfig::with_root(root)).map_err(|e| e.to_string())?);
     let roots = store.temp_roots();
-    let vouched: Vec<VouchedInfo> = infos
-        .iter()
-        .map(|i| policy.vouch_info(store_dir, i.clone()))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
-    let (mut begin, mut unpack, mut commit) =
-        (Spent::default(), Spent::default(), Spent::default());
+    let vouched: Vec<VouchedInfo> =
+        infos.iter().map(|i| policy.vouch_info(store_dir, i.clone())).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let (mut begin, mut unpack, mut commit) = (Spent::default(), Spent::default(), Spent::default());
     let mut vouched = vouched.into_iter();
     for n in (0..infos.len()).step_by(BATCH) {
         let batch: Vec<VouchedInfo> = vouched.by_ref().take(BATCH).collect();
@@ -214,23 +186,10 @@ fn run(
                 })
                 .collect::<Result<Vec<_>, _>>()
         })?;
-        unpack.time(|| {
-            pending
-                .iter_mut()
-                .try_for_each(|p| p.unpack(&mut &nar[..]).map(drop).map_err(|e| e.to_string()))
-        })?;
-        let results = commit
-            .time(|| Ok(store.commit_all(pending.into_iter().map(|p| (p, policy)).collect())))?;
-        if let Some((i, e)) = results
-            .into_iter()
-            .enumerate()
-            .find_map(|(i, r)| Some((i, r.err()?)))
-        {
-            return Err(format!(
-                "{}: {}",
-                store_dir.display_path(&infos[n + i].path),
-                e.into_error()
-            ));
+        unpack.time(|| pending.iter_mut().try_for_each(|p| p.unpack(&mut &nar[..]).map(drop).map_err(|e| e.to_string())))?;
+        let results = commit.time(|| Ok(store.commit_all(pending.into_iter().map(|p| (p, policy)).collect())))?;
+        if let Some((i, e)) = results.into_iter().enumerate().find_map(|(i, r)| Some((i, r.err()?))) {
+            return Err(format!("{}: {}", store_dir.display_path(&infos[n + i].path), e.into_error()));
         }
     }
     let paths: Vec<StorePath> = infos.iter().map(|i| i.path.clone()).collect();
@@ -238,11 +197,7 @@ fn run(
         let shown = store_dir.display_path(&info.path);
         match registered.map_err(|e| e.to_string())? {
             Some(r) if r.references == info.references && r.nar_hash == info.nar_hash => {}
-            Some(_) => {
-                return Err(format!(
-                    "{shown}: registered with other references or NAR hash"
-                ))
-            }
+            Some(_) => return Err(format!("{shown}: registered with other references or NAR hash")),
             None => return Err(format!("{shown}: not valid after its commit")),
         }
     }
@@ -251,49 +206,28 @@ fn run(
     let files = root.join("files");
     std::fs::create_dir(&files).map_err(|e| format!("{}: {e}", files.display()))?;
     let dir = std::fs::File::open(&files).map_err(|e| format!("{}: {e}", files.display()))?;
-    let mtime = Timestamps {
-        last_access: Timespec {
-            tv_sec: 0,
-            tv_nsec: UTIME_OMIT,
-        },
-        last_modification: Timespec {
-            tv_sec: 1,
-            tv_nsec: 0,
-        },
-    };
+    let mtime =
+        Timestamps { last_access: Timespec { tv_sec: 0, tv_nsec: UTIME_OMIT }, last_modification: Timespec { tv_sec: 1, tv_nsec: 0 } };
     let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC;
     let mut floor = Spent::default();
     floor.time(|| {
         infos.iter().try_for_each(|i| {
-            let fd = openat(&dir, i.path.base_name(), flags, Mode::from_raw_mode(0o444))
-                .map_err(|e| format!("{}: {e}", i.path.base_name()))?;
+            let fd =
+                openat(&dir, i.path.base_name(), flags, Mode::from_raw_mode(0o444)).map_err(|e| format!("{}: {e}", i.path.base_name()))?;
             futimens(&fd, &mtime).map_err(|e| format!("{}: {e}", i.path.base_name()))
         })
     })?;
     std::fs::remove_dir_all(root).map_err(|e| format!("removing {}: {e}", root.display()))?;
-    for (name, spent) in [
-        ("begin", &begin),
-        ("unpack", &unpack),
-        ("commit", &commit),
-        ("floor", &floor),
-    ] {
+    for (name, spent) in [("begin", &begin), ("unpack", &unpack), ("commit", &commit), ("floor", &floor)] {
         spent.one_core(name)?;
     }
-    Ok(Run {
-        begin,
-        unpack,
-        commit,
-        floor,
-    })
+    Ok(Run { begin, unpack, commit, floor })
 }
 
 /// The median of `runs`' `stage`, in ms of thread CPU and of wall.
 fn median(runs: &[Run], stage: impl Fn(&Run) -> Spent) -> (f64, f64) {
     let ms = |f: &dyn Fn(&Spent) -> Duration| {
-        let mut ms: Vec<f64> = runs
-            .iter()
-            .map(|r| f(&stage(r)).as_secs_f64() * 1e3)
-            .collect();
+        let mut ms: Vec<f64> = runs.iter().map(|r| f(&stage(r)).as_secs_f64() * 1e3).collect();
         ms.sort_by(f64::total_cmp);
         ms[ms.len() / 2]
     };
@@ -310,15 +244,7 @@ fn main() -> Result<(), String> {
     let infos = load(Path::new(cache), &store_dir, &nar)?;
     let policy = SignaturePolicy::unchecked();
     let runs = (0..RUNS)
-        .map(|n| {
-            run(
-                &Path::new(work).join(format!("run-{n}")),
-                &infos,
-                &nar,
-                &policy,
-                &store_dir,
-            )
-        })
+        .map(|n| run(&Path::new(work).join(format!("run-{n}")), &infos, &nar, &policy, &store_dir))
         .collect::<Result<Vec<_>, _>>()?;
 
     let sum = |r: &Run| Spent {
@@ -333,28 +259,15 @@ fn main() -> Result<(), String> {
     println!("| stage | thread CPU ms | CPU µs/path | wall ms | wall µs/path |");
     println!("|---|---|---|---|---|");
     let stages = [
-        (
-            "1. begin (temp root, lock, validity, temp dir)",
-            median(&runs, |r| r.begin),
-        ),
+        ("1. begin (temp root, lock, validity, temp dir)", median(&runs, |r| r.begin)),
         ("2. unpack of the minimal NAR", median(&runs, |r| r.unpack)),
-        (
-            "3. commit (rename, syncfs, SQLite, unlock)",
-            median(&runs, |r| r.commit),
-        ),
+        ("3. commit (rename, syncfs, SQLite, unlock)", median(&runs, |r| r.commit)),
         ("4. total of 1–3", total),
         ("5. floor: as many empty files", floor),
-        (
-            "6. protocol beyond the files (4 − 5)",
-            (total.0 - floor.0, total.1 - floor.1),
-        ),
+        ("6. protocol beyond the files (4 − 5)", (total.0 - floor.0, total.1 - floor.1)),
     ];
     for (name, (cpu, wall)) in stages {
-        println!(
-            "| {name} | {cpu:.2} | {:.1} | {wall:.2} | {:.1} |",
-            cpu * 1e3 / n as f64,
-            wall * 1e3 / n as f64
-        );
+        println!("| {name} | {cpu:.2} | {:.1} | {wall:.2} | {:.1} |", cpu * 1e3 / n as f64, wall * 1e3 / n as f64);
     }
     Ok(())
 }

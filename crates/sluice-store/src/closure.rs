@@ -206,7 +206,8 @@ impl ClosureQuery {
         }
         let mut cached = self.cached_answers(&rest, &walk.consult);
         for path in rest {
-            let known: Vec<Option<Cached>> = (0..self.substituters.len()).map(|i| cached.remove(&(i, path.hash_part().to_string()))).collect();
+            let known: Vec<Option<Cached>> =
+                (0..self.substituters.len()).map(|i| cached.remove(&(i, path.hash_part().to_string()))).collect();
             walk.depth.insert(path.clone(), depth);
             if known.iter().all(Option::is_some) {
                 self.start(path, known, walk);
@@ -251,7 +252,8 @@ impl ClosureQuery {
             })
             .collect();
         walk.network += network as usize;
-        let lookup = Lookup { subs: self.substituters.clone(), store_dir: self.store_dir.clone(), accept: self.accept.clone(), path, network };
+        let lookup =
+            Lookup { subs: self.substituters.clone(), store_dir: self.store_dir.clone(), accept: self.accept.clone(), path, network };
         walk.pending.push(Box::pin(lookup.resolve(answers)));
     }
 
@@ -318,7 +320,9 @@ impl Lookup {
                 Answer::Cached(Cached::Present(text)) => parse(Some(text)),
                 Answer::Cached(Cached::Absent) => Ok(None),
                 Answer::Fetch(handle) => {
-                    let result = handle.await.unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(path), source: std::io::Error::other(e) }));
+                    let result = handle
+                        .await
+                        .unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(path), source: std::io::Error::other(e) }));
                     result.and_then(|text| {
                         let parsed = parse(text.clone());
                         // Only well-formed narinfos are cached as present.
@@ -350,7 +354,9 @@ impl Lookup {
                     }
                     // A narinfo refused before is passed over only for one that is accepted.
                     let event = match (vouched, refused) {
-                        (Some(None), Some((first, refused))) => ClosureEvent::Found { narinfo: Arc::new(refused), cache: first, vouched: None },
+                        (Some(None), Some((first, refused))) => {
+                            ClosureEvent::Found { narinfo: Arc::new(refused), cache: first, vouched: None }
+                        }
                         (vouched, _) => ClosureEvent::Found { narinfo: Arc::new(narinfo), cache: i, vouched: vouched.flatten() },
                     };
                     return self.outcome(event, records);

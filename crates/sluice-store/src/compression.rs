@@ -20,7 +20,16 @@ use crate::encoder_memory::{xz_preset, EncoderPlan};
 
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression { None, Xz, Zstd, Bzip2, Brotli, Gzip, Lz4, Lzip }
+pub enum Compression {
+    None,
+    Xz,
+    Zstd,
+    Bzip2,
+    Brotli,
+    Gzip,
+    Lz4,
+    Lzip,
+}
 
 /// Errors choosing or starting a decompressor.
 #[derive(Debug, thiserror::Error)]
@@ -114,16 +123,32 @@ impl Compression {
                 let check = liblzma::stream::Check::Crc64;
                 let stream = match plan.xz_block {
                     None => liblzma::stream::Stream::new_stream_encoder(&filters, check)?,
-                    Some(block) => liblzma::stream::MtStreamBuilder::new().threads(threads).block_size(block).filters(filters).check(check).encoder()?,
+                    Some(block) => liblzma::stream::MtStreamBuilder::new()
+                        .threads(threads)
+                        .block_size(block)
+                        .filters(filters)
+                        .check(check)
+                        .encoder()?,
                 };
                 Encoder::Xz(liblzma::write::XzEncoder::new_stream(out, stream))
             }
-            Compression::Zstd => Encoder::Zstd(zstd_frames::FrameEncoder::new(out, level.unwrap_or(zstd::DEFAULT_COMPRESSION_LEVEL), threads)?),
-            Compression::Bzip2 => Encoder::Bzip2(bzip2::write::BzEncoder::new(out, bzip2::Compression::new(level.map_or(9, |l| l.clamp(1, 9) as u32)))),
-            Compression::Brotli => Encoder::Brotli(Box::new(brotli::CompressorWriter::new(out, 64 * 1024, level.map_or(11, |l| l.clamp(0, 11) as u32), 22))),
-            Compression::Gzip => Encoder::Gzip(flate2::write::GzEncoder::new(out, flate2::Compression::new(level.map_or(6, |l| l.clamp(0, 9) as u32)))),
+            Compression::Zstd => {
+                Encoder::Zstd(zstd_frames::FrameEncoder::new(out, level.unwrap_or(zstd::DEFAULT_COMPRESSION_LEVEL), threads)?)
+            }
+            Compression::Bzip2 => {
+                Encoder::Bzip2(bzip2::write::BzEncoder::new(out, bzip2::Compression::new(level.map_or(9, |l| l.clamp(1, 9) as u32))))
+            }
+            Compression::Brotli => {
+                Encoder::Brotli(Box::new(brotli::CompressorWriter::new(out, 64 * 1024, level.map_or(11, |l| l.clamp(0, 11) as u32), 22)))
+            }
+            Compression::Gzip => {
+                Encoder::Gzip(flate2::write::GzEncoder::new(out, flate2::Compression::new(level.map_or(6, |l| l.clamp(0, 9) as u32))))
+            }
             Compression::Lz4 | Compression::Lzip => {
-                return Err(std::io::Error::other(format!("sluice reads {} caches but does not write them (choose xz, zstd, bzip2, br, gzip or none)", self.name())))
+                return Err(std::io::Error::other(format!(
+                    "sluice reads {} caches but does not write them (choose xz, zstd, bzip2, br, gzip or none)",
+                    self.name()
+                )))
             }
         })
     }
@@ -147,7 +172,11 @@ impl Compression {
     /// [`Compression::decoder`] for an input of about `size` bytes (the narinfo's
     /// `FileSize`): its read buffer is no larger than that (a buffer is zeroed once when it
     /// is first filled, 256 KiB per NAR otherwise).
-    pub fn decoder_sized<'a>(self, mut input: impl Read + Send + 'a, size: Option<u64>) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
+    pub fn decoder_sized<'a>(
+        self,
+        mut input: impl Read + Send + 'a,
+        size: Option<u64>,
+    ) -> Result<Box<dyn Read + Send + 'a>, CompressionError> {
         let mut head = Vec::with_capacity(MAGIC_LEN);
         (&mut input).take(MAGIC_LEN as u64).read_to_end(&mut head)?;
         let buf = BufReader::with_capacity(read_buffer(size), std::io::Cursor::new(head.clone()).chain(input));
@@ -176,7 +205,8 @@ impl Compression {
             Compression::Lz4 => Box::new(lz4_flex::frame::FrameDecoder::new(buf)),
             Compression::Lzip => {
                 // Every member, as `plzip` writes several; no memory limit, as libarchive's.
-                let stream = liblzma::stream::Stream::new_lzip_decoder(u64::MAX, liblzma::stream::CONCATENATED).map_err(std::io::Error::other)?;
+                let stream =
+                    liblzma::stream::Stream::new_lzip_decoder(u64::MAX, liblzma::stream::CONCATENATED).map_err(std::io::Error::other)?;
                 Box::new(liblzma::bufread::XzDecoder::new_stream(buf, stream))
             }
         })

@@ -4,8 +4,6 @@
 //! narinfo disk cache, the closure engine, the substitution pipeline (caches → local store)
 //! and the push engine (any store → any store).
 
-pub mod local;
-pub mod remote;
 pub mod binary_cache;
 pub mod builtins;
 mod by_key;
@@ -13,16 +11,18 @@ mod causes;
 pub mod closure;
 mod closure_depth;
 pub mod compression;
+pub mod config;
 pub mod encoder_memory;
 pub mod failure;
-pub mod config;
 pub mod fd_budget;
 pub mod job_queue;
+pub mod local;
 pub mod narinfo_cache;
 pub mod netrc;
 pub mod push;
 mod reference_cycles;
 mod registry;
+pub mod remote;
 pub mod store;
 pub mod store_url;
 pub mod substitute;

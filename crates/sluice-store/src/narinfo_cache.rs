@@ -132,7 +132,8 @@ impl NarInfoCache {
                 |r| r.get(0),
             )
             .map_err(|e| self.err(e))?;
-        let batch = if info.batch { "insert or ignore into SluiceBatch (cache) values (?)" } else { "delete from SluiceBatch where cache = ?" };
+        let batch =
+            if info.batch { "insert or ignore into SluiceBatch (cache) values (?)" } else { "delete from SluiceBatch where cache = ?" };
         conn.execute(batch, [id]).map_err(|e| self.err(e))?;
         Ok(id)
     }
@@ -190,7 +191,10 @@ impl NarInfoCache {
 
     /// Forgets a cached answer (a narinfo whose NAR turned out to be gone or wrong).
     pub fn forget(&self, cache: i64, hash_part: &str) -> Result<(), DiskCacheError> {
-        self.conn().execute("delete from NARs where cache = ? and hashPart = ?", params![cache, hash_part]).map(|_| ()).map_err(|e| self.err(e))
+        self.conn()
+            .execute("delete from NARs where cache = ? and hashPart = ?", params![cache, hash_part])
+            .map(|_| ())
+            .map_err(|e| self.err(e))
     }
 }
 

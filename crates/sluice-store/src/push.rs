@@ -42,7 +42,8 @@ pub async fn closure_infos(src: &dyn Store, roots: &[StorePath]) -> Result<BTree
         let answers = src.query_path_infos(&frontier).await?;
         let mut next = BTreeSet::new();
         for (path, info) in frontier.iter().zip(answers) {
-            let info = info.ok_or_else(|| StoreError::NotValid { url: src.url().to_string(), path: src.store_dir().display_path(path) })?.info;
+            let info =
+                info.ok_or_else(|| StoreError::NotValid { url: src.url().to_string(), path: src.store_dir().display_path(path) })?.info;
             next.extend(info.references.iter().filter(|r| !infos.contains_key(*r) && *r != path).cloned());
             infos.insert(path.clone(), info);
         }
@@ -84,7 +85,8 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
     missing.retain(|i| !report.failed.contains_key(&i.path));
     let mut tasks = Vec::with_capacity(missing.len());
     for info in missing {
-        let gate_refs: Vec<(StorePath, Done)> = info.references.iter().filter(|r| **r != info.path).filter_map(|r| Some((r.clone(), done.get(r)?.clone()))).collect();
+        let gate_refs: Vec<(StorePath, Done)> =
+            info.references.iter().filter(|r| **r != info.path).filter_map(|r| Some((r.clone(), done.get(r)?.clone()))).collect();
         let store_dir = dst.store_dir().clone();
         let shown = store_dir.display_path(&info.path);
         let gate = async move {
@@ -105,7 +107,9 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
                 Ok(nar) => {
                     let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
                     // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).
-                    dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate).await.map_err(|e| Failure::copy(&shown, dst.url(), &e))
+                    dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate)
+                        .await
+                        .map_err(|e| Failure::copy(&shown, dst.url(), &e))
                 }
             };
             if let Some(tx) = tx {

@@ -24,7 +24,11 @@ pub struct Cycle {
 impl Cycle {
     /// Nix's message for it.
     pub fn message(&self, store_dir: &StoreDir) -> String {
-        format!("cycle detected in the references of '{}' from '{}'", store_dir.display_path(&self.path), store_dir.display_path(&self.parent))
+        format!(
+            "cycle detected in the references of '{}' from '{}'",
+            store_dir.display_path(&self.path),
+            store_dir.display_path(&self.parent)
+        )
     }
 }
 
@@ -39,8 +43,18 @@ where
     let graph: Vec<(&StorePath, R)> = graph.into_iter().collect();
     let index: HashMap<&StorePath, usize> = graph.iter().enumerate().map(|(i, (p, _))| (*p, i)).collect();
     let paths: Vec<&StorePath> = graph.iter().map(|(p, _)| *p).collect();
-    let edges: Vec<Vec<usize>> = graph.into_iter().enumerate().map(|(i, (_, refs))| refs.into_iter().filter_map(|r| index.get(r).copied()).filter(|&j| j != i).collect()).collect();
-    let mut tarjan = Tarjan { order: vec![None; paths.len()], low: vec![0; paths.len()], on_stack: vec![false; paths.len()], stack: Vec::new(), next: 0 };
+    let edges: Vec<Vec<usize>> = graph
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, refs))| refs.into_iter().filter_map(|r| index.get(r).copied()).filter(|&j| j != i).collect())
+        .collect();
+    let mut tarjan = Tarjan {
+        order: vec![None; paths.len()],
+        low: vec![0; paths.len()],
+        on_stack: vec![false; paths.len()],
+        stack: Vec::new(),
+        next: 0,
+    };
     let mut cycles = Vec::new();
     for root in 0..paths.len() {
         if tarjan.order[root].is_some() {
@@ -114,7 +128,11 @@ impl Tarjan {
 /// The [`Cycle`] of a component of more than one node.
 fn cycle(paths: &[&StorePath], edges: &[Vec<usize>], component: Vec<usize>) -> Cycle {
     let first = *component.iter().min_by_key(|&&i| paths[i]).expect("a component has a node");
-    let parent = component.iter().filter(|&&i| edges[i].contains(&first)).min_by_key(|&&i| paths[i]).expect("a cycle's member is referred to within it");
+    let parent = component
+        .iter()
+        .filter(|&&i| edges[i].contains(&first))
+        .min_by_key(|&&i| paths[i])
+        .expect("a cycle's member is referred to within it");
     let mut members: Vec<StorePath> = component.iter().map(|&i| paths[i].clone()).collect();
     members.sort();
     Cycle { members, path: paths[first].clone(), parent: paths[*parent].clone() }
@@ -140,7 +158,10 @@ mod tests {
     #[test]
     fn finds_each_cycle_with_its_members() {
         assert_eq!(cycles_of(&[('a', "abx"), ('b', "c"), ('c', ""), ('d', "bc")]), Vec::<Vec<char>>::new());
-        assert_eq!(cycles_of(&[('a', "b"), ('b', "c"), ('c', "a"), ('d', "a"), ('h', "i"), ('i', "h"), ('j', "j")]), vec![vec!['a', 'b', 'c'], vec!['h', 'i']]);
+        assert_eq!(
+            cycles_of(&[('a', "b"), ('b', "c"), ('c', "a"), ('d', "a"), ('h', "i"), ('i', "h"), ('j', "j")]),
+            vec![vec!['a', 'b', 'c'], vec!['h', 'i']]
+        );
         // Two cycles joined by a path are two components.
         assert_eq!(cycles_of(&[('a', "b"), ('b', "ac"), ('c', "d"), ('d', "c")]), vec![vec!['a', 'b'], vec!['c', 'd']]);
     }
@@ -150,7 +171,8 @@ mod tests {
     fn a_long_chain_closed_into_a_cycle_is_one_cycle() {
         let n = 200_000;
         let dir = StoreDir::default();
-        let paths: Vec<StorePath> = (0..n).map(|i| dir.parse_path(&format!("/nix/store/{}-p{i}", sluice_nix::base32::encode(&sha_of(i)))).unwrap()).collect();
+        let paths: Vec<StorePath> =
+            (0..n).map(|i| dir.parse_path(&format!("/nix/store/{}-p{i}", sluice_nix::base32::encode(&sha_of(i)))).unwrap()).collect();
         let graph = (0..n).map(|i| (&paths[i], std::iter::once(&paths[(i + 1) % n])));
         let cycles = reference_cycles(graph);
         assert_eq!(cycles.len(), 1);

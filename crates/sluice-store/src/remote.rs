@@ -15,13 +15,13 @@ use std::path::{Path, PathBuf};
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{
-    write_request, AddMultipleToStore, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults, IsValidPath, NarFromPath, QueryPathInfo, Request,
-    SetOptions,
+    write_request, AddMultipleToStore, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults, IsValidPath, NarFromPath,
+    QueryPathInfo, Request, SetOptions,
 };
 use sluice_nix::wire::{
-    read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info, write_keyed_path_info,
-    write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1,
-    WORKER_MAGIC_2,
+    read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info,
+    write_keyed_path_info, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage,
+    WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
@@ -52,13 +52,27 @@ pub type Relay<'a> = &'a mut dyn FnMut(&StderrMessage) -> std::io::Result<()>;
 pub enum RemoteError {
     /// The daemon could not be reached.
     #[error("connecting to the daemon at {daemon}: {source}")]
-    Connect { daemon: String, #[source] source: std::io::Error },
+    Connect {
+        daemon: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// Reading from or writing to the connection failed.
     #[error("daemon at {daemon}: {what}: {source}")]
-    Io { daemon: String, what: &'static str, #[source] source: std::io::Error },
+    Io {
+        daemon: String,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     /// The daemon sent something malformed.
     #[error("daemon at {daemon}: {what}: {source}")]
-    Wire { daemon: String, what: &'static str, #[source] source: WireError },
+    Wire {
+        daemon: String,
+        what: &'static str,
+        #[source]
+        source: WireError,
+    },
     /// The peer is not a daemon this client can talk to.
     #[error("daemon at {daemon}: {message}")]
     Protocol { message: String, daemon: String },
@@ -67,11 +81,20 @@ pub enum RemoteError {
     Daemon { daemon: String, what: &'static str, message: String },
     /// Passing on the daemon's messages failed (see [`Relay`]).
     #[error("relaying the messages of the daemon at {daemon}: {source}")]
-    Relay { daemon: String, #[source] source: std::io::Error },
+    Relay {
+        daemon: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// Reading the NAR of `path` to send it failed (the daemon was sent a cut-short NAR,
     /// which it refuses).
     #[error("daemon at {daemon}: reading the NAR of {path} to add it: {source}")]
-    Nar { daemon: String, path: String, #[source] source: std::io::Error },
+    Nar {
+        daemon: String,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The reading side of a daemon's byte stream.
@@ -236,7 +259,9 @@ impl DaemonConnection {
         }
         self.send(&AddToStoreNar { info: info.clone(), repair: false, dont_check_sigs: !check_sigs }, what)?;
         let (daemon, shown) = (self.daemon.clone(), self.store_dir.display_path(&info.path));
-        self.with_framed_sink(what, |out| Ok(copy_nar(nar, out)?.map(drop).map_err(|source| RemoteError::Nar { daemon, path: shown, source })))
+        self.with_framed_sink(what, |out| {
+            Ok(copy_nar(nar, out)?.map(drop).map_err(|source| RemoteError::Nar { daemon, path: shown, source }))
+        })
     }
 
     /// AddMultipleToStore (daemons of protocol ≥ 1.32): adds every path of `paths`, in
@@ -260,7 +285,10 @@ impl DaemonConnection {
                 write_keyed_path_info(out, &dir, ProtocolVersion::new(1, 16), info)?;
                 let read = copy_nar(&mut nar.take(info.nar_size), out)?.and_then(|n| match n == info.nar_size {
                     true => Ok(()),
-                    false => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("the NAR ended after {n} of its {} bytes", info.nar_size))),
+                    false => Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("the NAR ended after {n} of its {} bytes", info.nar_size),
+                    )),
                 });
                 if let Err(source) = read {
                     return Ok(Err(RemoteError::Nar { daemon, path: dir.display_path(&info.path), source }));
@@ -275,7 +303,11 @@ impl DaemonConnection {
     /// answer, or fail, before the stream ends). The connection's failure first, then
     /// `send`'s own (a NAR that could not be read: the stream is ended where it stopped), then
     /// the daemon's answer.
-    fn with_framed_sink(&mut self, what: &'static str, send: impl FnOnce(&mut dyn Write) -> std::io::Result<Result<(), RemoteError>>) -> Result<(), RemoteError> {
+    fn with_framed_sink(
+        &mut self,
+        what: &'static str,
+        send: impl FnOnce(&mut dyn Write) -> std::io::Result<Result<(), RemoteError>>,
+    ) -> Result<(), RemoteError> {
         let io = self.io_err(what);
         self.w.flush().map_err(&io)?;
         let DaemonConnection { daemon, r, w, version, .. } = self;
@@ -290,7 +322,12 @@ impl DaemonConnection {
             })();
             (sent, replies.join())
         });
-        let replied = replied.unwrap_or_else(|_| Err(RemoteError::Protocol { message: format!("{what}: the thread reading the daemon's messages panicked"), daemon: self.daemon.clone() }));
+        let replied = replied.unwrap_or_else(|_| {
+            Err(RemoteError::Protocol {
+                message: format!("{what}: the thread reading the daemon's messages panicked"),
+                daemon: self.daemon.clone(),
+            })
+        });
         match sent {
             Ok(Ok(())) => replied,
             Ok(Err(nar)) => Err(nar),
@@ -318,7 +355,12 @@ impl DaemonConnection {
     /// BuildPathsWithResults (daemons of protocol ≥ 1.34): realises `targets` in
     /// `mode` (Nix `RemoteStore::buildPathsWithResults`), passing the daemon's messages to
     /// `relay`; a result per target, keyed by the target as the daemon names it.
-    pub fn build_paths_with_results(&mut self, targets: &[DerivedPath], mode: BuildMode, relay: Relay) -> Result<Vec<(DerivedPath, BuildResult)>, RemoteError> {
+    pub fn build_paths_with_results(
+        &mut self,
+        targets: &[DerivedPath],
+        mode: BuildMode,
+        relay: Relay,
+    ) -> Result<Vec<(DerivedPath, BuildResult)>, RemoteError> {
         let what = "BuildPathsWithResults";
         if !self.version.at_least(34) {
             let message = format!("{what} needs protocol 1.34 (Nix 2.8), the daemon speaks {}", self.version);
@@ -341,7 +383,13 @@ impl DaemonConnection {
     /// BuildDerivation: builds `drv`, the derivation at `drv_path` in wire form, in
     /// `mode` (Nix `putBuildDerivationRequest`, `worker-protocol-connection.cc`), passing the
     /// daemon's messages to `relay`. The result in the negotiated version's form.
-    pub fn build_derivation(&mut self, drv_path: &StorePath, drv: &BasicDerivation, mode: BuildMode, relay: Relay) -> Result<BuildResult, RemoteError> {
+    pub fn build_derivation(
+        &mut self,
+        drv_path: &StorePath,
+        drv: &BasicDerivation,
+        mode: BuildMode,
+        relay: Relay,
+    ) -> Result<BuildResult, RemoteError> {
         let what = "BuildDerivation";
         self.send(&BuildDerivation { drv_path: drv_path.clone(), drv: drv.clone(), mode }, what)?;
         self.relay_stderr(what, relay)?;
@@ -356,7 +404,10 @@ impl DaemonConnection {
         write_u64(&mut self.w, WORKER_MAGIC_1).and_then(|()| self.w.flush()).map_err(io)?;
         let magic = read_u64(&mut self.r, "daemon magic").map_err(self.wire_err(what))?;
         if magic != WORKER_MAGIC_2 {
-            return Err(RemoteError::Protocol { message: format!("not a Nix daemon (it answered {magic:#x})"), daemon: self.daemon.clone() });
+            return Err(RemoteError::Protocol {
+                message: format!("not a Nix daemon (it answered {magic:#x})"),
+                daemon: self.daemon.clone(),
+            });
         }
         let daemon = ProtocolVersion::from_wire(read_u64(&mut self.r, "daemon version").map_err(self.wire_err(what))?);
         if daemon.major != 1 || daemon < MIN_DAEMON_VERSION {
@@ -414,7 +465,13 @@ impl DaemonConnection {
 
 /// Reads stderr messages from `r` up to `LAST` or `ERROR` (Nix `processStderr`), passing each
 /// other one to `relay` as it comes.
-fn relay_stderr(r: &mut BufReader<DaemonReader>, version: ProtocolVersion, daemon: &str, what: &'static str, relay: Relay) -> Result<(), RemoteError> {
+fn relay_stderr(
+    r: &mut BufReader<DaemonReader>,
+    version: ProtocolVersion,
+    daemon: &str,
+    what: &'static str,
+    relay: Relay,
+) -> Result<(), RemoteError> {
     loop {
         match read_stderr_message(r, version).map_err(|source| RemoteError::Wire { daemon: daemon.to_owned(), what, source })? {
             StderrMessage::Last => return Ok(()),
@@ -541,7 +598,10 @@ impl DaemonStore {
     }
 
     /// Runs `f` on the connection's thread.
-    async fn run<T: Send + 'static>(&self, f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError> + Send + 'static) -> Result<T, StoreError> {
+    async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError> + Send + 'static,
+    ) -> Result<T, StoreError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.jobs.send(Job::Run(Box::new(move |conn: &mut Reconnecting| drop(tx.send(conn.with(f)))))).map_err(|_| self.ended())?;
         Ok(rx.await.map_err(|_| self.ended())??)
@@ -570,7 +630,8 @@ impl crate::store::Store for DaemonStore {
     }
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
-        let nar = DaemonNar { url: self.url.clone(), jobs: self.jobs.clone(), path: info.path.clone(), nar_size: info.nar_size, piped: None };
+        let nar =
+            DaemonNar { url: self.url.clone(), jobs: self.jobs.clone(), path: info.path.clone(), nar_size: info.nar_size, piped: None };
         Box::pin(async move { Ok(Box::new(nar) as NarReader) })
     }
 

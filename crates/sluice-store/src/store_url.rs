@@ -90,7 +90,12 @@ impl LocalFsDirs {
     /// The directories of a store under `root` (`None`: the system store), as Nix's defaults.
     pub fn under(root: Option<&Path>) -> Self {
         let base = root.unwrap_or(Path::new("/"));
-        LocalFsDirs { root: root.map(Path::to_owned), state: base.join("nix/var/nix"), log: base.join("nix/var/log/nix"), real: base.join("nix/store") }
+        LocalFsDirs {
+            root: root.map(Path::to_owned),
+            state: base.join("nix/var/nix"),
+            log: base.join("nix/var/log/nix"),
+            real: base.join("nix/store"),
+        }
     }
 }
 
@@ -129,7 +134,11 @@ pub struct CacheUrl {
 
 /// The transport of a binary cache (`s3://BUCKET` with its parameters).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CacheKind { File, Http, S3(S3Params) }
+pub enum CacheKind {
+    File,
+    Http,
+    S3(S3Params),
+}
 
 /// The parameters of writing to a binary cache: Nix's `BinaryCacheStoreConfig`
 /// (`src/libstore/binary-cache-store.hh`).
@@ -196,7 +205,13 @@ pub enum StoreUrlError {
 
 /// How Nix reads a setting's value (`src/libutil/config.cc`).
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum ParamType { Bool, Int, Path, OptionalPath, Text }
+pub(crate) enum ParamType {
+    Bool,
+    Int,
+    Path,
+    OptionalPath,
+    Text,
+}
 
 /// A parameter a kind of store takes: its name and type.
 pub(crate) type Param = (&'static str, ParamType);
@@ -213,7 +228,8 @@ pub(crate) const COMMON: &[Param] = &[
 
 /// The parameters of Nix's `LocalFSStoreConfig` (`local-fs-store.hh`): the local and daemon
 /// kinds take them.
-pub(crate) const LOCAL_FS: &[Param] = &[("root", ParamType::OptionalPath), ("state", ParamType::Path), ("log", ParamType::Path), ("real", ParamType::Path)];
+pub(crate) const LOCAL_FS: &[Param] =
+    &[("root", ParamType::OptionalPath), ("state", ParamType::Path), ("log", ParamType::Path), ("real", ParamType::Path)];
 
 impl StoreUrl {
     /// Parses a store URL and its parameters with the kind that claims it (see the module doc
@@ -373,7 +389,9 @@ impl<'a> Query<'a> {
             }
         }
         let priority = match self.take("priority") {
-            Some(v) => Some(i32::try_from(self.int("priority", &v)?).map_err(|_| self.bad("priority", &v, "out of the range of Nix's int setting"))?),
+            Some(v) => Some(
+                i32::try_from(self.int("priority", &v)?).map_err(|_| self.bad("priority", &v, "out of the range of Nix's int setting"))?,
+            ),
             None => None,
         };
         let want_mass_query = self.take_bool("want-mass-query")?;
@@ -447,7 +465,13 @@ mod tests {
     }
 
     fn default_write() -> CacheWriteParams {
-        CacheWriteParams { compression: DEFAULT_COMPRESSION, compression_level: None, parallel_compression: false, write_nar_listing: false, secret_key_files: vec![] }
+        CacheWriteParams {
+            compression: DEFAULT_COMPRESSION,
+            compression_level: None,
+            parallel_compression: false,
+            write_nar_listing: false,
+            secret_key_files: vec![],
+        }
     }
 
     #[test]
@@ -459,7 +483,10 @@ mod tests {
         // Relative key files are the working directory's, as Nix's `readFile(secretKeyFile)`.
         assert_eq!(cache("file:///c?secret-key=ci-cache.sec").write.secret_key_files, [PathBuf::from("ci-cache.sec")]);
         let CacheKind::S3(s3) = c.kind else { panic!("{c:?}") };
-        assert_eq!((s3.bucket.as_str(), s3.region.as_str(), s3.endpoint.as_deref(), s3.path_style), ("bucket", "eu-west-1", Some("127.0.0.1:9000"), true));
+        assert_eq!(
+            (s3.bucket.as_str(), s3.region.as_str(), s3.endpoint.as_deref(), s3.path_style),
+            ("bucket", "eu-west-1", Some("127.0.0.1:9000"), true)
+        );
         assert_eq!((s3.multipart_upload, s3.multipart_chunk_size, s3.multipart_threshold), (true, 8 << 20, 100 << 20));
         assert!(err("file:///c?compression=lz5").contains("\"compression\" has the invalid value \"lz5\""));
         assert!(err("file:///c?region=x").contains("\"region\" is not one of a binary cache"));
@@ -473,7 +500,10 @@ mod tests {
     #[test]
     fn local_forms() {
         let system = local("local");
-        assert_eq!(system.dirs, LocalFsDirs { root: None, state: "/nix/var/nix".into(), log: "/nix/var/log/nix".into(), real: "/nix/store".into() });
+        assert_eq!(
+            system.dirs,
+            LocalFsDirs { root: None, state: "/nix/var/nix".into(), log: "/nix/var/log/nix".into(), real: "/nix/store".into() }
+        );
         assert!(!system.read_only);
         assert_eq!(system.require_sigs, None);
         assert_eq!(local("local?root=/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
@@ -499,20 +529,50 @@ mod tests {
     fn cache_forms() {
         assert_eq!(
             cache("file:///srv/cache/?priority=10"),
-            CacheUrl { base: "file:///srv/cache".into(), kind: CacheKind::File, common: CommonParams { priority: Some(10), ..Default::default() }, write: default_write() }
+            CacheUrl {
+                base: "file:///srv/cache".into(),
+                kind: CacheKind::File,
+                common: CommonParams { priority: Some(10), ..Default::default() },
+                write: default_write()
+            }
         );
-        assert_eq!(cache("https://cache.nixos.org"), CacheUrl { base: "https://cache.nixos.org".into(), kind: CacheKind::Http, common: CommonParams::default(), write: default_write() });
+        assert_eq!(
+            cache("https://cache.nixos.org"),
+            CacheUrl {
+                base: "https://cache.nixos.org".into(),
+                kind: CacheKind::Http,
+                common: CommonParams::default(),
+                write: default_write()
+            }
+        );
         let c = cache("http://x?trusted=1&want-mass-query=true&priority=2K&compression=zstd&write-nar-listing=1&index-debug-info=0&secret-key=/k&local-nar-cache=/c&parallel-compression=true&compression-level=-1");
         assert_eq!((c.common.trusted, c.common.want_mass_query, c.common.priority), (true, Some(true), Some(2048)));
         let names: Vec<&str> = c.common.unused.keys().map(String::as_str).collect();
         assert_eq!(names, ["index-debug-info", "local-nar-cache"]);
-        let write = CacheWriteParams { compression: crate::compression::Compression::Zstd, compression_level: None, parallel_compression: true, write_nar_listing: true, secret_key_files: vec!["/k".into()] };
+        let write = CacheWriteParams {
+            compression: crate::compression::Compression::Zstd,
+            compression_level: None,
+            parallel_compression: true,
+            write_nar_listing: true,
+            secret_key_files: vec!["/k".into()],
+        };
         assert_eq!(c.write, write);
     }
 
     #[test]
     fn unsupported_forms() {
-        for url in ["s4://x", "s3://", "s3://bucket/dir", "ssh://host", "unix://relative", "file://relative", "relative/path", "dummy://x", "dummy", "memory://x"] {
+        for url in [
+            "s4://x",
+            "s3://",
+            "s3://bucket/dir",
+            "ssh://host",
+            "unix://relative",
+            "file://relative",
+            "relative/path",
+            "dummy://x",
+            "dummy",
+            "memory://x",
+        ] {
             assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
         let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy:// or memory://)";
@@ -524,7 +584,10 @@ mod tests {
         assert_eq!(err("local?rot=/tmp/x"), r#"store URL "local?rot=/tmp/x": unknown parameter "rot""#);
         assert_eq!(err("https://c?root=/r"), r#"store URL "https://c?root=/r": parameter "root" is not one of a binary cache"#);
         assert_eq!(err("local?compression=xz"), r#"store URL "local?compression=xz": parameter "compression" is not one of a local store"#);
-        assert_eq!(err("daemon?read-only=true"), r#"store URL "daemon?read-only=true": parameter "read-only" is not one of a daemon store"#);
+        assert_eq!(
+            err("daemon?read-only=true"),
+            r#"store URL "daemon?read-only=true": parameter "read-only" is not one of a daemon store"#
+        );
         assert_eq!(err("local?root=/a&root=/b"), r#"store URL "local?root=/a&root=/b": parameter "root" is given twice"#);
         assert_eq!(err("local?read-only"), r#"store URL "local?read-only": "read-only" is not a name=value parameter"#);
         assert_eq!(err("local?root=%zz"), r#"store URL "local?root=%zz": "root=%zz" is not a name=value parameter"#);
@@ -544,7 +607,8 @@ mod tests {
         bad("http://x?compression-level=fast", "compression-level", "fast");
         bad("unix:///s?max-connections=many", "max-connections", "many");
         bad("local?path-info-cache-size=1X", "path-info-cache-size", "1X");
-        assert!(bad("local?store=/foo/store&root=/tmp/x", "store", "/foo/store").ends_with("sluice supports only the store directory /nix/store"));
+        assert!(bad("local?store=/foo/store&root=/tmp/x", "store", "/foo/store")
+            .ends_with("sluice supports only the store directory /nix/store"));
         bad("file:///c?store=/gnu/store", "store", "/gnu/store");
         assert_eq!(err("dummy://?root=/r"), r#"store URL "dummy://?root=/r": parameter "root" is not one of a dummy store"#);
         bad("memory://?priority=x", "priority", "x");

@@ -157,7 +157,10 @@ impl Gate {
     /// Waits until `path` has got as far as `until` says, or failed; false if it failed.
     async fn wait(&self, path: &StorePath, until: Until) -> bool {
         let mut rx = self.sender(path).subscribe();
-        let state = rx.wait_for(|s| *s == State::Valid || *s == State::Failed || (until == Until::Ready && *s == State::Ready)).await.map(|s| s.clone());
+        let state = rx
+            .wait_for(|s| *s == State::Valid || *s == State::Failed || (until == Until::Ready && *s == State::Ready))
+            .await
+            .map(|s| s.clone());
         matches!(state, Ok(State::Valid | State::Ready))
     }
 }
@@ -233,7 +236,14 @@ async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc:
 /// Copies the closures of `paths` from the substituters of `query` into `dest`, keeping
 /// every path it adds a temporary root in `roots` (which should be the roots `query`'s
 /// validity check adds paths to, so that a path found valid stays valid).
-pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
+pub async fn copy_closure(
+    query: ClosureQuery,
+    dest: Arc<LocalStore>,
+    roots: TempRoots,
+    paths: Vec<StorePath>,
+    opts: SubstituteOptions,
+    observer: Arc<dyn Observer>,
+) -> CopyReport {
     run(query, dest, roots, paths, opts, observer, false).await
 }
 
@@ -242,7 +252,14 @@ pub async fn copy_closure(query: ClosureQuery, dest: Arc<LocalStore>, roots: Tem
 /// hash (a substituter offering another is passed over), and its tree replaces the damaged
 /// one atomically ([`LocalStore::try_begin_repair`]); the registration is left as it is.
 /// Their references, valid, are not fetched.
-pub async fn repair_paths(mut query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>) -> CopyReport {
+pub async fn repair_paths(
+    mut query: ClosureQuery,
+    dest: Arc<LocalStore>,
+    roots: TempRoots,
+    paths: Vec<StorePath>,
+    opts: SubstituteOptions,
+    observer: Arc<dyn Observer>,
+) -> CopyReport {
     let (is_valid, damaged) = (query.is_valid.clone(), paths.clone());
     query.is_valid = Arc::new(move |asked: &[StorePath]| {
         let mut valid = is_valid(asked);
@@ -255,7 +272,15 @@ pub async fn repair_paths(mut query: ClosureQuery, dest: Arc<LocalStore>, roots:
 }
 
 /// [`copy_closure`], or [`repair_paths`] with `repair`.
-async fn run(query: ClosureQuery, dest: Arc<LocalStore>, roots: TempRoots, paths: Vec<StorePath>, opts: SubstituteOptions, observer: Arc<dyn Observer>, repair: bool) -> CopyReport {
+async fn run(
+    query: ClosureQuery,
+    dest: Arc<LocalStore>,
+    roots: TempRoots,
+    paths: Vec<StorePath>,
+    opts: SubstituteOptions,
+    observer: Arc<dyn Observer>,
+    repair: bool,
+) -> CopyReport {
     let query = ClosureQuery { accept: Some(opts.policy.clone()), ..query };
     let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
     let registrar_task = tokio::spawn(registrar(dest.clone(), opts.policy.clone(), registrar_rx));
@@ -498,7 +523,13 @@ impl Shared {
     /// references; here a path they add has not been looked up, and a cycle they close would
     /// not be seen. The fallbacks' lookups are boxed futures: rare, they would otherwise make
     /// every path's task larger for as long as it waits.
-    async fn substitute_from(&self, store_dir: &StoreDir, narinfo: Arc<NarInfo>, first: usize, mut verdict: Option<Verdict>) -> Result<(), Failure> {
+    async fn substitute_from(
+        &self,
+        store_dir: &StoreDir,
+        narinfo: Arc<NarInfo>,
+        first: usize,
+        mut verdict: Option<Verdict>,
+    ) -> Result<(), Failure> {
         let walked = narinfo.clone();
         let path = narinfo.store_path.clone();
         let shown = store_dir.display_path(&path);
@@ -570,7 +601,14 @@ impl Shared {
     /// Substitutes `narinfo`'s path from substituter `i`, admitted eagerly or not (see
     /// [`Shared::admit`]); `verdict` if its signatures were checked already (a refusal is this
     /// substituter's failure, with no second check).
-    async fn try_substituter(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize, verdict: Option<&Verdict>, eager: &mut bool) -> Result<(), Attempt> {
+    async fn try_substituter(
+        &self,
+        store_dir: &StoreDir,
+        narinfo: &NarInfo,
+        i: usize,
+        verdict: Option<&Verdict>,
+        eager: &mut bool,
+    ) -> Result<(), Attempt> {
         let (sub, trusted) = (&self.subs[i], self.subs[i].trusted);
         let cache = &sub.cache;
         let narinfo_url = cache.narinfo_url(&narinfo.store_path);
@@ -579,10 +617,15 @@ impl Shared {
             Some(Err(refused)) => return Err(Attempt::TryNext(refused.clone())),
             None => {
                 let info = ValidPathInfo::from_narinfo(narinfo, 0);
-                self.opts.policy.for_source(trusted).vouch_info(store_dir, info).map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?
+                self.opts
+                    .policy
+                    .for_source(trusted)
+                    .vouch_info(store_dir, info)
+                    .map_err(|e| Attempt::TryNext(Failure::store(&narinfo_url, &e)))?
             }
         };
-        let compression = Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(Failure::other(format!("{narinfo_url}: {e}"))))?;
+        let compression =
+            Compression::parse(&narinfo.compression).map_err(|e| Attempt::TryNext(Failure::other(format!("{narinfo_url}: {e}"))))?;
         let url = cache.nar_url(narinfo);
         // Released after the lock: `pending` is dropped, or consumed by the registrar, first.
         let _permit = self.admit(store_dir, narinfo, eager).await?;
@@ -594,7 +637,15 @@ impl Shared {
     /// Downloads and unpacks the NAR of `narinfo` from `sub` ([`Shared::fetch_nar`]), then
     /// hands the path to the registrar once its references allow and waits for it to be
     /// registered.
-    async fn fetch_and_register(&self, store_dir: &StoreDir, sub: &Substituter, narinfo: &NarInfo, vouched: &VouchedInfo, compression: Compression, url: &str) -> Result<(), Attempt> {
+    async fn fetch_and_register(
+        &self,
+        store_dir: &StoreDir,
+        sub: &Substituter,
+        narinfo: &NarInfo,
+        vouched: &VouchedInfo,
+        compression: Compression,
+        url: &str,
+    ) -> Result<(), Attempt> {
         let trusted = sub.trusted;
         let Some((mut pending, unpacked, downloaded)) = self.fetch_nar(sub, narinfo, vouched, compression, url).await? else {
             // Another process made it valid meanwhile.
@@ -728,7 +779,14 @@ impl Shared {
     /// ([`Shared::wait_for_lock`]); the NAR is opened again once the lock is held. A transfer cut short (reset, stall, fewer bytes than announced)
     /// is downloaded again after a backoff, up to the cache's `download-attempts`, with the
     /// lock kept. `None` when the path is or became valid.
-    async fn fetch_nar(&self, sub: &Substituter, narinfo: &NarInfo, vouched: &VouchedInfo, compression: Compression, url: &str) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
+    async fn fetch_nar(
+        &self,
+        sub: &Substituter,
+        narinfo: &NarInfo,
+        vouched: &VouchedInfo,
+        compression: Compression,
+        url: &str,
+    ) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
         let cache = &sub.cache;
         let attempts = cache.download_attempts();
         let mut attempt = 0;
@@ -819,12 +877,20 @@ impl Shared {
     /// the closure was walked with) lists; else why it is not used.
     fn within_walked(&self, store_dir: &StoreDir, walked: &NarInfo, narinfo: &NarInfo, i: usize) -> Result<(), Failure> {
         let path = &narinfo.store_path;
-        let others: Vec<String> = narinfo.references.iter().filter(|r| *r != path && !walked.references.contains(r)).map(|r| format!("'{}'", store_dir.display_path(r))).collect();
+        let others: Vec<String> = narinfo
+            .references
+            .iter()
+            .filter(|r| *r != path && !walked.references.contains(r))
+            .map(|r| format!("'{}'", store_dir.display_path(r)))
+            .collect();
         if others.is_empty() {
             return Ok(());
         }
         let url = self.subs[i].cache.narinfo_url(path);
-        Err(Failure::other(format!("{url}: not used: it lists references that the narinfo the closure was walked with does not ({})", others.join(", "))))
+        Err(Failure::other(format!(
+            "{url}: not used: it lists references that the narinfo the closure was walked with does not ({})",
+            others.join(", ")
+        )))
     }
 
     /// After substituter `i` failed to provide `narinfo`'s path: drops its narinfo from the

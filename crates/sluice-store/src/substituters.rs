@@ -39,7 +39,14 @@ pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
 /// cache store does not (`http-binary-cache-store.cc`, `s3-binary-cache-store.cc`,
 /// `local-binary-cache-store.cc`), a `file://` cache's narinfos are read anew by every run, so
 /// that a path pushed into it, or a narinfo edited there, is seen at once.
-async fn open_one(url: &str, settings: &Settings, client: &LazyClient, disk: Option<&NarInfoCache>, store_dir: &StoreDir, prefetch: &[StorePath]) -> Result<Substituter, SubstituterError> {
+async fn open_one(
+    url: &str,
+    settings: &Settings,
+    client: &LazyClient,
+    disk: Option<&NarInfoCache>,
+    store_dir: &StoreDir,
+    prefetch: &[StorePath],
+) -> Result<Substituter, SubstituterError> {
     let curl = cache_url(url)?;
     let disk = disk.filter(|_| curl.kind != CacheKind::File);
     let cached = disk.and_then(|d| d.cache_info(&curl.base).map_err(|e| tracing::warn!("{e}")).ok().flatten());
@@ -95,7 +102,13 @@ async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots:
 
 /// Opens `urls` as substituters for `store_dir`, sorted by priority. Returns the usable ones
 /// and one error per cache left out.
-pub async fn open(urls: &[String], settings: &Settings, client: &LazyClient, disk: Option<&NarInfoCache>, store_dir: &StoreDir) -> (Vec<Substituter>, Vec<SubstituterError>) {
+pub async fn open(
+    urls: &[String],
+    settings: &Settings,
+    client: &LazyClient,
+    disk: Option<&NarInfoCache>,
+    store_dir: &StoreDir,
+) -> (Vec<Substituter>, Vec<SubstituterError>) {
     open_prefetching(urls, settings, client, disk, store_dir, &[]).await
 }
 

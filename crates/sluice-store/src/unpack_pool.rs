@@ -59,7 +59,8 @@ impl Queue {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         waiting.running -= usize::from(finished_one);
         loop {
-            let best = waiting.jobs.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
+            let best =
+                waiting.jobs.iter().enumerate().max_by_key(|(_, q)| (q.priority.load(Ordering::Relaxed), Reverse(q.seq))).map(|(i, _)| i);
             if let Some(i) = best {
                 waiting.running += 1;
                 return waiting.jobs.swap_remove(i).job;
@@ -137,7 +138,8 @@ pub(crate) async fn run<T: Send + 'static>(priority: Arc<AtomicUsize>, f: impl F
 pub(crate) fn wait_idle(timeout: std::time::Duration) -> bool {
     let Some(queue) = QUEUE.get().and_then(Option::as_deref) else { return true };
     let waiting = queue.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-    let (waiting, _) = queue.idle.wait_timeout_while(waiting, timeout, |w| w.running > 0 || !w.jobs.is_empty()).unwrap_or_else(PoisonError::into_inner);
+    let (waiting, _) =
+        queue.idle.wait_timeout_while(waiting, timeout, |w| w.running > 0 || !w.jobs.is_empty()).unwrap_or_else(PoisonError::into_inner);
     waiting.running == 0 && waiting.jobs.is_empty()
 }
 
@@ -173,10 +175,13 @@ mod tests {
             .map(|_| {
                 let (release, wait) = std::sync::mpsc::channel::<()>();
                 let started = started.clone();
-                (release, tokio::spawn(run(Arc::new(AtomicUsize::new(usize::MAX)), move || {
-                    started.fetch_add(1, Ordering::SeqCst);
-                    let _ = wait.recv();
-                })))
+                (
+                    release,
+                    tokio::spawn(run(Arc::new(AtomicUsize::new(usize::MAX)), move || {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        let _ = wait.recv();
+                    })),
+                )
             })
             .unzip();
         while started.load(Ordering::SeqCst) < threads() {
@@ -184,16 +189,21 @@ mod tests {
         }
         let order = Arc::new(Mutex::new(Vec::new()));
         let raised = Arc::new(AtomicUsize::new(0));
-        let jobs: Vec<_> = [("low", Arc::new(AtomicUsize::new(1))), ("high", Arc::new(AtomicUsize::new(5))), ("high, later", Arc::new(AtomicUsize::new(5))), ("raised", raised.clone())]
-            .into_iter()
-            .map(|(name, priority)| {
-                let order = order.clone();
-                let job = tokio::spawn(run(priority, move || order.lock().unwrap().push(name)));
-                // Queued in this order.
-                std::thread::sleep(std::time::Duration::from_millis(20));
-                job
-            })
-            .collect();
+        let jobs: Vec<_> = [
+            ("low", Arc::new(AtomicUsize::new(1))),
+            ("high", Arc::new(AtomicUsize::new(5))),
+            ("high, later", Arc::new(AtomicUsize::new(5))),
+            ("raised", raised.clone()),
+        ]
+        .into_iter()
+        .map(|(name, priority)| {
+            let order = order.clone();
+            let job = tokio::spawn(run(priority, move || order.lock().unwrap().push(name)));
+            // Queued in this order.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            job
+        })
+        .collect();
         raised.store(9, Ordering::SeqCst);
         // One thread goes on, and takes the four jobs one after another.
         releases[0].send(()).unwrap();

@@ -30,7 +30,13 @@ fn writable_urls(scratch: &Scratch) -> [String; 5] {
     let server = DirServer::start(dir);
     std::fs::create_dir(dir.join("bucket")).unwrap();
     let s3 = format!("s3://bucket?endpoint={}&scheme=http", server.url.trim_start_matches("http://"));
-    [format!("{}?require-sigs=false", dir.join("local").display()), format!("file://{}", dir.join("cache").display()), format!("{}/http", server.url), s3, "memory://".to_string()]
+    [
+        format!("{}?require-sigs=false", dir.join("local").display()),
+        format!("file://{}", dir.join("cache").display()),
+        format!("{}/http", server.url),
+        s3,
+        "memory://".to_string(),
+    ]
 }
 
 async fn open(url: &str) -> Arc<dyn Store> {
@@ -89,7 +95,11 @@ async fn every_store_adds_a_path_and_gives_its_nar_back() {
         let info = &added.0;
         let found = store.query_path_infos(std::slice::from_ref(&info.path)).await.unwrap().pop().flatten();
         let found = found.unwrap_or_else(|| panic!("{url}: {} not valid once added", info.path)).info;
-        assert_eq!((&found.path, &found.nar_hash, found.nar_size, &found.references), (&info.path, &info.nar_hash, info.nar_size, &info.references), "{url}");
+        assert_eq!(
+            (&found.path, &found.nar_hash, found.nar_size, &found.references),
+            (&info.path, &info.nar_hash, info.nar_size, &info.references),
+            "{url}"
+        );
         assert_eq!(store.query_path_from_hash_part(info.path.hash_part()).await.unwrap(), Some(info.path.clone()), "{url}");
         assert_eq!(store.query_path_from_hash_part(path("absent").hash_part()).await.unwrap(), None, "{url}");
         // A NAR reader is read on a blocking thread, as the trait says.
@@ -133,7 +143,8 @@ async fn every_store_takes_a_closure_in_order() {
     }
     for url in writable_urls(&scratch) {
         let store = open(&url).await;
-        let report = copy_closures(source.clone(), store.clone(), std::slice::from_ref(&top)).await.unwrap_or_else(|e| panic!("{url}: {e}"));
+        let report =
+            copy_closures(source.clone(), store.clone(), std::slice::from_ref(&top)).await.unwrap_or_else(|e| panic!("{url}: {e}"));
         assert!(report.failed.is_empty(), "{url}: {:?}", report.failed);
         assert_eq!(report.copied.iter().collect::<BTreeSet<_>>(), BTreeSet::from([&bottom, &middle, &top]), "{url}");
         let infos = store.query_path_infos(&[top.clone(), middle.clone()]).await.unwrap();
@@ -156,7 +167,8 @@ async fn every_store_takes_a_closure_in_order() {
         assert!(is_valid(store.as_ref(), &gated.0.path).await, "{url}: not visible once its gate opened");
         // ...and never if it fails (a reference failed).
         let refused = item("after-a-failed-reference", "r\n", &[&bottom]);
-        let failed: PublishGate = Box::pin(async { Err(StoreError::ReferenceFailed { path: "refused".into(), reference: "bottom".into() }) });
+        let failed: PublishGate =
+            Box::pin(async { Err(StoreError::ReferenceFailed { path: "refused".into(), reference: "bottom".into() }) });
         assert!(add(store.as_ref(), &refused, failed).await.is_err(), "{url}: added although its gate failed");
         assert!(!is_valid(store.as_ref(), &refused.0.path).await, "{url}: visible although its gate failed");
     }
@@ -186,12 +198,24 @@ async fn the_dummy_store_refuses_with_nix_messages() {
     let store = open("dummy://").await;
     let (info, nar) = item("refused", "r\n", &[]);
     let message = |result: Result<(), StoreError>| result.err().map(|e| e.to_string());
-    assert_eq!(message(add(store.as_ref(), &(info.clone(), nar), open_gate()).await), Some("operation 'addToStore' is not supported by store 'dummy'".into()));
-    assert_eq!(message(store.nar_from_path(&info).await.map(drop)), Some("operation 'narFromPath' is not supported by store 'dummy'".into()));
-    assert_eq!(message(store.query_path_from_hash_part(info.path.hash_part()).await.map(drop)), Some("operation 'queryPathFromHashPart' is not supported by store 'dummy'".into()));
+    assert_eq!(
+        message(add(store.as_ref(), &(info.clone(), nar), open_gate()).await),
+        Some("operation 'addToStore' is not supported by store 'dummy'".into())
+    );
+    assert_eq!(
+        message(store.nar_from_path(&info).await.map(drop)),
+        Some("operation 'narFromPath' is not supported by store 'dummy'".into())
+    );
+    assert_eq!(
+        message(store.query_path_from_hash_part(info.path.hash_part()).await.map(drop)),
+        Some("operation 'queryPathFromHashPart' is not supported by store 'dummy'".into())
+    );
     let source = open("memory://").await;
     add(source.as_ref(), &item("refused", "r\n", &[]), open_gate()).await.unwrap();
     let report = copy_closures(source, store, std::slice::from_ref(&info.path)).await.unwrap();
     let failed: Vec<String> = report.failed.values().map(|f| f.message.clone()).collect();
-    assert!(report.copied.is_empty() && failed.len() == 1 && failed[0].contains("operation 'addToStore' is not supported by store 'dummy'"), "{failed:?}");
+    assert!(
+        report.copied.is_empty() && failed.len() == 1 && failed[0].contains("operation 'addToStore' is not supported by store 'dummy'"),
+        "{failed:?}"
+    );
 }

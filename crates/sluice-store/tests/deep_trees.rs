@@ -56,7 +56,11 @@ fn every_walk_over_the_deepest_tree_runs_on_a_small_stack() {
     for name in ["f", "x", "s"] {
         assert_eq!(first.join(name).symlink_metadata().unwrap().ino(), second.join(name).symlink_metadata().unwrap().ino(), "{name}");
     }
-    assert_ne!(first.join("f").metadata().unwrap().ino(), first.join("x").metadata().unwrap().ino(), "an executable linked to a plain file");
+    assert_ne!(
+        first.join("f").metadata().unwrap().ino(),
+        first.join("x").metadata().unwrap().ino(),
+        "an executable linked to a plain file"
+    );
     for base in bases {
         assert!(dump(&store, &StorePath::from_base_name(base).unwrap()) == *nar, "{base} dumps otherwise after optimising");
     }
@@ -68,7 +72,20 @@ fn every_walk_over_the_deepest_tree_runs_on_a_small_stack() {
     verify_with_nix(&root, tmp.path());
     let results = on_small_stack({
         let store = store.clone();
-        move || store.collect_garbage(&GcOptions { action: GcAction::DeleteDead, paths_to_delete: Default::default(), max_freed: u64::MAX, keep_outputs: false, keep_derivations: true }, &mut |_| {}).unwrap()
+        move || {
+            store
+                .collect_garbage(
+                    &GcOptions {
+                        action: GcAction::DeleteDead,
+                        paths_to_delete: Default::default(),
+                        max_freed: u64::MAX,
+                        keep_outputs: false,
+                        keep_derivations: true,
+                    },
+                    &mut |_| {},
+                )
+                .unwrap()
+        }
     });
     for base in bases {
         assert!(results.paths.contains(&format!("/nix/store/{base}")), "{base} not collected: {:?}", results.paths);

@@ -32,14 +32,22 @@ fn optimise_never_links_to_a_damaged_links_entry() {
     optimise(&mut Vec::new());
     let a_f = root.join("nix/store").join(a).join("f");
     let links = root.join("nix/store/.links");
-    let entry = std::fs::read_dir(&links).unwrap().map(|e| e.unwrap().path()).find(|p| p.symlink_metadata().unwrap().ino() == a_f.metadata().unwrap().ino()).unwrap();
+    let entry = std::fs::read_dir(&links)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.symlink_metadata().unwrap().ino() == a_f.metadata().unwrap().ino())
+        .unwrap();
     std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o644)).unwrap();
     std::fs::write(&entry, b"tap\n").unwrap();
     std::fs::set_permissions(&entry, std::fs::Permissions::from_mode(0o444)).unwrap();
     assert!(add(&store, &honest_info(b, &nar), &mut nar.as_slice()).unwrap());
     let mut warnings = Vec::new();
     optimise(&mut warnings);
-    assert_eq!(warnings.first().map(String::as_str), Some(format!("removing corrupted link '{}'", entry.display()).as_str()), "{warnings:?}");
+    assert_eq!(
+        warnings.first().map(String::as_str),
+        Some(format!("removing corrupted link '{}'", entry.display()).as_str()),
+        "{warnings:?}"
+    );
     assert!(dump(&store, &StorePath::from_base_name(b).unwrap()) == nar, "b's files were linked to the damaged entry");
     let b_f = root.join("nix/store").join(b).join("f");
     assert_eq!(std::fs::read(&entry).unwrap(), b"top\n", "the entry is b's intact file now");

@@ -16,9 +16,9 @@ use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{Hash, HashAlgo};
 use sluice_nix::nar::writer::regular_file_nar;
 use sluice_nix::narinfo::NarInfo;
-use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_store::local::{LocalStore, LocalStoreError, SignaturePolicy, Uncommitted, is_temp_dir};
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_store::local::{is_temp_dir, LocalStore, LocalStoreError, SignaturePolicy, Uncommitted};
 use sluice_store::store_url::LocalStoreConfig;
 use tempfile::TempDir;
 
@@ -160,7 +160,11 @@ pub(crate) fn shown(path: &StorePath) -> String {
 /// The entries of the real store directory other than `.links` (a directory of temporary
 /// trees among them).
 fn store_entries(root: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(root.join("nix/store")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|name| name != ".links").collect()
+    std::fs::read_dir(root.join("nix/store"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name != ".links")
+        .collect()
 }
 
 /// The directories of temporary trees in the store directory.
@@ -420,7 +424,11 @@ fn nar_hash_or_size_mismatch_leaves_nothing() {
     });
     let mut wrong_size = info.clone();
     wrong_size.nar_size += 8;
-    assert_add_fails_cleanly(&wrong_size, &nar, |e| matches!(e, LocalStoreError::SizeMismatch { expected, actual, .. } if *expected == info.nar_size + 8 && *actual == info.nar_size));
+    assert_add_fails_cleanly(
+        &wrong_size,
+        &nar,
+        |e| matches!(e, LocalStoreError::SizeMismatch { expected, actual, .. } if *expected == info.nar_size + 8 && *actual == info.nar_size),
+    );
 }
 
 /// Bytes after the end of a NAR are left unread, as Nix's `restorePath` leaves them: the path
@@ -452,9 +460,11 @@ fn missing_reference_leaves_nothing() {
     let cache = subset_cache();
     let infos = cache_infos(&cache);
     let with_refs = infos.iter().find(|i| i.references.iter().any(|r| *r != i.store_path)).unwrap();
-    assert_add_fails_cleanly(&path_info(with_refs), &nar_bytes(&cache, with_refs), |e| {
-        matches!(e, LocalStoreError::MissingReference { reference, .. } if with_refs.references.iter().any(|r| shown(r) == *reference))
-    });
+    assert_add_fails_cleanly(
+        &path_info(with_refs),
+        &nar_bytes(&cache, with_refs),
+        |e| matches!(e, LocalStoreError::MissingReference { reference, .. } if with_refs.references.iter().any(|r| shown(r) == *reference)),
+    );
 }
 
 /// What killed runs leave: a read-only tree at a path's location (a crash between rename and
@@ -484,12 +494,21 @@ fn stale_unregistered_tree_and_temporary_directories_are_removed() {
         }
     }
     let live_dir = root.join("nix/store").join(live);
-    let mut holder = Command::new("flock").arg(&live_dir).args(["-c", "echo locked; sleep 3"]).stdout(std::process::Stdio::piped()).spawn().expect("flock(1) from util-linux");
+    let mut holder = Command::new("flock")
+        .arg(&live_dir)
+        .args(["-c", "echo locked; sleep 3"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("flock(1) from util-linux");
     let mut line = [0u8; 7];
     holder.stdout.take().unwrap().read_exact(&mut line).unwrap();
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     assert!(dump(&store, &info.path) == nar);
-    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned(), live.to_owned()]), "only the directory whose holder lives is kept");
+    assert_eq!(
+        store_entries(&root),
+        BTreeSet::from([info.path.base_name().to_owned(), live.to_owned()]),
+        "only the directory whose holder lives is kept"
+    );
     assert_eq!(std::fs::read_dir(&live_dir).unwrap().count(), 2, "the live directory's trees were touched");
     assert!(holder.wait().unwrap().success());
     drop(store);
@@ -565,7 +584,8 @@ fn derivations_register_their_outputs() {
     assert!(outputs.iter().any(|(_, p)| p == "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8"));
 
     // The same table through the store's API, both ways.
-    let map: Vec<(String, String)> = store.query_derivation_output_map(&drv.store_path).unwrap().into_iter().map(|(n, p)| (n, shown(&p))).collect();
+    let map: Vec<(String, String)> =
+        store.query_derivation_output_map(&drv.store_path).unwrap().into_iter().map(|(n, p)| (n, shown(&p))).collect();
     assert_eq!(map, expected);
     let glibc = store_dir().parse_path("/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-glibc-2.37-8").unwrap();
     assert_eq!(store.query_valid_derivers(&glibc).unwrap(), BTreeSet::from([drv.store_path.clone()]));
@@ -611,7 +631,12 @@ fn commit_all_hands_back_the_dependents_of_a_bad_path_until_it_is_valid() {
     let cache = subset_cache();
     let infos = cache_infos(&cache);
     // A path with dependents inside the subset, given a wrong NarHash.
-    let bad = infos.iter().find(|i| infos.iter().any(|j| j.store_path != i.store_path && j.references.contains(&i.store_path))).unwrap().store_path.clone();
+    let bad = infos
+        .iter()
+        .find(|i| infos.iter().any(|j| j.store_path != i.store_path && j.references.contains(&i.store_path)))
+        .unwrap()
+        .store_path
+        .clone();
     let policy = SignaturePolicy::unchecked();
     let mut batch = Vec::new();
     let roots = store.temp_roots();
@@ -654,10 +679,13 @@ fn commit_all_hands_back_the_dependents_of_a_bad_path_until_it_is_valid() {
     }
     // Handed back again while the bad path is still missing; committed once it is valid.
     let again = store.commit_all(waiting);
-    let waiting: Vec<_> = again.into_iter().map(|r| match r {
-        Err(Uncommitted::Waiting(pending, _)) => (*pending, &policy),
-        r => panic!("committed without its reference: {r:?}"),
-    }).collect();
+    let waiting: Vec<_> = again
+        .into_iter()
+        .map(|r| match r {
+            Err(Uncommitted::Waiting(pending, _)) => (*pending, &policy),
+            r => panic!("committed without its reference: {r:?}"),
+        })
+        .collect();
     let info = infos.iter().find(|i| i.store_path == bad).unwrap();
     assert!(store.add_nar(path_info(info), &mut &nar_bytes(&cache, info)[..], &policy, &roots).unwrap());
     for result in store.commit_all(waiting) {
@@ -820,8 +848,12 @@ fn content_addresses_are_checked_against_the_content() {
     let other = b"other content\n".as_slice();
     let (real_nar, other_nar) = (regular_file_nar(real, false), regular_file_nar(other, false));
     let strict = SignaturePolicy { require_sigs: true, trusted_keys: Default::default() };
-    let text_ref = ca_info(ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, b"ref")), "ref", &[], false, &regular_file_nar(b"ref", false));
-    assert!(store.add_nar(text_ref.clone(), &mut regular_file_nar(b"ref", false).as_slice(), &strict, &roots).unwrap(), "a CA path needs no signature");
+    let text_ref =
+        ca_info(ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, b"ref")), "ref", &[], false, &regular_file_nar(b"ref", false));
+    assert!(
+        store.add_nar(text_ref.clone(), &mut regular_file_nar(b"ref", false).as_slice(), &strict, &roots).unwrap(),
+        "a CA path needs no signature"
+    );
     let cases: Vec<(&str, ContentAddress, &[StorePath])> = vec![
         ("nar-sha256", ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha256, &real_nar) }, &[]),
         ("nar-sha1", ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha1, &real_nar) }, &[]),
@@ -850,7 +882,13 @@ fn content_addresses_are_checked_against_the_content() {
     let err = store.add_nar(ca_info(ca, "named", &[], false, &other_nar), &mut other_nar.as_slice(), &strict, &roots).unwrap_err();
     assert!(err.to_string().contains(&format!("got:       {}", Hash::digest_bytes(HashAlgo::Sha256, other).to_nix32_prefixed())), "{err}");
     // A content address that does not yield the path is refused, even unchecked.
-    let mut moved = ca_info(ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha256, &real_nar) }, "moved", &[], false, &real_nar);
+    let mut moved = ca_info(
+        ContentAddress::Fixed { recursive: true, hash: Hash::digest_bytes(HashAlgo::Sha256, &real_nar) },
+        "moved",
+        &[],
+        false,
+        &real_nar,
+    );
     moved.path = store_dir().parse_path("/nix/store/00000000000000000000000000000001-moved").unwrap();
     let err = store.add_nar(moved.clone(), &mut real_nar.as_slice(), &SignaturePolicy::unchecked(), &roots).unwrap_err();
     assert!(matches!(err, LocalStoreError::CaPath { .. }), "{err}");
@@ -930,7 +968,10 @@ fn read_only_store_reads_and_refuses_writes() {
     let all: BTreeSet<StorePath> = added.iter().map(|i| i.path.clone()).collect();
     assert_eq!(store.query_all_valid_paths().unwrap(), all);
     let info = store.query_path_info(&added[0].path).unwrap().unwrap();
-    assert_eq!((&info.nar_hash, info.nar_size, &info.references, &info.sigs), (&added[0].nar_hash, added[0].nar_size, &added[0].references, &added[0].sigs));
+    assert_eq!(
+        (&info.nar_hash, info.nar_size, &info.references, &info.sigs),
+        (&added[0].nar_hash, added[0].nar_size, &added[0].references, &added[0].sigs)
+    );
     let mut dumped = Vec::new();
     store.dump_path(&added[0].path, &mut dumped).unwrap();
     assert_eq!(dumped, nar_bytes(&subset_cache(), &cache_infos(&subset_cache())[0]));
@@ -941,9 +982,18 @@ fn read_only_store_reads_and_refuses_writes() {
         other => panic!("expected a read-only refusal, got {other}"),
     };
     let real = root.join("nix/store");
-    assert_eq!(refusal(store.begin_add(ValidPathInfo { path: fresh.clone(), ..added[0].clone() }, &store.temp_roots()).err().unwrap()), format!("{}: add paths", real.display()));
-    assert!(matches!(store.try_begin_add(ValidPathInfo { path: fresh.clone(), ..added[0].clone() }, &store.temp_roots()), Err(LocalStoreError::ReadOnly { .. })));
-    assert_eq!(refusal(store.add_signatures(&added[0].path, &BTreeSet::from(["k:sig".to_string()])).unwrap_err()), format!("{}: add signatures", real.display()));
+    assert_eq!(
+        refusal(store.begin_add(ValidPathInfo { path: fresh.clone(), ..added[0].clone() }, &store.temp_roots()).err().unwrap()),
+        format!("{}: add paths", real.display())
+    );
+    assert!(matches!(
+        store.try_begin_add(ValidPathInfo { path: fresh.clone(), ..added[0].clone() }, &store.temp_roots()),
+        Err(LocalStoreError::ReadOnly { .. })
+    ));
+    assert_eq!(
+        refusal(store.add_signatures(&added[0].path, &BTreeSet::from(["k:sig".to_string()])).unwrap_err()),
+        format!("{}: add signatures", real.display())
+    );
     drop(store);
     assert_eq!(tree_snapshot(&root), before, "a read-only store was changed");
 
@@ -988,7 +1038,9 @@ fn a_vouched_path_is_checked_again_under_another_policy() {
     let lax = SignaturePolicy::unchecked();
     for (commit_policy, admitted) in [(&strict, false), (&lax, true)] {
         let vouched = lax.vouch_info(&store_dir(), info.clone()).unwrap();
-        let sluice_store::local::TryAdd::Pending(mut pending) = store.try_begin_add_vouched(vouched, &store.temp_roots()).unwrap() else { panic!("the path is not valid yet") };
+        let sluice_store::local::TryAdd::Pending(mut pending) = store.try_begin_add_vouched(vouched, &store.temp_roots()).unwrap() else {
+            panic!("the path is not valid yet")
+        };
         pending.unpack(&mut nar.as_slice()).unwrap();
         let result = pending.commit(commit_policy);
         assert_eq!(result.is_ok(), admitted, "{result:?}");
@@ -1015,7 +1067,13 @@ fn dump_of_a_deep_tree_is_nix_s_nar_on_a_worker_s_stack() {
         rustix::fs::mkdirat(&dir, "a", rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
         dir = rustix::fs::openat(&dir, "a", rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::RDONLY, rustix::fs::Mode::empty()).unwrap();
     }
-    let file = rustix::fs::openat(dir.as_fd(), "f", rustix::fs::OFlags::CREATE | rustix::fs::OFlags::WRONLY, rustix::fs::Mode::from_raw_mode(0o644)).unwrap();
+    let file = rustix::fs::openat(
+        dir.as_fd(),
+        "f",
+        rustix::fs::OFlags::CREATE | rustix::fs::OFlags::WRONLY,
+        rustix::fs::Mode::from_raw_mode(0o644),
+    )
+    .unwrap();
     rustix::io::write(&file, b"at the bottom\n").unwrap();
     let dumped = std::thread::Builder::new()
         .stack_size(2 << 20)
@@ -1112,7 +1170,11 @@ fn a_nar_with_a_path_longer_than_path_max_allows_is_refused() {
             continue;
         }
         let err = added.unwrap_err().to_string();
-        let why = format!("its path would be {} bytes below the tree's root, where {} fit in PATH_MAX (4096 bytes): Nix could neither make nor read it", below, below - 1);
+        let why = format!(
+            "its path would be {} bytes below the tree's root, where {} fit in PATH_MAX (4096 bytes): Nix could neither make nor read it",
+            below,
+            below - 1
+        );
         assert!(err.contains(&why) && !err.contains("I/O error"), "{err}");
         assert!(err.contains("/a/a/a/a/") && err.contains("…") && err.contains("lll"), "{err}");
         assert!(!store.is_valid_path(&path).unwrap());
@@ -1147,7 +1209,10 @@ fn names_another_user_made_first_stop_no_addition() {
     rustix::fs::flock(&held, rustix::fs::FlockOperation::LockExclusive).unwrap();
     assert!(add(&store, &info, &mut nar.as_slice()).unwrap());
     assert!(dump(&store, &info.path) == nar);
-    assert_eq!(store_entries(&root), BTreeSet::from([info.path.base_name().to_owned(), locked.file_name().unwrap().to_string_lossy().into_owned()]));
+    assert_eq!(
+        store_entries(&root),
+        BTreeSet::from([info.path.base_name().to_owned(), locked.file_name().unwrap().to_string_lossy().into_owned()])
+    );
     drop(held);
 }
 
@@ -1226,7 +1291,11 @@ fn nar_read_as_it_is_dumped_is_nix_s_nar() {
 fn vouching_together_gives_each_path_its_own_verdict() {
     let dir = store_dir();
     let read = |cache: &str| -> Vec<ValidPathInfo> {
-        let mut files: Vec<_> = std::fs::read_dir(Path::new(CORPUS).join(cache)).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "narinfo")).collect();
+        let mut files: Vec<_> = std::fs::read_dir(Path::new(CORPUS).join(cache))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "narinfo"))
+            .collect();
         files.sort();
         files.iter().map(|p| ValidPathInfo::from_narinfo(&NarInfo::parse(&dir, &std::fs::read_to_string(p).unwrap()).unwrap(), 0)).collect()
     };
@@ -1243,7 +1312,11 @@ fn vouching_together_gives_each_path_its_own_verdict() {
     let mut refused = Vec::new();
     for (i, (info, verdict)) in infos.iter().zip(&verdicts).enumerate() {
         let alone = strict.vouch(&dir, info);
-        assert_eq!(verdict.as_ref().map(|v| v.info().path.clone()).map_err(|e| e.to_string()), alone.map(|_| info.path.clone()).map_err(|e| e.to_string()), "item {i}");
+        assert_eq!(
+            verdict.as_ref().map(|v| v.info().path.clone()).map_err(|e| e.to_string()),
+            alone.map(|_| info.path.clone()).map_err(|e| e.to_string()),
+            "item {i}"
+        );
         if verdict.is_err() {
             refused.push(i);
         }

@@ -3,6 +3,6 @@
 mod binary_cache_bound;
 mod common;
 mod contract;
-mod local_store;
 mod deep_trees;
 mod links;
+mod local_store;

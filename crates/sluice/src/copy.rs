@@ -11,11 +11,11 @@ use std::time::Instant;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure;
+use sluice_store::failure::summarize;
 use sluice_store::local::SignaturePolicy;
 use sluice_store::push;
 use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
-use sluice_store::failure::summarize;
 use sluice_store::substitute::{copy_closure, SubstituteOptions};
 
 use crate::log::{Log, LVL_WARN};
@@ -85,7 +85,14 @@ fn push(args: Args) -> Result<ExitCode, String> {
         Log::get().error(&line);
     }
     if args.json {
-        print_report(&json_report(&store_dir, ("copied", &report.copied), report.already_valid, &report.failed, &[("narSize", report.nar_bytes)], secs))?;
+        print_report(&json_report(
+            &store_dir,
+            ("copied", &report.copied),
+            report.already_valid,
+            &report.failed,
+            &[("narSize", report.nar_bytes)],
+            secs,
+        ))?;
     }
     eprintln!(
         "copied {} paths ({:.2} MiB of NAR) to {} in {:.2} s; {} already there, {} failed",
@@ -226,7 +233,12 @@ impl Interrupts {
     /// seen by [`Interrupts::wait`], however much later it is first called.
     fn catch() -> Self {
         use tokio::signal::unix::{signal, SignalKind};
-        Interrupts([SignalKind::interrupt(), SignalKind::terminate(), SignalKind::hangup()].into_iter().filter_map(|kind| signal(kind).ok()).collect())
+        Interrupts(
+            [SignalKind::interrupt(), SignalKind::terminate(), SignalKind::hangup()]
+                .into_iter()
+                .filter_map(|kind| signal(kind).ok())
+                .collect(),
+        )
     }
 
     /// Waits for the first of the signals.

@@ -47,7 +47,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         let dest = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
         let store_dir = dest.store_dir().clone();
         let roots = setup::parse_paths(&store_dir, &args.paths)?;
-        let query = setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, validity_in(dest), &roots).await?;
+        let query =
+            setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, validity_in(dest), &roots)
+                .await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         while let Some(event) = rx.recv().await {
@@ -73,7 +75,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 ClosureEvent::Valid(_) => valid += 1,
             }
             if let Some(bar) = &bar {
-                let line = format!("querying: {} to fetch ({} DL), {valid} valid, {} unknown", fetch.len(), human_bytes(download), unknown.len());
+                let line =
+                    format!("querying: {} to fetch ({} DL), {valid} valid, {} unknown", fetch.len(), human_bytes(download), unknown.len());
                 bar.set_message(fit(&line));
             }
         }

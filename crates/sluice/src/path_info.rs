@@ -87,7 +87,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             NixVersion::V2_26 => {
                 // An object keyed by path, `null` for a path that is not valid, keys sorted
                 // (nlohmann's), status 0, a newline at the end (`pathInfoToJSON`).
-                let mut json: BTreeMap<String, Value> = entries.iter().map(|(p, e)| (store_dir.display_path(p), to_json_2_26(e, &store_dir, closure_sizes.get(p)))).collect();
+                let mut json: BTreeMap<String, Value> =
+                    entries.iter().map(|(p, e)| (store_dir.display_path(p), to_json_2_26(e, &store_dir, closure_sizes.get(p)))).collect();
                 for m in &missing {
                     json.insert(store_dir.display_path(m), Value::Null);
                 }
@@ -96,7 +97,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             NixVersion::V2_8 => {
                 // A list in path order, an invalid path as `{"path": …, "valid": false}`, status
                 // 0, no newline at the end.
-                let mut json: BTreeMap<&StorePath, Value> = entries.iter().map(|(p, e)| (p, to_json_2_8(e, &store_dir, closure_sizes.get(p)))).collect();
+                let mut json: BTreeMap<&StorePath, Value> =
+                    entries.iter().map(|(p, e)| (p, to_json_2_8(e, &store_dir, closure_sizes.get(p)))).collect();
                 for m in &missing {
                     json.insert(m, json!({"path": store_dir.display_path(m), "valid": false}));
                 }
@@ -339,11 +341,26 @@ mod tests {
         let entries: BTreeMap<StorePath, Entry> = (0..N)
             .map(|i| {
                 let references = std::iter::once(path(i)).chain((i + 1 < N).then(|| path(i + 1))).collect();
-                let info = ValidPathInfo { path: path(i), nar_hash: Hash::digest_bytes(HashAlgo::Sha256, b""), nar_size: 0, references, deriver: None, registration_time: 0, ultimate: false, sigs: Default::default(), ca: None };
+                let info = ValidPathInfo {
+                    path: path(i),
+                    nar_hash: Hash::digest_bytes(HashAlgo::Sha256, b""),
+                    nar_size: 0,
+                    references,
+                    deriver: None,
+                    registration_time: 0,
+                    ultimate: false,
+                    sigs: Default::default(),
+                    ca: None,
+                };
                 (path(i), PathInfo::of(info))
             })
             .collect();
-        let sorted: Vec<StorePath> = std::thread::Builder::new().stack_size(64 << 10).spawn(move || topo_sorted(&entries).into_iter().cloned().collect()).unwrap().join().unwrap();
+        let sorted: Vec<StorePath> = std::thread::Builder::new()
+            .stack_size(64 << 10)
+            .spawn(move || topo_sorted(&entries).into_iter().cloned().collect())
+            .unwrap()
+            .join()
+            .unwrap();
         assert_eq!(sorted, (0..N).rev().map(path).collect::<Vec<_>>());
     }
 }

@@ -77,7 +77,14 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             eprintln!("serving {url} on {}://{local}", if tls.is_some() { "https" } else { "http" });
             listeners.push(listener);
         }
-        let app = Arc::new(sluice_serve::App { store, keys, priority: args.priority, batch: !args.no_batch, metrics: Default::default(), rendered: Default::default() });
+        let app = Arc::new(sluice_serve::App {
+            store,
+            keys,
+            priority: args.priority,
+            batch: !args.no_batch,
+            metrics: Default::default(),
+            rendered: Default::default(),
+        });
         sluice_serve::run(listeners, tls, app, limits).await.map_err(|e| e.to_string())
     })?;
     Ok(ExitCode::SUCCESS)

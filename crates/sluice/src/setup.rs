@@ -92,7 +92,11 @@ const MAX_BLOCKING_THREADS: usize = 96;
 
 /// A multi-threaded runtime for one command.
 pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
-    tokio::runtime::Builder::new_multi_thread().max_blocking_threads(MAX_BLOCKING_THREADS).enable_all().build().map_err(|e| format!("cannot start the runtime: {e}"))
+    tokio::runtime::Builder::new_multi_thread()
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
 }
 
 /// Leaves a command's runtime to the process's exit, its threads parked, instead of joining
@@ -134,7 +138,11 @@ fn follow_links(store_dir: &StoreDir, arg: &str) -> String {
 /// Parses a store URL that must name a local store (all its parameters checked, nothing
 /// opened yet).
 pub fn local_config(url: &str) -> Result<LocalStoreConfig, String> {
-    StoreUrl::parse(url).map_err(|e| e.to_string())?.as_local().cloned().ok_or_else(|| format!("{url}: this command needs a local store here"))
+    StoreUrl::parse(url)
+        .map_err(|e| e.to_string())?
+        .as_local()
+        .cloned()
+        .ok_or_else(|| format!("{url}: this command needs a local store here"))
 }
 
 /// Where the caches of a closure query come from.
@@ -149,7 +157,14 @@ pub enum Caches {
 
 /// Opens the caches `urls` with the disk cache (see [`Caches`] for those that cannot be
 /// used); the narinfos of `roots` are asked for alongside each cache's `nix-cache-info`.
-pub async fn closure_query(urls: &[String], caches: Caches, settings: &Settings, store_dir: &StoreDir, is_valid: ValidityCheck, roots: &[StorePath]) -> Result<ClosureQuery, String> {
+pub async fn closure_query(
+    urls: &[String],
+    caches: Caches,
+    settings: &Settings,
+    store_dir: &StoreDir,
+    is_valid: ValidityCheck,
+    roots: &[StorePath],
+) -> Result<ClosureQuery, String> {
     let client = binary_cache::http::LazyClient::new(settings);
     let disk = substituters::open_disk_cache(settings);
     let (subs, errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), store_dir, roots).await;
@@ -178,11 +193,11 @@ pub struct Destination {
 pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> Result<Destination, String> {
     let mut settings = settings(flags)?;
     let config = local_config(url.unwrap_or(&settings.store))?;
-    settings.require_sigs = sluice_store::local::SignaturePolicy::requires_sigs(settings.require_sigs, config.require_sigs, settings.check_sigs);
+    settings.require_sigs =
+        sluice_store::local::SignaturePolicy::requires_sigs(settings.require_sigs, config.require_sigs, settings.check_sigs);
     let store = LocalStore::open(&config).map(Arc::new).map_err(|e| e.to_string())?;
     settings.configure_local_store(&store);
     let store_dir = store.store_dir().clone();
     let roots = parse_paths(&store_dir, paths)?;
     Ok(Destination { settings, store, store_dir, roots })
 }
-

@@ -95,7 +95,10 @@ mod tests {
     #[test]
     fn escapes_go_as_nix_filters_them() {
         let refusal = "cannot add path '\x1b[35;1m/nix/store/py14wj21zshnib43vh5f66ihm7rx610h-x\x1b[0m' because it lacks a valid signature";
-        assert_eq!(filter_ansi_escapes(refusal, true), "cannot add path '/nix/store/py14wj21zshnib43vh5f66ihm7rx610h-x' because it lacks a valid signature");
+        assert_eq!(
+            filter_ansi_escapes(refusal, true),
+            "cannot add path '/nix/store/py14wj21zshnib43vh5f66ihm7rx610h-x' because it lacks a valid signature"
+        );
         assert_eq!(filter_ansi_escapes(refusal, false), refusal, "colours stay on a terminal");
         assert_eq!(filter_ansi_escapes("a\x1b[2Kb\x1b]0;title\x1b\\c\x1bMd", false), "abcd");
         assert_eq!(filter_ansi_escapes("ab\tc\r\x07\n\td", true), "ab      c\n        d");

@@ -3,7 +3,6 @@
 //! with a peak RSS far below the NAR's size, and real Nix verifies the result; pushed into a
 //! `file://` cache with xz and zstd, with and without `parallel-compression`, under 150 MiB.
 
-
 use std::io::Write;
 use std::process::Command;
 
@@ -76,8 +75,12 @@ fn one_gib_nar_is_pushed_in_bounded_memory() {
             let (status, rss_kib) = wait_with_rss(child);
             assert!(status == 0, "sluice push of the 1 GiB NAR with {compression}, parallel {parallel} failed");
             eprintln!("sluice push of a 1 GiB NAR, {compression}, parallel-compression={parallel}: peak RSS {} MiB", rss_kib / 1024);
-            assert!(rss_kib < MAX_PUSH_RSS_KIB, "{compression}, parallel {parallel}: peak RSS {rss_kib} KiB (limit {MAX_PUSH_RSS_KIB} KiB)");
-            let nars: Vec<_> = std::fs::read_dir(cache.join("nar")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+            assert!(
+                rss_kib < MAX_PUSH_RSS_KIB,
+                "{compression}, parallel {parallel}: peak RSS {rss_kib} KiB (limit {MAX_PUSH_RSS_KIB} KiB)"
+            );
+            let nars: Vec<_> =
+                std::fs::read_dir(cache.join("nar")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
             let ext = if compression == "xz" { ".nar.xz" } else { ".nar.zst" };
             assert!(nars.len() == 1 && nars[0].ends_with(ext), "{nars:?}");
             std::fs::remove_dir_all(&cache).unwrap();

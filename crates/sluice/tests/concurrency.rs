@@ -2,7 +2,6 @@
 //! into one store at once, and a `sluice daemon` adding paths while a copy runs. Every path
 //! ends registered once and valid (real Nix's `--verify --check-contents`), nothing is left over.
 
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -59,7 +58,11 @@ fn daemon_adds_while_a_copy_runs() {
     let socket = tmp.path().join("socket");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     isolate(&mut cmd, tmp.path(), "");
-    let mut daemon = cmd.args(["daemon", "--socket", socket.to_str().unwrap(), "--store", root.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap();
+    let mut daemon = cmd
+        .args(["daemon", "--socket", socket.to_str().unwrap(), "--store", root.to_str().unwrap()])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     let start = Instant::now();
     while !socket.exists() {
         assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not start");
@@ -126,10 +129,20 @@ impl LockedCopy {
         }
         std::thread::sleep(Duration::from_secs(3));
         let locked = LockedCopy { root, base, lock_path, lock, server, nar_url, copy, tmp };
-        assert!(locked.server.requests(&locked.nar_url) <= 1, "{} requests of {} while its path was locked", locked.server.requests(&locked.nar_url), locked.nar_url);
+        assert!(
+            locked.server.requests(&locked.nar_url) <= 1,
+            "{} requests of {} while its path was locked",
+            locked.server.requests(&locked.nar_url),
+            locked.nar_url
+        );
         let store = locked.root.join("nix/store");
         assert!(!store.join(&locked.base).exists(), "the locked path was written");
-        let temp_trees: Vec<_> = store_entries(&locked.root).into_iter().filter(|e| sluice_store::local::is_temp_dir(e)).map(|d| store.join(d).join(&locked.base)).filter(|t| t.exists()).collect();
+        let temp_trees: Vec<_> = store_entries(&locked.root)
+            .into_iter()
+            .filter(|e| sluice_store::local::is_temp_dir(e))
+            .map(|d| store.join(d).join(&locked.base))
+            .filter(|t| t.exists())
+            .collect();
         assert!(temp_trees.is_empty(), "the locked path's temporary tree was written: {temp_trees:?}");
         locked
     }
@@ -139,7 +152,11 @@ impl LockedCopy {
     fn release(self) -> (tempfile::TempDir, std::path::PathBuf, CacheServer, String, serde_json::Value) {
         use std::io::Write;
         let LockedCopy { tmp, root, lock_path, mut lock, server, nar_url, mut copy, .. } = self;
-        assert!(copy.0.try_wait().unwrap().is_none(), "the copy ended while the path was locked: {}", std::fs::read_to_string(&copy.1).unwrap_or_default());
+        assert!(
+            copy.0.try_wait().unwrap().is_none(),
+            "the copy ended while the path was locked: {}",
+            std::fs::read_to_string(&copy.1).unwrap_or_default()
+        );
         std::fs::remove_file(&lock_path).unwrap();
         lock.write_all(b"d").unwrap();
         drop(lock);
@@ -183,12 +200,22 @@ fn a_path_another_process_made_valid_meanwhile_counts_as_already_valid() {
     std::io::Write::write_all(restore.stdin.as_mut().unwrap(), &nar.stdout).unwrap();
     assert!(restore.wait().unwrap().success());
     let references: Vec<String> = field("References: ").split_whitespace().map(|r| format!("/nix/store/{r}")).collect();
-    let registration = format!("/nix/store/{base}\n{}\n{}\n\n{}\n{}\n", field("NarHash: "), field("NarSize: "), references.len(), references.join("\n"));
+    let registration =
+        format!("/nix/store/{base}\n{}\n{}\n\n{}\n{}\n", field("NarHash: "), field("NarSize: "), references.len(), references.join("\n"));
     // Nix 2.8 looks at the path at its logical location (`/nix/store/…`) even for a chroot
     // store: it runs where the store's `nix` directory is `/nix` (a mount namespace of its own).
     let mut register = std::process::Command::new("unshare");
     isolate(&mut register, &tmp, "");
-    register.args(["--mount", "--propagation", "private", "sh", "-c", "mount --bind \"$0\" /nix && exec nix-store --store local --register-validity --hash-given"]).arg(root.join("nix"));
+    register
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount --bind \"$0\" /nix && exec nix-store --store local --register-validity --hash-given",
+        ])
+        .arg(root.join("nix"));
     let mut register = register.stdin(Stdio::piped()).spawn().unwrap();
     std::io::Write::write_all(register.stdin.as_mut().unwrap(), registration.as_bytes()).unwrap();
     assert!(register.wait().unwrap().success());

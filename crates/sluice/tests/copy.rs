@@ -2,7 +2,6 @@
 //! `file://` caches of every compression, into fresh chroot stores that real Nix 2.8 then
 //! verifies and describes exactly as the cache did.
 
-
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -16,7 +15,8 @@ fn by_path(entries: Vec<Value>) -> BTreeMap<String, Value> {
     entries
         .into_iter()
         .map(|e| {
-            let picked: serde_json::Map<String, Value> = FIELDS.iter().filter_map(|f| e.get(*f).map(|v| (f.to_string(), v.clone()))).collect();
+            let picked: serde_json::Map<String, Value> =
+                FIELDS.iter().filter_map(|f| e.get(*f).map(|v| (f.to_string(), v.clone()))).collect();
             (e["path"].as_str().unwrap().to_string(), Value::Object(picked))
         })
         .collect()
@@ -79,7 +79,10 @@ fn copy_subset_of_every_compression() {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("root");
         let url = format!("file://{}", corpus().join(format!("cache-subset-{comp}")).display());
-        let o = sluice(tmp.path(), &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root_path]);
+        let o = sluice(
+            tmp.path(),
+            &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root_path],
+        );
         check(&o, &format!("sluice copy from cache-subset-{comp}"));
         assert_nix_verifies(tmp.path(), &root);
         let got = nix_path_info(tmp.path(), root.to_str().unwrap(), &root_path);
@@ -219,7 +222,11 @@ fn copied_paths_are_not_ultimate_in_the_destination() {
     let path = String::from_utf8(added.stdout).unwrap().trim().to_owned();
     let db = src.join("nix/var/nix/db/db.sqlite");
     let mark = std::process::Command::new("python3")
-        .args(["-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('update ValidPaths set ultimate = 1'); c.commit()", db.to_str().unwrap()])
+        .args([
+            "-c",
+            "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('update ValidPaths set ultimate = 1'); c.commit()",
+            db.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     check(&mark, "marking the path ultimate");

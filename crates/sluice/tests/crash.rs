@@ -3,7 +3,6 @@
 //! real Nix's `nix-store --verify --check-contents` is clean, every path of the closure is
 //! valid, and no temporary tree (`.<name>.sluice`) or `.lock` file remains.
 
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -39,7 +38,9 @@ fn assert_complete_and_clean(tmp: &std::path::Path, root: &std::path::Path) {
 fn kill_9_at_random_moments_then_rerun() {
     let tmp = tempfile::tempdir().unwrap();
     let url = format!("file://{}", corpus().join("cache-xz").display());
-    let args = |root: &std::path::Path| ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP].map(str::to_owned);
+    let args = |root: &std::path::Path| {
+        ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP].map(str::to_owned)
+    };
     // The kill moments are spread over what a whole copy takes with this build on this machine
     // (a fixed span would outlast most copies of a release build on a fast one): the shorter
     // of two, as the first reads the cache's files from the disk.
@@ -111,7 +112,8 @@ fn lock_files_left_on_a_registered_batch_are_removed_by_the_next_run() {
     let args = ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
     check(&sluice(tmp.path(), &args), "the copy");
     let closure = std::fs::read_to_string(corpus().join("truth/closure-paths.txt")).unwrap();
-    let locks: Vec<_> = closure.lines().map(|p| root.join("nix/store").join(format!("{}.lock", p.trim_start_matches("/nix/store/")))).collect();
+    let locks: Vec<_> =
+        closure.lines().map(|p| root.join("nix/store").join(format!("{}.lock", p.trim_start_matches("/nix/store/")))).collect();
     assert_eq!(locks.len(), 1056);
     for lock in &locks {
         std::fs::File::create(lock).unwrap();
@@ -168,7 +170,12 @@ fn a_signal_stops_a_copy_and_leaves_the_store_closed() {
         isolate(&mut cmd, tmp.path(), "");
         let args = ["copy", "--from", from, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), TOP];
         let child = cmd.args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let placed = || store_entries(&root).iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !sluice_store::local::is_temp_dir(e)).count();
+        let placed = || {
+            store_entries(&root)
+                .iter()
+                .filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !sluice_store::local::is_temp_dir(e))
+                .count()
+        };
         let start = Instant::now();
         match moment {
             Moment::Placed(n) => {

@@ -3,7 +3,6 @@
 //! store prepared identically; and the worker-protocol handshake driver of case 19. These
 //! tests need Nix on `PATH` and fail (never skip) without it.
 
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -85,7 +84,13 @@ impl Env {
         let socket = self.path(socket);
         let config = format!("substituters = {cache}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
         let mut cmd = self.cmd(sluice());
-        cmd.env("NIX_CONFIG", config).args(["daemon", "--socket"]).arg(&socket).arg("--store").arg(self.path(root)).args(args).stderr(Stdio::null());
+        cmd.env("NIX_CONFIG", config)
+            .args(["daemon", "--socket"])
+            .arg(&socket)
+            .arg("--store")
+            .arg(self.path(root))
+            .args(args)
+            .stderr(Stdio::null());
         if let Some(n) = open_files {
             let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
             // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
@@ -115,8 +120,21 @@ impl Env {
         std::fs::create_dir_all(host_nix.join("store")).unwrap();
         let socket = self.path(socket);
         let mut cmd = self.cmd("unshare");
-        cmd.args(["--mount", "--propagation", "private", "sh", "-c", "{ [ ! -e /nix ] || mount --bind \"$0\" /nix; } && exec nix-daemon \"$@\""]).arg(&host_nix);
-        cmd.env_remove("NIX_CONFIG").env("NIX_CONF_DIR", &conf).env("NIX_DAEMON_SOCKET_PATH", &socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
+        cmd.args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "{ [ ! -e /nix ] || mount --bind \"$0\" /nix; } && exec nix-daemon \"$@\"",
+        ])
+        .arg(&host_nix);
+        cmd.env_remove("NIX_CONFIG")
+            .env("NIX_CONF_DIR", &conf)
+            .env("NIX_DAEMON_SOCKET_PATH", &socket)
+            .arg("--store")
+            .arg(self.path(root))
+            .stderr(Stdio::null());
         wait_for_socket(cmd.spawn().unwrap(), &socket)
     }
 
@@ -213,7 +231,12 @@ fn real_nix_clients_match_direct_mode() {
     assert_eq!(without_times(&via), without_times(&local));
     // sluice's own client (pipelined QueryPathInfo, lock-cpu on and off) sees the same.
     for lock in ["true", "false"] {
-        let own = env.cmd(sluice()).env("NIX_CONFIG", format!("lock-cpu = {lock}")).args(["path-info", "--as-nix", "2.8", "-r", "--json", "--store", &daemon.url, &glibc]).output().unwrap();
+        let own = env
+            .cmd(sluice())
+            .env("NIX_CONFIG", format!("lock-cpu = {lock}"))
+            .args(["path-info", "--as-nix", "2.8", "-r", "--json", "--store", &daemon.url, &glibc])
+            .output()
+            .unwrap();
         assert!(own.status.success(), "{}", String::from_utf8_lossy(&own.stderr));
         assert_eq!(without_times(&String::from_utf8(own.stdout).unwrap()), without_times(&local), "lock-cpu = {lock}");
     }
@@ -235,14 +258,14 @@ fn real_nix_clients_match_direct_mode() {
     assert_eq!(via, env.nix("nix-instantiate", &["--store", &direct, wl]));
     assert_eq!(via, env.nix("nix-instantiate", &["--store", &daemon.url, wl]), "warm run");
     let drv = via.trim();
-    assert_eq!(
-        env.nix("nix-store", &["--store", &daemon.url, "-qR", drv]),
-        env.nix("nix-store", &["--store", &direct, "-qR", drv])
-    );
+    assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-qR", drv]), env.nix("nix-store", &["--store", &direct, "-qR", drv]));
 
     // nix-store -r of a path the daemon substitutes itself from its file:// substituter.
     let data = store_path_of(&cache_dir, "2363xkmjdz47l55sjw25vx7081mz5qj0");
-    let realised = env.nix("nix-store", &["--store", &daemon.url, "-r", &data, "--option", "substituters", &cache, "--option", "trusted-public-keys", &key]);
+    let realised = env.nix(
+        "nix-store",
+        &["--store", &daemon.url, "-r", &data, "--option", "substituters", &cache, "--option", "trusted-public-keys", &key],
+    );
     assert_eq!(realised.trim(), data);
     assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &data]).trim().len(), "sha256:".len() + 52);
 
@@ -302,7 +325,14 @@ fn garbage_collection_matches_nix() {
         out
     };
     for (url, root) in &stores {
-        env.nix("nix", &[&["copy", "--from", &cache, "--to", url, "--option", "trusted-public-keys", &key][..], &all.iter().map(String::as_str).collect::<Vec<_>>()].concat());
+        env.nix(
+            "nix",
+            &[
+                &["copy", "--from", &cache, "--to", url, "--option", "trusted-public-keys", &key][..],
+                &all.iter().map(String::as_str).collect::<Vec<_>>(),
+            ]
+            .concat(),
+        );
         ok(run(url, root, "nix-store", &["--add", file.to_str().unwrap()]));
         ok(run(url, root, "nix-store", &["-r", &glibc, "--add-root", result.to_str().unwrap(), "--indirect"]));
         let profile = root.join("nix/var/nix/profiles/test");
@@ -311,7 +341,9 @@ fn garbage_collection_matches_nix() {
             ok(run(url, root, "nix-env", &["-p", profile.to_str().unwrap(), "--set", generation]));
         }
     }
-    let both = |program: &str, args: &[&str]| -> Vec<(bool, String, String)> { stores.iter().map(|(url, root)| run(url, root, program, args)).collect() };
+    let both = |program: &str, args: &[&str]| -> Vec<(bool, String, String)> {
+        stores.iter().map(|(url, root)| run(url, root, program, args)).collect()
+    };
     let sorted = |s: &str| s.lines().map(str::to_owned).collect::<std::collections::BTreeSet<_>>();
 
     for listing in ["--print-live", "--print-dead"] {
@@ -362,7 +394,12 @@ fn garbage_collection_matches_nix() {
     assert_eq!(summary(&out[0].2), summary(&out[1].2), "paths and bytes freed");
     assert!(deleted(&out[0].2).contains("deleting '/nix/store/stray-file'"), "{}", out[0].2);
     assert!(out[0].2.contains("-generation-one.txt'"), "the old generation's path: {}", out[0].2);
-    let listing = |root: &Path| std::fs::read_dir(root.join("nix/store")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect::<std::collections::BTreeSet<_>>();
+    let listing = |root: &Path| {
+        std::fs::read_dir(root.join("nix/store"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
     assert_eq!(listing(&stores[0].1), listing(&stores[1].1), "store directories");
     let live = both("nix-store", &["--gc", "--print-live"]);
     assert_eq!(sorted(&ok(live[0].clone())), sorted(&ok(live[1].clone())));
@@ -513,7 +550,10 @@ fn daemon_substitutes_a_closure_larger_than_its_open_file_limit() {
     let daemon = env.daemon_limited("root", &cache, "", Some(256));
     let top = store_path_of(&cache_dir, "433r6hrfzj8vvazpcnl77q6m3lm3vw3g");
     let key = cache_key();
-    let realised = env.nix("nix-store", &["--store", &daemon.url, "-r", &top, "--option", "substituters", &cache, "--option", "trusted-public-keys", &key]);
+    let realised = env.nix(
+        "nix-store",
+        &["--store", &daemon.url, "-r", &top, "--option", "substituters", &cache, "--option", "trusted-public-keys", &key],
+    );
     assert_eq!(realised.trim(), top);
     assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-qR", &top]).lines().count(), 1056, "the whole closure is valid");
     common::assert_nix_verifies(env.dir.path(), &env.path("root"));
@@ -537,10 +577,15 @@ fn untrusted_client_cannot_add_unsigned_paths() {
     env.nix("nix", &["copy", "--from", &cache, "--to", &direct, &glibc_deps, "--option", "trusted-public-keys", &cache_key()]);
     let out = env.cmd("nix-store").args(["--store", &direct, "--export", &glibc_deps]).output().unwrap();
     std::fs::write(&import, &out.stdout).unwrap();
-    let out = env.cmd("nix-store").args(["--store", &daemon.url, "--import"]).stdin(std::fs::File::open(&import).unwrap()).output().unwrap();
+    let out =
+        env.cmd("nix-store").args(["--store", &daemon.url, "--import"]).stdin(std::fs::File::open(&import).unwrap()).output().unwrap();
     // The export carries no signature, so the daemon must refuse it for an untrusted client.
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("lacks a signature by a trusted key"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lacks a signature by a trusted key"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Privileged settings are refused with a warning.
     let out = env.cmd("nix").args(["store", "ping", "--store", &daemon.url, "--option", "require-sigs", "false"]).output().unwrap();
     assert!(out.status.success());
@@ -586,7 +631,14 @@ fn worker_protocol_handshake_case_19() {
 #[test]
 fn the_daemon_client_runs_over_a_childs_stdio() {
     let env = Env::new();
-    let mut child = env.cmd(sluice()).args(["daemon", "--stdio", "--store"]).arg(env.path("root")).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut child = env
+        .cmd(sluice())
+        .args(["daemon", "--stdio", "--store"])
+        .arg(env.path("root"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
     let (stdin, stdout) = (child.stdin.take().unwrap(), child.stdout.take().unwrap());
     let mut conn = sluice_store::remote::DaemonConnection::over("sluice daemon --stdio".into(), Box::new(stdout), Box::new(stdin)).unwrap();
     assert_eq!(conn.version().to_string(), "1.34");
@@ -893,7 +945,12 @@ fn derivation_only_in_a_cache_is_substituted_first() {
             let url = real(&daemon.url, root);
             let (ok, out, err) = match n {
                 1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", &drv][..], &options].concat()),
-                _ => as_root(&env, true, "nix", &[&["build", "--store", &url, &format!("{drv}^*"), "--no-link", "--print-out-paths"][..], &options].concat()),
+                _ => as_root(
+                    &env,
+                    true,
+                    "nix",
+                    &[&["build", "--store", &url, &format!("{drv}^*"), "--no-link", "--print-out-paths"][..], &options].concat(),
+                ),
             };
             assert!(ok, "{client} through {}: {err}", daemon.url);
             assert_eq!(out.trim(), LIBIDN2, "{client} through {}: {err}", daemon.url);
@@ -904,7 +961,12 @@ fn derivation_only_in_a_cache_is_substituted_first() {
     for pair in stores.chunks(2) {
         let [(client, sluice_root, via_sluice), (_, _, via_nix)] = pair else { unreachable!() };
         assert_eq!(via_sluice, via_nix, "{client}: the stores left by sluice ({sluice_root}) and nix-daemon");
-        for name in [LIBIDN2_DRV, "issb5gssbayvxbl7b2n5880lcslarhbg-libunistring-1.1.drv", "xyvbjffswy2ix1ipcpb6gnw3abxsaym7-libidn2-2.3.4", "8j3ihyw3p978y2hzm7mkwvzqxk86h123-libunistring-1.1"] {
+        for name in [
+            LIBIDN2_DRV,
+            "issb5gssbayvxbl7b2n5880lcslarhbg-libunistring-1.1.drv",
+            "xyvbjffswy2ix1ipcpb6gnw3abxsaym7-libidn2-2.3.4",
+            "8j3ihyw3p978y2hzm7mkwvzqxk86h123-libunistring-1.1",
+        ] {
             assert!(via_sluice.iter().any(|e| e == name), "{client}: {name} not in {via_sluice:?}");
         }
     }
@@ -1035,7 +1097,27 @@ fn add_text(client: &mut std::os::unix::net::UnixStream, name: &str, text: &str)
 /// no inputs, two arguments, one environment variable, build mode normal.
 fn build_derivation(drv: &[u8], out: [&[u8]; 3]) -> Vec<u8> {
     let [path, algo, hash] = out;
-    request(36, &[Err(drv), Ok(1), Err(b"out"), Err(path), Err(algo), Err(hash), Ok(0), Err(b"x86_64-linux"), Err(b"/bin/sh"), Ok(2), Err(b"-c"), Err(b"echo hi > $out"), Ok(1), Err(b"out"), Err(path), Ok(0)])
+    request(
+        36,
+        &[
+            Err(drv),
+            Ok(1),
+            Err(b"out"),
+            Err(path),
+            Err(algo),
+            Err(hash),
+            Ok(0),
+            Err(b"x86_64-linux"),
+            Err(b"/bin/sh"),
+            Ok(2),
+            Err(b"-c"),
+            Err(b"echo hi > $out"),
+            Ok(1),
+            Err(b"out"),
+            Err(path),
+            Ok(0),
+        ],
+    )
 }
 
 /// A build result as protocol 1.37 sends it: status, message and built outputs (id →
@@ -1048,7 +1130,8 @@ fn read_build_result(s: &mut impl std::io::Read) -> (u64, String, Vec<(String, S
     assert_eq!((times_built, non_deterministic), (0, 0));
     assert!(start > 0 && start == stop, "{start} {stop}");
     assert_eq!((read_u64(s), read_u64(s)), (0, 0), "no CPU times");
-    let outputs = (0..read_u64(s)).map(|_| (String::from_utf8(read_string(s)).unwrap(), String::from_utf8(read_string(s)).unwrap())).collect();
+    let outputs =
+        (0..read_u64(s)).map(|_| (String::from_utf8(read_string(s)).unwrap(), String::from_utf8(read_string(s)).unwrap())).collect();
     (status, msg, outputs)
 }
 
@@ -1110,7 +1193,10 @@ fn build_derivation_realises_outputs_by_substitution_only() {
     // Not a derivation: an error, and the connection goes on.
     client.write_all(&build_derivation(MISSING, [&out, b"", b""])).unwrap();
     let err = until_last(&mut client).unwrap_err();
-    assert_eq!(err, "cannot build '/nix/store/00000000000000000000000000000000-missing': it is not a derivation (its name does not end in .drv)");
+    assert_eq!(
+        err,
+        "cannot build '/nix/store/00000000000000000000000000000000-missing': it is not a derivation (its name does not end in .drv)"
+    );
     assert_eq!(is_valid(&mut client, &out), 1);
 
     // Protocol 1.34 (Nix 2.8): the result without CPU times.
@@ -1175,7 +1261,10 @@ fn add_build_log_is_stored_where_nix_reads_it() {
 
     // Not a derivation: refused after the log is read, and the connection goes on.
     client.write_all(&[request(45, &[Err(b"00000000000000000000000000000000-missing")]), framed(b"log\n")].concat()).unwrap();
-    assert_eq!(until_last(&mut client), Err("cannot add a build log for '/nix/store/00000000000000000000000000000000-missing': it is not a derivation".to_owned()));
+    assert_eq!(
+        until_last(&mut client),
+        Err("cannot add a build log for '/nix/store/00000000000000000000000000000000-missing': it is not a derivation".to_owned())
+    );
     assert_eq!(is_valid(&mut client, drv.as_bytes()), 1);
 
     // Real Nix 2.8 as the client: `nix store copy-log` from a direct store that has a log.
@@ -1187,7 +1276,10 @@ fn add_build_log_is_stored_where_nix_reads_it() {
     let other_base = other.strip_prefix("/nix/store/").unwrap();
     let log_dir = direct.join("nix/var/log/nix/drvs").join(&other_base[..2]);
     std::fs::create_dir_all(&log_dir).unwrap();
-    let mut encoder = bzip2::write::BzEncoder::new(std::fs::File::create(log_dir.join(format!("{}.bz2", &other_base[2..]))).unwrap(), bzip2::Compression::default());
+    let mut encoder = bzip2::write::BzEncoder::new(
+        std::fs::File::create(log_dir.join(format!("{}.bz2", &other_base[2..]))).unwrap(),
+        bzip2::Compression::default(),
+    );
     encoder.write_all(b"copied by nix store copy-log\n").unwrap();
     encoder.finish().unwrap();
     env.nix("nix", &["store", "copy-log", "--store", direct_store, "--from", direct_store, "--to", &daemon.url, &other]);
@@ -1251,8 +1343,13 @@ fn realisations_are_never_found_and_cannot_be_registered() {
         assert!(err.starts_with("invalid derivation output id: \"sha256:abc!out\""), "{err}");
         assert_eq!(is_valid(&mut client, MISSING), 0);
 
-        let json = format!(r#"{{"dependentRealisations":{{}},"id":"{id}","outPath":"00000000000000000000000000000000-missing","signatures":[]}}"#);
-        let register = if minor >= 31 { request(42, &[Err(json.as_bytes())]) } else { request(42, &[Err(id.as_bytes()), Err(b"00000000000000000000000000000000-missing")]) };
+        let json =
+            format!(r#"{{"dependentRealisations":{{}},"id":"{id}","outPath":"00000000000000000000000000000000-missing","signatures":[]}}"#);
+        let register = if minor >= 31 {
+            request(42, &[Err(json.as_bytes())])
+        } else {
+            request(42, &[Err(id.as_bytes()), Err(b"00000000000000000000000000000000-missing")])
+        };
         client.write_all(&register).unwrap();
         assert_eq!(until_last(&mut client), Err(refused.clone()), "1.{minor}");
         assert_eq!(is_valid(&mut client, MISSING), 0);
@@ -1354,12 +1451,34 @@ fn untrusted_nix_2_8_client_as_nobody_gets_nix_rights() {
 
     // SetOptions: a restricted setting and an untrusted substituter are ignored with Nix's
     // warnings; the daemon's own substituter is accepted (EnsurePath/BuildPaths substitute).
-    let (ok, out, err) =
-        as_nobody(&env, "nix-store", &["--store", url, "-r", &data, "--option", "substituters", &format!("{cache} file:///nonexistent-cache"), "--option", "trusted-public-keys", &key, "--option", "require-sigs", "false"]);
+    let (ok, out, err) = as_nobody(
+        &env,
+        "nix-store",
+        &[
+            "--store",
+            url,
+            "-r",
+            &data,
+            "--option",
+            "substituters",
+            &format!("{cache} file:///nonexistent-cache"),
+            "--option",
+            "trusted-public-keys",
+            &key,
+            "--option",
+            "require-sigs",
+            "false",
+        ],
+    );
     assert!(ok, "{err}");
     assert_eq!(out.trim(), data);
     assert!(err.contains("ignoring untrusted substituter 'file:///nonexistent-cache', you are not a trusted user."), "{err}");
-    assert!(err.contains("ignoring the client-specified setting 'require-sigs', because it is a restricted setting and you are not a trusted user"), "{err}");
+    assert!(
+        err.contains(
+            "ignoring the client-specified setting 'require-sigs', because it is a restricted setting and you are not a trusted user"
+        ),
+        "{err}"
+    );
     assert!(err.contains("ignoring the client-specified setting 'trusted-public-keys', because it is a restricted setting and you are not a trusted user"), "{err}");
     let before = store_entries(&env, "root");
 
@@ -1469,7 +1588,11 @@ fn untrusted_raw_client_gets_nix_rights() {
     client.write_all(&request(12, &[Err(link.to_str().unwrap().as_bytes())])).unwrap();
     assert_eq!(until_last(&mut client), Ok(()));
     assert_eq!(read_u64(&mut client), 1);
-    let auto: Vec<_> = std::fs::read_dir(env.path("root/nix/var/nix/gcroots/auto")).unwrap().flatten().map(|e| std::fs::read_link(e.path()).unwrap()).collect();
+    let auto: Vec<_> = std::fs::read_dir(env.path("root/nix/var/nix/gcroots/auto"))
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_link(e.path()).unwrap())
+        .collect();
     assert_eq!(auto, [link.clone()]);
 
     client.write_all(&request(20, &[Ok(3), Ok(1), Err(&out), Ok(1), Ok(0), Ok(0), Ok(0), Ok(0)])).unwrap();
@@ -1520,11 +1643,20 @@ fn forgeries(dep: &StorePath) -> Vec<Forgery> {
     let flat = ContentAddress::Fixed { recursive: false, hash: sha(real) };
     let real_text = format!("refers to {}\n", dir.display_path(dep));
     let text = ContentAddress::Text(sha(real_text.as_bytes()));
-    for (name, ca, refs, got) in
-        [("forged-nar", recursive, vec![], sha(&nar)), ("forged-flat", flat, vec![], sha(other)), ("forged-text", text, vec![dep.clone()], sha(other))]
-    {
+    for (name, ca, refs, got) in [
+        ("forged-nar", recursive, vec![], sha(&nar)),
+        ("forged-flat", flat, vec![], sha(other)),
+        ("forged-text", text, vec![dep.clone()], sha(other)),
+    ] {
         let path = ca.store_path(&dir, name, &refs, false).unwrap();
-        out.push(Forgery { path, nar: nar.clone(), references: refs, specified: ca.hash().to_nix32_prefixed(), got: got.to_nix32_prefixed(), ca });
+        out.push(Forgery {
+            path,
+            nar: nar.clone(),
+            references: refs,
+            specified: ca.hash().to_nix32_prefixed(),
+            got: got.to_nix32_prefixed(),
+            ca,
+        });
     }
     out
 }
@@ -1623,7 +1755,11 @@ fn forged_copies_are_refused(who: &str, run: impl Fn(&Env, &[&str]) -> (bool, St
         let direct = format!("local?root={}", env.path("direct").display());
         let (ok, _, err) = as_root(&env, false, "nix", &["copy", "--no-check-sigs", "--from", &cache, "--to", &direct, &shown]);
         // (The client indents the message's continuation lines.)
-        let expected = [format!("ca hash mismatch importing path '{shown}';\n"), format!("specified: {}\n", f.specified), format!("got:       {}\n", f.got)];
+        let expected = [
+            format!("ca hash mismatch importing path '{shown}';\n"),
+            format!("specified: {}\n", f.specified),
+            format!("got:       {}\n", f.got),
+        ];
         assert!(!ok && expected.iter().all(|e| err.contains(e.as_str())), "Nix's own store: {err}");
         // Nix 2.8 leaves the unpacked tree on disk (restorePath into the real path, then the
         // check); it is not valid. sluice must not leave it at all.
@@ -1756,7 +1892,11 @@ fn forged_ca_sluice_copy_is_refused_even_signed() {
             let err = String::from_utf8_lossy(&out.stderr);
             let what = format!("{} ({}), signed: {signed}", f.ca, shown);
             assert_eq!(out.status.code(), Some(1), "{what}: {err}");
-            for part in [format!("ca hash mismatch importing path '{shown}'"), format!("specified: {}", f.specified), format!("got:       {}", f.got)] {
+            for part in [
+                format!("ca hash mismatch importing path '{shown}'"),
+                format!("specified: {}", f.specified),
+                format!("got:       {}", f.got),
+            ] {
                 assert!(err.contains(&part), "{what}: the error lacks {part:?}: {err}");
             }
             assert!(std::fs::symlink_metadata(root.join("nix/store").join(f.path.base_name())).is_err(), "{what}: something at the path");
@@ -1891,12 +2031,21 @@ fn daemon_client_sees_why_substitution_failed() {
     let err = String::from_utf8_lossy(&out.stderr);
     let reasons: Vec<&str> = err.lines().filter(|l| l.contains("lack a signature by a trusted key")).collect();
     assert_eq!(reasons.len(), 1, "{err}");
-    assert!(reasons[0].contains("they are signed by corpus-nixos-1-1 but trusted-public-keys has other-1; if you trust that key, add it to trusted-public-keys"), "{err}");
+    assert!(
+        reasons[0].contains(
+            "they are signed by corpus-nixos-1-1 but trusted-public-keys has other-1; if you trust that key, add it to trusted-public-keys"
+        ),
+        "{err}"
+    );
     assert!(err.contains(&format!("error: path '{glibc}' is required, but there is no substituter that can build it")), "{err}");
     let direct = format!("local?root={}", env.path("direct").display());
     let out = env.cmd("nix-store").args(["--store", &direct]).args(args).output().unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("is not signed by any of the keys in 'trusted-public-keys'"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is not signed by any of the keys in 'trusted-public-keys'"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// An expression with a fixed-output derivation, and a multi-output one depending on it whose
@@ -1933,7 +2082,9 @@ fn real_derivations_are_admitted_and_edited_ones_refused_as_nix_does() {
     assert!(ok, "{err}");
     let top = top.trim().to_owned();
     let outputs = |store: &str| as_root(&env, false, "nix-store", &["--store", store, "-q", "--outputs", &top]);
-    for (who, modern, nobody) in [("2.8 root", false, false), ("2.8 nobody", false, true), ("2.26 root", true, false), ("2.26 nobody", true, true)] {
+    for (who, modern, nobody) in
+        [("2.8 root", false, false), ("2.8 nobody", false, true), ("2.26 root", true, false), ("2.26 nobody", true, true)]
+    {
         let args = ["--store", &daemon.url, expr];
         let (ok, via, err) = match (modern, nobody) {
             (false, true) => as_nobody(&env, "nix-instantiate", &args),
@@ -1963,9 +2114,21 @@ fn real_derivations_are_admitted_and_edited_ones_refused_as_nix_does() {
     let edits = [
         ("top.drv", real.replace(&out_path, victim), format!("has incorrect output '{victim}', should be '{out_path}'")),
         // Outputs are checked in name order: `dev` first.
-        ("top.drv", real.replace("with a tab", "with a tab and more"), format!("has incorrect output '{dev_path}', should be '/nix/store/")),
-        ("top.drv", real.replace(&format!("(\"out\",\"{out_path}\")"), &format!("(\"out\",\"{victim}\")")), format!("has incorrect environment variable 'out', should be '{out_path}'")),
-        ("src.drv", src_real.replace("98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4", other_hash), "has incorrect environment variable 'out', should be '/nix/store/".to_owned()),
+        (
+            "top.drv",
+            real.replace("with a tab", "with a tab and more"),
+            format!("has incorrect output '{dev_path}', should be '/nix/store/"),
+        ),
+        (
+            "top.drv",
+            real.replace(&format!("(\"out\",\"{out_path}\")"), &format!("(\"out\",\"{victim}\")")),
+            format!("has incorrect environment variable 'out', should be '{out_path}'"),
+        ),
+        (
+            "src.drv",
+            src_real.replace("98ea6e4f216f2fb4b69fff9b3a44842c38686ca685f3f55dc48c5d3fb1107be4", other_hash),
+            "has incorrect environment variable 'out', should be '/nix/store/".to_owned(),
+        ),
     ];
     std::fs::create_dir_all(env.path("edited")).unwrap();
     for (name, text, why) in edits {
@@ -2088,25 +2251,52 @@ fn builds_go_through_nix_daemon_with_build_via() {
         let url = if modern { format!("{}?real={}", daemon.url, env.path("root/nix/store").display()) } else { daemon.url.clone() };
         for (attr, content) in [("plain", format!("{marker}\n")), ("withInput", "hi\n".to_owned())] {
             let start = Instant::now();
-            let args = ["--store", &url, expr, "-A", attr, "--argstr", "marker", marker, "--no-out-link", "--option", "substituters", &cache];
+            let args =
+                ["--store", &url, expr, "-A", attr, "--argstr", "marker", marker, "--no-out-link", "--option", "substituters", &cache];
             let (ok, out, err) = as_root(&env, modern, "nix-build", &args);
             eprintln!("{client} nix-build -A {attr}: {:?}", start.elapsed());
             assert!(ok, "{client} {attr}: {err}");
-            assert!(err.contains(&format!("marker-{attr}-{marker}")), "{client} {attr}: the builder's line is not on the client's stderr: {err}");
+            assert!(
+                err.contains(&format!("marker-{attr}-{marker}")),
+                "{client} {attr}: the builder's line is not on the client's stderr: {err}"
+            );
             let out = out.trim();
             assert!(out.starts_with("/nix/store/") && out.ends_with(&format!("-delegated-{attr}-{marker}")), "{client} {attr}: {out}");
             assert_eq!(std::fs::read_to_string(env.path("root").join(out.trim_start_matches('/'))).unwrap(), content, "{client} {attr}");
-            assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", out]).trim(), nar_hash(content.as_bytes()), "{client} {attr}");
+            assert_eq!(
+                env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", out]).trim(),
+                nar_hash(content.as_bytes()),
+                "{client} {attr}"
+            );
             if (attr, marker) == ("withInput", "old") {
                 assert!(err.contains(&src_copied), "{client}: {src} not substituted by sluice: {err}");
             }
         }
     }
-    assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &format!("/nix/store/{}", src.base_name())]).trim(), nar_hash(hi));
+    assert_eq!(
+        env.nix("nix-store", &["--store", &daemon.url, "-q", "--hash", &format!("/nix/store/{}", src.base_name())]).trim(),
+        nar_hash(hi)
+    );
     // Nix 2.26's `nix build -L` asks with BuildPathsWithResults (op 46): the Nix daemon's result
     // and its log (which `nix build` shows only with -L).
     let url = format!("{}?real={}", daemon.url, env.path("root/nix/store").display());
-    let args = ["build", "-L", "--store", &url, "-f", expr, "plain", "--argstr", "marker", "results", "--no-link", "--print-out-paths", "--option", "substituters", &cache];
+    let args = [
+        "build",
+        "-L",
+        "--store",
+        &url,
+        "-f",
+        expr,
+        "plain",
+        "--argstr",
+        "marker",
+        "results",
+        "--no-link",
+        "--print-out-paths",
+        "--option",
+        "substituters",
+        &cache,
+    ];
     let (ok, out, err) = as_root(&env, true, "nix", &args);
     assert!(ok && err.contains("marker-plain-results"), "nix build: {err}");
     assert_eq!(std::fs::read_to_string(env.path("root").join(out.trim().trim_start_matches('/'))).unwrap(), "results\n");
@@ -2125,7 +2315,8 @@ fn builds_go_through_nix_daemon_with_build_via() {
 
     // Without --build-via: the error of a daemon that does not build.
     let plain = env.daemon_on("plain.socket", "root", &cache, "", &[], None);
-    let (ok, _, err) = as_root(&env, false, "nix-build", &["--store", &plain.url, expr, "-A", "plain", "--argstr", "marker", "none", "--no-out-link"]);
+    let (ok, _, err) =
+        as_root(&env, false, "nix-build", &["--store", &plain.url, expr, "-A", "plain", "--argstr", "marker", "none", "--no-out-link"]);
     assert!(!ok, "built without --build-via");
     assert!(err.contains("the sluice daemon does not build, and no substituter has /nix/store/"), "{err}");
 }
@@ -2169,7 +2360,20 @@ fn client_overrides_reach_delegated_builds_as_through_nix_daemon() {
                 let url = if modern { format!("{url}?real={}", env.path(root).join("nix/store").display()) } else { url.to_string() };
                 let run = |attr: &str, option: [&str; 2]| {
                     let marker = format!("{}-{who}-{root}", if modern { "new" } else { "old" });
-                    let args = ["--store", &url, expr, "-A", attr, "--argstr", "marker", &marker, "--no-out-link", "--option", option[0], option[1]];
+                    let args = [
+                        "--store",
+                        &url,
+                        expr,
+                        "-A",
+                        attr,
+                        "--argstr",
+                        "marker",
+                        &marker,
+                        "--no-out-link",
+                        "--option",
+                        option[0],
+                        option[1],
+                    ];
                     match (trusted, modern) {
                         (true, _) => as_root(&env, modern, "nix-build", &args),
                         (false, false) => as_nobody(&env, "nix-build", &args),
@@ -2182,7 +2386,11 @@ fn client_overrides_reach_delegated_builds_as_through_nix_daemon() {
                 assert_eq!(release.starts_with("2.6."), trusted, "{what}: the builder saw kernel {release}");
                 let start = Instant::now();
                 let (ok, _, err) = run("slow", ["timeout", "1"]);
-                assert!(!ok && start.elapsed() < Duration::from_secs(15), "{what}: the slow build was not stopped ({:?}): {err}", start.elapsed());
+                assert!(
+                    !ok && start.elapsed() < Duration::from_secs(15),
+                    "{what}: the slow build was not stopped ({:?}): {err}",
+                    start.elapsed()
+                );
                 let timed_out = err.lines().find(|l| l.contains("timed out")).unwrap_or_else(|| panic!("{what}: {err}"));
                 seen.push((release.starts_with("2.6."), timed_out.split("/nix/store/").next().unwrap().to_owned()));
             }
@@ -2209,7 +2417,8 @@ fn clients_share_one_substitution_session() {
         assert_eq!(env.nix("nix-store", &["--store", &daemon.url, "-r", leaf, "--option", "substituters", &server.url]).trim(), leaf);
     }
     let log = std::fs::read_to_string(&server.access_log).unwrap();
-    let connections: std::collections::BTreeSet<String> = log.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["conn"].to_string()).collect();
+    let connections: std::collections::BTreeSet<String> =
+        log.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["conn"].to_string()).collect();
     assert_eq!((server.requests(".narinfo"), server.requests("nix-cache-info")), (3, 1), "{log}");
     // One connection, normally; a second when a client's request comes before the pool has
     // taken back the connection of the previous client's NAR (seen once under load). A client
@@ -2239,15 +2448,27 @@ impl BuiltinDaemons {
         let build_via = format!("unix://{}", env.path("nix-build.socket").display());
         let sluice = env.daemon_on("socket", "root", &cache, extra_config, &[], None);
         let via = env.daemon_on("via.socket", "via", &cache, extra_config, &["--build-via", &build_via], None);
-        let reference = env.nix_daemon("reference.socket", "reference", &format!("{NIX_DAEMON_BUILD_CONF}trusted-public-keys = {}\n{extra_config}\n", cache_key()));
-        BuiltinDaemons { cache, daemons: vec![("sluice", sluice, "root"), ("build-via", via, "via"), ("nix-daemon", reference, "reference")], _builder: builder }
+        let reference = env.nix_daemon(
+            "reference.socket",
+            "reference",
+            &format!("{NIX_DAEMON_BUILD_CONF}trusted-public-keys = {}\n{extra_config}\n", cache_key()),
+        );
+        BuiltinDaemons {
+            cache,
+            daemons: vec![("sluice", sluice, "root"), ("build-via", via, "via"), ("nix-daemon", reference, "reference")],
+            _builder: builder,
+        }
     }
 
     /// The store URL of daemon `i` for a Nix 2.8 client, or (`modern`) a Nix 2.26 one, which
     /// reads outputs from the chroot store's real directory.
     fn url(&self, env: &Env, i: usize, modern: bool) -> String {
         let (_, d, root) = &self.daemons[i];
-        if modern { format!("{}?real={}", d.url, env.path(root).join("nix/store").display()) } else { d.url.clone() }
+        if modern {
+            format!("{}?real={}", d.url, env.path(root).join("nix/store").display())
+        } else {
+            d.url.clone()
+        }
     }
 }
 
@@ -2274,11 +2495,15 @@ fn nix_env_install_builds_buildenv_in_sluice() {
             let start = Instant::now();
             // Nix 2.26 at another priority (its `--priority`), for a user environment of its own.
             let priority: &[&str] = if modern { &["--priority", "3"] } else { &[] };
-            let args = [&["--store", &url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &d.cache], priority].concat();
+            let args =
+                [&["--store", &url, "-p", profile.to_str().unwrap(), "-i", GLIBC, "--option", "substituters", &d.cache], priority].concat();
             let (ok, _, err) = as_root(&env, modern, "nix-env", &args);
             eprintln!("{client}, {name}: nix-env -i {GLIBC}: {:?}", start.elapsed());
             assert!(ok, "{client}, {name}: {err}");
-            assert!(err.contains("building '/nix/store/") && err.contains("-user-environment.drv'"), "{client}, {name}: the user environment was not built: {err}");
+            assert!(
+                err.contains("building '/nix/store/") && err.contains("-user-environment.drv'"),
+                "{client}, {name}: the user environment was not built: {err}"
+            );
             let target = profile_target(&profile);
             let real = env.path(root).join(target.strip_prefix("/").unwrap());
             assert_eq!(std::fs::read_link(real.join("lib")).unwrap(), Path::new(GLIBC).join("lib"), "{client}, {name}");
@@ -2337,7 +2562,26 @@ fn buildenv_collisions_and_priorities_match_nix() {
         let b = add_package(&env, &url, "beta", &[("bin/hello", "B\n"), ("share/doc/b.txt", "b\n")]);
         let install = |profile: &str, prio: &str| {
             let profile = env.path(&format!("{name}-{profile}"));
-            let args = ["--store", &url, "-p", profile.to_str().unwrap(), "-f", expr.to_str().unwrap(), "-i", "--argstr", "alpha", &a, "--argstr", "beta", &b, "--arg", "prio", prio, "alpha", "beta"];
+            let args = [
+                "--store",
+                &url,
+                "-p",
+                profile.to_str().unwrap(),
+                "-f",
+                expr.to_str().unwrap(),
+                "-i",
+                "--argstr",
+                "alpha",
+                &a,
+                "--argstr",
+                "beta",
+                &b,
+                "--arg",
+                "prio",
+                prio,
+                "alpha",
+                "beta",
+            ];
             (as_root(&env, false, "nix-env", &args), profile)
         };
         let ((ok, _, err), _) = install("same", "5");
@@ -2376,7 +2620,8 @@ fn serve_files(files: Vec<(&'static str, Vec<u8>)>, auth: Option<&'static str>) 
                 head.push(std::mem::take(&mut line));
             }
             let path = head.first().and_then(|l| l.split_whitespace().nth(1)).unwrap_or("").to_owned();
-            let authorized = auth.is_none_or(|a| head.iter().any(|l| l.trim_end().eq_ignore_ascii_case(&format!("authorization: Basic {a}"))));
+            let authorized =
+                auth.is_none_or(|a| head.iter().any(|l| l.trim_end().eq_ignore_ascii_case(&format!("authorization: Basic {a}"))));
             let body = files.iter().find(|(p, _)| *p == path).map(|(_, b)| b.as_slice());
             let (status, body) = match (authorized, body) {
                 (false, _) => ("401 Unauthorized", &b"login needed"[..]),
@@ -2420,7 +2665,8 @@ fn fetchurl_is_built_in_sluice() {
         for modern in [false, true] {
             let store = d.url(&env, i, modern);
             let hash = if modern { sha256.to_sri() } else { sha256.to_base16() };
-            let (ok, out, err) = fetchurl(&env, &store, modern, &["--argstr", "url", &url, "--argstr", if modern { "hash" } else { "sha256" }, &hash]);
+            let (ok, out, err) =
+                fetchurl(&env, &store, modern, &["--argstr", "url", &url, "--argstr", if modern { "hash" } else { "sha256" }, &hash]);
             assert!(ok, "{name} (2.26: {modern}): {err}");
             assert_eq!(std::fs::read(env.path(root).join(out.trim_start_matches('/'))).unwrap(), body, "{name}");
             assert_eq!(env.nix("nix-store", &["--store", &store, "-q", "--hash", &out]).trim(), nar_hash, "{name}");
@@ -2431,8 +2677,14 @@ fn fetchurl_is_built_in_sluice() {
         let before = store_entries(&env, root);
         let (ok, _, err) = fetchurl(&env, &d.url(&env, i, false), false, &["--argstr", "url", &url, "--argstr", "sha256", &"0".repeat(64)]);
         assert!(!ok, "{name}: a wrong hash was accepted");
-        assert!(err.contains("hash mismatch in fixed-output derivation '/nix/store/") && err.contains(&format!("got:    {}", sha256.to_sri())), "{name}: {err}");
-        let added: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
+        assert!(
+            err.contains("hash mismatch in fixed-output derivation '/nix/store/") && err.contains(&format!("got:    {}", sha256.to_sri())),
+            "{name}: {err}"
+        );
+        let added: Vec<String> = store_entries(&env, root)
+            .into_iter()
+            .filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock"))
+            .collect();
         // Nix registers what it fetched under the path of the hash it got, here the good one.
         let expected = if *name == "nix-daemon" { vec![outputs[0].trim_start_matches("/nix/store/").to_owned()] } else { Vec::new() };
         assert_eq!(added, expected, "{name}");
@@ -2455,7 +2707,12 @@ derivation {
 fn unpack_channel(env: &Env, store: &str, modern: bool, src: &Path) -> (bool, String, String) {
     let expr = env.path("unpack-channel.nix");
     std::fs::write(&expr, UNPACK_CHANNEL).unwrap();
-    let (ok, out, err) = as_root(env, modern, "nix-build", &["--store", store, expr.to_str().unwrap(), "--no-out-link", "--arg", "src", src.to_str().unwrap()]);
+    let (ok, out, err) = as_root(
+        env,
+        modern,
+        "nix-build",
+        &["--store", store, expr.to_str().unwrap(), "--no-out-link", "--arg", "src", src.to_str().unwrap()],
+    );
     (ok, out.trim().to_owned(), err)
 }
 
@@ -2568,7 +2825,10 @@ fn unpack_channel_is_built_in_sluice() {
             let before = store_entries(&env, root);
             let (ok, _, err) = unpack_channel(&env, &store, false, &tarball);
             assert!(!ok, "{what}: a bad tarball was unpacked");
-            let added: Vec<String> = store_entries(&env, root).into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
+            let added: Vec<String> = store_entries(&env, root)
+                .into_iter()
+                .filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock"))
+                .collect();
             let src: Vec<&String> = added.iter().filter(|e| e.ends_with(&*tarball.file_name().unwrap().to_string_lossy())).collect();
             assert_eq!(added.len(), src.len(), "{what}: an output was left: {added:?}");
             if *name != "nix-daemon" || why == "contains more than one file" {
@@ -2589,9 +2849,19 @@ fn nix_channel_update_matches_nix() {
     let tree = env.path("chan-src/nixexprs-2.0");
     std::fs::create_dir_all(&tree).unwrap();
     std::fs::write(tree.join("default.nix"), "{ ... }: { hello = 42; }\n").unwrap();
-    let ok = Command::new("tar").arg("-cJf").arg(env.path("nixexprs.tar.xz")).arg("-C").arg(env.path("chan-src")).arg("nixexprs-2.0").status().unwrap();
+    let ok = Command::new("tar")
+        .arg("-cJf")
+        .arg(env.path("nixexprs.tar.xz"))
+        .arg("-C")
+        .arg(env.path("chan-src"))
+        .arg("nixexprs-2.0")
+        .status()
+        .unwrap();
     assert!(ok.success());
-    let server = serve_files(vec![("/chan", b"a channel\n".to_vec()), ("/chan/nixexprs.tar.xz", std::fs::read(env.path("nixexprs.tar.xz")).unwrap())], None);
+    let server = serve_files(
+        vec![("/chan", b"a channel\n".to_vec()), ("/chan/nixexprs.tar.xz", std::fs::read(env.path("nixexprs.tar.xz")).unwrap())],
+        None,
+    );
     let d = BuiltinDaemons::start(&env, "");
     let mut seen = Vec::new();
     for (i, (name, _, _)) in d.daemons.iter().enumerate() {
@@ -2600,7 +2870,14 @@ fn nix_channel_update_matches_nix() {
         std::fs::create_dir_all(state.join("profiles/per-user/root")).unwrap();
         std::fs::create_dir_all(&home).unwrap();
         let channel = |args: &[&str]| {
-            let out = env.cmd("nix-channel").env("HOME", &home).env("NIX_STATE_DIR", &state).env("NIX_REMOTE", d.url(&env, i, false)).args(args).output().unwrap();
+            let out = env
+                .cmd("nix-channel")
+                .env("HOME", &home)
+                .env("NIX_STATE_DIR", &state)
+                .env("NIX_REMOTE", d.url(&env, i, false))
+                .args(args)
+                .output()
+                .unwrap();
             assert!(out.status.success(), "{name}: nix-channel {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         };
         channel(&["--add", &format!("{server}/chan"), "mychan"]);
@@ -2610,7 +2887,11 @@ fn nix_channel_update_matches_nix() {
         let root = d.daemons[i].2;
         let mychan = std::fs::read_link(env.path(root).join(profile.strip_prefix("/").unwrap()).join("mychan")).unwrap();
         let out = mychan.parent().unwrap().to_str().unwrap().to_owned();
-        assert_eq!(std::fs::read_to_string(env.path(root).join(mychan.strip_prefix("/").unwrap()).join("default.nix")).unwrap(), "{ ... }: { hello = 42; }\n", "{name}");
+        assert_eq!(
+            std::fs::read_to_string(env.path(root).join(mychan.strip_prefix("/").unwrap()).join("default.nix")).unwrap(),
+            "{ ... }: { hello = 42; }\n",
+            "{name}"
+        );
         seen.push((out.clone(), hash_and_references(&env, &d.url(&env, i, false), &out)));
     }
     assert_eq!(seen[0], seen[2], "sluice daemon, then nix-daemon");
@@ -2656,7 +2937,12 @@ fn fetchurl_with_netrc_unpack_and_executable_matches_nix() {
         let store = d.url(&env, i, false);
         let mut outs = Vec::new();
         for (case, url, hash, flag) in &cases {
-            let (ok, out, err) = fetchurl(&env, &store, false, &["--argstr", "url", url, "--argstr", "sha256", hash, "--arg", flag, "true", "--argstr", "name", case]);
+            let (ok, out, err) = fetchurl(
+                &env,
+                &store,
+                false,
+                &["--argstr", "url", url, "--argstr", "sha256", hash, "--arg", flag, "true", "--argstr", "name", case],
+            );
             assert!(ok, "{name} {case}: {err}");
             let real = env.path(root).join(out.trim_start_matches('/'));
             let script = if *flag == "unpack" { real.join("run.sh") } else { real.clone() };
@@ -2670,7 +2956,12 @@ fn fetchurl_with_netrc_unpack_and_executable_matches_nix() {
 
     std::fs::write(&netrc, "machine 127.0.0.1 login user password wrong\n").unwrap();
     let wrong = env.daemon_on("wrong.socket", "wrong", &d.cache, &format!("netrc-file = {}", netrc.display()), &[], None);
-    let (ok, _, err) = fetchurl(&env, &wrong.url, false, &["--argstr", "url", &cases[0].1, "--argstr", "sha256", cases[0].2, "--arg", "executable", "true"]);
+    let (ok, _, err) = fetchurl(
+        &env,
+        &wrong.url,
+        false,
+        &["--argstr", "url", &cases[0].1, "--argstr", "sha256", cases[0].2, "--arg", "executable", "true"],
+    );
     assert!(!ok && err.contains(&format!("unable to download '{}'", cases[0].1)) && err.contains("401"), "{err}");
 }
 
@@ -2698,10 +2989,12 @@ fn fetchurl_reads_file_urls_for_trusted_clients_only() {
 
     let expr = env.path("fetchurl.nix");
     let before = store_entries(&env, "root");
-    let (ok, _, err) = as_nobody(&env, "nix-build", &[&["--store", &d.url(&env, 0, false), expr.to_str().unwrap(), "--no-out-link"], &args[..]].concat());
+    let (ok, _, err) =
+        as_nobody(&env, "nix-build", &[&["--store", &d.url(&env, 0, false), expr.to_str().unwrap(), "--no-out-link"], &args[..]].concat());
     assert!(!ok, "nobody had the daemon read {url}");
     assert!(err.contains(&format!("unable to download '{url}': file:// URLs are read only for trusted clients")), "{err}");
-    let added: Vec<String> = store_entries(&env, "root").into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
+    let added: Vec<String> =
+        store_entries(&env, "root").into_iter().filter(|e| !before.contains(e) && !e.ends_with(".drv") && !e.ends_with(".lock")).collect();
     assert!(added.is_empty(), "added {added:?}");
 }
 
@@ -2721,7 +3014,14 @@ fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
     let fetch = |hash: &Hash| {
         let hex = hash.to_base16();
         let env = [Err(&b"out"[..]), Err(MISSING), Err(b"url"), Err(url.as_bytes())];
-        let head = [Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]), Ok(1), Err(b"out"), Err(MISSING), Err(b"sha256"), Err(hex.as_bytes())];
+        let head = [
+            Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]),
+            Ok(1),
+            Err(b"out"),
+            Err(MISSING),
+            Err(b"sha256"),
+            Err(hex.as_bytes()),
+        ];
         let rest = [Ok(0), Err(&b"builtin"[..]), Err(b"builtin:fetchurl"), Ok(0), Ok(2)];
         request(36, &[&head[..], &rest, &env, &[Ok(0)]].concat())
     };
@@ -2742,7 +3042,11 @@ fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
     assert_eq!(until_last(&mut client), Ok(()));
     let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
     assert_eq!(status, 5, "OutputRejected: {msg}");
-    assert!(msg.starts_with("hash mismatch in fixed-output derivation '/nix/store/00000000000000000000000000000000-f.txt.drv':") && msg.contains(&format!("got:    {}", good.to_sri())), "{msg}");
+    assert!(
+        msg.starts_with("hash mismatch in fixed-output derivation '/nix/store/00000000000000000000000000000000-f.txt.drv':")
+            && msg.contains(&format!("got:    {}", good.to_sri())),
+        "{msg}"
+    );
     read_u64(&mut client);
     assert_eq!(is_valid_after_result(&mut client, &out), 1, "the connection goes on");
     assert_eq!(store_entries(&env, "root"), before, "nothing added");
@@ -2753,13 +3057,33 @@ fn untrusted_build_derivation_of_fetchurl_is_built_in_sluice() {
     let claimed = ContentAddress::Fixed { recursive: false, hash: other.clone() };
     let claimed = StoreDir::default().display_path(&claimed.store_path(&StoreDir::default(), "f.txt", &[], false).unwrap());
     let hex = other.to_base16();
-    let head = [Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]), Ok(1), Err(b"out"), Err(claimed.as_bytes()), Err(b"sha256"), Err(hex.as_bytes())];
-    let rest = [Ok(0), Err(&b"builtin"[..]), Err(b"builtin:buildenv"), Ok(0), Ok(2), Err(b"derivations"), Err(b""), Err(b"manifest"), Err(b"/nix/store/x")];
+    let head = [
+        Err(&b"/nix/store/00000000000000000000000000000000-f.txt.drv"[..]),
+        Ok(1),
+        Err(b"out"),
+        Err(claimed.as_bytes()),
+        Err(b"sha256"),
+        Err(hex.as_bytes()),
+    ];
+    let rest = [
+        Ok(0),
+        Err(&b"builtin"[..]),
+        Err(b"builtin:buildenv"),
+        Ok(0),
+        Ok(2),
+        Err(b"derivations"),
+        Err(b""),
+        Err(b"manifest"),
+        Err(b"/nix/store/x"),
+    ];
     client.write_all(&request(36, &[&head[..], &rest, &[Ok(0)]].concat())).unwrap();
     assert_eq!(until_last(&mut client), Ok(()));
     let (status, msg) = (read_u64(&mut client), String::from_utf8(read_string(&mut client)).unwrap());
     assert_eq!(status, 5, "OutputRejected: {msg}");
-    assert!(msg.starts_with("hash mismatch in fixed-output derivation") && msg.contains(&format!("specified: {}", other.to_sri())), "{msg}");
+    assert!(
+        msg.starts_with("hash mismatch in fixed-output derivation") && msg.contains(&format!("specified: {}", other.to_sri())),
+        "{msg}"
+    );
     read_u64(&mut client);
     assert_eq!(is_valid_after_result(&mut client, claimed.as_bytes()), 0, "a forged fixed output");
     assert_eq!(store_entries(&env, "root"), before, "nothing added");
@@ -2809,17 +3133,25 @@ fn sluice_copy_into_and_out_of_daemons() {
         let direct = direct.to_str().unwrap();
         // `sluice missing --store unix://…` asks the daemon what is valid: all, then nothing.
         let missing = |expected: usize| {
-            let out = env.cmd(sluice()).args(["missing", "--json", "--store", &daemon.url, "--substituters", &cache, &glibc]).output().unwrap();
-            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+            let out =
+                env.cmd(sluice()).args(["missing", "--json", "--store", &daemon.url, "--substituters", &cache, &glibc]).output().unwrap();
+            let json: serde_json::Value =
+                serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
             assert_eq!(json["willSubstitute"].as_array().unwrap().len(), expected, "{root}: {json}");
         };
         missing(closure.len());
-        let into = env.cmd(sluice()).env("SLUICE_LOG", "sluice_store::remote=debug").args(["copy", "--from", &cache, "--to", &daemon.url, &glibc]).output().unwrap();
+        let into = env
+            .cmd(sluice())
+            .env("SLUICE_LOG", "sluice_store::remote=debug")
+            .args(["copy", "--from", &cache, "--to", &daemon.url, &glibc])
+            .output()
+            .unwrap();
         let log = String::from_utf8_lossy(&into.stderr);
         assert!(into.status.success(), "into {root}: {log}");
         // Both daemons speak 1.34: every path goes in an AddMultipleToStore (a batch holds the
         // paths whose references are added; this closure is nearly a chain).
-        let batched: Vec<usize> = log.lines().filter_map(|l| l.split("AddMultipleToStore of ").nth(1)?.split(' ').next()?.parse().ok()).collect();
+        let batched: Vec<usize> =
+            log.lines().filter_map(|l| l.split("AddMultipleToStore of ").nth(1)?.split(' ').next()?.parse().ok()).collect();
         assert_eq!(batched.iter().sum::<usize>(), closure.len(), "into {root}: {log}");
         missing(0);
         let valid = env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]);
@@ -2831,13 +3163,17 @@ fn sluice_copy_into_and_out_of_daemons() {
 
         let out_dir = env.path(&format!("{root}-out"));
         let out = format!("file://{}", out_dir.display());
-        let from = env.cmd(sluice()).args(["copy", "--from", &daemon.url, "--to", &format!("{out}?compression=xz"), &glibc]).output().unwrap();
+        let from =
+            env.cmd(sluice()).args(["copy", "--from", &daemon.url, "--to", &format!("{out}?compression=xz"), &glibc]).output().unwrap();
         assert!(from.status.success(), "out of {root}: {}", String::from_utf8_lossy(&from.stderr));
         let fresh = env.path(&format!("{root}-fresh"));
         let fresh = fresh.to_str().unwrap();
         env.nix("nix", &["copy", "--from", &out, "--to", fresh, &glibc, "--option", "trusted-public-keys", &key]);
         verified(&env, fresh);
-        let files: std::collections::BTreeSet<(String, Vec<u8>)> = walk_files(&out_dir).into_iter().map(|p| (p.strip_prefix(&out_dir).unwrap().display().to_string(), std::fs::read(&p).unwrap())).collect();
+        let files: std::collections::BTreeSet<(String, Vec<u8>)> = walk_files(&out_dir)
+            .into_iter()
+            .map(|p| (p.strip_prefix(&out_dir).unwrap().display().to_string(), std::fs::read(&p).unwrap()))
+            .collect();
         assert_eq!(files.iter().filter(|(n, _)| n.ends_with(".narinfo")).count(), closure.len(), "{out}");
         written.push(files);
     }
@@ -2906,7 +3242,10 @@ fn untrusted_sluice_copy_into_a_daemon_is_the_daemons_decision() {
             "nix-root" => format!("cannot add path '{dep}' because it lacks a valid signature"),
             _ => format!("cannot add path '{dep}' because it lacks a signature by a trusted key"),
         };
-        assert!(err.contains(&format!("daemon at {}: AddMultipleToStore: {words}", daemon.url.trim_start_matches("unix://"))), "{root}: {err}");
+        assert!(
+            err.contains(&format!("daemon at {}: AddMultipleToStore: {words}", daemon.url.trim_start_matches("unix://"))),
+            "{root}: {err}"
+        );
         let after = store_entries(&env, root);
         assert_eq!(after, before, "{root}: the refused add left something");
         let (ok, _, err) = as_root(&env, false, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &dep]);
@@ -2937,7 +3276,9 @@ fn a_batch_refused_partway_leaves_a_closed_valid_subset() {
     let narinfo = dir.join("g6gz9bm1r6w22wpyw4al7y30r9c3hks4.narinfo");
     let signed = std::fs::read_to_string(&narinfo).unwrap();
     std::fs::write(&narinfo, without_sigs(&signed)).unwrap();
-    let closure_in = |store: &str, path: &str| -> std::collections::BTreeSet<String> { env.nix("nix", &["path-info", "-r", "--store", store, path]).lines().map(str::to_owned).collect() };
+    let closure_in = |store: &str, path: &str| -> std::collections::BTreeSet<String> {
+        env.nix("nix", &["path-info", "-r", "--store", store, path]).lines().map(str::to_owned).collect()
+    };
     let closure = closure_in(&cache, &top);
     assert_eq!(closure.len(), 25);
     let tainted: std::collections::BTreeSet<&String> = closure.iter().filter(|p| closure_in(&cache, p).contains(&refused)).collect();
@@ -2950,11 +3291,17 @@ fn a_batch_refused_partway_leaves_a_closed_valid_subset() {
         let (ok, _, err) = as_nobody(&env, sluice(), &["copy", "--no-check-sigs", "--from", &cache, "--to", &daemon.url, &top]);
         assert!(!ok, "{root}: the copy succeeded: {err}");
         assert!(err.contains(&refused) && err.contains(": AddMultipleToStore: "), "{root}: {err}");
-        let invalid = env.cmd("nix-store").args(["--store", direct, "--check-validity", "--print-invalid"]).args(&closure).output().unwrap();
+        let invalid =
+            env.cmd("nix-store").args(["--store", direct, "--check-validity", "--print-invalid"]).args(&closure).output().unwrap();
         let invalid: std::collections::BTreeSet<String> = String::from_utf8_lossy(&invalid.stdout).lines().map(str::to_owned).collect();
         let valid: Vec<&String> = closure.iter().filter(|p| !invalid.contains(*p)).collect();
         assert!(tainted.iter().all(|p| invalid.contains(*p)), "{root}: a path referring to the refused one is valid: {valid:?}");
-        eprintln!("{root}: {} of {} paths valid after the refusal ({} refer to the refused path)", valid.len(), closure.len(), tainted.len());
+        eprintln!(
+            "{root}: {} of {} paths valid after the refusal ({} refer to the refused path)",
+            valid.len(),
+            closure.len(),
+            tainted.len()
+        );
         if !valid.is_empty() {
             let mut args = vec!["--store", direct, "-qR"];
             args.extend(valid.iter().map(|p| p.as_str()));
@@ -2966,7 +3313,10 @@ fn a_batch_refused_partway_leaves_a_closed_valid_subset() {
         let expected: Vec<String> = valid.iter().map(|p| p.trim_start_matches("/nix/store/").to_string()).collect();
         assert_eq!(trees, expected, "{root}: trees beside the valid paths");
         // The summary line's count (an error line may say "not copied" too).
-        let copied: usize = err.lines().find_map(|l| l.strip_prefix("copied ")?.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{root}: no count in {err}"));
+        let copied: usize = err
+            .lines()
+            .find_map(|l| l.strip_prefix("copied ")?.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{root}: no count in {err}"));
         assert_eq!(copied, valid.len(), "{root}: {err}");
     }
     std::fs::write(&narinfo, signed).unwrap();
@@ -3048,7 +3398,26 @@ fn buildenv_of_packages_1500_levels_deep() {
     std::fs::write(&expr, TWO_PACKAGES).unwrap();
     let profile = env.path("profile");
     let start = Instant::now();
-    let args = ["--store", &daemon.url, "-p", profile.to_str().unwrap(), "-f", expr.to_str().unwrap(), "-i", "--argstr", "alpha", &a, "--argstr", "beta", &b, "--arg", "prio", "4", "alpha", "beta"];
+    let args = [
+        "--store",
+        &daemon.url,
+        "-p",
+        profile.to_str().unwrap(),
+        "-f",
+        expr.to_str().unwrap(),
+        "-i",
+        "--argstr",
+        "alpha",
+        &a,
+        "--argstr",
+        "beta",
+        &b,
+        "--arg",
+        "prio",
+        "4",
+        "alpha",
+        "beta",
+    ];
     let (ok, _, err) = as_root(&env, false, "nix-env", &args);
     eprintln!("nix-env -i of two packages 1500 levels deep: {:?}", start.elapsed());
     assert!(ok, "{err}");
@@ -3069,7 +3438,8 @@ fn a_runtime_root_by_its_store_name_keeps_a_path_in_a_chroot_store() {
     let file = env.path("kept.txt");
     std::fs::write(&file, "kept by an environment\n").unwrap();
     let urls = [sluice_daemon.url.clone(), nix_daemon.url.clone()];
-    let added: Vec<String> = urls.iter().map(|url| env.nix("nix-store", &["--store", url, "--add", file.to_str().unwrap()]).trim().to_owned()).collect();
+    let added: Vec<String> =
+        urls.iter().map(|url| env.nix("nix-store", &["--store", url, "--add", file.to_str().unwrap()]).trim().to_owned()).collect();
     assert_eq!(added[0], added[1]);
     let listed = |url: &str, what: &str| env.nix("nix-store", &["--store", url, "--gc", what]).lines().any(|l| l == added[0]);
     let mut holder = Command::new("sleep").arg("60").env("KEEP", format!("x:{}/bin", added[0])).spawn().unwrap();
@@ -3100,10 +3470,31 @@ fn ca_floating_derivations_need_the_experimental_feature() {
     let disabled = "experimental Nix feature 'ca-derivations' is disabled";
     let direct = format!("local?root={}", env.path("direct").display());
     let out = env.cmd("nix-store").args(["--store", &direct, "--add", drv]).output().unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains(disabled), "Nix 2.8: {}", String::from_utf8_lossy(&out.stderr));
-    let added = env.nix("nix-store", &["--store", &direct, "--add", drv, "--option", "extra-experimental-features", "ca-derivations"]).trim().to_owned();
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(disabled),
+        "Nix 2.8: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let added = env
+        .nix("nix-store", &["--store", &direct, "--add", drv, "--option", "extra-experimental-features", "ca-derivations"])
+        .trim()
+        .to_owned();
     let bin_cache = format!("file://{}", env.path("ca-cache").display());
-    env.nix("nix", &["copy", "--derivation", "--from", &direct, "--to", &bin_cache, &added, "--option", "extra-experimental-features", "ca-derivations"]);
+    env.nix(
+        "nix",
+        &[
+            "copy",
+            "--derivation",
+            "--from",
+            &direct,
+            "--to",
+            &bin_cache,
+            &added,
+            "--option",
+            "extra-experimental-features",
+            "ca-derivations",
+        ],
+    );
 
     for (config, allowed) in [("", false), ("experimental-features = ca-derivations", true)] {
         let daemon = env.daemon("root", &cache, config);
@@ -3117,7 +3508,12 @@ fn ca_floating_derivations_need_the_experimental_feature() {
         drop(daemon);
         std::fs::remove_file(env.path("socket")).unwrap();
         let to = format!("local?root={}", env.path(&format!("copy-{allowed}")).display());
-        let out = env.cmd(sluice()).args(["copy", "--from", &bin_cache, "--to", &to, &added]).env("NIX_CONFIG", format!("substituters =\n{config}")).output().unwrap();
+        let out = env
+            .cmd(sluice())
+            .args(["copy", "--from", &bin_cache, "--to", &to, &added])
+            .env("NIX_CONFIG", format!("substituters =\n{config}"))
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.success(), allowed, "sluice copy with '{config}': {err}");
         assert!(allowed || err.contains(disabled), "{err}");

@@ -3,7 +3,6 @@
 //! error, every path registered before stays valid, and after the filesystem is enlarged a
 //! rerun completes. The tmpfs is unmounted at the end, also when the test fails.
 
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -2,7 +2,6 @@
 //! says why, as real Nix 2.8 refuses it too; failures that share a cause are one line with the
 //! count, what the paths carry and the fix.
 
-
 use std::path::Path;
 
 use crate::common::*;
@@ -67,7 +66,11 @@ fn from_unreachable_tls_or_401_is_one_error_saying_so() {
     let rules = tmp.path().join("rules-401.json");
     std::fs::write(&rules, r#"[{"path": "/nix-cache-info", "status": 401, "body": "token expired"}]"#).unwrap();
     let unauthorised = Scripted::start(&corpus().join("cache-zstd"), Some(&rules), 0, &tmp.path().join("log"));
-    for (url, cause) in [(closed.as_str(), "Connection refused"), (tls.url.as_str(), "certificate"), (unauthorised.url.as_str(), "HTTP status 401 (token expired)")] {
+    for (url, cause) in [
+        (closed.as_str(), "Connection refused"),
+        (tls.url.as_str(), "certificate"),
+        (unauthorised.url.as_str(), "HTTP status 401 (token expired)"),
+    ] {
         let case = tmp.path().join(cause.split(' ').next().unwrap());
         std::fs::create_dir(&case).unwrap();
         let (o, _) = copy_from_both(&case, url, &["--option", "download-attempts", "1"]);
@@ -86,7 +89,10 @@ fn an_unreadable_ssl_cert_file_fails_only_a_cache_over_https() {
     let missing = tmp.path().join("no-such-ca.pem");
     let missing = missing.to_str().unwrap();
     let closed = format!("https://127.0.0.1:{}", closed_port());
-    let o = sluice(tmp.path(), &["copy", "--from", &closed, "--to", tmp.path().join("https").to_str().unwrap(), "--option", "ssl-cert-file", missing, TOP]);
+    let o = sluice(
+        tmp.path(),
+        &["copy", "--from", &closed, "--to", tmp.path().join("https").to_str().unwrap(), "--option", "ssl-cert-file", missing, TOP],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert_eq!(error_lines(&o), [format!("error: {closed}: ssl-cert-file {missing}: No such file or directory (os error 2)")]);
     let leaf = corpus_path("bash-5.2-p15");

@@ -2,25 +2,28 @@
 //! NarHash/NarSize (case 08). A refused path is neither registered nor left at its final
 //! path, and no temporary tree or lock file remains; an accepted one is verified by real Nix.
 
-
 use crate::common::*;
 
 #[test]
 fn signature_rules_of_case_09() {
     let case = "09-signature-verification";
     let url = format!("file://{}", shared().join("cases").join(case).join("cache").display());
-    let accept = ["dep-helper", "trusted", "untrusted-then-trusted", "bad-base64-plus-good", "truncated-plus-good", "no-colon-sig", "ca-unsigned"];
+    let accept =
+        ["dep-helper", "trusted", "untrusted-then-trusted", "bad-base64-plus-good", "truncated-plus-good", "no-colon-sig", "ca-unsigned"];
     let paths = case_paths(case);
     assert_eq!(paths.len(), 16);
     for (variant, path) in paths {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("root");
-        let o = sluice(tmp.path(), &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), &path]);
+        let o =
+            sluice(tmp.path(), &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), &path]);
         if accept.contains(&variant.as_str()) {
             check(&o, &format!("copy of {variant}"));
             assert_nix_verifies(tmp.path(), &root);
             // The Sig lines are stored verbatim, malformed ones too (never repaired).
-            let narinfo = std::fs::read_to_string(case_dir(case).join("cache").join(format!("{}.narinfo", &path["/nix/store/".len()..][..32]))).unwrap();
+            let narinfo =
+                std::fs::read_to_string(case_dir(case).join("cache").join(format!("{}.narinfo", &path["/nix/store/".len()..][..32])))
+                    .unwrap();
             let mut sigs: Vec<&str> = narinfo.lines().filter_map(|l| l.strip_prefix("Sig: ")).collect();
             sigs.sort();
             let info = nix_path_info(tmp.path(), root.to_str().unwrap(), &path);
@@ -37,11 +40,19 @@ fn signature_rules_of_case_09() {
             }
             // An unsigned path names the trusted keys too (what would have vouched for it).
             if variant == "no-sig" {
-                assert!(err.contains("lacks a signature by a trusted key (it has no signature; trusted: case-test-1)"), "{variant}: the key names: {err}");
+                assert!(
+                    err.contains("lacks a signature by a trusted key (it has no signature; trusted: case-test-1)"),
+                    "{variant}: the key names: {err}"
+                );
             }
             // A signature under the trusted key's name that does not verify is told apart.
             let unverified = "the signature by case-test-1 does not verify: it was not made over this NAR hash, size and references";
-            assert_eq!(err.contains(unverified), ["wrong-key-same-name", "fingerprint-short-refs", "sig-of-other-path", "bad-base64-only", "truncated-sig"].contains(&variant.as_str()), "{variant}: {err}");
+            assert_eq!(
+                err.contains(unverified),
+                ["wrong-key-same-name", "fingerprint-short-refs", "sig-of-other-path", "bad-base64-only", "truncated-sig"]
+                    .contains(&variant.as_str()),
+                "{variant}: {err}"
+            );
         }
     }
 }
@@ -59,7 +70,10 @@ fn nar_mismatches_of_case_08() {
     for (variant, path) in rows {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("root");
-        let o = sluice(tmp.path(), &["copy", "--from", &cache_a, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), &path]);
+        let o = sluice(
+            tmp.path(),
+            &["copy", "--from", &cache_a, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), &path],
+        );
         match expect.iter().find(|(v, _)| *v == variant) {
             Some((_, reason)) => {
                 assert_eq!(o.status.code(), Some(1), "{variant} must be refused");
@@ -78,7 +92,10 @@ fn nar_mismatches_of_case_08() {
     let root = tmp.path().join("root");
     let path = "/nix/store/8fzypr7nz0hvf4zms8g38mbna540c5yn-content-differs";
     let subs = format!("{cache_a} {cache_b}");
-    let o = sluice(tmp.path(), &["copy", "--substituters", &subs, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), path]);
+    let o = sluice(
+        tmp.path(),
+        &["copy", "--substituters", &subs, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), path],
+    );
     check(&o, "copy with fallback to cache-b");
     assert_nix_verifies(tmp.path(), &root);
     let dump = nix(tmp.path(), "nix", &["store", "dump-path", "--store", root.to_str().unwrap(), path]);
@@ -115,7 +132,8 @@ fn claim_cycle(cache: &std::path::Path) {
     let file = narinfo_of(cache, LIBIDN2);
     let text = std::fs::read_to_string(&file).unwrap();
     let glibc = &GLIBC["/nix/store/".len()..];
-    let claimed: String = text.lines().map(|l| if l.starts_with("References: ") { format!("{l} {glibc}\n") } else { format!("{l}\n") }).collect();
+    let claimed: String =
+        text.lines().map(|l| if l.starts_with("References: ") { format!("{l} {glibc}\n") } else { format!("{l}\n") }).collect();
     assert_ne!(claimed, text);
     std::fs::write(file, claimed).unwrap();
 }
@@ -179,10 +197,26 @@ fn a_cycle_claimed_only_by_a_fallback_narinfo_does_not_hang_the_copy() {
     claim_cycle(&second);
     let subs = format!("file://{} file://{}?trusted=true", first.display(), second.display());
     let root = tmp.path().join("root");
-    let o = sluice_within(tmp.path(), &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &corpus_path("hexurvend-wrapper")]);
+    let o = sluice_within(
+        tmp.path(),
+        &[
+            "copy",
+            "--substituters",
+            &subs,
+            "--trusted-public-keys",
+            &corpus_key(),
+            "--to",
+            root.to_str().unwrap(),
+            &corpus_path("hexurvend-wrapper"),
+        ],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let err = stderr(&o);
-    assert!(err.contains("not used: it lists references that the narinfo the closure was walked with does not") && err.contains(&format!("'{GLIBC}'")), "{err}");
+    assert!(
+        err.contains("not used: it lists references that the narinfo the closure was walked with does not")
+            && err.contains(&format!("'{GLIBC}'")),
+        "{err}"
+    );
     for path in [GLIBC, LIBIDN2] {
         assert_absent(tmp.path(), &root, path);
     }
@@ -201,11 +235,15 @@ fn a_cycle_claimed_by_an_untrusted_narinfo_does_not_fail_paths_a_trusted_cache_h
     let subs = format!("file://{} file://{}", hostile.display(), corpus().join("cache-subset-none").display());
     let root = tmp.path().join("root");
     let top = corpus_path("hexurvend-wrapper");
-    let o = sluice_within(tmp.path(), &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &top]);
+    let o = sluice_within(
+        tmp.path(),
+        &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &top],
+    );
     check(&o, "copy past an untrusted cyclic narinfo");
     assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), &top).len(), 25);
     let info = nix_path_info(tmp.path(), root.to_str().unwrap(), LIBIDN2);
-    let references: Vec<&str> = info.iter().find(|i| i["path"] == LIBIDN2).unwrap()["references"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    let references: Vec<&str> =
+        info.iter().find(|i| i["path"] == LIBIDN2).unwrap()["references"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
     assert_eq!(references, [LIBUNISTRING, LIBIDN2]);
     assert_nix_verifies(tmp.path(), &root);
 }
@@ -226,7 +264,10 @@ fn dependents_of_a_path_refused_at_commit_are_registered_after_its_next_substitu
     let subs = format!("file://{} file://{}", first.display(), corpus().join("cache-subset-none").display());
     let root = tmp.path().join("root");
     let top = corpus_path("hexurvend-wrapper");
-    let o = sluice_within(tmp.path(), &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &top]);
+    let o = sluice_within(
+        tmp.path(),
+        &["copy", "--substituters", &subs, "--trusted-public-keys", &corpus_key(), "--to", root.to_str().unwrap(), &top],
+    );
     check(&o, "copy past a NAR refused at commit");
     assert!(stderr(&o).contains("hash mismatch"), "the first cache's NAR is reported: {}", stderr(&o));
     assert_eq!(nix_path_info(tmp.path(), root.to_str().unwrap(), &top).len(), 25);
@@ -246,7 +287,10 @@ fn a_path_failed_for_a_cycle_is_not_registered_by_its_next_substituter() {
     let subs = format!("file://{} file://{}", first.display(), corpus().join("cache-subset-none").display());
     let root = tmp.path().join("root");
     let top = corpus_path("hexurvend-wrapper");
-    let o = sluice_within(tmp.path(), &["copy", "--json", "--jobs", "1", "--no-check-sigs", "--substituters", &subs, "--to", root.to_str().unwrap(), &top]);
+    let o = sluice_within(
+        tmp.path(),
+        &["copy", "--json", "--jobs", "1", "--no-check-sigs", "--substituters", &subs, "--to", root.to_str().unwrap(), &top],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let failed = report["failed"].as_object().unwrap();

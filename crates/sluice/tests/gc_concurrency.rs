@@ -45,7 +45,6 @@
 //!
 //!     SLUICE_SOAK=20 cargo test -p sluice --test integration gc_concurrency:: -- --test-threads 1 --nocapture
 
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -81,7 +80,17 @@ fn leftovers(root: &Path, valid: &BTreeSet<String>) -> Vec<String> {
         }
         out.push(name);
     }
-    let nix_own = ["nix/store", "nix/var/nix/db", "nix/var/nix/gcroots", "nix/var/nix/profiles", "nix/var/nix/temproots", "nix/var/nix/gc-socket", "nix/var/nix/gc.lock", "nix/var/nix/daemon-socket", "nix/var/log"];
+    let nix_own = [
+        "nix/store",
+        "nix/var/nix/db",
+        "nix/var/nix/gcroots",
+        "nix/var/nix/profiles",
+        "nix/var/nix/temproots",
+        "nix/var/nix/gc-socket",
+        "nix/var/nix/gc.lock",
+        "nix/var/nix/daemon-socket",
+        "nix/var/log",
+    ];
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let Ok(rd) = std::fs::read_dir(&dir) else { continue };
@@ -219,11 +228,15 @@ fn nix_modern() -> PathBuf {
 /// Whether Nix 2.26 runs through `nix-modern`, setting it up once if needed. `Err` gives the
 /// reason to skip.
 fn nix_modern_ready() -> Result<(), String> {
-    let works = || Command::new(nix_modern()).args(["nix-store", "--version"]).current_dir("/tmp").output().is_ok_and(|o| o.status.success());
+    let works =
+        || Command::new(nix_modern()).args(["nix-store", "--version"]).current_dir("/tmp").output().is_ok_and(|o| o.status.success());
     if works() {
         return Ok(());
     }
-    let o = Command::new(shared().join("bin/setup-nix-modern")).current_dir("/tmp").output().map_err(|e| format!("cannot run setup-nix-modern: {e}"))?;
+    let o = Command::new(shared().join("bin/setup-nix-modern"))
+        .current_dir("/tmp")
+        .output()
+        .map_err(|e| format!("cannot run setup-nix-modern: {e}"))?;
     if works() {
         Ok(())
     } else {
@@ -267,7 +280,8 @@ fn collect(tmp: &Path, which: Collector, root: &Path, n: usize) -> Collection {
     let status = wait_until(&mut child, start + Duration::from_secs(60));
     let end = Instant::now();
     let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-    let deleted = stderr.lines().filter_map(|l| l.strip_prefix("deleting '/nix/store/")).map(|l| l.trim_end_matches('\'').to_string()).collect();
+    let deleted =
+        stderr.lines().filter_map(|l| l.strip_prefix("deleting '/nix/store/")).map(|l| l.trim_end_matches('\'').to_string()).collect();
     let _ = std::fs::remove_file(&err);
     Collection { start, end, status, deleted, stderr }
 }
@@ -283,7 +297,8 @@ struct CollectorLoop {
 impl CollectorLoop {
     /// Starts the loop and returns after its first collection.
     fn start(tmp: &Path, which: Collector, root: &Path) -> CollectorLoop {
-        let daemon = matches!(which, Collector::Sluice).then(|| start_sluice_daemon(tmp, root, &collector_socket(tmp), "", "collector-daemon").0);
+        let daemon =
+            matches!(which, Collector::Sluice).then(|| start_sluice_daemon(tmp, root, &collector_socket(tmp), "", "collector-daemon").0);
         let stop = Arc::new(AtomicBool::new(false));
         let started = Arc::new(AtomicBool::new(false));
         let (tmp, root, flag, first_done) = (tmp.to_path_buf(), root.to_path_buf(), stop.clone(), started.clone());
@@ -321,7 +336,11 @@ impl CollectorLoop {
 fn collector_problems(runs: &[Collection], from: Instant, to: Instant, what: &str) -> Vec<String> {
     let mut problems = Vec::new();
     let overlapping = runs.iter().filter(|c| c.start < to && c.end > from).count();
-    let failed: Vec<String> = runs.iter().filter(|c| !c.status.is_some_and(|s| s.success())).map(|c| format!("{:?}: {}", c.status, c.stderr.lines().last().unwrap_or(""))).collect();
+    let failed: Vec<String> = runs
+        .iter()
+        .filter(|c| !c.status.is_some_and(|s| s.success()))
+        .map(|c| format!("{:?}: {}", c.status, c.stderr.lines().last().unwrap_or("")))
+        .collect();
     // A directory of temporary trees is rooted from before it is made until it is removed:
     // deleting one is a problem too.
     let deleted: Vec<&String> = runs.iter().flat_map(|c| c.deleted.iter()).collect();
@@ -409,12 +428,17 @@ fn copy_problems(status: Option<ExitStatus>, out: &Path, err: &Path, what: &str)
     let report: Option<serde_json::Value> = std::fs::read(out).ok().and_then(|b| serde_json::from_slice(&b).ok());
     let failed = report.as_ref().and_then(|r| r["failed"].as_object().map(|m| m.len()));
     let substituted = report.as_ref().and_then(|r| r["substituted"].as_array().map(|a| a.len()));
-    let errors: Vec<String> = std::fs::read_to_string(err).unwrap_or_default().lines().filter(|l| l.starts_with("error")).map(str::to_string).collect();
+    let errors: Vec<String> =
+        std::fs::read_to_string(err).unwrap_or_default().lines().filter(|l| l.starts_with("error")).map(str::to_string).collect();
     eprintln!("{what}: {status:?}, substituted {substituted:?}, failed {failed:?}");
     let mut problems = Vec::new();
     match status {
         None => problems.push(format!("{what}: timed out")),
-        Some(s) if !s.success() => problems.push(format!("{what}: {s}; report: substituted {substituted:?}, failed {failed:?}; {} error lines: {}", errors.len(), first(&errors, 4))),
+        Some(s) if !s.success() => problems.push(format!(
+            "{what}: {s}; report: substituted {substituted:?}, failed {failed:?}; {} error lines: {}",
+            errors.len(),
+            first(&errors, 4)
+        )),
         Some(_) => {}
     }
     problems
@@ -598,7 +622,12 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
             let _ = child.kill();
             let _ = child.wait();
             let valid = registered_paths(&root);
-            eprintln!("{what}, attempt {attempt}: killed after {:.2} s ({} paths printed as copied), {} valid", t0.elapsed().as_secs_f64(), copied_so_far(&err), valid.len());
+            eprintln!(
+                "{what}, attempt {attempt}: killed after {:.2} s ({} paths printed as copied), {} valid",
+                t0.elapsed().as_secs_f64(),
+                copied_so_far(&err),
+                valid.len()
+            );
             if running && !valid.is_empty() && valid.len() < 1056 {
                 killed_store = Some((root, valid));
                 break;
@@ -667,7 +696,10 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
         // kill came between its rename into place and its registration; Nix leaves those too,
         // until it next substitutes the path).
         let closure = closure();
-        let trees: Vec<String> = leftovers(&root, &now_valid).into_iter().filter(|n| !n.ends_with(".lock") && !closure.contains(&format!("/nix/store/{n}"))).collect();
+        let trees: Vec<String> = leftovers(&root, &now_valid)
+            .into_iter()
+            .filter(|n| !n.ends_with(".lock") && !closure.contains(&format!("/nix/store/{n}")))
+            .collect();
         eprintln!("{what}: after the next run (one leaf), {} leftovers other than .lock files: {}", trees.len(), first(&trees, 8));
         if !trees.is_empty() {
             problems.push(format!("{what}: the next run (one leaf) left the killed run's temporary trees: {}", first(&trees, 8)));
@@ -706,7 +738,8 @@ fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one()
         Hash::digest_bytes(HashAlgo::Sha256, &nar).to_nix32_prefixed(),
         nar.len()
     );
-    let info = sluice_nix::path_info::ValidPathInfo::from_narinfo(&sluice_nix::narinfo::NarInfo::parse(&Default::default(), &narinfo).unwrap(), 0);
+    let info =
+        sluice_nix::path_info::ValidPathInfo::from_narinfo(&sluice_nix::narinfo::NarInfo::parse(&Default::default(), &narinfo).unwrap(), 0);
     let roots = store.temp_roots();
     let mut pending = store.begin_add(info.clone(), &roots).unwrap().unwrap();
     pending.unpack(&mut nar.as_slice()).unwrap();

@@ -1,7 +1,6 @@
 //! Shell completions and man pages come from the same
 //! clap definitions as `--help`, so every command and option appears in each.
 
-
 use crate::common::*;
 
 /// Every subcommand, as `sluice --help` lists it.
@@ -35,10 +34,25 @@ fn man_pages_for_every_command_with_options_and_defaults() {
     check(&o, "sluice man");
     let mut written: Vec<String> = String::from_utf8_lossy(&o.stdout).lines().map(|l| l.rsplit('/').next().unwrap().to_owned()).collect();
     written.sort();
-    let mut want: Vec<String> = ["sluice", "sluice-copy", "sluice-missing", "sluice-path-info", "sluice-nar", "sluice-nar-dump", "sluice-nar-restore", "sluice-nar-ls", "sluice-daemon", "sluice-serve", "sluice-key", "sluice-key-generate", "sluice-completions", "sluice-man"]
-        .iter()
-        .map(|n| format!("{n}.1"))
-        .collect();
+    let mut want: Vec<String> = [
+        "sluice",
+        "sluice-copy",
+        "sluice-missing",
+        "sluice-path-info",
+        "sluice-nar",
+        "sluice-nar-dump",
+        "sluice-nar-restore",
+        "sluice-nar-ls",
+        "sluice-daemon",
+        "sluice-serve",
+        "sluice-key",
+        "sluice-key-generate",
+        "sluice-completions",
+        "sluice-man",
+    ]
+    .iter()
+    .map(|n| format!("{n}.1"))
+    .collect();
     want.sort();
     assert_eq!(written, want);
     let page = std::fs::read_to_string(dir.join("sluice-path-info.1")).unwrap();
@@ -55,8 +69,17 @@ fn man_pages_for_every_command_with_options_and_defaults() {
 fn help_describes_every_argument_and_offers_no_idle_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let commands: [&[&str]; 11] = [
-        &["copy"], &["missing"], &["path-info"], &["nar", "dump"], &["nar", "restore"], &["nar", "ls"],
-        &["daemon"], &["serve"], &["key", "generate"], &["completions"], &["man"],
+        &["copy"],
+        &["missing"],
+        &["path-info"],
+        &["nar", "dump"],
+        &["nar", "restore"],
+        &["nar", "ls"],
+        &["daemon"],
+        &["serve"],
+        &["key", "generate"],
+        &["completions"],
+        &["man"],
     ];
     let substituting = ["--substituters", "--trusted-public-keys", "--no-check-sigs"];
     for command in commands {
@@ -75,7 +98,8 @@ fn help_describes_every_argument_and_offers_no_idle_flag() {
             }
         }
         assert!(items >= 2, "{command:?}: {text}");
-        let offered = substituting.iter().filter(|f| lines.iter().any(|l| l.trim() == **f || l.trim().starts_with(&format!("{f} <")))).count();
+        let offered =
+            substituting.iter().filter(|f| lines.iter().any(|l| l.trim() == **f || l.trim().starts_with(&format!("{f} <")))).count();
         let expected = if matches!(command, ["copy"] | ["missing"]) { substituting.len() } else { 0 };
         assert_eq!(offered, expected, "{command:?}:\n{text}");
     }

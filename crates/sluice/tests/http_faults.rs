@@ -4,7 +4,6 @@
 //! to `download-attempts`, then the next substituter is used; a failing cache is skipped for
 //! the rest of the run with one warning. Short timeouts keep the run time small.
 
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -184,7 +183,12 @@ fn transient_server_errors_are_retried_on_the_same_cache() {
 
 #[test]
 fn failing_caches_are_skipped_with_one_warning() {
-    let cases = [Some("primary-rules-narinfo-502-always.json"), Some("primary-rules-nar-500-always.json"), Some("primary-rules-cache-info-500-always.json"), None];
+    let cases = [
+        Some("primary-rules-narinfo-502-always.json"),
+        Some("primary-rules-nar-500-always.json"),
+        Some("primary-rules-cache-info-500-always.json"),
+        None,
+    ];
     for rules in cases {
         let Run { err, primary, primary_url: url, secondary_nars, took, _tmp: _keep, .. } = primary_fault(rules, FAST);
         assert_eq!(secondary_nars, 1, "{rules:?}: served by the secondary");
@@ -200,7 +204,8 @@ fn failing_caches_are_skipped_with_one_warning() {
 #[test]
 fn a_stalled_cache_times_out() {
     let options = [("download-attempts", "2"), ("stalled-download-timeout", "1")];
-    let Run { err, primary_url: url, secondary_nars, took, _tmp: _keep, .. } = primary_fault(Some("primary-rules-narinfo-slow-30s.json"), &options);
+    let Run { err, primary_url: url, secondary_nars, took, _tmp: _keep, .. } =
+        primary_fault(Some("primary-rules-narinfo-slow-30s.json"), &options);
     assert_eq!(secondary_nars, 1);
     assert_eq!(warnings_about(&err, &url), 1, "{err}");
     assert!(err.contains("stalled-download-timeout"), "{err}");

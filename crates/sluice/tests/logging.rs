@@ -3,7 +3,6 @@
 //! `--log-format internal-json` read by a parser: every line `@nix ` and JSON, activities
 //! started and stopped in pairs, and each kind of line with Nix 2.26's keys and values.
 
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Output;
@@ -40,8 +39,12 @@ fn copy(copier: Copier, tmp: &Path, url: &str, top: &str, flags: &[&str]) -> Out
     let key = corpus_key();
     let o = match copier {
         Copier::Sluice => sluice(tmp, &[&["copy", "--from", url, "--to", to, "--trusted-public-keys", &key, top], flags].concat()),
-        Copier::Nix28 => nix(tmp, "nix", &[&["copy", "--from", url, "--to", to, "--option", "trusted-public-keys", &key, top], flags].concat()),
-        Copier::Nix226 => nix_modern(tmp, &[&["nix", "copy", "--from", url, "--to", to, "--option", "trusted-public-keys", &key, top], flags].concat()),
+        Copier::Nix28 => {
+            nix(tmp, "nix", &[&["copy", "--from", url, "--to", to, "--option", "trusted-public-keys", &key, top], flags].concat())
+        }
+        Copier::Nix226 => {
+            nix_modern(tmp, &[&["nix", "copy", "--from", url, "--to", to, "--option", "trusted-public-keys", &key, top], flags].concat())
+        }
     };
     check(&o, &format!("{copier:?} copy {flags:?}"));
     o
@@ -93,7 +96,9 @@ fn kinds(lines: &[Value]) -> Vec<(String, u64, u64)> {
                 (l["type"].as_u64().unwrap(), 0)
             }
             "stop" => (open.remove(&id.unwrap()).unwrap_or_else(|| panic!("stop without start: {l}")), 0),
-            "result" => (*open.get(&id.unwrap()).unwrap_or_else(|| panic!("result of no running activity: {l}")), l["type"].as_u64().unwrap()),
+            "result" => {
+                (*open.get(&id.unwrap()).unwrap_or_else(|| panic!("result of no running activity: {l}")), l["type"].as_u64().unwrap())
+            }
             "msg" => (0, 0),
             a => panic!("action {a}"),
         };
@@ -141,7 +146,11 @@ fn internal_json_is_nix_226s_activity_lines() {
         }
         assert_eq!(Some(&keys), k226.get(&kind), "keys of {kind:?}");
         if let Some(k) = k28.get(&kind) {
-            assert_eq!(keys.difference(k).collect::<Vec<_>>(), if kind.0 == "start" { vec!["parent"] } else { vec![] }, "{kind:?} against Nix 2.8");
+            assert_eq!(
+                keys.difference(k).collect::<Vec<_>>(),
+                if kind.0 == "start" { vec!["parent"] } else { vec![] },
+                "{kind:?} against Nix 2.8"
+            );
         }
         compared += 1;
     }
@@ -153,10 +162,15 @@ fn internal_json_is_nix_226s_activity_lines() {
     let mine = copy_paths(&ours);
     assert_eq!(mine.len(), 25);
     assert_eq!(mine, copy_paths(&nix226));
-    let with_parent = of_kind(&nix28, ("start", 100, 0)).into_iter().map(|l| without_id(&json!({"parent": 0}).as_object().unwrap().clone().into_iter().chain(l.as_object().unwrap().clone()).collect())).collect::<BTreeSet<_>>();
+    let with_parent = of_kind(&nix28, ("start", 100, 0))
+        .into_iter()
+        .map(|l| without_id(&json!({"parent": 0}).as_object().unwrap().clone().into_iter().chain(l.as_object().unwrap().clone()).collect()))
+        .collect::<BTreeSet<_>>();
     assert_eq!(mine, with_parent);
     // The copy: one actCopyPaths at level 3 (Nix's text names the count it knows up front).
-    let top_activity = |lines: &[Value]| -> Vec<String> { of_kind(lines, ("start", 103, 0)).into_iter().filter(|l| l["level"] == 3).map(without_id).collect() };
+    let top_activity = |lines: &[Value]| -> Vec<String> {
+        of_kind(lines, ("start", 103, 0)).into_iter().filter(|l| l["level"] == 3).map(without_id).collect()
+    };
     assert_eq!(top_activity(&ours), [r#"{"action":"start","level":3,"parent":0,"text":"copying paths","type":103}"#]);
     assert_eq!(top_activity(&nix226), [r#"{"action":"start","level":3,"parent":0,"text":"copying 25 paths","type":103}"#]);
     // Its last resSetExpected (NAR bytes of the actCopyPath activities) and resProgress
@@ -167,7 +181,9 @@ fn internal_json_is_nix_226s_activity_lines() {
     }
     assert_eq!(of_kind(&nix226, ("result", 103, 106)).last().unwrap()["fields"], json!([100, 567216]));
     // Each actCopyPath's progress is [bytes, NAR size, 0, 0], the NAR size Nix 2.26 expects.
-    let expected = |lines: &[Value]| -> BTreeSet<u64> { of_kind(lines, ("result", 100, 105)).iter().map(|l| l["fields"][1].as_u64().unwrap()).collect() };
+    let expected = |lines: &[Value]| -> BTreeSet<u64> {
+        of_kind(lines, ("result", 100, 105)).iter().map(|l| l["fields"][1].as_u64().unwrap()).collect()
+    };
     assert!(expected(&nix226).is_subset(&expected(&ours)), "{:?} {:?}", expected(&nix226), expected(&ours));
     for l in of_kind(&ours, ("result", 100, 105)) {
         let f = l["fields"].as_array().unwrap();
@@ -186,7 +202,9 @@ fn internal_json_errors_are_nix_226s() {
     assert!(!ours.status.success());
     let theirs = nix_modern(tmp.path(), &[&["nix"][..], &args].concat());
     assert!(!theirs.status.success());
-    let error = |o: &Output| -> Value { json_lines(o).into_iter().rfind(|l| l["action"] == "msg" && l["level"] == 0).unwrap_or_else(|| panic!("no error: {}", stderr(o))) };
+    let error = |o: &Output| -> Value {
+        json_lines(o).into_iter().rfind(|l| l["action"] == "msg" && l["level"] == 0).unwrap_or_else(|| panic!("no error: {}", stderr(o)))
+    };
     let (mine, nix) = (error(&ours), error(&theirs));
     let keys = |l: &Value| l.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
     assert_eq!(keys(&mine), keys(&nix));
@@ -215,9 +233,22 @@ fn progress_line_in_a_real_terminal() {
         isolate(&mut env, tmp.path(), "");
         let vars: String = env.get_envs().map(|(k, v)| format!("{}='{}' ", k.to_str().unwrap(), v.unwrap().to_str().unwrap())).collect();
         let to = tmp.path().join(name);
-        format!("env {vars}{} copy --from {} --to {} --trusted-public-keys '{}' {TOP}; sleep 600", env!("CARGO_BIN_EXE_sluice"), server.url, to.display(), corpus_key())
+        format!(
+            "env {vars}{} copy --from {} --to {} --trusted-public-keys '{}' {TOP}; sleep 600",
+            env!("CARGO_BIN_EXE_sluice"),
+            server.url,
+            to.display(),
+            corpus_key()
+        )
     };
-    let pane = |session: &str| String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", session]).stdout).lines().map(str::trim_end).filter(|l| !l.is_empty()).map(str::to_owned).collect::<Vec<_>>();
+    let pane = |session: &str| {
+        String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", session]).stdout)
+            .lines()
+            .map(str::trim_end)
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
     // [done/running/known paths…] of a progress line.
     let counts = |line: &str| -> Option<(u64, u64, u64)> {
         let inner = line.strip_prefix('[')?.split(" paths").next()?;
@@ -311,12 +342,19 @@ fn piped_lines_are_written_together() {
     let mut cmd = std::process::Command::new("strace");
     isolate(&mut cmd, tmp.path(), "");
     cmd.args(["-f", "-qq", "-e", "trace=write,writev", "-e", "signal=none", "-o", trace.to_str().unwrap(), env!("CARGO_BIN_EXE_sluice")]);
-    let o = cmd.args(["copy", "--from", &url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]).output().expect("strace runs (CI installs it)");
+    let o = cmd
+        .args(["copy", "--from", &url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top])
+        .output()
+        .expect("strace runs (CI installs it)");
     check(&o, "copy under strace");
     let err = stderr(&o);
     assert_eq!(copying_lines(&o).len(), 25, "{err}");
     assert!(err.lines().last().unwrap().starts_with("copied 25 paths"), "{err}");
-    let writes = std::fs::read_to_string(&trace).unwrap().lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|call| call.starts_with("write(2,") || call.starts_with("writev(2,"))).count();
+    let writes = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1).is_some_and(|call| call.starts_with("write(2,") || call.starts_with("writev(2,")))
+        .count();
     // A write every 50 ms at most, then the summary's: a copy slowed by strace on a busy
     // machine takes a few windows more, far from a write per line.
     assert!((1..=10).contains(&writes), "{writes} writes to standard error:\n{err}");
@@ -359,7 +397,10 @@ fn gathered_lines_are_written_while_the_copy_waits() {
     let top = subset_top();
     assert!(first.starts_with("copying path '") && !first.contains(&top), "{first}");
     assert!(rest.iter().any(|l| l.contains(&top)), "{rest:?}");
-    assert!(ended >= std::time::Duration::from_secs(3) && seen + std::time::Duration::from_secs(2) < ended, "first line at {seen:?}, end at {ended:?}");
+    assert!(
+        ended >= std::time::Duration::from_secs(3) && seen + std::time::Duration::from_secs(2) < ended,
+        "first line at {seen:?}, end at {ended:?}"
+    );
 }
 
 /// SIGTERM and SIGHUP end a copy as Ctrl-C does, as Nix treats all three
@@ -441,20 +482,38 @@ fn errors_come_before_the_json_report_in_one_pipe() {
     let (url, top) = (subset_cache(tmp.path()), subset_top());
     // A leaf the top path refers to (and so its referrers) cannot be substituted.
     let dir = tmp.path().join("cache");
-    let leaf = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).find(|p| {
-        std::fs::read_to_string(p).is_ok_and(|t| t.lines().any(|l| l == "References: ") && t.contains("StorePath: "))
-    });
+    let leaf = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| std::fs::read_to_string(p).is_ok_and(|t| t.lines().any(|l| l == "References: ") && t.contains("StorePath: ")));
     let leaf = leaf.unwrap_or_else(|| panic!("no narinfo without references in {}", dir.display()));
     std::fs::remove_file(&leaf).unwrap();
     let to = tmp.path().join("store");
     let mut cmd = std::process::Command::new("sh");
     isolate(&mut cmd, tmp.path(), "");
-    cmd.args(["-c", "exec \"$0\" \"$@\" 2>&1", env!("CARGO_BIN_EXE_sluice"), "copy", "--json", "--from", &url, "--to", to.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
+    cmd.args([
+        "-c",
+        "exec \"$0\" \"$@\" 2>&1",
+        env!("CARGO_BIN_EXE_sluice"),
+        "copy",
+        "--json",
+        "--from",
+        &url,
+        "--to",
+        to.to_str().unwrap(),
+        "--trusted-public-keys",
+        &corpus_key(),
+        &top,
+    ]);
     let o = cmd.output().unwrap();
     assert!(!o.status.success());
     let out = String::from_utf8_lossy(&o.stdout);
     let lines: Vec<&str> = out.lines().collect();
     let at = |pred: &dyn Fn(&str) -> bool| lines.iter().position(|l| pred(l)).unwrap_or_else(|| panic!("{out}"));
-    let (json, last_error, summary) = (at(&|l| l.starts_with('{')), lines.iter().rposition(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("{out}")), at(&|l| l.starts_with("copied ")));
+    let (json, last_error, summary) = (
+        at(&|l| l.starts_with('{')),
+        lines.iter().rposition(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("{out}")),
+        at(&|l| l.starts_with("copied ")),
+    );
     assert!(last_error < json && json < summary, "{out}");
 }

@@ -1,7 +1,7 @@
 //! The integration tests of `sluice`, one binary: a module per behaviour, shared helpers in `common`.
 
-mod common;
 mod big_nar;
+mod common;
 mod concurrency;
 mod copy;
 mod crash;

@@ -1,7 +1,6 @@
 //! `sluice missing` against the corpus truth of real Nix's dry runs, the narinfo disk cache
 //! (a warm run sends no narinfo request), and the priority rule between substituters.
 
-
 use crate::common::*;
 
 fn truth(name: &str) -> String {
@@ -41,7 +40,10 @@ fn json_form_and_unknown_paths() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");
     let absent = "/nix/store/00000000000000000000000000000000-absent";
-    let o = sluice(tmp.path(), &["missing", "--json", "--store", root.to_str().unwrap(), "--substituters", &cache_url("cache-xz"), TOP, absent]);
+    let o = sluice(
+        tmp.path(),
+        &["missing", "--json", "--store", root.to_str().unwrap(), "--substituters", &cache_url("cache-xz"), TOP, absent],
+    );
     check(&o, "sluice missing --json");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let text = truth("dry-run-empty-store.txt");
@@ -55,7 +57,10 @@ fn json_form_and_unknown_paths() {
     assert_eq!(v["narSize"].as_u64(), Some(22848952), "summary.json's total NAR size");
     assert_eq!(v["downloadSize"].as_u64(), Some(sum("downloadSize")));
     // A malformed store path is an error naming it.
-    let o = sluice(tmp.path(), &["missing", "--store", root.to_str().unwrap(), "--substituters", &cache_url("cache-xz"), "/nix/store/not-a-path"]);
+    let o = sluice(
+        tmp.path(),
+        &["missing", "--store", root.to_str().unwrap(), "--substituters", &cache_url("cache-xz"), "/nix/store/not-a-path"],
+    );
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("/nix/store/not-a-path"), "{}", stderr(&o));
 }
@@ -86,7 +91,8 @@ fn higher_priority_cache_wins_even_when_slower() {
     let top = summary["subsetRoot"].as_str().unwrap();
     let root = tmp.path().join("root");
     let subs = format!("{}?priority=60 {}?priority=10", fast.url, slow.url);
-    let o = sluice(tmp.path(), &["copy", "--substituters", &subs, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), top]);
+    let o =
+        sluice(tmp.path(), &["copy", "--substituters", &subs, "--to", root.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), top]);
     check(&o, "copy from two caches");
     assert_eq!(slow.requests(".nar.bz2"), 25, "every NAR from the higher-priority cache");
     assert_eq!(fast.requests(".nar.bz2"), 0, "no NAR from the lower-priority cache");

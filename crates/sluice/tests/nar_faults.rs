@@ -4,7 +4,6 @@
 //! `Content-Encoding: gzip` is decoded, and a wrong FileSize only warns (the content is
 //! verified by the signed NarHash). Nothing is ever left at a refused path's final place.
 
-
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -78,13 +77,18 @@ fn directory_entry_rules_of_case_06() {
                 }
                 assert_nix_verifies(tmp.path(), &root);
             }
-            "unsorted" | "duplicate-file" | "dup-symlink-then-dir" | "dup-symlink-then-file" => assert_refused(&o, &path, &["sorted", "duplicate"]),
+            "unsorted" | "duplicate-file" | "dup-symlink-then-dir" | "dup-symlink-then-file" => {
+                assert_refused(&o, &path, &["sorted", "duplicate"])
+            }
             _ => assert_refused(&o, &path, &["invalid file name", "name"]),
         }
         if variant != "ok-prefix-names" {
             assert_absent(tmp.path(), &root, &path);
         }
-        assert!(!outside.join("pwned").exists() && !outside.join("pwned2").exists() && !outside.join("pwned3").exists(), "{variant} wrote outside");
+        assert!(
+            !outside.join("pwned").exists() && !outside.join("pwned2").exists() && !outside.join("pwned3").exists(),
+            "{variant} wrote outside"
+        );
     }
 }
 
@@ -100,7 +104,10 @@ fn edited_cache(tmp: &Path, variant: &str, edit: impl Fn(String) -> String) -> (
 
 #[test]
 fn compression_field_must_match_the_bytes() {
-    for (variant, from, to, reason) in [("xz", "Compression: xz", "Compression: zstd", "Compression is zstd but the data starts like xz"), ("plain", "Compression: none", "Compression: bzip2", "Compression is bzip2")] {
+    for (variant, from, to, reason) in [
+        ("xz", "Compression: xz", "Compression: zstd", "Compression is zstd but the data starts like xz"),
+        ("plain", "Compression: none", "Compression: bzip2", "Compression is bzip2"),
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let (url, path) = edited_cache(tmp.path(), variant, |t| t.replace(from, to));
         let root = tmp.path().join("root");
@@ -160,7 +167,12 @@ fn restore_both(tmp: &Path, name: &str, nar: &[u8]) -> (bool, bool, String) {
     let mut cmd = Command::new(shared().join("bin/nix-modern"));
     isolate(&mut cmd, tmp, "");
     let theirs = tmp.join(format!("theirs-{name}"));
-    let n = cmd.current_dir(tmp).args(["nix-store", "--restore", theirs.to_str().unwrap()]).stdin(std::fs::File::open(&file).unwrap()).output().unwrap();
+    let n = cmd
+        .current_dir(tmp)
+        .args(["nix-store", "--restore", theirs.to_str().unwrap()])
+        .stdin(std::fs::File::open(&file).unwrap())
+        .output()
+        .unwrap();
     (o.status.success(), n.status.success(), stderr(&o))
 }
 
@@ -175,9 +187,29 @@ fn nar_refusals_where_nix_226_fails_too() {
     let tmp = tempfile::tempdir().unwrap();
     let (name255, name256) = (vec![b'a'; 255], vec![b'a'; 256]);
     let (target4095, target4096) = (vec![b'a'; 4095], vec![b'a'; 4096]);
-    let file = |name: &[u8]| nar_of(&[b"(", b"type", b"directory", b"entry", b"(", b"name", name, b"node", b"(", b"type", b"regular", b"contents", b"", b")", b")", b")"]);
+    let file = |name: &[u8]| {
+        nar_of(&[
+            b"(",
+            b"type",
+            b"directory",
+            b"entry",
+            b"(",
+            b"name",
+            name,
+            b"node",
+            b"(",
+            b"type",
+            b"regular",
+            b"contents",
+            b"",
+            b")",
+            b")",
+            b")",
+        ])
+    };
     let link = |target: &[u8]| nar_of(&[b"(", b"type", b"symlink", b"target", target, b")"]);
-    let no_contents = nar_of(&[b"(", b"type", b"directory", b"entry", b"(", b"name", b"a", b"node", b"(", b"type", b"regular", b")", b")", b")"]);
+    let no_contents =
+        nar_of(&[b"(", b"type", b"directory", b"entry", b"(", b"name", b"a", b"node", b"(", b"type", b"regular", b")", b")", b")"]);
     let cases: [(&str, Vec<u8>, Option<&str>); 7] = [
         ("no-contents-at-root", nar_of(&[b"(", b"type", b"regular", b")"]), Some("a regular file without 'contents'")),
         ("no-contents-in-directory", no_contents, Some("a regular file without 'contents'")),
@@ -211,7 +243,11 @@ fn nar_restore_and_ls_refuse_data_after_the_archive() {
         let args: &[&str] = if prog == "nix-store" { &["--restore"] } else { &["nar", "restore"] };
         cmd.args(args).arg(dest).stdin(std::fs::File::open(file).unwrap()).output().unwrap()
     };
-    let after = [("two-nars", one.clone(), "'\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-arch'"), ("one-zero", vec![0], "'\\x00'"), ("alone", Vec::new(), "")];
+    let after = [
+        ("two-nars", one.clone(), "'\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-arch'"),
+        ("one-zero", vec![0], "'\\x00'"),
+        ("alone", Vec::new(), ""),
+    ];
     for (name, tail, shown) in after {
         let file = tmp.path().join(format!("{name}.nar"));
         std::fs::write(&file, [one.clone(), tail].concat()).unwrap();
@@ -247,12 +283,15 @@ fn bytes_after_the_nar_in_a_cache_file_are_ignored_as_by_nix() {
     let (by_sluice, by_nix) = (tmp.path().join("by-sluice"), tmp.path().join("by-nix"));
     let key = case_key("12-http-truncated-body");
     check(&copy_with(tmp.path(), &by_sluice, &url, &key, &[], &[&path]), "sluice copy of a NAR file with bytes after the NAR");
-    let nix_copy = nix(tmp.path(), "nix", &["copy", "--from", &url, "--to", by_nix.to_str().unwrap(), "--option", "trusted-public-keys", &key, &path]);
+    let nix_copy =
+        nix(tmp.path(), "nix", &["copy", "--from", &url, "--to", by_nix.to_str().unwrap(), "--option", "trusted-public-keys", &key, &path]);
     check(&nix_copy, "nix copy of the same file");
     for root in [&by_sluice, &by_nix] {
         assert_nix_verifies(tmp.path(), root);
     }
-    let hash = |root: &Path| String::from_utf8(nix(tmp.path(), "nix-store", &["--store", root.to_str().unwrap(), "-q", "--hash", &path]).stdout).unwrap();
+    let hash = |root: &Path| {
+        String::from_utf8(nix(tmp.path(), "nix-store", &["--store", root.to_str().unwrap(), "-q", "--hash", &path]).stdout).unwrap()
+    };
     assert_eq!(hash(&by_sluice), hash(&by_nix));
 
     // Its own scratch: the narinfo disk cache under the first one keeps the first narinfo.

@@ -2,7 +2,6 @@
 //! prints for the same NAR, byte for byte, below the root as at it, and with `--as-nix 2.8`
 //! what Nix 2.8's prints; a path either refuses gets the same refusal.
 
-
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::Path;
 
@@ -34,7 +33,22 @@ fn listings_and_path_spellings_as_nix_2_26_and_2_8() {
     let tmp = tempfile::tempdir_in("/tmp").unwrap();
     let t = tmp.path();
     let [tree, file] = nars(t);
-    let paths = ["/", "", "/share", "share", "/share/", "//share", "/bin/../share", "./share/doc", "/share/doc/hello/README", "/share/hi", "/bin/hello/x", "/missing", "/..", "/empty"];
+    let paths = [
+        "/",
+        "",
+        "/share",
+        "share",
+        "/share/",
+        "//share",
+        "/bin/../share",
+        "./share/doc",
+        "/share/doc/hello/README",
+        "/share/hi",
+        "/bin/hello/x",
+        "/missing",
+        "/..",
+        "/empty",
+    ];
     let flags: [&[&str]; 8] = [&[], &["-l"], &["-R"], &["-d"], &["-lR"], &["--json"], &["--json", "-R"], &["--json", "-d"]];
     let mut compared = 0;
     for (nar, path) in paths.iter().map(|p| (&tree, *p)).chain([(&file, "/"), (&file, "/x")]) {
@@ -47,7 +61,11 @@ fn listings_and_path_spellings_as_nix_2_26_and_2_8() {
                 assert_eq!(own.status.code(), real.status.code(), "{what}: {}", stderr(&own));
                 if !real.status.success() {
                     let why = stderr(&real).lines().next().unwrap_or_default().to_owned();
-                    assert!(stderr(&own).contains(why.trim_start_matches("error: ")), "{what}: Nix says {why:?}, sluice {:?}", stderr(&own));
+                    assert!(
+                        stderr(&own).contains(why.trim_start_matches("error: ")),
+                        "{what}: Nix says {why:?}, sluice {:?}",
+                        stderr(&own)
+                    );
                 }
                 compared += 1;
             }

@@ -4,7 +4,6 @@
 //! page served with 200 (for narinfos, or for every URL), the forms of `URL`, and broken
 //! `nix-cache-info` files.
 
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -103,7 +102,10 @@ fn corrupt_narinfo_falls_back_to_the_next_cache() {
     let o = copy_with(tmp.path(), &root, &format!("{bad} {}", file_url(&good)), &case_key(C02), &[("require-sigs", "false")], &[path]);
     check(&o, "fallback after a corrupt narinfo");
     let err = stderr(&o);
-    assert!(err.lines().any(|l| l.to_lowercase().contains("warn") && l.contains(&bad) && l.contains("NarSize")), "the corrupt narinfo is logged: {err}");
+    assert!(
+        err.lines().any(|l| l.to_lowercase().contains("warn") && l.contains(&bad) && l.contains("NarSize")),
+        "the corrupt narinfo is logged: {err}"
+    );
     assert_nix_verifies(tmp.path(), &root);
 }
 
@@ -163,7 +165,8 @@ fn a_parked_domain_is_left_out_and_the_next_cache_serves() {
     let tmp = tempfile::tempdir().unwrap();
     let portal = portal(tmp.path(), ".*");
     let page = "the body is not a nix-cache-info but an HTML page ('<!DOCTYPE html> <html><body>Welcome to our captive portal</b…')";
-    let left_out = format!("warning: substituter left out: {}/nix-cache-info: invalid nix-cache-info: nix-cache-info line 1: {page}", portal.url);
+    let left_out =
+        format!("warning: substituter left out: {}/nix-cache-info: invalid nix-cache-info: nix-cache-info line 1: {page}", portal.url);
     let root = tmp.path().join("root");
     let alone = copy_with(tmp.path(), &root, &portal.url, &case_key(C02), &[], &[OK]);
     assert_eq!(alone.status.code(), Some(1));
@@ -179,8 +182,27 @@ fn a_parked_domain_is_left_out_and_the_next_cache_serves() {
     assert_nix_verifies(tmp.path(), &root);
     assert!(portal.requests(|p| p.starts_with("/nar/")).is_empty(), "the portal's pages were never used");
     let theirs = tmp.path().join("theirs");
-    let n = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &subs, "--option", "trusted-public-keys", &case_key(C02)]);
-    assert!(!n.status.success() && stderr(&n).contains(&format!("NAR info file '{}.narinfo' is corrupt", &OK[11..43])), "Nix 2.8: {}", stderr(&n));
+    let n = nix(
+        tmp.path(),
+        "nix-store",
+        &[
+            "--store",
+            theirs.to_str().unwrap(),
+            "-r",
+            OK,
+            "--option",
+            "substituters",
+            &subs,
+            "--option",
+            "trusted-public-keys",
+            &case_key(C02),
+        ],
+    );
+    assert!(
+        !n.status.success() && stderr(&n).contains(&format!("NAR info file '{}.narinfo' is corrupt", &OK[11..43])),
+        "Nix 2.8: {}",
+        stderr(&n)
+    );
 }
 
 #[test]
@@ -213,8 +235,16 @@ fn broken_nix_cache_info() {
         ("wrong-store-dir", Some("StoreDir: /gnu/store\n"), Some("store directory /gnu/store")),
         ("bad-priority", Some("StoreDir: /nix/store\nPriority: high\n"), Some("Priority \"high\"")),
         ("store-dir-repeated", Some("StoreDir: /nix/store\nPriority: 30\nStoreDir:\t/nix/store\r\n"), None),
-        ("store-dir-then-another", Some("StoreDir: /nix/store\nStoreDir: /gnu/store\n"), Some("line 2: StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\"")),
-        ("another-then-store-dir", Some("StoreDir: /gnu/store\nWantMassQuery: 1\nStoreDir: /nix/store\n"), Some("line 3: StoreDir \"/nix/store\" differs from line 1's \"/gnu/store\"")),
+        (
+            "store-dir-then-another",
+            Some("StoreDir: /nix/store\nStoreDir: /gnu/store\n"),
+            Some("line 2: StoreDir \"/gnu/store\" differs from line 1's \"/nix/store\""),
+        ),
+        (
+            "another-then-store-dir",
+            Some("StoreDir: /gnu/store\nWantMassQuery: 1\nStoreDir: /nix/store\n"),
+            Some("line 3: StoreDir \"/nix/store\" differs from line 1's \"/gnu/store\""),
+        ),
     ];
     for (name, content, refusal) in variants {
         let tmp = tempfile::tempdir().unwrap();
@@ -230,7 +260,8 @@ fn broken_nix_cache_info() {
             None => check(&o, name),
             Some(reason) => {
                 assert_eq!(o.status.code(), Some(1), "{name}");
-                let warn = err.lines().find(|l| l.contains("warning") && l.contains(&file_url(&cache))).unwrap_or_else(|| panic!("{name}: {err}"));
+                let warn =
+                    err.lines().find(|l| l.contains("warning") && l.contains(&file_url(&cache))).unwrap_or_else(|| panic!("{name}: {err}"));
                 assert!(warn.contains(reason), "{name}: {warn}");
                 // The cache is left out; the next one still serves the path.
                 let subs = format!("{} {good}", file_url(&cache));
@@ -261,7 +292,22 @@ fn an_unreadable_nix_cache_info_leaves_its_cache_out_not_the_run() {
     assert!(stderr(&o).contains(&warning), "{}", stderr(&o));
     assert_nix_verifies(tmp.path(), &root);
     let theirs = tmp.path().join("theirs");
-    let n = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &subs, "--option", "trusted-public-keys", &case_key(C02)]);
+    let n = nix(
+        tmp.path(),
+        "nix-store",
+        &[
+            "--store",
+            theirs.to_str().unwrap(),
+            "-r",
+            OK,
+            "--option",
+            "substituters",
+            &subs,
+            "--option",
+            "trusted-public-keys",
+            &case_key(C02),
+        ],
+    );
     assert!(!n.status.success() && stderr(&n).contains("error: stoi"), "Nix 2.8: {}", stderr(&n));
 }
 
@@ -279,7 +325,22 @@ fn narinfo_leniency_is_nixs() {
     std::fs::write(&file, text).unwrap();
     check(&copy_with(tmp.path(), &tmp.path().join("ours"), &file_url(&cache), &case_key(C02), &[], &[OK]), "sluice copy");
     let theirs = tmp.path().join("theirs");
-    let o = nix(tmp.path(), "nix-store", &["--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &file_url(&cache), "--option", "trusted-public-keys", &case_key(C02)]);
+    let o = nix(
+        tmp.path(),
+        "nix-store",
+        &[
+            "--store",
+            theirs.to_str().unwrap(),
+            "-r",
+            OK,
+            "--option",
+            "substituters",
+            &file_url(&cache),
+            "--option",
+            "trusted-public-keys",
+            &case_key(C02),
+        ],
+    );
     check(&o, "nix-store -r of the same narinfo");
 }
 
@@ -307,7 +368,22 @@ fn narinfo_rules_are_nix_226s() {
         let text = edit(std::fs::read_to_string(&file).unwrap());
         std::fs::write(&file, &text).unwrap();
         let theirs = tmp.path().join("theirs");
-        let n = nix_modern(tmp.path(), &["nix-store", "--store", theirs.to_str().unwrap(), "-r", OK, "--option", "substituters", &file_url(&cache), "--option", "trusted-public-keys", &case_key(C02)]);
+        let n = nix_modern(
+            tmp.path(),
+            &[
+                "nix-store",
+                "--store",
+                theirs.to_str().unwrap(),
+                "-r",
+                OK,
+                "--option",
+                "substituters",
+                &file_url(&cache),
+                "--option",
+                "trusted-public-keys",
+                &case_key(C02),
+            ],
+        );
         assert_eq!(n.status.success(), nix_accepts, "{name}: Nix 2.26 says {}", stderr(&n));
         let o = copy_with(tmp.path(), &tmp.path().join("ours"), &file_url(&cache), &case_key(C02), &[], &[OK]);
         assert_eq!(o.status.success(), accepted, "{name}: {}", stderr(&o));

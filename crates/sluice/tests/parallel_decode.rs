@@ -4,7 +4,6 @@
 //! frame, streamed as before), each substituted by sluice and checked byte for byte and by
 //! real Nix.
 
-
 use std::path::Path;
 use std::process::Command;
 
@@ -81,10 +80,16 @@ fn multi_block_and_multi_frame_nars_decode_byte_for_byte() {
     let path = String::from_utf8(added.stdout).unwrap().trim().to_owned();
 
     // xz at level 0 (256 KiB dictionary): the multi-threaded encoder cuts many small blocks.
-    for (name, params) in [("xz-par", "compression=xz&parallel-compression=true&compression-level=0"), ("zstd-2.26", "compression=zstd&parallel-compression=true")] {
+    for (name, params) in [
+        ("xz-par", "compression=xz&parallel-compression=true&compression-level=0"),
+        ("zstd-2.26", "compression=zstd&parallel-compression=true"),
+    ] {
         let cache = t.join(name);
         let to = format!("file://{}?{params}&secret-key={}", cache.display(), key.display());
-        check(&modern(t, &["nix", "copy", "--from", src.to_str().unwrap(), "--to", &to, &path]), &format!("nix copy --to {name} (Nix 2.26)"));
+        check(
+            &modern(t, &["nix", "copy", "--from", src.to_str().unwrap(), "--to", &to, &path]),
+            &format!("nix copy --to {name} (Nix 2.26)"),
+        );
     }
     assert!(parts(&nar_file(&t.join("xz-par"))) >= 10, "Nix 2.26 wrote few xz blocks");
     assert_eq!(parts(&nar_file(&t.join("zstd-2.26"))), 1, "Nix 2.26 writes zstd as one frame");
@@ -103,7 +108,10 @@ fn multi_block_and_multi_frame_nars_decode_byte_for_byte() {
     // Real Nix 2.26 reads the frames sluice wrote.
     let nix_root = t.join("nix-from-frames");
     let from = format!("file://{}", pushed.display());
-    let o = modern(t, &["nix", "copy", "--from", &from, "--to", nix_root.to_str().unwrap(), "--option", "trusted-public-keys", &corpus_key(), &path]);
+    let o = modern(
+        t,
+        &["nix", "copy", "--from", &from, "--to", nix_root.to_str().unwrap(), "--option", "trusted-public-keys", &corpus_key(), &path],
+    );
     check(&o, "nix copy --from the frames sluice wrote (Nix 2.26)");
     assert!(std::fs::read(nix_root.join(&path[1..])).unwrap() == std::fs::read(&original).unwrap());
 }

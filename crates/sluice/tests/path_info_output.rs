@@ -1,7 +1,6 @@
 //! `path-info` prints what real Nix 2.26's `nix path-info`
 //! prints for the same store, byte for byte, and with `--as-nix 2.8` what Nix 2.8's prints.
 
-
 use std::path::Path;
 
 use crate::common::*;
@@ -17,14 +16,29 @@ fn json_and_sizes_as_nix_2_26_by_default() {
     let (root, bash, _) = bash_store(t);
     // A cache nix-modern can see (under /tmp), pushed from the store.
     let from = format!("file://{}", t.join("cache").display());
-    check(&sluice(t, &["copy", "--from", root.to_str().unwrap(), "--to", &format!("{from}?compression=zstd"), &bash]), "sluice copy --to file://");
+    check(
+        &sluice(t, &["copy", "--from", root.to_str().unwrap(), "--to", &format!("{from}?compression=zstd"), &bash]),
+        "sluice copy --to file://",
+    );
     let invalid = "/nix/store/00000000000000000000000000000000-x";
-    let runs: [&[&str]; 6] = [&["--json", &bash, invalid], &["--json", "-S", &bash], &["-r", "--json", "-S", &bash], &["-h", "-s", "-S", "-r", &bash], &["-h", "-s", &bash], &["--sigs", "-r", &bash]];
+    let runs: [&[&str]; 6] = [
+        &["--json", &bash, invalid],
+        &["--json", "-S", &bash],
+        &["-r", "--json", "-S", &bash],
+        &["-h", "-s", "-S", "-r", &bash],
+        &["-h", "-s", &bash],
+        &["--sigs", "-r", &bash],
+    ];
     for store in [root.to_str().unwrap(), from.as_str()] {
         for args in runs {
             let nix_out = nix_modern(t, &[&["nix", "path-info", "--store", store][..], args].concat());
             let sluice_out = sluice(t, &[&["path-info", "--store", store][..], args].concat());
-            assert_eq!(String::from_utf8_lossy(&sluice_out.stdout), String::from_utf8_lossy(&nix_out.stdout), "{store} {args:?}: {}", stderr(&nix_out));
+            assert_eq!(
+                String::from_utf8_lossy(&sluice_out.stdout),
+                String::from_utf8_lossy(&nix_out.stdout),
+                "{store} {args:?}: {}",
+                stderr(&nix_out)
+            );
             assert_eq!(sluice_out.status.code(), nix_out.status.code(), "{store} {args:?}: {}", stderr(&sluice_out));
         }
     }
@@ -73,7 +87,13 @@ fn human_readable_sizes_and_signatures_with_as_nix_2_8() {
     let added = nix(t, "nix-store", &["--store", store, "--add", file.to_str().unwrap()]);
     check(&added, "nix-store --add");
     let added = String::from_utf8_lossy(&added.stdout).trim().to_string();
-    let runs: [&[&str]; 5] = [&["-h", "-s", "-S", "-r", &bash], &["--human-readable", "-s", &bash], &["--sigs", &bash], &["-r", "-S", "-h", "--sigs", &bash], &["--sigs", "-s", "-h", &added]];
+    let runs: [&[&str]; 5] = [
+        &["-h", "-s", "-S", "-r", &bash],
+        &["--human-readable", "-s", &bash],
+        &["--sigs", &bash],
+        &["-r", "-S", "-h", "--sigs", &bash],
+        &["--sigs", "-s", "-h", &added],
+    ];
     for store in [store, from.as_str()] {
         for args in runs.iter().filter(|a| store != from || !a.contains(&added.as_str())) {
             let nix_out = nix(t, "nix", &[&["path-info", "--store", store][..], args].concat());

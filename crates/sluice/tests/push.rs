@@ -5,7 +5,6 @@
 //! --features binary`, which `.ci/run` does), started by the tests with and without
 //! credentials.
 
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -23,7 +22,10 @@ fn subset() -> (String, BTreeSet<String>) {
 fn source_store(tmp: &Path, cache: &str, root: &str) -> PathBuf {
     let src = tmp.join("src");
     let from = format!("file://{}", corpus().join(cache).display());
-    check(&sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]), "filling the source store");
+    check(
+        &sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]),
+        "filling the source store",
+    );
     src
 }
 
@@ -51,9 +53,15 @@ fn assert_nix_reads(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTr
         cmd.args(args).output().unwrap()
     };
     check(&run("nix", &["copy", "--from", url, "--to", a.to_str().unwrap(), root]), "nix copy --from the pushed cache");
-    check(&run("nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]), "nix store verify --sigs-needed 1");
+    check(
+        &run("nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]),
+        "nix store verify --sigs-needed 1",
+    );
     assert_nix_verifies(tmp, &a);
-    check(&run("nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]), "nix-store -r with the pushed cache as substituter");
+    check(
+        &run("nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]),
+        "nix-store -r with the pushed cache as substituter",
+    );
     for store in [&a, &b] {
         let listed = run("nix", &["path-info", "--store", store.to_str().unwrap(), "-r", root]);
         check(&listed, "nix path-info -r");
@@ -70,7 +78,13 @@ fn narinfos(dir: &Path) -> Vec<(String, Vec<String>)> {
         let name = entry.unwrap().file_name().into_string().unwrap();
         let Some(hash) = name.strip_suffix(".narinfo") else { continue };
         let text = std::fs::read_to_string(dir.join(&name)).unwrap();
-        let refs = text.lines().find_map(|l| l.strip_prefix("References:")).unwrap_or("").split_whitespace().map(|r| r[..32].to_string()).collect();
+        let refs = text
+            .lines()
+            .find_map(|l| l.strip_prefix("References:"))
+            .unwrap_or("")
+            .split_whitespace()
+            .map(|r| r[..32].to_string())
+            .collect();
         out.push((hash.to_string(), refs));
     }
     out
@@ -110,7 +124,8 @@ fn subset_into_file_cache_xz_with_listing_is_read_by_nix() {
 #[test]
 fn full_corpus_into_file_cache_zstd_is_read_by_nix() {
     let tmp = tempfile::tempdir().unwrap();
-    let paths: BTreeSet<String> = std::fs::read_to_string(corpus().join("truth/closure-paths.txt")).unwrap().lines().map(str::to_string).collect();
+    let paths: BTreeSet<String> =
+        std::fs::read_to_string(corpus().join("truth/closure-paths.txt")).unwrap().lines().map(str::to_string).collect();
     let src = source_store(tmp.path(), "cache-zstd", TOP);
     let (secret, public) = signing_key(tmp.path());
     let cache = tmp.path().join("cache");
@@ -154,7 +169,10 @@ fn subset_by_http_put_is_read_by_nix() {
     std::fs::create_dir_all(tmp.path().join("s3/bucket")).unwrap();
     let server = S3Server::start(&tmp.path().join("s3"), false);
     let url = format!("http://127.0.0.1:{}/bucket", server.port);
-    check(&sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &format!("{url}?secret-key={}", secret.display()), &root]), "push by PUT");
+    check(
+        &sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), "--to", &format!("{url}?secret-key={}", secret.display()), &root]),
+        "push by PUT",
+    );
     assert_eq!(narinfos(&tmp.path().join("s3/bucket")).len(), 25);
     assert_nix_reads(tmp.path(), &url, &public, &root, &paths);
 }
@@ -176,24 +194,48 @@ fn subset_into_s3_with_credentials_and_back() {
     // Unsigned requests are refused by the server, and the error names the URL.
     let refused = push(&[], &s3);
     assert!(!refused.status.success());
-    assert!(stderr(&refused).contains(&format!("http://127.0.0.1:{}/bucket/nix-cache-info: the server refused the upload", server.port)), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains(&format!("http://127.0.0.1:{}/bucket/nix-cache-info: the server refused the upload", server.port)),
+        "{}",
+        stderr(&refused)
+    );
     // Credentials from the environment.
-    check(&push(&[("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")], &format!("{s3}&secret-key={}&compression=xz", secret.display())), "push to S3");
+    check(
+        &push(
+            &[("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")],
+            &format!("{s3}&secret-key={}&compression=xz", secret.display()),
+        ),
+        "push to S3",
+    );
     assert_eq!(narinfos(&tmp.path().join("s3/bucket")).len(), 25);
     // Credentials from an instance metadata service (IMDSv2, a fake one on loopback).
     let (imds, asked) = fake_imds(r#"{"AccessKeyId":"AKTEST","SecretAccessKey":"SKTEST","Token":null}"#);
     let mut info = Command::new(env!("CARGO_BIN_EXE_sluice"));
     isolate(&mut info, tmp.path(), "");
-    let info = info.envs([("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.as_str())]).args(["path-info", "--store", &s3, &root]).output().unwrap();
+    let info = info
+        .envs([("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.as_str())])
+        .args(["path-info", "--store", &s3, &root])
+        .output()
+        .unwrap();
     check(&info, "path-info of S3 with credentials from the instance metadata service");
     assert_eq!(String::from_utf8_lossy(&info.stdout).trim(), root);
-    assert_eq!(asked.join().unwrap(), ["PUT /latest/api/token", "GET /latest/meta-data/iam/security-credentials/", "GET /latest/meta-data/iam/security-credentials/ci-role"]);
+    assert_eq!(
+        asked.join().unwrap(),
+        [
+            "PUT /latest/api/token",
+            "GET /latest/meta-data/iam/security-credentials/",
+            "GET /latest/meta-data/iam/security-credentials/ci-role"
+        ]
+    );
     // Read back through the substitution pipeline, with credentials from a profile.
     let aws = tmp.path().join("home/.aws");
     std::fs::create_dir_all(&aws).unwrap();
     std::fs::write(aws.join("credentials"), "[default]\naws_access_key_id = WRONG\naws_secret_access_key = WRONG\n[ci]\naws_access_key_id = AKTEST\naws_secret_access_key = SKTEST\n").unwrap();
     let dst = tmp.path().join("back");
-    let back = sluice(tmp.path(), &["copy", "--from", &format!("{s3}&profile=ci"), "--to", dst.to_str().unwrap(), "--trusted-public-keys", &public, &root]);
+    let back = sluice(
+        tmp.path(),
+        &["copy", "--from", &format!("{s3}&profile=ci"), "--to", dst.to_str().unwrap(), "--trusted-public-keys", &public, &root],
+    );
     check(&back, "copy from S3");
     assert_nix_verifies(tmp.path(), &dst);
     let listed = nix(tmp.path(), "nix", &["path-info", "--store", dst.to_str().unwrap(), "-r", &root]);
@@ -227,12 +269,14 @@ fn fake_imds(credentials: &'static str) -> (String, std::thread::JoinHandle<Vec<
 fn incompressible_path(tmp: &Path) -> (PathBuf, String, Vec<u8>) {
     let file = tmp.join("parts");
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let data: Vec<u8> = (0..12_000_000 / 8).flat_map(|_| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state.to_le_bytes()
-    }).collect();
+    let data: Vec<u8> = (0..12_000_000 / 8)
+        .flat_map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state.to_le_bytes()
+        })
+        .collect();
     std::fs::write(&file, &data).unwrap();
     let src = tmp.join("src");
     let added = nix(tmp, "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
@@ -275,7 +319,8 @@ fn big_nar_into_s3_by_multipart_upload_is_read_by_nix() {
     let url = format!("http://127.0.0.1:{}/bucket", server.port);
     let narinfo = std::fs::read_to_string(tmp.path().join("s3/bucket").join(format!("{}.narinfo", &path[11..43]))).unwrap();
     let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap();
-    let object = Command::new("curl").args(["-sfD", tmp.path().join("headers").to_str().unwrap(), &format!("{url}/{nar_url}")]).output().unwrap();
+    let object =
+        Command::new("curl").args(["-sfD", tmp.path().join("headers").to_str().unwrap(), &format!("{url}/{nar_url}")]).output().unwrap();
     assert!(object.status.success());
     assert!(object.stdout == dumped, "the object is not the NAR ({} bytes against {})", object.stdout.len(), dumped.len());
     let headers = std::fs::read_to_string(tmp.path().join("headers")).unwrap().to_ascii_lowercase();
@@ -328,7 +373,10 @@ impl KillingFront {
                 let _ = server.shutdown(std::net::Shutdown::Both);
                 return client.shutdown(std::net::Shutdown::Both);
             }
-            let length = text.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<u64>().unwrap())).unwrap_or(0);
+            let length = text
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<u64>().unwrap()))
+                .unwrap_or(0);
             server.write_all(&head)?;
             std::io::copy(&mut (&mut requests).take(length), &mut server)?;
         }
@@ -355,7 +403,12 @@ fn failed_multipart_upload_is_aborted_and_leaves_no_parts() {
     let s3 = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1&compression=none&multipart-upload=true&multipart-threshold=5M&multipart-chunk-size=5M", front.port);
     let failed = push_to_s3(tmp.path(), &src, &s3, &path, "download-attempts = 2");
     assert!(!failed.status.success(), "the push succeeded through a front that kills part 2");
-    assert!(stderr(&failed).contains(&format!("http://127.0.0.1:{}/bucket/nar/", front.port)) && stderr(&failed).contains("partNumber=2&uploadId="), "{}", stderr(&failed));
+    assert!(
+        stderr(&failed).contains(&format!("http://127.0.0.1:{}/bucket/nar/", front.port))
+            && stderr(&failed).contains("partNumber=2&uploadId="),
+        "{}",
+        stderr(&failed)
+    );
 
     assert_eq!(front.seen("?uploads").len(), 1, "{:?}", front.seen(""));
     assert_eq!(front.seen("partNumber=1&").len(), 1);
@@ -408,7 +461,12 @@ fn a_file_cache_is_read_anew_after_a_push_into_it() {
     let tmp = tempfile::tempdir().unwrap();
     let (root, paths, src, cache) = subset_and_empty_cache(tmp.path());
     let url = format!("file://{}", cache.display());
-    let copy_back = |to: &str| sluice(tmp.path(), &["copy", "--from", &url, "--to", tmp.path().join(to).to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]);
+    let copy_back = |to: &str| {
+        sluice(
+            tmp.path(),
+            &["copy", "--from", &url, "--to", tmp.path().join(to).to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root],
+        )
+    };
     let o = copy_back("before");
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("no substituter has this path"), "{}", stderr(&o));

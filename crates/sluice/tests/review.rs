@@ -13,7 +13,6 @@
 //! The tests marked `#[ignore = "defect: …"]` reproduce defects found in the review; run them
 //! with `cargo test -p sluice --test review -- --ignored`. Remove the `ignore` once fixed.
 
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -71,7 +70,20 @@ fn unseen_closure_over_http_verified_by_nix() {
     assert_eq!(by_path(&got, &FIELDS), by_path(&want, &FIELDS), "real Nix sees the copy as the cache describes it");
 
     // sluice's own view of the cache and of the store matches real Nix's, field for field.
-    let all = ["path", "narHash", "narSize", "references", "deriver", "ca", "signatures", "url", "downloadHash", "downloadSize", "closureSize", "closureDownloadSize"];
+    let all = [
+        "path",
+        "narHash",
+        "narSize",
+        "references",
+        "deriver",
+        "ca",
+        "signatures",
+        "url",
+        "downloadHash",
+        "downloadSize",
+        "closureSize",
+        "closureDownloadSize",
+    ];
     for store in [server.url.as_str(), root.to_str().unwrap()] {
         let o = sluice(tmp.path(), &["path-info", "--as-nix", "2.8", "--store", store, "-r", "--json", "-S", &top]);
         check(&o, "sluice path-info");
@@ -84,7 +96,8 @@ fn unseen_closure_over_http_verified_by_nix() {
 
     // The same closure signed by the shipped corpus key only: every signed path is refused.
     let root2 = tmp.path().join("root2");
-    let o = sluice(tmp.path(), &["copy", "--from", &server.url, "--to", root2.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
+    let o =
+        sluice(tmp.path(), &["copy", "--from", &server.url, "--to", root2.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &top]);
     assert_eq!(o.status.code(), Some(1), "untrusted key must fail");
     let o2 = nix(tmp.path(), "nix-store", &["--store", root2.to_str().unwrap(), "--check-validity", &top]);
     assert!(!o2.status.success(), "top must not be registered");
@@ -166,7 +179,14 @@ fn untrusted_signature_message_names_trusted_keys() {
     let dir = case_dir("09-signature-verification");
     let root = tmp.path().join("root");
     let path = "/nix/store/jc08i6bnzssji53vrfykr9jdg8mmxhqa-app-untrusted-only";
-    let o = copy_with(tmp.path(), &root, &format!("file://{}", dir.join("cache").display()), &case_key("09-signature-verification"), &[], &[path]);
+    let o = copy_with(
+        tmp.path(),
+        &root,
+        &format!("file://{}", dir.join("cache").display()),
+        &case_key("09-signature-verification"),
+        &[],
+        &[path],
+    );
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
     assert!(err.contains("other-cache-1") && err.contains("case-test-1"), "{err}");
@@ -184,7 +204,10 @@ fn copy_accepts_symlink_to_store_path() {
     let key = std::fs::read_to_string(sample.join("key.pub")).unwrap().trim().to_string();
     let root = tmp.path().join("root");
     let url = format!("file://{}", sample.join("cache").canonicalize().unwrap().display());
-    let o = sluice(tmp.path(), &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &key, link.to_str().unwrap()]);
+    let o = sluice(
+        tmp.path(),
+        &["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &key, link.to_str().unwrap()],
+    );
     check(&o, "sluice copy ./result");
 }
 

@@ -7,7 +7,6 @@
 //! stops reading, h2c connections that only answer PINGs, a request body trickled a byte at a
 //! time, HTTP/2 streams never read) beside a slow reader that keeps up.
 
-
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -28,7 +27,10 @@ fn subset() -> (String, BTreeSet<String>) {
 fn source_store(tmp: &Path, root: &str) -> PathBuf {
     let src = tmp.join("src");
     let from = format!("file://{}", corpus().join("cache-xz").display());
-    check(&sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]), "filling the source store");
+    check(
+        &sluice(tmp, &["copy", "--from", &from, "--to", src.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), root]),
+        "filling the source store",
+    );
     src
 }
 
@@ -45,7 +47,11 @@ fn signing_key(tmp: &Path) -> (PathBuf, String) {
     check(&secret, "key generate");
     let file = tmp.join("secret.key");
     std::fs::write(&file, &secret.stdout).unwrap();
-    let public = Command::new(env!("CARGO_BIN_EXE_sluice")).args(["key", "generate", "--public"]).stdin(std::fs::File::open(&file).unwrap()).output().unwrap();
+    let public = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["key", "generate", "--public"])
+        .stdin(std::fs::File::open(&file).unwrap())
+        .output()
+        .unwrap();
     check(&public, "key generate --public");
     (file, String::from_utf8(public.stdout).unwrap().trim().to_string())
 }
@@ -127,9 +133,15 @@ fn cache_path_info(tmp: &Path, url: &str, root: &str) -> Vec<serde_json::Value> 
 fn assert_nix_2_8_substitutes(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTreeSet<String>) {
     let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
     check(&nix_trusting(tmp, public, "nix", &["copy", "--from", url, "--to", a.to_str().unwrap(), root]), "nix copy --from sluice serve");
-    check(&nix_trusting(tmp, public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]), "nix store verify with the server's key");
+    check(
+        &nix_trusting(tmp, public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", root]),
+        "nix store verify with the server's key",
+    );
     assert_nix_verifies(tmp, &a);
-    check(&nix_trusting(tmp, public, "nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]), "nix-store -r with sluice serve as substituter");
+    check(
+        &nix_trusting(tmp, public, "nix-store", &["--store", b.to_str().unwrap(), "-r", root, "--option", "substituters", url]),
+        "nix-store -r with sluice serve as substituter",
+    );
     for store in [&a, &b] {
         let listed = nix_trusting(tmp, public, "nix", &["path-info", "--store", store.to_str().unwrap(), "-r", root]);
         let got: BTreeSet<String> = String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect();
@@ -214,10 +226,12 @@ fn real_nix_2_26_substitutes_from_sluice_serve() {
     modern(&["nix", "store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]);
     modern(&["nix-store", "--store", b.to_str().unwrap(), "-r", &root, "--option", "substituters", &server.url]);
     for store in [&a, &b] {
-        let got: BTreeSet<String> = modern(&["nix", "path-info", "--store", store.to_str().unwrap(), "-r", &root]).lines().map(str::to_string).collect();
+        let got: BTreeSet<String> =
+            modern(&["nix", "path-info", "--store", store.to_str().unwrap(), "-r", &root]).lines().map(str::to_string).collect();
         assert_eq!(got, paths);
     }
-    let info: serde_json::Value = serde_json::from_str(&modern(&["nix", "path-info", "--store", &server.url, "-r", "--json", &root])).unwrap();
+    let info: serde_json::Value =
+        serde_json::from_str(&modern(&["nix", "path-info", "--store", &server.url, "-r", "--json", &root])).unwrap();
     assert_eq!(info.as_object().map_or_else(|| info.as_array().unwrap().len(), |o| o.len()), paths.len());
 }
 
@@ -225,7 +239,20 @@ fn real_nix_2_26_substitutes_from_sluice_serve() {
 fn sluice_missing(tmp: &Path, url: &str, public: &str, root: &str, home: &str) -> serde_json::Value {
     let sub = tmp.join(home);
     std::fs::create_dir_all(&sub).unwrap();
-    let o = sluice(&sub, &["missing", "--json", "--store", tmp.join("empty").to_str().unwrap(), "--substituters", url, "--trusted-public-keys", public, root]);
+    let o = sluice(
+        &sub,
+        &[
+            "missing",
+            "--json",
+            "--store",
+            tmp.join("empty").to_str().unwrap(),
+            "--substituters",
+            url,
+            "--trusted-public-keys",
+            public,
+            root,
+        ],
+    );
     check(&o, "sluice missing");
     serde_json::from_slice(&o.stdout).unwrap()
 }
@@ -262,9 +289,11 @@ fn sluice_gets_the_same_closure_with_and_without_the_batch_endpoint() {
 
     // Every line of a batch answer is byte for byte the per-path narinfo.
     let hashes = "433r6hrfzj8vvazpcnl77q6m3lm3vw3g\n00000000000000000000000000000000\n";
-    let answer = Command::new("curl").args(["-sf", "--data-binary", hashes, &format!("{}/_sluice/v1/narinfos", batch.url)]).output().unwrap();
+    let answer =
+        Command::new("curl").args(["-sf", "--data-binary", hashes, &format!("{}/_sluice/v1/narinfos", batch.url)]).output().unwrap();
     check(&answer, "POST narinfos");
-    let lines: Vec<serde_json::Value> = String::from_utf8(answer.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8(answer.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 2);
     assert!(lines[1]["narinfo"].is_null());
     let single = Command::new("curl").args(["-sf", &format!("{}/433r6hrfzj8vvazpcnl77q6m3lm3vw3g.narinfo", batch.url)]).output().unwrap();
@@ -306,7 +335,13 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
         assert_eq!(server.status_of(target), 404, "{target}");
     }
     // Malformed requests: a 4xx answer each, and the server goes on.
-    for request in [&b"GARBAGE\r\n\r\n"[..], b"GET /nix-cache-info HTTP/9.9\r\n\r\n", b"GET nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /nix-cache-info HTTP/1.1\r\nBad Header\r\n\r\n", b"\x00\x01\x02\xff\r\n\r\n"] {
+    for request in [
+        &b"GARBAGE\r\n\r\n"[..],
+        b"GET /nix-cache-info HTTP/9.9\r\n\r\n",
+        b"GET nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /nix-cache-info HTTP/1.1\r\nBad Header\r\n\r\n",
+        b"\x00\x01\x02\xff\r\n\r\n",
+    ] {
         let answer = server.raw(request);
         let code = answer.split(' ').nth(1).unwrap_or("");
         assert!(code.starts_with('4'), "{:?}: {answer:?}", String::from_utf8_lossy(request));
@@ -351,7 +386,19 @@ fn https_serves_http2_by_alpn() {
     let src = source_store(tmp, &root);
     let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
     let o = Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=localhost"])
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+        ])
         .args(["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key.to_str().unwrap(), "-out", cert.to_str().unwrap()])
         .output()
         .unwrap();
@@ -359,13 +406,29 @@ fn https_serves_http2_by_alpn() {
     let server = Server::start(tmp, &src, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
     assert!(server.url.starts_with("https://"));
     for (flag, version) in [("--http2", "2"), ("--http1.1", "1.1")] {
-        let o = Command::new("curl").args(["-sf", "--cacert", cert.to_str().unwrap(), flag, "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", server.url)]).output().unwrap();
+        let o = Command::new("curl")
+            .args([
+                "-sf",
+                "--cacert",
+                cert.to_str().unwrap(),
+                flag,
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_version}",
+                &format!("{}/nix-cache-info", server.url),
+            ])
+            .output()
+            .unwrap();
         check(&o, "curl over TLS");
         assert_eq!(String::from_utf8_lossy(&o.stdout), version);
     }
     // h2c with prior knowledge on a plain port.
     let plain = Server::start(tmp, &src, &[]);
-    let o = Command::new("curl").args(["-sf", "--http2-prior-knowledge", "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", plain.url)]).output().unwrap();
+    let o = Command::new("curl")
+        .args(["-sf", "--http2-prior-knowledge", "-o", "/dev/null", "-w", "%{http_version}", &format!("{}/nix-cache-info", plain.url)])
+        .output()
+        .unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "2");
 }
 
@@ -595,7 +658,8 @@ fn h2_a_slow_download_goes_on_while_streams_never_read_are_closed() {
     let (server, paths) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
     // glibc's NAR, the subset's largest (about 300 KB).
     let glibc = paths.iter().find(|p| p.ends_with("-glibc-2.37-8")).unwrap();
-    let narinfo = server.raw(format!("GET /{}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", &glibc["/nix/store/".len()..][..32]).as_bytes());
+    let narinfo = server
+        .raw(format!("GET /{}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", &glibc["/nix/store/".len()..][..32]).as_bytes());
     let field = |name: &str| body_of(&narinfo).lines().find_map(|l| l.strip_prefix(name)).unwrap().to_string();
     let (url, size): (String, usize) = (format!("/{}", field("URL: ")), field("NarSize: ").parse().unwrap());
 

@@ -1,7 +1,6 @@
 //! Settings: a Nix user's configuration means to sluice what it means
 //! to real Nix 2.8, each checked side by side with Nix on the same files and caches.
 
-
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -11,7 +10,10 @@ use crate::common::*;
 /// directories of [`isolate`] removed or replaced).
 fn configured(mut cmd: Command, tmp: &Path, env: &[(&str, &Path)]) -> Output {
     isolate(&mut cmd, tmp, "");
-    cmd.env_remove("NIX_CONFIG").env_remove("NIX_USER_CONF_FILES").env_remove("XDG_CONFIG_DIRS").env("XDG_CONFIG_HOME", tmp.join("no-xdg-home"));
+    cmd.env_remove("NIX_CONFIG")
+        .env_remove("NIX_USER_CONF_FILES")
+        .env_remove("XDG_CONFIG_DIRS")
+        .env("XDG_CONFIG_HOME", tmp.join("no-xdg-home"));
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -36,7 +38,13 @@ fn config_files_and_unknown_settings_as_nix_2_8() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let root = |name: &str| t.join(format!("root-{name}")).to_str().unwrap().to_owned();
-    write(&t.join("etc/nix.conf"), &format!("substituter = file:///typo\nbinary-caches =\nextra-binary-caches =\nbuild-max-jobs = 2\nextra-etc-unknown = 1\nstore = {}\n", root("etc")));
+    write(
+        &t.join("etc/nix.conf"),
+        &format!(
+            "substituter = file:///typo\nbinary-caches =\nextra-binary-caches =\nbuild-max-jobs = 2\nextra-etc-unknown = 1\nstore = {}\n",
+            root("etc")
+        ),
+    );
     write(&t.join("u1.conf"), &format!("u1-unknown = 1\nstore = {}\n", root("u1")));
     write(&t.join("u2.conf"), &format!("u2-unknown = 1\nstore = {}\ntrusted-binary-caches =\n", root("u2")));
     write(&t.join("home/nix/nix.conf"), &format!("home-unknown = 1\nstore = {}\n", root("home")));
@@ -52,8 +60,16 @@ fn config_files_and_unknown_settings_as_nix_2_8() {
     let dirs = std::ffi::OsString::from(format!("{}:{}", t.join("d1").display(), t.join("d2").display()));
     let home = t.join("home");
     let scenarios: [(Vec<(&str, &Path)>, &[&str], String); 2] = [
-        (vec![("NIX_USER_CONF_FILES", Path::new(&user_files))], &["extra-etc-unknown", "substituter", "u1-unknown", "u2-unknown"], root("u1")),
-        (vec![("XDG_CONFIG_HOME", &home), ("XDG_CONFIG_DIRS", Path::new(&dirs))], &["d1-unknown", "d2-unknown", "extra-etc-unknown", "home-unknown", "substituter"], root("home")),
+        (
+            vec![("NIX_USER_CONF_FILES", Path::new(&user_files))],
+            &["extra-etc-unknown", "substituter", "u1-unknown", "u2-unknown"],
+            root("u1"),
+        ),
+        (
+            vec![("XDG_CONFIG_HOME", &home), ("XDG_CONFIG_DIRS", Path::new(&dirs))],
+            &["d1-unknown", "d2-unknown", "extra-etc-unknown", "home-unknown", "substituter"],
+            root("home"),
+        ),
     ];
     for (env, unknown, winner) in scenarios {
         let mut env = env;
@@ -167,7 +183,16 @@ fn netrc_file_authenticates_to_http_caches_as_nix() {
         let env: Vec<(&str, &Path)> = vec![("NIX_CONF_DIR", &etc)];
         let (nix_root, sluice_root) = (t.join(format!("nix-{name}")), t.join(format!("sluice-{name}")));
         let mut nix_cmd = Command::new("nix");
-        nix_cmd.args(["--extra-experimental-features", "nix-command", "copy", "--from", &server.url, "--to", nix_root.to_str().unwrap(), &path]);
+        nix_cmd.args([
+            "--extra-experimental-features",
+            "nix-command",
+            "copy",
+            "--from",
+            &server.url,
+            "--to",
+            nix_root.to_str().unwrap(),
+            &path,
+        ]);
         let nix_out = configured(nix_cmd, t, &env);
         let mut sluice_cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         sluice_cmd.args(["copy", "--from", &server.url, "--to", sluice_root.to_str().unwrap(), &path]);
@@ -207,17 +232,26 @@ fn trusted_substituter_accepts_unsigned_paths_but_checks_content() {
         let (nix_store, sluice_store) = (nix_root.to_str().unwrap(), sluice_root.to_str().unwrap());
         let keys = ["--option", "trusted-public-keys", nobody];
         let (nix_out, sluice_out) = if *substituter {
-            (nix(t, "nix-store", &[&["--store", nix_store, "-r", path, "--option", "substituters", url][..], &keys].concat()),
-             sluice(t, &["copy", "--substituters", url, "--to", sluice_store, "--trusted-public-keys", nobody, path]))
+            (
+                nix(t, "nix-store", &[&["--store", nix_store, "-r", path, "--option", "substituters", url][..], &keys].concat()),
+                sluice(t, &["copy", "--substituters", url, "--to", sluice_store, "--trusted-public-keys", nobody, path]),
+            )
         } else {
-            (nix(t, "nix", &[&["copy", "--from", url, "--to", nix_store, path][..], &keys].concat()),
-             sluice(t, &["copy", "--from", url, "--to", sluice_store, "--trusted-public-keys", nobody, path]))
+            (
+                nix(t, "nix", &[&["copy", "--from", url, "--to", nix_store, path][..], &keys].concat()),
+                sluice(t, &["copy", "--from", url, "--to", sluice_store, "--trusted-public-keys", nobody, path]),
+            )
         };
         assert_eq!(nix_out.status.success(), *works, "nix with {url}: {}", stderr(&nix_out));
         assert_eq!(sluice_out.status.success(), *works, "sluice with {url}: {}", stderr(&sluice_out));
         if *works {
             // All but the second each store registered it at.
-            let info = |store| nix_path_info(t, store, path).into_iter().map(|mut i| i.as_object_mut().unwrap().remove("registrationTime").map(|_| i)).collect::<Vec<_>>();
+            let info = |store| {
+                nix_path_info(t, store, path)
+                    .into_iter()
+                    .map(|mut i| i.as_object_mut().unwrap().remove("registrationTime").map(|_| i))
+                    .collect::<Vec<_>>()
+            };
             assert_eq!(info(sluice_store), info(nix_store));
         } else {
             assert_absent(t, &sluice_root, path);
@@ -238,7 +272,8 @@ fn http_connections_zero_means_no_limit() {
     let o = copy_with(t, &t.join("root"), &server.url, &corpus_key(), &[("http-connections", "0")], &[path]);
     check(&o, "sluice copy with http-connections = 0");
     let log = std::fs::read_to_string(&server.access_log).unwrap();
-    let conns: std::collections::BTreeSet<String> = log.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).map(|v| v["conn"].to_string()).collect();
+    let conns: std::collections::BTreeSet<String> =
+        log.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).map(|v| v["conn"].to_string()).collect();
     assert!(conns.len() > 25, "http-connections = 0 used {} connection(s)", conns.len());
     let o = sluice(t, &["copy", "--jobs", "0", "--to", t.join("root").to_str().unwrap(), path]);
     assert!(!o.status.success() && stderr(&o).contains("--jobs"), "{}", stderr(&o));
@@ -282,7 +317,14 @@ fn lz4_lzip_and_pzstd_caches_are_read_as_by_nix() {
         std::fs::write(cache.join(format!("{hash}.narinfo")), rewritten).unwrap();
         let from = format!("file://{}", cache.display());
         let (nix_root, sluice_root) = (t.join(format!("nix-{method}")), t.join(format!("sluice-{method}")));
-        check(&nix(t, "nix", &["copy", "--from", &from, "--to", nix_root.to_str().unwrap(), &path, "--option", "trusted-public-keys", &corpus_key()]), &format!("nix copy ({method})"));
+        check(
+            &nix(
+                t,
+                "nix",
+                &["copy", "--from", &from, "--to", nix_root.to_str().unwrap(), &path, "--option", "trusted-public-keys", &corpus_key()],
+            ),
+            &format!("nix copy ({method})"),
+        );
         check(&copy_with(t, &sluice_root, &from, &corpus_key(), &[], &[&path]), &format!("sluice copy ({method})"));
         // Registration times are the seconds each copy ran in: everything else must agree.
         let without_time = |store: &Path| -> Vec<serde_json::Value> {

@@ -2,7 +2,6 @@
 //! or whose NAR no longer matches is dropped and the narinfo fetched again, once, before the
 //! path fails. Two runs share one disk cache; between them the binary cache is "rebuilt".
 
-
 use std::path::Path;
 
 use crate::common::*;
@@ -26,7 +25,9 @@ fn after_rebuild(tmp: &Path, rebuild: impl Fn(&Path)) -> (std::process::Output, 
 /// Points the narinfo of `OK` at the bzip2 copy of the same NAR.
 fn point_at_bzip2(cache: &Path) {
     let file = cache.join(format!("{}.narinfo", &OK[11..43]));
-    let text = std::fs::read_to_string(&file).unwrap().replace("URL: nar/plain.nar\nCompression: none\n", "URL: nar/plain.nar.bz2\nCompression: bzip2\n");
+    let text = std::fs::read_to_string(&file)
+        .unwrap()
+        .replace("URL: nar/plain.nar\nCompression: none\n", "URL: nar/plain.nar.bz2\nCompression: bzip2\n");
     assert!(text.contains("plain.nar.bz2"));
     std::fs::write(file, text).unwrap();
 }
@@ -44,7 +45,10 @@ fn cached_narinfo_whose_nar_is_gone() {
     });
     check(&o, "second copy after the cache was rebuilt");
     assert_eq!(narinfo_gets(&server), 2, "fetched in run 1, then again in run 2 after the 404");
-    assert_eq!(server.requests(|p| p == "/nar/plain.nar"), vec![("GET".into(), "/nar/plain.nar".into(), 200), ("GET".into(), "/nar/plain.nar".into(), 404)]);
+    assert_eq!(
+        server.requests(|p| p == "/nar/plain.nar"),
+        vec![("GET".into(), "/nar/plain.nar".into(), 200), ("GET".into(), "/nar/plain.nar".into(), 404)]
+    );
     assert_nix_verifies(tmp.path(), &tmp.path().join("root2"));
 }
 

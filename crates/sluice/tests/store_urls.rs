@@ -3,7 +3,6 @@
 //! and `state`, `real`, `read-only` and `require-sigs` do what Nix's `local-store.hh` and
 //! `local-fs-store.hh` say, as real Nix 2.8 confirms.
 
-
 use std::path::Path;
 use std::process::Output;
 use std::time::SystemTime;
@@ -41,7 +40,9 @@ type Entries = Vec<(String, SystemTime)>;
 /// leaving out SQLite's transient `-wal`, `-shm` and `-journal` files.
 fn entries(dir: &Path) -> Entries {
     let mut v: Entries = std::fs::read_dir(dir)
-        .map(|rd| rd.flatten().filter_map(|e| Some((e.file_name().to_string_lossy().into_owned(), e.metadata().ok()?.modified().ok()?))).collect())
+        .map(|rd| {
+            rd.flatten().filter_map(|e| Some((e.file_name().to_string_lossy().into_owned(), e.metadata().ok()?.modified().ok()?))).collect()
+        })
         .unwrap_or_default();
     v.retain(|(name, _)| ![".sqlite-wal", ".sqlite-shm", ".sqlite-journal"].iter().any(|s| name.ends_with(s)));
     v.sort();
@@ -69,7 +70,10 @@ fn bad_parameters_are_refused_before_anything_is_written() {
     let t = target.display();
     let cases = [
         (format!("local?rot={t}"), "unknown parameter \"rot\""),
-        (format!("local?store=/foo/store&root={t}"), "parameter \"store\" has the invalid value \"/foo/store\": sluice supports only the store directory /nix/store"),
+        (
+            format!("local?store=/foo/store&root={t}"),
+            "parameter \"store\" has the invalid value \"/foo/store\": sluice supports only the store directory /nix/store",
+        ),
         (format!("local?root={t}&stat={t}/state"), "unknown parameter \"stat\""),
         (format!("{t}?real=nix/store"), "parameter \"real\" has the invalid value \"nix/store\": not an absolute path"),
         (format!("local?root={t}&read-only=maybe"), "parameter \"read-only\" has the invalid value \"maybe\""),
@@ -81,7 +85,10 @@ fn bad_parameters_are_refused_before_anything_is_written() {
         let o = copy_to(tmp.path(), url, false);
         assert_eq!(o.status.code(), Some(1), "sluice copy --to {url:?} should fail:\n{}", stderr(&o));
         let err = stderr(&o);
-        assert!(err.contains(&format!("store URL {url:?}: {message}")), "sluice copy --to {url:?}: the error should name the URL and say {message:?}:\n{err}");
+        assert!(
+            err.contains(&format!("store URL {url:?}: {message}")),
+            "sluice copy --to {url:?}: the error should name the URL and say {message:?}:\n{err}"
+        );
         assert!(!target.exists(), "sluice copy --to {url:?} created {t}");
         assert_eq!(system_store_snapshot(), before, "sluice copy --to {url:?} changed the system store under /nix");
     }

@@ -20,7 +20,9 @@ use sluice_nix::nar::reader::parse;
 use sluice_nix::nar::Discard;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::ops::{AddMultipleToStore, AddTextToStore, AddToStore, AddToStoreNar};
-use sluice_nix::wire::{read_bytes, read_keyed_path_info, read_u64, write_bytes, write_keyed_path_info, write_u64, FramedReader, ProtocolVersion};
+use sluice_nix::wire::{
+    read_bytes, read_keyed_path_info, read_u64, write_bytes, write_keyed_path_info, write_u64, FramedReader, ProtocolVersion,
+};
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 
 use super::payload::{add_content, Ingestion, RootFile};
@@ -41,7 +43,9 @@ pub(super) fn add_to_store(c: &mut Conn, request: AddToStore) -> OpResult {
     let policy = policy(c, false)?;
     let mut framed = FramedReader::new(&mut c.r);
     let roots = &c.temp_roots;
-    let result = Ingestion::parse(&method).map_err(Fail::Op).and_then(|m| add_content(&store, roots, &policy, &name, m, references, &mut framed, repair));
+    let result = Ingestion::parse(&method)
+        .map_err(Fail::Op)
+        .and_then(|m| add_content(&store, roots, &policy, &name, m, references, &mut framed, repair));
     finish_framed(&mut framed)?;
     let info = result?;
     let version = c.version;
@@ -148,7 +152,14 @@ fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy
 /// ([`LocalStore::add_nar_if_missing`]). A path refused by the store's verification boundary
 /// fails the operation; the rest of its NAR is then left unread (the caller drains a framed
 /// stream).
-fn add_nar(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, info: ValidPathInfo, nar: &mut dyn Read, repair: bool) -> Result<(), Fail> {
+fn add_nar(
+    store: &Arc<LocalStore>,
+    roots: &TempRoots,
+    policy: &SignaturePolicy,
+    info: ValidPathInfo,
+    nar: &mut dyn Read,
+    repair: bool,
+) -> Result<(), Fail> {
     let shown = store.store_dir().display_path(&info.path);
     // Refused before its NAR is unpacked, if nobody vouches for it.
     policy.vouch(store.store_dir(), &info).map_err(op_err)?;

@@ -7,8 +7,8 @@ use sluice_nix::store_path::{StorePath, StorePathError};
 use sluice_nix::wire::ops::BuildDerivation;
 use sluice_nix::wire::{write_build_result, BuildMode, BuildStatus};
 
+use super::realise::{build_result, built_outputs, normal_mode_only, realise_by_substitution, realised_status, BUILD_VIA_HINT};
 use super::{builtin, delegate};
-use super::realise::{build_result, BUILD_VIA_HINT, built_outputs, normal_mode_only, realise_by_substitution, realised_status};
 use crate::conn::{Conn, Fail, OpResult};
 
 /// BuildDerivation: derivation path, the derivation in wire form (`BasicDerivation`), build
@@ -36,7 +36,12 @@ pub(super) fn build_derivation(c: &mut Conn, BuildDerivation { drv_path, drv, mo
         return c.reply(|w, _| write_build_result(w, version, &result));
     }
     normal_mode_only(mode)?;
-    let outputs = drv.outputs.iter().map(|o| Ok((o.name.as_str(), o.path(&dir, name)?))).collect::<Result<Vec<(&str, Option<StorePath>)>, StorePathError>>().map_err(|e| cannot(&e))?;
+    let outputs = drv
+        .outputs
+        .iter()
+        .map(|o| Ok((o.name.as_str(), o.path(&dir, name)?)))
+        .collect::<Result<Vec<(&str, Option<StorePath>)>, StorePathError>>()
+        .map_err(|e| cannot(&e))?;
     let known: Vec<StorePath> = outputs.iter().filter_map(|(_, p)| p.clone()).collect();
     let (valid_before, valid) = realise_by_substitution(c, &known)?;
     let missing: Vec<String> = outputs
@@ -60,7 +65,10 @@ pub(super) fn build_derivation(c: &mut Conn, BuildDerivation { drv_path, drv, mo
         realise_by_substitution(c, &srcs)?;
         delegate::forward(c, |nix, relay| nix.build_derivation(&drv_path, &drv, mode, relay))?
     } else {
-        let why = format!("the sluice daemon does not build derivations (outputs not valid and not substitutable: {}; {BUILD_VIA_HINT})", missing.join(", "));
+        let why = format!(
+            "the sluice daemon does not build derivations (outputs not valid and not substitutable: {}; {BUILD_VIA_HINT})",
+            missing.join(", ")
+        );
         build_result(BuildStatus::MiscFailure, format!("cannot build '{shown}': {why}"))
     };
     c.reply(|w, _| write_build_result(w, version, &result))

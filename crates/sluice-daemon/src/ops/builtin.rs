@@ -67,7 +67,14 @@ fn run(c: &mut Conn, drv: &BuiltinDerivation, inputs: &[StorePath]) -> Result<Op
     let mut warnings = Vec::new();
     let result = {
         let mut warn = |w: &str| warnings.push(w.to_owned());
-        let mut cx = Context { store: c.store(), roots: &c.temp_roots, settings: &settings, runtime: c.daemon.runtime.handle(), local_files: c.peer.trusted, warn: &mut warn };
+        let mut cx = Context {
+            store: c.store(),
+            roots: &c.temp_roots,
+            settings: &settings,
+            runtime: c.daemon.runtime.handle(),
+            local_files: c.peer.trusted,
+            warn: &mut warn,
+        };
         builtins::build(&mut cx, drv, inputs)
     };
     for w in &warnings {

@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use sluice_nix::store_path::StorePath;
-use sluice_nix::wire::StderrMessage;
 use sluice_nix::wire::ops::{ClientSettings, SetOptions};
+use sluice_nix::wire::StderrMessage;
 use sluice_store::remote::{DaemonConnection, Relay, RemoteError};
 
 use super::query::{derivation_outputs, load_derivation};

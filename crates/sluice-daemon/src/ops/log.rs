@@ -20,7 +20,8 @@ use crate::conn::{Conn, Fail, OpResult};
 /// always read to its end, so a refusal leaves the connection usable. A log already stored
 /// for the derivation is kept, as Nix keeps it.
 pub(super) fn add_build_log(c: &mut Conn, AddBuildLog { drv }: AddBuildLog) -> OpResult {
-    let drv = StorePath::from_base_name(&drv).or_else(|_| c.dir().parse_path(&drv)).map_err(|e| Fail::Op(format!("cannot add a build log: {e}")));
+    let drv =
+        StorePath::from_base_name(&drv).or_else(|_| c.dir().parse_path(&drv)).map_err(|e| Fail::Op(format!("cannot add a build log: {e}")));
     let target = drv.and_then(|drv| {
         if !c.peer.trusted {
             return Err(Fail::Op("you are not privileged to add logs".into()));
@@ -49,7 +50,11 @@ fn write_log(file: &Path, log: &mut impl Read) -> Result<(), Fail> {
     let dir = file.parent().unwrap_or(Path::new("."));
     let failed = |what: &str, path: &Path, e: std::io::Error| Fail::Op(format!("storing the build log: {what} {}: {e}", path.display()));
     fs::create_dir_all(dir).map_err(|e| failed("creating", dir, e))?;
-    let temp = tempfile::Builder::new().prefix(".tmp-").permissions(fs::Permissions::from_mode(0o644)).tempfile_in(dir).map_err(|e| failed("creating a temporary file in", dir, e))?;
+    let temp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .permissions(fs::Permissions::from_mode(0o644))
+        .tempfile_in(dir)
+        .map_err(|e| failed("creating a temporary file in", dir, e))?;
     let temp_path: PathBuf = temp.path().to_owned();
     let mut encoder = bzip2::write::BzEncoder::new(temp, bzip2::Compression::default());
     let mut buf = vec![0u8; 64 * 1024];

@@ -3,8 +3,8 @@
 
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::ops::{AddSignatures, CollectGarbage, NarFromPath, OptimiseStore, VerifyStore};
-use sluice_nix::wire::{write_bool, write_bytes, write_u64};
 use sluice_nix::wire::ActivityField;
+use sluice_nix::wire::{write_bool, write_bytes, write_u64};
 use sluice_store::local::{GcAction, GcOptions, OptimiseEvent, Repairer, VerifyMessage};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -68,13 +68,17 @@ pub(super) fn add_signatures(c: &mut Conn, AddSignatures { path, sigs }: AddSign
 /// `wopCollectGarbage`). ignoreLiveness is refused to every client, as Nix does; untrusted
 /// clients may collect. `keep-outputs` and `keep-derivations` are the connection's settings.
 /// The collector's progress lines reach the client as log lines.
-pub(super) fn collect_garbage(c: &mut Conn, CollectGarbage { action, paths_to_delete, ignore_liveness, max_freed }: CollectGarbage) -> OpResult {
+pub(super) fn collect_garbage(
+    c: &mut Conn,
+    CollectGarbage { action, paths_to_delete, ignore_liveness, max_freed }: CollectGarbage,
+) -> OpResult {
     let action = GcAction::from_wire(action).ok_or_else(|| Fail::Op(format!("invalid GC action {action}")))?;
     if ignore_liveness {
         return Err(Fail::Op("you are not allowed to ignore liveness".into()));
     }
     let settings = c.options.settings()?;
-    let options = GcOptions { action, paths_to_delete, max_freed, keep_outputs: settings.keep_outputs, keep_derivations: settings.keep_derivations };
+    let options =
+        GcOptions { action, paths_to_delete, max_freed, keep_outputs: settings.keep_outputs, keep_derivations: settings.keep_derivations };
     let store = std::sync::Arc::clone(c.store());
     let results = store
         .collect_garbage(&options, &mut |line| {

@@ -26,7 +26,19 @@ use crate::conn::{Conn, Fail, OpResult};
 /// that replies to pipelined requests before it may wait to leave together with its own.
 fn quick(op: Op) -> bool {
     use Op::*;
-    matches!(op, IsValidPath | QueryReferrers | AddTempRoot | SyncWithGC | SetOptions | QueryPathInfo | QueryPathFromHashPart | QueryValidDerivers | QueryDerivationOutputMap | QueryRealisation)
+    matches!(
+        op,
+        IsValidPath
+            | QueryReferrers
+            | AddTempRoot
+            | SyncWithGC
+            | SetOptions
+            | QueryPathInfo
+            | QueryPathFromHashPart
+            | QueryValidDerivers
+            | QueryDerivationOutputMap
+            | QueryRealisation
+    )
 }
 
 /// Runs operation number `op` on `c`: its request is read, then handled. Before an operation

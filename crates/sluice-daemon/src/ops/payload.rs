@@ -11,8 +11,8 @@ use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::{NarPath, NarVisitor};
-use sluice_nix::store_path::StorePath;
 use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::StorePath;
 use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use tempfile::SpooledTempFile;
 

@@ -2,12 +2,15 @@
 //! and derivation outputs (Nix 2.8 `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases).
 
 use sluice_nix::derivation::{drv_name, Derivation};
-use sluice_nix::store_path::StorePath;
 use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::ops::{
-    IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryReferrers, QueryValidDerivers, QueryValidPaths,
+    IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryReferrers,
+    QueryValidDerivers, QueryValidPaths,
 };
-use sluice_nix::wire::{write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info, MAX_PATH_LEN};
+use sluice_nix::wire::{
+    write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info, MAX_PATH_LEN,
+};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 

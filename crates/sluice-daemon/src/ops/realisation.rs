@@ -30,7 +30,10 @@ pub(super) fn register_drv_output(_: &mut Conn, request: RegisterDrvOutput) -> O
     let id = match request {
         RegisterDrvOutput::Json(json) => {
             let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| Fail::Op(format!("invalid realisation JSON: {e}")))?;
-            let id = value.get("id").and_then(serde_json::Value::as_str).ok_or_else(|| Fail::Op("invalid realisation JSON: no string field \"id\"".into()))?;
+            let id = value
+                .get("id")
+                .and_then(serde_json::Value::as_str)
+                .ok_or_else(|| Fail::Op("invalid realisation JSON: no string field \"id\"".into()))?;
             drv_output(id)?
         }
         RegisterDrvOutput::Legacy { id, out_path } => {

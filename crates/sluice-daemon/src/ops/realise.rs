@@ -7,20 +7,22 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use sluice_nix::store_path::StorePath;
-use sluice_nix::wire::ops::{BuildPaths, BuildPathsWithResults, EnsurePath, QueryMissing, QuerySubstitutablePathInfos, QuerySubstitutablePaths};
+use sluice_nix::wire::ops::{
+    BuildPaths, BuildPathsWithResults, EnsurePath, QueryMissing, QuerySubstitutablePathInfos, QuerySubstitutablePaths,
+};
 use sluice_nix::wire::{
-    write_keyed_build_result, write_optional_store_path, write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode, BuildResult,
-    BuildStatus, DerivedPath, OutputsSpec,
+    write_keyed_build_result, write_optional_store_path, write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode,
+    BuildResult, BuildStatus, DerivedPath, OutputsSpec,
 };
 use sluice_store::builtins::Builtin;
 use sluice_store::closure::ClosureEvent;
 use sluice_store::failure::{summarize, Cause};
 
-use super::{builtin, delegate};
 use super::query::{derivation_outputs, load_derivation};
+use super::{builtin, delegate};
 use crate::conn::{op_err, Conn, Fail, OpResult};
-use crate::PROTOCOL_VERSION;
 use crate::substitution::{self, Progress};
+use crate::PROTOCOL_VERSION;
 
 /// Nix's `ActivityType` numbers used here.
 const ACT_COPY_PATHS: u64 = 103;
@@ -48,7 +50,15 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
                 ids.insert(path.clone(), id);
                 let shown = dir.display_path(&path);
                 let text = format!("copying path '{shown}' from a substituter");
-                stderr.start_activity(w, id, 3, ACT_SUBSTITUTE, &text, &[ActivityField::Str(shown), ActivityField::Str(String::new())], parent)
+                stderr.start_activity(
+                    w,
+                    id,
+                    3,
+                    ACT_SUBSTITUTE,
+                    &text,
+                    &[ActivityField::Str(shown), ActivityField::Str(String::new())],
+                    parent,
+                )
             }
             Progress::Done(path) | Progress::Failed(path) => match ids.remove(&path) {
                 Some(id) => stderr.stop_activity(w, id),
@@ -77,7 +87,10 @@ pub(super) fn ensure_path(c: &mut Conn, EnsurePath { path }: EnsurePath) -> OpRe
     if !c.store().is_valid_path(&path).map_err(op_err)? {
         substitute(c, vec![path.clone()])?;
         if !c.store().is_valid_path(&path).map_err(op_err)? {
-            return Err(Fail::Op(format!("path '{}' is required, but there is no substituter that can build it", c.dir().display_path(&path))));
+            return Err(Fail::Op(format!(
+                "path '{}' is required, but there is no substituter that can build it",
+                c.dir().display_path(&path)
+            )));
         }
     }
     c.reply(|w, _| write_u64(w, 1))
@@ -88,7 +101,8 @@ pub(super) fn ensure_path(c: &mut Conn, EnsurePath { path }: EnsurePath) -> OpRe
 /// `PathSubstitutionGoal` of the `.drv` before reading it (`build/derivation-goal.cc`). A
 /// `.drv` that no substituter has stays invalid; [`wanted_paths`] then says so.
 fn substitute_derivations(c: &mut Conn, targets: &[DerivedPath]) -> Result<(), Fail> {
-    let drvs: BTreeSet<StorePath> = targets.iter().filter_map(|t| if let DerivedPath::Built { drv, .. } = t { Some(drv.clone()) } else { None }).collect();
+    let drvs: BTreeSet<StorePath> =
+        targets.iter().filter_map(|t| if let DerivedPath::Built { drv, .. } = t { Some(drv.clone()) } else { None }).collect();
     let drvs: Vec<StorePath> = drvs.into_iter().collect();
     realise_by_substitution(c, &drvs).map(|_| ())
 }
@@ -101,7 +115,9 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
         DerivedPath::Opaque(p) => Ok(vec![p.clone()]),
         DerivedPath::Built { drv, outputs } => {
             let shown = c.dir().display_path(drv);
-            let all = derivation_outputs(c, drv).map_err(|e| format!("{e:?}"))?.ok_or_else(|| format!("cannot build missing derivation '{shown}'"))?;
+            let all = derivation_outputs(c, drv)
+                .map_err(|e| format!("{e:?}"))?
+                .ok_or_else(|| format!("cannot build missing derivation '{shown}'"))?;
             let mut paths = Vec::new();
             for (name, path) in all {
                 if let OutputsSpec::Names(names) = outputs {
@@ -109,7 +125,9 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
                         continue;
                     }
                 }
-                paths.push(path.ok_or_else(|| format!("output '{name}' of '{shown}' has no fixed path (content-addressed derivations are not supported)"))?);
+                paths.push(path.ok_or_else(|| {
+                    format!("output '{name}' of '{shown}' has no fixed path (content-addressed derivations are not supported)")
+                })?);
             }
             if let OutputsSpec::Names(names) = outputs {
                 if paths.len() != names.len() {
@@ -146,7 +164,11 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
             }
         }
     }
-    let events = if roots.is_empty() { Vec::new() } else { substitution::query(c.daemon, &settings, c.options.use_substitutes(), roots).map_err(Fail::Op)? };
+    let events = if roots.is_empty() {
+        Vec::new()
+    } else {
+        substitution::query(c.daemon, &settings, c.options.use_substitutes(), roots).map_err(Fail::Op)?
+    };
     let mut missing = BTreeSet::new();
     for e in events {
         match e {
@@ -238,7 +260,17 @@ pub(super) fn realise_by_substitution(c: &mut Conn, paths: &[StorePath]) -> Resu
 /// A build result of `status` with `error_msg`, started and stopped now, nothing built.
 pub(super) fn build_result(status: BuildStatus, error_msg: String) -> BuildResult {
     let now = super::payload::now().max(0) as u64;
-    BuildResult { status, error_msg, times_built: 0, is_non_deterministic: false, start_time: now, stop_time: now, cpu_user: None, cpu_system: None, built_outputs: BTreeMap::new() }
+    BuildResult {
+        status,
+        error_msg,
+        times_built: 0,
+        is_non_deterministic: false,
+        start_time: now,
+        stop_time: now,
+        cpu_user: None,
+        cpu_system: None,
+        built_outputs: BTreeMap::new(),
+    }
 }
 
 /// AlreadyValid if every one of `paths` was valid in `valid_before`, else Substituted.
@@ -292,7 +324,10 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
     }
     to_build.retain(|i| !built.contains_key(i));
     if delegate::enabled(c) && !to_build.is_empty() {
-        let drvs = to_build.iter().filter_map(|&i| if let DerivedPath::Built { drv, .. } = &targets[i] { Some(drv.clone()) } else { None }).collect();
+        let drvs = to_build
+            .iter()
+            .filter_map(|&i| if let DerivedPath::Built { drv, .. } = &targets[i] { Some(drv.clone()) } else { None })
+            .collect();
         delegate::substitute_build_inputs(c, drvs)?;
         let forwarded: Vec<DerivedPath> = to_build.iter().map(|&i| targets[i].clone()).collect();
         built.extend(to_build.iter().copied().zip(delegated(c, &forwarded, mode, with_results)?));
@@ -314,7 +349,9 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
             let absent: Vec<String> = paths.iter().filter(|p| !valid.contains(*p)).map(|p| dir.display_path(p)).collect();
             if !absent.is_empty() {
                 let msg = match t {
-                    DerivedPath::Opaque(p) => format!("path '{}' is required, but there is no substituter that can build it", dir.display_path(p)),
+                    DerivedPath::Opaque(p) => {
+                        format!("path '{}' is required, but there is no substituter that can build it", dir.display_path(p))
+                    }
                     DerivedPath::Built { drv, .. } => not_built(c, drv, &absent),
                 };
                 return build_result(BuildStatus::MiscFailure, msg);
@@ -322,7 +359,9 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
             let mut res = build_result(realised_status(&paths, &valid_before), String::new());
             if let DerivedPath::Built { drv, .. } = t {
                 let outputs = derivation_outputs(c, drv).ok().flatten().unwrap_or_default();
-                res.built_outputs = built_outputs(outputs.iter().filter_map(|(name, p)| p.as_ref().filter(|p| paths.contains(p)).map(|p| (name.as_str(), p))));
+                res.built_outputs = built_outputs(
+                    outputs.iter().filter_map(|(name, p)| p.as_ref().filter(|p| paths.contains(p)).map(|p| (name.as_str(), p))),
+                );
             }
             res
         })
@@ -335,12 +374,20 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
 /// `src/libstore/builtins/` itself once their inputs are valid: `builtin`); the error names
 /// the option that builds them through a `nix-daemon`.
 fn not_built(c: &Conn, drv: &StorePath, absent: &[String]) -> String {
-    let builtin = load_derivation(c, drv).ok().flatten().and_then(|d| String::from_utf8(d.builder).ok()).filter(|b| b.starts_with("builtin:") && Builtin::of(b.as_bytes()).is_none());
+    let builtin = load_derivation(c, drv)
+        .ok()
+        .flatten()
+        .and_then(|d| String::from_utf8(d.builder).ok())
+        .filter(|b| b.starts_with("builtin:") && Builtin::of(b.as_bytes()).is_none());
     let what = match builtin {
         Some(b) => format!("does not build, not even builtins such as {b},"),
         None => "does not build,".to_owned(),
     };
-    format!("cannot build derivation '{}': the sluice daemon {what} and no substituter has {} ({BUILD_VIA_HINT})", c.dir().display_path(drv), absent.join(", "))
+    format!(
+        "cannot build derivation '{}': the sluice daemon {what} and no substituter has {} ({BUILD_VIA_HINT})",
+        c.dir().display_path(drv),
+        absent.join(", ")
+    )
 }
 
 /// How to have what sluice does not build built, for its errors.
@@ -361,7 +408,10 @@ fn delegated(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_result
         .iter()
         .map(|t| match keyed.iter().position(|(p, _)| p == t) {
             Some(i) => keyed.swap_remove(i).1,
-            None => build_result(BuildStatus::MiscFailure, format!("the Nix daemon sent no build result for {}", t.to_wire_string(&dir, PROTOCOL_VERSION).unwrap_or_default())),
+            None => build_result(
+                BuildStatus::MiscFailure,
+                format!("the Nix daemon sent no build result for {}", t.to_wire_string(&dir, PROTOCOL_VERSION).unwrap_or_default()),
+            ),
         })
         .collect())
 }

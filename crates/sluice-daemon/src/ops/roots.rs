@@ -51,7 +51,9 @@ pub(super) fn may_add_perm_root(c: &Conn) -> Result<(), Fail> {
 /// making it a symlink to the store path and an indirect root.
 pub(super) fn add_perm_root(c: &mut Conn, AddPermRoot { path, root }: AddPermRoot) -> OpResult {
     if !root.starts_with('/') || root.starts_with(&format!("{}/", c.dir().as_str())) {
-        return Err(Fail::Op(format!("creating a garbage collector root ({root}) in the Nix store is forbidden; it must be an absolute path outside it")));
+        return Err(Fail::Op(format!(
+            "creating a garbage collector root ({root}) in the Nix store is forbidden; it must be an absolute path outside it"
+        )));
     }
     replace_symlink(Path::new(&root), Path::new(&c.dir().display_path(&path)))?;
     indirect_root(c, &root)?;

@@ -64,7 +64,9 @@ pub struct ListingBuilder {
 
 impl ListingBuilder {
     /// The tree, once the root node has been visited completely.
-    pub fn finish(self) -> Option<NarEntry> { self.root }
+    pub fn finish(self) -> Option<NarEntry> {
+        self.root
+    }
 
     fn add(&mut self, path: &NarPath, entry: NarEntry) {
         match (path.last(), self.open.last_mut()) {
@@ -184,7 +186,12 @@ impl NarEntry {
 
     /// Writes this node's JSON object, or only its head when it is a directory to `expand`
     /// (whose entries the caller writes, then closes it with [`NarEntry::close_json`]).
-    fn open_json<'a>(&'a self, out: &mut Vec<u8>, expand: bool, keys: JsonKeys) -> Option<std::collections::btree_map::Iter<'a, Vec<u8>, NarEntry>> {
+    fn open_json<'a>(
+        &'a self,
+        out: &mut Vec<u8>,
+        expand: bool,
+        keys: JsonKeys,
+    ) -> Option<std::collections::btree_map::Iter<'a, Vec<u8>, NarEntry>> {
         if !expand {
             out.extend_from_slice(b"{}");
             return None;

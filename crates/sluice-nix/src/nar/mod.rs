@@ -26,7 +26,11 @@ pub const MAGIC: &str = "nix-archive-1";
 /// message: quoted, escaped, the first 40 of them.
 pub fn show_bytes(bytes: &[u8]) -> String {
     let s: String = bytes.iter().take(40).flat_map(|&b| std::ascii::escape_default(b)).map(char::from).collect();
-    if bytes.len() > 40 { format!("'{s}…'") } else { format!("'{s}'") }
+    if bytes.len() > 40 {
+        format!("'{s}…'")
+    } else {
+        format!("'{s}'")
+    }
 }
 
 /// A node's position in the NAR: the entry names from the root down (empty for the root).
@@ -38,7 +42,14 @@ pub type NarPath = [Vec<u8>];
 pub trait NarVisitor {
     /// A regular file of `size` bytes whose contents start at byte `offset` of the NAR.
     /// `contents` yields exactly `size` bytes; the reader consumes whatever is not read.
-    fn regular(&mut self, path: &NarPath, executable: bool, size: u64, offset: u64, contents: &mut dyn std::io::Read) -> std::io::Result<()>;
+    fn regular(
+        &mut self,
+        path: &NarPath,
+        executable: bool,
+        size: u64,
+        offset: u64,
+        contents: &mut dyn std::io::Read,
+    ) -> std::io::Result<()>;
     /// A symbolic link with the given target (arbitrary bytes, not checked).
     fn symlink(&mut self, path: &NarPath, target: &[u8]) -> std::io::Result<()>;
     /// The start of a directory; its entries follow.
@@ -52,10 +63,18 @@ pub trait NarVisitor {
 pub struct Discard;
 
 impl NarVisitor for Discard {
-    fn regular(&mut self, _: &NarPath, _: bool, _: u64, _: u64, _: &mut dyn std::io::Read) -> std::io::Result<()> { Ok(()) }
-    fn symlink(&mut self, _: &NarPath, _: &[u8]) -> std::io::Result<()> { Ok(()) }
-    fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
-    fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
+    fn regular(&mut self, _: &NarPath, _: bool, _: u64, _: u64, _: &mut dyn std::io::Read) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn symlink(&mut self, _: &NarPath, _: &[u8]) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Checks a directory entry name as Nix does: not empty, `.` or `..`, no `/` or NUL, at most

@@ -32,7 +32,11 @@ pub enum NarError {
     #[error("NAR: {what} at byte {offset}")]
     Invalid { offset: u64, what: String },
     #[error("NAR: I/O error at byte {offset}: {source}")]
-    Io { offset: u64, #[source] source: std::io::Error },
+    Io {
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl NarError {
@@ -73,7 +77,8 @@ pub fn parse_whole<R: std::io::Read, V: super::NarVisitor + ?Sized>(mut reader: 
         }
     };
     if n > 0 {
-        let what = format!("data after the end of the archive (the NAR ends here, then {} follows)", show(after.get(..n).unwrap_or_default()));
+        let what =
+            format!("data after the end of the archive (the NAR ends here, then {} follows)", show(after.get(..n).unwrap_or_default()));
         return Err(NarError::Invalid { offset: len, what });
     }
     Ok(len)
@@ -84,12 +89,20 @@ pub fn validate<R: std::io::Read>(reader: R) -> Result<u64, NarError> {
     parse(reader, &mut super::Discard)
 }
 
-struct Parser<R> { r: R, pos: u64 }
+struct Parser<R> {
+    r: R,
+    pos: u64,
+}
 
 /// The contents of a regular file, as handed to the visitor: at most `left` bytes of the NAR.
 /// A regular file's contents as the visitor reads them; `failed` keeps the error the input
 /// gave (its kind and message), which the parser reports even if the visitor replaced it.
-struct Contents<'a, R> { r: &'a mut R, left: u64, pos: &'a mut u64, failed: Option<std::io::Error> }
+struct Contents<'a, R> {
+    r: &'a mut R,
+    left: u64,
+    pos: &'a mut u64,
+    failed: Option<std::io::Error>,
+}
 
 impl<R: Read> Read for Contents<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -201,7 +214,12 @@ impl<R: Read> Parser<R> {
 
     fn archive<V: NarVisitor + ?Sized>(&mut self, v: &mut V) -> Result<(), NarError> {
         // Nix's words (`archive.cc`), and what stands where the header belongs.
-        let not_a_nar = |head: &[u8]| format!("not a NAR: input doesn't look like a Nix archive (bad magic: it starts with {}, not the 'nix-archive-1' header)", show(head));
+        let not_a_nar = |head: &[u8]| {
+            format!(
+                "not a NAR: input doesn't look like a Nix archive (bad magic: it starts with {}, not the 'nix-archive-1' header)",
+                show(head)
+            )
+        };
         let mut head = [0u8; 8 + 16];
         self.read_exact(&mut head[..8])?;
         if head[..8] != (MAGIC.len() as u64).to_le_bytes() {
@@ -260,10 +278,7 @@ impl<R: Read> Parser<R> {
                                 return self.invalid(name_at, format!("duplicate directory entry {}", show(&name)));
                             }
                             Some(prev) if prev > name.as_slice() => {
-                                return self.invalid(
-                                    name_at,
-                                    format!("directory not sorted: {} after {}", show(&name), show(prev)),
-                                );
+                                return self.invalid(name_at, format!("directory not sorted: {} after {}", show(&name), show(prev)));
                             }
                             _ => {}
                         }
@@ -322,7 +337,10 @@ impl<R: Read> Parser<R> {
             // `type regular` and then expects another `)`, so it refuses it too (2.8 read an
             // empty file, which would never dump to this NarHash again: Nix writes an empty
             // file as `contents` of length 0).
-            b")" => return self.invalid(start, "a regular file without 'contents' (Nix 2.26 refuses it; an empty file is 'contents' of length 0)"),
+            b")" => {
+                return self
+                    .invalid(start, "a regular file without 'contents' (Nix 2.26 refuses it; an empty file is 'contents' of length 0)")
+            }
             _ => return self.invalid(start, format!("expected 'contents', got {}", show(&t))),
         }
         let size = self.u64()?;
@@ -373,7 +391,9 @@ mod tests {
         out
     }
 
-    fn err(bytes: &[u8]) -> String { validate(bytes).unwrap_err().to_string() }
+    fn err(bytes: &[u8]) -> String {
+        validate(bytes).unwrap_err().to_string()
+    }
 
     #[test]
     fn structural_errors() {
@@ -395,8 +415,25 @@ mod tests {
         let target = vec![b'a'; MAX_TARGET_LEN + 1];
         assert!(err(&nar(&[m, b"(", b"type", b"symlink", b"target", &target])).contains("symlink target too long"));
         // Longest allowed name and target are fine.
-        let ok = nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long[1..], b"node",
-            b"(", b"type", b"symlink", b"target", &target[1..], b")", b")", b")"]);
+        let ok = nar(&[
+            m,
+            b"(",
+            b"type",
+            b"directory",
+            b"entry",
+            b"(",
+            b"name",
+            &long[1..],
+            b"node",
+            b"(",
+            b"type",
+            b"symlink",
+            b"target",
+            &target[1..],
+            b")",
+            b")",
+            b")",
+        ]);
         assert_eq!(validate(&ok[..]).unwrap(), ok.len() as u64);
     }
 
@@ -448,8 +485,12 @@ mod tests {
                 _ => Err(std::io::Error::other("no links")),
             }
         }
-        fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
-        fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> { Ok(()) }
+        fn directory_start(&mut self, _: &NarPath) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn directory_end(&mut self, _: &NarPath) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]
@@ -463,7 +504,11 @@ mod tests {
         let link = nar(&[b"nix-archive-1", b"(", b"type", b"symlink", b"target", b"x", b")"]);
         assert!(matches!(parse(&link[..], &mut p), Err(NarError::Io { .. })));
         let refused = nar(&[b"nix-archive-1", b"(", b"type", b"symlink", b"target", b"refuse", b")"]);
-        assert_eq!(parse(&refused[..], &mut p).unwrap_err().to_string(), format!("NAR: refused 'refuse' at byte {}", refused.len() - 16), "after the target, before the closing ')'");
+        assert_eq!(
+            parse(&refused[..], &mut p).unwrap_err().to_string(),
+            format!("NAR: refused 'refuse' at byte {}", refused.len() - 16),
+            "after the target, before the closing ')'"
+        );
         let cut = &data[..data.len() - 12];
         assert!(matches!(parse(cut, &mut p), Err(NarError::Truncated { .. })));
         assert!(matches!(parse(cut, &mut Discard), Err(NarError::Truncated { .. })));

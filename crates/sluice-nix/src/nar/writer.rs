@@ -36,13 +36,21 @@ impl<W: std::io::Write> NarWriter<W> {
         Ok(w)
     }
     /// The underlying writer, after the root node has been visited.
-    pub fn into_inner(self) -> W { self.out }
+    pub fn into_inner(self) -> W {
+        self.out
+    }
     /// Bytes written so far (after the root node: the NAR size).
-    pub fn position(&self) -> u64 { self.pos }
+    pub fn position(&self) -> u64 {
+        self.pos
+    }
     /// The underlying writer, to take what was written so far (e.g. drain a `Vec`).
-    pub fn get_mut(&mut self) -> &mut W { &mut self.out }
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.out
+    }
     /// The underlying writer.
-    pub fn get_ref(&self) -> &W { &self.out }
+    pub fn get_ref(&self) -> &W {
+        &self.out
+    }
 
     /// Writes a regular file's tokens up to its contents (the entry, `type`, `executable`,
     /// `contents` and the `size`): the caller then writes exactly `size` bytes of contents to
@@ -92,10 +100,7 @@ impl<W: std::io::Write> NarWriter<W> {
     fn open(&mut self, path: &NarPath, ty: &str) -> std::io::Result<()> {
         if let Some(name) = path.last() {
             check_name(name).map_err(|why| Error::new(ErrorKind::InvalidInput, format!("NAR entry name: {why}")))?;
-            let last = self
-                .dirs
-                .last_mut()
-                .ok_or_else(|| Error::new(ErrorKind::InvalidInput, "NAR entry outside a directory"))?;
+            let last = self.dirs.last_mut().ok_or_else(|| Error::new(ErrorKind::InvalidInput, "NAR entry outside a directory"))?;
             if last.as_deref().is_some_and(|prev| prev >= name.as_slice()) {
                 return Err(Error::new(ErrorKind::InvalidInput, "NAR entries not in strictly ascending order"));
             }
@@ -118,7 +123,14 @@ impl<W: std::io::Write> NarWriter<W> {
 }
 
 impl<W: std::io::Write> NarVisitor for NarWriter<W> {
-    fn regular(&mut self, path: &NarPath, executable: bool, size: u64, _offset: u64, contents: &mut dyn std::io::Read) -> std::io::Result<()> {
+    fn regular(
+        &mut self,
+        path: &NarPath,
+        executable: bool,
+        size: u64,
+        _offset: u64,
+        contents: &mut dyn std::io::Read,
+    ) -> std::io::Result<()> {
         self.regular_header(path, executable, size)?;
         let mut n = 0;
         // A buffer as large as the file, in powers of two up to COPY_BUF: most files of a

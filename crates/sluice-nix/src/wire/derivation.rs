@@ -10,7 +10,9 @@
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 
-use super::primitives::{read_count, read_string, read_string_pairs, read_strings, write_bytes, write_string_pairs, write_strings, write_u64};
+use super::primitives::{
+    read_count, read_string, read_string_pairs, read_strings, write_bytes, write_string_pairs, write_strings, write_u64,
+};
 use super::types::{read_store_path_set, write_store_path_set, MAX_PATH_LEN};
 use super::WireError;
 use crate::content_address::ContentAddress;
@@ -64,7 +66,8 @@ impl BasicDerivation {
     /// Whether every output is content-addressed (fixed, floating or impure), so that the
     /// derivation's claim on its output paths needs no trust (Nix's `DerivationType::isCA`).
     pub fn is_content_addressed(&self) -> bool {
-        !self.outputs.is_empty() && self.outputs.iter().all(|o| matches!(o.kind, OutputKind::Fixed(_) | OutputKind::Floating(_) | OutputKind::Impure(_)))
+        !self.outputs.is_empty()
+            && self.outputs.iter().all(|o| matches!(o.kind, OutputKind::Fixed(_) | OutputKind::Floating(_) | OutputKind::Impure(_)))
     }
 }
 
@@ -77,7 +80,11 @@ impl DerivationOutput {
 
 /// Nix's `outputPathName`: `<drv name>` for the output `out`, else `<drv name>-<output>`.
 pub fn output_path_name(drv_name: &str, output: &str) -> String {
-    if output == "out" { drv_name.to_owned() } else { format!("{drv_name}-{output}") }
+    if output == "out" {
+        drv_name.to_owned()
+    } else {
+        format!("{drv_name}-{output}")
+    }
 }
 
 impl OutputKind {
@@ -99,7 +106,9 @@ impl OutputKind {
     pub fn algo_and_hash(&self) -> (String, String) {
         match self {
             OutputKind::Fixed(ContentAddress::Text(h)) => (format!("text:{}", h.algo()), h.to_base16()),
-            OutputKind::Fixed(ContentAddress::Fixed { recursive, hash }) => (format!("{}{}", if *recursive { "r:" } else { "" }, hash.algo()), hash.to_base16()),
+            OutputKind::Fixed(ContentAddress::Fixed { recursive, hash }) => {
+                (format!("{}{}", if *recursive { "r:" } else { "" }, hash.algo()), hash.to_base16())
+            }
             OutputKind::Floating(a) => (a.clone(), String::new()),
             OutputKind::Impure(a) => (a.clone(), "impure".to_owned()),
             OutputKind::InputAddressed(_) | OutputKind::Deferred => (String::new(), String::new()),
@@ -123,7 +132,13 @@ fn method_algo(s: &str) -> Result<(&str, HashAlgo), WireError> {
 /// `parseDerivationOutput` rules.
 pub(crate) fn output_kind(dir: &StoreDir, path: &str, algo: &str, hash: &str) -> Result<OutputKind, WireError> {
     let path_of = |p: &str| dir.parse_path(p).map_err(|e| WireError::invalid("derivation output path", e));
-    let no_path = |kind: &str| if path.is_empty() { Ok(()) } else { Err(WireError::invalid("derivation output path", format!("{path:?}: a {kind} output has no path before it is built"))) };
+    let no_path = |kind: &str| {
+        if path.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::invalid("derivation output path", format!("{path:?}: a {kind} output has no path before it is built")))
+        }
+    };
     if algo.is_empty() {
         if !hash.is_empty() {
             return Err(WireError::invalid("derivation output hash", format!("{hash:?} without a hash algorithm")));
@@ -139,7 +154,9 @@ pub(crate) fn output_kind(dir: &StoreDir, path: &str, algo: &str, hash: &str) ->
             let hash = Hash::parse_bare(hash, hash_algo).map_err(|e| WireError::invalid("derivation output hash", e))?;
             Ok(OutputKind::Fixed(match method {
                 "text" if hash_algo == HashAlgo::Sha256 => ContentAddress::Text(hash),
-                "text" => return Err(WireError::invalid("derivation output hash algorithm", format!("{algo:?}: text hashing is sha256 only"))),
+                "text" => {
+                    return Err(WireError::invalid("derivation output hash algorithm", format!("{algo:?}: text hashing is sha256 only")))
+                }
                 m => ContentAddress::Fixed { recursive: m == "r", hash },
             }))
         }
@@ -177,7 +194,11 @@ pub fn read_basic_derivation(r: &mut (impl Read + ?Sized), dir: &StoreDir) -> Re
 pub fn write_basic_derivation(w: &mut (impl Write + ?Sized), dir: &StoreDir, drv_name: &str, drv: &BasicDerivation) -> std::io::Result<()> {
     write_u64(w, drv.outputs.len() as u64)?;
     for o in &drv.outputs {
-        let path = o.path(dir, drv_name).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?.map(|p| dir.display_path(&p)).unwrap_or_default();
+        let path = o
+            .path(dir, drv_name)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?
+            .map(|p| dir.display_path(&p))
+            .unwrap_or_default();
         let (algo, hash) = o.kind.algo_and_hash();
         for field in [o.name.as_str(), &path, &algo, &hash] {
             write_bytes(w, field.as_bytes())?;
@@ -297,7 +318,13 @@ mod tests {
         let id = DrvOutput::parse(&text).unwrap();
         assert_eq!((id.drv_hash.algo(), id.output.as_str()), (HashAlgo::Sha256, "out"));
         assert_eq!(id.to_string(), text);
-        for bad in ["sha256:abc!out", "no-bang", &format!("{}!out", "15e3c560894cbb27085cf65b5a2ecb18488c999497f4531b6907a7581ce6d527"), &text.replace("!out", "!"), &text.replace("!out", "!a/b")] {
+        for bad in [
+            "sha256:abc!out",
+            "no-bang",
+            &format!("{}!out", "15e3c560894cbb27085cf65b5a2ecb18488c999497f4531b6907a7581ce6d527"),
+            &text.replace("!out", "!"),
+            &text.replace("!out", "!a/b"),
+        ] {
             assert!(DrvOutput::parse(bad).unwrap_err().to_string().contains("derivation output id"), "{bad}");
         }
     }

@@ -5,7 +5,11 @@
 pub enum WireError {
     /// The peer closed the connection or an I/O error occurred while reading `what`.
     #[error("reading {what}: {source}")]
-    Io { what: &'static str, #[source] source: std::io::Error },
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     /// A length or count above the bound for this field.
     #[error("{what} is {len} long, more than the maximum of {max}")]
     TooLong { what: &'static str, len: u64, max: u64 },

@@ -48,7 +48,10 @@ impl<R: Read> FramedReader<R> {
             return Ok(false);
         }
         if len > MAX_FRAME_LEN {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("framed stream: frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}")));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("framed stream: frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}"),
+            ));
         }
         self.remaining = len;
         Ok(true)

@@ -21,21 +21,22 @@ mod types;
 mod version;
 
 pub(crate) use derivation::output_kind;
-pub use derivation::{output_path_name, read_basic_derivation, write_basic_derivation, BasicDerivation, DerivationOutput, DrvOutput, OutputKind};
+pub use derivation::{
+    output_path_name, read_basic_derivation, write_basic_derivation, BasicDerivation, DerivationOutput, DrvOutput, OutputKind,
+};
 pub use error::WireError;
 pub use framed::{FramedReader, FramedWriter, MAX_FRAME_LEN};
 pub use primitives::{
-    read_bool, read_bytes, read_string, read_string_pairs, read_strings, read_u64, write_bool, write_bytes,
-    write_string_pairs, write_strings, write_u64,
+    read_bool, read_bytes, read_string, read_string_pairs, read_strings, read_u64, write_bool, write_bytes, write_string_pairs,
+    write_strings, write_u64,
 };
 pub use stderr::{ActivityField, StderrWriter};
 pub use stderr_read::{read_stderr_message, StderrMessage};
-pub use types::{MAX_PATH_LEN, 
-    read_build_result, read_content_address, read_derived_paths, read_keyed_build_result, read_optional_store_path, read_store_path, read_store_path_set,
-    read_unkeyed_path_info, read_keyed_path_info, write_build_result, write_content_address, write_derived_path,
-    write_keyed_build_result, write_keyed_path_info, write_optional_store_path, write_store_path,
-    write_store_path_set, write_trusted_flag, write_unkeyed_path_info, BuildMode, BuildResult, BuildStatus,
-    DerivedPath, OutputsSpec,
+pub use types::{
+    read_build_result, read_content_address, read_derived_paths, read_keyed_build_result, read_keyed_path_info, read_optional_store_path,
+    read_store_path, read_store_path_set, read_unkeyed_path_info, write_build_result, write_content_address, write_derived_path,
+    write_keyed_build_result, write_keyed_path_info, write_optional_store_path, write_store_path, write_store_path_set, write_trusted_flag,
+    write_unkeyed_path_info, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec, MAX_PATH_LEN,
 };
 pub use version::ProtocolVersion;
 

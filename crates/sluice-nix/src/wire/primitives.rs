@@ -65,7 +65,12 @@ pub fn read_strings(r: &mut (impl Read + ?Sized), max_count: u64, max_len: u64, 
 }
 
 /// Reads a map written as a count and (key, value) string pairs (`StringMap`).
-pub fn read_string_pairs(r: &mut (impl Read + ?Sized), max_count: u64, max_len: u64, what: &'static str) -> Result<Vec<(String, String)>, WireError> {
+pub fn read_string_pairs(
+    r: &mut (impl Read + ?Sized),
+    max_count: u64,
+    max_len: u64,
+    what: &'static str,
+) -> Result<Vec<(String, String)>, WireError> {
     let n = read_count(r, max_count, what)?;
     let mut out = Vec::with_capacity(n.min(1024) as usize);
     for _ in 0..n {
@@ -110,7 +115,10 @@ pub fn write_strings<S: AsRef<[u8]>>(w: &mut (impl Write + ?Sized), items: impl 
 }
 
 /// Writes a count and (key, value) string pairs.
-pub fn write_string_pairs<K: AsRef<[u8]>, V: AsRef<[u8]>>(w: &mut (impl Write + ?Sized), items: impl ExactSizeIterator<Item = (K, V)>) -> std::io::Result<()> {
+pub fn write_string_pairs<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    w: &mut (impl Write + ?Sized),
+    items: impl ExactSizeIterator<Item = (K, V)>,
+) -> std::io::Result<()> {
     write_u64(w, items.len() as u64)?;
     for (k, v) in items {
         write_bytes(w, k.as_ref())?;

@@ -32,7 +32,16 @@ impl StderrWriter {
     /// `...` appended, or nothing for an empty text. `level` is Nix's verbosity (0 = error),
     /// `activity_type` Nix's `ActivityType` (e.g. 100 = copyPath, 108 = substitute).
     #[allow(clippy::too_many_arguments)]
-    pub fn start_activity(&self, w: &mut dyn Write, id: u64, level: u64, activity_type: u64, text: &str, fields: &[ActivityField], parent: u64) -> io::Result<()> {
+    pub fn start_activity(
+        &self,
+        w: &mut dyn Write,
+        id: u64,
+        level: u64,
+        activity_type: u64,
+        text: &str,
+        fields: &[ActivityField],
+        parent: u64,
+    ) -> io::Result<()> {
         if !self.version.at_least(20) {
             return if text.is_empty() { Ok(()) } else { self.next(w, &format!("{text}...\n")) };
         }

@@ -45,7 +45,9 @@ pub fn read_stderr_message(r: &mut (impl Read + ?Sized), version: ProtocolVersio
             parent: read_u64(r, "parent activity")?,
         },
         tag::STOP_ACTIVITY => StderrMessage::StopActivity(read_u64(r, "activity id")?),
-        tag::RESULT => StderrMessage::Result { id: read_u64(r, "activity id")?, result_type: read_u64(r, "result type")?, fields: read_fields(r)? },
+        tag::RESULT => {
+            StderrMessage::Result { id: read_u64(r, "activity id")?, result_type: read_u64(r, "result type")?, fields: read_fields(r)? }
+        }
         tag::LAST => StderrMessage::Last,
         tag::ERROR if version.at_least(26) => {
             read_string(r, 64, "error type")?;

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Read, Write};
 
-use super::primitives::{read_bool, read_count, read_string, read_u64, write_bool, write_bytes, write_bytes_joined, write_string_pairs, write_u64};
+use super::primitives::{
+    read_bool, read_count, read_string, read_u64, write_bool, write_bytes, write_bytes_joined, write_string_pairs, write_u64,
+};
 use super::{ProtocolVersion, WireError};
 use crate::content_address::ContentAddress;
 use crate::hash::{Hash, HashAlgo};
@@ -60,7 +62,11 @@ pub fn write_optional_store_path(w: &mut (impl Write + ?Sized), dir: &StoreDir, 
 }
 
 /// Writes a count and the paths, in the iterator's order.
-pub fn write_store_path_set<'a>(w: &mut (impl Write + ?Sized), dir: &StoreDir, paths: impl ExactSizeIterator<Item = &'a StorePath>) -> io::Result<()> {
+pub fn write_store_path_set<'a>(
+    w: &mut (impl Write + ?Sized),
+    dir: &StoreDir,
+    paths: impl ExactSizeIterator<Item = &'a StorePath>,
+) -> io::Result<()> {
     write_u64(w, paths.len() as u64)?;
     for p in paths {
         write_store_path(w, dir, p)?;
@@ -84,16 +90,24 @@ pub fn write_content_address(w: &mut (impl Write + ?Sized), ca: Option<&ContentA
 
 /// Writes an optional trusted flag (protocol ≥ 1.35 handshake): 0 unknown, 1 trusted, 2 not.
 pub fn write_trusted_flag(w: &mut (impl Write + ?Sized), trusted: Option<bool>) -> io::Result<()> {
-    write_u64(w, match trusted {
-        None => 0,
-        Some(true) => 1,
-        Some(false) => 2,
-    })
+    write_u64(
+        w,
+        match trusted {
+            None => 0,
+            Some(true) => 1,
+            Some(false) => 2,
+        },
+    )
 }
 
 /// Writes the unkeyed part of `info` (everything but `path`) for protocol `version`; the
 /// ultimate flag, signatures and content address only from 1.16.
-pub fn write_unkeyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, info: &ValidPathInfo) -> io::Result<()> {
+pub fn write_unkeyed_path_info(
+    w: &mut (impl Write + ?Sized),
+    dir: &StoreDir,
+    version: ProtocolVersion,
+    info: &ValidPathInfo,
+) -> io::Result<()> {
     write_optional_store_path(w, dir, info.deriver.as_ref())?;
     write_bytes(w, info.nar_hash.to_base16().as_bytes())?;
     write_store_path_set(w, dir, info.references.iter())?;
@@ -112,7 +126,12 @@ pub fn write_unkeyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, ve
 }
 
 /// Writes `info` with its path first (`ValidPathInfo`).
-pub fn write_keyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, info: &ValidPathInfo) -> io::Result<()> {
+pub fn write_keyed_path_info(
+    w: &mut (impl Write + ?Sized),
+    dir: &StoreDir,
+    version: ProtocolVersion,
+    info: &ValidPathInfo,
+) -> io::Result<()> {
     write_store_path(w, dir, &info.path)?;
     write_unkeyed_path_info(w, dir, version, info)
 }
@@ -120,7 +139,12 @@ pub fn write_keyed_path_info(w: &mut (impl Write + ?Sized), dir: &StoreDir, vers
 /// Reads the unkeyed part of a path's metadata for `path` (the inverse of
 /// [`write_unkeyed_path_info`]). The NAR hash may be base16, nixbase32 or base64, with or
 /// without a `sha256:` prefix, as Nix's `Hash::parseAny` accepts.
-pub fn read_unkeyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion, path: StorePath) -> Result<ValidPathInfo, WireError> {
+pub fn read_unkeyed_path_info(
+    r: &mut (impl Read + ?Sized),
+    dir: &StoreDir,
+    version: ProtocolVersion,
+    path: StorePath,
+) -> Result<ValidPathInfo, WireError> {
     let deriver = read_optional_store_path(r, dir, "deriver")?;
     let hash_text = read_string(r, MAX_SHORT_LEN, "NAR hash")?;
     let nar_hash = parse_nar_hash(&hash_text)?;
@@ -302,7 +326,11 @@ impl BuildStatus {
     /// Reads a status number; an unknown one is an error.
     pub fn read(r: &mut (impl Read + ?Sized)) -> Result<Self, WireError> {
         let n = read_u64(r, "build status")?;
-        usize::try_from(n).ok().and_then(|i| Self::ALL.get(i)).copied().ok_or_else(|| WireError::invalid("build status", format!("{n} (expected 0 to 14)")))
+        usize::try_from(n)
+            .ok()
+            .and_then(|i| Self::ALL.get(i))
+            .copied()
+            .ok_or_else(|| WireError::invalid("build status", format!("{n} (expected 0 to 14)")))
     }
 }
 
@@ -385,14 +413,24 @@ pub fn read_build_result(r: &mut (impl Read + ?Sized), version: ProtocolVersion)
 
 /// Reads a derived path and its build result (`KeyedBuildResult`, the inverse of
 /// [`write_keyed_build_result`]).
-pub fn read_keyed_build_result(r: &mut (impl Read + ?Sized), dir: &StoreDir, version: ProtocolVersion) -> Result<(DerivedPath, BuildResult), WireError> {
+pub fn read_keyed_build_result(
+    r: &mut (impl Read + ?Sized),
+    dir: &StoreDir,
+    version: ProtocolVersion,
+) -> Result<(DerivedPath, BuildResult), WireError> {
     let s = read_string(r, MAX_PATH_LEN + MAX_SHORT_LEN, "derived path")?;
     let path = DerivedPath::parse(dir, version, &s)?;
     Ok((path, read_build_result(r, version)?))
 }
 
 /// Writes a derived path and its build result (`KeyedBuildResult`).
-pub fn write_keyed_build_result(w: &mut (impl Write + ?Sized), dir: &StoreDir, version: ProtocolVersion, path: &DerivedPath, res: &BuildResult) -> io::Result<()> {
+pub fn write_keyed_build_result(
+    w: &mut (impl Write + ?Sized),
+    dir: &StoreDir,
+    version: ProtocolVersion,
+    path: &DerivedPath,
+    res: &BuildResult,
+) -> io::Result<()> {
     write_derived_path(w, dir, version, path)?;
     write_build_result(w, version, res)
 }

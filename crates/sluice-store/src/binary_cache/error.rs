@@ -11,11 +11,23 @@ pub enum CacheError {
     /// A failed request; the message carries the whole chain of causes (connection refused,
     /// certificate not trusted, …), which reqwest's own message leaves out.
     #[error("{url}: {}", causes(source))]
-    Transport { url: String, #[source] source: reqwest::Error },
+    Transport {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
     #[error("{url}: {source}")]
-    Io { url: String, #[source] source: std::io::Error },
+    Io {
+        url: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{url}: invalid narinfo: {source}")]
-    NarInfo { url: String, #[source] source: sluice_nix::narinfo::NarInfoError },
+    NarInfo {
+        url: String,
+        #[source]
+        source: sluice_nix::narinfo::NarInfoError,
+    },
     #[error("{url}: narinfo is for {got}, not the requested {expected}")]
     WrongStorePath { url: String, expected: String, got: String },
     /// An HTTP cache without `nix-cache-info` (Nix's words).
@@ -68,8 +80,13 @@ impl CacheError {
         match self {
             CacheError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             // An untrusted certificate stays untrusted however often it is presented.
-            CacheError::Transport { source, .. } => !source.is_builder() && !source.is_redirect() && !causes(source).contains("certificate"),
-            CacheError::Io { source, .. } => !matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidData),
+            CacheError::Transport { source, .. } => {
+                !source.is_builder() && !source.is_redirect() && !causes(source).contains("certificate")
+            }
+            CacheError::Io { source, .. } => !matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidData
+            ),
             _ => false,
         }
     }
@@ -81,7 +98,11 @@ impl CacheError {
     /// [`is_local_shortage`](Self::is_local_shortage)) says nothing about the cache.
     pub fn disables_cache(&self) -> bool {
         (self.is_transient() && !self.is_local_shortage())
-            || matches!(self, CacheError::Status { status: 401 | 407, .. } | CacheError::NarInfo { source: sluice_nix::narinfo::NarInfoError::HtmlPage { .. }, .. })
+            || matches!(
+                self,
+                CacheError::Status { status: 401 | 407, .. }
+                    | CacheError::NarInfo { source: sluice_nix::narinfo::NarInfoError::HtmlPage { .. }, .. }
+            )
     }
 
     /// Whether the failure is the whole cache's, not one file's: it disables the cache

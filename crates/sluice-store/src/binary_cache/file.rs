@@ -12,7 +12,9 @@ use super::{CacheError, Upload};
 
 /// Reads cache files from a local directory.
 #[derive(Debug, Clone)]
-pub struct FileTransport { dir: PathBuf }
+pub struct FileTransport {
+    dir: PathBuf,
+}
 
 impl FileTransport {
     /// A transport for the directory of a `file://` URL.

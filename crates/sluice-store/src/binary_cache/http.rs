@@ -122,7 +122,8 @@ pub struct HttpTransport {
 pub trait RequestSigner: Send + Sync + std::fmt::Debug {
     /// Adds the authentication headers to `request` (finding the credentials first, once,
     /// which may ask a service); the error says why it cannot be signed.
-    fn sign<'a>(&'a self, request: &'a mut reqwest::Request, payload_sha256: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>>;
+    fn sign<'a>(&'a self, request: &'a mut reqwest::Request, payload_sha256: &'a str)
+        -> futures::future::BoxFuture<'a, Result<(), String>>;
 }
 
 /// What one request sends: the method, and for uploads the body and its `Content-Type`.
@@ -166,7 +167,8 @@ impl HttpTransport {
         let base_dir = reqwest::Url::parse(&format!("{base}/")).ok();
         // As curl, credentials in the URL win over the netrc file.
         let host = base_dir.as_ref().filter(|u| u.username().is_empty()).and_then(|u| u.host_str());
-        let credentials = host.and_then(|h| crate::netrc::lookup_file(&settings.netrc_file, h).map_err(|e| tracing::warn!("{e}")).ok().flatten());
+        let credentials =
+            host.and_then(|h| crate::netrc::lookup_file(&settings.netrc_file, h).map_err(|e| tracing::warn!("{e}")).ok().flatten());
         let connections = settings.http_connection_limit().unwrap_or(Semaphore::MAX_PERMITS);
         HttpTransport {
             base_dir,
@@ -244,7 +246,12 @@ impl HttpTransport {
     /// One request: the response when it is a success, `None` for absence, or the failure
     /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
     /// `nar`: a NAR download, sent over the NAR connections ([`ClientPool::next_nar`]).
-    async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>, nar: bool) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+    async fn send_once(
+        &self,
+        target: &reqwest::Url,
+        spec: Request<'_>,
+        nar: bool,
+    ) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
         let url = target.as_str();
         let (limit, permits) = match *spec.method == reqwest::Method::GET {
             true => (&self.limit, self.connections),
@@ -277,7 +284,11 @@ impl HttpTransport {
             200..=299 => Ok((Some(resp), permit)),
             404 | 403 | 410 => Ok((None, permit)),
             _ => {
-                let retry_after = resp.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.trim().parse().ok()).map(Duration::from_secs);
+                let retry_after = resp
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok()?.trim().parse().ok())
+                    .map(Duration::from_secs);
                 let body = body_prefix(resp, self.stall).await;
                 Err(Failure { error: CacheError::Status { url: url.to_string(), status, body }, retry_after })
             }
@@ -307,7 +318,10 @@ impl HttpTransport {
         };
         let mut request = b.build().map_err(|source| CacheError::Transport { url: url.to_string(), source })?;
         if let Some(signer) = &self.signer {
-            signer.sign(&mut request, &payload_sha256).await.map_err(|what| CacheError::Io { url: url.to_string(), source: std::io::Error::other(format!("cannot sign the request: {what}")) })?;
+            signer.sign(&mut request, &payload_sha256).await.map_err(|what| CacheError::Io {
+                url: url.to_string(),
+                source: std::io::Error::other(format!("cannot sign the request: {what}")),
+            })?;
         }
         Ok(request)
     }
@@ -385,7 +399,10 @@ impl HttpTransport {
 }
 
 fn stalled(url: &str, stall: Duration, what: &str) -> CacheError {
-    CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} for {} s (stalled-download-timeout)", stall.as_secs())) }
+    CacheError::Io {
+        url: url.to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} for {} s (stalled-download-timeout)", stall.as_secs())),
+    }
 }
 
 /// Whether the body is gzip-encoded (a proxy may add this unasked); other encodings are refused.
@@ -394,7 +411,10 @@ fn content_encoding(url: &str, resp: &reqwest::Response) -> Result<bool, CacheEr
     match v.to_str().unwrap_or("").trim().to_ascii_lowercase().as_str() {
         "" | "identity" => Ok(false),
         "gzip" | "x-gzip" => Ok(true),
-        other => Err(CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("unsupported Content-Encoding {other:?}")) }),
+        other => Err(CacheError::Io {
+            url: url.to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("unsupported Content-Encoding {other:?}")),
+        }),
     }
 }
 

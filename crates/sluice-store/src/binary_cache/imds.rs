@@ -39,7 +39,13 @@ pub async fn credentials(client: &reqwest::Client, endpoint: &str) -> Result<Cre
     if !endpoint.starts_with("http://") {
         return Err(format!("{endpoint}: the instance metadata endpoint must be http://"));
     }
-    let token = request(client, reqwest::Method::PUT, &format!("{endpoint}/latest/api/token"), ("x-aws-ec2-metadata-token-ttl-seconds", TOKEN_TTL.to_string())).await?;
+    let token = request(
+        client,
+        reqwest::Method::PUT,
+        &format!("{endpoint}/latest/api/token"),
+        ("x-aws-ec2-metadata-token-ttl-seconds", TOKEN_TTL.to_string()),
+    )
+    .await?;
     let token = ("x-aws-ec2-metadata-token", token.trim().to_string());
     let roles_url = format!("{endpoint}/latest/meta-data/iam/security-credentials/");
     let roles = request(client, reqwest::Method::GET, &roles_url, token.clone()).await?;
@@ -47,7 +53,9 @@ pub async fn credentials(client: &reqwest::Client, endpoint: &str) -> Result<Cre
     let json = request(client, reqwest::Method::GET, &format!("{roles_url}{role}"), token).await?;
     let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| format!("the credentials of role {role}: {e}"))?;
     let field = |name: &str| value.get(name).and_then(|v| v.as_str()).map(str::to_string);
-    let expiry = field("Expiration").map(|e| expiry(&e).map_err(|why| format!("the credentials of role {role}: Expiration {e:?}: {why}"))).transpose()?;
+    let expiry = field("Expiration")
+        .map(|e| expiry(&e).map_err(|why| format!("the credentials of role {role}: Expiration {e:?}: {why}")))
+        .transpose()?;
     match (field("AccessKeyId"), field("SecretAccessKey")) {
         (Some(id), Some(secret)) => Ok(Credentials::new(id, secret, field("Token"), expiry, "instance metadata")),
         _ => Err(format!("the credentials of role {role} lack AccessKeyId or SecretAccessKey")),
@@ -62,7 +70,12 @@ fn expiry(text: &str) -> Result<std::time::SystemTime, String> {
 
 /// One request with one extra header; the body of a 200 answer (at most [`MAX_ANSWER`]
 /// bytes), or why not, naming the request.
-async fn request(client: &reqwest::Client, method: reqwest::Method, url: &str, (name, value): (&'static str, String)) -> Result<String, String> {
+async fn request(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: &str,
+    (name, value): (&'static str, String),
+) -> Result<String, String> {
     let fail = |e: &dyn std::fmt::Display| format!("{method} {url}: {e}");
     let sent = client.request(method.clone(), url).header(name, value).header(reqwest::header::CONNECTION, "close").timeout(TIMEOUT).send();
     let mut answer = sent.await.map_err(|e| fail(&e))?;
@@ -119,8 +132,18 @@ mod tests {
         // 2026-12-02T22:00:00Z
         assert_eq!(got.expiry(), Some(std::time::UNIX_EPOCH + Duration::from_secs(1_796_248_800)));
         let seen = served.join().unwrap();
-        assert!(seen[0].starts_with("PUT /latest/api/token HTTP/1.1\r\n") && seen[0].contains("x-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"), "{}", seen[0]);
-        assert!(seen[1].starts_with("GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\n") && seen[1].contains("x-aws-ec2-metadata-token: tok-123\r\n"), "{}", seen[1]);
+        assert!(
+            seen[0].starts_with("PUT /latest/api/token HTTP/1.1\r\n")
+                && seen[0].contains("x-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"),
+            "{}",
+            seen[0]
+        );
+        assert!(
+            seen[1].starts_with("GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\n")
+                && seen[1].contains("x-aws-ec2-metadata-token: tok-123\r\n"),
+            "{}",
+            seen[1]
+        );
         assert!(seen[2].starts_with("GET /latest/meta-data/iam/security-credentials/the-role HTTP/1.1\r\n"), "{}", seen[2]);
     }
 

@@ -38,7 +38,10 @@ use crate::store_url::{CacheKind, CacheUrl, CacheWriteParams};
 pub enum Transport {
     File(file::FileTransport),
     /// HTTP(S), and S3 (requests signed; `s3` set).
-    Http { http: Box<http::HttpTransport>, s3: Option<Box<s3::S3>> },
+    Http {
+        http: Box<http::HttpTransport>,
+        s3: Option<Box<s3::S3>>,
+    },
 }
 
 /// What is written to a cache file: small contents, or a prepared (compressed) NAR.
@@ -89,7 +92,9 @@ impl Upload {
                 let chunk = (*file_size).clamp(1, 256 << 10) as usize;
                 reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file.reopen()?), chunk))
             }
-            Upload::Bytes(b) | Upload::Nar(upload::PreparedNar { compressed: spool::Compressed::Memory(b, _), .. }) => reqwest::Body::from(b.clone()),
+            Upload::Bytes(b) | Upload::Nar(upload::PreparedNar { compressed: spool::Compressed::Memory(b, _), .. }) => {
+                reqwest::Body::from(b.clone())
+            }
         })
     }
 }
@@ -153,7 +158,10 @@ impl BinaryCache {
         let client = || client.get().map_err(|what| CacheError::Client { url: base.clone(), what });
         let (base, transport) = match kind {
             CacheKind::File => (base.clone(), Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://"))))),
-            CacheKind::Http => (base.clone(), Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client()?.clone(), settings)), s3: None }),
+            CacheKind::Http => (
+                base.clone(),
+                Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client()?.clone(), settings)), s3: None },
+            ),
             CacheKind::S3(params) => {
                 let (s3, client) = (s3::S3::new(params), client()?);
                 let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), settings).signed(s3.signer(client));
@@ -226,7 +234,11 @@ impl BinaryCache {
     /// Fails unless the cache serves `store_dir`.
     pub fn check_store_dir(&self, store_dir: &StoreDir) -> Result<(), CacheError> {
         if self.info.store_dir != store_dir.as_str() {
-            return Err(CacheError::WrongStoreDir { url: self.url.clone(), expected: store_dir.as_str().into(), got: self.info.store_dir.clone() });
+            return Err(CacheError::WrongStoreDir {
+                url: self.url.clone(),
+                expected: store_dir.as_str().into(),
+                got: self.info.store_dir.clone(),
+            });
         }
         Ok(())
     }
@@ -302,8 +314,10 @@ impl BinaryCache {
     /// have it.
     pub async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
         let Some(bytes) = self.get(&format!("{hash_part}.narinfo")).await? else { return Ok(None) };
-        let text = String::from_utf8(bytes)
-            .map_err(|_| CacheError::Io { url: self.narinfo_url_of(hash_part), source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text") })?;
+        let text = String::from_utf8(bytes).map_err(|_| CacheError::Io {
+            url: self.narinfo_url_of(hash_part),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, "narinfo is not UTF-8 text"),
+        })?;
         // A page is the whole cache's answer, not this narinfo's: the cache is given up on.
         let page = NarInfo::check_not_html(&text).map_err(|source| CacheError::NarInfo { url: self.narinfo_url_of(hash_part), source });
         self.health.observe(&self.url, page)?;
@@ -324,7 +338,9 @@ impl BinaryCache {
         let answer = self.health.observe(&self.url, http.send(ENDPOINT, request).await)?;
         let url = http.resolve(ENDPOINT);
         let bad = |what: String| CacheError::Io { url: url.clone(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
-        let Some(http::Answer { body: bytes, .. }) = answer else { return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into())) };
+        let Some(http::Answer { body: bytes, .. }) = answer else {
+            return Err(bad("the cache advertises SluiceBatch but has no batch endpoint".into()));
+        };
         let text = String::from_utf8(bytes).map_err(|_| bad("answer is not UTF-8".into()))?;
         let mut out = Vec::new();
         for (i, line) in text.lines().enumerate() {
@@ -343,7 +359,11 @@ impl BinaryCache {
     pub fn parse_narinfo(&self, path: &StorePath, store_dir: &StoreDir, text: &str) -> Result<NarInfo, CacheError> {
         let info = NarInfo::parse(store_dir, text).map_err(|source| CacheError::NarInfo { url: self.narinfo_url(path), source })?;
         if info.store_path != *path {
-            return Err(CacheError::WrongStorePath { url: self.narinfo_url(path), expected: store_dir.display_path(path), got: store_dir.display_path(&info.store_path) });
+            return Err(CacheError::WrongStorePath {
+                url: self.narinfo_url(path),
+                expected: store_dir.display_path(path),
+                got: store_dir.display_path(&info.store_path),
+            });
         }
         Ok(info)
     }
@@ -361,10 +381,13 @@ impl BinaryCache {
     pub async fn open_nar(&self, narinfo: &NarInfo) -> Result<Option<NarStream>, CacheError> {
         self.health.check(&self.url)?;
         let result = match &self.transport {
-            Transport::File(t) => t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default(), local: true })),
-            Transport::Http { http, .. } => http.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe, local: false })),
+            Transport::File(t) => {
+                t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default(), local: true }))
+            }
+            Transport::Http { http, .. } => {
+                http.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe, local: false }))
+            }
         };
         self.health.observe(&self.url, result)
     }
 }
-

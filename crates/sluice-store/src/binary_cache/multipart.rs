@@ -25,9 +25,17 @@ fn part_size(chunk_size: u64, file_size: u64) -> u64 {
 /// Uploads `nar` to `rel` in parts of `chunk_size` bytes (see [`part_size`]; the last may be
 /// shorter); `headers` go with the `CreateMultipartUpload` request, as S3 takes an object's
 /// metadata there.
-pub async fn upload(http: &HttpTransport, rel: &str, nar: &PreparedNar, chunk_size: u64, mime: &str, headers: &[(&'static str, String)]) -> Result<(), CacheError> {
+pub async fn upload(
+    http: &HttpTransport,
+    rel: &str,
+    nar: &PreparedNar,
+    chunk_size: u64,
+    mime: &str,
+    headers: &[(&'static str, String)],
+) -> Result<(), CacheError> {
     let empty = Upload::Bytes(bytes::Bytes::new());
-    let created = http.send(&format!("{rel}?uploads"), Request { method: &reqwest::Method::POST, body: Some((&empty, mime)), headers }).await?;
+    let created =
+        http.send(&format!("{rel}?uploads"), Request { method: &reqwest::Method::POST, body: Some((&empty, mime)), headers }).await?;
     let upload_id = element(http, rel, created.as_ref(), "UploadId")?;
     let id = utf8_percent_encode(&upload_id);
     let result = upload_parts(http, rel, &id, nar, part_size(chunk_size, nar.file_size)).await;
@@ -52,7 +60,9 @@ async fn upload_parts(http: &HttpTransport, rel: &str, id: &str, nar: &PreparedN
         let len = part_size.min(nar.file_size - offset);
         let body = Upload::Bytes(nar.compressed.part(offset, len as usize).map_err(io)?);
         let target = format!("{rel}?partNumber={}&uploadId={id}", index + 1);
-        let answer = http.send(&target, Request { method: &reqwest::Method::PUT, body: Some((&body, "application/octet-stream")), headers: &[] }).await?;
+        let answer = http
+            .send(&target, Request { method: &reqwest::Method::PUT, body: Some((&body, "application/octet-stream")), headers: &[] })
+            .await?;
         let etag = answer.as_ref().and_then(|a| a.headers.get(reqwest::header::ETAG)?.to_str().ok().map(str::to_string));
         etags.push(etag.ok_or_else(|| refused(http, &target, "the answer to UploadPart has no ETag"))?);
     }
@@ -68,7 +78,8 @@ async fn complete(http: &HttpTransport, rel: &str, id: &str, etags: &[String]) -
     xml.push_str("</CompleteMultipartUpload>");
     let body = Upload::Bytes(xml.into());
     let target = format!("{rel}?uploadId={id}");
-    let answer = http.send(&target, Request { method: &reqwest::Method::POST, body: Some((&body, "application/xml")), headers: &[] }).await?;
+    let answer =
+        http.send(&target, Request { method: &reqwest::Method::POST, body: Some((&body, "application/xml")), headers: &[] }).await?;
     let answer = answer.ok_or_else(|| CacheError::Refused { url: http.resolve(&target) })?;
     if String::from_utf8_lossy(&answer.body).contains("<Error>") {
         return Err(refused(http, &target, &format!("CompleteMultipartUpload failed: {}", String::from_utf8_lossy(&answer.body))));
@@ -89,7 +100,9 @@ fn element(http: &HttpTransport, rel: &str, answer: Option<&Answer>, name: &str)
 /// An upload id as a query value: S3's ids are URL-safe in practice, but any other byte is
 /// percent-encoded.
 fn utf8_percent_encode(id: &str) -> String {
-    id.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+    id.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
 }
 
 fn refused(http: &HttpTransport, rel: &str, what: &str) -> CacheError {

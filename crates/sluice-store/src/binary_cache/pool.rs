@@ -49,7 +49,14 @@ pub struct ClientPool {
 impl ClientPool {
     /// A pool starting with `first` (shared with other caches); `settings` builds the others.
     pub fn new(first: reqwest::Client, settings: &Settings) -> Self {
-        ClientPool { first, extra: OnceLock::new(), nar: OnceLock::new(), next: AtomicUsize::new(0), next_nar: AtomicUsize::new(0), settings: settings.clone() }
+        ClientPool {
+            first,
+            extra: OnceLock::new(),
+            nar: OnceLock::new(),
+            next: AtomicUsize::new(0),
+            next_nar: AtomicUsize::new(0),
+            settings: settings.clone(),
+        }
     }
 
     /// The client for the next request: the first, and in turn each extra one that is ready.

@@ -53,7 +53,12 @@ impl S3 {
 
     /// The request signer (SigV4 with the credentials found now, or none: unsigned).
     pub fn signer(&self, client: &reqwest::Client) -> Arc<dyn RequestSigner> {
-        Arc::new(SigV4 { region: self.params.region.clone(), profile: self.params.profile.clone(), client: client.clone(), credentials: tokio::sync::Mutex::new(None) })
+        Arc::new(SigV4 {
+            region: self.params.region.clone(),
+            profile: self.params.profile.clone(),
+            client: client.clone(),
+            credentials: tokio::sync::Mutex::new(None),
+        })
     }
 
     /// Uploads `rel` with `storage-class` if one is set: in parts (see [`multipart`]) when
@@ -127,7 +132,11 @@ impl SigV4 {
             Some(found) if found.refresh_at.is_some_and(|at| at <= now) => match find().await {
                 Some(fresh) => *found = Found::new(Some(fresh)),
                 None => {
-                    tracing::warn!("S3 credentials expire at {:?} and could not be found again; retrying in {} s", found.credentials.as_ref().and_then(|c| c.expiry()), REFRESH_RETRY.as_secs());
+                    tracing::warn!(
+                        "S3 credentials expire at {:?} and could not be found again; retrying in {} s",
+                        found.credentials.as_ref().and_then(|c| c.expiry()),
+                        REFRESH_RETRY.as_secs()
+                    );
                     found.refresh_at = Some(now + REFRESH_RETRY);
                 }
             },
@@ -138,7 +147,11 @@ impl SigV4 {
 }
 
 impl RequestSigner for SigV4 {
-    fn sign<'a>(&'a self, request: &'a mut reqwest::Request, payload_sha256: &'a str) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    fn sign<'a>(
+        &'a self,
+        request: &'a mut reqwest::Request,
+        payload_sha256: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             match self.current().await {
                 Some(credentials) => sign_v4(&credentials, &self.region, request, payload_sha256),
@@ -195,14 +208,19 @@ async fn find_credentials(profile: Option<&str>, client: &reqwest::Client) -> Op
         return None;
     }
     let endpoint = super::imds::endpoint(env("AWS_EC2_METADATA_DISABLED").as_deref(), env("AWS_EC2_METADATA_SERVICE_ENDPOINT").as_deref())?;
-    super::imds::credentials(client, &endpoint).await.map_err(|why| tracing::debug!("no credentials from the instance metadata service: {why}; S3 requests go unsigned")).ok()
+    super::imds::credentials(client, &endpoint)
+        .await
+        .map_err(|why| tracing::debug!("no credentials from the instance metadata service: {why}; S3 requests go unsigned"))
+        .ok()
 }
 
 /// The credentials of `profile` (default `$AWS_PROFILE`, else `default`) in the shared
 /// credentials file (`$AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`).
 fn profile_credentials(profile: Option<&str>) -> Option<Credentials> {
     let env = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
-    let file = env("AWS_SHARED_CREDENTIALS_FILE").map(std::path::PathBuf::from).or_else(|| Some(std::path::PathBuf::from(env("HOME")?).join(".aws/credentials")))?;
+    let file = env("AWS_SHARED_CREDENTIALS_FILE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| Some(std::path::PathBuf::from(env("HOME")?).join(".aws/credentials")))?;
     let named = profile.map(str::to_string).or_else(|| env("AWS_PROFILE")).unwrap_or_else(|| "default".into());
     let text = std::fs::read_to_string(&file).ok()?;
     let found = profile_keys(&text, &named);
@@ -240,7 +258,8 @@ mod tests {
     /// not never; a failed search keeps the old ones and is not retried at every request.
     #[tokio::test]
     async fn expiring_credentials_are_found_again_before_they_expire() {
-        let signer = SigV4 { region: "r".into(), profile: None, client: reqwest::Client::new(), credentials: tokio::sync::Mutex::new(None) };
+        let signer =
+            SigV4 { region: "r".into(), profile: None, client: reqwest::Client::new(), credentials: tokio::sync::Mutex::new(None) };
         let searches = std::sync::atomic::AtomicUsize::new(0);
         let expiring = |left: Duration, id: &str| Credentials::new(id, "s", None, Some(SystemTime::now() + left), "test");
         let search = |answer: Option<Credentials>| {

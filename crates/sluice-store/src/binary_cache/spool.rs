@@ -62,7 +62,10 @@ pub struct Spooled(u64);
 impl Spooled {
     /// `bytes` of the budget, if that many are left.
     fn take(bytes: u64) -> Option<Spooled> {
-        SPOOLED.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| used.checked_add(bytes).filter(|&u| u <= SPOOL_MEMORY)).ok().map(|_| Spooled(bytes))
+        SPOOLED
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| used.checked_add(bytes).filter(|&u| u <= SPOOL_MEMORY))
+            .ok()
+            .map(|_| Spooled(bytes))
     }
 }
 

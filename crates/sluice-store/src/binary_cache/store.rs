@@ -25,7 +25,6 @@ use crate::encoder_memory::{EncoderPlan, ENCODER_MEMORY};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 use crate::store_url::{CacheUrl, STORE_DIR};
 
-
 const NARINFO_MIME: &str = "text/x-nix-narinfo";
 const NAR_MIME: &str = "application/x-nix-nar";
 const CACHE_INFO_MIME: &str = "text/x-nix-cache-info";
@@ -176,7 +175,10 @@ impl Store for BinaryCache {
     /// all at once: the transport bounds the requests in flight.
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
         Box::pin(async move {
-            let exists = futures::future::join_all(paths.iter().map(|path| async move { self.file_exists(&format!("{}.narinfo", path.hash_part())).await })).await;
+            let exists = futures::future::join_all(
+                paths.iter().map(|path| async move { self.file_exists(&format!("{}.narinfo", path.hash_part())).await }),
+            )
+            .await;
             let mut valid = BTreeSet::new();
             for (path, exists) in paths.iter().zip(exists) {
                 if exists? {
@@ -204,12 +206,18 @@ impl Store for BinaryCache {
                 Some(n) => n,
                 None => {
                     let text = self.narinfo_text(&info.path).await?;
-                    let text = text.ok_or_else(|| StoreError::NotValid { url: self.url.clone(), path: self.store_dir().display_path(&info.path) })?;
+                    let text = text
+                        .ok_or_else(|| StoreError::NotValid { url: self.url.clone(), path: self.store_dir().display_path(&info.path) })?;
                     self.parse_narinfo(&info.path, self.store_dir(), &text)?
                 }
             };
             let nar_url = self.nar_url(&narinfo);
-            let gone = || StoreError::Cache(CacheError::Io { url: nar_url.clone(), source: std::io::Error::new(std::io::ErrorKind::NotFound, "NAR file missing") });
+            let gone = || {
+                StoreError::Cache(CacheError::Io {
+                    url: nar_url.clone(),
+                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "NAR file missing"),
+                })
+            };
             let stream = self.open_nar(&narinfo).await?.ok_or_else(gone)?;
             let compression = Compression::parse(&narinfo.compression).map_err(|e| StoreError::Other(format!("{nar_url}: {e}")))?;
             Ok(Box::new(LazyDecoder { compression, url: nar_url, state: DecoderState::Pending(Some(stream.reader)) }) as NarReader)
@@ -223,7 +231,14 @@ impl Store for BinaryCache {
             // S3 uploads carry the MD5 (`Content-MD5`); nothing else uses it.
             let with_md5 = matches!(&self.transport, Transport::Http { s3: Some(_), .. });
             let cores = crate::cores() as u32;
-            let plan = EncoderPlan::new(params.compression, params.compression_level, params.parallel_compression, info.nar_size, cores, ENCODER_MEMORY);
+            let plan = EncoderPlan::new(
+                params.compression,
+                params.compression_level,
+                params.parallel_compression,
+                info.nar_size,
+                cores,
+                ENCODER_MEMORY,
+            );
             // The encoder's memory, in MiB, out of the budget every addition shares.
             let mib = plan.memory.div_ceil(1 << 20).min(ENCODER_MEMORY >> 20) as u32;
             let budget = self.encoder_budget.clone().acquire_many_owned(mib).await.expect("semaphore never closed");
@@ -231,9 +246,9 @@ impl Store for BinaryCache {
                 let _budget = budget;
                 upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &plan, &dir, in_memory, with_md5)
             })
-                .await
-                .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?
-                .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?;
+            .await
+            .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?
+            .map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?;
             let hash_part = info.path.hash_part().to_string();
             if let Some(listing) = &prepared.listing {
                 self.upsert_file(&format!("{hash_part}.ls"), Upload::Bytes(upload::listing_json(listing).into()), LISTING_MIME).await?;

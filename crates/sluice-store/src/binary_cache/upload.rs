@@ -37,9 +37,17 @@ pub struct PreparedNar {
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
     #[error("reading or compressing the NAR of {path}: {source}")]
-    Io { path: String, #[source] source: io::Error },
+    Io {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("the NAR of {path} is invalid: {source}")]
-    Nar { path: String, #[source] source: sluice_nix::nar::reader::NarError },
+    Nar {
+        path: String,
+        #[source]
+        source: sluice_nix::nar::reader::NarError,
+    },
     #[error("the NAR of {path} does not match its info: NarHash {expected}, NarSize {expected_size}, but the NAR has {actual} and {actual_size} bytes")]
     Mismatch { path: String, expected: String, expected_size: u64, actual: String, actual_size: u64 },
 }
@@ -48,13 +56,31 @@ pub enum PrepareError {
 /// compresses it as `params` and `plan` say, into memory if `in_memory` and it is small (see
 /// [`SpoolWriter`]), else into a temporary file in `tmp_dir`; the MD5 of the compressed bytes
 /// is computed only `with_md5`.
-pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Read, params: &CacheWriteParams, plan: &EncoderPlan, tmp_dir: &Path, in_memory: bool, with_md5: bool) -> Result<PreparedNar, PrepareError> {
+pub fn prepare_nar(
+    store_dir: &StoreDir,
+    info: &ValidPathInfo,
+    nar: &mut dyn Read,
+    params: &CacheWriteParams,
+    plan: &EncoderPlan,
+    tmp_dir: &Path,
+    in_memory: bool,
+    with_md5: bool,
+) -> Result<PreparedNar, PrepareError> {
     let path = store_dir.display_path(&info.path);
     let io_err = |source| PrepareError::Io { path: path.clone(), source };
     let out = SpoolWriter::new(tmp_dir, in_memory).map_err(io_err)?;
     let sink = DigestWriter { inner: out, sha256: Hasher::new(HashAlgo::Sha256), md5: with_md5.then(md5::Md5::new) };
     let encoder = params.compression.encoder(sink, params.compression_level, plan).map_err(io_err)?;
-    let mut tee = Tee { inner: nar, buf: vec![0; TEE_CHUNK].into_boxed_slice(), filled: 0, passed: 0, read: 0, nar_hash: Hasher::new(HashAlgo::Sha256), out: encoder, error: None };
+    let mut tee = Tee {
+        inner: nar,
+        buf: vec![0; TEE_CHUNK].into_boxed_slice(),
+        filled: 0,
+        passed: 0,
+        read: 0,
+        nar_hash: Hasher::new(HashAlgo::Sha256),
+        out: encoder,
+        error: None,
+    };
     let mut listing = ListingBuilder::default();
     let parsed = sluice_nix::nar::reader::parse(&mut tee, &mut listing);
     let passed = if parsed.is_ok() { tee.pass_consumed() } else { Ok(()) };
@@ -66,7 +92,13 @@ pub fn prepare_nar(store_dir: &StoreDir, info: &ValidPathInfo, nar: &mut dyn Rea
     let nar_size = tee.nar_hash.len();
     let nar_hash = std::mem::replace(&mut tee.nar_hash, Hasher::new(HashAlgo::Sha256)).finish();
     if nar_hash != info.nar_hash || nar_size != info.nar_size {
-        return Err(PrepareError::Mismatch { path, expected: info.nar_hash.to_nix32_prefixed(), expected_size: info.nar_size, actual: nar_hash.to_nix32_prefixed(), actual_size: nar_size });
+        return Err(PrepareError::Mismatch {
+            path,
+            expected: info.nar_hash.to_nix32_prefixed(),
+            expected_size: info.nar_size,
+            actual: nar_hash.to_nix32_prefixed(),
+            actual_size: nar_size,
+        });
     }
     let sink = tee.out.finish().map_err(io_err)?;
     let file_size = sink.sha256.len();

@@ -36,11 +36,23 @@ enum Node {
 const PROPAGATED_PRIORITY: i64 = 1000;
 
 /// Builds the environment of `drv` (output `out`, inputs `visible`) into `spool` as a NAR.
-pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, visible: &BTreeSet<StorePath>, out: &StorePath, spool: &mut Spool) -> Result<(), BuiltinError> {
+pub(super) fn build(
+    cx: &mut Context<'_>,
+    drv: &BuiltinDerivation,
+    visible: &BTreeSet<StorePath>,
+    out: &StorePath,
+    spool: &mut Spool,
+) -> Result<(), BuiltinError> {
     let packages = packages(drv.attr("derivations")?)?;
     let manifest = drv.attr("manifest")?.to_owned();
     let view = View::new(cx.store, visible);
-    let mut env = Env { view, root: BTreeMap::new(), priorities: BTreeMap::new(), out: PathBuf::from(cx.store.store_dir().display_path(out)), warn: cx.warn };
+    let mut env = Env {
+        view,
+        root: BTreeMap::new(),
+        priorities: BTreeMap::new(),
+        out: PathBuf::from(cx.store.store_dir().display_path(out)),
+        warn: cx.warn,
+    };
     env.build_profile(packages)?;
     env.root.insert(b"manifest.nix".to_vec(), Node::Link(PathBuf::from(manifest)));
     let root = Node::Dir(std::mem::take(&mut env.root));
@@ -60,7 +72,9 @@ struct Package {
 fn packages(list: &str) -> Result<Vec<Package>, BuiltinError> {
     let mut tokens = list.split([' ', '\t', '\n', '\r']).filter(|t| !t.is_empty());
     let mut next = |what: &str| tokens.next().ok_or_else(|| BuiltinError::Failed(format!("attribute 'derivations': {what} missing")));
-    let number = |t: &str, what: &str| t.parse::<i64>().map_err(|_| BuiltinError::Failed(format!("attribute 'derivations': {what} {t:?} is not a number")));
+    let number = |t: &str, what: &str| {
+        t.parse::<i64>().map_err(|_| BuiltinError::Failed(format!("attribute 'derivations': {what} {t:?} is not a number")))
+    };
     let mut packages = Vec::new();
     while let Ok(active) = next("") {
         let active = active != "false";
@@ -103,14 +117,22 @@ impl Env<'_, '_> {
     }
 
     /// Links the package at `path`, once, and postpones the packages it propagates.
-    fn add_package(&mut self, path: &str, priority: i64, done: &mut BTreeSet<String>, postponed: &mut BTreeSet<String>) -> Result<(), BuiltinError> {
+    fn add_package(
+        &mut self,
+        path: &str,
+        priority: i64,
+        done: &mut BTreeSet<String>,
+        postponed: &mut BTreeSet<String>,
+    ) -> Result<(), BuiltinError> {
         if !done.insert(path.to_owned()) {
             return Ok(());
         }
         self.create_links(Path::new(path), priority)?;
         let list = Path::new(path).join("nix-support/propagated-user-env-packages");
         match self.view.resolve(&list).and_then(|p| std::fs::read(self.view.real(&p)?)) {
-            Ok(text) => postponed.extend(String::from_utf8_lossy(&text).split([' ', '\n']).filter(|p| !p.is_empty() && !done.contains(*p)).map(str::to_owned)),
+            Ok(text) => postponed.extend(
+                String::from_utf8_lossy(&text).split([' ', '\n']).filter(|p| !p.is_empty() && !done.contains(*p)).map(str::to_owned),
+            ),
             Err(e) if is_absent(&e) => {}
             Err(e) => return Err(BuiltinError::Failed(format!("reading '{}': {e}", list.display()))),
         }
@@ -163,7 +185,8 @@ impl Env<'_, '_> {
             }
             Err(e) => return Err(BuiltinError::Failed(format!("getting status of '{}': {e}", src.display()))),
         };
-        const SKIPPED: [&str; 7] = ["/propagated-build-inputs", "/nix-support", "/perllocal.pod", "/info/dir", "/log", "/manifest.nix", "/manifest.json"];
+        const SKIPPED: [&str; 7] =
+            ["/propagated-build-inputs", "/nix-support", "/perllocal.pod", "/info/dir", "/log", "/manifest.nix", "/manifest.json"];
         if SKIPPED.iter().any(|s| src.as_os_str().as_bytes().ends_with(s.as_bytes())) {
             return Ok(());
         }
@@ -178,9 +201,14 @@ impl Env<'_, '_> {
                 return Ok(());
             }
             (true, Some(Some(link))) => {
-                let target = self.view.resolve(&link).map_err(|e| BuiltinError::Failed(format!("getting status of '{}': {e}", link.display())))?;
+                let target =
+                    self.view.resolve(&link).map_err(|e| BuiltinError::Failed(format!("getting status of '{}': {e}", link.display())))?;
                 if !self.view.stat_is_dir(&target).unwrap_or(false) {
-                    return Err(BuiltinError::Failed(format!("collision between '{}' and non-directory '{}'", src.display(), target.display())));
+                    return Err(BuiltinError::Failed(format!(
+                        "collision between '{}' and non-directory '{}'",
+                        src.display(),
+                        target.display()
+                    )));
                 }
                 self.set(&dst, Node::Dir(BTreeMap::new()));
                 let previous = self.priorities.get(dst.as_slice()).copied().unwrap_or(0);
@@ -203,7 +231,11 @@ impl Env<'_, '_> {
                 }
             }
             (false, Some(None)) => {
-                return Err(BuiltinError::Failed(format!("collision between non-directory '{}' and directory '{}'", src.display(), self.shown(&dst).display())));
+                return Err(BuiltinError::Failed(format!(
+                    "collision between non-directory '{}' and directory '{}'",
+                    src.display(),
+                    self.shown(&dst).display()
+                )));
             }
             (_, None) => {}
         }

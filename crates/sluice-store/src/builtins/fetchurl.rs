@@ -21,7 +21,12 @@ use crate::compression::Compression;
 
 /// Downloads `drv`'s URL into `spool` as the NAR of its output, whose content address is `ca`
 /// (`None`: not a fixed output, which is refused as Nix 2.26 does).
-pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, ca: Option<&ContentAddress>, spool: &mut Spool) -> Result<(), BuiltinError> {
+pub(super) fn build(
+    cx: &mut Context<'_>,
+    drv: &BuiltinDerivation,
+    ca: Option<&ContentAddress>,
+    spool: &mut Spool,
+) -> Result<(), BuiltinError> {
     let failed = BuiltinError::Failed;
     let Some(ca) = ca else {
         return Err(failed("'builtin:fetchurl' must be a fixed-output derivation".into()));
@@ -31,7 +36,10 @@ pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, ca: Option<&C
     let executable = drv.env.get("executable").is_some_and(|v| v == "1");
     let recursive = matches!(ca, ContentAddress::Fixed { recursive: true, .. });
     if !recursive && (unpack || executable) {
-        return Err(failed(format!("output path '{}' should be a non-executable regular file since recursive hashing is not enabled (outputHashMode=flat)", drv.name)));
+        return Err(failed(format!(
+            "output path '{}' should be a non-executable regular file since recursive hashing is not enabled (outputHashMode=flat)",
+            drv.name
+        )));
     }
     let download = |e: &dyn std::fmt::Display| failed(format!("unable to download '{url}': {e}"));
     let (source, probe) = open(cx, url)?;
@@ -42,7 +50,8 @@ pub(super) fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, ca: Option<&C
     if unpack {
         io::copy(&mut source, spool).map_err(|e| download(&e))?;
     } else {
-        let mut file = tempfile::tempfile().map_err(|e| failed(format!("creating a temporary file in {}: {e}", std::env::temp_dir().display())))?;
+        let mut file =
+            tempfile::tempfile().map_err(|e| failed(format!("creating a temporary file in {}: {e}", std::env::temp_dir().display())))?;
         let size = io::copy(&mut source, &mut file).map_err(|e| download(&e))?;
         file.rewind().map_err(|e| download(&e))?;
         let mut nar = NarWriter::new(&mut *spool).map_err(|e| download(&e))?;

@@ -75,7 +75,13 @@ impl BuiltinDerivation {
     /// The derivation `drv` at `path`, if its builder is one sluice runs.
     pub fn from_derivation(path: &StorePath, drv: &Derivation) -> Option<Self> {
         let env = drv.env.iter().map(|(k, v)| (String::from_utf8_lossy(k).into_owned(), String::from_utf8_lossy(v).into_owned())).collect();
-        Some(BuiltinDerivation { path: path.clone(), name: drv.name.clone(), builtin: Builtin::of(&drv.builder)?, env, outputs: drv.outputs.clone() })
+        Some(BuiltinDerivation {
+            path: path.clone(),
+            name: drv.name.clone(),
+            builtin: Builtin::of(&drv.builder)?,
+            env,
+            outputs: drv.outputs.clone(),
+        })
     }
 
     /// The derivation a client sent whole (BuildDerivation) for `path`, if its builder is one
@@ -83,7 +89,13 @@ impl BuiltinDerivation {
     pub fn from_basic(path: &StorePath, drv: &BasicDerivation) -> Option<Self> {
         let name = path.name().strip_suffix(".drv")?.to_owned();
         let outputs = drv.outputs.iter().map(|o| (o.name.clone(), o.kind.clone())).collect();
-        Some(BuiltinDerivation { path: path.clone(), name, builtin: Builtin::of(drv.builder.as_bytes())?, env: drv.env.iter().cloned().collect(), outputs })
+        Some(BuiltinDerivation {
+            path: path.clone(),
+            name,
+            builtin: Builtin::of(drv.builder.as_bytes())?,
+            env: drv.env.iter().cloned().collect(),
+            outputs,
+        })
     }
 
     /// The attribute `name` (Nix's "attribute 'NAME' missing").
@@ -135,7 +147,9 @@ pub fn build(cx: &mut Context<'_>, drv: &BuiltinDerivation, inputs: &[StorePath]
             let path = kind.path(&dir, &drv.name, "out").map_err(|e| BuiltinError::Failed(format!("output 'out': {e}")))?;
             (path.ok_or_else(|| BuiltinError::Failed("output 'out' has no path".into()))?, Some(ca.clone()))
         }
-        _ => return Err(BuiltinError::Failed(format!("'builtin:{}' requires an 'out' output with a known path", builtin_name(drv.builtin)))),
+        _ => {
+            return Err(BuiltinError::Failed(format!("'builtin:{}' requires an 'out' output with a known path", builtin_name(drv.builtin))))
+        }
     };
     cx.roots.add(&out)?;
     if !cx.store.is_valid_path(&out)? {
@@ -174,7 +188,8 @@ fn input_closure(cx: &Context<'_>, inputs: &[StorePath]) -> Result<BTreeSet<Stor
         let infos = cx.store.query_path_infos(&todo);
         let mut next = Vec::new();
         for (path, info) in todo.iter().zip(infos) {
-            let info = info?.ok_or_else(|| BuiltinError::Failed(format!("input path '{}' is not valid", cx.store.store_dir().display_path(path))))?;
+            let info = info?
+                .ok_or_else(|| BuiltinError::Failed(format!("input path '{}' is not valid", cx.store.store_dir().display_path(path))))?;
             closure.insert(path.clone());
             next.extend(info.references.into_iter().filter(|r| !closure.contains(r)));
         }
@@ -197,7 +212,8 @@ pub(crate) struct Spool {
 impl Spool {
     /// An empty spool whose NAR will be scanned for the hash parts of `candidates`.
     fn new(candidates: &BTreeSet<StorePath>) -> Result<Spool, BuiltinError> {
-        let file = tempfile::tempfile().map_err(|e| BuiltinError::Failed(format!("creating a temporary file in {}: {e}", std::env::temp_dir().display())))?;
+        let file = tempfile::tempfile()
+            .map_err(|e| BuiltinError::Failed(format!("creating a temporary file in {}: {e}", std::env::temp_dir().display())))?;
         Ok(Spool { file, hasher: Hasher::new(HashAlgo::Sha256), scanner: RefScanner::new(candidates) })
     }
 }
@@ -218,7 +234,13 @@ impl Write for Spool {
 /// Adds the NAR in `spool` as `out` (content address `ca`, references what the spool found in
 /// it) through the verification boundary. A content-address mismatch is Nix's hash
 /// mismatch of `drv`; nothing is left in the store.
-fn register(cx: &Context<'_>, drv: &BuiltinDerivation, out: &StorePath, spool: Spool, ca: Option<ContentAddress>) -> Result<(), BuiltinError> {
+fn register(
+    cx: &Context<'_>,
+    drv: &BuiltinDerivation,
+    out: &StorePath,
+    spool: Spool,
+    ca: Option<ContentAddress>,
+) -> Result<(), BuiltinError> {
     let Spool { mut file, hasher, scanner } = spool;
     let nar_size = hasher.len();
     let nar_hash = hasher.finish();
@@ -238,11 +260,9 @@ fn register(cx: &Context<'_>, drv: &BuiltinDerivation, out: &StorePath, spool: S
     let Some(mut pending) = cx.store.begin_add(info, cx.roots)? else { return Ok(()) };
     pending.unpack(&mut std::io::BufReader::new(file))?;
     pending.commit(&SignaturePolicy::unchecked()).map_err(|e| match e {
-        LocalStoreError::CaMismatch { specified, actual, .. } => BuiltinError::HashMismatch {
-            drv: cx.store.store_dir().display_path(&drv.path),
-            specified: sri(&specified),
-            got: sri(&actual),
-        },
+        LocalStoreError::CaMismatch { specified, actual, .. } => {
+            BuiltinError::HashMismatch { drv: cx.store.store_dir().display_path(&drv.path), specified: sri(&specified), got: sri(&actual) }
+        }
         e => e.into(),
     })
 }

@@ -28,10 +28,8 @@ pub struct RefScanner {
 impl RefScanner {
     /// A scanner for references to any of `candidates`.
     pub fn new<'a>(candidates: impl IntoIterator<Item = &'a StorePath>) -> Self {
-        let candidates = candidates
-            .into_iter()
-            .filter_map(|p| Some((<[u8; HASH_LEN]>::try_from(p.hash_part().as_bytes()).ok()?, p.clone())))
-            .collect();
+        let candidates =
+            candidates.into_iter().filter_map(|p| Some((<[u8; HASH_LEN]>::try_from(p.hash_part().as_bytes()).ok()?, p.clone()))).collect();
         RefScanner { candidates, found: BTreeSet::new(), tail: Vec::new() }
     }
 

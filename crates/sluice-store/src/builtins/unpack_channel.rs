@@ -31,7 +31,12 @@ use crate::local::{dump_fs_path, LocalStore};
 
 /// Unpacks `drv`'s `src` (a tarball in the store paths `visible`) into `spool` as the NAR of
 /// its output: a directory holding one entry, `channelName`.
-pub(super) fn build(store: &LocalStore, visible: &BTreeSet<StorePath>, drv: &BuiltinDerivation, spool: &mut Spool) -> Result<(), BuiltinError> {
+pub(super) fn build(
+    store: &LocalStore,
+    visible: &BTreeSet<StorePath>,
+    drv: &BuiltinDerivation,
+    spool: &mut Spool,
+) -> Result<(), BuiltinError> {
     let failed = BuiltinError::Failed;
     let channel_name = drv.attr("channelName")?;
     let src = drv.attr("src")?;
@@ -42,11 +47,14 @@ pub(super) fn build(store: &LocalStore, visible: &BTreeSet<StorePath>, drv: &Bui
     let view = View::new(store, visible);
     let tarball = view.resolve(Path::new(src)).and_then(|p| view.real(&p)).and_then(std::fs::File::open);
     let tarball = tarball.map_err(|e| failed(format!("opening channel tarball '{src}': {e}")))?;
-    let dir = tempfile::tempdir().map_err(|e| failed(format!("creating a temporary directory in {}: {e}", std::env::temp_dir().display())))?;
+    let dir =
+        tempfile::tempdir().map_err(|e| failed(format!("creating a temporary directory in {}: {e}", std::env::temp_dir().display())))?;
     let out = dir.path().join("out");
     std::fs::create_dir(&out).map_err(|e| failed(format!("creating {}: {e}", out.display())))?;
     unpack(io::BufReader::new(tarball), &out).map_err(|e| failed(format!("unpacking channel tarball '{src}': {}", causes(&e))))?;
-    let mut entries = std::fs::read_dir(&out).and_then(|d| d.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<_>>>()).map_err(|e| failed(format!("reading {}: {e}", out.display())))?;
+    let mut entries = std::fs::read_dir(&out)
+        .and_then(|d| d.map(|e| e.map(|e| e.file_name())).collect::<io::Result<Vec<_>>>())
+        .map_err(|e| failed(format!("reading {}: {e}", out.display())))?;
     let Some(entry) = entries.pop() else { return Err(failed(format!("channel tarball '{src}' is empty"))) };
     if !entries.is_empty() {
         return Err(failed(format!("channel tarball '{src}' contains more than one file")));
@@ -111,7 +119,9 @@ impl<R: Read> Read for Budgeted<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let Some(left) = self.budget.get() else { return self.inner.read(buf) };
         if left == 0 {
-            return Err(io::Error::other(format!("more than {MAX_HEADERS} bytes of headers (pax, GNU long names, sparse maps) for one entry")));
+            return Err(io::Error::other(format!(
+                "more than {MAX_HEADERS} bytes of headers (pax, GNU long names, sparse maps) for one entry"
+            )));
         }
         let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
         let n = self.inner.read(&mut buf[..want])?;

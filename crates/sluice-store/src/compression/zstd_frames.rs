@@ -157,7 +157,10 @@ impl Dctx {
         dctx.decompress_to_buffer(&frame.bytes[..frame.len], out)?;
         match out.len() == frame.content_size {
             true => Ok(()),
-            false => Err(io::Error::new(io::ErrorKind::InvalidData, format!("corrupt zstd frame: {} bytes of content where its header says {}", out.len(), frame.content_size))),
+            false => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("corrupt zstd frame: {} bytes of content where its header says {}", out.len(), frame.content_size),
+            )),
         }
     }
 }
@@ -266,7 +269,10 @@ impl<'a> FrameDecoder<'a> {
                 return Ok(Some(Frame { bytes: std::mem::replace(&mut self.pending, next), len, content_size }));
             }
             if self.filled > bound {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("corrupt zstd frame: no end within {bound} bytes for {content_size} bytes of content")));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("corrupt zstd frame: no end within {bound} bytes for {content_size} bytes of content"),
+                ));
             }
             if !self.fill()? {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the zstd data ends inside a frame"));

@@ -50,7 +50,9 @@ impl<R: BufRead> Read for StreamDecoder<R> {
                 return Ok(0);
             }
             let (mut src, mut dst) = (InBuffer::around(input), OutBuffer::around(buf));
-            let hint = dctx.decompress_stream(&mut dst, &mut src).map_err(|code| io::Error::new(io::ErrorKind::InvalidData, format!("zstd: {}", get_error_name(code))))?;
+            let hint = dctx
+                .decompress_stream(&mut dst, &mut src)
+                .map_err(|code| io::Error::new(io::ErrorKind::InvalidData, format!("zstd: {}", get_error_name(code))))?;
             let (consumed, produced) = (src.pos(), dst.pos());
             self.input.consume(consumed);
             // 0: the frame is decoded and flushed whole.

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use super::{LocalStore, PendingPath, SignaturePolicy, TempRoots};
 use super::dump::NarDump;
+use super::{LocalStore, PendingPath, SignaturePolicy, TempRoots};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 
 /// NARs unpacked at once into a local store (each on a blocking thread).
@@ -81,7 +81,9 @@ impl Store for LocalStoreHandle {
             for plain in candidates {
                 let mut bz2 = plain.clone().into_os_string();
                 bz2.push(".bz2");
-                let open = |p: &std::path::Path| File::open(p).map(Some).or_else(|e| if e.kind() == io::ErrorKind::NotFound { Ok(None) } else { Err(e) });
+                let open = |p: &std::path::Path| {
+                    File::open(p).map(Some).or_else(|e| if e.kind() == io::ErrorKind::NotFound { Ok(None) } else { Err(e) })
+                };
                 let err = |p: &std::path::Path, e: io::Error| StoreError::Other(format!("reading the build log {}: {e}", p.display()));
                 if let Some(f) = open(&plain).map_err(|e| err(&plain, e))? {
                     return Ok(Some(Box::new(f) as NarReader));

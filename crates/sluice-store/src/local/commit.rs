@@ -75,7 +75,9 @@ impl LocalStore {
             let info = &pending.info;
             let unplaced = info.references.iter().find(|r| **r != info.path && in_batch.contains(r) && !placed.contains(*r));
             let outcome = match unplaced {
-                Some(r) => Placed::Waiting(LocalStoreError::MissingReference { path: pending.shown(), reference: self.store_dir.display_path(r) }),
+                Some(r) => {
+                    Placed::Waiting(LocalStoreError::MissingReference { path: pending.shown(), reference: self.store_dir.display_path(r) })
+                }
                 None => match pending.place(policy, &placed, &known_valid) {
                     Ok(outputs) => {
                         placed.insert(info.path.clone());

@@ -32,7 +32,8 @@ impl LocalStore {
             .map_err(std::io::Error::from)
             .and_then(|fd| File::from(fd).read_to_end(&mut aterm))
             .map_err(|e| DerivationError(format!("reading the input derivation '{shown}': {e}")))?;
-        let parsed = Derivation::parse(&self.store_dir, drv_name(drv), &aterm).map_err(|e| DerivationError(format!("error parsing derivation '{shown}': {e}")))?;
+        let parsed = Derivation::parse(&self.store_dir, drv_name(drv), &aterm)
+            .map_err(|e| DerivationError(format!("error parsing derivation '{shown}': {e}")))?;
         let hashes = parsed.hash_modulo(&self.store_dir, false, &mut |input| self.drv_hashes(input))?;
         self.drv_hashes.0.lock().unwrap_or_else(|p| p.into_inner()).insert(drv.clone(), hashes.clone());
         Ok(hashes)

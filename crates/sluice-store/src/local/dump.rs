@@ -161,7 +161,12 @@ pub struct NarDump {
 impl NarDump {
     /// The NAR of the tree `name` in `parent`; its root is looked at (and opened) now.
     pub(crate) fn new(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<NarDump> {
-        Ok(NarDump { walk: Walk::new(parent, name)?, out: NarWriter::new(Vec::with_capacity(INLINE_FILE as usize))?, sent: 0, streaming: None })
+        Ok(NarDump {
+            walk: Walk::new(parent, name)?,
+            out: NarWriter::new(Vec::with_capacity(INLINE_FILE as usize))?,
+            sent: 0,
+            streaming: None,
+        })
     }
 
     /// Walks on until at least `want` bytes are buffered, a large file's contents are next, or

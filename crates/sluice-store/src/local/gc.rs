@@ -272,7 +272,9 @@ impl LocalStore {
     /// entries go onto `pending`.
     fn find_root_at(&self, path: &Path, roots: &mut Roots, pending: &mut Vec<PathBuf>) -> Result<(), LocalStoreError> {
         let skippable = |e: &io::Error| {
-            [rustix::io::Errno::ACCESS, rustix::io::Errno::NOENT, rustix::io::Errno::NOTDIR].iter().any(|n| e.raw_os_error() == Some(n.raw_os_error()))
+            [rustix::io::Errno::ACCESS, rustix::io::Errno::NOENT, rustix::io::Errno::NOTDIR]
+                .iter()
+                .any(|n| e.raw_os_error() == Some(n.raw_os_error()))
         };
         let meta = match std::fs::symlink_metadata(path) {
             Ok(m) => m,

@@ -29,7 +29,12 @@ pub(super) struct Layout {
 
 impl Layout {
     pub(super) fn new(dirs: &LocalFsDirs) -> Self {
-        Layout { real_store_dir: dirs.real.clone(), db_dir: dirs.state.join("db"), state_dir: dirs.state.clone(), log_dir: dirs.log.clone() }
+        Layout {
+            real_store_dir: dirs.real.clone(),
+            db_dir: dirs.state.join("db"),
+            state_dir: dirs.state.clone(),
+            log_dir: dirs.log.clone(),
+        }
     }
 
     /// Creates the missing directories. Returns the first failure with the directory it

@@ -85,7 +85,10 @@ fn untrusted_detail(signers: &[String], trusted: &[String]) -> String {
     let mut detail = format!("signed by: {}; trusted: {trusted_names}", signers.join(", "));
     let unverified = unverified_signers(signers, trusted);
     if !unverified.is_empty() {
-        detail.push_str(&format!("; the signature by {} does not verify: it was not made over this NAR hash, size and references", unverified.join(", ")));
+        detail.push_str(&format!(
+            "; the signature by {} does not verify: it was not made over this NAR hash, size and references",
+            unverified.join(", ")
+        ));
     }
     detail
 }
@@ -101,10 +104,20 @@ pub fn unverified_signers<'a>(signers: &'a [String], trusted: &[String]) -> Vec<
 pub enum LocalStoreError {
     /// A file-system operation failed (`what` is the operation, e.g. "creating").
     #[error("{what} {}: {source}", path.display())]
-    Io { what: &'static str, path: PathBuf, #[source] source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// An SQLite operation on the store database failed.
     #[error("store database {}: {what}: {source}", db.display())]
-    Db { db: PathBuf, what: String, #[source] source: rusqlite::Error },
+    Db {
+        db: PathBuf,
+        what: String,
+        #[source]
+        source: rusqlite::Error,
+    },
     /// The store database holds something Nix would not have written.
     #[error("store database {}: invalid {what}", db.display())]
     Corrupt { db: PathBuf, what: String },
@@ -113,7 +126,11 @@ pub enum LocalStoreError {
     Schema { path: PathBuf, found: String },
     /// The NAR given for a path is malformed, or could not be unpacked.
     #[error("unpacking the NAR of {path}: {source}")]
-    Nar { path: String, #[source] source: NarError },
+    Nar {
+        path: String,
+        #[source]
+        source: NarError,
+    },
     /// The unpacked NAR's hash is not the one the path's info claims.
     #[error("NAR hash mismatch for {path}: expected {expected}, got {actual}")]
     HashMismatch { path: String, expected: String, actual: String },
@@ -142,7 +159,11 @@ pub enum LocalStoreError {
     NotValid { path: String },
     /// A `.drv` path's contents are not a derivation (Nix's words).
     #[error("error parsing derivation '{path}': {source}")]
-    Derivation { path: String, #[source] source: DerivationError },
+    Derivation {
+        path: String,
+        #[source]
+        source: DerivationError,
+    },
     /// A derivation's output paths are not those its contents imply, or its type is one Nix
     /// refuses (Nix's `checkDerivationOutputs`, in its words).
     #[error("{0}")]
@@ -255,12 +276,24 @@ impl LocalStore {
             layout.create().map_err(|(path, source)| LocalStoreError::Io { what: "creating", path, source })?;
         }
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
-        let store_fd = open(&layout.real_store_dir, flags, Mode::empty())
-            .map_err(|e| io_err("opening", &layout.real_store_dir)(e.into()))?;
+        let store_fd =
+            open(&layout.real_store_dir, flags, Mode::empty()).map_err(|e| io_err("opening", &layout.real_store_dir)(e.into()))?;
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
         let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
-        Ok(LocalStore { store_dir, layout, read_only: config.read_only, store_fd, registry, stale_temp_dirs: Once::new(), temp_dir: Default::default(), creation: OnceLock::new(), auto_optimise: Default::default(), features: Default::default(), drv_hashes: Default::default() })
+        Ok(LocalStore {
+            store_dir,
+            layout,
+            read_only: config.read_only,
+            store_fd,
+            registry,
+            stale_temp_dirs: Once::new(),
+            temp_dir: Default::default(),
+            creation: OnceLock::new(),
+            auto_optimise: Default::default(),
+            features: Default::default(),
+            drv_hashes: Default::default(),
+        })
     }
 
     /// Sets `auto-optimise-store` (Nix's default: false): from now on, the files of every path
@@ -411,7 +444,12 @@ impl LocalStore {
     }
 
     /// [`LocalStore::try_begin_add`], with the policy that vouched for `info`, if any.
-    fn try_begin(self: &Arc<Self>, info: ValidPathInfo, vouched: Option<SignaturePolicy>, roots: &TempRoots) -> Result<TryAdd, LocalStoreError> {
+    fn try_begin(
+        self: &Arc<Self>,
+        info: ValidPathInfo,
+        vouched: Option<SignaturePolicy>,
+        roots: &TempRoots,
+    ) -> Result<TryAdd, LocalStoreError> {
         self.ensure_writable("add paths")?;
         roots.add(&info.path)?;
         let real_path = self.real_path(&info.path);
@@ -438,7 +476,9 @@ impl LocalStore {
     pub fn begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<PendingPath, LocalStoreError> {
         match self.start_repair(offered, roots, true)? {
             TryAdd::Pending(pending) => Ok(*pending),
-            TryAdd::Valid | TryAdd::Busy => Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&offered.path), what: "the repair's lock was not taken" }),
+            TryAdd::Valid | TryAdd::Busy => {
+                Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&offered.path), what: "the repair's lock was not taken" })
+            }
         }
     }
 
@@ -467,10 +507,26 @@ impl LocalStore {
     }
 
     /// A [`PendingPath`] for `info` with its lock held.
-    fn pending(self: &Arc<Self>, info: ValidPathInfo, lock: PathLock, roots: &TempRoots, repair: bool) -> Result<PendingPath, LocalStoreError> {
+    fn pending(
+        self: &Arc<Self>,
+        info: ValidPathInfo,
+        lock: PathLock,
+        roots: &TempRoots,
+        repair: bool,
+    ) -> Result<PendingPath, LocalStoreError> {
         let temp_dir = self.open_temp_dir()?;
         let temp_tree = false.into();
-        Ok(PendingPath { store: Arc::clone(self), info, vouched: None, temp_dir, temp_tree, unpacked: None, repair, _lock: lock, _roots: roots.clone() })
+        Ok(PendingPath {
+            store: Arc::clone(self),
+            info,
+            vouched: None,
+            temp_dir,
+            temp_tree,
+            unpacked: None,
+            repair,
+            _lock: lock,
+            _roots: roots.clone(),
+        })
     }
 
     /// The subset of `paths` that is valid, after making every one of them a temporary root
@@ -483,13 +539,22 @@ impl LocalStore {
 
     /// With `info.path`'s lock held: `None` if it is valid, else a [`PendingPath`] (`vouched`:
     /// the policy that vouched for `info`).
-    fn start_add(self: &Arc<Self>, info: ValidPathInfo, vouched: Option<SignaturePolicy>, lock: PathLock, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+    fn start_add(
+        self: &Arc<Self>,
+        info: ValidPathInfo,
+        vouched: Option<SignaturePolicy>,
+        lock: PathLock,
+        roots: &TempRoots,
+    ) -> Result<Option<PendingPath>, LocalStoreError> {
         if self.is_valid_path(&info.path)? {
             return Ok(None);
         }
         // Its "unregistered tree" could be a directory of every addition's temporary tree.
         if info.path.name() == TEMP_DIR_NAME {
-            return Err(LocalStoreError::Misuse { path: self.store_dir.display_path(&info.path), what: "this name is reserved for the store's directories of temporary trees" });
+            return Err(LocalStoreError::Misuse {
+                path: self.store_dir.display_path(&info.path),
+                what: "this name is reserved for the store's directories of temporary trees",
+            });
         }
         let mut pending = self.pending(info, lock, roots, false)?;
         pending.vouched = vouched;
@@ -499,7 +564,13 @@ impl LocalStore {
     /// Adds `info`'s path from its NAR under `policy`: [`begin_add`](Self::begin_add),
     /// [`PendingPath::unpack`], [`PendingPath::commit`]. Returns `false` (reading nothing)
     /// if the path is already valid.
-    pub fn add_nar(self: &Arc<Self>, info: ValidPathInfo, nar: &mut dyn Read, policy: &SignaturePolicy, roots: &TempRoots) -> Result<bool, LocalStoreError> {
+    pub fn add_nar(
+        self: &Arc<Self>,
+        info: ValidPathInfo,
+        nar: &mut dyn Read,
+        policy: &SignaturePolicy,
+        roots: &TempRoots,
+    ) -> Result<bool, LocalStoreError> {
         let Some(mut pending) = self.begin_add(info, roots)? else {
             return Ok(false);
         };
@@ -550,7 +621,14 @@ impl PendingPath {
         // Nix reads the tree at its real path, and at its store path wherever the store is
         // used as the store directory itself (a chroot store moved into place).
         let root = self.store.real_path(&self.info.path).as_os_str().len().max(self.store.store_dir.display_path(&self.info.path).len());
-        let mut unpacker = unpack::Unpacker::new(self.temp_dir.fd.as_fd(), name, flat_algo, unpack::FileModes::STORE, self.temp_dir.creation, unpack::room_below(root));
+        let mut unpacker = unpack::Unpacker::new(
+            self.temp_dir.fd.as_fd(),
+            name,
+            flat_algo,
+            unpack::FileModes::STORE,
+            self.temp_dir.creation,
+            unpack::room_below(root),
+        );
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
         let (nar_hash, content) = reader.finish().map_err(io_err("hashing the NAR of", &self.store.real_path(&self.info.path)))?;
@@ -580,7 +658,12 @@ impl PendingPath {
     /// that every reference is valid or in `batch` (asking the database about those not in
     /// `known_valid`), deduplicates it with `auto-optimise-store`, and renames it to its final
     /// path. Returns the derivation outputs to register.
-    fn place(&self, policy: &SignaturePolicy, batch: &BTreeSet<StorePath>, known_valid: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+    fn place(
+        &self,
+        policy: &SignaturePolicy,
+        batch: &BTreeSet<StorePath>,
+        known_valid: &BTreeSet<StorePath>,
+    ) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
         let shown = self.shown();
         let info = &self.info;
         let Some(unpacked) = &self.unpacked else {
@@ -590,7 +673,8 @@ impl PendingPath {
         // the path was registered.
         let policy = if self.repair { &SignaturePolicy::unchecked() } else { policy };
         verify::verify(&self.store.store_dir, info, unpacked, policy, self.vouched.as_ref())?;
-        let others: Vec<&StorePath> = info.references.iter().filter(|r| **r != info.path && !batch.contains(*r) && !known_valid.contains(*r)).collect();
+        let others: Vec<&StorePath> =
+            info.references.iter().filter(|r| **r != info.path && !batch.contains(*r) && !known_valid.contains(*r)).collect();
         let valid = self.store.registry.valid_paths(others.iter().copied())?;
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
@@ -629,7 +713,8 @@ impl PendingPath {
     fn rename_new(&self, from: std::os::fd::BorrowedFd<'_>, to: std::os::fd::BorrowedFd<'_>, real_path: &Path) -> rustix::io::Result<()> {
         let name = self.info.path.base_name();
         let remove = || {
-            let removed = tree::remove_tree(to, name.as_bytes()).map_err(|e| rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO))?;
+            let removed = tree::remove_tree(to, name.as_bytes())
+                .map_err(|e| rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO))?;
             if removed {
                 tracing::warn!(path = %real_path.display(), "removed an unregistered tree at a store path's location");
             }
@@ -661,7 +746,8 @@ impl PendingPath {
     /// Removes the temporary tree, if this value may have made one.
     fn remove_temp(&self) -> Result<(), LocalStoreError> {
         if self.temp_tree.load(std::sync::atomic::Ordering::Relaxed) {
-            tree::remove_tree(self.temp_dir.fd.as_fd(), self.info.path.base_name().as_bytes()).map_err(io_err("removing", &self.temp_path()))?;
+            tree::remove_tree(self.temp_dir.fd.as_fd(), self.info.path.base_name().as_bytes())
+                .map_err(io_err("removing", &self.temp_path()))?;
             self.temp_tree.store(false, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
@@ -693,7 +779,12 @@ impl Drop for PendingPath {
 /// the ctime), `rename` runs again, and the tree at `to` — the moved one, or the one that stayed
 /// if it failed again — is made 0555 again. The tree moved to `from` is a temporary tree, to be
 /// removed.
-fn rename_read_only_trees(from: BorrowedFd<'_>, to: BorrowedFd<'_>, name: &[u8], rename: impl Fn() -> rustix::io::Result<()>) -> rustix::io::Result<()> {
+fn rename_read_only_trees(
+    from: BorrowedFd<'_>,
+    to: BorrowedFd<'_>,
+    name: &[u8],
+    rename: impl Fn() -> rustix::io::Result<()>,
+) -> rustix::io::Result<()> {
     match rename() {
         Err(rustix::io::Errno::ACCESS) => {}
         done => return done,
@@ -755,4 +846,3 @@ fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> LocalSto
     let path = path.to_owned();
     move |source| LocalStoreError::Io { what, path, source }
 }
-

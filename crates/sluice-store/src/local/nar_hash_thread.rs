@@ -24,7 +24,12 @@ enum Sink {
     Here(Hasher),
     /// `chunk` is being filled; hashed chunks come back on `used`, to be filled again (a
     /// fresh 1 MiB allocation per chunk cost a page fault per 4 KiB).
-    Thread { chunk: Vec<u8>, tx: mpsc::SyncSender<Vec<u8>>, used: mpsc::Receiver<Vec<u8>>, hasher: JoinHandle<Hasher> },
+    Thread {
+        chunk: Vec<u8>,
+        tx: mpsc::SyncSender<Vec<u8>>,
+        used: mpsc::Receiver<Vec<u8>>,
+        hasher: JoinHandle<Hasher>,
+    },
 }
 
 /// A reader that computes the sha256 of everything read through it, on its own thread when
@@ -144,7 +149,11 @@ mod tests {
     /// sha256 by coreutils' `sha256sum`, an independent implementation.
     fn sha256_hex(data: &[u8]) -> String {
         use std::io::Write;
-        let mut child = std::process::Command::new("sha256sum").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        let mut child = std::process::Command::new("sha256sum")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
         child.stdin.take().unwrap().write_all(data).unwrap();
         let out = child.wait_with_output().unwrap();
         String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_owned()

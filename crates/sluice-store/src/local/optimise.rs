@@ -78,7 +78,13 @@ impl LocalStore {
     /// before it is moved into place; `shown` names it in messages) against `.links`, as
     /// `auto-optimise-store` makes Nix do for every path it adds (Nix's `optimisePath`, with
     /// no inodes known beforehand). `parent`'s own mode is left alone.
-    pub(super) fn optimise_tree(&self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, observe: &mut dyn FnMut(OptimiseEvent<'_>)) -> Result<OptimiseStats, LocalStoreError> {
+    pub(super) fn optimise_tree(
+        &self,
+        parent: BorrowedFd<'_>,
+        name: &[u8],
+        shown: &Path,
+        observe: &mut dyn FnMut(OptimiseEvent<'_>),
+    ) -> Result<OptimiseStats, LocalStoreError> {
         let mut optimiser = Optimiser::new(self, HashSet::new(), observe)?;
         optimiser.optimise_path(parent, name, shown, false)?;
         Ok(optimiser.stats)
@@ -93,8 +99,9 @@ impl LocalStore {
 /// The inodes of the entries of `.links` (Nix's `loadInodeHash`): files with one of them are
 /// linked already.
 fn load_inodes(links: &Path) -> Result<HashSet<u64>, LocalStoreError> {
-    let dir = rustix::fs::open(links, rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC, Mode::empty())
-        .map_err(|e| io_err("opening directory", links)(e.into()))?;
+    let dir =
+        rustix::fs::open(links, rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| io_err("opening directory", links)(e.into()))?;
     let mut inodes = HashSet::new();
     for entry in Dir::read_from(&dir).map_err(|e| io_err("reading directory", links)(e.into()))? {
         inodes.insert(entry.map_err(|e| io_err("reading directory", links)(e.into()))?.ino());
@@ -152,7 +159,13 @@ impl<'s, 'o> Optimiser<'s, 'o> {
 
     /// One node of [`Optimiser::optimise_path`]'s walk: a directory is opened and returned with
     /// its entries not yet linked; a file or symlink is linked to its `.links` entry.
-    fn optimise_node(&mut self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, toggle: bool) -> Result<Option<(OwnedFd, Vec<Vec<u8>>)>, LocalStoreError> {
+    fn optimise_node(
+        &mut self,
+        parent: BorrowedFd<'_>,
+        name: &[u8],
+        shown: &Path,
+        toggle: bool,
+    ) -> Result<Option<(OwnedFd, Vec<Vec<u8>>)>, LocalStoreError> {
         let st = statat(parent, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err("getting status of", shown)(e.into()))?;
         let file_type = FileType::from_raw_mode(st.st_mode);
         if file_type == FileType::Directory {
@@ -166,7 +179,14 @@ impl<'s, 'o> Optimiser<'s, 'o> {
 
     /// Replaces the file or symlink `name` of `parent` (status `st`) by a hard link to its
     /// `.links` entry, making the entry if there is none.
-    fn link_node(&mut self, parent: BorrowedFd<'_>, name: &[u8], shown: &Path, toggle: bool, st: &rustix::fs::Stat) -> Result<(), LocalStoreError> {
+    fn link_node(
+        &mut self,
+        parent: BorrowedFd<'_>,
+        name: &[u8],
+        shown: &Path,
+        toggle: bool,
+        st: &rustix::fs::Stat,
+    ) -> Result<(), LocalStoreError> {
         let file_type = FileType::from_raw_mode(st.st_mode);
         // Linux can hard-link symlinks (Nix's CAN_LINK_SYMLINK).
         if file_type != FileType::RegularFile && file_type != FileType::Symlink {
@@ -206,14 +226,17 @@ impl<'s, 'o> Optimiser<'s, 'o> {
                 }
                 Err(e) => return Err(io_err("linking into .links", shown)(e.into())),
             }
-            let link = statat(self.links.as_fd(), &link_name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err("getting status of", &link_path)(e.into()))?;
+            let link = statat(self.links.as_fd(), &link_name, AtFlags::SYMLINK_NOFOLLOW)
+                .map_err(|e| io_err("getting status of", &link_path)(e.into()))?;
             if link.st_ino == st.st_ino {
                 return Ok(());
             }
             // An entry's name says what its contents were, not what they are (a disk fault, a
             // write through another link): linking to a damaged one would damage this file, so
             // its NAR is compared once per run, and a damaged one is replaced by this file.
-            if self.verified.contains(&link.st_ino) || nar_hash(self.links.as_fd(), link_name.as_bytes()).map_err(io_err("hashing", &link_path))? == hash {
+            if self.verified.contains(&link.st_ino)
+                || nar_hash(self.links.as_fd(), link_name.as_bytes()).map_err(io_err("hashing", &link_path))? == hash
+            {
                 self.verified.insert(link.st_ino);
                 break;
             }
@@ -229,7 +252,8 @@ impl<'s, 'o> Optimiser<'s, 'o> {
         // A random name, as Nix's (`.tmp-link-<pid>-<random>`), drawn again if someone made it
         // first: the store directory may be writable by others (build users).
         let (temp_name, temp_path) = loop {
-            let random = super::temp_dir::random_bytes::<8>().map_err(io_err("naming a temporary link in", &self.store.layout.real_store_dir))?;
+            let random =
+                super::temp_dir::random_bytes::<8>().map_err(io_err("naming a temporary link in", &self.store.layout.real_store_dir))?;
             let temp_name = format!(".tmp-link-{}-{}", std::process::id(), u64::from_ne_bytes(random));
             let temp_path = self.store.layout.real_store_dir.join(&temp_name);
             match linkat(self.links.as_fd(), &link_name, store_fd, &temp_name, AtFlags::empty()) {

@@ -15,8 +15,7 @@ use super::LocalStoreError;
 const QUERY_SIGS: &str = "select sigs from ValidPaths where path = ?";
 const UPDATE_SIGS: &str = "update ValidPaths set sigs = ? where path = ?";
 const QUERY_VALID_DERIVERS: &str = "select v.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where d.path = ?";
-const QUERY_DERIVATION_OUTPUTS: &str =
-    "select d.id, d.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where v.path = ?";
+const QUERY_DERIVATION_OUTPUTS: &str = "select d.id, d.path from DerivationOutputs d join ValidPaths v on d.drv = v.id where v.path = ?";
 /// Nix's `InvalidatePath`: the foreign keys delete the path's `Refs` (as referrer) and
 /// `DerivationOutputs` rows with it.
 const INVALIDATE_PATH: &str = "delete from ValidPaths where path = ?";
@@ -30,8 +29,7 @@ impl Registry {
         let err = || format!("adding signatures to {shown}");
         let mut db = self.lock();
         let tx = db.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(self.sql_err(err))?;
-        let current: Option<Option<String>> =
-            tx.query_row(QUERY_SIGS, [&shown], |r| r.get(0)).optional().map_err(self.sql_err(err))?;
+        let current: Option<Option<String>> = tx.query_row(QUERY_SIGS, [&shown], |r| r.get(0)).optional().map_err(self.sql_err(err))?;
         let Some(current) = current else {
             return Err(LocalStoreError::NotValid { path: shown });
         };

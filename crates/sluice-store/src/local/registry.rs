@@ -36,7 +36,8 @@ pub(super) const QUERY_REFERRERS: &str =
     "select path from Refs join ValidPaths on referrer = id where reference = (select id from ValidPaths where path = ?)";
 const QUERY_ID: &str = "select id from ValidPaths where path = ?";
 const QUERY_ALL: &str = "select path from ValidPaths";
-const REGISTER_VALID_PATH: &str = "insert into ValidPaths (path, hash, registrationTime, deriver, narSize, ultimate, sigs, ca) values (?, ?, ?, ?, ?, ?, ?, ?)";
+const REGISTER_VALID_PATH: &str =
+    "insert into ValidPaths (path, hash, registrationTime, deriver, narSize, ultimate, sigs, ca) values (?, ?, ?, ?, ?, ?, ?, ?)";
 /// Nix writes `insert or replace`; both leave the one row a (referrer, reference) pair can have
 /// (foreign keys are checked either way: `or` does not apply to them). But `replace`, which
 /// may delete a row, makes SQLite keep a statement journal for every reference inserted
@@ -134,7 +135,8 @@ impl Registry {
             return Ok(None);
         }
         let prefix = format!("{}/{hash_part}", self.store_dir.as_str());
-        let row = self.query_row(&self.lock().conn, QUERY_PATH_INFO_FROM_HASH_PART, &prefix, || format!("looking up the hash part {hash_part}"))?;
+        let row =
+            self.query_row(&self.lock().conn, QUERY_PATH_INFO_FROM_HASH_PART, &prefix, || format!("looking up the hash part {hash_part}"))?;
         match row {
             Some(row) if row.0.starts_with(&prefix) => {
                 let path = self.parse_path(&row.0, "path")?;
@@ -152,13 +154,16 @@ impl Registry {
         };
         let references = references.unwrap_or_default();
         let nar_hash = Hash::parse(&hash).map_err(|e| self.corrupt(format!("hash of {shown}: {e}")))?;
-        let nar_size = u64::try_from(nar_size.unwrap_or(0))
-            .map_err(|_| self.corrupt(format!("narSize of {shown} is negative")))?;
+        let nar_size = u64::try_from(nar_size.unwrap_or(0)).map_err(|_| self.corrupt(format!("narSize of {shown} is negative")))?;
         Ok(Some(ValidPathInfo {
             path: path.clone(),
             nar_hash,
             nar_size,
-            references: references.split(' ').filter(|r| !r.is_empty()).map(|r| self.parse_path(r, "reference")).collect::<Result<_, _>>()?,
+            references: references
+                .split(' ')
+                .filter(|r| !r.is_empty())
+                .map(|r| self.parse_path(r, "reference"))
+                .collect::<Result<_, _>>()?,
             deriver: deriver.filter(|d| !d.is_empty()).map(|d| self.parse_path(&d, "deriver")).transpose()?,
             registration_time,
             ultimate: ultimate == Some(1),
@@ -171,7 +176,10 @@ impl Registry {
     }
 
     /// The subset of `paths` that is valid, read in one transaction.
-    pub(super) fn valid_paths<'p>(&self, paths: impl ExactSizeIterator<Item = &'p StorePath>) -> Result<BTreeSet<StorePath>, LocalStoreError> {
+    pub(super) fn valid_paths<'p>(
+        &self,
+        paths: impl ExactSizeIterator<Item = &'p StorePath>,
+    ) -> Result<BTreeSet<StorePath>, LocalStoreError> {
         let err = || "querying path validity".to_owned();
         let db = self.lock();
         let _snapshot = self.read_transaction(&db.conn, paths.len());

@@ -168,7 +168,8 @@ impl LocalStore {
                 Ok(entries) => entries,
                 Err(e) => return tracing::warn!("listing {}: {e}", self.layout.real_store_dir.display()),
             };
-            let names: Vec<String> = entries.filter_map(|e| e.ok()?.file_name().to_str().ok().filter(|n| is_temp_dir(n)).map(str::to_owned)).collect();
+            let names: Vec<String> =
+                entries.filter_map(|e| e.ok()?.file_name().to_str().ok().filter(|n| is_temp_dir(n)).map(str::to_owned)).collect();
             for name in names {
                 self.remove_stale_temp_dir(&name);
             }

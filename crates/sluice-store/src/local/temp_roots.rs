@@ -162,14 +162,16 @@ impl TempRootsFile {
                 Ok(()) => break,
                 // Refused or absent: starting, or finished. Cut off (EOF, EPIPE, reset): it
                 // finished while we spoke (Nix's `addTempRoot` restarts on these too).
-                Err(e) if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionRefused
-                        | io::ErrorKind::NotFound
-                        | io::ErrorKind::UnexpectedEof
-                        | io::ErrorKind::BrokenPipe
-                        | io::ErrorKind::ConnectionReset
-                ) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionRefused
+                            | io::ErrorKind::NotFound
+                            | io::ErrorKind::UnexpectedEof
+                            | io::ErrorKind::BrokenPipe
+                            | io::ErrorKind::ConnectionReset
+                    ) =>
+                {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
                 Err(e) => return Err(io_err("sending a temporary root to the garbage collector at", &self.gc_socket)(e)),

@@ -23,7 +23,11 @@ pub(super) fn owned_dir(dir: BorrowedFd<'_>, forbidden: u32, wanted: &str) -> io
     if st.st_uid == uid && st.st_mode & forbidden == 0 {
         return Ok(());
     }
-    let why = format!("owned by uid {} with mode {:04o}; it must be this process's user's (uid {uid}), with {wanted}", st.st_uid, st.st_mode & 0o7777);
+    let why = format!(
+        "owned by uid {} with mode {:04o}; it must be this process's user's (uid {uid}), with {wanted}",
+        st.st_uid,
+        st.st_mode & 0o7777
+    );
     Err(io::Error::new(io::ErrorKind::PermissionDenied, why))
 }
 

@@ -38,7 +38,9 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use rustix::fs::{chmodat, fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlags, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
+use rustix::fs::{
+    chmodat, fchmod, futimens, mkdirat, openat, symlinkat, utimensat, AtFlags, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT,
+};
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::{NarPath, NarVisitor};
 
@@ -92,17 +94,21 @@ const MTIME_STORE: i64 = 1;
 
 /// Access time untouched, modification time [`MTIME_STORE`].
 pub(super) fn store_times() -> Timestamps {
-    Timestamps {
-        last_access: Timespec { tv_sec: 0, tv_nsec: UTIME_OMIT },
-        last_modification: Timespec { tv_sec: MTIME_STORE, tv_nsec: 0 },
-    }
+    Timestamps { last_access: Timespec { tv_sec: 0, tv_nsec: UTIME_OMIT }, last_modification: Timespec { tv_sec: MTIME_STORE, tv_nsec: 0 } }
 }
 
 impl<'a> Unpacker<'a> {
     /// `flat_algo`: also hash the contents of the root, if it is a regular file.
     /// `creation`: [`creation_modes`] of `parent`. `room`: the most bytes a node's path below
     /// the root may have ([`room_below`]); a longer one fails the NAR.
-    pub(super) fn new(parent: BorrowedFd<'a>, root_name: &'a [u8], flat_algo: Option<HashAlgo>, modes: FileModes, creation: Creation, room: usize) -> Self {
+    pub(super) fn new(
+        parent: BorrowedFd<'a>,
+        root_name: &'a [u8],
+        flat_algo: Option<HashAlgo>,
+        modes: FileModes,
+        creation: Creation,
+        room: usize,
+    ) -> Self {
         Unpacker { parent, root_name, dirs: OpenDirs::default(), flat_algo, flat_hash: None, modes, creation, room, buf: Vec::new() }
     }
 
@@ -208,7 +214,12 @@ impl OpenDirs {
     /// Opens the directory `name`, just made in the innermost open directory (or, for the
     /// root, in `parent`), as the new innermost one; `open` opens it, given its parent and its
     /// path there, when it is to be held.
-    fn push(&mut self, name: &[u8], parent: BorrowedFd<'_>, open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>) -> io::Result<()> {
+    fn push(
+        &mut self,
+        name: &[u8],
+        parent: BorrowedFd<'_>,
+        open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>,
+    ) -> io::Result<()> {
         let Some(&end) = self.ends.last() else {
             let fd = open(parent, name)?;
             // The root just made: between its `mkdirat` and this `openat`, someone who may write in
@@ -411,7 +422,10 @@ pub(super) fn creation_modes(dir: BorrowedFd<'_>) -> Creation {
         let line = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
         u32::from_str_radix(line.trim(), 8).ok()
     });
-    let no_default_acl = matches!(rustix::fs::fgetxattr(dir, "system.posix_acl_default", &mut []), Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP));
+    let no_default_acl = matches!(
+        rustix::fs::fgetxattr(dir, "system.posix_acl_default", &mut []),
+        Err(rustix::io::Errno::NODATA | rustix::io::Errno::NOTSUP)
+    );
     if !(umask.is_some_and(|m| m & 0o755 == 0) && no_default_acl) {
         return Creation::Fchmod;
     }
@@ -423,5 +437,9 @@ pub(super) fn creation_modes(dir: BorrowedFd<'_>) -> Creation {
     if let Err(e) = remove_tree(dir, probe.as_bytes()) {
         tracing::warn!("removing {probe}: {e}");
     }
-    if filled { Creation::ExactReadOnlyDirs } else { Creation::Exact }
+    if filled {
+        Creation::ExactReadOnlyDirs
+    } else {
+        Creation::Exact
+    }
 }

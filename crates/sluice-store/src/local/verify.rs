@@ -208,7 +208,13 @@ pub(super) fn ca_hashing(info: &ValidPathInfo) -> Option<CaHashing> {
 /// `unpacked` for it. References are the caller's part. `vouched`: the policy that vouched
 /// for this very `info` before its NAR was read ([`VouchedInfo`]); when it is `policy`, the
 /// signatures are not verified again.
-pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpacked, policy: &SignaturePolicy, vouched: Option<&SignaturePolicy>) -> Result<(), LocalStoreError> {
+pub(super) fn verify(
+    store_dir: &StoreDir,
+    info: &ValidPathInfo,
+    unpacked: &Unpacked,
+    policy: &SignaturePolicy,
+    vouched: Option<&SignaturePolicy>,
+) -> Result<(), LocalStoreError> {
     let shown = || store_dir.display_path(&info.path);
     if unpacked.nar_hash != info.nar_hash {
         return Err(LocalStoreError::HashMismatch {
@@ -226,7 +232,8 @@ pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpa
             return Err(LocalStoreError::CaPath {
                 path: shown(),
                 ca: ca.to_string(),
-                implied: implied.map_or_else(|| "no valid path (impossible with these references)".to_owned(), |p| store_dir.display_path(&p)),
+                implied: implied
+                    .map_or_else(|| "no valid path (impossible with these references)".to_owned(), |p| store_dir.display_path(&p)),
             });
         }
         let actual: Option<&Hash> = match ca_hashing(info) {
@@ -255,7 +262,12 @@ pub(super) fn verify(store_dir: &StoreDir, info: &ValidPathInfo, unpacked: &Unpa
 /// derivations' hashes from [`LocalStore::drv_hashes`]). Returns the outputs whose path is
 /// known, to register in `DerivationOutputs` (a fixed output with the path its hash
 /// implies, as Nix's `outputsAndOptPaths`, not the one written in the file).
-pub(super) fn verify_derivation(store: &LocalStore, info: &ValidPathInfo, aterm: &[u8], batch: &BTreeSet<StorePath>) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
+pub(super) fn verify_derivation(
+    store: &LocalStore,
+    info: &ValidPathInfo,
+    aterm: &[u8],
+    batch: &BTreeSet<StorePath>,
+) -> Result<Vec<(String, StorePath)>, LocalStoreError> {
     let dir = &store.store_dir;
     let shown = dir.display_path(&info.path);
     let parse_error = |e| LocalStoreError::Derivation { path: shown.clone(), source: e };

@@ -37,13 +37,19 @@ impl LocalStore {
     /// Verifies the store as Nix does (see the module documentation); returns whether errors
     /// remain (Nix's result, which makes `nix-store --verify` exit 1). `repair` is `None`
     /// unless the caller may repair.
-    pub fn verify_store(&self, check_contents: bool, mut repair: Option<Repairer<'_>>, say: &mut dyn FnMut(VerifyMessage<'_>)) -> Result<bool, LocalStoreError> {
+    pub fn verify_store(
+        &self,
+        check_contents: bool,
+        mut repair: Option<Repairer<'_>>,
+        say: &mut dyn FnMut(VerifyMessage<'_>),
+    ) -> Result<bool, LocalStoreError> {
         say(VerifyMessage::Info("reading the Nix store..."));
         let lock_path = self.layout.state_dir.join("gc.lock");
         let gc_lock = lock::open_lock_file(&lock_path).map_err(io_err("opening the GC lock", &lock_path))?;
         flock(&gc_lock, FlockOperation::LockShared).map_err(|e| io_err("locking", &lock_path)(e.into()))?;
         let real = &self.layout.real_store_dir;
-        let present: HashSet<Vec<u8>> = sorted_entries(std::os::fd::AsFd::as_fd(&self.store_fd)).map_err(io_err("reading directory", real))?.into_iter().collect();
+        let present: HashSet<Vec<u8>> =
+            sorted_entries(std::os::fd::AsFd::as_fd(&self.store_fd)).map_err(io_err("reading directory", real))?.into_iter().collect();
         say(VerifyMessage::Info("checking path existence..."));
         let mut errors = false;
         let mut walk = Walk { store: self, present, done: HashSet::new(), valid: BTreeSet::new() };
@@ -55,7 +61,8 @@ impl LocalStore {
         }
         say(VerifyMessage::Info("checking link hashes..."));
         let links = self.links_path();
-        let links_fd = super::tree::open_dir(std::os::fd::AsFd::as_fd(&self.store_fd), super::optimise::LINKS_DIR.as_bytes()).map_err(io_err("opening directory", &links))?;
+        let links_fd = super::tree::open_dir(std::os::fd::AsFd::as_fd(&self.store_fd), super::optimise::LINKS_DIR.as_bytes())
+            .map_err(io_err("opening directory", &links))?;
         for name in sorted_entries(std::os::fd::AsFd::as_fd(&links_fd)).map_err(io_err("reading directory", &links))? {
             let shown_name = String::from_utf8_lossy(&name).into_owned();
             let link = links.join(&shown_name);
@@ -123,7 +130,13 @@ struct Walk<'s> {
 }
 
 impl Walk<'_> {
-    fn verify_path(&mut self, path: &StorePath, repair: &mut Option<Repairer<'_>>, errors: &mut bool, say: &mut dyn FnMut(VerifyMessage<'_>)) -> Result<(), LocalStoreError> {
+    fn verify_path(
+        &mut self,
+        path: &StorePath,
+        repair: &mut Option<Repairer<'_>>,
+        errors: &mut bool,
+        say: &mut dyn FnMut(VerifyMessage<'_>),
+    ) -> Result<(), LocalStoreError> {
         if !self.done.insert(path.clone()) {
             return Ok(());
         }

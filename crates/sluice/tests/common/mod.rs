@@ -140,13 +140,21 @@ impl CacheServer {
         check(&o, "cache-server start (needs nginx: install Debian's nginx-light)");
         let out = String::from_utf8_lossy(&o.stdout);
         let var = |k: &str| out.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).map(|v| v.trim_matches('\'').to_string());
-        CacheServer { url: var("CACHE_URL").unwrap(), access_log: PathBuf::from(var("CACHE_ACCESS_LOG").unwrap()), port, state: state.to_path_buf() }
+        CacheServer {
+            url: var("CACHE_URL").unwrap(),
+            access_log: PathBuf::from(var("CACHE_ACCESS_LOG").unwrap()),
+            port,
+            state: state.to_path_buf(),
+        }
     }
 
     /// Requests in the access log whose URI ends with `suffix`.
     pub fn requests(&self, suffix: &str) -> usize {
         let log = std::fs::read_to_string(&self.access_log).unwrap_or_default();
-        log.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v["uri"].as_str().is_some_and(|u| u.ends_with(suffix))).count()
+        log.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["uri"].as_str().is_some_and(|u| u.ends_with(suffix)))
+            .count()
     }
 }
 
@@ -229,7 +237,10 @@ pub fn assert_store_closed(root: &Path) {
     assert_eq!(store_leftovers(root), Vec::<String>::new());
     let paths = registered_paths(root);
     let registered: std::collections::BTreeSet<&str> = paths.iter().filter_map(|p| p.rsplit('/').next()).collect();
-    let unregistered: Vec<String> = store_entries(root).into_iter().filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !registered.contains(e.as_str())).collect();
+    let unregistered: Vec<String> = store_entries(root)
+        .into_iter()
+        .filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !registered.contains(e.as_str()))
+        .collect();
     assert_eq!(unregistered, Vec::<String>::new(), "trees at store paths that are not registered");
 }
 
@@ -291,7 +302,12 @@ impl S3Server {
         if auth {
             cmd.args(["--access-key", "AKTEST", "--secret-key", "SKTEST"]);
         }
-        let child = cmd.arg(dir).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap_or_else(|e| panic!("cannot run {} (cargo install s3s-fs --version 0.14.1 --features binary): {e}", bin.display()));
+        let child = cmd
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {} (cargo install s3s-fs --version 0.14.1 --features binary): {e}", bin.display()));
         for _ in 0..100 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                 return S3Server { child, port };

@@ -37,7 +37,13 @@ impl Scripted {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         text.lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .map(|v| (v["method"].as_str().unwrap_or("").to_string(), v["path"].as_str().unwrap_or("").to_string(), v["status"].as_u64().unwrap_or(0) as u16))
+            .map(|v| {
+                (
+                    v["method"].as_str().unwrap_or("").to_string(),
+                    v["path"].as_str().unwrap_or("").to_string(),
+                    v["status"].as_u64().unwrap_or(0) as u16,
+                )
+            })
             .filter(|(_, p, _)| pred(p))
             .collect()
     }

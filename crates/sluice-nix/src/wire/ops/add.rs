@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::io::{self, Read, Write};
 
 use super::super::{
-    read_bool, read_bytes, read_keyed_path_info, read_store_path, read_store_path_set, read_string, read_strings, read_u64, write_bool, write_bytes,
-    write_keyed_path_info, write_store_path, write_store_path_set, write_strings, write_u64, MAX_PATH_LEN,
+    read_bool, read_bytes, read_keyed_path_info, read_store_path, read_store_path_set, read_string, read_strings, read_u64, write_bool,
+    write_bytes, write_keyed_path_info, write_store_path, write_store_path_set, write_strings, write_u64, MAX_PATH_LEN,
 };
 use super::{Op, Request};
 use crate::path_info::ValidPathInfo;

@@ -4,7 +4,9 @@
 
 use std::io::{self, Read, Write};
 
-use super::super::{read_basic_derivation, read_derived_paths, read_store_path, write_basic_derivation, write_derived_path, write_store_path, write_u64};
+use super::super::{
+    read_basic_derivation, read_derived_paths, read_store_path, write_basic_derivation, write_derived_path, write_store_path, write_u64,
+};
 use super::{Op, Request};
 use crate::store_path::StoreDir;
 use crate::store_path::StorePath;
@@ -120,7 +122,10 @@ mod tests {
             // Before 1.30 a derivation file cannot be named, and a bare .drv is all its outputs.
             let mut targets = vec![DerivedPath::Opaque(sp("a")), DerivedPath::Built { drv: sp("b.drv"), outputs: OutputsSpec::All }];
             if minor >= 30 {
-                targets.push(DerivedPath::Built { drv: sp("c.drv"), outputs: OutputsSpec::Names(["dev".to_owned(), "out".to_owned()].into()) });
+                targets.push(DerivedPath::Built {
+                    drv: sp("c.drv"),
+                    outputs: OutputsSpec::Names(["dev".to_owned(), "out".to_owned()].into()),
+                });
                 targets.push(DerivedPath::Opaque(sp("d.drv")));
             }
             let bytes = round_trip(&BuildPaths { targets: targets.clone(), mode: BuildMode::Repair }, minor);

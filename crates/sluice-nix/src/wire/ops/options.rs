@@ -116,7 +116,8 @@ impl Request for SetOptions {
         for word in &mut words {
             *word = read_u64(r, "SetOptions field")?;
         }
-        let overrides = if version.at_least(12) { read_string_pairs(r, MAX_OVERRIDES, MAX_OVERRIDE_LEN, "setting override")? } else { Vec::new() };
+        let overrides =
+            if version.at_least(12) { read_string_pairs(r, MAX_OVERRIDES, MAX_OVERRIDE_LEN, "setting override")? } else { Vec::new() };
         Ok(SetOptions { settings: ClientSettings::from_words(words), overrides })
     }
 
@@ -136,9 +137,21 @@ mod tests {
 
     #[test]
     fn round_trips() {
-        let settings = ClientSettings { keep_going: true, verbosity: 5, max_build_jobs: 8, max_silent_time: 60, build_cores: 4, use_substitutes: false, ..ClientSettings::default() };
+        let settings = ClientSettings {
+            keep_going: true,
+            verbosity: 5,
+            max_build_jobs: 8,
+            max_silent_time: 60,
+            build_cores: 4,
+            use_substitutes: false,
+            ..ClientSettings::default()
+        };
         for minor in VERSIONS.into_iter().chain([11]) {
-            let overrides = if minor >= 12 { vec![("substituters".to_owned(), "https://a https://b".to_owned()), ("timeout".into(), "5".into())] } else { Vec::new() };
+            let overrides = if minor >= 12 {
+                vec![("substituters".to_owned(), "https://a https://b".to_owned()), ("timeout".into(), "5".into())]
+            } else {
+                Vec::new()
+            };
             let w = words(&round_trip(&SetOptions { settings, overrides }, minor));
             assert_eq!(w[..13], [19, 0, 1, 0, 5, 8, 60, 1, 0, 0, 0, 4, 0]);
             assert_eq!(w.len() > 13, minor >= 12, "overrides only from 1.12");

@@ -6,7 +6,10 @@ use std::io::{self, Read, Write};
 
 use super::super::primitives::read_count;
 use super::super::types::MAX_LIST;
-use super::super::{read_bool, read_store_path, read_store_path_set, read_string, write_bool, write_bytes, write_store_path, write_store_path_set, write_u64};
+use super::super::{
+    read_bool, read_store_path, read_store_path_set, read_string, write_bool, write_bytes, write_store_path, write_store_path_set,
+    write_u64,
+};
 use super::{empty_requests, path_requests, Op, Request};
 use crate::store_path::{StoreDir, StorePath};
 use crate::wire::{ProtocolVersion, WireError};
@@ -107,7 +110,9 @@ impl Request for QuerySubstitutablePathInfos {
 
     fn read(r: &mut dyn Read, dir: &StoreDir, version: ProtocolVersion) -> Result<Self, WireError> {
         if !version.at_least(22) {
-            return Ok(QuerySubstitutablePathInfos { paths: read_store_path_set(r, dir, "paths")?.into_iter().map(|p| (p, String::new())).collect() });
+            return Ok(QuerySubstitutablePathInfos {
+                paths: read_store_path_set(r, dir, "paths")?.into_iter().map(|p| (p, String::new())).collect(),
+            });
         }
         let n = read_count(r, MAX_LIST, "path count")?;
         let mut paths = Vec::with_capacity(n.min(1024) as usize);

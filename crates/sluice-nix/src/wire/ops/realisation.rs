@@ -60,7 +60,10 @@ impl Request for RegisterDrvOutput {
                 write_bytes(w, id.as_bytes())?;
                 write_bytes(w, out_path.as_bytes())
             }
-            _ => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("RegisterDrvOutput: this form is not the one of protocol {version}"))),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("RegisterDrvOutput: this form is not the one of protocol {version}"),
+            )),
         }
     }
 }
@@ -76,7 +79,9 @@ mod tests {
         for minor in VERSIONS {
             round_trip(&QueryRealisation { id: id.into() }, minor);
             let register = if minor >= 31 {
-                RegisterDrvOutput::Json(format!(r#"{{"id":"{id}","outPath":"g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-baz","signatures":[],"dependentRealisations":{{}}}}"#))
+                RegisterDrvOutput::Json(format!(
+                    r#"{{"id":"{id}","outPath":"g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-baz","signatures":[],"dependentRealisations":{{}}}}"#
+                ))
             } else {
                 RegisterDrvOutput::Legacy { id: id.into(), out_path: "g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-baz".into() }
             };
