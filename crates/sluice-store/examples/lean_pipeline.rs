@@ -43,6 +43,7 @@ use sluice_store::store_url::LocalStoreConfig;
 /// `sluice`'s allocator and its options (`crates/sluice/src/main.rs`).
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+#[allow(unsafe_code)] // the symbol jemalloc reads its options from
 #[export_name = "_rjem_malloc_conf"]
 static JEMALLOC_OPTIONS: &[u8; 19] = b"dirty_decay_ms:100\0";
 

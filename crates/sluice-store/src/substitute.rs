@@ -913,6 +913,7 @@ impl Shared {
 }
 
 /// What an attempt's blocking task did once the path was not found valid.
+#[allow(clippy::large_enum_variant)] // one per path in flight, moved once
 enum Locked {
     /// Another process or thread holds the path's lock.
     Busy,

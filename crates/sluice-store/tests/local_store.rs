@@ -137,7 +137,7 @@ fn add_subset(store: &Arc<LocalStore>) -> Vec<ValidPathInfo> {
         .map(|info| {
             let vpi = path_info(info);
             let mut nar = File::open(cache.join(&info.url)).unwrap();
-            assert!(add(&store, &vpi, &mut nar).unwrap(), "{} was already valid", vpi.path);
+            assert!(add(store, &vpi, &mut nar).unwrap(), "{} was already valid", vpi.path);
             vpi
         })
         .collect()

@@ -254,6 +254,7 @@ impl Interrupts {
 /// handlers ([`Interrupts`]) stay installed for the process's life and would leave a copy
 /// whose `--json` report waits on a pipe nobody reads to SIGKILL alone. What is left to do
 /// (the report, the summary) is ended by them as before the copy started.
+#[allow(unsafe_code)]
 fn default_signal_actions() {
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         // SAFETY: setting a signal's disposition to the default; tokio's driver, which no

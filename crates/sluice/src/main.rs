@@ -27,6 +27,7 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// environment adds to them): pages freed are given back after 100 ms rather than jemalloc's
 /// 10 s, which kept a network copy's download buffers resident; giving them back at once costs
 /// CPU (docs/benchmarks.md).
+#[allow(unsafe_code)] // the symbol jemalloc reads its options from
 #[export_name = "_rjem_malloc_conf"]
 static JEMALLOC_OPTIONS: &[u8; 19] = b"dirty_decay_ms:100\0";
 
@@ -101,6 +102,7 @@ fn main() -> ExitCode {
         // that answers an upload and closes before reading its body must be an error of that
         // upload, not the end of the run.)
         // SAFETY: restoring the default disposition of a signal, before any thread starts.
+        #[allow(unsafe_code)]
         unsafe {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
@@ -139,6 +141,7 @@ const DESCRIPTOR_TABLE: libc::c_int = 16384;
 /// `fs/file.c`) while every other thread that opens a file waits for it: a copy that holds
 /// a thousand lock files grew it four times, each time stopping all its threads (measured in
 /// docs/benchmarks.md). Grown here it costs 8 bytes and 2 bits per entry and no wait. Nothing to do if it fails.
+#[allow(unsafe_code)]
 fn grow_descriptor_table(soft_limit: libc::rlim_t) {
     let highest = soft_limit.min(DESCRIPTOR_TABLE as libc::rlim_t) as libc::c_int - 1;
     // SAFETY: dup2 and close act on a descriptor number nothing else uses (above every open
@@ -156,6 +159,7 @@ fn grow_descriptor_table(soft_limit: libc::rlim_t) {
 /// (hard limits are far higher) a 1056-path copy would run short of locks and download its
 /// paths in dependency order, some of them twice. Returns the soft limit now; `None` if it
 /// cannot be read.
+#[allow(unsafe_code)]
 fn raise_open_file_limit() -> Option<libc::rlim_t> {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.

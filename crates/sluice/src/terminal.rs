@@ -69,13 +69,12 @@ fn filter_ansi_escapes(text: &str, filter_all: bool) -> String {
                     out.push_str(&escape);
                 }
             }
-            '\t' => loop {
-                out.push(' ');
-                column += 1;
-                if column % 8 == 0 {
-                    break;
-                }
-            },
+            '\t' => {
+                // To the next tab stop, every 8 columns.
+                let stop = (column / 8 + 1) * 8;
+                out.extend(std::iter::repeat_n(' ', stop - column));
+                column = stop;
+            }
             '\r' | '\x07' => {}
             c => {
                 out.push(c);

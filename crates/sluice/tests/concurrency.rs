@@ -116,7 +116,9 @@ impl LockedCopy {
         let lock_path = store.join(format!("{base}.lock"));
         let lock = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).unwrap();
         // SAFETY: flock on an open file descriptor.
-        assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
+        #[allow(unsafe_code)] // a libc call the test drives processes or files with
+        let r = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+        assert_eq!(r, 0);
         let server = CacheServer::start(&corpus().join("cache-xz"), &tmp.path().join("srv"), &[]);
         let narinfo = std::fs::read_to_string(corpus().join("cache-xz").join(format!("{}.narinfo", &base[..32]))).unwrap();
         let nar_url = narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap().to_owned();

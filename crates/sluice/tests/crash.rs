@@ -120,7 +120,9 @@ fn lock_files_left_on_a_registered_batch_are_removed_by_the_next_run() {
     }
     // Held as Nix's `lockFile` holds one, by a process that is adding the path.
     let held = std::fs::File::open(&locks[500]).unwrap();
-    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    #[allow(unsafe_code)] // a libc call the test drives processes or files with
+    let r = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(r, 0);
     let o = sluice(tmp.path(), &args);
     check(&o, "the rerun");
     assert!(stderr(&o).contains("copied 0 paths"), "{}", stderr(&o));
@@ -191,7 +193,9 @@ fn a_signal_stops_a_copy_and_leaves_the_store_closed() {
                 std::thread::sleep(Duration::from_millis(20));
             }
             // SAFETY: a signal to the child this test started and has not waited for.
-            assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, *signal) }, 0);
+            #[allow(unsafe_code)] // a libc call the test drives processes or files with
+            let r = unsafe { libc::kill(child.id() as libc::pid_t, *signal) };
+            assert_eq!(r, 0);
         }
         let o = child.wait_with_output().unwrap();
         let err = stderr(&o);

@@ -94,6 +94,7 @@ impl Env {
         if let Some(n) = open_files {
             let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
             // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
+            #[allow(unsafe_code)] // a libc call the test drives processes or files with
             unsafe {
                 std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
                     0 => Ok(()),
@@ -1593,7 +1594,7 @@ fn untrusted_raw_client_gets_nix_rights() {
         .flatten()
         .map(|e| std::fs::read_link(e.path()).unwrap())
         .collect();
-    assert_eq!(auto, [link.clone()]);
+    assert_eq!(auto, std::slice::from_ref(&link));
 
     client.write_all(&request(20, &[Ok(3), Ok(1), Err(&out), Ok(1), Ok(0), Ok(0), Ok(0), Ok(0)])).unwrap();
     assert_eq!(until_last(&mut client), Err("you are not allowed to ignore liveness".to_owned()));
@@ -1995,7 +1996,9 @@ fn a_path_named_like_the_temporary_directory_is_refused() {
     std::fs::set_permissions(&temp, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let held = std::fs::File::open(&temp).unwrap();
     // SAFETY: flock on an open file descriptor.
-    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
+    #[allow(unsafe_code)] // a libc call the test drives processes or files with
+    let r = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) };
+    assert_eq!(r, 0);
     let (mut client, trusted) = raw_client(&env, 37);
     assert_eq!(trusted, Some(1));
     let nar = regular_file_nar(b"x", false);
@@ -2099,7 +2102,7 @@ fn real_derivations_are_admitted_and_edited_ones_refused_as_nix_does() {
     assert_eq!(shown.lines().count(), 2, "{shown}");
     let (mut client, _) = raw_client(&env, 37);
     for out in shown.lines() {
-        assert_eq!(valid_derivers(&mut client, out), [top.clone()], "{out}");
+        assert_eq!(valid_derivers(&mut client, out), std::slice::from_ref(&top), "{out}");
     }
 
     // Edited copies, added under the same name (`top.drv`, `src.drv`) with `nix-store --add`.

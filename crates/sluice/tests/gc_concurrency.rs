@@ -763,7 +763,9 @@ fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one()
         std::fs::create_dir(store_dir.join(&nix_tmp)).unwrap();
         let held = std::fs::File::open(store_dir.join(&nix_tmp)).unwrap();
         // SAFETY: flock on an open file descriptor.
-        assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
+        #[allow(unsafe_code)] // a libc call the test drives processes or files with
+        let r = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) };
+        assert_eq!(r, 0);
         let c = collect(tmp, which, &root, n);
         let kept = (tree.is_file(), store_dir.join(&dead).exists(), store_dir.join(&nix_tmp).exists());
         let _ = std::fs::remove_dir(store_dir.join(&nix_tmp));

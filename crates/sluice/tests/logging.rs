@@ -446,7 +446,9 @@ fn sigterm_ends_a_copy_whose_report_waits() {
     let mut child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
     let stdout = child.stdout.take().unwrap();
     // SAFETY: resizing the pipe this process holds the read end of.
-    assert!(unsafe { libc::fcntl(stdout.as_raw_fd(), libc::F_SETPIPE_SZ, 4096) } > 0);
+    #[allow(unsafe_code)] // a libc call the test drives processes or files with
+    let r = unsafe { libc::fcntl(stdout.as_raw_fd(), libc::F_SETPIPE_SZ, 4096) };
+    assert!(r > 0);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while !root.join("nix/var/nix/db/db.sqlite").exists() || registered_rows(&root).0 < 1056 {
         assert!(std::time::Instant::now() < deadline, "the copy did not finish");

@@ -351,7 +351,9 @@ fn narinfo_leniency_is_nixs() {
 /// `\r\n`, which Nix takes with the `\r` in the signature it stores.
 #[test]
 fn narinfo_rules_are_nix_226s() {
-    let variants: [(&str, fn(String) -> String, bool, bool); 8] = [
+    /// A name, how the narinfo is changed, and whether Nix 2.26 and sluice accept it.
+    type Variant = (&'static str, fn(String) -> String, bool, bool);
+    let variants: [Variant; 8] = [
         ("empty-ca-twice", |s| s + "CA: \nCA: \n", true, true),
         ("size-with-plus", |s| s.replace("NarSize: 136", "NarSize: +136"), true, true),
         ("size-with-leading-zero", |s| s.replace("NarSize: 136", "NarSize: 0136"), true, true),

@@ -59,7 +59,9 @@ fn config_files_and_unknown_settings_as_nix_2_8() {
     let user_files = std::ffi::OsString::from(format!("{}:{}", t.join("u1.conf").display(), t.join("u2.conf").display()));
     let dirs = std::ffi::OsString::from(format!("{}:{}", t.join("d1").display(), t.join("d2").display()));
     let home = t.join("home");
-    let scenarios: [(Vec<(&str, &Path)>, &[&str], String); 2] = [
+    /// The environment, the flags, and what is expected.
+    type Scenario<'a> = (Vec<(&'a str, &'a Path)>, &'a [&'a str], String);
+    let scenarios: [Scenario; 2] = [
         (
             vec![("NIX_USER_CONF_FILES", Path::new(&user_files))],
             &["extra-etc-unknown", "substituter", "u1-unknown", "u2-unknown"],

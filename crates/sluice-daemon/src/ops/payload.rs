@@ -90,6 +90,7 @@ fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher
 /// in `roots` before its validity is looked at, as Nix's `addToStoreFromDump` does, so that a
 /// collector cannot delete it between the look-up and the client's use of it. The store
 /// checks the content address computed here against the unpacked content again.
+#[allow(clippy::too_many_arguments)] // each is one decision of the caller's; a struct would only rename them
 pub(super) fn add_content(
     store: &Arc<LocalStore>,
     roots: &TempRoots,

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 /// CPU time of `clock` (`CLOCK_THREAD_CPUTIME_ID`, `CLOCK_PROCESS_CPUTIME_ID`).
+#[allow(unsafe_code)]
 pub fn cpu_time(clock: libc::clockid_t) -> Duration {
     let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime only writes the struct passed to it.

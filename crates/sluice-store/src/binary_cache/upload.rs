@@ -56,6 +56,7 @@ pub enum PrepareError {
 /// compresses it as `params` and `plan` say, into memory if `in_memory` and it is small (see
 /// [`SpoolWriter`]), else into a temporary file in `tmp_dir`; the MD5 of the compressed bytes
 /// is computed only `with_md5`.
+#[allow(clippy::too_many_arguments)] // each is one decision of the caller's; a struct would only rename them
 pub fn prepare_nar(
     store_dir: &StoreDir,
     info: &ValidPathInfo,

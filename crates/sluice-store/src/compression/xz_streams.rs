@@ -98,7 +98,7 @@ mod tests {
     /// Many blocks, concatenated streams and padding between them decode to the input.
     #[test]
     fn blocks_and_streams_round_trip() {
-        let a: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253 ^ i / 7919) as u8).collect();
+        let a: Vec<u8> = (0..3_000_000u32).map(|i| ((i % 253) ^ (i / 7919)) as u8).collect();
         let b = b"second stream".to_vec();
         let packed = [xz(&a, 2), vec![0; 8], xz(&b, 1)].concat();
         assert_eq!(decode(&packed).unwrap(), [a.clone(), b].concat());

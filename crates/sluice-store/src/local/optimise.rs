@@ -29,6 +29,9 @@ use super::tree::open_dir;
 use super::unpack::store_times;
 use super::{dump, io_err, LocalStore, LocalStoreError};
 
+/// A directory opened by the walk, with its entries still to link.
+type OpenedDir = (OwnedFd, Vec<Vec<u8>>);
+
 /// The directory of hard-link targets in the store directory (Nix's `linksDir`).
 pub(super) const LINKS_DIR: &str = ".links";
 
@@ -165,7 +168,7 @@ impl<'s, 'o> Optimiser<'s, 'o> {
         name: &[u8],
         shown: &Path,
         toggle: bool,
-    ) -> Result<Option<(OwnedFd, Vec<Vec<u8>>)>, LocalStoreError> {
+    ) -> Result<Option<OpenedDir>, LocalStoreError> {
         let st = statat(parent, name, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err("getting status of", shown)(e.into()))?;
         let file_type = FileType::from_raw_mode(st.st_mode);
         if file_type == FileType::Directory {

@@ -308,9 +308,11 @@ impl S3Server {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run {} (cargo install s3s-fs --version 0.14.1 --features binary): {e}", bin.display()));
+        // Held from the start, so that a server that never listens is stopped by the panic.
+        let server = S3Server { child, port };
         for _ in 0..100 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return S3Server { child, port };
+                return server;
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
