@@ -19,6 +19,9 @@ use crate::hash::{Hash, HashAlgo};
 use crate::store_path::{check_name, StoreDir, StorePath};
 use crate::wire::{output_kind, output_path_name, OutputKind};
 
+mod aterm;
+use aterm::{comma, list, quoted, unquoted, Cursor};
+
 /// Why a `.drv` could not be read, or why its outputs are refused (Nix's words).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("{0}")]
@@ -339,129 +342,6 @@ impl Derivation {
             }
         }
         Ok(())
-    }
-}
-
-/// A `,` before every list element but the first.
-fn comma(s: &mut Vec<u8>, index: usize) {
-    if index > 0 {
-        s.push(b',');
-    }
-}
-
-/// Nix's `printUnquotedString`: quoted, not escaped.
-fn unquoted(s: &mut Vec<u8>, value: &[u8]) {
-    s.push(b'"');
-    s.extend_from_slice(value);
-    s.push(b'"');
-}
-
-/// Nix's `printString`: quoted, with `"`, `\\`, newline, carriage return and tab escaped.
-fn quoted(s: &mut Vec<u8>, value: &[u8]) {
-    s.push(b'"');
-    for &c in value {
-        match c {
-            b'"' | b'\\' => s.extend_from_slice(&[b'\\', c]),
-            b'\n' => s.extend_from_slice(b"\\n"),
-            b'\r' => s.extend_from_slice(b"\\r"),
-            b'\t' => s.extend_from_slice(b"\\t"),
-            c => s.push(c),
-        }
-    }
-    s.push(b'"');
-}
-
-/// `[e1,e2,…]` with each element printed by `print`.
-fn list<'a>(s: &mut Vec<u8>, items: impl Iterator<Item = &'a [u8]>, print: fn(&mut Vec<u8>, &[u8])) {
-    s.push(b'[');
-    for (i, item) in items.enumerate() {
-        comma(s, i);
-        print(s, item);
-    }
-    s.push(b']');
-}
-
-/// A position in the ATerm text.
-struct Cursor<'a> {
-    input: &'a [u8],
-    pos: usize,
-}
-
-impl Cursor<'_> {
-    fn error(&self, what: &str) -> DerivationError {
-        DerivationError(format!("{what} at byte {}", self.pos))
-    }
-
-    /// Consumes `token`, which must come next.
-    fn expect(&mut self, token: &[u8]) -> Result<(), DerivationError> {
-        if !self.input[self.pos..].starts_with(token) {
-            return Err(self.error(&format!("expected {:?}", String::from_utf8_lossy(token))));
-        }
-        self.pos += token.len();
-        Ok(())
-    }
-
-    /// Nix's `endOfList`: consumes a `]` (true) or a `,` between elements (false) if it
-    /// comes next.
-    fn end_of_list(&mut self) -> Result<bool, DerivationError> {
-        match self.input.get(self.pos) {
-            Some(b']') => {
-                self.pos += 1;
-                Ok(true)
-            }
-            Some(b',') => {
-                self.pos += 1;
-                Ok(false)
-            }
-            Some(_) => Ok(false),
-            None => Err(self.error("unexpected end of derivation")),
-        }
-    }
-
-    /// Consumes a quoted string and returns its unescaped bytes.
-    fn string(&mut self) -> Result<Vec<u8>, DerivationError> {
-        self.expect(b"\"")?;
-        let mut out = Vec::new();
-        loop {
-            let Some(&c) = self.input.get(self.pos) else {
-                return Err(self.error("unterminated string"));
-            };
-            self.pos += 1;
-            match c {
-                b'"' => return Ok(out),
-                b'\\' => {
-                    let Some(&escaped) = self.input.get(self.pos) else {
-                        return Err(self.error("unterminated string"));
-                    };
-                    self.pos += 1;
-                    out.push(match escaped {
-                        b'n' => b'\n',
-                        b'r' => b'\r',
-                        b't' => b'\t',
-                        other => other,
-                    });
-                }
-                other => out.push(other),
-            }
-        }
-    }
-
-    /// Consumes `,` and a quoted UTF-8 string (an output's path, hash algorithm or hash).
-    fn field(&mut self) -> Result<String, DerivationError> {
-        self.expect(b",")?;
-        self.utf8_string("output field")
-    }
-
-    /// Consumes a quoted store path (`what` names it in errors).
-    fn store_path(&mut self, dir: &StoreDir, what: &str) -> Result<StorePath, DerivationError> {
-        let path = self.utf8_string(what)?;
-        dir.parse_path(&path).map_err(|e| DerivationError(format!("{what} {path:?}: {e}")))
-    }
-
-    /// Consumes a quoted string that must be UTF-8 (`what` names it in errors).
-    fn utf8_string(&mut self, what: &str) -> Result<String, DerivationError> {
-        let start = self.pos;
-        String::from_utf8(self.string()?).map_err(|_| DerivationError(format!("{what} at byte {start} is not UTF-8")))
     }
 }
 
