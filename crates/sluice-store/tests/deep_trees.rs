@@ -95,7 +95,9 @@ fn every_walk_over_the_deepest_tree_runs_on_a_small_stack() {
 
 /// A user's `gcroots/per-user` directory nested as deep as `PATH_MAX` allows, with a root at the
 /// bottom: finding the roots (every GC, and `--gc --print-roots` as any user through the
-/// daemon) keeps its own stack and finds that root.
+/// daemon) keeps its own stack and finds that root. Beside it, the user's tree nested past what
+/// a path can name, and a symlink loop, are skipped: they stopped every collection ("File name
+/// too long"), as they stop Nix's.
 #[test]
 fn roots_below_the_deepest_gcroots_tree_are_found_on_a_small_stack() {
     let tmp = Scratch::new();
@@ -114,6 +116,13 @@ fn roots_below_the_deepest_gcroots_tree_are_found_on_a_small_stack() {
     std::fs::create_dir_all(&link).unwrap();
     link.push("root");
     std::os::unix::fs::symlink(format!("/nix/store/{base}"), &link).unwrap();
+    let user_dir = root.join("nix/var/nix/gcroots/per-user/nobody");
+    let mut dir = rustix::fs::open(&user_dir, rustix::fs::OFlags::DIRECTORY, rustix::fs::Mode::empty()).unwrap();
+    for _ in 0..2100 {
+        rustix::fs::mkdirat(&dir, "e", rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
+        dir = rustix::fs::openat(&dir, "e", rustix::fs::OFlags::DIRECTORY, rustix::fs::Mode::empty()).unwrap();
+    }
+    std::os::unix::fs::symlink("loop", user_dir.join("loop")).unwrap();
     let roots = on_small_stack(move || store.find_roots(false).unwrap());
     let path = StorePath::from_base_name(base).unwrap();
     assert_eq!(roots.get(&path).map(|links| links.iter().cloned().collect::<Vec<_>>()), Some(vec![link.display().to_string()]));

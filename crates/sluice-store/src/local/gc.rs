@@ -271,10 +271,16 @@ impl LocalStore {
     /// One entry of [`LocalStore::find_roots_in`]'s walk: a root it is, or a directory whose
     /// entries go onto `pending`.
     fn find_root_at(&self, path: &Path, roots: &mut Roots, pending: &mut Vec<PathBuf>) -> Result<(), LocalStoreError> {
+        // Nix skips what it may not read or what went away; a tree under `gcroots/per-user`
+        // is written by its user, who can nest it deeper than a path can name or loop it, and
+        // that must not stop every collection: such an entry is skipped with a warning.
         let skippable = |e: &io::Error| {
-            [rustix::io::Errno::ACCESS, rustix::io::Errno::NOENT, rustix::io::Errno::NOTDIR]
-                .iter()
-                .any(|n| e.raw_os_error() == Some(n.raw_os_error()))
+            let is = |errnos: &[rustix::io::Errno]| errnos.iter().any(|n| e.raw_os_error() == Some(n.raw_os_error()));
+            if is(&[rustix::io::Errno::NAMETOOLONG, rustix::io::Errno::LOOP]) {
+                tracing::warn!("skipping the root '{}': {e}", path.display());
+                return true;
+            }
+            is(&[rustix::io::Errno::ACCESS, rustix::io::Errno::NOENT, rustix::io::Errno::NOTDIR])
         };
         let meta = match std::fs::symlink_metadata(path) {
             Ok(m) => m,
@@ -291,7 +297,11 @@ impl LocalStore {
                 pending.push(entry.map_err(io_err("listing the roots in", path))?.path());
             }
         } else if meta.file_type().is_symlink() {
-            let target = std::fs::read_link(path).map_err(io_err("reading the root", path))?;
+            let target = match std::fs::read_link(path) {
+                Ok(target) => target,
+                Err(e) if skippable(&e) => return Ok(()),
+                Err(e) => return Err(io_err("reading the root", path)(e)),
+            };
             if self.is_in_store(&target) {
                 self.found_root(path, &target, roots)?;
             } else {
