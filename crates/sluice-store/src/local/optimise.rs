@@ -25,7 +25,7 @@ use sluice_nix::hash::{Hash, HashAlgo, Hasher};
 use sluice_nix::nar::writer::NarWriter;
 
 use super::temp_roots::TempRoots;
-use super::tree::open_dir;
+use super::tree::{open_dir, remove_tree};
 use super::unpack::store_times;
 use super::{dump, io_err, LocalStore, LocalStoreError};
 
@@ -296,10 +296,9 @@ impl<'s, 'o> Optimiser<'s, 'o> {
         (self.observe)(OptimiseEvent::Warning(
             "There may be more corrupted paths.\nYou should run `nix-store --verify --check-contents --repair` to fix them all",
         ));
-        match unlinkat(self.links.as_fd(), link_name, AtFlags::empty()) {
-            Ok(()) | Err(Errno::NOENT) => Ok(()),
-            Err(e) => Err(io_err("removing", link_path)(e.into())),
-        }
+        // Whatever took the entry's name, a directory too, goes: one damaged entry must not end
+        // the optimisation of every other file.
+        remove_tree(self.links.as_fd(), link_name.as_bytes()).map(drop).map_err(io_err("removing", link_path))
     }
 
     /// The entries of `dir` whose inode is not in `.links` already (Nix's
