@@ -194,6 +194,32 @@ impl Drop for Activity {
     }
 }
 
+/// How a `tracing` event reads: a warning or an error with Nix's `warning: ` and `error: `
+/// (`logging.cc` `logWarning`, `printError`), so that sluice's own lines and its libraries'
+/// read alike; the diagnostic levels keep their names (`DEBUG request …`).
+pub struct NixStyle;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for NixStyle
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        match *event.metadata().level() {
+            tracing::Level::ERROR => write!(writer, "error: ")?,
+            tracing::Level::WARN => write!(writer, "warning: ")?,
+            level => write!(writer, "{level} ")?,
+        }
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
+
 /// Where `tracing` events go: standard error, or in JSON a `msg` entry each (Nix's
 /// `JSONLogger::log`), with Nix's level for the event's.
 pub struct TracingWriter;

@@ -92,8 +92,7 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| filter.into()))
         .with_writer(log::TracingWriter)
         .with_ansi(log.format == log::LogFormat::Bar)
-        .without_time()
-        .with_target(false)
+        .event_format(log::NixStyle)
         .init();
     if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_) | Command::Serve(_)) {
         // A command whose output is piped into `head` ends quietly when the reader goes away,
