@@ -29,6 +29,10 @@ fn signature_rules_of_case_09() {
             let info = nix_path_info(tmp.path(), root.to_str().unwrap(), &path);
             let stored: Vec<&str> = info[0]["signatures"].as_array().map_or(vec![], |a| a.iter().map(|s| s.as_str().unwrap()).collect());
             assert_eq!(stored, sigs, "{variant}");
+            // A malformed Sig line is skipped with a warning naming it (case 09's rule).
+            let warned = stderr(&o).lines().filter(|l| l.starts_with("warning: ") && l.contains("is not NAME:BASE64")).count();
+            let malformed = ["bad-base64-plus-good", "truncated-plus-good", "no-colon-sig"].contains(&variant.as_str());
+            assert_eq!(warned > 0, malformed, "{variant}: {}", stderr(&o));
         } else {
             assert_eq!(o.status.code(), Some(1), "{variant} must be refused: {}", stderr(&o));
             let err = stderr(&o);

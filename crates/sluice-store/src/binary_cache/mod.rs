@@ -365,6 +365,11 @@ impl BinaryCache {
                 got: store_dir.display_path(&info.store_path),
             });
         }
+        // A malformed signature vouches for nothing and is no reason to refuse the others, but
+        // whoever runs the cache should hear of it.
+        for sig in info.signatures.iter().filter(|sig| sluice_nix::signature::parse_signature(sig).is_none()) {
+            tracing::warn!("{}: signature '{sig}' is not NAME:BASE64 of an ed25519 signature; skipped", self.narinfo_url(path));
+        }
         Ok(info)
     }
 
