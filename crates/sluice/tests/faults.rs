@@ -49,6 +49,8 @@ fn signature_rules_of_case_09() {
                     "{variant}: the key names: {err}"
                 );
             }
+            // An unsigned path whose content address is false is told apart, in Nix's words.
+            assert_eq!(err.contains("it claims to be content-addressed but isn't"), variant == "ca-mismatch", "{variant}: {err}");
             // A signature under the trusted key's name that does not verify is told apart.
             let unverified = "the signature by case-test-1 does not verify: it was not made over this NAR hash, size and references";
             assert_eq!(

@@ -143,6 +143,12 @@ pub enum LocalStoreError {
     /// The content address does not yield the path for its name and references.
     #[error("cannot add path '{path}': its content address {ca} implies {implied}")]
     CaPath { path: String, ca: String, implied: String },
+    /// An unsigned path's content address does not yield it, so nothing vouches for it (Nix:
+    /// "claims to be content-addressed but isn't").
+    #[error(
+        "cannot add path '{path}' because it lacks a signature by a trusted key (it claims to be content-addressed but isn't: its content address {ca} implies {implied})"
+    )]
+    UnsignedFalseCa { path: String, ca: String, implied: String },
     /// Nobody the policy trusts vouches for the path (Nix's words, then who signed it):
     /// `signers` are the key names of its signatures, `trusted` those of `trusted-public-keys`.
     #[error("cannot add path '{path}' because it lacks a signature by a trusted key ({})", untrusted_detail(signers, trusted))]

@@ -180,13 +180,26 @@ impl SignaturePolicy {
         if signed {
             return Ok(Vouched::Signed);
         }
-        if info.content_addressed_path(store_dir).as_ref() == Some(&info.path) {
+        let implied = info.content_addressed_path(store_dir);
+        if implied.as_ref() == Some(&info.path) {
             return Ok(Vouched::ContentAddressed);
+        }
+        if let Some(ca) = &info.ca {
+            return Err(LocalStoreError::UnsignedFalseCa {
+                path: store_dir.display_path(&info.path),
+                ca: ca.to_string(),
+                implied: implied_path(store_dir, implied),
+            });
         }
         let signers = info.sigs.iter().map(|s| s.split(':').next().unwrap_or("").to_owned()).collect();
         let trusted = self.trusted_keys.keys().iter().map(|k| k.name().to_owned()).collect();
         Err(LocalStoreError::Untrusted { path: store_dir.display_path(&info.path), signers, trusted })
     }
+}
+
+/// The path a content address implies, as its refusals show it.
+fn implied_path(store_dir: &StoreDir, implied: Option<StorePath>) -> String {
+    implied.map_or_else(|| "no valid path (impossible with these references)".to_owned(), |p| store_dir.display_path(&p))
 }
 
 /// What must be hashed, besides the NAR's sha256, to check `info`'s content address.
@@ -229,12 +242,7 @@ pub(super) fn verify(
     if let Some(ca) = &info.ca {
         let implied = info.content_addressed_path(store_dir);
         if implied.as_ref() != Some(&info.path) {
-            return Err(LocalStoreError::CaPath {
-                path: shown(),
-                ca: ca.to_string(),
-                implied: implied
-                    .map_or_else(|| "no valid path (impossible with these references)".to_owned(), |p| store_dir.display_path(&p)),
-            });
+            return Err(LocalStoreError::CaPath { path: shown(), ca: ca.to_string(), implied: implied_path(store_dir, implied) });
         }
         let actual: Option<&Hash> = match ca_hashing(info) {
             Some(CaHashing::NarHash) => Some(&unpacked.nar_hash),
