@@ -3522,3 +3522,45 @@ fn ca_floating_derivations_need_the_experimental_feature() {
         assert!(allowed || err.contains(disabled), "{err}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Denial of service by an untrusted local user: the daemon bounds what one request and one
+// user's connections may hold, so that nobody can stop it serving everyone.
+
+/// The resident memory of `daemon`'s process (`VmRSS`), in MiB.
+fn rss_mib(daemon: &Daemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches("kB").trim();
+    kib.parse::<u64>().unwrap() / 1024
+}
+
+/// A SetOptions declaring 100,000 overrides of 1 MiB each, 320 of them sent: the daemon stops
+/// reading at the request's budget (4 MiB) and refuses it naming the request, its limit and
+/// the field it reached, holding none of the rest, and serves the next client.
+#[test]
+fn an_oversized_request_is_refused_without_holding_what_it_sends() {
+    use std::io::Write;
+    let env = Env::new();
+    let (daemon, mut client) = daemon_and_client_1_34(&env);
+    let before = rss_mib(&daemon);
+    let mut writer = client.try_clone().unwrap();
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        writer.write_all(&u64s(&[[19].as_slice(), &[0; 12], &[100_000]].concat()))?;
+        let value = vec![b'v'; 1 << 20];
+        for i in 0..320 {
+            // A pair (name, value) is encoded as a request's two string arguments.
+            writer.write_all(&request(0, &[Err(format!("k{i}").as_bytes()), Err(&value)])[8..])?;
+        }
+        Ok(())
+    });
+    let sent = sender.join().unwrap();
+    let after = rss_mib(&daemon);
+    assert!(after < before + 64, "the daemon holds {after} MiB after the request (before it: {before} MiB)");
+    assert!(sent.is_err(), "the daemon read all 320 MiB");
+    assert_eq!(
+        until_last(&mut client),
+        Err("SetOptions request refused: more than its limit of 4194304 bytes was sent (the limit was reached reading setting override)"
+            .to_owned())
+    );
+    assert_eq!(is_valid(&mut raw_client_1_34(&env), MISSING), 0, "the next client is served");
+}
