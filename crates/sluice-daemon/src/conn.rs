@@ -8,7 +8,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::sync::Arc;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_nix::wire::ops::{Op, Request};
+use sluice_nix::wire::ops::{read_request, Op, Request};
 use sluice_nix::wire::{ProtocolVersion, StderrWriter, WireError};
 use sluice_store::local::{LocalStore, TempRoots};
 
@@ -84,10 +84,10 @@ impl Conn<'_> {
     }
 
     /// Reads the request of an operation (after its number) as this connection's version
-    /// sends it; one that cannot be read is fatal.
+    /// sends it, within its byte budget; one that cannot be read is fatal.
     pub(crate) fn read_request<R: Request>(&mut self) -> Result<R, Fail> {
         let dir = self.daemon.store().store_dir();
-        Ok(R::read(&mut self.r, dir, self.version)?)
+        Ok(read_request::<R>(&mut self.r, dir, self.version)?)
     }
 
     /// Whether the read buffer already holds a whole next request for operation `op` whose

@@ -77,6 +77,17 @@ impl Write for Output {
     }
 }
 
+impl Input {
+    /// Lets reads wait without a deadline again (a socket's `SO_RCVTIMEO`; standard input has
+    /// none).
+    pub(crate) fn clear_read_timeout(&self) -> io::Result<()> {
+        match rustix::net::sockopt::set_socket_timeout(self.source.as_fd(), rustix::net::sockopt::Timeout::Recv, None) {
+            Ok(()) | Err(rustix::io::Errno::NOTSOCK) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
 impl Read for Input {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let waiting = !self.outbox.borrow().pending.is_empty();

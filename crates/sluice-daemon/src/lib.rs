@@ -12,6 +12,7 @@ mod affinity;
 mod conn;
 mod duplex;
 mod handshake;
+mod limits;
 mod ops;
 mod options;
 mod server;

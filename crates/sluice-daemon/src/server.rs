@@ -1,11 +1,13 @@
 //! Accepting clients: a Unix socket (one worker thread per connection; the peer's uid from
-//! `SO_PEERCRED` decides trust) or one client on standard input and output (`--stdio`, as
+//! `SO_PEERCRED` decides trust; connections bounded by [`Limits`], the greeting by
+//! [`HANDSHAKE_DEADLINE`]) or one client on standard input and output (`--stdio`, as
 //! `nix-daemon --stdio` serves `ssh-ng://`; that client is trusted, as in Nix).
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use std::io::{BufReader, Write};
 
@@ -15,14 +17,21 @@ use crate::affinity::{Follower, Pinned};
 use crate::conn::{Conn, Fail};
 use crate::duplex::{duplex, ClientInput};
 use crate::handshake::{greet, HandshakeError};
+use crate::limits::Limits;
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::{Daemon, DaemonError};
 
+/// How long a socket client may take to send its magic number and protocol version (Nix's
+/// client sends them at once); one that has not is disconnected, so that idle connections
+/// cannot hold the daemon's places.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
 /// Listens on `socket` (replacing a stale socket file, creating its directory, mode 0666 so
 /// that every user can connect; `allowed-users` decides) and serves clients until the
 /// process ends. Each connection runs on its own thread; a failing connection affects no
-/// other.
+/// other. A connection beyond the [`Limits`] of its user is accepted and closed at once, with
+/// a warning in the log (before the greeting the protocol cannot carry a message).
 pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonError> {
     let io = |what| move |source| DaemonError::Io { what, path: socket.to_owned(), source };
     if let Some(parent) = socket.parent() {
@@ -41,6 +50,7 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
     let listener = UnixListener::bind(&temp).map_err(io("binding"))?;
     std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o666)).map_err(io("setting the mode of"))?;
     std::fs::rename(&temp, socket).map_err(io("moving the new socket into place at"))?;
+    let limits = Arc::new(Limits::current());
     tracing::info!("listening on {}", socket.display());
     for (n, stream) in listener.incoming().enumerate() {
         let stream = match stream {
@@ -51,13 +61,28 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
                 continue;
             }
         };
-        let (peer, pid) = match rustix::net::sockopt::get_socket_peercred(&stream) {
-            Ok(cred) => (daemon.users.peer(cred.uid.as_raw(), cred.gid.as_raw()), cred.pid.as_raw_nonzero().get()),
+        let (peer, uid, pid) = match rustix::net::sockopt::get_socket_peercred(&stream) {
+            Ok(cred) => (daemon.users.peer(cred.uid.as_raw(), cred.gid.as_raw()), cred.uid.as_raw(), cred.pid.as_raw_nonzero().get()),
             Err(e) => {
                 tracing::warn!("connection {n}: cannot read the peer's credentials: {e}; closed");
                 continue;
             }
         };
+        let admitted = match limits.admit(uid, peer.trusted) {
+            Ok(a) => a,
+            Err(limit) => {
+                tracing::warn!(
+                    "connection {n}: refused to uid {uid} ({}, {}trusted): {limit}; closed",
+                    peer.name,
+                    if peer.trusted { "" } else { "not " }
+                );
+                continue;
+            }
+        };
+        if let Err(e) = stream.set_read_timeout(Some(HANDSHAKE_DEADLINE)) {
+            tracing::warn!("connection {n}: setting the handshake deadline: {e}; closed");
+            continue;
+        }
         let reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
@@ -67,9 +92,10 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
         };
         let daemon = Arc::clone(&daemon);
         let label = format!("connection {n} ({})", peer.name);
-        let spawned = std::thread::Builder::new()
-            .name(format!("sluice-worker-{n}"))
-            .spawn(move || serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some(pid), &label));
+        let spawned = std::thread::Builder::new().name(format!("sluice-worker-{n}")).spawn(move || {
+            let _admitted = admitted;
+            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some(pid), &label);
+        });
         if let Err(e) = spawned {
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
         }
@@ -102,11 +128,20 @@ fn serve_connection(
             tracing::warn!("{label}: error: protocol mismatch (client sent {m:#x}); connection closed");
             return;
         }
+        Err(HandshakeError::Wire(e)) if e.is_timeout() => {
+            tracing::warn!("{label}: no greeting within {HANDSHAKE_DEADLINE:?} ({e}); connection closed");
+            return;
+        }
         Err(e) => {
             tracing::warn!("{label}: handshake failed: {e}; connection closed");
             return;
         }
     };
+    // The deadline was the greeting's: a client may wait as long as it likes between requests.
+    if let Err(e) = r.get_ref().clear_read_timeout() {
+        tracing::warn!("{label}: clearing the handshake deadline: {e}; connection closed");
+        return;
+    }
     let mut conn = Conn {
         daemon,
         r,

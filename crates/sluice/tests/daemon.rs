@@ -3522,3 +3522,100 @@ fn ca_floating_derivations_need_the_experimental_feature() {
         assert!(allowed || err.contains(disabled), "{err}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Denial of service by an untrusted local user: the daemon bounds what one request and one
+// user's connections may hold, so that nobody can stop it serving everyone.
+
+/// The resident memory of `daemon`'s process (`VmRSS`), in MiB.
+fn rss_mib(daemon: &Daemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches("kB").trim();
+    kib.parse::<u64>().unwrap() / 1024
+}
+
+/// A SetOptions declaring 100,000 overrides of 1 MiB each, 320 of them sent: the daemon stops
+/// reading at the request's budget (4 MiB) and refuses it naming the request, its limit and
+/// the field it reached, holding none of the rest, and serves the next client.
+#[test]
+fn an_oversized_request_is_refused_without_holding_what_it_sends() {
+    use std::io::Write;
+    let env = Env::new();
+    let (daemon, mut client) = daemon_and_client_1_34(&env);
+    let before = rss_mib(&daemon);
+    let mut writer = client.try_clone().unwrap();
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        writer.write_all(&u64s(&[[19].as_slice(), &[0; 12], &[100_000]].concat()))?;
+        let value = vec![b'v'; 1 << 20];
+        for i in 0..320 {
+            // A pair (name, value) is encoded as a request's two string arguments.
+            writer.write_all(&request(0, &[Err(format!("k{i}").as_bytes()), Err(&value)])[8..])?;
+        }
+        Ok(())
+    });
+    let sent = sender.join().unwrap();
+    let after = rss_mib(&daemon);
+    assert!(after < before + 64, "the daemon holds {after} MiB after the request (before it: {before} MiB)");
+    assert!(sent.is_err(), "the daemon read all 320 MiB");
+    assert_eq!(
+        until_last(&mut client),
+        Err("SetOptions request refused: more than its limit of 4194304 bytes was sent (the limit was reached reading setting override)"
+            .to_owned())
+    );
+    assert_eq!(is_valid(&mut raw_client_1_34(&env), MISSING), 0, "the next client is served");
+}
+
+/// `n` connections to `env`'s daemon from user `nobody`: a thread of this process connects
+/// with nobody's effective uid (what `SO_PEERCRED` reports), which it alone takes.
+fn connect_as_nobody(env: &Env, n: usize) -> Vec<std::os::unix::net::UnixStream> {
+    let socket = env.path("socket");
+    std::thread::spawn(move || {
+        // SAFETY: the raw system call changes this thread's credentials only (glibc's
+        // `setresuid` would change every thread's); the thread ends after connecting.
+        #[allow(unsafe_code)] // a libc call the test drives processes or files with
+        let set = unsafe { libc::syscall(libc::SYS_setresuid, u32::MAX, 65534u32, u32::MAX) };
+        assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
+        (0..n).map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap()).collect()
+    })
+    .join()
+    .unwrap()
+}
+
+/// Of `streams`, how many the daemon has closed (a read finds the end at once).
+fn closed_by_daemon(streams: &[std::os::unix::net::UnixStream]) -> usize {
+    streams
+        .iter()
+        .filter(|s| {
+            s.set_nonblocking(true).unwrap();
+            matches!(std::io::Read::read(&mut &**s, &mut [0u8; 1]), Ok(0))
+        })
+        .count()
+}
+
+/// `nobody` opens 150 idle connections (300 descriptors) to a daemon limited to 256 open
+/// files: it admits 18 ((256 - 64) / 2 / 4 = 24 connections, the last 6 kept for trusted
+/// users) and closes the other 132 at once; root's query is answered at once meanwhile; the
+/// 18, which never greet, are closed after the 10 s handshake deadline, while root's
+/// connection, which greeted, stays usable past it.
+#[test]
+fn an_untrusted_flood_of_idle_connections_leaves_room_for_trusted_users() {
+    let env = Env::new();
+    open_to_nobody(&env);
+    let _daemon = env.daemon_limited("root", &env.cache(), "", Some(256));
+    let flooded = Instant::now();
+    let flood = connect_as_nobody(&env, 150);
+    while closed_by_daemon(&flood) < 132 && flooded.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(closed_by_daemon(&flood), 132, "nobody's connections beyond its share are closed at once");
+    let start = Instant::now();
+    let mut root = raw_client_1_34(&env);
+    assert_eq!(is_valid(&mut root, MISSING), 0);
+    assert!(start.elapsed() < Duration::from_secs(2), "root waited {:?}", start.elapsed());
+    while closed_by_daemon(&flood) < 150 && flooded.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(closed_by_daemon(&flood), 150, "idle connections are closed after the handshake deadline");
+    assert!(flooded.elapsed() >= Duration::from_secs(10), "closed after {:?}, before the deadline", flooded.elapsed());
+    assert_eq!(is_valid(&mut root, MISSING), 0, "a greeted connection outlives the deadline");
+}

@@ -13,6 +13,10 @@ pub enum WireError {
     /// A length or count above the bound for this field.
     #[error("{what} is {len} long, more than the maximum of {max}")]
     TooLong { what: &'static str, len: u64, max: u64 },
+    /// A request header that took more than its byte budget (`ops::read_request`); `what` is
+    /// the field being read when the budget ran out.
+    #[error("{request} request refused: more than its limit of {max} bytes was sent (the limit was reached reading {what})")]
+    RequestTooLarge { request: &'static str, max: u64, what: &'static str },
     /// A string's padding bytes are not all zero.
     #[error("{what}: non-zero padding after a string")]
     NonZeroPadding { what: &'static str },
@@ -25,6 +29,11 @@ impl WireError {
     /// An [`WireError::Invalid`] for `what`.
     pub fn invalid(what: &'static str, why: impl std::fmt::Display) -> Self {
         WireError::Invalid { what, why: why.to_string() }
+    }
+
+    /// Whether reading timed out (a socket's read timeout expired).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, WireError::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
     }
 
     /// Whether the peer simply went away (end of input while reading).

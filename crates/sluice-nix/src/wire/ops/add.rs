@@ -77,6 +77,8 @@ pub struct AddTextToStore {
 
 impl Request for AddTextToStore {
     const OP: Op = Op::AddTextToStore;
+    /// Its text, and references as any request's path list.
+    const MAX_BYTES: u64 = MAX_TEXT + super::MAX_REQUEST;
 
     fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
         let name = read_string(r, MAX_NAME, "name")?;

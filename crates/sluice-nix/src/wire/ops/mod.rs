@@ -10,6 +10,7 @@
 //! handler's, made after the whole request is read.
 
 mod add;
+mod budget;
 mod build;
 mod maintenance;
 mod options;
@@ -23,6 +24,7 @@ use super::{write_u64, ProtocolVersion, WireError};
 use crate::store_path::StoreDir;
 
 pub use add::{AddBuildLog, AddMultipleToStore, AddSignatures, AddTextToStore, AddToStore, AddToStoreNar, MAX_NAME, MAX_TEXT};
+pub use budget::{read_request, MAX_REQUEST};
 pub use build::{BuildDerivation, BuildPaths, BuildPathsWithResults, QueryMissing};
 pub use maintenance::{CollectGarbage, OptimiseStore, VerifyStore};
 pub use options::{ClientSettings, SetOptions};
@@ -121,8 +123,12 @@ pub trait Request: Sized {
     /// The operation this is the request of.
     const OP: Op;
 
+    /// The most bytes the header may take on the wire ([`read_request`] enforces it).
+    const MAX_BYTES: u64 = MAX_REQUEST;
+
     /// Reads the header (after the operation number) as a client of protocol `version` sends
-    /// it, store paths in `dir`; a [`WireError`] names the field that could not be read.
+    /// it, store paths in `dir`; a [`WireError`] names the field that could not be read. Its
+    /// byte budget is [`read_request`]'s to enforce.
     fn read(r: &mut dyn Read, dir: &StoreDir, version: ProtocolVersion) -> Result<Self, WireError>;
 
     /// Writes the header (without the operation number) for protocol `version`; an

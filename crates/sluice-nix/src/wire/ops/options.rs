@@ -110,6 +110,9 @@ pub struct SetOptions {
 
 impl Request for SetOptions {
     const OP: Op = Op::SetOptions;
+    /// Nix's client sends only the settings overridden on its command line or in
+    /// `NIX_CONFIG` (`RemoteStore::setOptions`): a few KiB; this is a thousand times that.
+    const MAX_BYTES: u64 = 4 << 20;
 
     fn read(r: &mut dyn Read, _: &StoreDir, version: ProtocolVersion) -> Result<Self, WireError> {
         let mut words = [0u64; 12];
