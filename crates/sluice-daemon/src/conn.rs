@@ -7,10 +7,10 @@
 use std::io::{self, BufRead, BufReader, Write};
 use std::sync::Arc;
 
+use sluice_local_store::{LocalStore, TempRoots};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{read_request, Op, Request};
 use sluice_nix::wire::{ProtocolVersion, StderrWriter, WireError};
-use sluice_store::local::{LocalStore, TempRoots};
 
 use crate::duplex::{Input, Output};
 use crate::options::ClientOptions;

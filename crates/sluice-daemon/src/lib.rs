@@ -23,8 +23,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use sluice_local_store::{LocalStore, LocalStoreError};
 use sluice_store::config::RawConfig;
-use sluice_store::local::{LocalStore, LocalStoreError};
 use sluice_store::store_url::LocalStoreConfig;
 
 pub use server::{serve_socket, serve_stdio};

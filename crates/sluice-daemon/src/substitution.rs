@@ -7,11 +7,11 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use sluice_local_store::{LocalStore, TempRoots};
 use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
 use sluice_store::failure::Failure;
-use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_store::narinfo_cache::NarInfoCache;
 use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
 use sluice_store::{binary_cache, substituters};
@@ -221,7 +221,7 @@ fn pipeline(
     repair: bool,
     mut progress: impl FnMut(Progress),
 ) -> Result<CopyReport, String> {
-    let policy = SignaturePolicy::from_settings(settings, daemon.store_require_sigs).map_err(|e| e.to_string())?;
+    let policy = settings.signature_policy(daemon.store_require_sigs).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs.unwrap_or(sluice_store::substitute::DEFAULT_JOBS), policy };
     daemon.runtime.block_on(async {
         let query = closure_query(daemon, settings, use_substitutes, Some(roots.clone())).await?;

@@ -36,14 +36,14 @@ use std::time::{Duration, Instant};
 
 use common::cpu_time;
 
+use sluice_compress::{read_buffer, Compression};
+use sluice_local_store::SignaturePolicy;
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::{reader::parse, Discard};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::StoreDir;
-use sluice_store::compression::{read_buffer, Compression};
-use sluice_store::local::SignaturePolicy;
 
 /// `sluice`'s allocator (`crates/sluice/src/main.rs`), so that allocations cost what they do
 /// in `sluice copy`.

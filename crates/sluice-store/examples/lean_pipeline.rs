@@ -32,12 +32,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use sluice_compress::{Compression, NAR_READ_BUFFER};
+use sluice_local_store::{LocalStore, PendingPath, SignaturePolicy, TempRoots, TryAdd, VouchedInfo};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::signature::TrustedKeys;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::compression::{Compression, NAR_READ_BUFFER};
-use sluice_store::local::{LocalStore, PendingPath, SignaturePolicy, TempRoots, TryAdd, VouchedInfo};
 use sluice_store::store_url::LocalStoreConfig;
 
 /// `sluice`'s allocator and its options (`crates/sluice/src/main.rs`).

@@ -47,12 +47,12 @@ use std::time::{Duration, Instant};
 use common::cpu_time;
 
 use rustix::fs::{futimens, openat, Mode, OFlags, Timespec, Timestamps, UTIME_OMIT};
+use sluice_local_store::{LocalStore, SignaturePolicy, TryAdd, VouchedInfo};
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::writer::regular_file_nar;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::local::{LocalStore, SignaturePolicy, TryAdd, VouchedInfo};
 use sluice_store::store_url::LocalStoreConfig;
 
 /// `sluice`'s allocator (`crates/sluice/src/main.rs`), so that allocations cost what they do

@@ -19,8 +19,8 @@ use tokio::sync::mpsc;
 use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
-use crate::local::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 use crate::narinfo_cache::{Cached, NarInfoCache};
+use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
 #[derive(Debug)]

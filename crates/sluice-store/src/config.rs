@@ -12,6 +12,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use sluice_local_store::{SignaturePolicy, TrustedKeysError};
+
 /// Every setting name Nix 2.8 or 2.26 knows (`nix show-config` / `nix config show` of each,
 /// plus the flake settings 2.26 hides while `flakes` is disabled), and sluice's own `lock-cpu`.
 /// A setting with any other name gets Nix's `warning: unknown setting 'NAME'`.
@@ -352,14 +354,14 @@ pub struct Settings {
     /// the derivations of live outputs.
     pub keep_derivations: bool,
     /// `auto-optimise-store` (default false): paths added to a local store are deduplicated
-    /// by hard links under `.links` ([`crate::local::LocalStore::set_auto_optimise`]).
+    /// by hard links under `.links` ([`sluice_local_store::LocalStore::set_auto_optimise`]).
     pub auto_optimise_store: bool,
     /// sluice's `lock-cpu` (default [`LOCK_CPU_DEFAULT`]): a daemon client
     /// ([`crate::remote::DaemonStore`]) pins its connection's thread to one CPU and asks the
     /// daemon to run its worker there.
     pub lock_cpu: bool,
     /// `experimental-features` (default none): what a local store lets derivations use
-    /// ([`crate::local::LocalStore::set_experimental_features`]).
+    /// ([`sluice_local_store::LocalStore::set_experimental_features`]).
     pub experimental_features: Vec<String>,
 }
 
@@ -399,9 +401,21 @@ impl Default for Settings {
 impl Settings {
     /// Applies to the local store `store` the settings that govern what it accepts and how it
     /// keeps paths: `auto-optimise-store` and `experimental-features`.
-    pub fn configure_local_store(&self, store: &crate::local::LocalStore) {
+    pub fn configure_local_store(&self, store: &sluice_local_store::LocalStore) {
         store.set_auto_optimise(self.auto_optimise_store);
         store.set_experimental_features(self.experimental_features.iter().map(String::as_str));
+    }
+
+    /// The signature policy of a store opened with these settings whose URL gave
+    /// `store_require_sigs`: [`SignaturePolicy::requires_sigs`] with `require-sigs` and
+    /// `check_sigs`, and the `trusted-public-keys` (Nix's `LocalStoreConfig::requireSigs`,
+    /// `src/libstore/local-store.hh`). Errors: a key that does not parse ([`TrustedKeysError`],
+    /// naming the setting).
+    pub fn signature_policy(&self, store_require_sigs: Option<bool>) -> Result<SignaturePolicy, TrustedKeysError> {
+        SignaturePolicy::new(
+            SignaturePolicy::requires_sigs(self.require_sigs, store_require_sigs, self.check_sigs),
+            &self.trusted_public_keys,
+        )
     }
 
     /// Settings from Nix's defaults overlaid with `raw` and the SSL environment variables.
@@ -495,6 +509,16 @@ fn parse_num(name: &str, v: &str) -> Result<u64, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signature_policy_of_settings() {
+        let mut settings = Settings { require_sigs: false, ..Default::default() };
+        assert!(settings.signature_policy(Some(true)).unwrap().require_sigs);
+        settings.check_sigs = false;
+        assert!(!settings.signature_policy(Some(true)).unwrap().require_sigs);
+        settings.trusted_public_keys = vec!["nokey".into()];
+        assert!(settings.signature_policy(None).unwrap_err().to_string().starts_with("trusted-public-keys: "));
+    }
 
     #[test]
     fn lines_extra_and_comments() {

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::binary_cache::CacheError;
-use crate::local::LocalStoreError;
 use crate::store::StoreError;
+use sluice_local_store::LocalStoreError;
 
 /// The kind of reason a path could not be substituted or copied: what reports group paths by.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -127,7 +127,7 @@ pub fn summarize(store_dir: &StoreDir, failed: &BTreeMap<StorePath, Failure>, do
         let named = named.join(", ");
         lines.push(match cause {
             Cause::Untrusted { signers, trusted } => {
-                let unverified = crate::local::unverified_signers(signers, trusted);
+                let unverified = sluice_local_store::unverified_signers(signers, trusted);
                 let trusted = if trusted.is_empty() { "no key".to_owned() } else { trusted.join(", ") };
                 match (signers.is_empty(), unverified.is_empty()) {
                     (true, _) => format!("{n} paths lack a signature by a trusted key: they have no signature (trusted-public-keys has {trusted}); mark the substituter '?trusted=true' if you trust it to serve unsigned paths ({named})"),

@@ -10,13 +10,11 @@ mod by_key;
 mod causes;
 pub mod closure;
 mod closure_depth;
-pub mod compression;
 pub mod config;
-pub mod encoder_memory;
 pub mod failure;
 pub mod fd_budget;
 pub mod job_queue;
-pub mod local;
+mod local_handle;
 pub mod narinfo_cache;
 pub mod netrc;
 pub mod push;
@@ -28,14 +26,6 @@ pub mod store_url;
 pub mod substitute;
 pub mod substituters;
 mod unpack_pool;
-
-/// The cores this process may run on (`std::thread::available_parallelism`, at least 1),
-/// found once: each call of the standard function reads the cgroup's CPU quota files (three
-/// to five system calls), which a push paid twice per path.
-pub fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
-}
 
 /// Waits, for at most `timeout`, until the process's unpacking threads have nothing left to
 /// do; whether they got there. For a command stopped by a signal, once the futures of its

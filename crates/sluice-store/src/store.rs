@@ -1,7 +1,7 @@
 //! The one interface every kind of store offers (Nix's `Store`, `src/libstore/store-api.hh`),
 //! as far as moving paths between stores needs it: path infos in batches, valid paths, a NAR as
 //! a stream, adding a path from a NAR stream; and [`open_store`], the one place a store URL
-//! becomes a store. Implemented by the local store ([`crate::local::LocalStoreHandle`]), every
+//! becomes a store. Implemented by the local store (`local_handle.rs`), every
 //! binary-cache transport ([`crate::binary_cache::BinaryCache`]: file, HTTP, S3), the
 //! daemon client ([`crate::remote::DaemonStore`]), and the `dummy://` and `memory://` stores
 //! of `registry/`, where every kind of store is registered.
@@ -20,9 +20,9 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::binary_cache::CacheError;
 use crate::config::Settings;
-use crate::local::LocalStoreError;
 use crate::remote::RemoteError;
 use crate::store_url::{StoreUrl, StoreUrlError};
+use sluice_local_store::LocalStoreError;
 
 /// A future returned by a [`Store`] method.
 pub type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;

@@ -40,6 +40,7 @@ use std::sync::Arc;
 use crate::config::Settings;
 use crate::registry::{StoreConfig, StoreKind};
 use crate::store::{Store, StoreFuture};
+pub use sluice_local_store::config::{CommonParams, LocalFsDirs, LocalStoreConfig};
 
 /// A parsed store URL: its kind and the configuration the kind parsed from it.
 #[derive(Debug)]
@@ -54,72 +55,6 @@ pub const DEFAULT_DAEMON_SOCKET: &str = "/nix/var/nix/daemon-socket/socket";
 
 /// The only logical store directory sluice supports (the `store` parameter).
 pub const STORE_DIR: &str = "/nix/store";
-
-/// Parameters of Nix's `StoreConfig` (`src/libstore/store-api.hh`) that every store takes,
-/// and the accepted parameters sluice does not act on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CommonParams {
-    /// `priority=N`: a substituter's priority (lower is preferred); overrides a cache's
-    /// `nix-cache-info`.
-    pub priority: Option<i32>,
-    /// `want-mass-query=BOOL`: overrides a cache's `nix-cache-info`.
-    pub want_mass_query: Option<bool>,
-    /// `trusted=BOOL` (default false): paths from this substituter may be used without a
-    /// signature by a trusted key (Nix's `isTrusted`).
-    pub trusted: bool,
-    /// Parameters Nix accepts for this kind of store that sluice does not act on (see the
-    /// module doc), by name, with their values as given.
-    pub unused: BTreeMap<String, String>,
-}
-
-/// Where a local file-system store keeps its files: Nix's `LocalFSStoreConfig`
-/// (`src/libstore/local-fs-store.hh`). Without `root`, the system store's directories.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalFsDirs {
-    /// `root=DIR`: the directory the defaults below are under.
-    pub root: Option<PathBuf>,
-    /// `state=DIR`, default `<root>/nix/var/nix`: the database, GC roots, temporary roots.
-    pub state: PathBuf,
-    /// `log=DIR`, default `<root>/nix/var/log/nix`: build logs.
-    pub log: PathBuf,
-    /// `real=DIR`, default `<root>/nix/store`: where the store's paths are on disk.
-    pub real: PathBuf,
-}
-
-impl LocalFsDirs {
-    /// The directories of a store under `root` (`None`: the system store), as Nix's defaults.
-    pub fn under(root: Option<&Path>) -> Self {
-        let base = root.unwrap_or(Path::new("/"));
-        LocalFsDirs {
-            root: root.map(Path::to_owned),
-            state: base.join("nix/var/nix"),
-            log: base.join("nix/var/log/nix"),
-            real: base.join("nix/store"),
-        }
-    }
-}
-
-/// A local store's configuration: Nix's `LocalStoreConfig` (`src/libstore/local-store.hh`),
-/// parsed by the local kind (`registry/local.rs`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalStoreConfig {
-    pub dirs: LocalFsDirs,
-    /// `read-only=BOOL` (default false): open without creating or writing anything (no lock,
-    /// the database opened immutable); adding paths is refused.
-    pub read_only: bool,
-    /// `require-sigs=BOOL`: whether paths copied into this store need a trusted signature;
-    /// `None` leaves it to the `require-sigs` setting.
-    pub require_sigs: Option<bool>,
-    pub common: CommonParams,
-}
-
-impl LocalStoreConfig {
-    /// The writable store under `root` (`local?root=ROOT`) with every other parameter at its
-    /// default.
-    pub fn with_root(root: &Path) -> Self {
-        LocalStoreConfig { dirs: LocalFsDirs::under(Some(root)), read_only: false, require_sigs: None, common: CommonParams::default() }
-    }
-}
 
 /// A binary cache's URL: `base` has no trailing slash and no query. Parsed by the binary
 /// cache kinds (`registry/binary_cache.rs`, `registry/s3.rs`).
@@ -146,7 +81,7 @@ pub enum CacheKind {
 pub struct CacheWriteParams {
     /// `compression=` of NARs: `xz`, `zstd`, `br`, `gzip`, `bzip2` or `none`; default
     /// [`DEFAULT_COMPRESSION`] (Nix's is `xz`; `docs/caches.md` says why sluice's differs).
-    pub compression: crate::compression::Compression,
+    pub compression: sluice_compress::Compression,
     /// `compression-level=N`; `None` (Nix's -1): the method's default level.
     pub compression_level: Option<i32>,
     /// `parallel-compression=BOOL` (default false): compress each NAR on every core (xz, zstd).
@@ -158,7 +93,7 @@ pub struct CacheWriteParams {
 }
 
 /// The compression sluice writes NARs with when the URL names none.
-pub const DEFAULT_COMPRESSION: crate::compression::Compression = crate::compression::Compression::Zstd;
+pub const DEFAULT_COMPRESSION: sluice_compress::Compression = sluice_compress::Compression::Zstd;
 
 /// `s3://BUCKET` parameters, as Nix 2.35's `S3BinaryCacheStoreConfig` reads them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -477,7 +412,7 @@ mod tests {
     #[test]
     fn write_and_s3_params() {
         let c = cache("s3://bucket?region=eu-west-1&endpoint=127.0.0.1:9000&scheme=http&compression=xz&compression-level=9&secret-key=/k1&secret-keys=/k2,/k3&multipart-upload=true&multipart-chunk-size=8M");
-        assert_eq!(c.write.compression, crate::compression::Compression::Xz);
+        assert_eq!(c.write.compression, sluice_compress::Compression::Xz);
         assert_eq!(c.write.compression_level, Some(9));
         assert_eq!(c.write.secret_key_files, [PathBuf::from("/k1"), "/k2".into(), "/k3".into()]);
         // Relative key files are the working directory's, as Nix's `readFile(secretKeyFile)`.
@@ -550,7 +485,7 @@ mod tests {
         let names: Vec<&str> = c.common.unused.keys().map(String::as_str).collect();
         assert_eq!(names, ["index-debug-info", "local-nar-cache"]);
         let write = CacheWriteParams {
-            compression: crate::compression::Compression::Zstd,
+            compression: sluice_compress::Compression::Zstd,
             compression_level: None,
             parallel_compression: true,
             write_nar_listing: true,

@@ -50,13 +50,15 @@ use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit};
 use crate::binary_cache::NarStream;
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::closure_depth::ClosureDepths;
-use crate::compression::Compression;
 use crate::failure::{Cause, Failure};
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
-use crate::local::{LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Uncommitted, Unpacked, VouchedInfo};
 use crate::narinfo_cache::NarInfoCache;
 use crate::reference_cycles::reference_cycles;
+use sluice_compress::Compression;
+use sluice_local_store::{
+    LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Uncommitted, Unpacked, VouchedInfo,
+};
 
 /// NAR downloads in flight at once unless the caller says otherwise: `sluice copy --jobs` and the
 /// daemon without `max-substitution-jobs` (why 256: docs/benchmarks.md, "Why `copy --jobs`
@@ -820,7 +822,7 @@ impl Shared {
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
                         let limited = SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size };
-                        let mut nar = std::io::BufReader::with_capacity(crate::compression::NAR_READ_BUFFER, limited);
+                        let mut nar = std::io::BufReader::with_capacity(sluice_compress::NAR_READ_BUFFER, limited);
                         pending.unpack(&mut nar).map_err(|e| format!("{unpack_url}: {e}"))
                     }
                     Err(e) => Err(format!("{unpack_url}: {e}")),

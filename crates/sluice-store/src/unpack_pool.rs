@@ -24,7 +24,7 @@ type Job = Box<dyn FnOnce() + Send>;
 /// Unpacking threads: the cores, and at least 2, so that one thread waiting for a disk write
 /// does not stop the other unpacking.
 fn threads() -> usize {
-    crate::cores().max(2)
+    sluice_compress::cores().max(2)
 }
 
 /// A job waiting for a thread, with its priority (read when a thread takes the next job) and

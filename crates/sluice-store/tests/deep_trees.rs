@@ -6,8 +6,8 @@
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
+use sluice_local_store::{GcAction, GcOptions, LocalStore, OptimiseEvent};
 use sluice_nix::store_path::StorePath;
-use sluice_store::local::{GcAction, GcOptions, LocalStore, OptimiseEvent};
 
 use crate::local_store::{add, deep_nar, deepest_below, dump, honest_info, open_store, verify_with_nix, Scratch};
 

@@ -4,8 +4,8 @@
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
+use sluice_local_store::OptimiseEvent;
 use sluice_nix::store_path::StorePath;
-use sluice_store::local::OptimiseEvent;
 
 use crate::local_store::{add, deep_nar, dump, honest_info, open_store, Scratch};
 

@@ -12,13 +12,13 @@ use std::process::{Command, Output};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
+use sluice_local_store::{is_temp_dir, LocalStore, LocalStoreError, SignaturePolicy, Uncommitted};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{Hash, HashAlgo};
 use sluice_nix::nar::writer::regular_file_nar;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use sluice_store::local::{is_temp_dir, LocalStore, LocalStoreError, SignaturePolicy, Uncommitted};
 use sluice_store::store_url::LocalStoreConfig;
 use tempfile::TempDir;
 
@@ -1038,7 +1038,7 @@ fn a_vouched_path_is_checked_again_under_another_policy() {
     let lax = SignaturePolicy::unchecked();
     for (commit_policy, admitted) in [(&strict, false), (&lax, true)] {
         let vouched = lax.vouch_info(&store_dir(), info.clone()).unwrap();
-        let sluice_store::local::TryAdd::Pending(mut pending) = store.try_begin_add_vouched(vouched, &store.temp_roots()).unwrap() else {
+        let sluice_local_store::TryAdd::Pending(mut pending) = store.try_begin_add_vouched(vouched, &store.temp_roots()).unwrap() else {
             panic!("the path is not valid yet")
         };
         pending.unpack(&mut nar.as_slice()).unwrap();
@@ -1081,7 +1081,7 @@ fn dump_of_a_deep_tree_is_nix_s_nar_on_a_worker_s_stack() {
             let root = root.clone();
             move || {
                 let mut nar = Vec::new();
-                sluice_store::local::dump_fs_path(&root, &mut nar).unwrap();
+                sluice_local_store::dump_fs_path(&root, &mut nar).unwrap();
                 nar
             }
         })
@@ -1127,7 +1127,7 @@ pub(crate) fn deep_nar(at: &Path, levels: usize, name_len: usize) -> Vec<u8> {
     let file = openat(&dir, "l".repeat(name_len).as_str(), OFlags::CREATE | OFlags::WRONLY, Mode::from_raw_mode(0o644)).unwrap();
     rustix::io::write(&file, b"bottom\n").unwrap();
     let mut nar = Vec::new();
-    sluice_store::local::dump_fs_path(at, &mut nar).unwrap();
+    sluice_local_store::dump_fs_path(at, &mut nar).unwrap();
     nar
 }
 
@@ -1322,7 +1322,7 @@ fn vouching_together_gives_each_path_its_own_verdict() {
         }
     }
     assert_eq!(refused, [infos.len() - 1]);
-    assert!(strict.vouch(&dir, &infos[infos.len() - 2]).is_ok_and(|v| v == sluice_store::local::Vouched::ContentAddressed));
+    assert!(strict.vouch(&dir, &infos[infos.len() - 2]).is_ok_and(|v| v == sluice_local_store::Vouched::ContentAddressed));
     assert!(SignaturePolicy::unchecked().vouch_all(&dir, infos.clone()).unwrap().iter().all(|v| v.is_ok()));
     infos[3].nar_size += 1;
     assert!(strict.vouch_all(&dir, infos.clone()).is_none());

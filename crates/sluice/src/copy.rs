@@ -12,7 +12,6 @@ use std::time::Instant;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure;
 use sluice_store::failure::summarize;
-use sluice_store::local::SignaturePolicy;
 use sluice_store::push;
 use sluice_store::store::open_store;
 use sluice_store::store_url::StoreUrl;
@@ -123,7 +122,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         None => settings.substituters.clone(),
     };
     // The destination's `require-sigs` is already in `settings` (`setup::destination`).
-    let policy = SignaturePolicy::from_settings(&settings, None).map_err(|e| e.to_string())?;
+    let policy = settings.signature_policy(None).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: args.jobs as usize, policy };
     // The run's temporary roots: every path of the closures from before its validity is
     // looked at, until the run ends.

@@ -5,8 +5,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use sluice_local_store::{dump_fs_path, restore_nar};
 use sluice_nix::nar::listing::{list_whole, JsonKeys, NarEntry, TextOptions};
-use sluice_store::local::{dump_fs_path, restore_nar};
 
 use crate::as_nix::NixVersion;
 

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
+use sluice_local_store::LocalStore;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure::{ClosureQuery, ValidityCheck};
 use sluice_store::config::{RawConfig, Settings};
-use sluice_store::local::LocalStore;
 use sluice_store::store_url::{LocalStoreConfig, StoreUrl};
 use sluice_store::{binary_cache, substituters};
 
@@ -194,7 +194,7 @@ pub fn destination(flags: &CacheFlags, url: Option<&str>, paths: &[String]) -> R
     let mut settings = settings(flags)?;
     let config = local_config(url.unwrap_or(&settings.store))?;
     settings.require_sigs =
-        sluice_store::local::SignaturePolicy::requires_sigs(settings.require_sigs, config.require_sigs, settings.check_sigs);
+        sluice_local_store::SignaturePolicy::requires_sigs(settings.require_sigs, config.require_sigs, settings.check_sigs);
     let store = LocalStore::open(&config).map(Arc::new).map_err(|e| e.to_string())?;
     settings.configure_local_store(&store);
     let store_dir = store.store_dir().clone();

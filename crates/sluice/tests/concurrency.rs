@@ -141,7 +141,7 @@ impl LockedCopy {
         assert!(!store.join(&locked.base).exists(), "the locked path was written");
         let temp_trees: Vec<_> = store_entries(&locked.root)
             .into_iter()
-            .filter(|e| sluice_store::local::is_temp_dir(e))
+            .filter(|e| sluice_local_store::is_temp_dir(e))
             .map(|d| store.join(d).join(&locked.base))
             .filter(|t| t.exists())
             .collect();

@@ -153,7 +153,7 @@ fn copy_gives_canonical_metadata_under_a_strict_umask() {
         for entry in std::fs::read_dir(root.join("nix/store")).unwrap() {
             let path = entry.unwrap().path();
             let name = path.file_name().unwrap().to_str().unwrap();
-            assert!(!sluice_store::local::is_temp_dir(name), "a directory of temporary trees was left: {}", path.display());
+            assert!(!sluice_local_store::is_temp_dir(name), "a directory of temporary trees was left: {}", path.display());
             if !name.ends_with(".lock") && !name.starts_with('.') {
                 assert_canonical(&path, &mut seen);
             }

@@ -175,7 +175,7 @@ fn a_signal_stops_a_copy_and_leaves_the_store_closed() {
         let placed = || {
             store_entries(&root)
                 .iter()
-                .filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !sluice_store::local::is_temp_dir(e))
+                .filter(|e| !e.starts_with('.') && !e.ends_with(".lock") && !sluice_local_store::is_temp_dir(e))
                 .count()
         };
         let start = Instant::now();

@@ -726,8 +726,8 @@ fn kill_9_mid_copy_then_collector_then_rerun() {
 /// store path (why sluice's directories are named like store paths and rooted).
 #[test]
 fn collectors_keep_a_directory_of_temporary_trees_in_use_and_delete_a_dead_one() {
+    use sluice_local_store::{is_temp_dir, LocalStore, SignaturePolicy};
     use sluice_nix::hash::{Hash, HashAlgo};
-    use sluice_store::local::{is_temp_dir, LocalStore, SignaturePolicy};
     let tmp = scratch();
     let tmp = tmp.path();
     let root = tmp.join("root");

@@ -16,6 +16,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
+use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_nix::nar::reader::parse;
 use sluice_nix::nar::Discard;
 use sluice_nix::path_info::ValidPathInfo;
@@ -23,7 +24,6 @@ use sluice_nix::wire::ops::{AddMultipleToStore, AddTextToStore, AddToStore, AddT
 use sluice_nix::wire::{
     read_bytes, read_keyed_path_info, read_u64, write_bytes, write_keyed_path_info, write_u64, FramedReader, ProtocolVersion,
 };
-use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 
 use super::payload::{add_content, Ingestion, RootFile};
 use crate::conn::{op_err, Conn, Fail, OpResult, Reader, Writer};

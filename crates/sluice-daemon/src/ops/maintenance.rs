@@ -1,16 +1,16 @@
 //! Store maintenance: CollectGarbage, OptimiseStore, VerifyStore, NarFromPath and
 //! AddSignatures.
 
+use sluice_local_store::{GcAction, GcOptions, OptimiseEvent, Repairer, VerifyMessage};
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::ops::{AddSignatures, CollectGarbage, NarFromPath, OptimiseStore, VerifyStore};
 use sluice_nix::wire::ActivityField;
 use sluice_nix::wire::{write_bool, write_bytes, write_u64};
-use sluice_store::local::{GcAction, GcOptions, OptimiseEvent, Repairer, VerifyMessage};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// VerifyStore: checkContents, repair → whether errors remain (Nix `daemon.cc`,
-/// `wopVerifyStore`; `LocalStore::verifyStore`, see [`sluice_store::local::LocalStore::verify_store`]).
+/// `wopVerifyStore`; `LocalStore::verifyStore`, see [`sluice_local_store::LocalStore::verify_store`]).
 /// Only trusted clients may repair, with Nix's message. A damaged path is repaired by the
 /// connection's substituters, through the store's verification boundary (its NAR must have
 /// the registered hash).

@@ -7,13 +7,13 @@ use std::collections::BTreeSet;
 use std::io::{self, Read, Seek, Write};
 use std::sync::Arc;
 
+use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::{NarPath, NarVisitor};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
-use sluice_store::local::{LocalStore, SignaturePolicy, TempRoots};
 use tempfile::SpooledTempFile;
 
 use crate::conn::{op_err, Fail};

@@ -1,6 +1,6 @@
 //! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot, AddIndirectRoot, AddPermRoot,
 //! SyncWithGC, FindRoots. Temporary roots go to a per-connection file under `temproots` (see
-//! [`sluice_store::local::TempRoots`]) and indirect roots are Nix's `gcroots/auto/<hash>`
+//! [`sluice_local_store::TempRoots`]) and indirect roots are Nix's `gcroots/auto/<hash>`
 //! symlinks, so that sluice's collector and Nix's both honour them.
 
 use std::path::Path;
@@ -76,7 +76,7 @@ fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
 }
 
 /// FindRoots: → count, then (link, store path) pairs, as Nix's `findRoots(!trusted)` finds
-/// them (see [`sluice_store::local::LocalStore::find_roots`]): an indirect root is listed as
+/// them (see [`sluice_local_store::LocalStore::find_roots`]): an indirect root is listed as
 /// the user's link (`/home/u/result`), not as its `gcroots/auto` entry; runtime and temporary
 /// roots are labelled `{censored}` for an untrusted client.
 pub(super) fn find_roots(c: &mut Conn, _: FindRoots) -> OpResult {

@@ -119,7 +119,7 @@ pub struct BinaryCache {
     secret_keys: Vec<SecretKey>,
     /// `nix-cache-info` is known to exist (checked or written before the first addition).
     initialised: tokio::sync::OnceCell<()>,
-    /// MiB of [`ENCODER_MEMORY`](crate::encoder_memory::ENCODER_MEMORY) not taken by the
+    /// MiB of [`ENCODER_MEMORY`](sluice_compress::encoder_memory::ENCODER_MEMORY) not taken by the
     /// encoders of additions under way.
     encoder_budget: std::sync::Arc<tokio::sync::Semaphore>,
     /// Narinfos answered by [`Store::query_path_infos`](crate::store::Store) and the hash-part
@@ -180,7 +180,9 @@ impl BinaryCache {
             store_dir: StoreDir::default(),
             secret_keys: Vec::new(),
             initialised: tokio::sync::OnceCell::new(),
-            encoder_budget: std::sync::Arc::new(tokio::sync::Semaphore::new((crate::encoder_memory::ENCODER_MEMORY >> 20) as usize)),
+            encoder_budget: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                (sluice_compress::encoder_memory::ENCODER_MEMORY >> 20) as usize,
+            )),
             narinfos: std::sync::Mutex::new(hashlink::LruCache::new(NARINFOS_KEPT)),
         };
         cache.set_info(cache.info.clone());

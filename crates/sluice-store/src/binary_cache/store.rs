@@ -19,11 +19,11 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 
 use super::upload::{self, PreparedNar};
 use super::{BinaryCache, CacheError, Transport, Upload};
-use crate::compression::Compression;
 use crate::config::Settings;
-use crate::encoder_memory::{EncoderPlan, ENCODER_MEMORY};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 use crate::store_url::{CacheUrl, STORE_DIR};
+use sluice_compress::encoder_memory::{EncoderPlan, ENCODER_MEMORY};
+use sluice_compress::Compression;
 
 const NARINFO_MIME: &str = "text/x-nix-narinfo";
 const NAR_MIME: &str = "application/x-nix-nar";
@@ -230,7 +230,7 @@ impl Store for BinaryCache {
             let (params, (dir, in_memory), info2) = (self.write.clone(), self.staging(), info.clone());
             // S3 uploads carry the MD5 (`Content-MD5`); nothing else uses it.
             let with_md5 = matches!(&self.transport, Transport::Http { s3: Some(_), .. });
-            let cores = crate::cores() as u32;
+            let cores = sluice_compress::cores() as u32;
             let plan = EncoderPlan::new(
                 params.compression,
                 params.compression_level,
@@ -267,7 +267,7 @@ impl Store for BinaryCache {
 
     fn parallelism(&self) -> usize {
         // Each addition compresses on a blocking thread: more than the cores only queue.
-        let cores = crate::cores();
+        let cores = sluice_compress::cores();
         self.capacity().min(4 * cores)
     }
 }

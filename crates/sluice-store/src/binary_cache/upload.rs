@@ -16,8 +16,8 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 
 use super::spool::{Compressed, SpoolWriter};
-use crate::encoder_memory::EncoderPlan;
 use crate::store_url::CacheWriteParams;
+use sluice_compress::encoder_memory::EncoderPlan;
 
 /// A compressed NAR, ready to upload.
 pub struct PreparedNar {

@@ -17,7 +17,7 @@ use sluice_nix::nar::NarVisitor;
 use super::{BuiltinDerivation, BuiltinError, Context, Spool};
 use crate::binary_cache::http::{client, HttpTransport};
 use crate::binary_cache::transfer::TransferProbe;
-use crate::compression::Compression;
+use sluice_compress::Compression;
 
 /// Downloads `drv`'s URL into `spool` as the NAR of its output, whose content address is `ca`
 /// (`None`: not a fixed output, which is refused as Nix 2.26 does).

@@ -31,7 +31,7 @@ use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::{BasicDerivation, OutputKind};
 
 use crate::config::Settings;
-use crate::local::{LocalStore, LocalStoreError, SignaturePolicy, TempRoots};
+use sluice_local_store::{LocalStore, LocalStoreError, SignaturePolicy, TempRoots};
 
 /// The builtin builders sluice runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

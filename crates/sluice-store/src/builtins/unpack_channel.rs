@@ -26,8 +26,8 @@ use sluice_nix::store_path::StorePath;
 use super::view::View;
 use super::{BuiltinDerivation, BuiltinError, Spool};
 use crate::causes::causes;
-use crate::compression::Compression;
-use crate::local::{dump_fs_path, LocalStore};
+use sluice_compress::Compression;
+use sluice_local_store::{dump_fs_path, LocalStore};
 
 /// Unpacks `drv`'s `src` (a tarball in the store paths `visible`) into `spool` as the NAR of
 /// its output: a directory holding one entry, `channelName`.

@@ -11,7 +11,7 @@ use std::path::{Component, Path, PathBuf};
 
 use sluice_nix::store_path::StorePath;
 
-use crate::local::LocalStore;
+use sluice_local_store::LocalStore;
 
 /// Symlinks followed while resolving one path (Linux's `MAXSYMLINKS`).
 const MAX_SYMLINKS: usize = 40;

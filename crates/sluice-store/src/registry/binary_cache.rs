@@ -60,7 +60,7 @@ pub(super) fn cache_url(main: &str, kind: CacheKind, mut q: Query<'_>) -> Result
 /// The parameters of writing to a binary cache ([`CacheWriteParams`]).
 fn take_write(q: &mut Query<'_>) -> Result<CacheWriteParams, StoreUrlError> {
     let compression = match q.take("compression") {
-        Some(v) => crate::compression::Compression::parse(&v).map_err(|_| q.bad("compression", &v, "not one of xz, zstd, br, gzip, bzip2, none"))?,
+        Some(v) => sluice_compress::Compression::parse(&v).map_err(|_| q.bad("compression", &v, "not one of xz, zstd, br, gzip, bzip2, none"))?,
         None => DEFAULT_COMPRESSION,
     };
     let compression_level = match q.take("compression-level") {

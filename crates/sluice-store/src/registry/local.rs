@@ -5,13 +5,14 @@
 //! |---|---|---|
 //! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | where the store lives ([`LocalFsDirs`]) |
 //! | `read-only` | `local-store.hh` | nothing is created or written; adding paths is refused |
-//! | `require-sigs` | `local-store.hh` | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting; [`SignaturePolicy::from_settings`]) |
+//! | `require-sigs` | `local-store.hh` | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting; [`Settings::signature_policy`](crate::config::Settings::signature_policy)) |
 
 use std::sync::Arc;
 
 use super::{StoreConfig, StoreKind};
 use crate::config::Settings;
-use crate::local::{LocalStore, LocalStoreHandle, SignaturePolicy};
+use crate::local_handle::LocalStoreHandle;
+use sluice_local_store::LocalStore;
 use crate::store::{Store, StoreError, StoreFuture};
 use crate::store_url::{canon_path, LocalFsDirs, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
 
@@ -42,7 +43,7 @@ impl StoreConfig for LocalStoreConfig {
         Box::pin(async move {
             let store = LocalStore::open(self).map(Arc::new)?;
             settings.configure_local_store(&store);
-            let policy = SignaturePolicy::from_settings(settings, self.require_sigs).map_err(|e| StoreError::Other(e.to_string()))?;
+            let policy = settings.signature_policy(self.require_sigs).map_err(|e| StoreError::Other(e.to_string()))?;
             Ok(Arc::new(LocalStoreHandle::new(url, store, policy)) as Arc<dyn Store>)
         })
     }

@@ -118,6 +118,6 @@ impl Store for MemoryStore {
     }
 
     fn parallelism(&self) -> usize {
-        crate::cores()
+        sluice_compress::cores()
     }
 }

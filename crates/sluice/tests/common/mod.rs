@@ -7,7 +7,7 @@ mod scripted;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use sluice_store::local::is_temp_dir;
+use sluice_local_store::is_temp_dir;
 
 #[allow(unused_imports)]
 pub use scripted::{closed_port, Scripted};
@@ -219,7 +219,7 @@ pub fn copy_with(tmp: &Path, root: &Path, substituters: &str, key: &str, options
 }
 
 /// Entries of the store directory that a finished run must not leave: directories of
-/// temporary trees (`sluice_store::local::is_temp_dir`), anything hidden except Nix's `.links`,
+/// temporary trees (`sluice_local_store::is_temp_dir`), anything hidden except Nix's `.links`,
 /// and `.lock` files.
 pub fn store_leftovers(root: &Path) -> Vec<String> {
     store_entries(root).into_iter().filter(|e| (e.starts_with('.') && e != ".links") || e.ends_with(".lock") || is_temp_dir(e)).collect()

@@ -10,6 +10,7 @@
 //! the blocks of a multi-threaded xz stream, are decoded on several cores at once
 //! ([`zstd_frames`], [`xz_streams`]); single-stream NARs are decoded as one stream.
 
+pub mod encoder_memory;
 mod xz_streams;
 pub(crate) mod zstd_frames;
 mod zstd_stream;
@@ -17,6 +18,14 @@ mod zstd_stream;
 use std::io::{BufReader, Read, Write};
 
 use crate::encoder_memory::{xz_preset, EncoderPlan};
+
+/// The cores this process may run on (`std::thread::available_parallelism`, at least 1),
+/// found once: each call of the standard function reads the cgroup's CPU quota files (three
+/// to five system calls), which a push paid twice per path.
+pub fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
+}
 
 /// A NAR compression method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,7 +164,7 @@ impl Compression {
 
     /// The format whose magic bytes `head` starts with ([`Compression::None`] for a NAR), if
     /// any.
-    pub(crate) fn detect(head: &[u8]) -> Option<Compression> {
+    pub fn detect(head: &[u8]) -> Option<Compression> {
         MAGICS.iter().find(|(_, m)| head.starts_with(m)).map(|(c, _)| *c)
     }
 

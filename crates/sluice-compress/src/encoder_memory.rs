@@ -10,7 +10,7 @@
 //! NAR's size, as the `xz` tool does for an input of known size (the output decodes the same
 //! and compresses the same: no match can reach further back than the input's start).
 
-use crate::compression::Compression;
+use crate::Compression;
 
 /// Bytes all encoders of one push may use at once, by the estimates below (one preset-6 xz
 /// thread with blocks, 117 MiB by liblzma's estimate, fits): a 1 GiB NAR pushed with xz or
@@ -85,9 +85,9 @@ fn xz_memory(level: Option<i32>, dict: u32, block: Option<u64>, threads: u32) ->
 }
 
 /// Bytes zstd's frame encoder holds besides its workers: one frame of NAR (at most
-/// [`FRAME_SIZE`](crate::compression::zstd_frames::FRAME_SIZE)) and its compressed bound.
+/// [`FRAME_SIZE`](crate::zstd_frames::FRAME_SIZE)) and its compressed bound.
 fn zstd_frame_memory(nar_size: u64) -> u64 {
-    2 * nar_size.min(crate::compression::zstd_frames::FRAME_SIZE as u64)
+    2 * nar_size.min(crate::zstd_frames::FRAME_SIZE as u64)
 }
 
 /// Bytes one zstd worker holds at `level`: about ten times the level's window (zstd's

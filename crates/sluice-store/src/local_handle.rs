@@ -11,9 +11,8 @@ use std::sync::Arc;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use super::dump::NarDump;
-use super::{LocalStore, PendingPath, SignaturePolicy, TempRoots};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
+use sluice_local_store::{LocalStore, NarDump, PendingPath, SignaturePolicy, TempRoots};
 
 /// NARs unpacked at once into a local store (each on a blocking thread).
 const UNPACK_PARALLELISM: usize = 32;

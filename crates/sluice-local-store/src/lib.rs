@@ -21,8 +21,8 @@
 //! lock.
 
 mod api;
-mod as_store;
 mod commit;
+pub mod config;
 mod drv_hashes;
 mod dump;
 mod fs_nar;
@@ -41,7 +41,6 @@ mod unpack;
 mod verify;
 mod verify_store;
 
-pub use as_store::LocalStoreHandle;
 pub use commit::Uncommitted;
 pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};
@@ -68,7 +67,7 @@ use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::store_url::LocalStoreConfig;
+use crate::config::LocalStoreConfig;
 use layout::Layout;
 use lock::PathLock;
 use registry::Registry;

@@ -103,14 +103,14 @@ impl SignaturePolicy {
         store_require_sigs.unwrap_or(setting) && check_sigs
     }
 
-    /// The policy of a store opened with `settings` whose URL gave `store_require_sigs`:
-    /// [`requires_sigs`](Self::requires_sigs) with `settings.require_sigs` and
-    /// `settings.check_sigs`, and the `trusted-public-keys`. Errors: a key that does not parse
-    /// ([`TrustedKeysError`], naming the setting).
-    pub fn from_settings(settings: &crate::config::Settings, store_require_sigs: Option<bool>) -> Result<Self, TrustedKeysError> {
+    /// The policy of a store whose additions need a trusted signature when `require_sigs`
+    /// ([`requires_sigs`](Self::requires_sigs) of the settings and the store's URL), by one of
+    /// `trusted_public_keys` (the setting, `name:base64` each). Errors: a key that does not
+    /// parse ([`TrustedKeysError`], naming the setting).
+    pub fn new(require_sigs: bool, trusted_public_keys: &[String]) -> Result<Self, TrustedKeysError> {
         Ok(SignaturePolicy {
-            require_sigs: Self::requires_sigs(settings.require_sigs, store_require_sigs, settings.check_sigs),
-            trusted_keys: TrustedKeys::parse(&settings.trusted_public_keys.join(" ")).map_err(|e| TrustedKeysError(e.to_string()))?,
+            require_sigs,
+            trusted_keys: TrustedKeys::parse(&trusted_public_keys.join(" ")).map_err(|e| TrustedKeysError(e.to_string()))?,
         })
     }
 
@@ -329,11 +329,5 @@ mod policy_tests {
         for (setting, url, check, want) in table {
             assert_eq!(SignaturePolicy::requires_sigs(setting, url, check), want, "{setting} {url:?} {check}");
         }
-        let mut settings = crate::config::Settings { require_sigs: false, ..Default::default() };
-        assert!(SignaturePolicy::from_settings(&settings, Some(true)).unwrap().require_sigs);
-        settings.check_sigs = false;
-        assert!(!SignaturePolicy::from_settings(&settings, Some(true)).unwrap().require_sigs);
-        settings.trusted_public_keys = vec!["nokey".into()];
-        assert!(SignaturePolicy::from_settings(&settings, None).unwrap_err().to_string().starts_with("trusted-public-keys: "));
     }
 }

@@ -11,7 +11,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::store_url::LocalFsDirs;
+use crate::config::LocalFsDirs;
 
 /// Where a store keeps its files.
 #[derive(Debug, Clone)]
