@@ -222,6 +222,10 @@ impl<R: Read> Parser<R> {
         };
         let mut head = [0u8; 8 + 16];
         self.read_exact(&mut head[..8])?;
+        if head[..8] == MAGIC.as_bytes()[..8] {
+            let why = "not a NAR: it starts with the text 'nix-archive-1' without the 8-byte length a NAR puts before each string";
+            return self.invalid(0, why.to_owned());
+        }
         if head[..8] != (MAGIC.len() as u64).to_le_bytes() {
             return self.invalid(0, not_a_nar(&head[..8]));
         }
@@ -408,6 +412,7 @@ mod tests {
         assert!(err(&nar(&[m, b"[", b"type"])).contains("expected '('"));
         assert_eq!(err(&nar(&[b"nix-archive-2"])), "NAR: not a NAR: input doesn't look like a Nix archive (bad magic: it starts with '\\r\\x00\\x00\\x00\\x00\\x00\\x00\\x00nix-archive-2', not the 'nix-archive-1' header) at byte 0");
         assert!(err(b"<html><body>").contains("it starts with '<html><b'"));
+        assert!(err(b"nix-archive-1\n(type regular)").contains("the text 'nix-archive-1' without the 8-byte length"));
         assert!(err(&[]).contains("unexpected end"));
         let long = vec![b'a'; MAX_NAME_LEN + 1];
         let e = err(&nar(&[m, b"(", b"type", b"directory", b"entry", b"(", b"name", &long]));
