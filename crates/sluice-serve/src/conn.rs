@@ -2,20 +2,24 @@
 //! `http/1.1`), HTTP/1.1 and HTTP/2 (over TLS, or h2c with prior knowledge) on one port, and
 //! the bounds that keep slow or idle clients from holding the server:
 //!
-//! - at most `max_connections` at once; past that the server stops accepting (the kernel's
-//!   backlog holds the rest) until one closes;
+//! - at most `max_connections` at once; a connection accepted past that has the oldest idle
+//!   connection (no request in progress) shed for it ([`crate::slots`]) and waits for its
+//!   slot, the kernel's backlog holding the rest meanwhile;
 //! - a TLS handshake must finish within [`HANDSHAKE_TIMEOUT`];
-//! - a connection with no request in progress for `idle` (since it opened or its last request
-//!   ended) is closed, gracefully (HTTP/2 GOAWAY, HTTP/1.1 after the answer being written),
-//!   and at once if it then writes less than [`progress::STEP`] bytes in an `idle` period:
-//!   what travels without a request (HTTP/2 PINGs and their ACKs, SETTINGS, WINDOW_UPDATE, a
-//!   request head a byte at a time) keeps no connection open;
+//! - a connection with no request in progress for `idle` (since it opened, its last request
+//!   ended or its answers last moved) is closed, gracefully (HTTP/2 GOAWAY, HTTP/1.1 after
+//!   the answer being written), as is one shed; once the server has decided to close it, a
+//!   connection has one `idle` period of grace to take what it still holds of its answers
+//!   and is then dropped, whatever it sends: what travels without a request (HTTP/2 PINGs
+//!   and their ACKs, SETTINGS, WINDOW_UPDATE, a request head a byte at a time) keeps no
+//!   connection open;
 //! - while a request in progress waits on the client (for its body, or to take its answer),
-//!   the connection must move [`progress::STEP`] bytes (request body bytes read, bytes
-//!   written) within each `idle` period ([`crate::progress`]), or it is closed at once: a
-//!   request body trickled a byte at a time, a client that stops reading a NAR, HTTP/2 streams
-//!   opened and never finished or never read. Time the server itself takes (a slow store)
-//!   does not count;
+//!   the connection must move [`progress::STEP`] bytes of requests and answers (request body
+//!   bytes read, HTTP/1.1 bytes and HTTP/2 DATA payload written; never control frames such
+//!   as PING ACKs) within each `idle` period ([`crate::progress`]), or it is closed at once:
+//!   a request body trickled a byte at a time, a client that stops reading a NAR, HTTP/2
+//!   streams opened and never finished or never read, whatever PINGs come beside them. Time
+//!   the server itself takes (a slow store) does not count;
 //! - HTTP/1.1 request heads must arrive within `idle` and fit [`MAX_HEAD`] bytes (hyper
 //!   answers 431 past it); HTTP/2 header lists are bounded the same, streams per connection
 //!   by [`MAX_STREAMS`], and what is buffered for sending per stream by [`MAX_SEND_BUF`].
@@ -32,12 +36,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_rustls::rustls;
 use tokio_rustls::TlsAcceptor;
 
 use crate::progress::{self, Activity, Counted, Side, Tracked, Verdict};
 use crate::routes::App;
+use crate::slots::{Slot, Slots};
 
 /// Most bytes of an HTTP/1.1 request head (request line and headers), and of an HTTP/2 header
 /// list.
@@ -55,7 +59,7 @@ pub struct Limits {
     /// Connections open at once.
     pub max_connections: usize,
     /// Time after which a connection without a request, or a request waiting on its client
-    /// without progress, is closed.
+    /// without progress, is closed; and the grace of a connection being closed.
     pub idle: Duration,
 }
 
@@ -86,7 +90,7 @@ pub async fn run(listeners: Vec<TcpListener>, tls: Option<TlsAcceptor>, app: Arc
         .max_concurrent_streams(MAX_STREAMS)
         .max_header_list_size(MAX_HEAD as u32)
         .max_send_buf_size(MAX_SEND_BUF);
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let slots = Slots::new(limits.max_connections);
     let accepting =
         listeners.into_iter().map(|l| tokio::spawn(accept_loop(l, tls.clone(), app.clone(), builder.clone(), slots.clone(), limits.idle)));
     for done in futures::future::join_all(accepting).await {
@@ -100,11 +104,10 @@ async fn accept_loop(
     tls: Option<TlsAcceptor>,
     app: Arc<App>,
     builder: auto::Builder<TokioExecutor>,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     idle: Duration,
 ) -> io::Result<()> {
     loop {
-        let slot = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
         let (tcp, peer) = match listener.accept().await {
             Ok(c) => c,
             // Out of descriptors or a connection reset before accept: wait and go on.
@@ -116,13 +119,13 @@ async fn accept_loop(
             Err(e) => return Err(e),
         };
         let _ = tcp.set_nodelay(true);
+        let slot = slots.take().await?;
         let (app, builder, tls) = (app.clone(), builder.clone(), tls.clone());
         tokio::spawn(async move {
-            let _slot = slot;
             let served = match tls {
-                None => serve(&builder, tcp, app, idle).await,
+                None => serve(&builder, tcp, app, slot, idle).await,
                 Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => serve(&builder, stream, app, idle).await,
+                    Ok(Ok(stream)) => serve(&builder, stream, app, slot, idle).await,
                     Ok(Err(e)) => Err(e.into()),
                     Err(_) => Err("TLS handshake timed out".into()),
                 },
@@ -134,19 +137,21 @@ async fn accept_loop(
     }
 }
 
-/// Serves `app` on one connection, each request and its bodies [`Tracked`] in the
-/// connection's [`Activity`], until the client closes it or the watchdog does (see the
+/// Serves `app` on one connection in its `slot`, each request and its bodies [`Tracked`] in
+/// the connection's [`Activity`], until the client closes it or the watchdog does (see the
 /// module doc).
 async fn serve<S>(
     builder: &auto::Builder<TokioExecutor>,
     stream: S,
     app: Arc<App>,
+    slot: Slot,
     idle: Duration,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Activity::new(idle);
+    slot.serves(activity.clone());
     let requests = activity.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let (app, request) = (app.clone(), requests.start());
@@ -164,12 +169,10 @@ where
             Err(format!("a request waited on the client while less than {} bytes moved in {} s", progress::STEP, idle.as_secs()).into())
         }
         Verdict::Idle => {
-            // What the connection still holds of its last answers goes out at the same rate.
             conn.as_mut().graceful_shutdown();
-            let closing = tokio::time::Instant::now();
-            tokio::select! {
-                served = conn => served,
-                () = activity.stalled(closing) => Err(format!("closing: less than {} bytes written in {} s", progress::STEP, idle.as_secs()).into()),
+            match tokio::time::timeout(idle, conn).await {
+                Ok(served) => served,
+                Err(_) => Err(format!("closing: still open {} s after being told to close", idle.as_secs()).into()),
             }
         }
     }

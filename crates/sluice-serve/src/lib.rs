@@ -2,7 +2,7 @@
 //! a binary cache that unmodified Nix substitutes from (as nix-serve and harmonia do), plus
 //! batch endpoints that give sluice's closure engine many narinfos, or a whole closure, in one
 //! round trip. [`routes`] answers requests, [`batch`] the batch endpoints, [`narinfo`] renders
-//! what both serve, [`conn`] accepts connections and bounds them ([`progress`] tells what moves), [`metrics`] counts.
+//! what both serve, [`conn`] accepts connections and bounds them ([`progress`] tells what moves, [`slots`] sheds idle ones), [`metrics`] counts.
 
 pub mod batch;
 pub mod conn;
@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod narinfo;
 pub mod progress;
 pub mod routes;
+pub mod slots;
 
 pub use conn::{run, tls_acceptor, Limits};
 pub use routes::App;

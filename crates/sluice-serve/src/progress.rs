@@ -8,16 +8,23 @@
 //! - the server's, while the handler works and while a response chunk is being produced (a
 //!   slow store is not the client's fault).
 //!
-//! While a request is on the client's turn, the connection must move [`STEP`] bytes within
-//! each idle period: request body bytes read by a handler, or bytes written to the connection
-//! ([`Counted`]; what is written is almost all response bodies, as the connection buffers
-//! them ahead, up to [`crate::conn::MAX_SEND_BUF`] per HTTP/2 stream). At the default 60 s
-//! that is about 1 KiB/s, and a request body under [`STEP`] must arrive whole within it.
-//! HTTP/2 streams share their connection's progress. A connection with no request in
-//! progress is idle from the end of its last one, whatever else travels on it (HTTP/2 PINGs
-//! and their ACKs, SETTINGS, WINDOW_UPDATEs). nginx's `keepalive_timeout` and
-//! `client_body_timeout` / `send_timeout` are the model, with a minimum rate instead of "a
-//! byte" so that a trickle holds nothing forever.
+//! While a request is on the client's turn, the connection must move [`STEP`] bytes of what
+//! the client does for its requests within each idle period: request body bytes read by a
+//! handler, and answers written to the connection ([`Counted`]): every byte on HTTP/1.1,
+//! which has nothing else to write, and only the payload of DATA frames on HTTP/2, which the
+//! client's flow-control windows let out as it takes them. Control frames (PING ACKs,
+//! SETTINGS, WINDOW_UPDATE, GOAWAY) never count: a client flooding PINGs gets as many ACKs
+//! back and moves nothing. At the default 60 s that is about 1 KiB/s, and a request body
+//! under [`STEP`] must arrive whole within it. HTTP/2 streams share their connection's
+//! progress (what is written is almost all response bodies, as the connection buffers them
+//! ahead, up to [`crate::conn::MAX_SEND_BUF`] per HTTP/2 stream).
+//!
+//! A connection with no request in progress is idle from the end of its last one, or from
+//! the last [`STEP`] its answers moved (what it buffered of them goes out after the request
+//! ended), whatever else travels on it. It is then closed ([`Activity::verdict`]), or sooner
+//! if [`Activity::shed`] when the server's connections run out. nginx's `keepalive_timeout`
+//! and `client_body_timeout` / `send_timeout` are the model, with a minimum rate instead of
+//! "a byte" so that a trickle holds nothing forever.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -28,6 +35,7 @@ use std::time::Duration;
 use bytes::Buf;
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Bytes a connection must move within each idle period while a request on it waits on the
@@ -37,7 +45,7 @@ pub const STEP: u64 = 64 * 1024;
 /// What a connection's watchdog does once its deadline passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
-    /// No request in progress for the idle time: close the connection gracefully.
+    /// No request in progress for the idle time, or shed: close the connection gracefully.
     Idle,
     /// A request waited on the client for the idle time while the connection moved less
     /// than [`STEP`] bytes: close the connection now.
@@ -49,6 +57,8 @@ pub enum Verdict {
 pub struct Activity {
     idle: Duration,
     state: Mutex<State>,
+    /// Wakes [`Activity::verdict`] when the connection is shed.
+    shed: Notify,
 }
 
 struct State {
@@ -59,6 +69,8 @@ struct State {
     /// When the connection last moved [`STEP`] bytes, and what it moved since.
     stepped: Instant,
     moved: u64,
+    /// Whether the connection is being closed as idle (shed, or its idle time passed).
+    closing: bool,
 }
 
 impl State {
@@ -66,13 +78,19 @@ impl State {
     fn stalls(&self, since: Instant, idle: Duration) -> Instant {
         since.max(self.stepped) + idle
     }
+
+    /// Since when the connection is idle, if it has no request in progress.
+    fn idle_since(&self) -> Option<Instant> {
+        self.requests.is_empty().then(|| self.idle_since.max(self.stepped))
+    }
 }
 
 impl Activity {
     /// No request yet: idle from now.
     pub fn new(idle: Duration) -> Arc<Self> {
         let now = Instant::now();
-        Arc::new(Activity { idle, state: Mutex::new(State { next: 0, requests: HashMap::new(), idle_since: now, stepped: now, moved: 0 }) })
+        let state = State { next: 0, requests: HashMap::new(), idle_since: now, stepped: now, moved: 0, closing: false };
+        Arc::new(Activity { idle, state: Mutex::new(state), shed: Notify::new() })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -100,44 +118,55 @@ impl Activity {
 
     /// The earliest time something may be due, and what, if it is due now. Every deadline
     /// set later is at least `idle` after it is set, so sleeping until the returned time and
-    /// asking again misses none.
+    /// asking again misses none. A connection idle is closing from then on; one with a
+    /// request in progress is never shed.
     fn check(&self, now: Instant) -> Result<Instant, Verdict> {
-        let state = self.state();
-        let (due, verdict) = if state.requests.is_empty() {
-            (state.idle_since + self.idle, Verdict::Idle)
-        } else {
-            match state.requests.values().flatten().min() {
-                Some(since) => (state.stalls(*since, self.idle), Verdict::Stalled),
-                None => return Ok(now + self.idle),
+        let mut state = self.state();
+        let (due, verdict) = match state.idle_since() {
+            Some(since) if state.closing => (since, Verdict::Idle),
+            Some(since) => (since + self.idle, Verdict::Idle),
+            None => {
+                state.closing = false;
+                match state.requests.values().flatten().min() {
+                    Some(since) => (state.stalls(*since, self.idle), Verdict::Stalled),
+                    None => return Ok(now + self.idle),
+                }
             }
         };
-        if due <= now {
-            Err(verdict)
-        } else {
-            Ok(due)
+        if due > now {
+            return Ok(due);
         }
+        state.closing |= verdict == Verdict::Idle;
+        Err(verdict)
     }
 
-    /// Waits until the connection is idle or a request on it has stalled, as
+    /// Waits until the connection is idle (or shed) or a request on it has stalled, as
     /// [`Activity`] describes.
     pub async fn verdict(&self) -> Verdict {
         loop {
             match self.check(Instant::now()) {
                 Err(v) => return v,
-                Ok(due) => tokio::time::sleep_until(due).await,
+                Ok(due) => tokio::select! {
+                    () = tokio::time::sleep_until(due) => {}
+                    () = self.shed.notified() => {}
+                },
             }
         }
     }
 
-    /// Waits until the connection, waiting on the client from `since` (closing, with what
-    /// it holds still to send), has moved less than [`STEP`] bytes for the idle time.
-    pub async fn stalled(&self, since: Instant) {
-        loop {
-            let due = self.state().stalls(since, self.idle);
-            if due <= Instant::now() {
-                return;
-            }
-            tokio::time::sleep_until(due).await
+    /// Since when the connection is idle, if it has no request in progress and is not
+    /// closing yet: what [`Activity::shed`] would close.
+    pub fn sheddable_since(&self) -> Option<Instant> {
+        let state = self.state();
+        state.idle_since().filter(|_| !state.closing)
+    }
+
+    /// Closes the connection as idle now, if it has no request in progress.
+    pub fn shed(&self) {
+        let mut state = self.state();
+        if state.idle_since().is_some() {
+            state.closing = true;
+            self.shed.notify_one();
         }
     }
 }
@@ -221,22 +250,83 @@ impl<B: Body + Unpin> Body for Tracked<B> {
     }
 }
 
-/// A connection's stream, counting the bytes written to it in its [`Activity`].
+/// A connection's stream, counting the answers written to it in its [`Activity`].
 pub struct Counted<T> {
     inner: T,
     activity: Arc<Activity>,
+    wire: Wire,
 }
 
 impl<T> Counted<T> {
     pub fn new(inner: T, activity: Arc<Activity>) -> Self {
-        Counted { inner, activity }
+        Counted { inner, activity, wire: Wire::Unknown }
     }
 
-    fn count(&self, r: Poll<std::io::Result<usize>>) -> Poll<std::io::Result<usize>> {
+    /// Counts what of `bufs` was written.
+    fn count<'a>(&mut self, r: Poll<std::io::Result<usize>>, bufs: impl IntoIterator<Item = &'a [u8]>) -> Poll<std::io::Result<usize>> {
         if let Poll::Ready(Ok(n)) = r {
-            self.activity.moved(n as u64);
+            let mut left = n;
+            let mut answers = 0;
+            for buf in bufs {
+                if left == 0 {
+                    break;
+                }
+                let taken = &buf[..left.min(buf.len())];
+                answers += self.wire.answers(taken);
+                left -= taken.len();
+            }
+            self.activity.moved(answers);
         }
         r
+    }
+}
+
+/// What a connection writes, to tell answers from control frames (see the module doc).
+#[derive(Debug, PartialEq, Eq)]
+enum Wire {
+    /// Nothing written yet.
+    Unknown,
+    /// HTTP/1.x: every byte is an answer.
+    Http1,
+    /// HTTP/2: the frame being written, its 9-byte header as far as it has been written, then
+    /// what of its payload is left and whether it is a DATA frame.
+    Http2 { head: [u8; 9], have: usize, left: usize, data: bool },
+}
+
+/// The type of an HTTP/2 DATA frame (RFC 9113 §6.1).
+const DATA: u8 = 0;
+
+impl Wire {
+    /// Takes `bytes`, written next, and returns how many of them are answers. An HTTP/1.x
+    /// answer begins with `HTTP/`; an HTTP/2 server begins with its SETTINGS frame (RFC 9113
+    /// §3.4), whose first byte, its length's highest, is 0.
+    fn answers(&mut self, mut bytes: &[u8]) -> u64 {
+        if *self == Wire::Unknown {
+            match bytes.first() {
+                None => return 0,
+                Some(b'H') => *self = Wire::Http1,
+                Some(_) => *self = Wire::Http2 { head: [0; 9], have: 0, left: 0, data: false },
+            }
+        }
+        let Wire::Http2 { head, have, left, data } = self else { return bytes.len() as u64 };
+        let mut answers = 0;
+        while !bytes.is_empty() {
+            if *left > 0 {
+                let n = (*left).min(bytes.len());
+                answers += if *data { n as u64 } else { 0 };
+                (*left, bytes) = (*left - n, &bytes[n..]);
+                continue;
+            }
+            let n = (9 - *have).min(bytes.len());
+            head[*have..*have + n].copy_from_slice(&bytes[..n]);
+            (*have, bytes) = (*have + n, &bytes[n..]);
+            if *have == 9 {
+                *have = 0;
+                *left = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                *data = head[3] == DATA;
+            }
+        }
+        answers
     }
 }
 
@@ -249,12 +339,12 @@ impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
 impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.count(r)
+        self.count(r, [buf])
     }
 
     fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.count(r)
+        self.count(r, bufs.iter().map(|b| &**b))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -304,5 +394,42 @@ mod tests {
         let ended = Instant::now();
         assert_eq!(activity.check(ended), Ok(ended + idle));
         assert_eq!(activity.check(ended + idle), Err(Verdict::Idle));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shed_only_without_a_request_in_progress_and_idle_after_the_last_step() {
+        let idle = Duration::from_secs(10);
+        let activity = Activity::new(idle);
+        let request = activity.start();
+        activity.shed();
+        assert_eq!(activity.sheddable_since(), None);
+        tokio::time::advance(idle / 2).await;
+        // Its buffered answer still moving after the request ended: idle from the last step.
+        drop(request);
+        activity.moved(STEP);
+        let stepped = Instant::now();
+        assert_eq!(activity.sheddable_since(), Some(stepped));
+        assert_eq!(activity.check(stepped), Ok(stepped + idle));
+        activity.shed();
+        assert_eq!(activity.sheddable_since(), None);
+        assert_eq!(activity.verdict().await, Verdict::Idle);
+        assert_eq!(Instant::now(), stepped);
+    }
+
+    #[test]
+    fn only_http2_data_payloads_and_http1_bytes_are_answers() {
+        let frame = |kind: u8, payload: &[u8]| {
+            let mut f = u32::try_from(payload.len()).unwrap_or(0).to_be_bytes()[1..].to_vec();
+            f.extend([kind, 0, 0, 0, 0, 1]);
+            f.extend(payload);
+            f
+        };
+        let mut h2 = [frame(4, &[0; 6]), frame(6, b"pingpong"), frame(DATA, &[7; 100]), frame(1, &[0x88]), frame(DATA, &[7; 20])].concat();
+        h2.extend(frame(6, b"pingpong").repeat(1000));
+        // Written whole, and a byte at a time.
+        assert_eq!(Wire::Unknown.answers(&h2), 120);
+        let mut wire = Wire::Unknown;
+        assert_eq!(h2.iter().map(|b| wire.answers(std::slice::from_ref(b))).sum::<u64>(), 120);
+        assert_eq!(Wire::Unknown.answers(b"HTTP/1.1 200 OK\r\n\r\n"), 19);
     }
 }

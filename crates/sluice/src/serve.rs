@@ -38,13 +38,15 @@ pub struct Args {
     /// Neither offer nor advertise the batch endpoints.
     #[arg(long)]
     no_batch: bool,
-    /// Connections open at once; more wait in the listen backlog.
+    /// Connections open at once; a connection past it has the oldest idle one (no request
+    /// in progress) closed for it, and waits in the listen backlog while none is.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
     /// Seconds a connection may stay without a request in progress before it is closed
-    /// (HTTP/2 PINGs do not count), within which a request head must arrive, and within which
-    /// a connection must move 64 KiB while a request on it waits on the client (sending its
-    /// body, reading the answer).
+    /// (HTTP/2 PINGs do not count), within which a request head must arrive, within which a
+    /// connection must move 64 KiB of requests and answers while a request on it waits on the
+    /// client (sending its body, reading the answer), and after which a connection told to
+    /// close is dropped.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout: u64,
     #[command(flatten)]

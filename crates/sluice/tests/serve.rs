@@ -4,8 +4,9 @@
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
 //! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
 //! hostile clients (traversal, huge headers, thousands of idle connections, a client that
-//! stops reading, h2c connections that only answer PINGs, a request body trickled a byte at a
-//! time, HTTP/2 streams never read) beside a slow reader that keeps up.
+//! stops reading, h2c connections that only answer PINGs or flood them, a request body trickled
+//! a byte at a time, HTTP/2 streams never read, keep-alive clients holding every slot) beside a
+//! slow reader that keeps up.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -473,14 +474,27 @@ fn a_path_deleted_is_404_right_after_being_served_and_ranges_are_the_nar_bytes()
     assert_eq!(server.status_of(&format!("/{url}")), 404);
 }
 
+/// The target and size of glibc's NAR, the subset's largest (about 300 KB), served by `server`.
+fn glibc_nar(server: &Server, paths: &BTreeSet<String>) -> (String, usize) {
+    let glibc = paths.iter().find(|p| p.ends_with("-glibc-2.37-8")).unwrap();
+    let narinfo = server
+        .raw(format!("GET /{}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", &glibc["/nix/store/".len()..][..32]).as_bytes());
+    let field = |name: &str| body_of(&narinfo).lines().find_map(|l| l.strip_prefix(name)).unwrap().to_string();
+    (format!("/{}", field("URL: ")), field("NarSize: ").parse().unwrap())
+}
+
 /// A raw HTTP/2 client (h2c with prior knowledge) for what curl does not do: a connection that
 /// only pings, streams never read, a download whose window opens slowly. Its socket does not
 /// block: [`H2::frames`] returns what has arrived.
 struct H2 {
     s: TcpStream,
     buf: Vec<u8>,
+    /// Frames not yet taken by the socket.
+    out: Vec<u8>,
     /// Whether the server has closed the connection.
     closed: bool,
+    /// Whether the server's PINGs are acknowledged.
+    acks_pings: bool,
 }
 
 /// A frame as received: type, flags, stream and payload.
@@ -498,22 +512,44 @@ impl H2 {
     /// Connects and sends the preface and SETTINGS with `window` as the initial window of
     /// each stream.
     fn connect(addr: &str, window: u32) -> H2 {
-        let mut c = H2 { s: TcpStream::connect(addr).unwrap(), buf: Vec::new(), closed: false };
-        c.s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+        let mut c = H2 { s: TcpStream::connect(addr).unwrap(), buf: Vec::new(), out: Vec::new(), closed: false, acks_pings: true };
+        c.s.set_nonblocking(true).unwrap();
+        c.out.extend(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
         let mut initial_window = vec![0, 4];
         initial_window.extend(window.to_be_bytes());
         c.send(SETTINGS, 0, 0, &initial_window);
-        c.s.set_nonblocking(true).unwrap();
         c
     }
 
+    /// Queues a frame and sends what the socket takes.
     fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-        let mut frame = u32::try_from(payload.len()).unwrap().to_be_bytes()[1..].to_vec();
-        frame.extend([kind, flags]);
-        frame.extend(stream.to_be_bytes());
-        frame.extend(payload);
-        if self.s.write_all(&frame).is_err() {
-            self.closed = true;
+        self.out.extend(&u32::try_from(payload.len()).unwrap().to_be_bytes()[1..]);
+        self.out.extend([kind, flags]);
+        self.out.extend(stream.to_be_bytes());
+        self.out.extend(payload);
+        self.flush();
+    }
+
+    fn flush(&mut self) {
+        while !self.out.is_empty() {
+            match self.s.write(&self.out) {
+                Ok(n) if n > 0 => drop(self.out.drain(..n)),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                _ => {
+                    self.closed = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Sends `n` PINGs, if the socket took the last ones.
+    fn flood(&mut self, n: usize) {
+        self.flush();
+        if self.out.is_empty() {
+            for _ in 0..n {
+                self.send(PING, 0, 0, b"flooding");
+            }
         }
     }
 
@@ -534,7 +570,21 @@ impl H2 {
         }
     }
 
-    /// The frames that have arrived, the server's SETTINGS and PINGs acknowledged; sets
+    /// Waits until the server has served each of `conns` (its SETTINGS came).
+    fn await_served(conns: &mut [H2]) {
+        let mut served = vec![false; conns.len()];
+        let started = Instant::now();
+        while served.contains(&false) && started.elapsed() < Duration::from_secs(10) {
+            for (c, served) in conns.iter_mut().zip(&mut served) {
+                *served |= c.frames().iter().any(|f| f.0 == SETTINGS);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!served.contains(&false), "{} connections not served", served.iter().filter(|s| !**s).count());
+    }
+
+    /// The frames that have arrived, the server's SETTINGS (and PINGs if `acks_pings`)
+    /// acknowledged; sets
     /// `closed` once the server has closed the connection.
     fn frames(&mut self) -> Vec<Frame> {
         let mut chunk = [0u8; 16384];
@@ -560,7 +610,7 @@ impl H2 {
             let (kind, flags, stream) = (frame[3], frame[4], u32::from_be_bytes(frame[5..9].try_into().unwrap()) & 0x7fff_ffff);
             match (kind, flags & END_STREAM_OR_ACK) {
                 (SETTINGS, 0) => self.send(SETTINGS, END_STREAM_OR_ACK, 0, &[]),
-                (PING, 0) => self.send(PING, END_STREAM_OR_ACK, 0, &frame[9..]),
+                (PING, 0) if self.acks_pings => self.send(PING, END_STREAM_OR_ACK, 0, &frame[9..]),
                 _ => {}
             }
             frames.push((kind, flags, stream, frame[9..].to_vec()));
@@ -572,19 +622,11 @@ impl H2 {
 #[test]
 fn h2c_connections_that_only_ping_are_closed_when_idle_and_lock_no_client_out() {
     let tmp = tempfile::tempdir().unwrap();
-    // As many connections as the server takes: a client coming next waits in the backlog.
+    // As many connections as the server takes: a client coming next has an idle one shed.
     let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "2", "--max-connections", "200"]);
     let mut pingers: Vec<H2> = (0..200).map(|_| H2::connect(&server.addr, 65535)).collect();
     // Each one served (the server's SETTINGS came) before the real client connects.
-    let mut served = vec![false; pingers.len()];
-    let started = Instant::now();
-    while served.contains(&false) && started.elapsed() < Duration::from_secs(10) {
-        for (p, served) in pingers.iter_mut().zip(&mut served) {
-            *served |= p.frames().iter().any(|f| f.0 == SETTINGS);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(!served.contains(&false), "{} connections not served", served.iter().filter(|s| !**s).count());
+    H2::await_served(&mut pingers);
 
     // The pingers answer the server's PINGs and ping every 0.5 s, while a real client asks.
     let started = Instant::now();
@@ -656,12 +698,7 @@ fn a_request_body_trickled_a_byte_at_a_time_is_ended() {
 fn h2_a_slow_download_goes_on_while_streams_never_read_are_closed() {
     let tmp = tempfile::tempdir().unwrap();
     let (server, paths) = serve_subset(tmp.path(), &["--idle-timeout", "3"]);
-    // glibc's NAR, the subset's largest (about 300 KB).
-    let glibc = paths.iter().find(|p| p.ends_with("-glibc-2.37-8")).unwrap();
-    let narinfo = server
-        .raw(format!("GET /{}.narinfo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", &glibc["/nix/store/".len()..][..32]).as_bytes());
-    let field = |name: &str| body_of(&narinfo).lines().find_map(|l| l.strip_prefix(name)).unwrap().to_string();
-    let (url, size): (String, usize) = (format!("/{}", field("URL: ")), field("NarSize: ").parse().unwrap());
+    let (url, size) = glibc_nar(&server, &paths);
 
     // A window opened at 40 KiB/s (past 16 KiB), over twice the 64 KiB per 3 s needed; and as
     // many streams as allowed, never read.
@@ -703,4 +740,116 @@ fn h2_a_slow_download_goes_on_while_streams_never_read_are_closed() {
     let stuck_closed = stuck_closed.expect("64 streams never read still open after 30 s");
     assert!(stuck_closed < Duration::from_secs(7), "closed after {stuck_closed:?}");
     assert_eq!(server.status_of("/nix-cache-info"), 200);
+}
+
+#[test]
+fn h2c_ping_floods_hold_no_connection_past_its_grace_and_no_request_waiting_on_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (server, paths) = serve_subset(tmp.path(), &["--idle-timeout", "2", "--max-connections", "4"]);
+    let (url, _) = glibc_nar(&server, &paths);
+    // Every slot taken: the first connection waits on a NAR it never reads, the others have
+    // no request; none answers the server's PINGs (the GOAWAY's among them).
+    let mut flooders: Vec<H2> = (0..4).map(|i| H2::connect(&server.addr, if i == 0 { 0 } else { 65535 })).collect();
+    flooders[0].get(1, &url);
+    for f in &mut flooders {
+        f.acks_pings = false;
+    }
+    H2::await_served(&mut flooders);
+
+    // 40 PINGs every 10 ms (68 KB/s of ACKs, twice 64 KiB per idle period), the ACKs read,
+    // while a real client asks.
+    let started = Instant::now();
+    let (answer, answered_in, closed_in) = std::thread::scope(|scope| {
+        let real = scope.spawn(|| {
+            let answer = server.raw(b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+            (answer, started.elapsed())
+        });
+        let mut closed_in = vec![None; flooders.len()];
+        while closed_in.contains(&None) && started.elapsed() < Duration::from_secs(12) {
+            for (f, closed_in) in flooders.iter_mut().zip(&mut closed_in).filter(|(f, _)| !f.closed) {
+                f.frames();
+                f.flood(40);
+                if f.closed {
+                    *closed_in = Some(started.elapsed());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (answer, answered_in) = real.join().unwrap();
+        (answer, answered_in, closed_in)
+    });
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "the real client got {answer:?} after {answered_in:?}; flooders closed after {closed_in:?}"
+    );
+    assert!(answered_in < Duration::from_millis(4500), "answered in {answered_in:?}");
+    let closed_in: Vec<Duration> =
+        closed_in.iter().map(|c| c.unwrap_or_else(|| panic!("flooders still open after 12 s: closed after {closed_in:?}"))).collect();
+    // The stuck request ends one idle period after it began to wait; the others are closed
+    // at the latest one idle period after being told to.
+    assert!(closed_in[0] < Duration::from_millis(3500), "the stuck request ended after {:?}", closed_in[0]);
+    assert!(closed_in.iter().all(|c| *c < Duration::from_millis(5000)), "closed after {closed_in:?}");
+}
+
+/// Reads one HTTP/1.1 answer with a `Content-Length` from `s`; `None` if the connection
+/// closes or times out first.
+fn answer_on(s: &mut TcpStream) -> Option<String> {
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length: usize = head.lines().find_map(|l| l.strip_prefix("content-length: "))?.parse().ok()?;
+            if body.len() >= length {
+                return Some(text);
+            }
+        }
+        match s.read(&mut chunk) {
+            Ok(n) if n > 0 => got.extend_from_slice(&chunk[..n]),
+            _ => return None,
+        }
+    }
+}
+
+#[test]
+fn keep_alive_clients_holding_every_slot_are_shed_for_a_new_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (server, _) = serve_subset(tmp.path(), &["--idle-timeout", "4", "--max-connections", "6"]);
+    let request = b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\n\r\n";
+    let connect = || {
+        let s = TcpStream::connect(&server.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        s
+    };
+    let mut kept: Vec<TcpStream> = (0..6).map(|_| connect()).collect();
+    for s in &mut kept {
+        s.write_all(request).unwrap();
+        assert!(answer_on(s).is_some_and(|a| a.starts_with("HTTP/1.1 200")));
+    }
+    // Three times: every keep-alive client asks again (connecting again if it was shed), so
+    // that they hold every slot, then a new client asks; 2 s (half the idle timeout) apart.
+    let (mut shed, mut waits) = (0, Vec::new());
+    for round in 0..4 {
+        for s in &mut kept {
+            if s.write_all(request).is_err() || answer_on(s).is_none() {
+                shed += 1;
+                *s = connect();
+                s.write_all(request).unwrap();
+                assert!(answer_on(s).is_some_and(|a| a.starts_with("HTTP/1.1 200")), "connecting again after being shed");
+            }
+        }
+        if round == 3 {
+            break;
+        }
+        let asked = Instant::now();
+        let answer = server.raw(b"GET /nix-cache-info HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        waits.push((answer, asked.elapsed()));
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    for (answer, waited) in &waits {
+        assert!(answer.starts_with("HTTP/1.1 200"), "a new client got {answer:?} after {waited:?}");
+        assert!(*waited < Duration::from_millis(1500), "a new client waited {waited:?}");
+    }
+    // One idle keep-alive connection closed for each new client.
+    assert_eq!(shed, 3);
 }
