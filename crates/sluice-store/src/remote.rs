@@ -11,7 +11,7 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{
@@ -24,11 +24,12 @@ use sluice_nix::wire::{
     WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
-use sluice_nix::path_info::{PathInfo, ValidPathInfo};
-
-use crate::store::{NarReader, PipedNar, PublishGate, StoreError, StoreFuture};
+use sluice_nix::path_info::ValidPathInfo;
 
 mod batch;
+mod daemon_store;
+
+pub use daemon_store::DaemonStore;
 
 /// The protocol version this client speaks: 1.34 (Nix 2.8's), so that no 1.35+ field is
 /// expected; the daemon answers with min(its version, ours) as a whole.
@@ -520,194 +521,5 @@ fn pin_to_current_cpu() -> Option<usize> {
             tracing::info!("lock-cpu: cannot pin this thread to CPU {cpu}: {e}");
             None
         }
-    }
-}
-
-/// A daemon behind the [`Store`](crate::store::Store) interface: one connection (Nix's
-/// default `max-connections`), owned by a thread of its own that runs the store's operations
-/// one after another (so that with `lock-cpu` the thread pinned is the one that talks to the
-/// daemon). A connection an operation failed on is dropped and the next operation connects
-/// again. Additions wait for their publish gate before they are sent (the daemon makes a path
-/// valid as it adds it, and registers it only after its references); meanwhile the NAR is
-/// spooled to an unlinked temporary file, so that the source is read to its end. The
-/// additions waiting when the thread comes to one go together in one AddMultipleToStore
-/// (`remote/batch.rs`).
-pub struct DaemonStore {
-    url: String,
-    store_dir: StoreDir,
-    version: ProtocolVersion,
-    jobs: std::sync::mpsc::Sender<Job>,
-}
-
-/// Work for the connection's thread.
-enum Job {
-    /// An operation.
-    Run(Box<dyn FnOnce(&mut Reconnecting) + Send>),
-    /// A path to add, with the additions queued behind it ([`batch::Addition`]).
-    Add(batch::Addition),
-}
-
-/// Paths a [`DaemonStore`] reads the NARs of at once when the daemon takes AddMultipleToStore:
-/// the additions that can wait in its queue to go in one operation.
-const ADDITIONS_AT_ONCE: usize = 64;
-
-/// The connection of a [`DaemonStore`], on its thread; `None` after a failure.
-struct Reconnecting {
-    socket: PathBuf,
-    lock_cpu: bool,
-    conn: Option<DaemonConnection>,
-}
-
-impl Reconnecting {
-    /// Runs `f` on the connection, connecting first if there is none; a failure drops it, as
-    /// it may have left the connection out of step (a batch's replies unread).
-    fn with<T>(&mut self, f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError>) -> Result<T, RemoteError> {
-        let conn = match &mut self.conn {
-            Some(conn) => conn,
-            None => self.conn.insert(DaemonConnection::connect(&self.socket, self.lock_cpu)?),
-        };
-        let result = f(conn);
-        if result.is_err() {
-            self.conn = None;
-        }
-        result
-    }
-}
-
-impl DaemonStore {
-    /// Connects to the daemon at `socket` (opened as `url`) from the connection's new thread,
-    /// pinned with `lock_cpu` (see [`DaemonConnection::connect`]); additions ask the daemon to check
-    /// signatures when `check_sigs` (Nix's `CheckSigs`; `false` is `--no-check-sigs`, which a
-    /// daemon honours only for a trusted client).
-    pub fn connect(url: &str, socket: &Path, lock_cpu: bool, check_sigs: bool) -> Result<Self, RemoteError> {
-        let (jobs, queue) = std::sync::mpsc::channel::<Job>();
-        let (greeted, greeting) = std::sync::mpsc::channel();
-        let mut conn = Reconnecting { socket: socket.to_owned(), lock_cpu, conn: None };
-        let spawned = std::thread::Builder::new().name("sluice-daemon-client".into()).spawn(move || {
-            let greeting = conn.with(|c| Ok((c.store_dir().clone(), c.version())));
-            let ok = greeting.is_ok();
-            let _ = greeted.send(greeting);
-            if ok {
-                batch::serve(&mut conn, &queue, check_sigs);
-            }
-        });
-        spawned.map_err(|source| RemoteError::Connect { daemon: socket.display().to_string(), source })?;
-        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: socket.display().to_string() };
-        let (store_dir, version) = greeting.recv().map_err(|_| ended())??;
-        Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs })
-    }
-
-    /// Runs `f` on the connection's thread.
-    async fn run<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.jobs.send(Job::Run(Box::new(move |conn: &mut Reconnecting| drop(tx.send(conn.with(f)))))).map_err(|_| self.ended())?;
-        Ok(rx.await.map_err(|_| self.ended())??)
-    }
-
-    fn ended(&self) -> StoreError {
-        StoreError::Other(format!("{}: the daemon connection's thread ended", self.url))
-    }
-}
-
-impl crate::store::Store for DaemonStore {
-    fn url(&self) -> &str {
-        &self.url
-    }
-
-    fn store_dir(&self) -> &StoreDir {
-        &self.store_dir
-    }
-
-    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
-        let paths = paths.to_vec();
-        Box::pin(async move {
-            let infos = self.run(move |c| c.query_path_infos(&paths)).await?;
-            Ok(infos.into_iter().map(|i| i.map(PathInfo::of)).collect())
-        })
-    }
-
-    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
-        let nar =
-            DaemonNar { url: self.url.clone(), jobs: self.jobs.clone(), path: info.path.clone(), nar_size: info.nar_size, piped: None };
-        Box::pin(async move { Ok(Box::new(nar) as NarReader) })
-    }
-
-    fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, mut publish: PublishGate) -> StoreFuture<'a, ()> {
-        use futures::FutureExt;
-        Box::pin(async move {
-            let nar = match (&mut publish).now_or_never() {
-                Some(gate) => gate.map(|()| nar)?,
-                None => {
-                    let spooled = spool(&self.url, nar).await?;
-                    publish.await?;
-                    spooled
-                }
-            };
-            let (done, answer) = tokio::sync::oneshot::channel();
-            self.jobs.send(Job::Add(batch::Addition { info, nar, done })).map_err(|_| self.ended())?;
-            answer.await.map_err(|_| self.ended())?
-        })
-    }
-
-    /// One NAR at a time when each path is its own AddToStoreNar; with AddMultipleToStore,
-    /// [`ADDITIONS_AT_ONCE`], so that additions queue up for one operation.
-    fn parallelism(&self) -> usize {
-        match self.version.at_least(batch::MULTIPLE_VERSION) {
-            true => ADDITIONS_AT_ONCE,
-            false => 1,
-        }
-    }
-}
-
-/// Reads `nar` to its end into an unlinked temporary file; the file, from its start.
-async fn spool(url: &str, mut nar: NarReader) -> Result<NarReader, StoreError> {
-    let err = |e: std::io::Error| StoreError::Other(format!("{url}: spooling a NAR to a temporary file: {e}"));
-    let spooled = tokio::task::spawn_blocking(move || {
-        let mut file = tempfile::tempfile()?;
-        std::io::copy(&mut nar, &mut file)?;
-        std::io::Seek::rewind(&mut file)?;
-        Ok(Box::new(file) as NarReader)
-    });
-    spooled.await.map_err(|e| err(std::io::Error::other(e)))?.map_err(err)
-}
-
-/// A NAR read from a daemon. The NarFromPath operation is queued on the connection's thread
-/// at the first read, not before: that thread then streams only NARs whose readers are reading
-/// (a NAR opened but not read yet cannot hold up the ones behind it). The thread writes into a
-/// pipe; a reader dropped early makes its writes fail, and the rest is read and dropped.
-struct DaemonNar {
-    url: String,
-    jobs: std::sync::mpsc::Sender<Job>,
-    path: StorePath,
-    nar_size: u64,
-    piped: Option<PipedNar>,
-}
-
-impl Read for DaemonNar {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if self.piped.is_none() {
-            let (path, nar_size, jobs) = (self.path.clone(), self.nar_size, &self.jobs);
-            let ended = format!("{}: the daemon connection's thread ended", self.url);
-            self.piped = Some(PipedNar::start(&self.url, |mut write| {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                let job = Job::Run(Box::new(move |conn| {
-                    let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
-                    drop(write);
-                    let _ = tx.send(read);
-                }));
-                jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
-                Ok(Box::pin(async move {
-                    match rx.await {
-                        // A failed write is the reader's own doing (it stopped reading).
-                        Ok(read) => read.map(drop).map_err(std::io::Error::other),
-                        Err(_) => Err(std::io::Error::other(ended)),
-                    }
-                }))
-            })?);
-        }
-        self.piped.as_mut().expect("started above").read(buf)
     }
 }

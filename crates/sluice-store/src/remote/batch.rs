@@ -10,7 +10,7 @@ use std::sync::mpsc::Receiver;
 
 use sluice_nix::path_info::ValidPathInfo;
 
-use super::{Job, Reconnecting};
+use super::daemon_store::{Job, Reconnecting};
 use crate::store::{NarReader, StoreError};
 
 /// The protocol minor version from which a daemon takes AddMultipleToStore (1.32, Nix 2.4).
