@@ -367,17 +367,7 @@ mod tests {
     #[test]
     fn the_deepest_listing_renders_and_drops_on_a_small_stack() {
         let depth = crate::nar::reader::MAX_DEPTH;
-        let mut w = NarWriter::new(Vec::new()).unwrap();
-        let mut path: Vec<Vec<u8>> = Vec::new();
-        for _ in 0..depth {
-            w.directory_start(&path).unwrap();
-            path.push(b"d".to_vec());
-        }
-        w.symlink(&path, b"x").unwrap();
-        while path.pop().is_some() {
-            w.directory_end(&path).unwrap();
-        }
-        let nar = w.into_inner();
+        let nar = crate::nar::nested_nar(depth);
         let rendered = std::thread::Builder::new()
             .stack_size(64 * 1024)
             .spawn(move || {

@@ -89,3 +89,20 @@ pub fn check_name(name: &[u8]) -> Result<(), &'static str> {
         _ => Ok(()),
     }
 }
+
+/// A NAR of `depth` nested directories `d`, a symlink `-> x` at the bottom: the deep input of
+/// the reader's and the listing's tests.
+#[cfg(test)]
+pub(crate) fn nested_nar(depth: usize) -> Vec<u8> {
+    let mut w = writer::NarWriter::new(Vec::new()).unwrap();
+    let mut path: Vec<Vec<u8>> = Vec::new();
+    for _ in 0..depth {
+        w.directory_start(&path).unwrap();
+        path.push(b"d".to_vec());
+    }
+    w.symlink(&path, b"x").unwrap();
+    while path.pop().is_some() {
+        w.directory_end(&path).unwrap();
+    }
+    w.into_inner()
+}

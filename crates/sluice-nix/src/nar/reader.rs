@@ -377,7 +377,7 @@ impl<R: Read> Parser<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nar::writer::{regular_file_nar, NarWriter};
+    use crate::nar::writer::regular_file_nar;
     use crate::nar::{Discard, NarPath};
 
     /// Appends one NAR string token.
@@ -455,19 +455,7 @@ mod tests {
 
     #[test]
     fn depth_is_bounded_and_iterative() {
-        let build = |depth: usize| {
-            let mut w = NarWriter::new(Vec::new()).unwrap();
-            let mut path: Vec<Vec<u8>> = Vec::new();
-            for _ in 0..depth {
-                w.directory_start(&path).unwrap();
-                path.push(b"d".to_vec());
-            }
-            w.symlink(&path, b"x").unwrap();
-            while path.pop().is_some() {
-                w.directory_end(&path).unwrap();
-            }
-            w.into_inner()
-        };
+        let build = crate::nar::nested_nar;
         let ok = build(MAX_DEPTH);
         assert_eq!(validate(&ok[..]).unwrap(), ok.len() as u64);
         let tree = crate::nar::listing::list(&ok[..]).unwrap();
