@@ -121,6 +121,11 @@ impl Conn<'_> {
         self.temp_roots.add(path).map_err(op_err)
     }
 
+    /// [`Conn::add_temp_root`] of every path of `paths`, written together.
+    pub(crate) fn add_temp_roots(&mut self, paths: &[StorePath]) -> Result<(), Fail> {
+        self.temp_roots.add_all(paths).map_err(op_err)
+    }
+
     /// Sends a log line (`NEXT`) at once.
     pub(crate) fn log(&mut self, line: &str) -> io::Result<()> {
         self.stderr().next(&mut self.w, &format!("{line}\n"))?;

@@ -31,9 +31,11 @@ fn quick(op: Op) -> bool {
         IsValidPath
             | QueryReferrers
             | AddTempRoot
+            | AddTempRoots
             | SyncWithGC
             | SetOptions
             | QueryPathInfo
+            | QueryPathInfos
             | QueryPathFromHashPart
             | QueryValidDerivers
             | QueryDerivationOutputMap
@@ -88,6 +90,8 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
             roots::may_add_perm_root(c)?;
             run(c, roots::add_perm_root)
         }
+        Op::AddTempRoots => run(c, roots::add_temp_roots),
+        Op::QueryPathInfos => run(c, query::path_infos),
     }
 }
 

@@ -1,15 +1,17 @@
-//! Read-only queries: validity, path info, referrers, all paths, hash-part lookup, derivers
-//! and derivation outputs (Nix 2.8 `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases).
+//! Read-only queries: validity, path info (of one path, or of a set: QueryPathInfos),
+//! referrers, all paths, hash-part lookup, derivers and derivation outputs (Nix 2.8
+//! `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases; DeterminateSystems' for op 50).
 
 use sluice_nix::derivation::{drv_name, Derivation};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::ops::{
-    IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryReferrers,
+    IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryPathInfos, QueryReferrers,
     QueryValidDerivers, QueryValidPaths,
 };
 use sluice_nix::wire::{
-    write_bool, write_bytes, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info, MAX_PATH_LEN,
+    write_bool, write_bytes, write_keyed_path_info, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info,
+    MAX_PATH_LEN,
 };
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -85,6 +87,19 @@ fn answer_path_info(c: &mut Conn, path: &StorePath, info: Option<ValidPathInfo>)
         None if version.at_least(17) => c.reply(|w, _| write_bool(w, false)),
         None => Err(Fail::Op(format!("path '{}' is not valid", c.dir().display_path(path)))),
     }
+}
+
+/// QueryPathInfos (op 50, DeterminateSystems' Nix): path set → the count of valid paths, then
+/// each one's keyed info; the paths not answered are not valid. Read in one transaction, as
+/// pipelined QueryPathInfo requests are.
+pub(super) fn path_infos(c: &mut Conn, QueryPathInfos { paths }: QueryPathInfos) -> OpResult {
+    let paths: Vec<StorePath> = paths.into_iter().collect();
+    let infos = c.store().query_path_infos(&paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
+    let version = c.version;
+    c.reply(|w, dir| {
+        write_u64(w, infos.iter().flatten().count() as u64)?;
+        infos.iter().flatten().try_for_each(|info| write_keyed_path_info(w, dir, version, info))
+    })
 }
 
 /// QueryReferrers: path → the valid paths referring to it.

@@ -1,4 +1,4 @@
-//! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot, AddIndirectRoot, AddPermRoot,
+//! GC roots (Nix `gc.cc`, `local-fs-store.cc`): AddTempRoot(s), AddIndirectRoot, AddPermRoot,
 //! SyncWithGC, FindRoots. Temporary roots go to a per-connection file under `temproots` (see
 //! [`sluice_local_store::TempRoots`]) and indirect roots are Nix's `gcroots/auto/<hash>`
 //! symlinks, so that sluice's collector and Nix's both honour them.
@@ -7,7 +7,7 @@ use std::path::Path;
 
 use sluice_nix::base32;
 use sluice_nix::hash::{Hash, HashAlgo};
-use sluice_nix::wire::ops::{AddIndirectRoot, AddPermRoot, AddTempRoot, FindRoots, SyncWithGc};
+use sluice_nix::wire::ops::{AddIndirectRoot, AddPermRoot, AddTempRoot, AddTempRoots, FindRoots, SyncWithGc};
 use sluice_nix::wire::{write_bytes, write_u64};
 
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -15,6 +15,13 @@ use crate::conn::{op_err, Conn, Fail, OpResult};
 /// AddTempRoot: path → 1.
 pub(super) fn add_temp_root(c: &mut Conn, AddTempRoot { path }: AddTempRoot) -> OpResult {
     c.add_temp_root(&path)?;
+    c.reply(|w, _| write_u64(w, 1))
+}
+
+/// AddTempRoots (op 49, DeterminateSystems' Nix): path set → 1, every path a temporary root
+/// as AddTempRoot makes it, written together.
+pub(super) fn add_temp_roots(c: &mut Conn, AddTempRoots { paths }: AddTempRoots) -> OpResult {
+    c.add_temp_roots(&paths.into_iter().collect::<Vec<_>>())?;
     c.reply(|w, _| write_u64(w, 1))
 }
 

@@ -12,6 +12,7 @@
 
 mod derivation;
 mod error;
+pub mod features;
 mod framed;
 pub mod ops;
 mod primitives;
@@ -34,9 +35,9 @@ pub use stderr::{ActivityField, StderrWriter};
 pub use stderr_read::{read_stderr_message, StderrMessage};
 pub use types::{
     read_build_result, read_content_address, read_derived_paths, read_keyed_build_result, read_keyed_path_info, read_optional_store_path,
-    read_store_path, read_store_path_set, read_unkeyed_path_info, write_build_result, write_content_address, write_derived_path,
-    write_keyed_build_result, write_keyed_path_info, write_optional_store_path, write_store_path, write_store_path_set, write_trusted_flag,
-    write_unkeyed_path_info, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec, MAX_PATH_LEN,
+    read_store_path, read_store_path_set, read_trusted_flag, read_unkeyed_path_info, write_build_result, write_content_address,
+    write_derived_path, write_keyed_build_result, write_keyed_path_info, write_optional_store_path, write_store_path, write_store_path_set,
+    write_trusted_flag, write_unkeyed_path_info, BuildMode, BuildResult, BuildStatus, DerivedPath, OutputsSpec, MAX_PATH_LEN,
 };
 pub use version::ProtocolVersion;
 

@@ -100,6 +100,17 @@ pub fn write_trusted_flag(w: &mut (impl Write + ?Sized), trusted: Option<bool>) 
     )
 }
 
+/// Reads an optional trusted flag (the inverse of [`write_trusted_flag`]; Nix's
+/// `Serialise<std::optional<TrustedFlag>>::read`): `None` when the daemon does not say.
+pub fn read_trusted_flag(r: &mut (impl Read + ?Sized), what: &'static str) -> Result<Option<bool>, WireError> {
+    match read_u64(r, what)? {
+        0 => Ok(None),
+        1 => Ok(Some(true)),
+        2 => Ok(Some(false)),
+        n => Err(WireError::invalid(what, format!("{n} is not 0 (unknown), 1 (trusted) or 2 (not trusted)"))),
+    }
+}
+
 /// Writes the unkeyed part of `info` (everything but `path`) for protocol `version`; the
 /// ultimate flag, signatures and content address only from 1.16.
 pub fn write_unkeyed_path_info(

@@ -29,11 +29,11 @@ pub use build::{BuildDerivation, BuildPaths, BuildPathsWithResults, QueryMissing
 pub use maintenance::{CollectGarbage, OptimiseStore, VerifyStore};
 pub use options::{ClientSettings, SetOptions};
 pub use query::{
-    IsValidPath, NarFromPath, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryReferrers,
-    QuerySubstitutablePathInfos, QuerySubstitutablePaths, QueryValidDerivers, QueryValidPaths,
+    IsValidPath, NarFromPath, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryPathInfos,
+    QueryReferrers, QuerySubstitutablePathInfos, QuerySubstitutablePaths, QueryValidDerivers, QueryValidPaths,
 };
 pub use realisation::{QueryRealisation, RegisterDrvOutput, MAX_DRV_OUTPUT_ID, MAX_REALISATION};
-pub use roots::{AddIndirectRoot, AddPermRoot, AddTempRoot, EnsurePath, FindRoots, SyncWithGc};
+pub use roots::{AddIndirectRoot, AddPermRoot, AddTempRoot, AddTempRoots, EnsurePath, FindRoots, SyncWithGc};
 
 macro_rules! ops {
     ($($(#[$doc:meta])* $name:ident = $n:literal,)*) => {
@@ -103,6 +103,12 @@ ops! {
     AddBuildLog = 45,
     BuildPathsWithResults = 46,
     AddPermRoot = 47,
+    /// DeterminateSystems' Nix, with the feature `addTempRoots` (49 is reserved for it
+    /// upstream).
+    AddTempRoots = 49,
+    /// DeterminateSystems' Nix, with the feature `queryPathInfos` (50 is reserved for it
+    /// upstream).
+    QueryPathInfos = 50,
 }
 
 impl Op {
@@ -237,11 +243,14 @@ pub(crate) mod tests {
         assert_eq!(Op::QueryPathInfo.to_wire(), 26);
         assert_eq!(Op::AddMultipleToStore.to_wire(), 44);
         assert_eq!(Op::AddPermRoot.to_wire(), 47);
-        assert_eq!(Op::ALL.len(), 33);
+        // DeterminateSystems' nix-src, worker-protocol.hh.
+        assert_eq!(Op::AddTempRoots.to_wire(), 49);
+        assert_eq!(Op::QueryPathInfos.to_wire(), 50);
+        assert_eq!(Op::ALL.len(), 35);
         for op in Op::ALL {
             assert_eq!(Op::from_wire(op.to_wire()), Some(*op));
         }
-        for unknown in [0, 2, 3, 4, 5, 15, 16, 17, 18, 21, 22, 24, 25, 27, 28, 48, u64::MAX] {
+        for unknown in [0, 2, 3, 4, 5, 15, 16, 17, 18, 21, 22, 24, 25, 27, 28, 48, 51, u64::MAX] {
             assert_eq!(Op::from_wire(unknown), None, "{unknown}");
         }
         assert_eq!(Op::SyncWithGC.to_string(), "SyncWithGC");

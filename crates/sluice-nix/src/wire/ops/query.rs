@@ -60,6 +60,26 @@ impl Request for QueryValidPaths {
     }
 }
 
+/// QueryPathInfos (op 50, feature `queryPathInfos`; DeterminateSystems' `daemon.cc`): a path
+/// set → the count of valid paths, then each one's keyed info (its path, then the fields of
+/// QueryPathInfo's answer); a path not answered is not valid. Sent only once negotiated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueryPathInfos {
+    pub paths: BTreeSet<StorePath>,
+}
+
+impl Request for QueryPathInfos {
+    const OP: Op = Op::QueryPathInfos;
+
+    fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
+        Ok(QueryPathInfos { paths: read_store_path_set(r, dir, "paths")? })
+    }
+
+    fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
+        write_store_path_set(w, dir, self.paths.iter())
+    }
+}
+
 /// QueryPathFromHashPart: a store path's hash part (at most 64 bytes read) → the valid path
 /// with it, or the empty string.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +180,9 @@ mod tests {
             // The flag is a last word only from 1.27.
             assert_eq!(*words(&bytes).last().unwrap() == 1, minor >= 27, "1.{minor}");
             round_trip(&QueryPathFromHashPart { hash_part: "g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q".into() }, minor);
+            let bytes = round_trip(&QueryPathInfos { paths: paths.clone() }, minor);
+            // The op, then the set: its count and the paths, sorted.
+            assert_eq!(words(&bytes)[..3], [50, 2, "/nix/store/g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-a".len() as u64]);
             round_trip(&QuerySubstitutablePaths { paths }, minor);
             let cas = if minor >= 22 { ["fixed:r:sha256:1b8m03r63zqhnjf7l5wnldhh7c134ap5vpj0850ymkq1iyzicy5s", ""] } else { [""; 2] };
             // Before 1.22 the paths are a set: sorted, as they are read back.

@@ -1,9 +1,10 @@
 //! GC-root and temporary-root requests (Nix `daemon.cc`: `wopAddTempRoot`, `wopEnsurePath`,
 //! `wopAddIndirectRoot`, `wopAddPermRoot`, `wopSyncWithGC`, `wopFindRoots`).
 
+use std::collections::BTreeSet;
 use std::io::{self, Read, Write};
 
-use super::super::{read_store_path, read_string, write_bytes, write_store_path};
+use super::super::{read_store_path, read_store_path_set, read_string, write_bytes, write_store_path, write_store_path_set};
 use super::{empty_requests, path_requests, Op, Request};
 use crate::store_path::{StoreDir, StorePath};
 use crate::wire::{ProtocolVersion, WireError};
@@ -23,6 +24,25 @@ empty_requests! {
     SyncWithGc = SyncWithGC;
     /// FindRoots: no arguments → the GC roots (link → store path).
     FindRoots = FindRoots;
+}
+
+/// AddTempRoots (op 49, feature `addTempRoots`; DeterminateSystems' `daemon.cc`): a path set to
+/// keep alive for the connection → 1. Sent only once negotiated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddTempRoots {
+    pub paths: BTreeSet<StorePath>,
+}
+
+impl Request for AddTempRoots {
+    const OP: Op = Op::AddTempRoots;
+
+    fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
+        Ok(AddTempRoots { paths: read_store_path_set(r, dir, "paths")? })
+    }
+
+    fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
+        write_store_path_set(w, dir, self.paths.iter())
+    }
 }
 
 /// AddIndirectRoot: the absolute path of a symlink to register as a root → 1.
@@ -74,6 +94,8 @@ mod tests {
     fn round_trips() {
         for minor in VERSIONS {
             round_trip(&AddTempRoot { path: sp("a") }, minor);
+            let bytes = round_trip(&AddTempRoots { paths: [sp("b"), sp("a")].into() }, minor);
+            assert_eq!(bytes[..16], [49u64.to_le_bytes(), 2u64.to_le_bytes()].concat());
             round_trip(&EnsurePath { path: sp("a") }, minor);
             assert_eq!(round_trip(&SyncWithGc, minor), 13u64.to_le_bytes());
             round_trip(&FindRoots, minor);
