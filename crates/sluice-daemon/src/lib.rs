@@ -1,6 +1,7 @@
 //! `sluice daemon`: a Nix worker-protocol daemon (the server side of `unix://` and
 //! `ssh-ng://` stores) on a sluice [`LocalStore`]. Real, unmodified Nix clients (2.8 speaks
-//! protocol 1.34, current Nix 1.38+) connect to its Unix socket or talk to it on stdio.
+//! protocol 1.34, Nix 2.24–2.34 1.38, Nix 2.35 1.39) connect to its Unix socket or talk to it
+//! on stdio.
 //!
 //! One worker thread per connection (no fork), all sharing one store handle (one SQLite
 //! connection with its prepared statements) and one async runtime for substitution. Sources of
@@ -29,16 +30,27 @@ use sluice_store::store_url::LocalStoreConfig;
 
 pub use server::{serve_socket, serve_stdio};
 
-/// The worker-protocol version this daemon speaks at most: 1.37 (CPU times in build results;
-/// 1.36 AddPermRoot; 1.35 the trusted flag). 1.38's feature exchange is not offered, so a
-/// newer client (Nix 2.26: 1.38) negotiates 1.37.
-pub const PROTOCOL_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 37);
+/// The worker-protocol version this daemon speaks at most: 1.38 (Nix 2.24: the feature
+/// exchange, [`FEATURES`]; 1.37 CPU times in build results; 1.36 AddPermRoot; 1.35 the
+/// trusted flag).
+pub const PROTOCOL_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 38);
+
+/// The protocol features offered to clients of protocol ≥ 1.38: DeterminateSystems' batch
+/// operations AddTempRoots (op 49) and QueryPathInfos (op 50). Upstream's
+/// `delete-dead-specific-referrers` and `realisation-with-path-not-hash` (Nix 2.35) change the
+/// forms of CollectGarbage, build results and realisations, which sluice does not speak.
+pub const FEATURES: &[&str] = &[sluice_nix::wire::features::ADD_TEMP_ROOTS, sluice_nix::wire::features::QUERY_PATH_INFOS];
 
 /// The oldest client version accepted: 1.21 (Nix 2.0; AddToStoreNar through `STDERR_READ`).
 pub const MIN_CLIENT_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 21);
 
-/// The version string sent to clients of protocol ≥ 1.33 (Nix prints it in `nix store ping`).
-pub const NIX_VERSION: &str = concat!("2.8.0 (sluice ", env!("CARGO_PKG_VERSION"), ")");
+/// The version string sent to clients of protocol ≥ 1.33 (Nix prints it in `nix store info`;
+/// Nix's tests compare it with the daemon's `nix --version`): the Nix release that introduced
+/// the newest protocol sluice speaks (2.24.0, protocol 1.38), so that what a client expects of
+/// that release (the trusted flag, features) is what it gets, with sluice's version as
+/// build metadata (`+sluice.X.Y.Z`: one word, as Nix's tests cut it; semver precedence and
+/// Nix's `compareVersions` both place it at 2.24.0, before 2.24.1).
+pub const NIX_VERSION: &str = concat!("2.24.0+sluice.", env!("CARGO_PKG_VERSION"));
 
 /// Errors starting or running the daemon (each names the file or socket concerned).
 #[derive(Debug, thiserror::Error)]

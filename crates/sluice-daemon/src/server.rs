@@ -159,7 +159,13 @@ fn serve_connection(
     }
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
     let mut follower = client_pid.filter(|_| greeting.cpu.is_none() && daemon.follow_client_cpu).map(Follower::new);
-    tracing::debug!("{label}: protocol {} user {} trusted {}", conn.version, conn.peer.name, conn.peer.trusted);
+    tracing::debug!(
+        "{label}: protocol {} features {:?} user {} trusted {}",
+        conn.version,
+        greeting.features,
+        conn.peer.name,
+        conn.peer.trusted
+    );
     if let Err(e) = conn.stderr().last(&mut conn.w).and_then(|()| conn.w.flush()) {
         tracing::debug!("{label}: client gone: {e}");
         return;

@@ -19,6 +19,7 @@ mod nar_ls;
 mod narinfo_faults;
 mod parallel_decode;
 mod path_info_output;
+mod protocol;
 mod push;
 mod review;
 mod serve;
