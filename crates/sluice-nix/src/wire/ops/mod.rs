@@ -173,6 +173,31 @@ macro_rules! path_requests {
     };
 }
 
+/// Defines requests whose header is one store path set, `paths`.
+macro_rules! path_set_requests {
+    ($($(#[$doc:meta])* $name:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[derive(Debug, Clone, PartialEq, Eq)]
+            pub struct $name {
+                pub paths: std::collections::BTreeSet<crate::store_path::StorePath>,
+            }
+
+            impl super::Request for $name {
+                const OP: super::Op = super::Op::$name;
+
+                fn read(r: &mut dyn std::io::Read, dir: &crate::store_path::StoreDir, _: super::super::ProtocolVersion) -> Result<Self, super::super::WireError> {
+                    Ok($name { paths: super::super::read_store_path_set(r, dir, "paths")? })
+                }
+
+                fn write(&self, w: &mut dyn std::io::Write, dir: &crate::store_path::StoreDir, _: super::super::ProtocolVersion) -> std::io::Result<()> {
+                    super::super::write_store_path_set(w, dir, self.paths.iter())
+                }
+            }
+        )*
+    };
+}
+
 /// Defines requests with no header.
 macro_rules! empty_requests {
     ($($(#[$doc:meta])* $name:ident = $op:ident;)*) => {
@@ -196,7 +221,7 @@ macro_rules! empty_requests {
     };
 }
 
-pub(crate) use {empty_requests, path_requests};
+pub(crate) use {empty_requests, path_requests, path_set_requests};
 
 #[cfg(test)]
 pub(crate) mod tests {

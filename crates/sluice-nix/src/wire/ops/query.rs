@@ -10,7 +10,7 @@ use super::super::{
     read_bool, read_store_path, read_store_path_set, read_string, write_bool, write_bytes, write_store_path, write_store_path_set,
     write_u64,
 };
-use super::{empty_requests, path_requests, Op, Request};
+use super::{empty_requests, path_requests, path_set_requests, Op, Request};
 use crate::store_path::{StoreDir, StorePath};
 use crate::wire::{ProtocolVersion, WireError};
 
@@ -32,6 +32,16 @@ path_requests! {
 empty_requests! {
     /// QueryAllValidPaths: no arguments → every valid path.
     QueryAllValidPaths = QueryAllValidPaths;
+}
+
+path_set_requests! {
+    /// QuerySubstitutablePaths: paths → those a substituter has.
+    QuerySubstitutablePaths;
+    /// QueryPathInfos (op 50, feature `queryPathInfos`; DeterminateSystems' `daemon.cc`): a
+    /// path set → the count of valid paths, then each one's keyed info (its path, then the
+    /// fields of QueryPathInfo's answer); a path not answered is not valid. Sent only once
+    /// negotiated.
+    QueryPathInfos;
 }
 
 /// QueryValidPaths: paths and (≥ 1.27) whether to substitute those missing → the valid ones.
@@ -60,26 +70,6 @@ impl Request for QueryValidPaths {
     }
 }
 
-/// QueryPathInfos (op 50, feature `queryPathInfos`; DeterminateSystems' `daemon.cc`): a path
-/// set → the count of valid paths, then each one's keyed info (its path, then the fields of
-/// QueryPathInfo's answer); a path not answered is not valid. Sent only once negotiated.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QueryPathInfos {
-    pub paths: BTreeSet<StorePath>,
-}
-
-impl Request for QueryPathInfos {
-    const OP: Op = Op::QueryPathInfos;
-
-    fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
-        Ok(QueryPathInfos { paths: read_store_path_set(r, dir, "paths")? })
-    }
-
-    fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
-        write_store_path_set(w, dir, self.paths.iter())
-    }
-}
-
 /// QueryPathFromHashPart: a store path's hash part (at most 64 bytes read) → the valid path
 /// with it, or the empty string.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,24 +86,6 @@ impl Request for QueryPathFromHashPart {
 
     fn write(&self, w: &mut dyn Write, _: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
         write_bytes(w, self.hash_part.as_bytes())
-    }
-}
-
-/// QuerySubstitutablePaths: paths → those a substituter has.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QuerySubstitutablePaths {
-    pub paths: BTreeSet<StorePath>,
-}
-
-impl Request for QuerySubstitutablePaths {
-    const OP: Op = Op::QuerySubstitutablePaths;
-
-    fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
-        Ok(QuerySubstitutablePaths { paths: read_store_path_set(r, dir, "paths")? })
-    }
-
-    fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
-        write_store_path_set(w, dir, self.paths.iter())
     }
 }
 

@@ -1,11 +1,10 @@
 //! GC-root and temporary-root requests (Nix `daemon.cc`: `wopAddTempRoot`, `wopEnsurePath`,
 //! `wopAddIndirectRoot`, `wopAddPermRoot`, `wopSyncWithGC`, `wopFindRoots`).
 
-use std::collections::BTreeSet;
 use std::io::{self, Read, Write};
 
-use super::super::{read_store_path, read_store_path_set, read_string, write_bytes, write_store_path, write_store_path_set};
-use super::{empty_requests, path_requests, Op, Request};
+use super::super::{read_store_path, read_string, write_bytes, write_store_path};
+use super::{empty_requests, path_requests, path_set_requests, Op, Request};
 use crate::store_path::{StoreDir, StorePath};
 use crate::wire::{ProtocolVersion, WireError};
 
@@ -19,30 +18,17 @@ path_requests! {
     EnsurePath, "path";
 }
 
+path_set_requests! {
+    /// AddTempRoots (op 49, feature `addTempRoots`; DeterminateSystems' `daemon.cc`): a path
+    /// set to keep alive for the connection → 1. Sent only once negotiated.
+    AddTempRoots;
+}
+
 empty_requests! {
     /// SyncWithGC: no arguments → 1 (obsolete in Nix, a no-op).
     SyncWithGc = SyncWithGC;
     /// FindRoots: no arguments → the GC roots (link → store path).
     FindRoots = FindRoots;
-}
-
-/// AddTempRoots (op 49, feature `addTempRoots`; DeterminateSystems' `daemon.cc`): a path set to
-/// keep alive for the connection → 1. Sent only once negotiated.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AddTempRoots {
-    pub paths: BTreeSet<StorePath>,
-}
-
-impl Request for AddTempRoots {
-    const OP: Op = Op::AddTempRoots;
-
-    fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
-        Ok(AddTempRoots { paths: read_store_path_set(r, dir, "paths")? })
-    }
-
-    fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
-        write_store_path_set(w, dir, self.paths.iter())
-    }
 }
 
 /// AddIndirectRoot: the absolute path of a symlink to register as a root → 1.
