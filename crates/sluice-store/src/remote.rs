@@ -1,9 +1,13 @@
 //! A client of a Nix daemon (`sluice daemon` or `nix-daemon`): [`DaemonConnection`], the
 //! worker protocol's client side (`RemoteStore` in Nix `src/libstore/remote-store.cc`) over any
 //! byte stream (a Unix socket, or a child process's standard input and output as `ssh-ng://`
-//! uses): queries, a NAR read (NarFromPath), additions (AddToStoreNar, AddMultipleToStore) and
-//! the build operations, sent as `sluice_nix::wire::ops` requests, with the old CPU-affinity
-//! hint; and [`DaemonStore`], a daemon behind the [`Store`](crate::store::Store) interface.
+//! uses): queries, temporary roots, a NAR read (NarFromPath), additions (AddToStoreNar,
+//! AddMultipleToStore) and the build operations, sent as `sluice_nix::wire::ops` requests, with
+//! the old CPU-affinity hint; and [`DaemonStore`], a daemon behind the
+//! [`Store`](crate::store::Store) interface. With a daemon that offers them (protocol ≥ 1.38,
+//! the features of DeterminateSystems' Nix, `sluice daemon`), path infos and temporary roots of
+//! a path set go in one request each (QueryPathInfos, AddTempRoots); otherwise one request per
+//! path, pipelined.
 //! With `lock-cpu`, the client pins its thread to the CPU it is running on and sends that CPU
 //! in the greeting (flag 1, then the CPU: protocol ≥ 1.14, as Nix 1.6–2.5 did), so that a
 //! daemon which honours it (sluice does) runs the connection's worker on the same CPU and each
@@ -14,14 +18,17 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::wire::features::{
+    feature_set, negotiated, read_features, write_features, FeatureSet, ADD_TEMP_ROOTS, FEATURES_VERSION, QUERY_PATH_INFOS,
+};
 use sluice_nix::wire::ops::{
-    write_request, AddMultipleToStore, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults, IsValidPath, NarFromPath,
-    QueryPathInfo, Request, SetOptions,
+    write_request, AddMultipleToStore, AddTempRoot, AddTempRoots, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults,
+    IsValidPath, NarFromPath, QueryPathInfo, QueryPathInfos, Request, SetOptions,
 };
 use sluice_nix::wire::{
-    read_bool, read_build_result, read_keyed_build_result, read_stderr_message, read_string, read_u64, read_unkeyed_path_info,
-    write_keyed_path_info, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage,
-    WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
+    read_bool, read_build_result, read_keyed_build_result, read_keyed_path_info, read_stderr_message, read_string, read_trusted_flag,
+    read_u64, read_unkeyed_path_info, write_keyed_path_info, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter,
+    ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
 use sluice_nix::path_info::ValidPathInfo;
@@ -31,9 +38,13 @@ mod daemon_store;
 
 pub use daemon_store::DaemonStore;
 
-/// The protocol version this client speaks: 1.34 (Nix 2.8's), so that no 1.35+ field is
-/// expected; the daemon answers with min(its version, ours) as a whole.
-pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 34);
+/// The protocol version this client speaks: 1.38 (Nix 2.24–2.34's; the daemon's trusted flag
+/// from 1.35, CPU times in build results from 1.37, the feature exchange from 1.38). Both sides
+/// use min(daemon, client) as a whole.
+pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 38);
+
+/// The features this client offers at ≥ 1.38 and uses when the daemon offers them too.
+pub const CLIENT_FEATURES: &[&str] = &[ADD_TEMP_ROOTS, QUERY_PATH_INFOS];
 
 /// The oldest daemon this client talks to (1.21: path info with signatures, no legacy forms).
 const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
@@ -112,8 +123,12 @@ pub struct DaemonConnection {
     r: BufReader<DaemonReader>,
     w: BufWriter<DaemonWriter>,
     version: ProtocolVersion,
+    /// The features both sides offered (≥ 1.38).
+    features: FeatureSet,
     store_dir: StoreDir,
     daemon_version: Option<String>,
+    /// Whether the daemon trusts this client (≥ 1.35; `None` when it does not say).
+    trusted: Option<bool>,
     pinned_cpu: Option<usize>,
 }
 
@@ -146,8 +161,10 @@ impl DaemonConnection {
             r: BufReader::with_capacity(64 * 1024, reader),
             w: BufWriter::with_capacity(64 * 1024, writer),
             version: CLIENT_VERSION,
+            features: FeatureSet::new(),
             store_dir: StoreDir::default(),
             daemon_version: None,
+            trusted: None,
             pinned_cpu,
         };
         conn.greet()?;
@@ -159,9 +176,19 @@ impl DaemonConnection {
         self.version
     }
 
+    /// The features negotiated (those of [`CLIENT_FEATURES`] the daemon offers too).
+    pub fn features(&self) -> &FeatureSet {
+        &self.features
+    }
+
     /// The daemon's version string (sent by daemons ≥ 1.33).
     pub fn daemon_version(&self) -> Option<&str> {
         self.daemon_version.as_deref()
+    }
+
+    /// Whether the daemon trusts this client, as it said in the greeting (≥ 1.35).
+    pub fn trusted(&self) -> Option<bool> {
+        self.trusted
     }
 
     /// The CPU this client pinned itself to and named to the daemon, if any.
@@ -187,30 +214,79 @@ impl DaemonConnection {
         self.read_path_info(path)
     }
 
-    /// The registrations of `paths` (`None` for each that is not valid), in order. The
-    /// requests are pipelined: up to [`PIPELINE_BYTES`] of them are written at once and then
-    /// their replies read, so a batch costs one round trip per few hundred paths instead of
-    /// one per path (the daemon serves requests one after another, in order). After an error
-    /// the rest of the batch's replies are unread: drop the connection.
+    /// The registrations of `paths` (`None` for each that is not valid), in order: one
+    /// QueryPathInfos when the daemon offers it, else one QueryPathInfo per path, pipelined
+    /// ([`DaemonConnection::pipelined`]). After an error the rest of the replies are unread:
+    /// drop the connection.
     pub fn query_path_infos(&mut self, paths: &[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, RemoteError> {
-        let mut infos = Vec::with_capacity(paths.len());
-        let mut rest = paths;
+        if !self.features.contains(QUERY_PATH_INFOS) {
+            let requests: Vec<QueryPathInfo> = paths.iter().map(|p| QueryPathInfo { path: p.clone() }).collect();
+            return self.pipelined(&requests, "QueryPathInfo", |c, r| c.read_path_info(&r.path));
+        }
+        let what = "QueryPathInfos";
+        let mut unanswered: std::collections::BTreeSet<StorePath> = paths.iter().cloned().collect();
+        self.request(&QueryPathInfos { paths: unanswered.clone() }, what)?;
+        let n = read_u64(&mut self.r, "path info count").map_err(self.wire_err(what))?;
+        let mut infos = std::collections::BTreeMap::new();
+        for _ in 0..n {
+            let info = read_keyed_path_info(&mut self.r, &self.store_dir, self.version).map_err(self.wire_err(what))?;
+            if !unanswered.remove(&info.path) {
+                let message =
+                    format!("{what}: an info for {}, which was not asked or was answered already", self.store_dir.display_path(&info.path));
+                return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
+            }
+            infos.insert(info.path.clone(), info);
+        }
+        Ok(paths.iter().map(|p| infos.get(p).cloned()).collect())
+    }
+
+    /// Makes `paths` temporary roots in the daemon for the rest of the connection (Nix's
+    /// `addTempRoot`): one AddTempRoots when the daemon offers it, else one AddTempRoot per
+    /// path, pipelined.
+    pub fn add_temp_roots(&mut self, paths: &[StorePath]) -> Result<(), RemoteError> {
+        if paths.is_empty() {
+            return Ok(());
+        }
+        if !self.features.contains(ADD_TEMP_ROOTS) {
+            let requests: Vec<AddTempRoot> = paths.iter().map(|p| AddTempRoot { path: p.clone() }).collect();
+            let read = |c: &mut Self, _: &AddTempRoot| read_u64(&mut c.r, "AddTempRoot result").map_err(c.wire_err("AddTempRoot"));
+            return self.pipelined(&requests, "AddTempRoot", read).map(drop);
+        }
+        let what = "AddTempRoots";
+        self.request(&AddTempRoots { paths: paths.iter().cloned().collect() }, what)?;
+        read_u64(&mut self.r, "AddTempRoots result").map_err(self.wire_err(what))?;
+        Ok(())
+    }
+
+    /// Sends `requests` pipelined: up to [`PIPELINE_BYTES`] of them are written at once and
+    /// then their replies read by `read` (after each one's `LAST`), so that a batch costs one
+    /// round trip per few hundred requests instead of one per request (the daemon serves
+    /// requests one after another, in order). After an error the rest of the batch's replies
+    /// are unread: drop the connection.
+    fn pipelined<R: Request, T>(
+        &mut self,
+        requests: &[R],
+        what: &'static str,
+        mut read: impl FnMut(&mut Self, &R) -> Result<T, RemoteError>,
+    ) -> Result<Vec<T>, RemoteError> {
+        let mut replies = Vec::with_capacity(requests.len());
+        let mut rest = requests;
         while !rest.is_empty() {
-            let io = self.io_err("QueryPathInfo");
-            let (mut sent, mut request) = (0, Vec::new());
-            while sent < rest.len() && request.len() < PIPELINE_BYTES {
-                write_request(&mut request, &self.store_dir, self.version, &QueryPathInfo { path: rest[sent].clone() }).map_err(&io)?;
+            let io = self.io_err(what);
+            let (mut sent, mut batch) = (0, Vec::new());
+            while sent < rest.len() && batch.len() < PIPELINE_BYTES {
+                write_request(&mut batch, &self.store_dir, self.version, &rest[sent]).map_err(&io)?;
                 sent += 1;
             }
-            self.w.write_all(&request).map_err(&io)?;
+            self.w.write_all(&batch).map_err(&io)?;
             self.w.flush().map_err(&io)?;
-            for path in &rest[..sent] {
-                self.finish_stderr("QueryPathInfo")?;
-                infos.push(self.read_path_info(path)?);
+            for request in &rest[..sent] {
+                self.finish_stderr(what)?;
+                replies.push(read(self, request)?);
             }
             rest = &rest[sent..];
         }
-        Ok(infos)
+        Ok(replies)
     }
 
     /// Reads a QueryPathInfo result (after `LAST`) for `path`.
@@ -397,8 +473,10 @@ impl DaemonConnection {
         read_build_result(&mut self.r, self.version).map_err(self.wire_err(what))
     }
 
-    /// The greeting: magic numbers, versions, the affinity hint, obsolete reserveSpace, the
-    /// daemon's version string and trust flag, then its startup messages up to `LAST`.
+    /// The greeting (Nix's `BasicClientConnection::handshake` and `postHandshake`,
+    /// `worker-protocol-connection.cc`): magic numbers, versions, (≥ 1.38) this client's
+    /// features then the daemon's, the affinity hint, obsolete reserveSpace, the daemon's version
+    /// string (≥ 1.33) and trust flag (≥ 1.35), then its startup messages up to `LAST`.
     fn greet(&mut self) -> Result<(), RemoteError> {
         let what = "greeting";
         let io = self.io_err(what);
@@ -418,6 +496,11 @@ impl DaemonConnection {
         self.version = daemon.min(CLIENT_VERSION);
         let io = self.io_err(what);
         write_u64(&mut self.w, CLIENT_VERSION.to_wire()).map_err(&io)?;
+        if self.version >= FEATURES_VERSION {
+            write_features(&mut self.w, &feature_set(CLIENT_FEATURES)).and_then(|()| self.w.flush()).map_err(&io)?;
+            let offered = read_features(&mut self.r, "daemon features").map_err(self.wire_err(what))?;
+            self.features = negotiated(CLIENT_FEATURES, &offered);
+        }
         match self.pinned_cpu {
             Some(cpu) => write_u64(&mut self.w, 1).and_then(|()| write_u64(&mut self.w, cpu as u64)),
             None => write_u64(&mut self.w, 0),
@@ -427,6 +510,9 @@ impl DaemonConnection {
         if self.version.at_least(33) {
             let v = read_string(&mut self.r, 1024, "daemon version string").map_err(self.wire_err(what))?;
             self.daemon_version = Some(v);
+        }
+        if self.version.at_least(35) {
+            self.trusted = read_trusted_flag(&mut self.r, "daemon trusted flag").map_err(self.wire_err(what))?;
         }
         self.finish_stderr(what)
     }

@@ -15,7 +15,7 @@ pub(crate) fn sluice() -> &'static str {
     env!("CARGO_BIN_EXE_sluice")
 }
 
-fn cache_key() -> String {
+pub(crate) fn cache_key() -> String {
     std::fs::read_to_string(format!("{SHARED}/corpus/keys/cache-key.pub")).expect("corpus signing key").trim().to_owned()
 }
 
@@ -113,7 +113,7 @@ impl Env {
     /// chroot to their logical path (`/nix/store/…`, not the chroot store's real directory:
     /// `LocalDerivationGoal::buildDone`, "Move paths out of the chroot for easier debugging"),
     /// which without this is the machine's real store. (Without a `/nix`, there is none to keep.)
-    fn nix_daemon(&self, socket: &str, root: &str, nix_conf: &str) -> Daemon {
+    pub(crate) fn nix_daemon(&self, socket: &str, root: &str, nix_conf: &str) -> Daemon {
         let conf = self.path(&format!("{socket}-conf"));
         std::fs::create_dir_all(&conf).unwrap();
         std::fs::write(conf.join("nix.conf"), nix_conf).unwrap();
@@ -185,7 +185,7 @@ impl Drop for Daemon {
     }
 }
 
-fn store_path_of(cache_dir: &Path, hash: &str) -> String {
+pub(crate) fn store_path_of(cache_dir: &Path, hash: &str) -> String {
     let text = std::fs::read_to_string(cache_dir.join(format!("{hash}.narinfo"))).unwrap();
     text.lines().find_map(|l| l.strip_prefix("StorePath: ")).unwrap().to_owned()
 }
@@ -643,7 +643,7 @@ fn the_daemon_client_runs_over_a_childs_stdio() {
         .unwrap();
     let (stdin, stdout) = (child.stdin.take().unwrap(), child.stdout.take().unwrap());
     let mut conn = sluice_store::remote::DaemonConnection::over("sluice daemon --stdio".into(), Box::new(stdout), Box::new(stdin)).unwrap();
-    assert_eq!(conn.version().to_string(), "1.34");
+    assert_eq!(conn.version().to_string(), "1.38");
     assert!(conn.daemon_version().is_some_and(|v| v.starts_with("2.24.0+sluice.")), "{:?}", conn.daemon_version());
     conn.set_options(&sluice_nix::wire::ops::SetOptions::default()).unwrap();
     let (path, nar, ca) = honest_dep();
@@ -789,7 +789,7 @@ fn daemon_and_client_1_34(env: &Env) -> (Daemon, std::os::unix::net::UnixStream)
 
 /// A raw client connection after the greeting as protocol 1.`minor` (1.30 to 1.37: no
 /// feature exchange), with the daemon's trusted flag (≥ 1.35: 1 trusted, 2 not).
-fn raw_client(env: &Env, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
+pub(crate) fn raw_client(env: &Env, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
     use std::io::Write;
     let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
     client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

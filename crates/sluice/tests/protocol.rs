@@ -1,17 +1,23 @@
 //! The worker protocol's versions and features through `sluice daemon`: Nix 2.26's 1.38
 //! greeting (its bytes kept in `tests/data/nix-2.26-greeting.txt`, captured from Nix 2.26 and
-//! nix-daemon 2.26), Nix 2.8's 1.34 one, a 1.37 client's.
+//! nix-daemon 2.26), Nix 2.8's 1.34 one, a 1.37 client's, and the batch operations of
+//! DeterminateSystems' Nix (AddTempRoots, op 49; QueryPathInfos, op 50) through sluice's own
+//! client, each answering as the per-path operations do, in sluice daemon and in nix-daemon.
 
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::features::{feature_set, read_features, FeatureSet};
 use sluice_nix::wire::{read_string, read_trusted_flag, read_u64, ProtocolVersion, WORKER_MAGIC_1, WORKER_MAGIC_2};
+use sluice_store::remote::{DaemonConnection, DaemonStore};
+use sluice_store::store::Store;
 
-use crate::daemon::{self, request, u64s, Env, LAST, MISSING, SHARED};
+use crate::daemon::{self, request, store_path_of, u64s, Env, LAST, MISSING, SHARED};
 
 /// The bytes of one direction (`C>D` or `D>C`) of the golden greeting.
 fn golden(direction: &str) -> Vec<u8> {
@@ -168,4 +174,92 @@ fn a_newer_client_and_a_1_37_client_get_their_own_greetings() {
     let mut answer = vec![0u8; expected.len()];
     old.read_exact(&mut answer).unwrap();
     assert_eq!(answer, expected);
+}
+
+/// The files of `<state>/temproots` not in `before`, and the temporary roots they hold (each
+/// daemon writes a root before it answers).
+fn new_temp_roots(state: &Path, before: &BTreeSet<String>) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut files = BTreeSet::new();
+    let mut roots = BTreeSet::new();
+    for entry in std::fs::read_dir(state.join("temproots")).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        if !before.contains(&name) {
+            let text = std::fs::read_to_string(state.join("temproots").join(&name)).unwrap();
+            roots.extend(text.split('\0').filter(|p| !p.is_empty()).map(str::to_owned));
+            files.insert(name);
+        }
+    }
+    (files, roots)
+}
+
+/// sluice's client negotiates QueryPathInfos and AddTempRoots with sluice daemon and uses
+/// them: on a real closure (glibc's, substituted from the corpus cache) and a missing path,
+/// QueryPathInfos answers what QueryPathInfo answers path by path, and what nix-daemon 2.8
+/// (no features: sluice's client falls back to pipelined per-path requests) answers on the
+/// same store; AddTempRoots roots exactly the paths that AddTempRoot, path by path, roots (in
+/// sluice daemon for a raw 1.37 client, and in nix-daemon for sluice's client); a
+/// [`DaemonStore`] roots the paths it looks up.
+#[test]
+fn batch_path_infos_and_temp_roots_answer_as_the_per_path_operations() {
+    let env = Env::new();
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, "");
+    let key = crate::daemon::cache_key();
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    env.nix("nix", &["copy", "--from", &cache, "--to", &daemon.url, &glibc, "--option", "trusted-public-keys", &key]);
+    let dir = StoreDir::default();
+    let mut paths: Vec<StorePath> =
+        env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]).lines().map(|l| dir.parse_path(l).unwrap()).collect();
+    assert!(paths.len() > 1);
+    let closure: BTreeSet<String> = paths.iter().map(|p| dir.display_path(p)).collect();
+    paths.push(dir.parse_path(std::str::from_utf8(MISSING).unwrap()).unwrap());
+
+    let mut sluice = DaemonConnection::connect(&env.path("socket"), false).unwrap();
+    assert_eq!(sluice.version(), ProtocolVersion::new(1, 38));
+    assert_eq!(sluice.features(), &feature_set(&["addTempRoots", "queryPathInfos"]));
+    assert_eq!(sluice.trusted(), Some(true));
+    let batch = sluice.query_path_infos(&paths).unwrap();
+    let one_by_one: Vec<_> = paths.iter().map(|p| sluice.query_path_info(p).unwrap()).collect();
+    assert_eq!(batch, one_by_one);
+    assert!(batch.last().unwrap().is_none() && batch.iter().filter(|i| i.is_some()).count() == closure.len());
+    assert!(batch[0].as_ref().is_some_and(|i| i.nar_size > 0 && !i.sigs.is_empty()), "{:?}", batch[0]);
+
+    let nix_daemon = env.nix_daemon("nix-socket", "root", "");
+    let mut nix = DaemonConnection::connect(&env.path("nix-socket"), false).unwrap();
+    assert_eq!((nix.version(), nix.features()), (ProtocolVersion::new(1, 34), &FeatureSet::new()));
+    assert_eq!(nix.query_path_infos(&paths).unwrap(), batch, "nix-daemon 2.8's answers");
+
+    let state = env.path("root/nix/var/nix");
+    std::fs::create_dir_all(state.join("temproots")).unwrap();
+    let live = &paths[..paths.len() - 1];
+    let before = new_temp_roots(&state, &BTreeSet::new()).0;
+    sluice.add_temp_roots(live).unwrap();
+    let (sluice_file, roots) = new_temp_roots(&state, &before);
+    assert_eq!(roots, closure, "AddTempRoots in sluice daemon");
+
+    let before: BTreeSet<String> = before.union(&sluice_file).cloned().collect();
+    let (mut raw, _) = daemon::raw_client(&env, 37);
+    for p in live {
+        raw.write_all(&request(11, &[Err(dir.display_path(p).as_bytes())])).unwrap();
+    }
+    for _ in live {
+        assert_eq!((daemon::read_u64(&mut raw), daemon::read_u64(&mut raw)), (LAST, 1));
+    }
+    let (raw_file, roots) = new_temp_roots(&state, &before);
+    assert_eq!(roots, closure, "AddTempRoot path by path in sluice daemon");
+
+    let before: BTreeSet<String> = before.union(&raw_file).cloned().collect();
+    nix.add_temp_roots(live).unwrap();
+    let (nix_file, roots) = new_temp_roots(&state, &before);
+    assert_eq!(roots, closure, "AddTempRoot path by path in nix-daemon 2.8");
+
+    // DaemonStore (the copy's destination) roots what it looks up, as Nix's copyPaths does.
+    let before: BTreeSet<String> = before.union(&nix_file).cloned().collect();
+    let store = DaemonStore::connect(&daemon.url, &env.path("socket"), false, true).unwrap();
+    let valid = futures::executor::block_on(store.query_valid_paths(&paths)).unwrap();
+    assert_eq!(valid.iter().map(|p| dir.display_path(p)).collect::<BTreeSet<_>>(), closure);
+    // Every path looked up, the missing one too (it may be added next).
+    let asked: BTreeSet<String> = paths.iter().map(|p| dir.display_path(p)).collect();
+    assert_eq!(new_temp_roots(&state, &before).1, asked, "DaemonStore::query_valid_paths");
+    drop((sluice, raw, nix, nix_daemon, store, daemon));
 }

@@ -1,6 +1,7 @@
 //! [`DaemonStore`]: a daemon behind the [`Store`](crate::store::Store) interface, its one
 //! connection on a thread of its own.
 
+use std::collections::BTreeSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -114,6 +115,21 @@ impl crate::store::Store for DaemonStore {
         Box::pin(async move {
             let infos = self.run(move |c| c.query_path_infos(&paths)).await?;
             Ok(infos.into_iter().map(|i| i.map(PathInfo::of)).collect())
+        })
+    }
+
+    /// Each path is made a temporary root of the connection before it is looked up, as Nix's
+    /// `copyPaths` does (`addTempRoots`, then `queryValidPaths`), so that a path found valid
+    /// stays valid in the daemon while the connection lives (a path added later may refer to it).
+    fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        let paths = paths.to_vec();
+        Box::pin(async move {
+            self.run(move |c| {
+                c.add_temp_roots(&paths)?;
+                let infos = c.query_path_infos(&paths)?;
+                Ok(paths.into_iter().zip(infos).filter_map(|(p, i)| i.map(|_| p)).collect())
+            })
+            .await
         })
     }
 
