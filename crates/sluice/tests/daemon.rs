@@ -163,11 +163,12 @@ impl Env {
     }
 }
 
-/// Waits until `child` (a daemon) has created `socket`.
+/// Waits until `child` (a daemon) listens on `socket`: the socket file exists from its `bind`,
+/// a moment before its `listen`, when a connection is still refused.
 fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
     let start = Instant::now();
-    while !socket.exists() {
-        assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not listen on {}", socket.display());
         std::thread::sleep(Duration::from_millis(20));
     }
     Daemon { child, url: format!("unix://{}", socket.display()) }
