@@ -148,6 +148,10 @@ fn build_mode_and_trusted_flag() {
         write_trusted_flag(&mut out, j.as_bool()).unwrap();
     }
     assert_eq!(out, bin);
+    let r = &mut bin.as_slice();
+    let back: Vec<Option<bool>> = json.as_array().unwrap().iter().map(|_| read_trusted_flag(r, "trusted flag").unwrap()).collect();
+    assert_eq!(back, json.as_array().unwrap().iter().map(Value::as_bool).collect::<Vec<_>>());
+    assert!(read_trusted_flag(&mut 3u64.to_le_bytes().as_slice(), "trusted flag").is_err());
 }
 
 #[test]
