@@ -1,7 +1,7 @@
 //! `sluice daemon`: a Nix worker-protocol daemon (the server side of `unix://` and
 //! `ssh-ng://` stores) on a sluice [`LocalStore`]. Real, unmodified Nix clients (2.8 speaks
-//! protocol 1.34, Nix 2.24–2.34 1.38, Nix 2.35 1.39) connect to its Unix socket or talk to it
-//! on stdio.
+//! protocol 1.34, Nix 2.24 and later 1.38 with features) connect to its Unix socket or talk to
+//! it on stdio.
 //!
 //! One worker thread per connection (no fork), all sharing one store handle (one SQLite
 //! connection with its prepared statements) and one async runtime for substitution. Sources of

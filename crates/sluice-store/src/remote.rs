@@ -38,7 +38,7 @@ mod daemon_store;
 
 pub use daemon_store::DaemonStore;
 
-/// The protocol version this client speaks: 1.38 (Nix 2.24–2.34's; the daemon's trusted flag
+/// The protocol version this client speaks: 1.38 (Nix 2.24 and later; the daemon's trusted flag
 /// from 1.35, CPU times in build results from 1.37, the feature exchange from 1.38). Both sides
 /// use min(daemon, client) as a whole.
 pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 38);
