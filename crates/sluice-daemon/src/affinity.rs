@@ -1,9 +1,20 @@
-//! CPU affinity of a worker thread: old clients (protocol ≥ 1.14, Nix 1.6–2.5 with
-//! `NIX_AFFINITY_HACK`) send flag 1 and the CPU they run on; the worker serving them is pinned
-//! to that CPU so that each round trip stays on one CPU, and its previous affinity is restored
-//! when the connection ends (Nix's `setAffinityTo`/`restoreAffinity`, removed in Nix 2.6).
+//! CPU placement of a connection: its worker thread and its client on one CPU, so that each
+//! round trip wakes a thread on the CPU that just went idle instead of another one (on a
+//! 2-vCPU VM a Unix-socket round trip costs 41 µs across CPUs and 9 µs on one).
+//!
+//! Nix 1.6–2.5 asked for this themselves: with `NIX_AFFINITY_HACK` the client pinned itself
+//! and sent affinity flag 1 and its CPU in the greeting, and the daemon's worker pinned itself
+//! to that CPU (Nix's `setAffinityTo`/`restoreAffinity`, `src/libutil/affinity.cc`, removed in
+//! Nix 2.6). For clients that send no CPU, [`Placement::pin_client`] does both sides from the
+//! daemon: the client's main thread (whose id is the peer pid from `SO_PEERCRED`, the thread
+//! that makes a Nix client's store calls) and the worker go to one CPU for the connection's
+//! life, and the client's threads and descendants that inherited the pin get their previous
+//! affinity back when the connection ends.
 
-use rustix::process::{sched_getaffinity, sched_setaffinity, CpuSet};
+use std::os::unix::fs::MetadataExt;
+use std::sync::Mutex;
+
+use rustix::process::{sched_getaffinity, sched_setaffinity, CpuSet, Pid};
 
 /// While alive, the calling thread is pinned to one CPU; dropping it restores the previous
 /// affinity.
@@ -17,9 +28,7 @@ impl Pinned {
     pub(crate) fn to_cpu(cpu: u64) -> Option<Pinned> {
         let previous = sched_getaffinity(None).map_err(|e| tracing::warn!("reading the worker's CPU affinity: {e}")).ok()?;
         let cpu = usize::try_from(cpu).ok().filter(|c| *c < CpuSet::MAX_CPU)?;
-        let mut set = CpuSet::new();
-        set.set(cpu);
-        match sched_setaffinity(None, &set) {
+        match sched_setaffinity(None, &only(cpu)) {
             Ok(()) => {
                 tracing::debug!(cpu, "worker pinned to the client's CPU");
                 Some(Pinned { previous })
@@ -40,63 +49,243 @@ impl Drop for Pinned {
     }
 }
 
-/// Ops between two looks at where a followed client runs.
-const FOLLOW_INTERVAL: u32 = 32;
+/// How many connections the daemon has placed on each CPU, so that concurrent clients are
+/// spread over the CPUs instead of sharing the one they happened to start on.
+#[derive(Default)]
+pub(crate) struct CpuUse(Mutex<Vec<u32>>);
 
-/// Keeps a connection's worker on the CPU its client last ran on (for clients that send no
-/// CPU, i.e. every Nix since 2.6): before every [`FOLLOW_INTERVAL`]th operation it reads the
-/// client's CPU from `/proc/<pid>/stat` and re-pins the worker if the client moved. Dropping
-/// it restores the worker's previous affinity.
-pub(crate) struct Follower {
-    pid: i32,
-    cpu: Option<usize>,
-    ops: u32,
-    _restore: Option<Pinned>,
+impl CpuUse {
+    /// Counts a connection on the CPU of `candidates` with the fewest, `preferred` on a tie.
+    fn take(&self, candidates: &CpuSet, preferred: usize) -> Option<Taken<'_>> {
+        let mut counts = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let count = |cpu: usize| counts.get(cpu).copied().unwrap_or(0);
+        let cpu = (0..CpuSet::MAX_CPU).filter(|c| candidates.is_set(*c)).min_by_key(|c| (count(*c), *c != preferred, *c))?;
+        if counts.len() <= cpu {
+            counts.resize(cpu + 1, 0);
+        }
+        counts[cpu] += 1;
+        Some(Taken { uses: self, cpu })
+    }
 }
 
-impl Follower {
-    /// Follows the client process `pid`.
-    pub(crate) fn new(pid: i32) -> Self {
-        Follower { pid, cpu: None, ops: 0, _restore: None }
-    }
+/// One connection counted on `cpu` until dropped.
+struct Taken<'a> {
+    uses: &'a CpuUse,
+    cpu: usize,
+}
 
-    /// Called before each operation.
-    pub(crate) fn tick(&mut self) {
-        self.ops = self.ops.wrapping_add(1);
-        if self.ops % FOLLOW_INTERVAL != 1 {
-            return;
-        }
-        let Some(cpu) = client_cpu(self.pid) else { return };
-        if self.cpu == Some(cpu) {
-            return;
-        }
-        if self._restore.is_none() {
-            self._restore = Pinned::to_cpu(cpu as u64);
-            self.cpu = self._restore.as_ref().map(|_| cpu);
-        } else {
-            let mut set = CpuSet::new();
-            set.set(cpu);
-            self.cpu = sched_setaffinity(None, &set).ok().map(|()| cpu);
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let mut counts = self.uses.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(n) = counts.get_mut(self.cpu) {
+            *n = n.saturating_sub(1);
         }
     }
 }
 
-/// The CPU process `pid` last ran on (field 39 of `/proc/<pid>/stat`).
+/// Where a connection runs, undone when dropped: the client's affinity first, then the
+/// worker's, then the CPU's count.
+pub(crate) struct Placement<'a> {
+    _client: Option<ClientPin>,
+    _worker: Pinned,
+    _taken: Taken<'a>,
+}
+
+impl<'a> Placement<'a> {
+    /// Pins client process `pid` (its main thread) and the calling worker thread to one CPU:
+    /// the least used (by this daemon's connections) of the CPUs both may run on, the client's
+    /// current one on a tie. A client already confined to one CPU (e.g. `taskset -c 1`) is
+    /// left as it is and the worker joins it. `None`, leaving both as they were, when the
+    /// client's affinity is narrower than the worker's in any other way (someone chose it),
+    /// when the client cannot be seen or changed (another pid namespace, another user's
+    /// process for a daemon that is not root), or on one CPU. Only a process of the peer's
+    /// `uid` (its effective uid) is touched: the pid from `SO_PEERCRED` is the one that
+    /// connected, which may since have exited and been reused.
+    pub(crate) fn pin_client(uses: &'a CpuUse, pid: i32, uid: u32) -> Option<Placement<'a>> {
+        let client = Pid::from_raw(pid)?;
+        if std::fs::metadata(format!("/proc/{pid}")).ok()?.uid() != uid {
+            return None;
+        }
+        let worker_cpus = sched_getaffinity(None).ok()?;
+        let client_cpus = sched_getaffinity(Some(client)).map_err(|e| tracing::debug!("reading client {pid}'s CPU affinity: {e}")).ok()?;
+        let current = client_cpu(pid)?;
+        match placement(&worker_cpus, &client_cpus)? {
+            Choice::JoinClient => {
+                let taken = uses.take(&client_cpus, current)?;
+                let worker = Pinned::to_cpu(taken.cpu as u64)?;
+                Some(Placement { _client: None, _worker: worker, _taken: taken })
+            }
+            Choice::PinBoth => {
+                let taken = uses.take(&worker_cpus, current)?;
+                let client = ClientPin::new(client, client_cpus, taken.cpu)?;
+                let worker = Pinned::to_cpu(taken.cpu as u64)?;
+                Some(Placement { _client: Some(client), _worker: worker, _taken: taken })
+            }
+        }
+    }
+}
+
+/// What [`Placement::pin_client`] does for a client.
+#[derive(Debug, PartialEq, Eq)]
+enum Choice {
+    /// The client is confined to one CPU the worker may use: the worker joins it.
+    JoinClient,
+    /// Both go to one of the worker's CPUs.
+    PinBoth,
+}
+
+/// The placement for a client allowed on `client_cpus`, by a worker allowed on `worker_cpus`;
+/// `None` for one CPU (nothing to gain) and for a client whose choice is narrower than the
+/// worker's but not one CPU (someone chose it; it is not overridden).
+fn placement(worker_cpus: &CpuSet, client_cpus: &CpuSet) -> Option<Choice> {
+    if client_cpus.count() == 1 {
+        let cpu = (0..CpuSet::MAX_CPU).find(|c| client_cpus.is_set(*c))?;
+        return worker_cpus.is_set(cpu).then_some(Choice::JoinClient);
+    }
+    let narrower = (0..CpuSet::MAX_CPU).any(|c| worker_cpus.is_set(c) && !client_cpus.is_set(c));
+    (worker_cpus.count() > 1 && !narrower).then_some(Choice::PinBoth)
+}
+
+/// The most processes looked at when undoing a client's pin.
+const MAX_PROCESSES: usize = 65_536;
+
+/// A client process's main thread pinned to `cpu` by the daemon; dropping it gives `previous`
+/// back to that thread and to every thread and descendant process that inherited the pin
+/// (born since, and still confined to exactly `cpu`). A descendant that the client's exit
+/// handed to another parent keeps the pin.
+struct ClientPin {
+    pid: Pid,
+    /// The main thread's start time, so that a reused pid is never touched.
+    start: u64,
+    /// When the pin was made (clock ticks since boot, as `/proc/<pid>/stat`'s start times).
+    since: u64,
+    previous: CpuSet,
+    cpu: usize,
+}
+
+impl ClientPin {
+    fn new(pid: Pid, previous: CpuSet, cpu: usize) -> Option<ClientPin> {
+        let start = task_stat(pid.as_raw_nonzero().get())?.start;
+        let since = ticks_since_boot()?;
+        match sched_setaffinity(Some(pid), &only(cpu)) {
+            Ok(()) => Some(ClientPin { pid, start, since, previous, cpu }),
+            Err(e) => {
+                tracing::debug!("cannot pin client {} to CPU {cpu}: {e}", pid.as_raw_nonzero());
+                None
+            }
+        }
+    }
+
+    /// Whether task `tid` (started at `start`) carries this pin: the pinned thread itself, or
+    /// born since and confined to exactly the pinned CPU.
+    fn carries_pin(&self, tid: i32, start: u64) -> bool {
+        let ours = if tid == self.pid.as_raw_nonzero().get() { start == self.start } else { start >= self.since };
+        ours && Pid::from_raw(tid).and_then(|t| sched_getaffinity(Some(t)).ok()).is_some_and(|set| set == only(self.cpu))
+    }
+}
+
+impl Drop for ClientPin {
+    fn drop(&mut self) {
+        let root = self.pid.as_raw_nonzero().get();
+        // The client and the processes born since the pin, by parent (`/proc` has no child lists here).
+        let mut born_since: Vec<(i32, i32)> = Vec::new();
+        if let Ok(entries) = std::fs::read_dir("/proc") {
+            for pid in entries.flatten().filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok()).take(MAX_PROCESSES) {
+                if let Some(stat) = task_stat(pid).filter(|s| pid != root && s.start >= self.since) {
+                    born_since.push((pid, stat.parent));
+                }
+            }
+        }
+        let mut stack = vec![root];
+        let mut seen = 0;
+        while let Some(process) = stack.pop() {
+            seen += 1;
+            if seen > MAX_PROCESSES {
+                break;
+            }
+            for tid in tasks(process) {
+                if task_stat(tid).is_some_and(|s| self.carries_pin(tid, s.start)) {
+                    if let Err(e) = Pid::from_raw(tid).map_or(Ok(()), |t| sched_setaffinity(Some(t), &self.previous)) {
+                        tracing::debug!("restoring task {tid}'s CPU affinity: {e}");
+                    }
+                }
+            }
+            stack.extend(born_since.iter().filter(|(_, parent)| *parent == process).map(|(child, _)| *child));
+        }
+    }
+}
+
+/// The set of the one CPU `cpu`.
+fn only(cpu: usize) -> CpuSet {
+    let mut set = CpuSet::new();
+    set.set(cpu);
+    set
+}
+
+/// The ids of process `pid`'s threads.
+fn tasks(pid: i32) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|entries| entries.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// What the daemon reads of `/proc/<tid>/stat` (`man 5 proc`).
+struct TaskStat {
+    /// Field 4.
+    parent: i32,
+    /// Field 22, clock ticks since boot.
+    start: u64,
+    /// Field 39: the CPU it last ran on.
+    cpu: usize,
+}
+
+fn task_stat(tid: i32) -> Option<TaskStat> {
+    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?;
+    // The fields after the parenthesised command name start with field 3 (state).
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).copied();
+    Some(TaskStat { parent: field(4)?.parse().ok()?, start: field(22)?.parse().ok()?, cpu: field(39)?.parse().ok()? })
+}
+
+/// The CPU process `pid` last ran on.
 fn client_cpu(pid: i32) -> Option<usize> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name start with field 3 (state).
-    let cpu = stat.rsplit_once(')')?.1.split_whitespace().nth(39 - 3)?.parse().ok()?;
-    (cpu < CpuSet::MAX_CPU).then_some(cpu)
+    task_stat(pid).map(|s| s.cpu).filter(|cpu| *cpu < CpuSet::MAX_CPU)
+}
+
+/// Now, in clock ticks since boot (`/proc/uptime`), rounded down.
+fn ticks_since_boot() -> Option<u64> {
+    let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+    let seconds: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+    Some((seconds * rustix::param::clock_ticks_per_second() as f64) as u64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::process::{Child, Command};
+
+    fn allowed() -> Vec<usize> {
+        let set = sched_getaffinity(None).unwrap();
+        (0..CpuSet::MAX_CPU).filter(|c| set.is_set(*c)).collect()
+    }
+
+    fn affinity_of(pid: u32) -> Vec<usize> {
+        let set = sched_getaffinity(Pid::from_raw(pid as i32)).unwrap();
+        (0..CpuSet::MAX_CPU).filter(|c| set.is_set(*c)).collect()
+    }
+
+    struct Killed(Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
 
     #[test]
     fn pins_and_restores() {
         let before = sched_getaffinity(None).unwrap();
-        let first = (0..CpuSet::MAX_CPU).find(|c| before.is_set(*c)).unwrap();
+        let first = allowed()[0];
         {
             let _p = Pinned::to_cpu(first as u64).expect("pin to an allowed CPU");
             assert_eq!(sched_getaffinity(None).unwrap().count(), 1);
@@ -111,5 +300,97 @@ mod tests {
         let own = client_cpu(std::process::id() as i32).expect("own CPU");
         assert!(sched_getaffinity(None).unwrap().is_set(own));
         assert_eq!(client_cpu(-1), None);
+    }
+
+    #[test]
+    fn concurrent_connections_are_spread_over_the_cpus() {
+        let uses = CpuUse::default();
+        let mut both = CpuSet::new();
+        both.set(0);
+        both.set(1);
+        let a = uses.take(&both, 1).unwrap();
+        let b = uses.take(&both, 1).unwrap();
+        assert_eq!((a.cpu, b.cpu), (1, 0));
+        drop(a);
+        assert_eq!(uses.take(&both, 0).unwrap().cpu, 1, "the CPU a connection left is the least used");
+    }
+
+    /// A client and a process it starts while pinned get their affinity back; one that
+    /// confined itself does not lose its choice.
+    #[test]
+    fn a_pinned_client_and_what_it_started_get_their_affinity_back() {
+        let cpus = allowed();
+        if cpus.len() < 2 {
+            eprintln!("skipped: one CPU");
+            return;
+        }
+        // The shell starts its child only after the pin (it waits for the marker file).
+        let dir = tempfile::tempdir().unwrap();
+        let go = dir.path().join("go");
+        let script = format!("while [ ! -e {0} ]; do sleep 0.01; done; sleep 30 & echo $! > {0}.child; wait", go.display());
+        let client = Killed(Command::new("sh").arg("-c").arg(&script).spawn().unwrap());
+        let uses = CpuUse::default();
+        let placement = Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw()).expect("placed");
+        let cpu = rustix::process::sched_getcpu();
+        assert_eq!(affinity_of(client.0.id()), vec![cpu], "the client joins the worker's CPU");
+        std::fs::write(&go, "").unwrap();
+        let child_file = dir.path().join("go.child");
+        let child = loop {
+            if let Some(pid) = std::fs::read_to_string(&child_file).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+                break pid;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert_eq!(affinity_of(child), vec![cpu], "the child inherited the pin");
+        drop(placement);
+        assert_eq!(affinity_of(client.0.id()), cpus);
+        assert_eq!(affinity_of(child), cpus, "the child's affinity is restored too");
+        assert_eq!(allowed(), cpus, "the worker's too");
+        let _ = Command::new("kill").arg(child.to_string()).status();
+    }
+
+    #[test]
+    fn a_client_confined_to_one_cpu_is_left_alone() {
+        let cpus = allowed();
+        if cpus.len() < 2 {
+            eprintln!("skipped: one CPU");
+            return;
+        }
+        let last = *cpus.last().unwrap();
+        let client = Killed(Command::new("taskset").args(["-c", &last.to_string(), "sleep", "30"]).spawn().unwrap());
+        // taskset execs sleep once it has set the affinity.
+        while affinity_of(client.0.id()) != vec![last] {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let uses = CpuUse::default();
+        let placement =
+            Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw()).expect("the worker joins the client");
+        assert_eq!(allowed(), vec![last]);
+        drop(placement);
+        assert_eq!(affinity_of(client.0.id()), vec![last]);
+        assert_eq!(allowed(), cpus);
+    }
+
+    #[test]
+    fn another_users_process_is_not_touched() {
+        let client = Killed(Command::new("sleep").arg("30").spawn().unwrap());
+        let other = rustix::process::geteuid().as_raw() + 1;
+        assert!(Placement::pin_client(&CpuUse::default(), client.0.id() as i32, other).is_none());
+    }
+
+    #[test]
+    fn only_a_client_free_to_run_anywhere_the_worker_may_is_moved() {
+        let set = |cpus: &[usize]| {
+            let mut s = CpuSet::new();
+            cpus.iter().for_each(|c| s.set(*c));
+            s
+        };
+        let four = set(&[0, 1, 2, 3]);
+        assert_eq!(placement(&four, &four), Some(Choice::PinBoth));
+        assert_eq!(placement(&four, &set(&[0, 1, 2, 3, 4])), Some(Choice::PinBoth), "a wider client");
+        assert_eq!(placement(&four, &set(&[2])), Some(Choice::JoinClient));
+        assert_eq!(placement(&four, &set(&[5])), None, "a CPU the worker may not use");
+        assert_eq!(placement(&four, &set(&[1, 2])), None, "a client's own narrower choice");
+        assert_eq!(placement(&set(&[1]), &four), None, "a daemon on one CPU");
     }
 }

@@ -82,20 +82,36 @@ pub struct Daemon {
     runtime: tokio::runtime::Runtime,
     /// Activity ids: the daemon's pid in the high 32 bits, as Nix does, then a counter.
     next_activity: AtomicU64,
-    /// Whether workers of clients that send no CPU follow the client's CPU.
-    follow_client_cpu: bool,
+    /// Whether a client that sends no CPU is placed on one CPU with its worker.
+    client_cpu: ClientCpu,
+    /// How many connections are placed on each CPU.
+    cpu_use: affinity::CpuUse,
     /// The socket of the Nix daemon that builds what no substituter has.
     build_via: Option<PathBuf>,
     /// Open substituters, shared by all connections (see [`substitution::Session`]).
     sessions: substitution::Sessions,
 }
 
+/// Where a connection's worker and its client run, for clients that send no CPU (Nix ≥ 2.6).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ClientCpu {
+    /// The client's main thread and its worker are pinned to one CPU (the least used by the
+    /// daemon's connections) while connected, when the daemon may change the client's affinity
+    /// (root, or the client's own user) and the client has not narrowed it; the client's
+    /// threads and children get their affinity back when it disconnects. Each round trip then
+    /// stays on one CPU.
+    #[default]
+    Pin,
+    /// Both run where the scheduler puts them.
+    Free,
+}
+
 /// Daemon options beyond the store and its settings.
 #[derive(Debug, Clone, Default)]
 pub struct DaemonOptions {
-    /// Keep the worker of a client that sends no CPU hint on the CPU that client runs on
-    /// (read from `/proc` every few operations), as the old affinity hint would.
-    pub follow_client_cpu: bool,
+    /// Where the worker of a client that sends no CPU in its greeting (every Nix since 2.6)
+    /// runs: see [`ClientCpu`].
+    pub client_cpu: ClientCpu,
     /// The Unix socket of a real `nix-daemon` serving the same store: derivation outputs that
     /// no substituter has are built through it (BuildPaths, BuildPathsWithResults,
     /// BuildDerivation), after sluice has substituted every input a cache has. Without it,
@@ -133,7 +149,8 @@ impl Daemon {
             config,
             runtime,
             next_activity: AtomicU64::new(u64::from(std::process::id()) << 32),
-            follow_client_cpu: options.follow_client_cpu,
+            client_cpu: options.client_cpu,
+            cpu_use: affinity::CpuUse::default(),
             build_via: options.build_via,
             sessions: substitution::Sessions::default(),
         }))

@@ -13,14 +13,14 @@ use std::io::{BufReader, Write};
 
 use sluice_nix::wire::read_u64;
 
-use crate::affinity::{Follower, Pinned};
+use crate::affinity::{Pinned, Placement};
 use crate::conn::{Conn, Fail};
 use crate::duplex::{duplex, ClientInput};
 use crate::handshake::{greet, HandshakeError};
 use crate::limits::Limits;
 use crate::options::ClientOptions;
 use crate::trust::Peer;
-use crate::{Daemon, DaemonError};
+use crate::{ClientCpu, Daemon, DaemonError};
 
 /// How long a socket client may take to send its magic number and protocol version (Nix's
 /// client sends them at once); one that has not is disconnected, so that idle connections
@@ -94,7 +94,7 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
         let label = format!("connection {n} ({})", peer.name);
         let spawned = std::thread::Builder::new().name(format!("sluice-worker-{n}")).spawn(move || {
             let _admitted = admitted;
-            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some(pid), &label);
+            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some((pid, uid)), &label);
         });
         if let Err(e) = spawned {
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
@@ -111,13 +111,13 @@ pub fn serve_stdio(daemon: Arc<Daemon>) -> Result<(), DaemonError> {
 }
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
-/// connection in the daemon's log; `client_pid` is the peer process, if known.
+/// connection in the daemon's log; `client` is the peer process and its uid, if known.
 fn serve_connection(
     daemon: &Daemon,
     reader: Box<dyn ClientInput>,
     writer: Box<dyn Write + Send>,
     peer: Peer,
-    client_pid: Option<i32>,
+    client: Option<(i32, u32)>,
     label: &str,
 ) {
     let (input, mut w) = duplex(reader, writer);
@@ -158,7 +158,9 @@ fn serve_connection(
         return;
     }
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
-    let mut follower = client_pid.filter(|_| greeting.cpu.is_none() && daemon.follow_client_cpu).map(Follower::new);
+    let _placed = client
+        .filter(|_| greeting.cpu.is_none() && daemon.client_cpu == ClientCpu::Pin)
+        .and_then(|(pid, uid)| Placement::pin_client(&daemon.cpu_use, pid, uid));
     tracing::debug!(
         "{label}: protocol {} features {:?} user {} trusted {}",
         conn.version,
@@ -181,9 +183,6 @@ fn serve_connection(
             }
         };
         ops += 1;
-        if let Some(f) = &mut follower {
-            f.tick();
-        }
         match crate::ops::dispatch(&mut conn, op) {
             Ok(()) => {}
             Err(Fail::Op(msg)) => {

@@ -111,7 +111,8 @@ impl LocalStore {
             .collect()
     }
 
-    /// Makes the placed paths of `batch` durable (`syncfs`) and registers them in one
+    /// Makes the placed paths of `batch` durable (`syncfs`, unless `fsync-store-paths` is
+    /// off) and registers them in one
     /// transaction, but for repairs, which stay registered as they were. Takes the outputs out
     /// of `outcomes`.
     fn register_placed(&self, batch: &[(PendingPath, &SignaturePolicy)], outcomes: &mut [Placed]) -> Result<(), LocalStoreError> {
@@ -123,7 +124,9 @@ impl LocalStore {
                 _ => None,
             })
             .collect();
-        syncfs(self.store_fd.as_fd()).map_err(|e| io_err("syncing the file system of", &self.layout.real_store_dir)(e.into()))?;
+        if !self.no_fsync.load(std::sync::atomic::Ordering::Relaxed) {
+            syncfs(self.store_fd.as_fd()).map_err(|e| io_err("syncing the file system of", &self.layout.real_store_dir)(e.into()))?;
+        }
         match items.is_empty() {
             true => Ok(()),
             false => self.registry.register_all(&items),

@@ -101,6 +101,9 @@ pub struct LocalStore {
     /// `auto-optimise-store`: every path added is deduplicated against `.links` before it is
     /// moved into place ([`LocalStore::set_auto_optimise`]).
     auto_optimise: std::sync::atomic::AtomicBool,
+    /// Whether paths are made durable before they are registered
+    /// ([`LocalStore::set_fsync_store_paths`]); stored negated so that the default is on.
+    no_fsync: std::sync::atomic::AtomicBool,
     /// The experimental features that derivations registered here may use
     /// ([`LocalStore::set_experimental_features`]).
     features: std::sync::atomic::AtomicU8,
@@ -185,6 +188,7 @@ impl LocalStore {
             temp_dir: Default::default(),
             creation: OnceLock::new(),
             auto_optimise: Default::default(),
+            no_fsync: Default::default(),
             features: Default::default(),
             drv_hashes: Default::default(),
         })
@@ -195,6 +199,16 @@ impl LocalStore {
     /// is moved into place, as Nix's `addToStore` calls `optimisePath` before registering.
     pub fn set_auto_optimise(&self, on: bool) {
         self.auto_optimise.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets `fsync-store-paths` (sluice's default: true; Nix's: false, `src/libstore/globals.hh`).
+    /// On, the contents of the paths of each commit and their renames into place are made
+    /// durable (one `syncfs` of the store's file system) before their registration is
+    /// written, so that after a crash a path is absent or complete. Off, as in Nix by default,
+    /// a commit costs no disk flush, and a crash can leave a registered path whose contents
+    /// were not yet written.
+    pub fn set_fsync_store_paths(&self, on: bool) {
+        self.no_fsync.store(!on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Sets the `experimental-features` (Nix's default: none) that a derivation registered

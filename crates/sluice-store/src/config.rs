@@ -356,6 +356,10 @@ pub struct Settings {
     /// `auto-optimise-store` (default false): paths added to a local store are deduplicated
     /// by hard links under `.links` ([`sluice_local_store::LocalStore::set_auto_optimise`]).
     pub auto_optimise_store: bool,
+    /// `fsync-store-paths` (sluice's default true, Nix's false): a local store makes each
+    /// commit's paths durable before registering them
+    /// ([`sluice_local_store::LocalStore::set_fsync_store_paths`]).
+    pub fsync_store_paths: bool,
     /// sluice's `lock-cpu` (default [`LOCK_CPU_DEFAULT`]): a daemon client
     /// ([`crate::remote::DaemonStore`]) pins its connection's thread to one CPU and asks the
     /// daemon to run its worker there.
@@ -392,6 +396,7 @@ impl Default for Settings {
             keep_outputs: false,
             keep_derivations: true,
             auto_optimise_store: false,
+            fsync_store_paths: true,
             lock_cpu: LOCK_CPU_DEFAULT,
             experimental_features: Vec::new(),
         }
@@ -400,9 +405,10 @@ impl Default for Settings {
 
 impl Settings {
     /// Applies to the local store `store` the settings that govern what it accepts and how it
-    /// keeps paths: `auto-optimise-store` and `experimental-features`.
+    /// keeps paths: `auto-optimise-store`, `fsync-store-paths` and `experimental-features`.
     pub fn configure_local_store(&self, store: &sluice_local_store::LocalStore) {
         store.set_auto_optimise(self.auto_optimise_store);
+        store.set_fsync_store_paths(self.fsync_store_paths);
         store.set_experimental_features(self.experimental_features.iter().map(String::as_str));
     }
 
@@ -454,6 +460,9 @@ impl Settings {
                     *field = parse_bool(name, v)?;
                 }
             }
+        }
+        if let Some(v) = raw.get("fsync-store-paths") {
+            s.fsync_store_paths = parse_bool("fsync-store-paths", v)?;
         }
         if let Some(v) = raw.get("auto-optimise-store") {
             s.auto_optimise_store = parse_bool("auto-optimise-store", v)?;
@@ -538,9 +547,10 @@ mod tests {
     fn booleans_are_nix_s() {
         for (text, value) in [("yes", true), ("1", true), ("true", true), ("no", false), ("0", false), ("false", false)] {
             let mut raw = RawConfig::default();
-            raw.apply_text(&format!("require-sigs = {text}\nauto-optimise-store = {text}\n"), "test", None).unwrap();
+            raw.apply_text(&format!("require-sigs = {text}\nauto-optimise-store = {text}\nfsync-store-paths = {text}\n"), "test", None)
+                .unwrap();
             let s = Settings::from_raw(&raw).unwrap();
-            assert_eq!((s.require_sigs, s.auto_optimise_store), (value, value), "{text}");
+            assert_eq!((s.require_sigs, s.auto_optimise_store, s.fsync_store_paths), (value, value, value), "{text}");
         }
         let mut raw = RawConfig::default();
         raw.apply_text("require-sigs = True\n", "test", None).unwrap();

@@ -19,10 +19,12 @@ pub struct Args {
     /// the local store's parameters (`state`, `real`, `require-sigs`, …).
     #[arg(long, default_value = "local")]
     store: String,
-    /// Keep each connection's worker on the CPU its client runs on, for clients that send no
-    /// CPU in the greeting (every Nix since 2.6).
-    #[arg(long)]
-    follow_client_cpu: bool,
+    /// Where the worker of a client that sends no CPU in its greeting (every Nix since 2.6)
+    /// runs: `pin` puts the client's main thread and its worker on one CPU while it is
+    /// connected (undone when it leaves; skipped for a client that narrowed its own affinity
+    /// or that the daemon may not change), `free` leaves both to the scheduler.
+    #[arg(long, value_enum, default_value_t = ClientCpu::Pin)]
+    client_cpu: ClientCpu,
     /// Build what no substituter has through the real `nix-daemon` listening on this socket
     /// (`unix:///nix/var/nix/daemon-socket/nix-build-socket`), which must serve the same store.
     /// sluice substitutes every input a cache has first, then forwards the build and relays
@@ -31,13 +33,20 @@ pub struct Args {
     build_via: Option<String>,
 }
 
+/// `--client-cpu`: [`sluice_daemon::ClientCpu`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum ClientCpu {
+    Pin,
+    Free,
+}
+
 /// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
     let store = url.as_local().ok_or_else(|| format!("{}: the daemon serves a local store, not a {}", args.store, url.kind_name()))?;
     let config = crate::setup::raw_config(&[])?;
     let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
-    let options = sluice_daemon::DaemonOptions { follow_client_cpu: args.follow_client_cpu, build_via };
+    let options = sluice_daemon::DaemonOptions { client_cpu: args.client_cpu.into(), build_via };
     let daemon = sluice_daemon::Daemon::open_with(store, config, options).map_err(|e| e.to_string())?;
     let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };
     served.map_err(|e| e.to_string())?;
@@ -49,5 +58,14 @@ fn build_socket(url: &str) -> Result<PathBuf, String> {
     match url.strip_prefix("unix://") {
         Some(path) if path.starts_with('/') => Ok(PathBuf::from(path)),
         _ => Err(format!("--build-via {url}: expected unix:// and the absolute path of a nix-daemon's socket, e.g. unix:///nix/var/nix/daemon-socket/nix-build-socket")),
+    }
+}
+
+impl From<ClientCpu> for sluice_daemon::ClientCpu {
+    fn from(c: ClientCpu) -> Self {
+        match c {
+            ClientCpu::Pin => sluice_daemon::ClientCpu::Pin,
+            ClientCpu::Free => sluice_daemon::ClientCpu::Free,
+        }
     }
 }

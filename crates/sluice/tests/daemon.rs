@@ -748,21 +748,24 @@ fn old_style_client_gets_its_worker_pinned() {
     old.write_all(&request).unwrap();
     assert_eq!((read_u64(&mut old), read_u64(&mut old)), (0x616c_7473, 0));
 
-    // Flag 0: the new worker keeps the daemon's affinity.
-    let mut plain = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    // Flag 0, with `--client-cpu free`: the new worker keeps the daemon's affinity.
+    drop(daemon);
+    let daemon = env.daemon_on("socket-free", "root", &cache, "", &["--client-cpu", "free"], None);
+    let pid = daemon.child.id();
+    let mut plain = std::os::unix::net::UnixStream::connect(env.path("socket-free")).unwrap();
     plain.write_all(&u64s(&[0x6e69_7863])).unwrap();
     assert_eq!((read_u64(&mut plain), read_u64(&mut plain)), (0x6478_696f, 0x126));
     plain.write_all(&u64s(&[0x120, 0, 0])).unwrap();
     assert_eq!(read_u64(&mut plain), 0x616c_7473);
     let lists = worker_cpus(pid);
-    assert_eq!(lists.len(), 2, "{lists:?}");
+    assert_eq!(lists.len(), 1, "{lists:?}");
     if all_cpus != cpu.to_string() {
         assert!(lists.contains(&all_cpus), "the flag-0 worker should be unpinned: {lists:?}");
     }
     drop((old, plain));
 
     // sluice's own client with lock-cpu: pinned to its current CPU, and so is its worker.
-    let socket2 = socket.clone();
+    let socket2 = env.path("socket-free");
     let (client_cpu, valid) = std::thread::spawn(move || {
         let mut store = sluice_store::remote::DaemonConnection::connect(&socket2, true).unwrap();
         let cpu = store.pinned_cpu().expect("the client pinned itself");
@@ -774,6 +777,85 @@ fn old_style_client_gets_its_worker_pinned() {
     .unwrap();
     assert!(client_cpu <= cpu);
     assert!(!valid);
+}
+
+/// A client of today's kind (no CPU in the greeting) in its own process: while it is
+/// connected, its main thread and its worker run on one CPU; once it has disconnected and lives
+/// on (as `nix develop` execs a shell), its affinity is what it was. With `--client-cpu free`
+/// neither moves.
+#[test]
+fn a_client_and_its_worker_share_a_cpu_while_connected_and_no_longer() {
+    let (all_cpus, _) = own_cpus();
+    if !all_cpus.contains([',', '-']) {
+        eprintln!("skipped: one CPU");
+        return;
+    }
+    let env = Env::new();
+    let cache = env.cache();
+    // The client: greets as 1.34 (affinity flag 0), prints its CPUs, waits for a line on
+    // stdin, disconnects, waits for another, prints its CPUs again.
+    let script = r#"
+import os, socket, struct, sys
+def cpus(): return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+u = lambda: struct.unpack("<Q", s.recv(8, socket.MSG_WAITALL))[0]
+s.sendall(struct.pack("<Q", 0x6e697863)); u(); u()
+s.sendall(struct.pack("<QQQ", 0x122, 0, 0))
+n = u(); s.recv((n + 7) // 8 * 8, socket.MSG_WAITALL)
+assert u() == 0x616c7473
+print(cpus(), flush=True); sys.stdin.readline()
+s.close()
+sys.stdin.readline(); print(cpus(), flush=True)
+"#;
+    for (mode, pinned) in [("pin", true), ("free", false)] {
+        let daemon = env.daemon_on(&format!("socket-{mode}"), "root", &cache, "", &["--client-cpu", mode], None);
+        let mut client = Command::new("python3")
+            .args(["-c", script])
+            .arg(env.path(&format!("socket-{mode}")))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut to_client = client.stdin.take().unwrap();
+        let mut from_client = std::io::BufReader::new(client.stdout.take().unwrap());
+        let mut line = String::new();
+        let mut next_line = |line: &mut String| {
+            line.clear();
+            std::io::BufRead::read_line(&mut from_client, line).unwrap();
+            line.trim().to_owned()
+        };
+        let connected = next_line(&mut line);
+        let workers = worker_cpus(daemon.child.id());
+        if pinned {
+            assert!(!connected.contains(','), "{mode}: the connected client runs on one CPU, not {connected}");
+            assert_eq!(workers, vec![connected.clone()], "{mode}: its worker runs on the client's CPU");
+        } else {
+            assert_eq!((connected.as_str(), workers), (all_cpus_as_list(&all_cpus).as_str(), vec![all_cpus.clone()]));
+        }
+        use std::io::Write;
+        to_client.write_all(b"disconnect\n").unwrap();
+        // The worker ends when the connection does, and undoes the pin first.
+        let start = Instant::now();
+        while !worker_cpus(daemon.child.id()).is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(10), "the worker did not end");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        to_client.write_all(b"report\n").unwrap();
+        assert_eq!(next_line(&mut line), all_cpus_as_list(&all_cpus), "{mode}: the client's affinity after it disconnected");
+        assert!(client.wait().unwrap().success());
+    }
+}
+
+/// `Cpus_allowed_list` (e.g. `0-1`) as a comma-separated list of CPUs (`0,1`).
+fn all_cpus_as_list(list: &str) -> String {
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().unwrap()..=b.parse().unwrap()),
+            None => cpus.push(part.parse().unwrap()),
+        }
+    }
+    cpus.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")
 }
 
 /// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
