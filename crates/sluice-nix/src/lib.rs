@@ -13,6 +13,7 @@ pub mod nar;
 pub mod narinfo;
 pub mod path_info;
 pub mod signature;
+pub mod store_params;
 pub mod store_path;
 pub mod wire;
 

@@ -364,7 +364,7 @@ impl App {
             .await
             .map_err(|e| StoreError::Other(format!("{shown}: {e}")))?;
         let root = listed.map_err(|e| StoreError::Other(format!("listing the NAR of {shown}: {e}")))?;
-        Ok(sluice_store::binary_cache::upload::listing_json(&root))
+        Ok(sluice_binary_cache::upload::listing_json(&root))
     }
 
     /// The NAR of `info`, uncompressed, whole or the one byte range asked for.

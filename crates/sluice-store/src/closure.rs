@@ -16,10 +16,10 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::mpsc;
 
-use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
-use crate::narinfo_cache::{Cached, NarInfoCache};
+use sluice_binary_cache::narinfo_cache::{Cached, NarInfoCache};
+use sluice_binary_cache::{BinaryCache, CacheError};
 use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).

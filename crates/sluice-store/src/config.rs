@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use sluice_binary_cache::http::HttpOptions;
 use sluice_local_store::{SignaturePolicy, TrustedKeysError};
 
 /// Every setting name Nix 2.8 or 2.26 knows (`nix show-config` / `nix config show` of each,
@@ -481,6 +482,18 @@ impl Settings {
     /// Connections per HTTP/1.1 cache, `None` for no limit (`http-connections = 0`).
     pub fn http_connection_limit(&self) -> Option<usize> {
         (self.http_connections > 0).then_some(self.http_connections)
+    }
+
+    /// The settings the HTTP transport of binary caches and `builtin:fetchurl` reads.
+    pub fn http_options(&self) -> HttpOptions {
+        HttpOptions {
+            connection_limit: self.http_connection_limit(),
+            connect_timeout: self.connect_timeout,
+            stalled_download_timeout: self.stalled_download_timeout,
+            download_attempts: self.download_attempts,
+            netrc_file: self.netrc_file.clone(),
+            ssl_cert_file: self.ssl_cert_file.clone(),
+        }
     }
 }
 

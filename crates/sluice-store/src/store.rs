@@ -2,7 +2,7 @@
 //! as far as moving paths between stores needs it: path infos in batches, valid paths, a NAR as
 //! a stream, adding a path from a NAR stream; and [`open_store`], the one place a store URL
 //! becomes a store. Implemented by the local store (`local_handle.rs`), every
-//! binary-cache transport ([`crate::binary_cache::BinaryCache`]: file, HTTP, S3), the
+//! binary-cache transport ([`sluice_binary_cache::BinaryCache`]: file, HTTP, S3), the
 //! daemon client ([`crate::remote::DaemonStore`]), and the `dummy://` and `memory://` stores
 //! of `registry/`, where every kind of store is registered.
 //!
@@ -18,10 +18,10 @@ use futures::future::BoxFuture;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::binary_cache::CacheError;
 use crate::config::Settings;
 use crate::remote::RemoteError;
 use crate::store_url::{StoreUrl, StoreUrlError};
+use sluice_binary_cache::CacheError;
 use sluice_local_store::LocalStoreError;
 
 /// A future returned by a [`Store`] method.

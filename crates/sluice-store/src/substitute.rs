@@ -47,14 +47,14 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit};
 
-use crate::binary_cache::NarStream;
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::closure_depth::ClosureDepths;
 use crate::failure::{Cause, Failure};
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
-use crate::narinfo_cache::NarInfoCache;
 use crate::reference_cycles::reference_cycles;
+use sluice_binary_cache::narinfo_cache::NarInfoCache;
+use sluice_binary_cache::NarStream;
 use sluice_compress::Compression;
 use sluice_local_store::{
     LocalStore, LocalStoreError, PendingPath, SignaturePolicy, TempRoots, TryAdd, Uncommitted, Unpacked, VouchedInfo,

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::config::Settings;
+use crate::http::HttpOptions;
 
 /// HTTP/2 connections per cache for narinfos and other small files.
 pub const H2_CONNECTIONS: usize = 4;
@@ -43,19 +43,19 @@ pub struct ClientPool {
     nar: OnceLock<Vec<Extra>>,
     next: AtomicUsize,
     next_nar: AtomicUsize,
-    settings: Settings,
+    options: HttpOptions,
 }
 
 impl ClientPool {
-    /// A pool starting with `first` (shared with other caches); `settings` builds the others.
-    pub fn new(first: reqwest::Client, settings: &Settings) -> Self {
+    /// A pool starting with `first` (shared with other caches); `options` build the others.
+    pub fn new(first: reqwest::Client, options: &HttpOptions) -> Self {
         ClientPool {
             first,
             extra: OnceLock::new(),
             nar: OnceLock::new(),
             next: AtomicUsize::new(0),
             next_nar: AtomicUsize::new(0),
-            settings: settings.clone(),
+            options: options.clone(),
         }
     }
 
@@ -93,7 +93,7 @@ impl ClientPool {
         let root = format!("{base}/");
         let open = |n: usize| -> Vec<Extra> {
             (0..n)
-                .filter_map(|_| super::http::client(&self.settings).ok())
+                .filter_map(|_| super::http::client(&self.options).ok())
                 .map(|client| {
                     let ready = Arc::new(AtomicBool::new(false));
                     let (settle, settled) = tokio::sync::watch::channel(false);
