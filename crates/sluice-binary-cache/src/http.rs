@@ -26,10 +26,10 @@ use super::transfer::TransferProbe;
 use super::{CacheError, Upload};
 
 /// The hex sha256 of an empty body (SigV4's payload hash of `GET` and `HEAD`).
-pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+pub(crate) const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
 /// Concurrent requests to one cache once it speaks HTTP/2 (nginx's default stream limit).
-pub const H2_STREAMS: usize = 128;
+pub(crate) const H2_STREAMS: usize = 128;
 /// Concurrent existence checks and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) to one cache:
 /// `http-connections` if it is higher, no limit if it is 0. Nix sends these through the same
 /// curl pool as its downloads, `http-connections` (25) at a time; a push, though, is a few
@@ -39,10 +39,10 @@ pub const H2_STREAMS: usize = 128;
 /// elsewhere (NARs are compressed a few at a time, sluice-store's `Store::parallelism`), and
 /// `http-connections` keeps bounding downloads, whose bodies are what loads a server. 256 is
 /// `sluice copy`'s jobs (`substitute::DEFAULT_JOBS`) and `file://`'s capacity.
-pub const WRITE_REQUESTS: usize = 256;
+pub(crate) const WRITE_REQUESTS: usize = 256;
 /// Largest whole file fetched by [`HttpTransport::get`] (narinfo, `nix-cache-info`), after
 /// content decoding.
-pub const MAX_SMALL_FILE: usize = 64 << 20;
+pub(crate) const MAX_SMALL_FILE: usize = 64 << 20;
 /// Bytes of an error answer's body quoted in the error.
 const BODY_PREFIX: usize = 200;
 

@@ -34,7 +34,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 pub use error::CacheError;
 
 /// Concurrent reads from a `file://` cache.
-pub const FILE_CAPACITY: usize = 256;
+pub(crate) const FILE_CAPACITY: usize = 256;
 pub use transfer::TransferProbe;
 
 use crate::url::{CacheKind, CacheUrl, CacheWriteParams};
@@ -80,7 +80,7 @@ impl Upload {
 
     /// The base64 MD5 of the contents (`Content-MD5`); `None` for a NAR prepared without it
     /// (only S3 uploads ask for it).
-    pub fn md5_base64(&self) -> Option<String> {
+    pub(crate) fn md5_base64(&self) -> Option<String> {
         use base64::Engine as _;
         use md5::Digest as _;
         let md5: [u8; 16] = match self {
@@ -326,7 +326,7 @@ impl BinaryCache {
 
     /// Fetches the raw narinfo text `<hash_part>.narinfo`; `None` when the cache does not
     /// have it.
-    pub async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
+    pub(crate) async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
         let Some(bytes) = self.get(&format!("{hash_part}.narinfo")).await? else { return Ok(None) };
         let text = String::from_utf8(bytes).map_err(|_| CacheError::Io {
             url: self.narinfo_url_of(hash_part),

@@ -36,7 +36,7 @@ const LISTING_MIME: &str = "application/json";
 /// on every NAR, and saves one upload only for NARs a cache has without their narinfo (a push
 /// that was cut short). Below 1 MiB an upload costs about what the question costs (the
 /// bytes in flight of a 100 Mbit/s link at an 80 ms round trip), so asking cannot pay.
-pub const CHECK_BEFORE_UPLOAD: u64 = 1 << 20;
+pub(crate) const CHECK_BEFORE_UPLOAD: u64 = 1 << 20;
 
 impl BinaryCache {
     /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` and its
@@ -68,7 +68,7 @@ impl BinaryCache {
     }
 
     /// Whether the cache file `rel` exists.
-    pub async fn file_exists(&self, rel: &str) -> Result<bool, CacheError> {
+    pub(crate) async fn file_exists(&self, rel: &str) -> Result<bool, CacheError> {
         match &self.transport {
             Transport::File(t) => t.exists(rel),
             Transport::Http { http, .. } => http.exists(rel).await,
@@ -76,7 +76,7 @@ impl BinaryCache {
     }
 
     /// Creates or replaces the cache file `rel` (Nix's `upsertFile`).
-    pub async fn upsert_file(&self, rel: &str, upload: Upload, mime: &str) -> Result<(), CacheError> {
+    pub(crate) async fn upsert_file(&self, rel: &str, upload: Upload, mime: &str) -> Result<(), CacheError> {
         match &self.transport {
             Transport::File(t) => t.put(rel, upload),
             Transport::Http { http, s3: None } => http.put(rel, &upload, mime, &[]).await,

@@ -38,7 +38,7 @@ impl S3 {
     }
 
     /// The bucket's URL (no trailing slash), path or virtual-hosted style.
-    pub fn bucket_url(&self) -> String {
+    pub(crate) fn bucket_url(&self) -> String {
         let p = &self.params;
         let endpoint = p.endpoint.clone().unwrap_or_else(|| format!("s3.{}.amazonaws.com", p.region));
         let (scheme, host) = match endpoint.split_once("://") {

@@ -145,7 +145,7 @@ struct Outcome {
 
 impl ClosureQuery {
     /// Sorts substituters by priority, keeping the given order among equals.
-    pub fn sort_substituters(mut subs: Vec<Substituter>) -> Vec<Substituter> {
+    pub(crate) fn sort_substituters(mut subs: Vec<Substituter>) -> Vec<Substituter> {
         subs.sort_by_key(|s| s.cache.info().priority);
         subs
     }

@@ -52,10 +52,10 @@ pub struct StoreUrl {
 }
 
 /// The default daemon socket.
-pub const DEFAULT_DAEMON_SOCKET: &str = "/nix/var/nix/daemon-socket/socket";
+pub(crate) const DEFAULT_DAEMON_SOCKET: &str = "/nix/var/nix/daemon-socket/socket";
 
 /// The only logical store directory sluice supports (the `store` parameter).
-pub const STORE_DIR: &str = "/nix/store";
+pub(crate) const STORE_DIR: &str = "/nix/store";
 
 /// Why a store URL was rejected. Each names the URL as given.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

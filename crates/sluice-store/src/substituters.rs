@@ -16,7 +16,7 @@ use sluice_binary_cache::narinfo_cache::NarInfoCache;
 use sluice_binary_cache::{BinaryCache, CacheError};
 
 /// Most root narinfos fetched alongside `nix-cache-info`.
-pub const MAX_PREFETCH: usize = 64;
+pub(crate) const MAX_PREFETCH: usize = 64;
 
 /// Why a substituter URL was not used.
 #[derive(Debug, thiserror::Error)]
