@@ -295,7 +295,7 @@ impl HttpTransport {
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
         };
-        // One line per request (`SLUICE_LOG=sluice_store::binary_cache::http=debug`): what the
+        // One line per request (`SLUICE_LOG=sluice_binary_cache::http=debug`): what the
         // requests in flight and their round trips were, for benchmarks.
         tracing::debug!(method = %spec.method, url, status = resp.status().as_u16(), ms = started.elapsed().as_millis() as u64, in_flight = permits.saturating_sub(limit.available_permits()), "request");
         if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
