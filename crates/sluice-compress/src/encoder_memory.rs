@@ -58,7 +58,7 @@ impl EncoderPlan {
 }
 
 /// The xz preset of `level` (`compression-level`; Nix's default -1 is liblzma's 6).
-pub fn xz_preset(level: Option<i32>) -> u32 {
+pub(crate) fn xz_preset(level: Option<i32>) -> u32 {
     level.map_or(6, |l| l.clamp(0, 9) as u32)
 }
 
@@ -95,7 +95,7 @@ fn zstd_frame_memory(nar_size: u64) -> u64 {
 /// from 17, 32–128 MiB for the ultra levels 20–22): the match tables, one job of four
 /// windows in and its bound out. Measured: level 3 on two workers, 40 MiB over the process's
 /// baseline.
-pub fn zstd_worker_memory(level: Option<i32>) -> u64 {
+pub(crate) fn zstd_worker_memory(level: Option<i32>) -> u64 {
     let level = level.unwrap_or(zstd::DEFAULT_COMPRESSION_LEVEL);
     let window_log = match level {
         ..=1 => 19,

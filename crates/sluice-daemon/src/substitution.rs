@@ -7,14 +7,15 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use sluice_binary_cache::http::LazyClient;
+use sluice_binary_cache::narinfo_cache::NarInfoCache;
 use sluice_local_store::{LocalStore, TempRoots};
 use sluice_nix::store_path::StorePath;
 use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
 use sluice_store::config::Settings;
 use sluice_store::failure::Failure;
-use sluice_store::narinfo_cache::NarInfoCache;
 use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
-use sluice_store::{binary_cache, substituters};
+use sluice_store::substituters;
 use tokio::sync::{mpsc, OnceCell};
 
 use crate::Daemon;
@@ -92,9 +93,9 @@ impl Session {
     /// cannot be used are logged and left out, as Nix does.
     async fn open(store: &LocalStore, settings: &Settings, use_substitutes: bool) -> Result<Session, String> {
         let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
-        let client = binary_cache::http::LazyClient::new(settings);
+        let client = LazyClient::new(settings.http_options());
         let disk = substituters::open_disk_cache(settings);
-        let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref(), store.store_dir()).await;
+        let (subs, errors) = substituters::open(urls, &client, disk.as_deref(), store.store_dir()).await;
         for e in &errors {
             tracing::warn!("substituter left out: {e}");
         }

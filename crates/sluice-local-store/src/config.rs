@@ -3,25 +3,9 @@
 //! (`src/libstore/local-store.hh`), its directories (`LocalFSStoreConfig`,
 //! `local-fs-store.hh`) and the parameters every store takes (`StoreConfig`, `store-api.hh`).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Parameters of Nix's `StoreConfig` (`src/libstore/store-api.hh`) that every store takes,
-/// and the accepted parameters sluice does not act on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CommonParams {
-    /// `priority=N`: a substituter's priority (lower is preferred); overrides a cache's
-    /// `nix-cache-info`.
-    pub priority: Option<i32>,
-    /// `want-mass-query=BOOL`: overrides a cache's `nix-cache-info`.
-    pub want_mass_query: Option<bool>,
-    /// `trusted=BOOL` (default false): paths from this substituter may be used without a
-    /// signature by a trusted key (Nix's `isTrusted`).
-    pub trusted: bool,
-    /// Parameters Nix accepts for this kind of store that sluice does not act on (see
-    /// sluice-store's `store_url.rs`), by name, with their values as given.
-    pub unused: BTreeMap<String, String>,
-}
+pub use sluice_nix::store_params::CommonParams;
 
 /// Where a local file-system store keeps its files: Nix's `LocalFSStoreConfig`
 /// (`src/libstore/local-fs-store.hh`). Without `root`, the system store's directories.

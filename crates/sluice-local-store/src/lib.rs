@@ -381,7 +381,7 @@ impl LocalStore {
 
     /// [`LocalStore::try_begin_repair`], waiting for the path's lock while another process
     /// holds it.
-    pub fn begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<PendingPath, LocalStoreError> {
+    pub(crate) fn begin_repair(self: &Arc<Self>, offered: &ValidPathInfo, roots: &TempRoots) -> Result<PendingPath, LocalStoreError> {
         match self.start_repair(offered, roots, true)? {
             TryAdd::Pending(pending) => Ok(*pending),
             TryAdd::Valid | TryAdd::Busy => {

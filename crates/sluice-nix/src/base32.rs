@@ -18,7 +18,7 @@ pub enum Base32Error {
 }
 
 /// Length in characters of the nixbase32 encoding of `n` bytes.
-pub fn encoded_len(n: usize) -> usize {
+pub(crate) fn encoded_len(n: usize) -> usize {
     if n == 0 {
         0
     } else {
@@ -28,7 +28,7 @@ pub fn encoded_len(n: usize) -> usize {
 
 /// The number of bytes a nixbase32 string of `len` characters decodes to, if `len` is the
 /// length of some encoding.
-pub fn decoded_len(len: usize) -> Option<usize> {
+pub(crate) fn decoded_len(len: usize) -> Option<usize> {
     let n = len * 5 / 8;
     (encoded_len(n) == len).then_some(n)
 }

@@ -44,7 +44,7 @@ impl HashAlgo {
         }
     }
     /// Digest length in bytes.
-    pub fn digest_len(self) -> usize {
+    pub(crate) fn digest_len(self) -> usize {
         match self {
             HashAlgo::Md5 => 16,
             HashAlgo::Sha1 => 20,
@@ -143,7 +143,7 @@ impl Hash {
     }
 
     /// Parses a digest without prefix in base16, nixbase32 or base64 (told apart by length).
-    pub fn parse_bare(s: &str, algo: HashAlgo) -> Result<Self, HashError> {
+    pub(crate) fn parse_bare(s: &str, algo: HashAlgo) -> Result<Self, HashError> {
         let n = algo.digest_len();
         let digest = if s.len() == 2 * n {
             decode_base16(s)

@@ -13,13 +13,14 @@ pub mod nar;
 pub mod narinfo;
 pub mod path_info;
 pub mod signature;
+pub mod store_params;
 pub mod store_path;
 pub mod wire;
 
 /// The start of `text`, shown, when it is an HTML (or XML) page: its first character other
 /// than white space is `<`, where a cache's files (`nix-cache-info`, narinfos) start with a
 /// `Key:`. A parked domain or a captive portal answers every URL with such a page and `200`.
-pub fn html_page(text: &str) -> Option<String> {
+pub(crate) fn html_page(text: &str) -> Option<String> {
     let page = text.trim_start_matches(['\u{feff}', ' ', '\t', '\r', '\n']);
     if !page.starts_with('<') {
         return None;

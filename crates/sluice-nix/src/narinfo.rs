@@ -290,7 +290,7 @@ impl NarInfo {
     }
 
     /// The references sorted and without duplicates, as Nix holds them.
-    pub fn sorted_references(&self) -> Vec<&StorePath> {
+    pub(crate) fn sorted_references(&self) -> Vec<&StorePath> {
         let mut refs: Vec<&StorePath> = self.references.iter().collect();
         refs.sort();
         refs.dedup();

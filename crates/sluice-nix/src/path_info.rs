@@ -102,7 +102,7 @@ impl ValidPathInfo {
     }
 
     /// The references other than the path itself, sorted.
-    pub fn other_references(&self) -> Vec<StorePath> {
+    pub(crate) fn other_references(&self) -> Vec<StorePath> {
         self.references.iter().filter(|r| **r != self.path).cloned().collect()
     }
 

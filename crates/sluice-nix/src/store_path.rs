@@ -10,7 +10,7 @@ use crate::hash::{Hash, HashAlgo};
 pub const HASH_PART_LEN: usize = 32;
 
 /// Longest name Nix allows after the hash part (`StorePath::MaxPathLen`).
-pub const MAX_NAME_LEN: usize = 211;
+pub(crate) const MAX_NAME_LEN: usize = 211;
 
 /// A store path without its store directory: hash part and name. Ordered as Nix orders the full
 /// paths within one store directory (byte order of the base name).
@@ -38,7 +38,7 @@ pub enum StorePathError {
 const NO_DASH: &str = "no '-' after the hash part (Nix 2.26 does not check it, but every path Nix makes has it, and caches find paths by the hash part alone)";
 
 /// Checks a store path name (the part after `<hash>-`); `path` is only for the error.
-pub fn check_name(path: &str, name: &str) -> Result<(), StorePathError> {
+pub(crate) fn check_name(path: &str, name: &str) -> Result<(), StorePathError> {
     let bad = |why: &str| Err(StorePathError::BadName(path.to_owned(), why.to_owned()));
     if name.is_empty() {
         return bad("empty name");
@@ -125,7 +125,7 @@ impl std::str::FromStr for StorePath {
 }
 
 /// Folds a digest to `n` bytes by XOR, as Nix's `compressHash`.
-pub fn compress_hash(digest: &[u8], n: usize) -> Vec<u8> {
+pub(crate) fn compress_hash(digest: &[u8], n: usize) -> Vec<u8> {
     let mut out = vec![0u8; n];
     if n == 0 {
         return out;

@@ -27,11 +27,11 @@ use tokio::sync::mpsc;
 use crate::routes::{is_hash_part, App, RequestBody};
 
 /// Where the batch endpoints live (after the leading `/`).
-pub const PREFIX: &str = "_sluice/v1/";
+pub(crate) const PREFIX: &str = "_sluice/v1/";
 /// The value of `SluiceBatch` in `nix-cache-info`: the version of these endpoints.
 pub const VERSION: &str = "1";
 /// Most bytes of a request body (about 30,000 hash parts).
-pub const MAX_BODY: usize = 1 << 20;
+pub(crate) const MAX_BODY: usize = 1 << 20;
 /// Paths asked of the store at once.
 const STORE_BATCH: usize = 1024;
 /// Lines buffered for the connection before the walk waits for it.

@@ -45,13 +45,13 @@ use crate::slots::{Slot, Slots};
 
 /// Most bytes of an HTTP/1.1 request head (request line and headers), and of an HTTP/2 header
 /// list.
-pub const MAX_HEAD: usize = 32 * 1024;
+pub(crate) const MAX_HEAD: usize = 32 * 1024;
 /// Most concurrent HTTP/2 streams per connection.
-pub const MAX_STREAMS: u32 = 64;
+pub(crate) const MAX_STREAMS: u32 = 64;
 /// Most bytes buffered for sending per HTTP/2 stream.
-pub const MAX_SEND_BUF: usize = 256 * 1024;
+pub(crate) const MAX_SEND_BUF: usize = 256 * 1024;
 /// Time a TLS handshake may take.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The connection limits.
 #[derive(Debug, Clone, Copy)]

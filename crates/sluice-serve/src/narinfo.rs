@@ -32,7 +32,7 @@ pub fn render(info: &ValidPathInfo, keys: &[SecretKey], store_dir: &StoreDir) ->
 
 /// Most narinfos [`Rendered`] keeps (each a few hundred bytes to a few KiB of text, and its
 /// path info).
-pub const RENDERED_ENTRIES: usize = 16 * 1024;
+pub(crate) const RENDERED_ENTRIES: usize = 16 * 1024;
 
 /// The narinfos served last, rendered and signed, at most [`RENDERED_ENTRIES`] (least recently
 /// served dropped first), so that a path asked for again costs no signature and no rendering.

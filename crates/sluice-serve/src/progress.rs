@@ -40,7 +40,7 @@ use tokio::time::Instant;
 
 /// Bytes a connection must move within each idle period while a request on it waits on the
 /// client.
-pub const STEP: u64 = 64 * 1024;
+pub(crate) const STEP: u64 = 64 * 1024;
 
 /// What a connection's watchdog does once its deadline passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +156,7 @@ impl Activity {
 
     /// Since when the connection is idle, if it has no request in progress and is not
     /// closing yet: what [`Activity::shed`] would close.
-    pub fn sheddable_since(&self) -> Option<Instant> {
+    pub(crate) fn sheddable_since(&self) -> Option<Instant> {
         let state = self.state();
         state.idle_since().filter(|_| !state.closing)
     }
@@ -251,7 +251,7 @@ impl<B: Body + Unpin> Body for Tracked<B> {
 }
 
 /// A connection's stream, counting the answers written to it in its [`Activity`].
-pub struct Counted<T> {
+pub(crate) struct Counted<T> {
     inner: T,
     activity: Arc<Activity>,
     wire: Wire,

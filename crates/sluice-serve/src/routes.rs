@@ -30,11 +30,11 @@ use crate::{batch, narinfo};
 /// A response body: streamed, metered.
 pub type Body = Metered<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>;
 /// A request body: the connection's, tracked for progress ([`crate::progress`]).
-pub type RequestBody = Tracked<hyper::body::Incoming>;
+pub(crate) type RequestBody = Tracked<hyper::body::Incoming>;
 
 /// Longest request target and header line accepted, as nginx's default
 /// `large_client_header_buffers 4 8k` (414 and 431 past it; nginx says 414 and 400).
-pub const MAX_LINE: usize = 8 * 1024;
+pub(crate) const MAX_LINE: usize = 8 * 1024;
 /// Bytes of a streamed body read from the store at a time.
 const CHUNK: usize = 64 * 1024;
 /// Chunks buffered between the store's reader and the connection.
@@ -85,7 +85,7 @@ impl Route<'_> {
 }
 
 /// Whether `s` is a hash part: 32 nixbase32 characters.
-pub fn is_hash_part(s: &str) -> bool {
+pub(crate) fn is_hash_part(s: &str) -> bool {
     s.len() == HASH_PART_LEN && base32::is_digits(s)
 }
 
@@ -351,7 +351,7 @@ impl App {
     }
 
     /// The info of the valid path with hash part `hash_part`, if any, read from the store.
-    pub async fn info_of(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, StoreError> {
+    pub(crate) async fn info_of(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, StoreError> {
         self.store.query_path_info_from_hash_part(hash_part).await
     }
 
@@ -364,7 +364,7 @@ impl App {
             .await
             .map_err(|e| StoreError::Other(format!("{shown}: {e}")))?;
         let root = listed.map_err(|e| StoreError::Other(format!("listing the NAR of {shown}: {e}")))?;
-        Ok(sluice_store::binary_cache::upload::listing_json(&root))
+        Ok(sluice_binary_cache::upload::listing_json(&root))
     }
 
     /// The NAR of `info`, uncompressed, whole or the one byte range asked for.

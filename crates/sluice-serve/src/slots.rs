@@ -17,10 +17,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::progress::Activity;
 
 /// Time a connection waiting for a slot gives the one shed for it before shedding another.
-pub const SHED_RETRY: Duration = Duration::from_millis(500);
+pub(crate) const SHED_RETRY: Duration = Duration::from_millis(500);
 
 /// The slots of `max_connections` connections, and the activity of those being served.
-pub struct Slots {
+pub(crate) struct Slots {
     permits: Arc<Semaphore>,
     served: Mutex<Served>,
 }

@@ -16,10 +16,10 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::mpsc;
 
-use crate::binary_cache::{BinaryCache, CacheError};
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
-use crate::narinfo_cache::{Cached, NarInfoCache};
+use sluice_binary_cache::narinfo_cache::{Cached, NarInfoCache};
+use sluice_binary_cache::{BinaryCache, CacheError};
 use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 
 /// A binary cache used as a substituter, with its id in the disk cache (if any).
@@ -145,7 +145,7 @@ struct Outcome {
 
 impl ClosureQuery {
     /// Sorts substituters by priority, keeping the given order among equals.
-    pub fn sort_substituters(mut subs: Vec<Substituter>) -> Vec<Substituter> {
+    pub(crate) fn sort_substituters(mut subs: Vec<Substituter>) -> Vec<Substituter> {
         subs.sort_by_key(|s| s.cache.info().priority);
         subs
     }

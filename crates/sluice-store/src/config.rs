@@ -12,12 +12,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use sluice_binary_cache::http::HttpOptions;
 use sluice_local_store::{SignaturePolicy, TrustedKeysError};
 
 /// Every setting name Nix 2.8 or 2.26 knows (`nix show-config` / `nix config show` of each,
 /// plus the flake settings 2.26 hides while `flakes` is disabled), and sluice's own `lock-cpu`.
 /// A setting with any other name gets Nix's `warning: unknown setting 'NAME'`.
-pub const KNOWN_SETTINGS: &[&str] = &[
+pub(crate) const KNOWN_SETTINGS: &[&str] = &[
     "abort-on-warn",
     "accept-flake-config",
     "access-tokens",
@@ -140,7 +141,7 @@ pub const KNOWN_SETTINGS: &[&str] = &[
 
 /// Old names of settings that Nix still accepts (the alias lists of the `Setting`s in
 /// `src/libstore/globals.hh`; each checked against Nix 2.8 and 2.26): `(alias, setting)`.
-pub const ALIASES: &[(&str, &str)] = &[
+pub(crate) const ALIASES: &[(&str, &str)] = &[
     ("binary-cache-public-keys", "trusted-public-keys"),
     ("binary-caches", "substituters"),
     ("binary-caches-parallel-connections", "http-connections"),
@@ -201,12 +202,12 @@ pub enum ConfigError {
 }
 
 /// `$NIX_CONF_DIR`, or `/etc/nix` (Nix's `settings.nixConfDir`).
-pub fn nix_conf_dir() -> PathBuf {
+pub(crate) fn nix_conf_dir() -> PathBuf {
     std::env::var_os("NIX_CONF_DIR").map_or_else(|| PathBuf::from("/etc/nix"), PathBuf::from)
 }
 
 /// The user configuration files, highest precedence first (Nix's `getUserConfigFiles`).
-pub fn user_config_files() -> Vec<PathBuf> {
+pub(crate) fn user_config_files() -> Vec<PathBuf> {
     if let Some(files) = std::env::var_os("NIX_USER_CONF_FILES") {
         return std::env::split_paths(&files).filter(|p| !p.as_os_str().is_empty()).collect();
     }
@@ -242,7 +243,7 @@ impl RawConfig {
     }
 
     /// Applies configuration text (one setting per line); `dir` resolves relative includes.
-    pub fn apply_text(&mut self, text: &str, origin: &str, dir: Option<&Path>) -> Result<(), ConfigError> {
+    pub(crate) fn apply_text(&mut self, text: &str, origin: &str, dir: Option<&Path>) -> Result<(), ConfigError> {
         for (i, raw) in text.lines().enumerate() {
             let line = raw.split('#').next().unwrap_or("").trim();
             if line.is_empty() {
@@ -289,7 +290,7 @@ impl RawConfig {
 
     /// The names set that no Nix knows, sorted, as written: each deserves Nix's
     /// `warning: unknown setting 'NAME'` (`AbstractConfig::warnUnknownSettings`).
-    pub fn unknown_settings(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn unknown_settings(&self) -> impl Iterator<Item = &str> {
         self.unknown.iter().map(String::as_str)
     }
 
@@ -374,7 +375,7 @@ pub struct Settings {
 /// one round trip per path, pinning made `sluice path-info -r` through the daemon 1.6–2.6×
 /// faster, but the client now pipelines its queries and pinning gains nothing measurable
 /// (0.90–1.11×), while it can keep client and worker on a CPU that other work occupies.
-pub const LOCK_CPU_DEFAULT: bool = false;
+pub(crate) const LOCK_CPU_DEFAULT: bool = false;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -488,15 +489,27 @@ impl Settings {
     }
 
     /// Connections per HTTP/1.1 cache, `None` for no limit (`http-connections = 0`).
-    pub fn http_connection_limit(&self) -> Option<usize> {
+    pub(crate) fn http_connection_limit(&self) -> Option<usize> {
         (self.http_connections > 0).then_some(self.http_connections)
+    }
+
+    /// The settings the HTTP transport of binary caches and `builtin:fetchurl` reads.
+    pub fn http_options(&self) -> HttpOptions {
+        HttpOptions {
+            connection_limit: self.http_connection_limit(),
+            connect_timeout: self.connect_timeout,
+            stalled_download_timeout: self.stalled_download_timeout,
+            download_attempts: self.download_attempts,
+            netrc_file: self.netrc_file.clone(),
+            ssl_cert_file: self.ssl_cert_file.clone(),
+        }
     }
 }
 
 /// A Boolean as Nix reads a setting's value or a store URL's parameter
 /// (`BaseSetting<bool>::parse`, `src/libutil/config.cc`): `true`, `yes` or `1`; `false`, `no`
 /// or `0`; anything else is `None`.
-pub fn nix_bool(value: &str) -> Option<bool> {
+pub(crate) fn nix_bool(value: &str) -> Option<bool> {
     match value {
         "true" | "yes" | "1" => Some(true),
         "false" | "no" | "0" => Some(false),
@@ -505,7 +518,7 @@ pub fn nix_bool(value: &str) -> Option<bool> {
 }
 
 /// What a Boolean's error says it must be.
-pub const NIX_BOOL: &str = "a Boolean (true, yes, 1, false, no or 0)";
+pub(crate) const NIX_BOOL: &str = "a Boolean (true, yes, 1, false, no or 0)";
 
 fn parse_bool(name: &str, v: &str) -> Result<bool, ConfigError> {
     nix_bool(v).ok_or_else(|| ConfigError::BadValue { name: name.into(), value: v.into(), expected: NIX_BOOL })

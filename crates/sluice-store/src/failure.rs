@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::binary_cache::CacheError;
 use crate::store::StoreError;
+use sluice_binary_cache::CacheError;
 use sluice_local_store::LocalStoreError;
 
 /// The kind of reason a path could not be substituted or copied: what reports group paths by.

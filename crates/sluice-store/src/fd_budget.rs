@@ -28,7 +28,7 @@ const MIN_LOCKS: u64 = 8;
 
 /// What a copy may hold at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FdBudget {
+pub(crate) struct FdBudget {
     /// Path locks held (one descriptor each): half of what the limit leaves after the reserve.
     pub locks: usize,
     /// Download jobs (each [`FDS_PER_JOB`] descriptors): most of the other half.
@@ -39,7 +39,7 @@ pub struct FdBudget {
 
 impl FdBudget {
     /// The budget under a soft limit of `limit` open files.
-    pub fn from_limit(limit: u64) -> Self {
+    pub(crate) fn from_limit(limit: u64) -> Self {
         let usable = limit.saturating_sub(RESERVE);
         let locks = usable / 2;
         let lookups = usable / 8;

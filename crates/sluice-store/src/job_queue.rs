@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use crate::by_key::ByKey;
 
 /// A bounded set of slots; [`JobQueue::acquire`] waits for one.
-pub struct JobQueue {
+pub(crate) struct JobQueue {
     state: Mutex<State>,
 }
 
@@ -25,7 +25,7 @@ struct State {
 type Waiter = ByKey<(u64, Reverse<u64>), oneshot::Sender<()>>;
 
 /// A held slot; dropping it hands the slot to the largest waiter.
-pub struct JobPermit {
+pub(crate) struct JobPermit {
     queue: Arc<JobQueue>,
 }
 

@@ -1,13 +1,12 @@
 //! Nix stores and the engines that move store paths between them: the [`store::Store`]
 //! interface, [`store::open_store`] and the registry of kinds of store (`registry/`), the
-//! local store (Nix's own on-disk layout and SQLite database), binary-cache stores (`file://`, `http(s)://`, `s3://`), the daemon client, the
-//! narinfo disk cache, the closure engine, the substitution pipeline (caches → local store)
-//! and the push engine (any store → any store).
+//! local store (sluice-local-store) and binary caches (sluice-binary-cache) behind that
+//! interface, the daemon client, the closure engine, the substitution pipeline (caches →
+//! local store), the push engine (any store → any store), builtins and settings.
 
-pub mod binary_cache;
+mod binary_cache_store;
 pub mod builtins;
 mod by_key;
-mod causes;
 pub mod closure;
 mod closure_depth;
 pub mod config;
@@ -15,8 +14,6 @@ pub mod failure;
 pub mod fd_budget;
 pub mod job_queue;
 mod local_handle;
-pub mod narinfo_cache;
-pub mod netrc;
 pub mod push;
 mod reference_cycles;
 mod registry;

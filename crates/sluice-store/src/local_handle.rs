@@ -19,7 +19,7 @@ const UNPACK_PARALLELISM: usize = 32;
 
 /// A local store opened for moving paths: the store, the temporary roots every path read or
 /// added is held by for the handle's life, and the signature policy additions pass.
-pub struct LocalStoreHandle {
+pub(crate) struct LocalStoreHandle {
     url: String,
     store: Arc<LocalStore>,
     roots: TempRoots,

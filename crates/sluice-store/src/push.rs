@@ -35,7 +35,7 @@ pub struct PushReport {
 }
 
 /// The closure of `roots` in `src`: every path's info, found one level of references at a time.
-pub async fn closure_infos(src: &dyn Store, roots: &[StorePath]) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
+pub(crate) async fn closure_infos(src: &dyn Store, roots: &[StorePath]) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
     let mut infos = BTreeMap::new();
     let mut frontier: Vec<StorePath> = roots.to_vec();
     while !frontier.is_empty() {

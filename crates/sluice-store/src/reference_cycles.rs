@@ -12,7 +12,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 /// A set of two or more paths each of which reaches every other through references, with one
 /// of its references named as Nix names it: `path` is referred to by `parent`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cycle {
+pub(crate) struct Cycle {
     /// The paths of the cycle, sorted.
     pub members: Vec<StorePath>,
     /// The first member.
@@ -36,7 +36,7 @@ impl Cycle {
 /// components of more than one path, by Tarjan's algorithm without recursion, so that a
 /// closure's depth does not bound it). References to paths not given, and of a path to itself,
 /// are left out. Linear in paths and references.
-pub fn reference_cycles<'a, R>(graph: impl IntoIterator<Item = (&'a StorePath, R)>) -> Vec<Cycle>
+pub(crate) fn reference_cycles<'a, R>(graph: impl IntoIterator<Item = (&'a StorePath, R)>) -> Vec<Cycle>
 where
     R: IntoIterator<Item = &'a StorePath>,
 {

@@ -2,7 +2,7 @@
 //! as far as moving paths between stores needs it: path infos in batches, valid paths, a NAR as
 //! a stream, adding a path from a NAR stream; and [`open_store`], the one place a store URL
 //! becomes a store. Implemented by the local store (`local_handle.rs`), every
-//! binary-cache transport ([`crate::binary_cache::BinaryCache`]: file, HTTP, S3), the
+//! binary-cache transport ([`sluice_binary_cache::BinaryCache`]: file, HTTP, S3), the
 //! daemon client ([`crate::remote::DaemonStore`]), and the `dummy://` and `memory://` stores
 //! of `registry/`, where every kind of store is registered.
 //!
@@ -18,14 +18,14 @@ use futures::future::BoxFuture;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::binary_cache::CacheError;
 use crate::config::Settings;
 use crate::remote::RemoteError;
 use crate::store_url::{StoreUrl, StoreUrlError};
+use sluice_binary_cache::CacheError;
 use sluice_local_store::LocalStoreError;
 
 /// A future returned by a [`Store`] method.
-pub type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
+pub(crate) type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
 
 /// Resolves once a path may become visible in the destination (its references are there), or
 /// fails with the reason it may not (a reference failed).
@@ -141,16 +141,16 @@ pub async fn open_store(url: &str, settings: &Settings) -> Result<Arc<dyn Store>
 /// cut-short NAR is reported as why it was. The read end is read [`PIPE_CHUNK`] bytes at a
 /// time whatever its reader asks for: a NAR parser asks for each 8-byte token apart, which
 /// was one `read` system call per token (260k for the 1056-path corpus pushed into a cache).
-pub struct PipedNar {
+pub(crate) struct PipedNar {
     pipe: std::io::BufReader<std::fs::File>,
     finished: Option<NarWritten>,
 }
 
 /// How the writer of a [`PipedNar`] ended; resolves once it has.
-pub type NarWritten = BoxFuture<'static, std::io::Result<()>>;
+pub(crate) type NarWritten = BoxFuture<'static, std::io::Result<()>>;
 
 /// Bytes moved through a [`PipedNar`]'s pipe per system call: Linux's default pipe capacity.
-pub const PIPE_CHUNK: usize = 64 << 10;
+pub(crate) const PIPE_CHUNK: usize = 64 << 10;
 
 impl PipedNar {
     /// A pipe for a NAR of `url`'s: `start` is given its write end, starts the writer and

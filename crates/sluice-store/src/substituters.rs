@@ -8,15 +8,15 @@ use futures::future::join_all;
 use sluice_nix::cache_info::CacheInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::binary_cache::http::LazyClient;
-use crate::binary_cache::{BinaryCache, CacheError};
 use crate::closure::{ClosureQuery, Substituter};
 use crate::config::Settings;
-use crate::narinfo_cache::NarInfoCache;
 use crate::store_url::{CacheKind, CacheUrl, StoreUrl};
+use sluice_binary_cache::http::LazyClient;
+use sluice_binary_cache::narinfo_cache::NarInfoCache;
+use sluice_binary_cache::{BinaryCache, CacheError};
 
 /// Most root narinfos fetched alongside `nix-cache-info`.
-pub const MAX_PREFETCH: usize = 64;
+pub(crate) const MAX_PREFETCH: usize = 64;
 
 /// Why a substituter URL was not used.
 #[derive(Debug, thiserror::Error)]
@@ -41,7 +41,6 @@ pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
 /// that a path pushed into it, or a narinfo edited there, is seen at once.
 async fn open_one(
     url: &str,
-    settings: &Settings,
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
     store_dir: &StoreDir,
@@ -51,9 +50,9 @@ async fn open_one(
     let disk = disk.filter(|_| curl.kind != CacheKind::File);
     let cached = disk.and_then(|d| d.cache_info(&curl.base).map_err(|e| tracing::warn!("{e}")).ok().flatten());
     let (disk_id, cache) = match cached {
-        Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, settings, info)?),
+        Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, info)?),
         None => {
-            let mut cache = BinaryCache::new(&curl, client, settings, CacheInfo::default())?;
+            let mut cache = BinaryCache::new(&curl, client, CacheInfo::default())?;
             // The narinfos of the roots travel alongside nix-cache-info: one round trip for both.
             let roots = &prefetch[..prefetch.len().min(MAX_PREFETCH)];
             let (info, answers) = futures::join!(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p))));
@@ -104,12 +103,11 @@ async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots:
 /// and one error per cache left out.
 pub async fn open(
     urls: &[String],
-    settings: &Settings,
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
     store_dir: &StoreDir,
 ) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    open_prefetching(urls, settings, client, disk, store_dir, &[]).await
+    open_prefetching(urls, client, disk, store_dir, &[]).await
 }
 
 /// Like [`open`], and asks each cache whose `nix-cache-info` is not in the disk cache for the
@@ -117,13 +115,12 @@ pub async fn open(
 /// query does not spend a round trip on `nix-cache-info` alone.
 pub async fn open_prefetching(
     urls: &[String],
-    settings: &Settings,
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
     store_dir: &StoreDir,
     prefetch: &[StorePath],
 ) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    let results = join_all(urls.iter().map(|u| open_one(u, settings, client, disk, store_dir, prefetch))).await;
+    let results = join_all(urls.iter().map(|u| open_one(u, client, disk, store_dir, prefetch))).await;
     let (mut subs, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

@@ -4,9 +4,9 @@
 
 use std::io::Read;
 
+use sluice_binary_cache::{BinaryCache, NARINFOS_KEPT};
 use sluice_nix::hash::{Hash, HashAlgo};
 use sluice_nix::nar::writer::regular_file_nar;
-use sluice_store::binary_cache::{BinaryCache, NARINFOS_KEPT};
 use sluice_store::config::Settings;
 use sluice_store::store::Store;
 use sluice_store::store_url::StoreUrl;
@@ -43,8 +43,8 @@ async fn narinfos_kept_are_bounded_and_a_dropped_one_is_fetched_again() {
     }
     let url = StoreUrl::parse(&format!("file://{}", dir.path().display())).unwrap().as_cache().cloned().expect("a cache URL");
     let settings = Settings::default();
-    let client = sluice_store::binary_cache::http::LazyClient::new(&settings);
-    let cache = BinaryCache::open(&url, &client, &settings).await.unwrap();
+    let client = sluice_binary_cache::http::LazyClient::new(settings.http_options());
+    let cache = BinaryCache::open(&url, &client).await.unwrap();
 
     let first = cache.query_path_info_from_hash_part(&hash_part(0)).await.unwrap().expect("path 0 is in the cache");
     for i in 1..count {

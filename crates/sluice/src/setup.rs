@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 
+use sluice_binary_cache::http::LazyClient;
 use sluice_local_store::LocalStore;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::closure::{ClosureQuery, ValidityCheck};
 use sluice_store::config::{RawConfig, Settings};
 use sluice_store::store_url::{LocalStoreConfig, StoreUrl};
-use sluice_store::{binary_cache, substituters};
+use sluice_store::substituters;
 
 /// Flags of the commands that substitute (`copy`, `missing`); they win over nix.conf.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -165,9 +166,9 @@ pub async fn closure_query(
     is_valid: ValidityCheck,
     roots: &[StorePath],
 ) -> Result<ClosureQuery, String> {
-    let client = binary_cache::http::LazyClient::new(settings);
+    let client = LazyClient::new(settings.http_options());
     let disk = substituters::open_disk_cache(settings);
-    let (subs, errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), store_dir, roots).await;
+    let (subs, errors) = substituters::open_prefetching(urls, &client, disk.as_deref(), store_dir, roots).await;
     for e in errors {
         match caches {
             Caches::Substituters => crate::log::Log::get().msg(crate::log::LVL_WARN, &format!("warning: substituter left out: {e}")),

@@ -45,7 +45,7 @@ pub struct Derivation {
 
 /// The kind of a whole derivation, from its outputs (Nix's `DerivationType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DerivationType {
+pub(crate) enum DerivationType {
     /// Every output's path is given.
     InputAddressed,
     /// One fixed output, `out`.
@@ -158,7 +158,7 @@ impl Derivation {
 
     /// The derivation's type (Nix's `BasicDerivation::type`), refusing the combinations Nix
     /// refuses, in its words.
-    pub fn derivation_type(&self) -> Result<DerivationType, DerivationError> {
+    pub(crate) fn derivation_type(&self) -> Result<DerivationType, DerivationError> {
         let err = |m: &str| Err(DerivationError(m.to_owned()));
         let kinds: BTreeSet<u8> = self
             .outputs
@@ -198,7 +198,12 @@ impl Derivation {
     /// The ATerm Nix writes for this derivation (`Derivation::unparse`): with `mask_outputs`,
     /// output paths and the environment variables named like outputs are empty; with
     /// `actual_inputs`, the input derivations are replaced by those (hash modulo → outputs).
-    pub fn unparse(&self, dir: &StoreDir, mask_outputs: bool, actual_inputs: Option<&BTreeMap<String, BTreeSet<String>>>) -> Vec<u8> {
+    pub(crate) fn unparse(
+        &self,
+        dir: &StoreDir,
+        mask_outputs: bool,
+        actual_inputs: Option<&BTreeMap<String, BTreeSet<String>>>,
+    ) -> Vec<u8> {
         let mut s = b"Derive([".to_vec();
         for (i, (id, kind)) in self.outputs.iter().enumerate() {
             comma(&mut s, i);

@@ -20,7 +20,7 @@ pub mod reader;
 pub mod writer;
 
 /// The first token of every NAR.
-pub const MAGIC: &str = "nix-archive-1";
+pub(crate) const MAGIC: &str = "nix-archive-1";
 
 /// Shows bytes of a NAR (a token, or what stands where a NAR should start) for an error
 /// message: quoted, escaped, the first 40 of them.
@@ -79,7 +79,7 @@ impl NarVisitor for Discard {
 
 /// Checks a directory entry name as Nix does: not empty, `.` or `..`, no `/` or NUL, at most
 /// [`reader::MAX_NAME_LEN`] bytes. The error says why.
-pub fn check_name(name: &[u8]) -> Result<(), &'static str> {
+pub(crate) fn check_name(name: &[u8]) -> Result<(), &'static str> {
     match name {
         [] => Err("empty name"),
         b"." | b".." => Err("'.' and '..' are not allowed"),

@@ -15,14 +15,14 @@ use std::io::Read;
 use super::{check_name, show_bytes as show, NarVisitor, MAGIC};
 
 /// Longest entry name accepted (Linux `NAME_MAX`).
-pub const MAX_NAME_LEN: usize = 255;
+pub(crate) const MAX_NAME_LEN: usize = 255;
 /// Longest symlink target accepted (Linux `PATH_MAX` less its NUL: `symlink` refuses 4096
 /// bytes with `ENAMETOOLONG`, as it does for Nix 2.26's `nix-store --restore`).
-pub const MAX_TARGET_LEN: usize = 4095;
+pub(crate) const MAX_TARGET_LEN: usize = 4095;
 /// Longest structural token accepted (`(`, `type`, `executable`, …).
-pub const MAX_TOKEN_LEN: usize = 64;
+pub(crate) const MAX_TOKEN_LEN: usize = 64;
 /// Deepest directory nesting accepted (a deeper tree cannot be unpacked within `PATH_MAX`).
-pub const MAX_DEPTH: usize = 2048;
+pub(crate) const MAX_DEPTH: usize = 2048;
 
 /// Why a NAR was rejected, with the byte offset where it was noticed.
 #[derive(Debug, thiserror::Error)]

@@ -15,8 +15,8 @@ use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::NarVisitor;
 
 use super::{BuiltinDerivation, BuiltinError, Context, Spool};
-use crate::binary_cache::http::{client, HttpTransport};
-use crate::binary_cache::transfer::TransferProbe;
+use sluice_binary_cache::http::{client, HttpTransport};
+use sluice_binary_cache::transfer::TransferProbe;
 use sluice_compress::Compression;
 
 /// Downloads `drv`'s URL into `spool` as the NAR of its output, whose content address is `ca`
@@ -70,8 +70,9 @@ fn open(cx: &Context<'_>, url: &str) -> Result<(Box<dyn Read + Send>, Option<Tra
     let parsed = reqwest::Url::parse(url).map_err(|e| download(&e))?;
     match parsed.scheme() {
         "http" | "https" => {
-            let http = client(cx.settings).map_err(|e| download(&e))?;
-            let transport = HttpTransport::new(url.to_owned(), http, cx.settings);
+            let options = cx.settings.http_options();
+            let http = client(&options).map_err(|e| download(&e))?;
+            let transport = HttpTransport::new(url.to_owned(), http, &options);
             match cx.runtime.block_on(transport.open(url)).map_err(|e| download(&e))? {
                 Some((body, probe)) => Ok((body, Some(probe))),
                 None => Err(download(&"HTTP error 404, 403 or 410 (not found)")),

@@ -25,7 +25,7 @@ use sluice_nix::store_path::StorePath;
 
 use super::view::View;
 use super::{BuiltinDerivation, BuiltinError, Spool};
-use crate::causes::causes;
+use sluice_binary_cache::causes::causes;
 use sluice_compress::Compression;
 use sluice_local_store::{dump_fs_path, LocalStore};
 

@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::{StoreConfig, StoreKind};
-use crate::binary_cache::http::LazyClient;
-use crate::binary_cache::BinaryCache;
+use sluice_binary_cache::http::LazyClient;
+use sluice_binary_cache::BinaryCache;
 use crate::config::Settings;
 use crate::store::{Store, StoreFuture};
 use crate::store_url::{CacheKind, CacheUrl, CacheWriteParams, Param, ParamType, Query, StoreUrlError, DEFAULT_COMPRESSION};
@@ -91,7 +91,7 @@ impl StoreConfig for CacheUrl {
     /// A binary cache, written to with the URL's compression and keys, its `nix-cache-info`
     /// created when missing once something is added.
     fn open<'a>(&'a self, _url: &'a str, settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
-        Box::pin(async move { Ok(Arc::new(BinaryCache::open(self, &LazyClient::new(settings), settings).await?) as Arc<dyn Store>) })
+        Box::pin(async move { Ok(Arc::new(BinaryCache::open(self, &LazyClient::new(settings.http_options())).await?) as Arc<dyn Store>) })
     }
 
     fn as_cache(&self) -> Option<&CacheUrl> {

@@ -1,20 +1,27 @@
-//! Binary-cache stores: a cache directory of `nix-cache-info`, `<hash part>.narinfo` files and
-//! NARs, reached over a transport (one per file: [`file`], [`http`], [`s3`], the last being
-//! HTTP with signed requests). Layout: Nix `src/libstore/binary-cache-store.cc`; the
-//! [`Store`](crate::store::Store) interface, reading and writing: [`store`].
+//! Binary caches: a cache directory of `nix-cache-info`, `<hash part>.narinfo` files and
+//! NARs, reached over a transport (one per file: [`file`](mod@file), [`http`], [`s3`], the
+//! last being HTTP with signed requests), with the credentials of `netrc-file` ([`netrc`])
+//! and the narinfo disk cache ([`narinfo_cache`]). Layout: Nix
+//! `src/libstore/binary-cache-store.cc`; opening, reading and writing paths: [`paths`].
+//! sluice-store puts a [`BinaryCache`] behind its `Store` interface and parses the store URLs
+//! into [`url`]'s types; this crate knows neither.
 
+pub mod causes;
 mod error;
 pub mod file;
 pub mod http;
 mod imds;
 mod multipart;
+pub mod narinfo_cache;
+pub mod netrc;
+pub mod paths;
 mod pool;
 pub mod retry;
 pub mod s3;
 pub mod spool;
-mod store;
 pub mod transfer;
 pub mod upload;
+pub mod url;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -27,11 +34,10 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 pub use error::CacheError;
 
 /// Concurrent reads from a `file://` cache.
-pub const FILE_CAPACITY: usize = 256;
+pub(crate) const FILE_CAPACITY: usize = 256;
 pub use transfer::TransferProbe;
 
-use crate::config::Settings;
-use crate::store_url::{CacheKind, CacheUrl, CacheWriteParams};
+use crate::url::{CacheKind, CacheUrl, CacheWriteParams};
 
 /// How a cache's files are fetched and written.
 #[derive(Debug)]
@@ -74,7 +80,7 @@ impl Upload {
 
     /// The base64 MD5 of the contents (`Content-MD5`); `None` for a NAR prepared without it
     /// (only S3 uploads ask for it).
-    pub fn md5_base64(&self) -> Option<String> {
+    pub(crate) fn md5_base64(&self) -> Option<String> {
         use base64::Engine as _;
         use md5::Digest as _;
         let md5: [u8; 16] = match self {
@@ -122,9 +128,8 @@ pub struct BinaryCache {
     /// MiB of [`ENCODER_MEMORY`](sluice_compress::encoder_memory::ENCODER_MEMORY) not taken by the
     /// encoders of additions under way.
     encoder_budget: std::sync::Arc<tokio::sync::Semaphore>,
-    /// Narinfos answered by [`Store::query_path_infos`](crate::store::Store) and the hash-part
-    /// lookups, for reading their NARs without fetching them again: the last
-    /// [`NARINFOS_KEPT`] (a NAR of a path dropped from it fetches its narinfo again).
+    /// Narinfos answered by the path-info and hash-part queries ([`paths`]), for reading
+    /// their NARs without fetching them again: the last [`NARINFOS_KEPT`] (a NAR of a path dropped from it fetches its narinfo again).
     narinfos: std::sync::Mutex<hashlink::LruCache<StorePath, NarInfo>>,
 }
 
@@ -143,7 +148,7 @@ pub struct NarStream {
     pub probe: TransferProbe,
     /// Whether the bytes are on this machine (a `file://` cache's file): reading them never
     /// waits on a peer, so the substitution unpacks them on the few unpacking threads
-    /// (`unpack_pool.rs`); a network body is read on tokio's blocking pool instead.
+    /// (sluice-store's `unpack_pool.rs`); a network body is read on tokio's blocking pool instead.
     pub local: bool,
 }
 
@@ -152,19 +157,21 @@ impl BinaryCache {
     /// until [`BinaryCache::fetch_cache_info`] has answered); `?priority=` and
     /// `?want-mass-query=` override it, as Nix's `BinaryCacheStore::init`
     /// (`src/libstore/binary-cache-store.cc`) takes its values only as defaults. An HTTP or
-    /// S3 cache gets `client`'s client, built now if it was not: its error is the error here.
-    pub fn new(url: &CacheUrl, client: &http::LazyClient, settings: &Settings, info: CacheInfo) -> Result<Self, CacheError> {
+    /// S3 cache gets `client`'s client, built now if it was not (its error is the error here),
+    /// and follows its options.
+    pub fn new(url: &CacheUrl, client: &http::LazyClient, info: CacheInfo) -> Result<Self, CacheError> {
         let CacheUrl { base, kind, common, write } = url;
+        let options = client.options();
         let client = || client.get().map_err(|what| CacheError::Client { url: base.clone(), what });
         let (base, transport) = match kind {
             CacheKind::File => (base.clone(), Transport::File(file::FileTransport::new(PathBuf::from(base.trim_start_matches("file://"))))),
             CacheKind::Http => (
                 base.clone(),
-                Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client()?.clone(), settings)), s3: None },
+                Transport::Http { http: Box::new(http::HttpTransport::new(base.clone(), client()?.clone(), options)), s3: None },
             ),
             CacheKind::S3(params) => {
                 let (s3, client) = (s3::S3::new(params), client()?);
-                let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), settings).signed(s3.signer(client));
+                let http = http::HttpTransport::new(s3.bucket_url(), client.clone(), options).signed(s3.signer(client));
                 (base.clone(), Transport::Http { http: Box::new(http), s3: Some(Box::new(s3)) })
             }
         };
@@ -175,7 +182,7 @@ impl BinaryCache {
             priority_override: common.priority,
             want_mass_query_override: common.want_mass_query,
             health: retry::Health::default(),
-            retry: retry::RetryPolicy::new(settings.download_attempts),
+            retry: retry::RetryPolicy::new(options.download_attempts),
             write: write.clone(),
             store_dir: StoreDir::default(),
             secret_keys: Vec::new(),
@@ -250,6 +257,11 @@ impl BinaryCache {
         &self.url
     }
 
+    /// The store directory the cache serves.
+    pub fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
     /// The cache's `nix-cache-info` (priority and want-mass-query possibly overridden by the URL).
     pub fn info(&self) -> &CacheInfo {
         &self.info
@@ -314,7 +326,7 @@ impl BinaryCache {
 
     /// Fetches the raw narinfo text `<hash_part>.narinfo`; `None` when the cache does not
     /// have it.
-    pub async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
+    pub(crate) async fn narinfo_text_of(&self, hash_part: &str) -> Result<Option<String>, CacheError> {
         let Some(bytes) = self.get(&format!("{hash_part}.narinfo")).await? else { return Ok(None) };
         let text = String::from_utf8(bytes).map_err(|_| CacheError::Io {
             url: self.narinfo_url_of(hash_part),

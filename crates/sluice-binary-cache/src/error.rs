@@ -76,7 +76,7 @@ fn body_suffix(body: &str) -> String {
 impl CacheError {
     /// Whether retrying the same request may succeed (5xx, connection failures, timeouts,
     /// truncated bodies); 401/407 and malformed data are final.
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             CacheError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             // An untrusted certificate stays untrusted however often it is presented.
@@ -96,7 +96,7 @@ impl CacheError {
     /// narinfo with an HTML page (a parked domain, a captive portal). Such a cache is skipped
     /// for the rest of the run. A shortage of this machine's resources (see
     /// [`is_local_shortage`](Self::is_local_shortage)) says nothing about the cache.
-    pub fn disables_cache(&self) -> bool {
+    pub(crate) fn disables_cache(&self) -> bool {
         (self.is_transient() && !self.is_local_shortage())
             || matches!(
                 self,
@@ -114,7 +114,7 @@ impl CacheError {
     /// Whether this process ran short of a local resource while talking to the cache: open
     /// files (`EMFILE`, `ENFILE`), memory (`ENOMEM`) or socket buffers (`ENOBUFS`), found
     /// anywhere in the chain of causes. Retrying may succeed once other transfers end.
-    pub fn is_local_shortage(&self) -> bool {
+    pub(crate) fn is_local_shortage(&self) -> bool {
         let source: &(dyn std::error::Error + 'static) = match self {
             CacheError::Transport { source, .. } => source,
             CacheError::Io { source, .. } => source,

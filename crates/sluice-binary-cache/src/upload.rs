@@ -16,7 +16,7 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 
 use super::spool::{Compressed, SpoolWriter};
-use crate::store_url::CacheWriteParams;
+use crate::url::CacheWriteParams;
 use sluice_compress::encoder_memory::EncoderPlan;
 
 /// A compressed NAR, ready to upload.

@@ -13,7 +13,7 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// How often and how patiently a cache's requests are retried.
 #[derive(Debug, Clone, Copy)]
-pub struct RetryPolicy {
+pub(crate) struct RetryPolicy {
     /// Attempts in all (at least 1).
     pub attempts: u32,
 }
@@ -36,7 +36,7 @@ impl RetryPolicy {
 /// (see [`Health::opening`]) failures disable it without a warning: if the cache cannot be
 /// opened its caller reports that, otherwise the warning follows when opening ends.
 #[derive(Debug, Default)]
-pub struct Health {
+pub(crate) struct Health {
     disabled: OnceLock<String>,
     opening: AtomicBool,
     warned: AtomicBool,

@@ -33,7 +33,7 @@ pub fn lookup(text: &str, host: &str) -> Option<Credentials> {
 
 /// The credentials for `host` in the netrc file `file`: `Ok(None)` when the file does not
 /// exist or has no entry for it; an error naming the file when it cannot be read.
-pub fn lookup_file(file: &Path, host: &str) -> Result<Option<Credentials>, String> {
+pub(crate) fn lookup_file(file: &Path, host: &str) -> Result<Option<Credentials>, String> {
     match std::fs::read_to_string(file) {
         Ok(text) => Ok(lookup(&text, host)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),

@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The largest compressed NAR kept in memory; a larger one goes to a file as it grows past it.
-pub const SPOOL_NAR_MAX: usize = 1 << 20;
+pub(crate) const SPOOL_NAR_MAX: usize = 1 << 20;
 
 /// Bytes of compressed NARs kept in memory at once, by the whole process (NARs wait for their
 /// upload slot and their references' narinfos, so their number is not otherwise bounded);
 /// beyond it they go to files. The NARs being compressed (at most the destination's
 /// parallelism, each up to [`SPOOL_NAR_MAX`]) come on top.
-pub const SPOOL_MEMORY: u64 = 64 << 20;
+pub(crate) const SPOOL_MEMORY: u64 = 64 << 20;
 
 /// Bytes of compressed NARs in memory now.
 static SPOOLED: AtomicU64 = AtomicU64::new(0);
@@ -24,7 +24,7 @@ static SPOOLED: AtomicU64 = AtomicU64::new(0);
 /// A new temporary file in `dir` for a cache file written there and renamed into place, or
 /// uploaded from there, with the mode Nix's `writeFile` gives a cache file (`0666` less the
 /// umask; `tempfile`'s own default is `0600`).
-pub fn staging_file(dir: &Path) -> io::Result<tempfile::NamedTempFile> {
+pub(crate) fn staging_file(dir: &Path) -> io::Result<tempfile::NamedTempFile> {
     use std::os::unix::fs::PermissionsExt as _;
     tempfile::Builder::new().prefix(".sluice-upload-").permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)
 }
@@ -78,7 +78,7 @@ impl Drop for Spooled {
 /// Writes a compressed NAR into memory while it fits in [`SPOOL_NAR_MAX`], then into a
 /// temporary file in its directory; [`SpoolWriter::finish`] keeps it in memory if the budget
 /// has room for it.
-pub struct SpoolWriter {
+pub(crate) struct SpoolWriter {
     state: State,
     dir: PathBuf,
 }

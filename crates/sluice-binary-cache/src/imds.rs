@@ -16,7 +16,7 @@ use std::time::Duration;
 use aws_credential_types::Credentials;
 
 /// The longest wait for one request's whole answer.
-pub const TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Seconds the session token is asked to live (the SDKs' 6 hours).
 const TOKEN_TTL: u32 = 21600;

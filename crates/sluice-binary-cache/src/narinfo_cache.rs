@@ -15,7 +15,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use sluice_nix::cache_info::CacheInfo;
 
 /// Seconds a cached `nix-cache-info` stays fresh (Nix: 7 days).
-pub const CACHE_INFO_TTL: i64 = 7 * 24 * 3600;
+pub(crate) const CACHE_INFO_TTL: i64 = 7 * 24 * 3600;
 
 const SCHEMA: &str = "
 create table if not exists BinaryCaches (

@@ -62,7 +62,7 @@ impl FileTransport {
 
     /// Creates the cache's directory and its `nar` directory, as Nix's
     /// `LocalBinaryCacheStore::init` does before writing (`local-binary-cache-store.cc`).
-    pub fn create_dirs(&self) -> Result<(), CacheError> {
+    pub(crate) fn create_dirs(&self) -> Result<(), CacheError> {
         let nar = self.dir.join("nar");
         std::fs::create_dir_all(&nar).map_err(|source| CacheError::Io { url: nar.display().to_string(), source })
     }

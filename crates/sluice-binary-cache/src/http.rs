@@ -12,6 +12,7 @@
 
 use std::future::Future;
 use std::io::Read;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -23,42 +24,60 @@ use super::pool::ClientPool;
 use super::retry::RetryPolicy;
 use super::transfer::TransferProbe;
 use super::{CacheError, Upload};
-use crate::config::Settings;
 
 /// The hex sha256 of an empty body (SigV4's payload hash of `GET` and `HEAD`).
-pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+pub(crate) const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
 /// Concurrent requests to one cache once it speaks HTTP/2 (nginx's default stream limit).
-pub const H2_STREAMS: usize = 128;
+pub(crate) const H2_STREAMS: usize = 128;
 /// Concurrent existence checks and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) to one cache:
 /// `http-connections` if it is higher, no limit if it is 0. Nix sends these through the same
 /// curl pool as its downloads, `http-connections` (25) at a time; a push, though, is a few
 /// requests per path (`HEAD` of the narinfo, `HEAD` and `PUT` of the NAR, `PUT` of the
 /// narinfo), each one round trip with a small body: the 1056-path corpus makes 4227 requests,
 /// which at 25 in flight take 170 round trips (`bench/push`, docs/benchmarks.md). The bytes they carry are bounded
-/// elsewhere (NARs are compressed a few at a time, [`crate::store::Store::parallelism`]), and
+/// elsewhere (NARs are compressed a few at a time, sluice-store's `Store::parallelism`), and
 /// `http-connections` keeps bounding downloads, whose bodies are what loads a server. 256 is
 /// `sluice copy`'s jobs (`substitute::DEFAULT_JOBS`) and `file://`'s capacity.
-pub const WRITE_REQUESTS: usize = 256;
+pub(crate) const WRITE_REQUESTS: usize = 256;
 /// Largest whole file fetched by [`HttpTransport::get`] (narinfo, `nix-cache-info`), after
 /// content decoding.
-pub const MAX_SMALL_FILE: usize = 64 << 20;
+pub(crate) const MAX_SMALL_FILE: usize = 64 << 20;
 /// Bytes of an error answer's body quoted in the error.
 const BODY_PREFIX: usize = 200;
 
-/// Builds the HTTP client for a run from the settings (timeouts, CA bundle, pool size).
-pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
+/// What the HTTP transport takes from Nix's settings (`src/libstore/filetransfer.hh`,
+/// `globals.hh`); sluice-store's `Settings::http_options` builds it.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    /// Connections per HTTP/1.1 cache (`http-connections`); `None` for no limit (`0`).
+    pub connection_limit: Option<usize>,
+    /// Seconds to wait for a connection (`connect-timeout`); 0 means no limit.
+    pub connect_timeout: u64,
+    /// Seconds without data before a download is abandoned (`stalled-download-timeout`).
+    pub stalled_download_timeout: u64,
+    /// Attempts for a download that fails transiently (`download-attempts`).
+    pub download_attempts: u64,
+    /// The netrc file with credentials for the caches' hosts (`netrc-file`); a file that does
+    /// not exist means none.
+    pub netrc_file: PathBuf,
+    /// CA bundle for HTTPS (`ssl-cert-file`).
+    pub ssl_cert_file: Option<PathBuf>,
+}
+
+/// Builds the HTTP client for a run from its options (timeouts, CA bundle, pool size).
+pub fn client(options: &HttpOptions) -> Result<reqwest::Client, String> {
     let mut b = reqwest::Client::builder()
         .use_rustls_tls()
         .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
         .tcp_nodelay(true)
         // Room to keep every connection the write requests opened.
-        .pool_max_idle_per_host(write_limit(settings))
+        .pool_max_idle_per_host(write_limit(options))
         .no_proxy();
-    if settings.connect_timeout > 0 {
-        b = b.connect_timeout(Duration::from_secs(settings.connect_timeout));
+    if options.connect_timeout > 0 {
+        b = b.connect_timeout(Duration::from_secs(options.connect_timeout));
     }
-    if let Some(file) = &settings.ssl_cert_file {
+    if let Some(file) = &options.ssl_cert_file {
         let pem = std::fs::read(file).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
         let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
         for c in certs {
@@ -68,31 +87,36 @@ pub fn client(settings: &Settings) -> Result<reqwest::Client, String> {
     b.build().map_err(|e| format!("cannot set up the HTTP client: {e}"))
 }
 
-/// The HTTP client of a run, built from its settings ([`client`]) when a cache over HTTP or
+/// The HTTP client of a run, built from its options ([`client`]) when a cache over HTTP or
 /// S3 first asks for it, and once: a run with `file://` caches only never builds one, whose
 /// system CA certificates cost about 4 ms of CPU at the start of a copy (the corpus copy from
 /// `file://`, docs/benchmarks.md, issue 16).
 pub struct LazyClient {
-    settings: Settings,
+    options: HttpOptions,
     client: OnceLock<Result<reqwest::Client, String>>,
 }
 
 impl LazyClient {
-    /// A client for `settings`, not built yet.
-    pub fn new(settings: &Settings) -> Self {
-        LazyClient { settings: settings.clone(), client: OnceLock::new() }
+    /// A client for `options`, not built yet.
+    pub fn new(options: HttpOptions) -> Self {
+        LazyClient { options, client: OnceLock::new() }
     }
 
-    /// The client, built on the first call. Errors: the settings' `ssl-cert-file` cannot be
+    /// The options the client is built with, which the transports of its caches follow.
+    pub fn options(&self) -> &HttpOptions {
+        &self.options
+    }
+
+    /// The client, built on the first call. Errors: the options' `ssl-cert-file` cannot be
     /// read or parsed, or the TLS set-up failed (the same error on every call).
     pub fn get(&self) -> Result<&reqwest::Client, String> {
-        self.client.get_or_init(|| client(&self.settings)).as_ref().map_err(String::clone)
+        self.client.get_or_init(|| client(&self.options)).as_ref().map_err(String::clone)
     }
 }
 
 /// Requests in flight for existence checks and uploads (see [`WRITE_REQUESTS`]).
-fn write_limit(settings: &Settings) -> usize {
-    settings.http_connection_limit().map_or(Semaphore::MAX_PERMITS, |n| n.max(WRITE_REQUESTS))
+fn write_limit(options: &HttpOptions) -> usize {
+    options.connection_limit.map_or(Semaphore::MAX_PERMITS, |n| n.max(WRITE_REQUESTS))
 }
 
 /// One HTTP(S) binary cache.
@@ -163,25 +187,25 @@ impl From<CacheError> for Failure {
 
 impl HttpTransport {
     /// A transport for cache `base` (no trailing slash).
-    pub fn new(base: String, client: reqwest::Client, settings: &Settings) -> Self {
+    pub fn new(base: String, client: reqwest::Client, options: &HttpOptions) -> Self {
         let base_dir = reqwest::Url::parse(&format!("{base}/")).ok();
         // As curl, credentials in the URL win over the netrc file.
         let host = base_dir.as_ref().filter(|u| u.username().is_empty()).and_then(|u| u.host_str());
         let credentials =
-            host.and_then(|h| crate::netrc::lookup_file(&settings.netrc_file, h).map_err(|e| tracing::warn!("{e}")).ok().flatten());
-        let connections = settings.http_connection_limit().unwrap_or(Semaphore::MAX_PERMITS);
+            host.and_then(|h| crate::netrc::lookup_file(&options.netrc_file, h).map_err(|e| tracing::warn!("{e}")).ok().flatten());
+        let connections = options.connection_limit.unwrap_or(Semaphore::MAX_PERMITS);
         HttpTransport {
             base_dir,
             base,
-            pool: ClientPool::new(client, settings),
+            pool: ClientPool::new(client, options),
             limit: Arc::new(Semaphore::new(connections)),
             connections,
-            writes: Arc::new(Semaphore::new(write_limit(settings))),
-            write_permits: write_limit(settings),
+            writes: Arc::new(Semaphore::new(write_limit(options))),
+            write_permits: write_limit(options),
             h2: AtomicBool::new(false),
             credentials,
-            stall: Duration::from_secs(settings.stalled_download_timeout.max(1)),
-            retry: RetryPolicy::new(settings.download_attempts),
+            stall: Duration::from_secs(options.stalled_download_timeout.max(1)),
+            retry: RetryPolicy::new(options.download_attempts),
             signer: None,
         }
     }
@@ -271,7 +295,7 @@ impl HttpTransport {
             Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
             Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
         };
-        // One line per request (`SLUICE_LOG=sluice_store::binary_cache::http=debug`): what the
+        // One line per request (`SLUICE_LOG=sluice_binary_cache::http=debug`): what the
         // requests in flight and their round trips were, for benchmarks.
         tracing::debug!(method = %spec.method, url, status = resp.status().as_u16(), ms = started.elapsed().as_millis() as u64, in_flight = permits.saturating_sub(limit.available_permits()), "request");
         if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {

@@ -16,14 +16,14 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::config::Settings;
+use crate::http::HttpOptions;
 
 /// HTTP/2 connections per cache for narinfos and other small files.
-pub const H2_CONNECTIONS: usize = 4;
+pub(crate) const H2_CONNECTIONS: usize = 4;
 
 /// HTTP/2 connections per cache for NARs (with nginx's 128 streams each, room for
 /// `sluice copy`'s 256 jobs).
-pub const NAR_CONNECTIONS: usize = 2;
+pub(crate) const NAR_CONNECTIONS: usize = 2;
 
 /// An additional client and whether its connection is up.
 #[derive(Debug)]
@@ -36,26 +36,26 @@ struct Extra {
 
 /// The clients of one cache; one until the cache speaks HTTP/2.
 #[derive(Debug)]
-pub struct ClientPool {
+pub(crate) struct ClientPool {
     first: reqwest::Client,
     extra: OnceLock<Vec<Extra>>,
     /// The NAR connections, made with `extra`.
     nar: OnceLock<Vec<Extra>>,
     next: AtomicUsize,
     next_nar: AtomicUsize,
-    settings: Settings,
+    options: HttpOptions,
 }
 
 impl ClientPool {
-    /// A pool starting with `first` (shared with other caches); `settings` builds the others.
-    pub fn new(first: reqwest::Client, settings: &Settings) -> Self {
+    /// A pool starting with `first` (shared with other caches); `options` build the others.
+    pub fn new(first: reqwest::Client, options: &HttpOptions) -> Self {
         ClientPool {
             first,
             extra: OnceLock::new(),
             nar: OnceLock::new(),
             next: AtomicUsize::new(0),
             next_nar: AtomicUsize::new(0),
-            settings: settings.clone(),
+            options: options.clone(),
         }
     }
 
@@ -73,7 +73,7 @@ impl ClientPool {
     /// was answered (they are opened with the first request, so by the time a NAR is asked
     /// for they are about up); the narinfo clients ([`Self::next`]) without HTTP/2 or when
     /// the connection did not come up over HTTP/2.
-    pub async fn next_nar(&self) -> &reqwest::Client {
+    pub(crate) async fn next_nar(&self) -> &reqwest::Client {
         let Some(nar) = self.nar.get().filter(|n| !n.is_empty()) else { return self.next() };
         let e = &nar[self.next_nar.fetch_add(1, Ordering::Relaxed) % nar.len()];
         // An error means the opening task is gone: the connection is not up.
@@ -86,14 +86,14 @@ impl ClientPool {
 
     /// Adds the other HTTP/2 connections to `base` and the NAR connections (once), opening
     /// them in the background.
-    pub fn grow_for_h2(&self, base: &str) {
+    pub(crate) fn grow_for_h2(&self, base: &str) {
         if self.extra.get().is_some() {
             return;
         }
         let root = format!("{base}/");
         let open = |n: usize| -> Vec<Extra> {
             (0..n)
-                .filter_map(|_| super::http::client(&self.settings).ok())
+                .filter_map(|_| super::http::client(&self.options).ok())
                 .map(|client| {
                     let ready = Arc::new(AtomicBool::new(false));
                     let (settle, settled) = tokio::sync::watch::channel(false);
@@ -124,7 +124,7 @@ impl ClientPool {
     }
 
     /// How many connections NAR downloads are spread over apart from those.
-    pub fn nar_connections(&self) -> usize {
+    pub(crate) fn nar_connections(&self) -> usize {
         self.nar.get().map_or(0, Vec::len)
     }
 }

@@ -23,7 +23,7 @@ use aws_sigv4::http_request::{sign, PayloadChecksumKind, SignableBody, SignableR
 use super::http::{HttpTransport, RequestSigner};
 use super::multipart;
 use super::{CacheError, Upload};
-use crate::store_url::S3Params;
+use crate::url::S3Params;
 
 /// An S3 bucket: where it is and how requests to it are signed.
 #[derive(Debug)]
@@ -38,7 +38,7 @@ impl S3 {
     }
 
     /// The bucket's URL (no trailing slash), path or virtual-hosted style.
-    pub fn bucket_url(&self) -> String {
+    pub(crate) fn bucket_url(&self) -> String {
         let p = &self.params;
         let endpoint = p.endpoint.clone().unwrap_or_else(|| format!("s3.{}.amazonaws.com", p.region));
         let (scheme, host) = match endpoint.split_once("://") {
@@ -304,9 +304,18 @@ mod tests {
 
     #[test]
     fn bucket_urls() {
-        let mut p = match crate::store_url::StoreUrl::parse("s3://b?endpoint=127.0.0.1:9000&scheme=http").unwrap().as_cache().cloned() {
-            Some(crate::store_url::CacheUrl { kind: crate::store_url::CacheKind::S3(p), .. }) => p,
-            other => panic!("{other:?}"),
+        // `s3://b?endpoint=127.0.0.1:9000&scheme=http`.
+        let mut p = S3Params {
+            bucket: "b".into(),
+            region: "us-east-1".into(),
+            endpoint: Some("127.0.0.1:9000".into()),
+            profile: None,
+            scheme: "http".into(),
+            path_style: true,
+            multipart_upload: false,
+            multipart_chunk_size: 5 << 20,
+            multipart_threshold: 100 << 20,
+            storage_class: None,
         };
         assert_eq!(S3::new(&p).bucket_url(), "http://127.0.0.1:9000/b");
         (p.endpoint, p.path_style, p.region, p.scheme) = (None, false, "eu-west-1".into(), "https".into());

@@ -1,0 +1,103 @@
+//! A binary cache ([`BinaryCache`], sluice-binary-cache) behind the [`Store`] interface, as
+//! Nix's `BinaryCacheStore` (`src/libstore/binary-cache-store.cc`): queries answered from
+//! narinfos, NARs decompressed as they are read, and an addition's narinfo written only once
+//! its publish gate opens (the steps: `sluice_binary_cache::paths`).
+
+use std::collections::BTreeSet;
+
+use sluice_binary_cache::{BinaryCache, CacheError};
+use sluice_compress::Compression;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
+use sluice_nix::store_path::{StoreDir, StorePath};
+
+use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
+
+impl Store for BinaryCache {
+    fn url(&self) -> &str {
+        BinaryCache::url(self)
+    }
+
+    fn store_dir(&self) -> &StoreDir {
+        BinaryCache::store_dir(self)
+    }
+
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
+        Box::pin(async move { Ok(BinaryCache::query_path_infos(self, paths).await?) })
+    }
+
+    fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        Box::pin(async move { Ok(BinaryCache::query_valid_paths(self, paths).await?) })
+    }
+
+    fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
+        Box::pin(async move { Ok(self.narinfo_of_hash_part(hash_part).await?.map(|info| info.path)) })
+    }
+
+    /// One narinfo fetched, where the default would fetch it twice (for the path, then for
+    /// its info).
+    fn query_path_info_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<ValidPathInfo>> {
+        Box::pin(async move { Ok(self.narinfo_of_hash_part(hash_part).await?) })
+    }
+
+    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
+        Box::pin(async move {
+            let narinfo = self.narinfo_for_nar(&info.path).await?.ok_or_else(|| StoreError::NotValid {
+                url: BinaryCache::url(self).to_owned(),
+                path: BinaryCache::store_dir(self).display_path(&info.path),
+            })?;
+            let nar_url = self.nar_url(&narinfo);
+            let gone = || {
+                StoreError::Cache(CacheError::Io {
+                    url: nar_url.clone(),
+                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "NAR file missing"),
+                })
+            };
+            let stream = self.open_nar(&narinfo).await?.ok_or_else(gone)?;
+            let compression = Compression::parse(&narinfo.compression).map_err(|e| StoreError::Other(format!("{nar_url}: {e}")))?;
+            Ok(Box::new(LazyDecoder { compression, url: nar_url, state: DecoderState::Pending(Some(stream.reader)) }) as NarReader)
+        })
+    }
+
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.init_for_writing().await?;
+            let prepared = self.prepare_nar(&info, nar).await.map_err(StoreError::Other)?;
+            let narinfo = self.upload_nar(&info, prepared).await?;
+            publish.await?;
+            Ok(self.write_narinfo(&narinfo).await?)
+        })
+    }
+
+    fn parallelism(&self) -> usize {
+        // Each addition compresses on a blocking thread: more than the cores only queue.
+        let cores = sluice_compress::cores();
+        self.capacity().min(4 * cores)
+    }
+}
+
+/// A decoder started on the first read (a decoder reads the stream's head when made, which must
+/// not happen on the async thread).
+struct LazyDecoder {
+    compression: Compression,
+    url: String,
+    state: DecoderState,
+}
+
+enum DecoderState {
+    Pending(Option<Box<dyn std::io::Read + Send>>),
+    Active(Box<dyn std::io::Read + Send>),
+}
+
+impl std::io::Read for LazyDecoder {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let DecoderState::Pending(raw) = &mut self.state {
+            let raw = raw.take().ok_or_else(|| std::io::Error::other(format!("{}: decoder failed earlier", self.url)))?;
+            let decoder = self.compression.decoder(raw).map_err(|e| std::io::Error::other(format!("{}: {e}", self.url)))?;
+            self.state = DecoderState::Active(decoder);
+        }
+        match &mut self.state {
+            DecoderState::Active(d) => d.read(buf),
+            DecoderState::Pending(_) => unreachable!("the decoder was just started"),
+        }
+    }
+}
