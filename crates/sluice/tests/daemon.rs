@@ -1014,6 +1014,26 @@ fn nix_2_26_client_matches_nix_2_8() {
     assert!(info.contains("\"ca\"") && info.contains("text:sha256:"), "{info}");
 }
 
+/// Nix 2.26's `nix build --json` of store paths that are not derivation outputs, through the
+/// daemon: one substituted, then already valid. Each result's entry is the path itself (a JSON
+/// string), as through nix-daemon, whose results for what no builder ran have start and stop
+/// times of 0; with a time, `nix build` indexes the string and fails ("cannot use operator[]
+/// with a string argument", Nix's functional test build.sh).
+#[test]
+fn nix_build_json_of_paths_nothing_built_for() {
+    let env = Env::new();
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, "");
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let url = format!("{}?real={}", daemon.url, env.path("root/nix/store").display());
+    for when in ["substituted", "already valid"] {
+        let args = ["build", "--json", "--no-link", "--store", &url, &glibc, "--option", "substituters", &cache];
+        let (ok, out, err) = as_root(&env, true, "nix", &args);
+        assert!(ok, "{when}: {err}");
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&out).unwrap(), serde_json::json!([glibc]), "{when}");
+    }
+}
+
 /// Reads stderr messages up to the operation's end: `Ok` at `LAST` (its result follows), or
 /// the message of an `ERROR` (protocol ≥ 1.26 form). Log lines and activities are skipped.
 fn until_last(s: &mut impl std::io::Read) -> Result<(), String> {
