@@ -20,10 +20,14 @@ impl ContentHasher {
         }
     }
 
-    pub(crate) fn finish(self) -> Hash {
+    /// The content hash, and for modulo hashing the same as Nix before 2.17 computed it.
+    pub(crate) fn finish(self) -> (Hash, Option<Hash>) {
         match self {
-            ContentHasher::Plain(h) => h.finish(),
-            ContentHasher::Modulo(h) => h.finish(),
+            ContentHasher::Plain(h) => (h.finish(), None),
+            ContentHasher::Modulo(h) => {
+                let m = h.finish();
+                (m.hash, Some(m.with_offsets))
+            }
         }
     }
 }

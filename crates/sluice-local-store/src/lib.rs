@@ -121,6 +121,10 @@ pub struct Unpacked {
     /// Bytes of the NAR.
     pub nar_size: u64,
     pub ca_hash: Option<Hash>,
+    /// For a `fixed:r:` path that refers to itself, its content hash as Nix before 2.17
+    /// computed it (`ca_hash` is Nix's since: [`sluice_nix::hash_modulo`]); a content address
+    /// made by either is accepted.
+    pub ca_hash_with_offsets: Option<Hash>,
 }
 
 /// What [`LocalStore::try_begin_add`] found.
@@ -540,11 +544,14 @@ impl PendingPath {
         parse(&mut reader, &mut unpacker).map_err(|source| LocalStoreError::Nar { path: shown.clone(), source })?;
         let nar_size = reader.len();
         let (nar_hash, content) = reader.finish().map_err(io_err("hashing the NAR of", &self.store.real_path(&self.info.path)))?;
-        let ca_hash = match content.hasher {
-            Some(h) => Some(h.finish()),
-            None => unpacker.flat_hash(),
+        let (ca_hash, ca_hash_with_offsets) = match content.hasher {
+            Some(h) => {
+                let (hash, with_offsets) = h.finish();
+                (Some(hash), with_offsets)
+            }
+            None => (unpacker.flat_hash(), None),
         };
-        Ok(Unpacked { nar_hash, nar_size, ca_hash })
+        Ok(Unpacked { nar_hash, nar_size, ca_hash, ca_hash_with_offsets })
     }
 
     /// Passes the verification boundary under `policy`, renames the tree to its final path

@@ -248,7 +248,7 @@ pub(super) fn verify(
             Some(CaHashing::NarHash) => Some(&unpacked.nar_hash),
             _ => unpacked.ca_hash.as_ref(),
         };
-        if actual != Some(ca.hash()) {
+        if actual != Some(ca.hash()) && unpacked.ca_hash_with_offsets.as_ref() != Some(ca.hash()) {
             return Err(LocalStoreError::CaMismatch {
                 path: shown(),
                 specified: ca.hash().to_nix32_prefixed(),

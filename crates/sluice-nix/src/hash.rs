@@ -198,6 +198,7 @@ impl std::str::FromStr for Hash {
     }
 }
 
+#[derive(Clone)]
 enum State {
     Md5(md5::Md5),
     Sha1(sha1::Sha1),
@@ -206,6 +207,7 @@ enum State {
 }
 
 /// Incremental hashing; also a `Write` sink, and counts the bytes fed (NarSize).
+#[derive(Clone)]
 pub struct Hasher {
     state: State,
     len: u64,

@@ -1,8 +1,11 @@
 //! Hashing modulo self-references (Nix's `HashModuloSink`, `src/libutil/references.cc`): every
-//! occurrence of a path's hash part is hashed as zero bytes, and the byte offsets of the
-//! occurrences are hashed after the data as `|<offset>` each. The content address of a path
-//! that refers to itself is this hash of its NAR, so that the address does not depend on the
-//! path it names (Nix's `LocalStore::hashCAPath`, used to verify content addresses).
+//! occurrence of a path's hash part is hashed as zero bytes. Nix before 2.17 (2.8's
+//! `src/libstore/references.cc`) also hashes the byte offsets of the occurrences after the
+//! data, as `|<offset>` each; since 2.17 (commit 3ebe1341ab, whose `RewritingSink` no longer
+//! records them) it hashes none. The content address of a path that refers to itself is this
+//! hash of its NAR, so that the address does not depend on the path it names (Nix's
+//! `LocalStore::addToStore` verifies content addresses with it), and [`ModuloHasher::finish`]
+//! gives both forms.
 
 use crate::hash::{Hash, HashAlgo, Hasher};
 
@@ -45,15 +48,27 @@ impl ModuloHasher {
         self.held = s.split_off(consumed);
     }
 
-    /// The hash of everything fed, modulo the occurrences of the modulus.
-    pub fn finish(mut self) -> Hash {
+    /// The hash of everything fed modulo the occurrences of the modulus, as Nix since 2.17
+    /// and before it computes it.
+    pub fn finish(mut self) -> ModuloHash {
         let held = std::mem::take(&mut self.held);
         self.hasher.update(&held);
+        let mut with_offsets = self.hasher.clone();
         for at in &self.matches {
-            self.hasher.update(format!("|{at}").as_bytes());
+            with_offsets.update(format!("|{at}").as_bytes());
         }
-        self.hasher.finish()
+        ModuloHash { hash: self.hasher.finish(), with_offsets: with_offsets.finish() }
     }
+}
+
+/// A hash modulo self-references in the two forms Nix has used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuloHash {
+    /// Nix 2.17 and later: the data with the occurrences zeroed.
+    pub hash: Hash,
+    /// Nix before 2.17: then the occurrences' offsets, `|<offset>` each (the same as `hash`
+    /// when there is none).
+    pub with_offsets: Hash,
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -69,13 +84,17 @@ mod tests {
         let mut h = ModuloHasher::new(HashAlgo::Sha256, b"abc");
         h.update(b"hello ");
         h.update(b"world");
-        assert_eq!(h.finish(), Hash::digest_bytes(HashAlgo::Sha256, b"hello world"));
+        let plain = Hash::digest_bytes(HashAlgo::Sha256, b"hello world");
+        assert_eq!(h.finish(), ModuloHash { hash: plain.clone(), with_offsets: plain });
     }
 
     #[test]
-    fn occurrences_are_zeroed_and_their_offsets_hashed_whatever_the_chunking() {
+    fn occurrences_are_zeroed_and_their_offsets_hashed_before_2_17_whatever_the_chunking() {
         let data = b"xxabcyyabcab";
-        let expected = Hash::digest_bytes(HashAlgo::Sha256, b"xx\0\0\0yy\0\0\0ab|2|7");
+        let expected = ModuloHash {
+            hash: Hash::digest_bytes(HashAlgo::Sha256, b"xx\0\0\0yy\0\0\0ab"),
+            with_offsets: Hash::digest_bytes(HashAlgo::Sha256, b"xx\0\0\0yy\0\0\0ab|2|7"),
+        };
         for split in 0..=data.len() {
             for split2 in split..=data.len() {
                 let mut h = ModuloHasher::new(HashAlgo::Sha256, b"abc");

@@ -96,5 +96,6 @@ fn run(c: &mut Conn, drv: &BuiltinDerivation, inputs: &[StorePath]) -> Result<Op
         Err(BuiltinError::Store(e)) => build_result(BuildStatus::MiscFailure, format!("cannot build '{shown}': {e}")),
     };
     res.start_time = start;
+    res.stop_time = super::payload::now().max(0) as u64;
     Ok(Some(res))
 }

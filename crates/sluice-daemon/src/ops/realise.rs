@@ -257,16 +257,18 @@ pub(super) fn realise_by_substitution(c: &mut Conn, paths: &[StorePath]) -> Resu
     Ok((before, after))
 }
 
-/// A build result of `status` with `error_msg`, started and stopped now, nothing built.
+/// A build result of `status` with `error_msg`, nothing built: its start and stop times are 0,
+/// as Nix sets them only when a builder runs (`build/derivation-goal.cc`, `buildDone`), and
+/// Nix 2.26's `nix build --json` adds them to a path's entry only when they are not 0 (which
+/// it cannot do for a path that is not a derivation's output: `src/nix/build.cc`).
 pub(super) fn build_result(status: BuildStatus, error_msg: String) -> BuildResult {
-    let now = super::payload::now().max(0) as u64;
     BuildResult {
         status,
         error_msg,
         times_built: 0,
         is_non_deterministic: false,
-        start_time: now,
-        stop_time: now,
+        start_time: 0,
+        stop_time: 0,
         cpu_user: None,
         cpu_system: None,
         built_outputs: BTreeMap::new(),
