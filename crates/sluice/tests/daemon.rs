@@ -283,6 +283,39 @@ fn real_nix_clients_match_direct_mode() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// The store and state directories deleted and made again, empty, between two connections
+/// (what the `clearStore` of Nix's functional tests does under a running daemon): the next
+/// connection works on the new store as a `nix-daemon` worker, which opens the store per
+/// connection, does. Regression: the daemon kept the deleted directories and database open,
+/// so the next `--add` failed (`…-sluice-unpacking: No such file or directory`,
+/// `temproots/<pid>-<n>: No such file or directory`) and the old database still answered.
+#[test]
+fn a_connection_after_the_store_is_deleted_and_made_again_uses_the_new_store() {
+    let env = Env::new();
+    let daemon = env.daemon("root", "", "");
+    let root = env.path("root");
+    let add = |name: &str| {
+        let file = env.path(name);
+        std::fs::write(&file, format!("{name} through the daemon\n")).unwrap();
+        env.nix("nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]).trim().to_owned()
+    };
+    let before = add("before.txt");
+    for dir in ["nix/store", "nix/var/nix"] {
+        std::fs::remove_dir_all(root.join(dir)).unwrap();
+        std::fs::create_dir(root.join(dir)).unwrap();
+    }
+    let after = add("after.txt");
+    let direct = format!("local?root={}", root.display());
+    for store in [daemon.url.as_str(), &direct] {
+        assert_eq!(
+            env.nix("nix-store", &["--store", store, "--check-validity", "--print-invalid", &before, &after]).trim(),
+            before,
+            "{store}"
+        );
+    }
+    assert!(root.join(after.trim_start_matches('/')).is_file(), "{after} is not in the new store directory");
+}
+
 /// `nix-store -r` of the corpus's whole closure (1056 paths) through a daemon whose hard
 /// limit on open files is far below that: every path is substituted. Regression: the
 /// daemon's substitution held a lock file per path found until the path was registered, and
