@@ -316,6 +316,70 @@ fn a_connection_after_the_store_is_deleted_and_made_again_uses_the_new_store() {
     assert!(root.join(after.trim_start_matches('/')).is_file(), "{after} is not in the new store directory");
 }
 
+/// `--store local` (no `root`) keeps its state (database, temporary roots, the daemon's
+/// socket) where `NIX_STATE_DIR` says and build logs where `NIX_LOG_DIR` says, as Nix's local
+/// store does (`globals.cc`, `local-fs-store.hh`): real Nix 2.8 given the same variables finds
+/// what sluice daemon registered and the log it stored, and connects to the socket the
+/// variables place. A `NIX_STORE_DIR` other than `/nix/store`, or a relative `NIX_STATE_DIR`,
+/// is refused naming the variable. Every process has a `/nix` of its own (a tmpfs in a private
+/// mount namespace): this machine's is never touched. Regression: sluice used `/nix/var/nix`
+/// and `/nix/var/log/nix` whatever the environment said.
+#[test]
+fn local_store_directories_follow_the_environment() {
+    use std::io::Write;
+    let env = Env::new();
+    let (state, log) = (env.path("state"), env.path("log"));
+    let private_nix = |program: &str| {
+        let mut c = env.cmd("unshare");
+        c.args(["--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /nix && exec \"$0\" \"$@\"", program])
+            .env("NIX_STATE_DIR", &state)
+            .env("NIX_LOG_DIR", &log)
+            .env("NIX_STORE_DIR", "/nix/store");
+        c
+    };
+    let run = |mut c: Command| {
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{c:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let socket = state.join("daemon-socket/socket");
+    let mut daemon = private_nix(sluice());
+    daemon.args(["daemon", "--store", "local"]).stderr(Stdio::null());
+    let _daemon = wait_for_socket(daemon.spawn().unwrap(), &socket);
+
+    let file = env.path("hello.txt");
+    std::fs::write(&file, "registered under NIX_STATE_DIR\n").unwrap();
+    let mut add = private_nix("nix-store");
+    add.args(["--store", "daemon", "--add"]).arg(&file);
+    let path = run(add).trim().to_owned();
+    assert!(state.join("db/db.sqlite").is_file() && state.join("temproots").is_dir());
+    let mut check = private_nix("nix-store");
+    check.args(["--store", "local", "--check-validity", &path]);
+    run(check);
+
+    std::os::unix::fs::symlink(&socket, env.path("socket")).unwrap();
+    let (mut client, _) = raw_client(&env, 37);
+    let (drv, text) = ("00000000000000000000000000000000-x.drv", "a build log under NIX_LOG_DIR\n");
+    client.write_all(&[request(45, &[Err(drv.as_bytes())]), framed(text.as_bytes())].concat()).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    assert!(log.join("drvs/00/000000000000000000000000000000-x.drv.bz2").is_file());
+    let mut read_log = private_nix("nix-store");
+    read_log.args(["--store", "local", "--read-log", &format!("/nix/store/{drv}")]);
+    assert_eq!(run(read_log), text);
+
+    for (var, value, why) in [
+        ("NIX_STORE_DIR", "/gnu/store", "sluice supports only the store directory /nix/store"),
+        ("NIX_STATE_DIR", "state", "not an absolute path"),
+    ] {
+        let mut refused = private_nix(sluice());
+        let out = refused.env(var, value).args(["path-info", "--store", "local", &path]).output().unwrap();
+        assert!(!out.status.success());
+        let expected = format!("environment variable {var} has the invalid value {value:?}: {why}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&expected), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 /// `nix-store -r` of the corpus's whole closure (1056 paths) through a daemon whose hard
 /// limit on open files is far below that: every path is substituted. Regression: the
 /// daemon's substitution held a lock file per path found until the path was registered, and
