@@ -886,8 +886,13 @@ fn daemon_and_client_1_34(env: &Env) -> (Daemon, std::os::unix::net::UnixStream)
 /// A raw client connection after the greeting as protocol 1.`minor` (≥ 1.30), with the
 /// daemon's trusted flag (≥ 1.35: 1 trusted, 2 not).
 fn raw_client(env: &Env, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
+    raw_client_on(&env.path("socket"), minor)
+}
+
+/// [`raw_client`] of the daemon listening on `socket`.
+pub(crate) fn raw_client_on(socket: &Path, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
     use std::io::Write;
-    let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
+    let mut client = std::os::unix::net::UnixStream::connect(socket).unwrap();
     client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     client.write_all(&u64s(&[0x6e69_7863])).unwrap();
     assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x6478_696f, 0x125));
@@ -1176,7 +1181,7 @@ fn valid_derivers(client: &mut std::os::unix::net::UnixStream, path: &str) -> Ve
 }
 
 /// IsValidPath of `path` on `client`, which must still be usable: the answer.
-fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
+pub(crate) fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
     use std::io::Write;
     client.write_all(&request(1, &[Err(path)])).unwrap();
     assert_eq!(until_last(client), Ok(()));
@@ -1184,7 +1189,7 @@ fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
 }
 
 /// AddTextToStore of `text` as `name` (no references): the new path.
-fn add_text(client: &mut std::os::unix::net::UnixStream, name: &str, text: &str) -> Vec<u8> {
+pub(crate) fn add_text(client: &mut std::os::unix::net::UnixStream, name: &str, text: &str) -> Vec<u8> {
     use std::io::Write;
     client.write_all(&request(8, &[Err(name.as_bytes()), Err(text.as_bytes()), Ok(0)])).unwrap();
     assert_eq!(until_last(client), Ok(()));
