@@ -163,14 +163,15 @@ impl Env {
     }
 }
 
-/// Waits until `child` (a daemon) has created `socket`.
+/// Waits until `child` (a daemon) has created `socket`; a daemon that does not is killed.
 fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
+    let daemon = Daemon { child, url: format!("unix://{}", socket.display()) };
     let start = Instant::now();
     while !socket.exists() {
         assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not create {}", socket.display());
         std::thread::sleep(Duration::from_millis(20));
     }
-    Daemon { child, url: format!("unix://{}", socket.display()) }
+    daemon
 }
 
 struct Daemon {
