@@ -58,6 +58,8 @@ pub(crate) fn op_err(e: impl std::fmt::Display) -> Fail {
 /// A connection's state after the greeting.
 pub(crate) struct Conn<'d> {
     pub daemon: &'d Daemon,
+    /// The store this connection uses from start to end ([`Daemon::connection_store`]).
+    pub store: Arc<LocalStore>,
     pub r: Reader,
     pub w: Writer,
     /// The negotiated protocol version.
@@ -76,18 +78,17 @@ impl Conn<'_> {
     }
 
     pub(crate) fn store(&self) -> &Arc<LocalStore> {
-        self.daemon.store()
+        &self.store
     }
 
     pub(crate) fn dir(&self) -> &StoreDir {
-        self.daemon.store().store_dir()
+        self.store.store_dir()
     }
 
     /// Reads the request of an operation (after its number) as this connection's version
     /// sends it, within its byte budget; one that cannot be read is fatal.
     pub(crate) fn read_request<R: Request>(&mut self) -> Result<R, Fail> {
-        let dir = self.daemon.store().store_dir();
-        Ok(read_request::<R>(&mut self.r, dir, self.version)?)
+        Ok(read_request::<R>(&mut self.r, self.store.store_dir(), self.version)?)
     }
 
     /// Whether the read buffer already holds a whole next request for operation `op` whose
@@ -111,7 +112,7 @@ impl Conn<'_> {
     /// next waits for the client.
     pub(crate) fn reply(&mut self, result: impl FnOnce(&mut Writer, &StoreDir) -> io::Result<()>) -> OpResult {
         self.stderr().last(&mut self.w)?;
-        result(&mut self.w, self.daemon.store().store_dir())?;
+        result(&mut self.w, self.store.store_dir())?;
         Ok(())
     }
 

@@ -4,7 +4,8 @@
 //! it on stdio.
 //!
 //! One worker thread per connection (no fork), all sharing one store handle (one SQLite
-//! connection with its prepared statements) and one async runtime for substitution. Sources of
+//! connection with its prepared statements; opened again for the next connections when its
+//! directories are replaced) and one async runtime for substitution. Sources of
 //! the behaviour: Nix `src/libstore/daemon.cc` (ops, stderr tunnel, client settings),
 //! `src/nix/unix/daemon.cc` (socket, peer credentials, trusted/allowed users),
 //! `worker-protocol-connection.cc` (handshake). The wire formats are `sluice_nix::wire`.
@@ -22,7 +23,7 @@ mod trust;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use sluice_local_store::{LocalStore, LocalStoreError};
 use sluice_store::config::RawConfig;
@@ -73,7 +74,10 @@ pub enum DaemonError {
 /// What all connections share: the store, the daemon's own settings, and the runtime and open
 /// substituters used for substitution.
 pub struct Daemon {
-    store: Arc<LocalStore>,
+    /// The store new connections use ([`Daemon::connection_store`]).
+    store: Mutex<Arc<LocalStore>>,
+    /// What the store is opened from.
+    store_config: LocalStoreConfig,
     /// The store URL's `require-sigs`, which wins over the setting (`SignaturePolicy::requires_sigs`).
     store_require_sigs: Option<bool>,
     /// The daemon's settings (nix.conf, `NIX_CONFIG`); clients' overrides apply on top.
@@ -132,10 +136,8 @@ impl Daemon {
 
     /// [`open`](Self::open) with `options`.
     pub fn open_with(store: &LocalStoreConfig, config: RawConfig, options: DaemonOptions) -> Result<Arc<Self>, DaemonError> {
-        let store_require_sigs = store.require_sigs;
-        let store = Arc::new(LocalStore::open(store)?);
-        sluice_store::config::Settings::from_raw(&config)?.configure_local_store(&store);
-        store.ensure_writable("serve it (the daemon writes temporary roots)")?;
+        let store_config = store.clone();
+        let store = Mutex::new(open_store(&store_config, &config)?);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("sluice-substitute")
@@ -144,7 +146,8 @@ impl Daemon {
             .map_err(DaemonError::Runtime)?;
         Ok(Arc::new(Daemon {
             store,
-            store_require_sigs,
+            store_require_sigs: store_config.require_sigs,
+            store_config,
             users: trust::Users::from_config(&config),
             config,
             runtime,
@@ -156,12 +159,30 @@ impl Daemon {
         }))
     }
 
-    /// The shared store.
-    pub fn store(&self) -> &Arc<LocalStore> {
-        &self.store
+    /// The store for a new connection to use while it lasts: the one open, unless its store
+    /// directory or database was deleted or replaced since (see
+    /// [`LocalStore::is_current`]), when the store is opened again, making what is missing,
+    /// as a `nix-daemon` worker opens it for each connection (`src/nix/unix/daemon.cc`).
+    /// Connections in progress keep the store they started with.
+    pub fn connection_store(&self) -> Result<Arc<LocalStore>, DaemonError> {
+        let mut store = self.store.lock().unwrap_or_else(|p| p.into_inner());
+        if !store.is_current() {
+            tracing::info!("the store {} or its database was replaced: opening it again", self.store_config.dirs.real.display());
+            *store = open_store(&self.store_config, &self.config)?;
+        }
+        Ok(Arc::clone(&store))
     }
 
     fn activity_id(&self) -> u64 {
         self.next_activity.fetch_add(1, Ordering::Relaxed)
     }
+}
+
+/// Opens the local store `config` with the daemon settings `raw` applied, refusing a
+/// read-only store: connections write temporary roots.
+fn open_store(config: &LocalStoreConfig, raw: &RawConfig) -> Result<Arc<LocalStore>, DaemonError> {
+    let store = Arc::new(LocalStore::open(config)?);
+    sluice_store::config::Settings::from_raw(raw)?.configure_local_store(&store);
+    store.ensure_writable("serve it (the daemon writes temporary roots)")?;
+    Ok(store)
 }

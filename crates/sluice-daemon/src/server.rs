@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use std::io::{BufReader, Write};
 
-use sluice_nix::wire::read_u64;
+use sluice_nix::wire::{read_u64, StderrWriter};
 
 use crate::affinity::{Pinned, Placement};
 use crate::conn::{Conn, Fail};
@@ -142,21 +142,20 @@ fn serve_connection(
         tracing::warn!("{label}: clearing the handshake deadline: {e}; connection closed");
         return;
     }
-    let mut conn = Conn {
-        daemon,
-        r,
-        w,
-        version: greeting.version,
-        options: ClientOptions::new(daemon),
-        peer,
-        temp_roots: daemon.store().temp_roots(),
+    let opened = match peer.allowed {
+        true => daemon.connection_store().map_err(|e| e.to_string()),
+        false => Err(format!("user '{}' is not allowed to connect to the Nix daemon", peer.name)),
     };
-    if !conn.peer.allowed {
-        let msg = format!("user '{}' is not allowed to connect to the Nix daemon", conn.peer.name);
-        tracing::warn!("{label}: {msg}");
-        let _ = conn.stderr().error(&mut conn.w, &msg).and_then(|()| conn.w.flush());
-        return;
-    }
+    let store = match opened {
+        Ok(store) => store,
+        Err(msg) => {
+            tracing::warn!("{label}: {msg}");
+            let _ = StderrWriter { version: greeting.version }.error(&mut w, &msg).and_then(|()| w.flush());
+            return;
+        }
+    };
+    let temp_roots = store.temp_roots();
+    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots };
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
     let _placed = client
         .filter(|_| greeting.cpu.is_none() && daemon.client_cpu == ClientCpu::Pin)

@@ -145,31 +145,33 @@ impl Sessions {
 /// up are made temporary roots in `roots` first, if given (for a substitution).
 async fn closure_query(
     daemon: &Daemon,
+    store: &Arc<LocalStore>,
     settings: &Settings,
     use_substitutes: bool,
     roots: Option<TempRoots>,
 ) -> Result<ClosureQuery, String> {
-    let session = daemon.sessions.get(&daemon.store, settings, use_substitutes).await?;
-    let is_valid = closure::validity_in(Some(Arc::clone(&daemon.store)), roots);
+    let session = daemon.sessions.get(store, settings, use_substitutes).await?;
+    let is_valid = closure::validity_in(Some(Arc::clone(store)), roots);
     Ok(ClosureQuery {
         substituters: Arc::clone(&session.substituters),
         disk_cache: session.disk.clone(),
-        store_dir: daemon.store.store_dir().clone(),
+        store_dir: store.store_dir().clone(),
         is_valid,
         accept: None,
     })
 }
 
-/// What the substituters know about the closures of `roots` (paths valid in the store are not
+/// What the substituters know about the closures of `roots` (paths valid in `store` are not
 /// followed).
 pub(crate) fn query(
     daemon: &Daemon,
+    store: &Arc<LocalStore>,
     settings: &Settings,
     use_substitutes: bool,
     roots: Vec<StorePath>,
 ) -> Result<Vec<ClosureEvent>, String> {
     daemon.runtime.block_on(async {
-        let query = closure_query(daemon, settings, use_substitutes, None).await?;
+        let query = closure_query(daemon, store, settings, use_substitutes, None).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         let mut events = Vec::new();
@@ -181,30 +183,32 @@ pub(crate) fn query(
     })
 }
 
-/// Substitutes the closures of `paths` into the store, calling `progress` on the worker
+/// Substitutes the closures of `paths` into `store`, calling `progress` on the worker
 /// thread as paths start and finish. Every path of the closures is a temporary root in
-/// `roots` (the connection's) from before its validity is looked at.
+/// `roots` (the connection's, of `store`) from before its validity is looked at.
 pub(crate) fn copy(
     daemon: &Daemon,
+    store: &Arc<LocalStore>,
     settings: &Settings,
     use_substitutes: bool,
     roots: &TempRoots,
     paths: Vec<StorePath>,
     progress: impl FnMut(Progress),
 ) -> Result<CopyReport, String> {
-    pipeline(daemon, settings, use_substitutes, roots, paths, false, progress)
+    pipeline(daemon, store, settings, use_substitutes, roots, paths, false, progress)
 }
 
 /// Substitutes the damaged valid path `path` again (Nix's `repairPath`; see
 /// [`sluice_store::substitute::repair_paths`]); the error says why it could not be.
 pub(crate) fn repair(
     daemon: &Daemon,
+    store: &Arc<LocalStore>,
     settings: &Settings,
     use_substitutes: bool,
     roots: &TempRoots,
     path: &StorePath,
 ) -> Result<(), String> {
-    let report = pipeline(daemon, settings, use_substitutes, roots, vec![path.clone()], true, |_| {})?;
+    let report = pipeline(daemon, store, settings, use_substitutes, roots, vec![path.clone()], true, |_| {})?;
     match report.failed.get(path) {
         Some(why) => Err(why.message.clone()),
         None if report.substituted.contains(path) => Ok(()),
@@ -213,8 +217,10 @@ pub(crate) fn repair(
 }
 
 /// [`copy`], or with `repair` a repair of the valid `paths`.
+#[allow(clippy::too_many_arguments)] // copy's and repair's arguments, and which of the two
 fn pipeline(
     daemon: &Daemon,
+    store: &Arc<LocalStore>,
     settings: &Settings,
     use_substitutes: bool,
     roots: &TempRoots,
@@ -225,9 +231,9 @@ fn pipeline(
     let policy = settings.signature_policy(daemon.store_require_sigs).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs.unwrap_or(sluice_store::substitute::DEFAULT_JOBS), policy };
     daemon.runtime.block_on(async {
-        let query = closure_query(daemon, settings, use_substitutes, Some(roots.clone())).await?;
+        let query = closure_query(daemon, store, settings, use_substitutes, Some(roots.clone())).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let store = Arc::clone(&daemon.store);
+        let store = Arc::clone(store);
         let observer = Arc::new(Forward(tx));
         let task = match repair {
             true => tokio::spawn(repair_paths(query, store, roots.clone(), paths, opts, observer)),

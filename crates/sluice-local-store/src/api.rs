@@ -4,10 +4,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use sluice_nix::store_path::StorePath;
+use sluice_nix::store_path::{StoreDir, StorePath};
 
 use super::temp_roots::{self, TempRoots};
 use super::SignaturePolicy;
@@ -15,6 +15,16 @@ use super::{LocalStore, LocalStoreError};
 use sluice_nix::path_info::ValidPathInfo;
 
 impl LocalStore {
+    /// The logical store directory (`/nix/store`).
+    pub fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
+    /// Where `path` lives on disk (`<root>/nix/store/<base name>`).
+    pub fn real_path(&self, path: &StorePath) -> PathBuf {
+        self.layout.real_store_dir.join(path.base_name())
+    }
+
     /// The state directory: `state=`, by default `<root>/nix/var/nix` (GC roots, temporary
     /// roots, profiles, db).
     pub fn state_dir(&self) -> &Path {

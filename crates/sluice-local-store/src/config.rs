@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 pub use sluice_nix::store_params::CommonParams;
 
 /// Where a local file-system store keeps its files: Nix's `LocalFSStoreConfig`
-/// (`src/libstore/local-fs-store.hh`). Without `root`, the system store's directories.
+/// (`src/libstore/local-fs-store.hh`). Without `root`, the system store's directories (which
+/// `NIX_STATE_DIR` and `NIX_LOG_DIR` move: sluice-store's `env_dirs.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalFsDirs {
     /// `root=DIR`: the directory the defaults below are under.
@@ -22,7 +23,8 @@ pub struct LocalFsDirs {
 }
 
 impl LocalFsDirs {
-    /// The directories of a store under `root` (`None`: the system store), as Nix's defaults.
+    /// The directories of a store under `root` (`None`: the system store at its compiled-in
+    /// place, as Nix's defaults without the environment's).
     pub fn under(root: Option<&Path>) -> Self {
         let base = root.unwrap_or(Path::new("/"));
         LocalFsDirs {

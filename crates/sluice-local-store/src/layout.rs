@@ -22,6 +22,8 @@ pub(super) struct Layout {
     pub(super) state_dir: PathBuf,
     /// `<state>/db`.
     pub(super) db_dir: PathBuf,
+    /// `<state>/db/db.sqlite`.
+    pub(super) db_file: PathBuf,
     /// `log` (default `<root>/nix/var/log/nix`); not created here (Nix creates it when it
     /// first writes a build log).
     pub(super) log_dir: PathBuf,
@@ -32,6 +34,7 @@ impl Layout {
         Layout {
             real_store_dir: dirs.real.clone(),
             db_dir: dirs.state.join("db"),
+            db_file: dirs.state.join("db/db.sqlite"),
             state_dir: dirs.state.clone(),
             log_dir: dirs.log.clone(),
         }

@@ -24,6 +24,7 @@ mod api;
 mod commit;
 pub mod config;
 mod content_hash;
+mod current;
 mod drv_hashes;
 mod dump;
 mod error;
@@ -109,6 +110,8 @@ pub struct LocalStore {
     features: std::sync::atomic::AtomicU8,
     /// The hashes modulo of derivations read so far (`LocalStore::drv_hashes`).
     drv_hashes: drv_hashes::DrvHashMemo,
+    /// The store directory and database as opened ([`LocalStore::is_current`]).
+    opened: current::Opened,
 }
 
 /// What unpacking a NAR produced: the NAR's own hash (sha256) and size, and the hash its
@@ -181,7 +184,8 @@ impl LocalStore {
             open(&layout.real_store_dir, flags, Mode::empty()).map_err(|e| io_err("opening", &layout.real_store_dir)(e.into()))?;
         let db = if config.read_only { schema::open_read_only(&layout.db_dir)? } else { schema::open(&layout.db_dir)? };
         let store_dir = StoreDir::default();
-        let registry = Registry::new(db, layout.db_dir.join("db.sqlite"), store_dir.clone());
+        let registry = Registry::new(db, layout.db_file.clone(), store_dir.clone());
+        let opened = current::Opened::new(store_fd.as_fd(), &layout)?;
         Ok(LocalStore {
             store_dir,
             layout,
@@ -195,6 +199,7 @@ impl LocalStore {
             no_fsync: Default::default(),
             features: Default::default(),
             drv_hashes: Default::default(),
+            opened,
         })
     }
 
@@ -232,16 +237,6 @@ impl LocalStore {
             return Err(LocalStoreError::ReadOnly { store: self.layout.real_store_dir.clone(), what });
         }
         Ok(())
-    }
-
-    /// The logical store directory (`/nix/store`).
-    pub fn store_dir(&self) -> &StoreDir {
-        &self.store_dir
-    }
-
-    /// Where `path` lives on disk (`<root>/nix/store/<base name>`).
-    pub fn real_path(&self, path: &StorePath) -> PathBuf {
-        self.layout.real_store_dir.join(path.base_name())
     }
 
     /// The registration of `path` (references sorted, sigs as a set), or `None` if it is not

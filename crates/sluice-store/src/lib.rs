@@ -10,6 +10,7 @@ mod by_key;
 pub mod closure;
 mod closure_depth;
 pub mod config;
+pub mod env_dirs;
 pub mod failure;
 pub mod fd_budget;
 pub mod job_queue;

@@ -51,9 +51,6 @@ pub struct StoreUrl {
     config: Box<dyn StoreConfig>,
 }
 
-/// The default daemon socket.
-pub(crate) const DEFAULT_DAEMON_SOCKET: &str = "/nix/var/nix/daemon-socket/socket";
-
 /// The only logical store directory sluice supports (the `store` parameter).
 pub(crate) const STORE_DIR: &str = "/nix/store";
 
@@ -72,6 +69,8 @@ pub enum StoreUrlError {
     Malformed { url: String, text: String },
     #[error("store URL {url:?}: parameter {param:?} has the invalid value {value:?}: {reason}")]
     BadParam { url: String, param: String, value: String, reason: &'static str },
+    #[error("environment variable {var} has the invalid value {value:?}: {reason}")]
+    BadEnv { var: &'static str, value: String, reason: &'static str },
 }
 
 /// How Nix reads a setting's value (`src/libutil/config.cc`).
@@ -144,10 +143,10 @@ impl StoreUrl {
 }
 
 /// Whether `auto` means the daemon: the state directory is not writable and the daemon's
-/// socket exists.
+/// socket exists. (With a variable that names no absolute path, the local store, whose URL
+/// then fails saying why.)
 fn auto_is_daemon() -> bool {
-    let state = std::env::var_os("NIX_STATE_DIR").map_or_else(|| PathBuf::from("/nix/var/nix"), PathBuf::from);
-    let socket = std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from);
+    let (Ok(state), Ok(socket)) = (crate::env_dirs::state_dir(), crate::env_dirs::daemon_socket()) else { return false };
     rustix::fs::access(&state, rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK).is_err() && socket.exists()
 }
 
@@ -254,10 +253,12 @@ impl<'a> Query<'a> {
     /// The parameters of writing to a binary cache ([`CacheWriteParams`]).
     /// Takes the [`CommonParams`], checks `store` and validates and keeps the rest.
     pub(crate) fn finish(mut self) -> Result<CommonParams, StoreUrlError> {
-        if let Some(v) = self.take("store") {
-            if self.path("store", &v)? != Path::new(STORE_DIR) {
+        match self.take("store") {
+            Some(v) if self.path("store", &v)? != Path::new(STORE_DIR) => {
                 return Err(self.bad("store", &v, "sluice supports only the store directory /nix/store"));
             }
+            Some(_) => {}
+            None => crate::env_dirs::check_store_dir()?,
         }
         let priority = match self.take("priority") {
             Some(v) => Some(

@@ -4,14 +4,16 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use sluice_store::env_dirs::daemon_socket;
 use sluice_store::store_url::StoreUrl;
 
 /// Arguments of `sluice daemon`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The Unix socket to listen on.
-    #[arg(long, default_value = "/nix/var/nix/daemon-socket/socket", conflicts_with = "stdio")]
-    socket: PathBuf,
+    /// The Unix socket to listen on (default: `$NIX_DAEMON_SOCKET_PATH`, else
+    /// `daemon-socket/socket` in `$NIX_STATE_DIR` or `/nix/var/nix`, as Nix's).
+    #[arg(long, conflicts_with = "stdio")]
+    socket: Option<PathBuf>,
     /// Serve one client on standard input and output (as `nix-daemon --stdio`).
     #[arg(long)]
     stdio: bool,
@@ -48,7 +50,11 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
     let options = sluice_daemon::DaemonOptions { client_cpu: args.client_cpu.into(), build_via };
     let daemon = sluice_daemon::Daemon::open_with(store, config, options).map_err(|e| e.to_string())?;
-    let served = if args.stdio { sluice_daemon::serve_stdio(daemon) } else { sluice_daemon::serve_socket(daemon, &args.socket) };
+    let served = match (args.stdio, args.socket) {
+        (true, _) => sluice_daemon::serve_stdio(daemon),
+        (false, Some(socket)) => sluice_daemon::serve_socket(daemon, &socket),
+        (false, None) => sluice_daemon::serve_socket(daemon, &daemon_socket().map_err(|e| e.to_string())?),
+    };
     served.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
 }

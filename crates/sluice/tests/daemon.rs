@@ -163,15 +163,17 @@ impl Env {
     }
 }
 
-/// Waits until `child` (a daemon) listens on `socket`: the socket file exists from its `bind`,
-/// a moment before its `listen`, when a connection is still refused.
+/// Waits until `child` (a daemon) listens on `socket` (the socket file exists from its `bind`,
+/// a moment before its `listen`, when a connection is still refused); a daemon that does not
+/// is killed.
 fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
+    let daemon = Daemon { child, url: format!("unix://{}", socket.display()) };
     let start = Instant::now();
     while std::os::unix::net::UnixStream::connect(socket).is_err() {
         assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not listen on {}", socket.display());
         std::thread::sleep(Duration::from_millis(20));
     }
-    Daemon { child, url: format!("unix://{}", socket.display()) }
+    daemon
 }
 
 pub(crate) struct Daemon {
@@ -282,6 +284,103 @@ fn real_nix_clients_match_direct_mode() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("checking path existence"));
     let out = env.cmd("nix-store").args(["--store", &daemon.url, "--verify", "--check-contents"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The store and state directories deleted and made again, empty, between two connections
+/// (what the `clearStore` of Nix's functional tests does under a running daemon): the next
+/// connection works on the new store as a `nix-daemon` worker, which opens the store per
+/// connection, does. Regression: the daemon kept the deleted directories and database open,
+/// so the next `--add` failed (`…-sluice-unpacking: No such file or directory`,
+/// `temproots/<pid>-<n>: No such file or directory`) and the old database still answered.
+#[test]
+fn a_connection_after_the_store_is_deleted_and_made_again_uses_the_new_store() {
+    let env = Env::new();
+    let daemon = env.daemon("root", "", "");
+    let root = env.path("root");
+    let add = |name: &str| {
+        let file = env.path(name);
+        std::fs::write(&file, format!("{name} through the daemon\n")).unwrap();
+        env.nix("nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]).trim().to_owned()
+    };
+    let before = add("before.txt");
+    for dir in ["nix/store", "nix/var/nix"] {
+        std::fs::remove_dir_all(root.join(dir)).unwrap();
+        std::fs::create_dir(root.join(dir)).unwrap();
+    }
+    let after = add("after.txt");
+    let direct = format!("local?root={}", root.display());
+    for store in [daemon.url.as_str(), &direct] {
+        assert_eq!(
+            env.nix("nix-store", &["--store", store, "--check-validity", "--print-invalid", &before, &after]).trim(),
+            before,
+            "{store}"
+        );
+    }
+    assert!(root.join(after.trim_start_matches('/')).is_file(), "{after} is not in the new store directory");
+}
+
+/// `--store local` (no `root`) keeps its state (database, temporary roots, the daemon's
+/// socket) where `NIX_STATE_DIR` says and build logs where `NIX_LOG_DIR` says, as Nix's local
+/// store does (`globals.cc`, `local-fs-store.hh`): real Nix 2.8 given the same variables finds
+/// what sluice daemon registered and the log it stored, and connects to the socket the
+/// variables place. A `NIX_STORE_DIR` other than `/nix/store`, or a relative `NIX_STATE_DIR`,
+/// is refused naming the variable. Every process has a `/nix` of its own (a tmpfs in a private
+/// mount namespace): this machine's is never touched. Regression: sluice used `/nix/var/nix`
+/// and `/nix/var/log/nix` whatever the environment said.
+#[test]
+fn local_store_directories_follow_the_environment() {
+    use std::io::Write;
+    let env = Env::new();
+    let (state, log) = (env.path("state"), env.path("log"));
+    let private_nix = |program: &str| {
+        let mut c = env.cmd("unshare");
+        c.args(["--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /nix && exec \"$0\" \"$@\"", program])
+            .env("NIX_STATE_DIR", &state)
+            .env("NIX_LOG_DIR", &log)
+            .env("NIX_STORE_DIR", "/nix/store");
+        c
+    };
+    let run = |mut c: Command| {
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{c:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let socket = state.join("daemon-socket/socket");
+    let mut daemon = private_nix(sluice());
+    daemon.args(["daemon", "--store", "local"]).stderr(Stdio::null());
+    let _daemon = wait_for_socket(daemon.spawn().unwrap(), &socket);
+
+    let file = env.path("hello.txt");
+    std::fs::write(&file, "registered under NIX_STATE_DIR\n").unwrap();
+    let mut add = private_nix("nix-store");
+    add.args(["--store", "daemon", "--add"]).arg(&file);
+    let path = run(add).trim().to_owned();
+    assert!(state.join("db/db.sqlite").is_file() && state.join("temproots").is_dir());
+    let mut check = private_nix("nix-store");
+    check.args(["--store", "local", "--check-validity", &path]);
+    run(check);
+
+    std::os::unix::fs::symlink(&socket, env.path("socket")).unwrap();
+    let (mut client, _) = raw_client(&env, 37);
+    let (drv, text) = ("00000000000000000000000000000000-x.drv", "a build log under NIX_LOG_DIR\n");
+    client.write_all(&[request(45, &[Err(drv.as_bytes())]), framed(text.as_bytes())].concat()).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1);
+    assert!(log.join("drvs/00/000000000000000000000000000000-x.drv.bz2").is_file());
+    let mut read_log = private_nix("nix-store");
+    read_log.args(["--store", "local", "--read-log", &format!("/nix/store/{drv}")]);
+    assert_eq!(run(read_log), text);
+
+    for (var, value, why) in [
+        ("NIX_STORE_DIR", "/gnu/store", "sluice supports only the store directory /nix/store"),
+        ("NIX_STATE_DIR", "state", "not an absolute path"),
+    ] {
+        let mut refused = private_nix(sluice());
+        let out = refused.env(var, value).args(["path-info", "--store", "local", &path]).output().unwrap();
+        assert!(!out.status.success());
+        let expected = format!("environment variable {var} has the invalid value {value:?}: {why}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(&expected), "{}", String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 /// `nix-store -r` of the corpus's whole closure (1056 paths) through a daemon whose hard
@@ -873,8 +972,13 @@ fn daemon_and_client_1_34(env: &Env) -> (Daemon, std::os::unix::net::UnixStream)
 /// A raw client connection after the greeting as protocol 1.`minor` (1.30 to 1.37: no
 /// feature exchange), with the daemon's trusted flag (≥ 1.35: 1 trusted, 2 not).
 pub(crate) fn raw_client(env: &Env, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
+    raw_client_on(&env.path("socket"), minor)
+}
+
+/// [`raw_client`] of the daemon listening on `socket`.
+pub(crate) fn raw_client_on(socket: &Path, minor: u64) -> (std::os::unix::net::UnixStream, Option<u64>) {
     use std::io::Write;
-    let mut client = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
+    let mut client = std::os::unix::net::UnixStream::connect(socket).unwrap();
     client.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     client.write_all(&u64s(&[0x6e69_7863])).unwrap();
     assert_eq!((read_u64(&mut client), read_u64(&mut client)), (0x6478_696f, 0x126));
@@ -1183,7 +1287,7 @@ fn valid_derivers(client: &mut std::os::unix::net::UnixStream, path: &str) -> Ve
 }
 
 /// IsValidPath of `path` on `client`, which must still be usable: the answer.
-fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
+pub(crate) fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
     use std::io::Write;
     client.write_all(&request(1, &[Err(path)])).unwrap();
     assert_eq!(until_last(client), Ok(()));
@@ -1191,7 +1295,7 @@ fn is_valid(client: &mut std::os::unix::net::UnixStream, path: &[u8]) -> u64 {
 }
 
 /// AddTextToStore of `text` as `name` (no references): the new path.
-fn add_text(client: &mut std::os::unix::net::UnixStream, name: &str, text: &str) -> Vec<u8> {
+pub(crate) fn add_text(client: &mut std::os::unix::net::UnixStream, name: &str, text: &str) -> Vec<u8> {
     use std::io::Write;
     client.write_all(&request(8, &[Err(name.as_bytes()), Err(text.as_bytes()), Ok(0)])).unwrap();
     assert_eq!(until_last(client), Ok(()));

@@ -47,7 +47,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -367,6 +367,94 @@ fn collector_problems(runs: &[Collection], from: Instant, to: Instant, what: &st
         ));
     }
     problems
+}
+
+/// A collector loop (sluice's: Nix 2.8's `nix-store --gc` through a `sluice daemon` of its own)
+/// during a storm of `nix-instantiate` runs (the
+/// 100-derivation workload, two runs at a time, its store already filled) through
+/// `sluice daemon`, beside a raw client that adds again texts that are valid but rooted by
+/// nobody (garbage to the collector): every path the daemon told a client is valid stays
+/// valid while that client is connected (the temporary root of each path is taken once per
+/// connection, before the answer that reveals it). The raw client checks every path it was
+/// given after each batch (IsValidPath, and the file); each `nix-instantiate` run, whose
+/// client reads the `.drv` files it was told are valid from the store, succeeds with the same
+/// derivation. Nix's own collectors (2.8, 2.26) fail this: a root that reaches their socket
+/// for a path their walk of a closure has already passed is acknowledged, and the path is
+/// deleted all the same (`deleteReferrersClosure` waits only on the one path it is at; fixed
+/// upstream by 87716847d4, "gc: fix race where concurrent addTempRoot is ignored during
+/// deletion", 2026): with Nix 2.8's, a run fails with "… has the input derivation
+/// '…-pkg-35.drv', which is not valid", a derivation the daemon had just told it was valid.
+#[test]
+fn a_collector_loop_during_an_instantiate_storm_deletes_nothing_a_client_was_told_is_valid() {
+    use crate::daemon::{add_text, is_valid, raw_client_on};
+    for rep in 0..reps() {
+        let tmp = scratch();
+        let (tmp, root) = (tmp.path(), tmp.path().join("root"));
+        let wl = tmp.join("wl");
+        let o = Command::new(shared().join("bench/gen-instantiate-workload")).arg(&wl).arg("100").output().unwrap();
+        check(&o, "gen-instantiate-workload");
+        let instantiate = |store: &str| {
+            let mut cmd = Command::new("nix-instantiate");
+            isolate(&mut cmd, tmp, "");
+            cmd.args(["--store", store]).arg(&wl).output().unwrap()
+        };
+        let o = instantiate(root.to_str().unwrap());
+        check(&o, "nix-instantiate into the store");
+        let drv = String::from_utf8(o.stdout).unwrap();
+        let drv = drv.as_str();
+        let socket = tmp.join("socket");
+        let (mut daemon, _) = start_sluice_daemon(tmp, &root, &socket, "", "daemon");
+        let texts: Vec<(String, String)> = (0..300).map(|i| (format!("text-{i}"), format!("text {i} of the storm\n"))).collect();
+        let (mut first, _) = raw_client_on(&socket, 34);
+        let expected: Vec<Vec<u8>> = texts.iter().map(|(name, text)| add_text(&mut first, name, text)).collect();
+        drop(first);
+
+        let collector = CollectorLoop::start(tmp, Collector::Sluice, &root);
+        let from = Instant::now();
+        let url = format!("unix://{}?root={}", socket.display(), root.display());
+        let mut problems = Vec::new();
+        std::thread::scope(|scope| {
+            let storm: Vec<_> = (0..2).map(|_| scope.spawn(|| (0..3).map(|_| instantiate(&url)).collect::<Vec<Output>>())).collect();
+            let (mut client, _) = raw_client_on(&socket, 34);
+            let mut told: Vec<Vec<u8>> = Vec::new();
+            for batch in texts.chunks(30) {
+                for (name, text) in batch {
+                    told.push(add_text(&mut client, name, text));
+                }
+                for path in &told {
+                    let shown = String::from_utf8_lossy(path);
+                    if is_valid(&mut client, path) != 1 || !root.join(shown.trim_start_matches('/')).is_file() {
+                        problems.push(format!("{shown}: no longer valid after {} paths were told", told.len()));
+                    }
+                }
+            }
+            assert_eq!(told, expected, "the texts' paths");
+            for (i, run) in storm.into_iter().flat_map(|t| t.join().expect("an instantiate thread panicked")).enumerate() {
+                if !run.status.success() || run.stdout != drv.as_bytes() {
+                    problems.push(format!("nix-instantiate run {i}: {}: {}", run.status, stderr(&run).trim_end()));
+                }
+            }
+        });
+        let to = Instant::now();
+        let runs = collector.finish();
+        let _ = daemon.kill();
+        let _ = daemon.wait();
+        let overlapping = runs.iter().filter(|c| c.start < to && c.end > from).count();
+        let failed: Vec<String> = runs
+            .iter()
+            .filter(|c| !c.status.is_some_and(|s| s.success()))
+            .map(|c| format!("{:?}: {}", c.status, c.stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | ")))
+            .collect();
+        let deleted: usize = runs.iter().map(|c| c.deleted.len()).sum();
+        eprintln!(
+            "run {rep}: {} collections, {overlapping} overlapping the storm, {} failed, {deleted} names deleted",
+            runs.len(),
+            failed.len()
+        );
+        assert!(overlapping >= 3 && failed.is_empty(), "{overlapping} collections overlapped the storm (want ≥ 3); failed: {failed:?}");
+        assert!(deleted > 0, "the collector deleted nothing: the garbage texts were never at risk");
+        assert_no_problems(&problems);
+    }
 }
 
 /// A fresh store under `root` as Nix creates it (one Nix 2.8 collection), with a temporary

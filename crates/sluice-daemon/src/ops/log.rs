@@ -30,7 +30,7 @@ pub(super) fn add_build_log(c: &mut Conn, AddBuildLog { drv }: AddBuildLog) -> O
             return Err(Fail::Op(format!("cannot add a build log for '{}': it is not a derivation", c.dir().display_path(&drv))));
         }
         let base = drv.base_name();
-        Ok(c.daemon.store.log_dir().join("drvs").join(&base[..2]).join(format!("{}.bz2", &base[2..])))
+        Ok(c.store().log_dir().join("drvs").join(&base[..2]).join(format!("{}.bz2", &base[2..])))
     });
     let mut framed = FramedReader::new(&mut c.r);
     let stored = target.and_then(|file| if file.exists() { Ok(()) } else { write_log(&file, &mut framed) });

@@ -20,8 +20,8 @@ pub(super) fn verify_store(c: &mut Conn, VerifyStore { check_contents, repair }:
     }
     let settings = c.options.settings()?;
     let (daemon, use_substitutes, roots) = (c.daemon, c.options.use_substitutes(), c.temp_roots.clone());
-    let mut repairer = |path: &StorePath| crate::substitution::repair(daemon, &settings, use_substitutes, &roots, path);
     let store = std::sync::Arc::clone(c.store());
+    let mut repairer = |path: &StorePath| crate::substitution::repair(daemon, &store, &settings, use_substitutes, &roots, path);
     let mut write_err = None;
     let errors = store.verify_store(check_contents, repair.then_some(&mut repairer as Repairer<'_>), &mut |message| {
         let line = match message {

@@ -41,9 +41,9 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
     let mut ids: BTreeMap<StorePath, u64> = BTreeMap::new();
     let mut write_err = None;
     let daemon = c.daemon;
-    let dir = daemon.store().store_dir().clone();
+    let dir = c.dir().clone();
     let w = &mut c.w;
-    let result = substitution::copy(daemon, &settings, c.options.use_substitutes(), &c.temp_roots.clone(), paths, |p| {
+    let result = substitution::copy(daemon, &c.store, &settings, c.options.use_substitutes(), &c.temp_roots.clone(), paths, |p| {
         let r = match p {
             Progress::Started(path) => {
                 let id = daemon.activity_id();
@@ -167,7 +167,7 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let events = if roots.is_empty() {
         Vec::new()
     } else {
-        substitution::query(c.daemon, &settings, c.options.use_substitutes(), roots).map_err(Fail::Op)?
+        substitution::query(c.daemon, &c.store, &settings, c.options.use_substitutes(), roots).map_err(Fail::Op)?
     };
     let mut missing = BTreeSet::new();
     for e in events {
@@ -202,7 +202,7 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
 fn substitutable(c: &Conn, paths: Vec<StorePath>) -> Result<Vec<std::sync::Arc<sluice_nix::narinfo::NarInfo>>, Fail> {
     let wanted: BTreeSet<StorePath> = paths.iter().cloned().collect();
     let settings = c.options.settings()?;
-    let events = substitution::query(c.daemon, &settings, c.options.use_substitutes(), paths).map_err(Fail::Op)?;
+    let events = substitution::query(c.daemon, &c.store, &settings, c.options.use_substitutes(), paths).map_err(Fail::Op)?;
     Ok(events
         .into_iter()
         .filter_map(|e| match e {

@@ -69,8 +69,8 @@ pub(super) fn add_perm_root(c: &mut Conn, AddPermRoot { path, root }: AddPermRoo
 
 fn indirect_root(c: &Conn, link: &str) -> Result<(), Fail> {
     let hash = Hash::digest_bytes(HashAlgo::Sha1, link.as_bytes());
-    let auto = c.daemon.store.state_dir().join("gcroots/auto").join(base32::encode(hash.digest()));
-    std::fs::create_dir_all(c.daemon.store.state_dir().join("gcroots/auto")).map_err(op_err)?;
+    let auto = c.store().state_dir().join("gcroots/auto").join(base32::encode(hash.digest()));
+    std::fs::create_dir_all(c.store().state_dir().join("gcroots/auto")).map_err(op_err)?;
     replace_symlink(&auto, Path::new(link))
 }
 

@@ -1,5 +1,6 @@
 //! A daemon's Unix socket: `unix://PATH`, or `daemon` (and `unix://`) for the default socket
-//! (`$NIX_DAEMON_SOCKET_PATH`, else `/nix/var/nix/daemon-socket/socket`); Nix's
+//! (`$NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in `$NIX_STATE_DIR` or
+//! `/nix/var/nix`: [`crate::env_dirs::daemon_socket`]); Nix's
 //! `UDSRemoteStore` (`src/libstore/uds-remote-store.cc`), which adds no parameters of its own.
 //!
 //! | parameter | Nix source | in sluice |
@@ -14,7 +15,7 @@ use super::{StoreConfig, StoreKind};
 use crate::config::Settings;
 use crate::remote::DaemonStore;
 use crate::store::{Store, StoreFuture};
-use crate::store_url::{ParamType, Query, StoreUrlError, DEFAULT_DAEMON_SOCKET, LOCAL_FS};
+use crate::store_url::{ParamType, Query, StoreUrlError, LOCAL_FS};
 
 /// The daemon's kind.
 pub(super) const KIND: StoreKind = StoreKind {
@@ -34,7 +35,7 @@ struct DaemonConfig {
 /// Parses the kind's URL and parameters.
 fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
     let socket = match main.strip_prefix("unix://").unwrap_or("") {
-        "" => std::env::var_os("NIX_DAEMON_SOCKET_PATH").map_or_else(|| PathBuf::from(DEFAULT_DAEMON_SOCKET), PathBuf::from),
+        "" => crate::env_dirs::daemon_socket()?,
         path if path.starts_with('/') => PathBuf::from(path),
         _ => return Err(StoreUrlError::Unsupported(url.to_string())),
     };
@@ -64,9 +65,9 @@ mod tests {
     #[test]
     fn daemon_forms() {
         assert_eq!(socket("unix:///tmp/d/socket?real=/x&root=/r&state=/s&log=/l&max-connections=4&max-connection-age=60"), PathBuf::from("/tmp/d/socket"));
-        if std::env::var_os("NIX_DAEMON_SOCKET_PATH").is_none() {
-            assert_eq!(socket("daemon?store=/nix/store"), PathBuf::from(super::DEFAULT_DAEMON_SOCKET));
-            assert_eq!(socket("unix://"), PathBuf::from(super::DEFAULT_DAEMON_SOCKET));
+        if std::env::var_os("NIX_DAEMON_SOCKET_PATH").is_none() && std::env::var_os("NIX_STATE_DIR").is_none() {
+            assert_eq!(socket("daemon?store=/nix/store"), PathBuf::from("/nix/var/nix/daemon-socket/socket"));
+            assert_eq!(socket("unix://"), PathBuf::from("/nix/var/nix/daemon-socket/socket"));
         }
     }
 }

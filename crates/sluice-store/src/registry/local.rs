@@ -3,7 +3,7 @@
 //!
 //! | parameter | Nix source | in sluice |
 //! |---|---|---|
-//! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | where the store lives ([`LocalFsDirs`]) |
+//! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | where the store lives ([`LocalFsDirs`](crate::store_url::LocalFsDirs); without `root`, `state` and `log` default to `$NIX_STATE_DIR` and `$NIX_LOG_DIR`: [`crate::env_dirs`]) |
 //! | `read-only` | `local-store.hh` | nothing is created or written; adding paths is refused |
 //! | `require-sigs` | `local-store.hh` | whether paths copied into the store need a trusted signature (default: the `require-sigs` setting; [`Settings::signature_policy`](crate::config::Settings::signature_policy)) |
 
@@ -14,7 +14,7 @@ use crate::config::Settings;
 use crate::local_handle::LocalStoreHandle;
 use sluice_local_store::LocalStore;
 use crate::store::{Store, StoreError, StoreFuture};
-use crate::store_url::{canon_path, LocalFsDirs, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
+use crate::store_url::{canon_path, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
 
 /// The local store's kind.
 pub(super) const KIND: StoreKind = StoreKind {
@@ -31,7 +31,7 @@ fn parse(_url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig
         Some(v) => q.optional_path("root", &v)?,
         None => (main != "local").then(|| canon_path(main)).flatten(),
     };
-    let mut dirs = LocalFsDirs::under(root.as_deref());
+    let mut dirs = crate::env_dirs::local_fs_dirs(root.as_deref())?;
     q.take_dirs(&mut dirs)?;
     let read_only = q.take_bool("read-only")?.unwrap_or(false);
     let require_sigs = q.take_bool("require-sigs")?;
