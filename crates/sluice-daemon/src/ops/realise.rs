@@ -126,7 +126,10 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
                     }
                 }
                 paths.push(path.ok_or_else(|| {
-                    format!("output '{name}' of '{shown}' has no fixed path (content-addressed derivations are not supported)")
+                    format!(
+                        "output '{name}' of '{shown}' has no fixed path: the sluice daemon realises floating content-addressed \
+                         outputs only with the experimental feature 'ca-derivations' and `--build-via`"
+                    )
                 })?);
             }
             if let OutputsSpec::Names(names) = outputs {
@@ -139,6 +142,14 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
     }
 }
 
+/// Whether `target` wants an output whose path its (valid) derivation does not fix: a floating
+/// content-addressed, deferred or impure one.
+fn wants_floating(c: &Conn, target: &DerivedPath) -> bool {
+    let DerivedPath::Built { drv, outputs } = target else { return false };
+    let outs = derivation_outputs(c, drv).ok().flatten().unwrap_or_default();
+    outs.iter().any(|(name, path)| path.is_none() && !matches!(outputs, OutputsSpec::Names(names) if !names.contains(name)))
+}
+
 /// QueryMissing: derived paths → willBuild, willSubstitute, unknown, downloadSize, narSize.
 /// Derivation outputs that no substituter has are `willBuild` (the derivation). A `.drv` that
 /// is not valid is `unknown`, as Nix 2.8 and 2.26 report it (`Store::queryMissing` in
@@ -149,8 +160,12 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let (mut download, mut nar) = (0u64, 0u64);
     let mut roots = Vec::new();
     let mut outputs_of: Vec<(StorePath, Vec<StorePath>)> = Vec::new();
+    let floating_ca = delegate::floating_ca(c)?;
     for t in &targets {
         match (t, wanted_paths(c, t)) {
+            (DerivedPath::Built { drv, .. }, _) if floating_ca && wants_floating(c, t) => {
+                will_build.insert(drv.clone());
+            }
             (DerivedPath::Built { drv, .. }, Ok(paths)) => {
                 roots.extend(paths.iter().cloned());
                 outputs_of.push((drv.clone(), paths));
@@ -310,7 +325,13 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
     }
     normal_mode_only(mode)?;
     substitute_derivations(c, targets)?;
-    let wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
+    let floating: Vec<usize> =
+        if delegate::floating_ca(c)? { (0..targets.len()).filter(|&i| wants_floating(c, &targets[i])).collect() } else { Vec::new() };
+    let mut wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
+    // Built whole by the Nix daemon, which knows their realisations.
+    for &i in &floating {
+        wanted[i] = Ok(Vec::new());
+    }
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
     let (valid_before, mut valid) = realise_by_substitution(c, &all)?;
     let mut built: BTreeMap<usize, BuildResult> = BTreeMap::new();
@@ -325,6 +346,7 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
         }
     }
     to_build.retain(|i| !built.contains_key(i));
+    to_build.extend(floating);
     if delegate::enabled(c) && !to_build.is_empty() {
         let drvs = to_build
             .iter()
