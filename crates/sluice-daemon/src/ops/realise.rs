@@ -150,8 +150,18 @@ fn wants_floating(c: &Conn, target: &DerivedPath) -> bool {
     outs.iter().any(|(name, path)| path.is_none() && !matches!(outputs, OutputsSpec::Names(names) if !names.contains(name)))
 }
 
+/// The wanted output paths of `target`, a derivation with floating outputs, as the Nix daemon
+/// knows them from its realisations (QueryDerivationOutputMap); a derivation with a wanted
+/// output not realised yet (`None`) is to be built.
+fn realised_paths(c: &mut Conn, drv: &StorePath, outputs: &OutputsSpec) -> Result<Option<Vec<StorePath>>, Fail> {
+    let known = delegate::forward(c, |nix, _| nix.query_derivation_output_map(drv))?;
+    let wanted = known.into_iter().filter(|(name, _)| !matches!(outputs, OutputsSpec::Names(names) if !names.contains(name)));
+    Ok(wanted.map(|(_, path)| path).collect())
+}
+
 /// QueryMissing: derived paths → willBuild, willSubstitute, unknown, downloadSize, narSize.
-/// Derivation outputs that no substituter has are `willBuild` (the derivation). A `.drv` that
+/// Derivation outputs that no substituter has are `willBuild` (the derivation), as are
+/// floating outputs not realised yet ([`realised_paths`]). A `.drv` that
 /// is not valid is `unknown`, as Nix 2.8 and 2.26 report it (`Store::queryMissing` in
 /// `misc.cc`: "FIXME: we could try to substitute the derivation"): BuildPaths substitutes it.
 pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing) -> OpResult {
@@ -162,10 +172,19 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let mut outputs_of: Vec<(StorePath, Vec<StorePath>)> = Vec::new();
     let floating_ca = delegate::floating_ca(c)?;
     for t in &targets {
-        match (t, wanted_paths(c, t)) {
-            (DerivedPath::Built { drv, .. }, _) if floating_ca && wants_floating(c, t) => {
-                will_build.insert(drv.clone());
+        if let (DerivedPath::Built { drv, outputs }, true) = (t, floating_ca && wants_floating(c, t)) {
+            match realised_paths(c, drv, outputs)? {
+                Some(paths) => {
+                    roots.extend(paths.iter().cloned());
+                    outputs_of.push((drv.clone(), paths));
+                }
+                None => {
+                    will_build.insert(drv.clone());
+                }
             }
+            continue;
+        }
+        match (t, wanted_paths(c, t)) {
             (DerivedPath::Built { drv, .. }, Ok(paths)) => {
                 roots.extend(paths.iter().cloned());
                 outputs_of.push((drv.clone(), paths));
