@@ -1424,6 +1424,26 @@ fn untrusted_client_cannot_add_logs_or_build_input_addressed_derivations() {
     assert_eq!(is_valid(&mut client, &out), 1);
 }
 
+/// BuildPathsWithResults (op 46) of `drv!out!out`, an output of the derivation that a
+/// derivation's output is (dynamic derivations): a MiscFailure with Nix 2.26's words (its
+/// `Worker::makeGoal` does not build them either), keyed by the path as sent; the
+/// connection goes on.
+#[test]
+fn dynamic_derivation_outputs_are_not_built_in_one_shot() {
+    use std::io::Write;
+    let env = Env::new();
+    let (_daemon, mut client, out) = daemon_and_client_1_37(&env, "", 1);
+    let target = [DRV, b"!out!out"].concat();
+    client.write_all(&request(46, &[Ok(1), Err(&target), Ok(0)])).unwrap();
+    assert_eq!(until_last(&mut client), Ok(()));
+    assert_eq!(read_u64(&mut client), 1, "one result");
+    assert_eq!(read_string(&mut client), target, "keyed by the path as sent");
+    let (status, msg, outputs) = read_build_result(&mut client);
+    assert_eq!((status, msg.as_str()), (9, "Building dynamic derivations in one shot is not yet implemented."), "MiscFailure");
+    assert!(outputs.is_empty());
+    assert_eq!(is_valid(&mut client, &out), 1);
+}
+
 /// QueryRealisation (op 43) and RegisterDrvOutput (op 42) in both forms (before 1.31: plain
 /// output paths and an id with a base name; from 1.31: realisation JSON) through a daemon
 /// without `--build-via` and `ca-derivations`: no realisation is found, registering one is
