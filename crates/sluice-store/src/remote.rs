@@ -23,11 +23,12 @@ use sluice_nix::wire::features::{
 };
 use sluice_nix::wire::ops::{
     write_request, AddMultipleToStore, AddTempRoot, AddTempRoots, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults,
-    IsValidPath, NarFromPath, QueryPathInfo, QueryPathInfos, Request, SetOptions,
+    IsValidPath, NarFromPath, QueryDerivationOutputMap, QueryPathInfo, QueryPathInfos, QueryRealisation, RegisterDrvOutput, Request,
+    SetOptions, MAX_REALISATION,
 };
 use sluice_nix::wire::{
     read_bool, read_build_result, read_keyed_build_result, read_keyed_path_info, read_stderr_message, read_string, read_trusted_flag,
-    read_u64, read_unkeyed_path_info, write_keyed_path_info, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter,
+    read_optional_store_path, read_u64, read_unkeyed_path_info, write_keyed_path_info, MAX_PATH_LEN, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter,
     ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
@@ -419,6 +420,48 @@ impl DaemonConnection {
         self.request(options, "SetOptions")
     }
 
+    /// QueryDerivationOutputMap: output name → output path of the derivation `drv`, `None`
+    /// for an output whose path is not known (Nix `RemoteStore::queryPartialDerivationOutputMap`).
+    pub fn query_derivation_output_map(&mut self, drv: &StorePath) -> Result<Vec<(String, Option<StorePath>)>, RemoteError> {
+        let what = "QueryDerivationOutputMap";
+        self.request(&QueryDerivationOutputMap { path: drv.clone() }, what)?;
+        let n = read_u64(&mut self.r, "output count").map_err(self.wire_err(what))?;
+        let mut outputs = Vec::new();
+        for _ in 0..n {
+            let name = read_string(&mut self.r, MAX_PATH_LEN, "output name").map_err(self.wire_err(what))?;
+            let path = read_optional_store_path(&mut self.r, &self.store_dir, "output path").map_err(self.wire_err(what))?;
+            outputs.push((name, path));
+        }
+        Ok(outputs)
+    }
+
+    /// QueryRealisation (daemons of protocol ≥ 1.31): the realisations, as JSON, of the
+    /// derivation output `id` (`sha256:<hash>!<output>`; Nix `RemoteStore::queryRealisationUncached`).
+    pub fn query_realisation(&mut self, id: &str) -> Result<Vec<String>, RemoteError> {
+        let what = "QueryRealisation";
+        self.needs(31, what)?;
+        self.request(&QueryRealisation { id: id.to_owned() }, what)?;
+        let n = read_u64(&mut self.r, "realisation count").map_err(self.wire_err(what))?;
+        (0..n).map(|_| read_string(&mut self.r, MAX_REALISATION, "realisation").map_err(self.wire_err(what))).collect()
+    }
+
+    /// RegisterDrvOutput (daemons of protocol ≥ 1.31): registers the realisation `json`
+    /// (Nix `RemoteStore::registerDrvOutput`).
+    pub fn register_drv_output(&mut self, json: &str) -> Result<(), RemoteError> {
+        let what = "RegisterDrvOutput";
+        self.needs(31, what)?;
+        self.request(&RegisterDrvOutput::Json(json.to_owned()), what)
+    }
+
+    /// Fails unless the negotiated protocol is at least 1.`minor`, which `what` needs.
+    fn needs(&self, minor: u8, what: &str) -> Result<(), RemoteError> {
+        if self.version.at_least(minor) {
+            return Ok(());
+        }
+        let message = format!("{what} needs protocol 1.{minor}, the daemon speaks {}", self.version);
+        Err(RemoteError::Protocol { message, daemon: self.daemon.clone() })
+    }
+
     /// BuildPaths: realises `targets` in `mode` (Nix `RemoteStore::buildPaths`),
     /// passing the daemon's messages to `relay`. The daemon's error if any target failed.
     pub fn build_paths(&mut self, targets: &[DerivedPath], mode: BuildMode, relay: Relay) -> Result<(), RemoteError> {
@@ -439,10 +482,7 @@ impl DaemonConnection {
         relay: Relay,
     ) -> Result<Vec<(DerivedPath, BuildResult)>, RemoteError> {
         let what = "BuildPathsWithResults";
-        if !self.version.at_least(34) {
-            let message = format!("{what} needs protocol 1.34 (Nix 2.8), the daemon speaks {}", self.version);
-            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
-        }
+        self.needs(34, what)?;
         self.send(&BuildPathsWithResults { targets: targets.to_vec(), mode }, what)?;
         self.relay_stderr(what, relay)?;
         let n = read_u64(&mut self.r, "build result count").map_err(self.wire_err(what))?;

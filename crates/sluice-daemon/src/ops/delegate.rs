@@ -24,6 +24,14 @@ pub(super) fn enabled(c: &Conn) -> bool {
     c.daemon.build_via.is_some()
 }
 
+/// Whether the outputs of floating content-addressed derivations are realised: builds are
+/// delegated and the daemon's `experimental-features` has `ca-derivations`. Their paths are
+/// known only once built, from the realisations the Nix daemon registers in the shared
+/// database, so what needs them (building, output maps, realisations) is the Nix daemon's.
+pub(super) fn floating_ca(c: &Conn) -> Result<bool, Fail> {
+    Ok(enabled(c) && c.options.settings()?.experimental_features.iter().any(|f| f == "ca-derivations"))
+}
+
 /// Runs `op` on a new connection to the Nix daemon of `--build-via` (with the client's numeric
 /// settings, substitution off, and the overrides sluice accepted from it except the
 /// substitution settings: `ClientOptions::forwarded`), relaying its messages to the client. The Nix daemon's error

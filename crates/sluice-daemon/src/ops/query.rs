@@ -14,6 +14,7 @@ use sluice_nix::wire::{
     MAX_PATH_LEN,
 };
 
+use super::delegate;
 use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// IsValidPath: path → bool.
@@ -127,14 +128,23 @@ pub(super) fn valid_derivers(c: &mut Conn, QueryValidDerivers { path }: QueryVal
 }
 
 /// QueryDerivationOutputMap: derivation path → output name → output path, as registered
-/// (Nix 2.8 without `ca-derivations`: outputs whose path is not fixed are absent).
+/// (Nix 2.8 without `ca-derivations`: outputs whose path is not fixed are absent). A
+/// derivation with such outputs, when sluice realises them ([`delegate::floating_ca`]), is
+/// the Nix daemon's to answer: it finds their paths in its realisations (Nix
+/// `LocalStore::queryPartialDerivationOutputMap` with `ca-derivations`), `None` for those not
+/// built.
 pub(super) fn derivation_output_map(c: &mut Conn, QueryDerivationOutputMap { path: drv }: QueryDerivationOutputMap) -> OpResult {
-    let outputs = c.store().query_derivation_output_map(&drv).map_err(op_err)?;
+    let floating = delegate::floating_ca(c)? && derivation_outputs(c, &drv)?.is_some_and(|o| o.iter().any(|(_, p)| p.is_none()));
+    let outputs: Vec<(String, Option<StorePath>)> = if floating {
+        delegate::forward(c, |nix, _| nix.query_derivation_output_map(&drv))?
+    } else {
+        c.store().query_derivation_output_map(&drv).map_err(op_err)?.into_iter().map(|(name, p)| (name, Some(p))).collect()
+    };
     c.reply(|w, dir| {
         write_u64(w, outputs.len() as u64)?;
         for (name, path) in &outputs {
             write_bytes(w, name.as_bytes())?;
-            write_optional_store_path(w, dir, Some(path))?;
+            write_optional_store_path(w, dir, path.as_ref())?;
         }
         Ok(())
     })

@@ -113,6 +113,11 @@ fn substitute_derivations(c: &mut Conn, targets: &[DerivedPath]) -> Result<(), F
 fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String> {
     match target {
         DerivedPath::Opaque(p) => Ok(vec![p.clone()]),
+        DerivedPath::Built { outputs: OutputsSpec::Names(names), .. } if names.iter().any(|n| n.contains('!')) => {
+            // `drv!out!out`: an output of a derivation that is itself an output (dynamic
+            // derivations), which Nix 2.26 does not build either (`Worker::makeGoal`).
+            Err("Building dynamic derivations in one shot is not yet implemented.".to_owned())
+        }
         DerivedPath::Built { drv, outputs } => {
             let shown = c.dir().display_path(drv);
             let all = derivation_outputs(c, drv)
@@ -126,7 +131,10 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
                     }
                 }
                 paths.push(path.ok_or_else(|| {
-                    format!("output '{name}' of '{shown}' has no fixed path (content-addressed derivations are not supported)")
+                    format!(
+                        "output '{name}' of '{shown}' has no fixed path: the sluice daemon realises floating content-addressed \
+                         outputs only with the experimental feature 'ca-derivations' and `--build-via`"
+                    )
                 })?);
             }
             if let OutputsSpec::Names(names) = outputs {
@@ -139,8 +147,26 @@ fn wanted_paths(c: &Conn, target: &DerivedPath) -> Result<Vec<StorePath>, String
     }
 }
 
+/// Whether `target` wants an output whose path its (valid) derivation does not fix: a floating
+/// content-addressed, deferred or impure one.
+fn wants_floating(c: &Conn, target: &DerivedPath) -> bool {
+    let DerivedPath::Built { drv, outputs } = target else { return false };
+    let outs = derivation_outputs(c, drv).ok().flatten().unwrap_or_default();
+    outs.iter().any(|(name, path)| path.is_none() && !matches!(outputs, OutputsSpec::Names(names) if !names.contains(name)))
+}
+
+/// The wanted output paths of `target`, a derivation with floating outputs, as the Nix daemon
+/// knows them from its realisations (QueryDerivationOutputMap); a derivation with a wanted
+/// output not realised yet (`None`) is to be built.
+fn realised_paths(c: &mut Conn, drv: &StorePath, outputs: &OutputsSpec) -> Result<Option<Vec<StorePath>>, Fail> {
+    let known = delegate::forward(c, |nix, _| nix.query_derivation_output_map(drv))?;
+    let wanted = known.into_iter().filter(|(name, _)| !matches!(outputs, OutputsSpec::Names(names) if !names.contains(name)));
+    Ok(wanted.map(|(_, path)| path).collect())
+}
+
 /// QueryMissing: derived paths → willBuild, willSubstitute, unknown, downloadSize, narSize.
-/// Derivation outputs that no substituter has are `willBuild` (the derivation). A `.drv` that
+/// Derivation outputs that no substituter has are `willBuild` (the derivation), as are
+/// floating outputs not realised yet ([`realised_paths`]). A `.drv` that
 /// is not valid is `unknown`, as Nix 2.8 and 2.26 report it (`Store::queryMissing` in
 /// `misc.cc`: "FIXME: we could try to substitute the derivation"): BuildPaths substitutes it.
 pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing) -> OpResult {
@@ -149,7 +175,20 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let (mut download, mut nar) = (0u64, 0u64);
     let mut roots = Vec::new();
     let mut outputs_of: Vec<(StorePath, Vec<StorePath>)> = Vec::new();
+    let floating_ca = delegate::floating_ca(c)?;
     for t in &targets {
+        if let (DerivedPath::Built { drv, outputs }, true) = (t, floating_ca && wants_floating(c, t)) {
+            match realised_paths(c, drv, outputs)? {
+                Some(paths) => {
+                    roots.extend(paths.iter().cloned());
+                    outputs_of.push((drv.clone(), paths));
+                }
+                None => {
+                    will_build.insert(drv.clone());
+                }
+            }
+            continue;
+        }
         match (t, wanted_paths(c, t)) {
             (DerivedPath::Built { drv, .. }, Ok(paths)) => {
                 roots.extend(paths.iter().cloned());
@@ -310,7 +349,13 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
     }
     normal_mode_only(mode)?;
     substitute_derivations(c, targets)?;
-    let wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
+    let floating: Vec<usize> =
+        if delegate::floating_ca(c)? { (0..targets.len()).filter(|&i| wants_floating(c, &targets[i])).collect() } else { Vec::new() };
+    let mut wanted: Vec<Result<Vec<StorePath>, String>> = targets.iter().map(|t| wanted_paths(c, t)).collect();
+    // Built whole by the Nix daemon, which knows their realisations.
+    for &i in &floating {
+        wanted[i] = Ok(Vec::new());
+    }
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
     let (valid_before, mut valid) = realise_by_substitution(c, &all)?;
     let mut built: BTreeMap<usize, BuildResult> = BTreeMap::new();
@@ -325,6 +370,7 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
         }
     }
     to_build.retain(|i| !built.contains_key(i));
+    to_build.extend(floating);
     if delegate::enabled(c) && !to_build.is_empty() {
         let drvs = to_build
             .iter()
