@@ -103,10 +103,11 @@ pub enum ClientCpu {
     /// daemon's connections) while connected, when the daemon may change the client's affinity
     /// (root, or the client's own user) and the client has not narrowed it; the client's
     /// threads and children get their affinity back when it disconnects. Each round trip then
-    /// stays on one CPU.
-    #[default]
+    /// stays on one CPU; but every thread and process the client starts while connected runs
+    /// on that CPU too (affinity is inherited), so a client that works in parallel is slowed.
     Pin,
-    /// Both run where the scheduler puts them.
+    /// Both run where the scheduler puts them (the default).
+    #[default]
     Free,
 }
 

@@ -27,9 +27,9 @@ use sluice_nix::wire::ops::{
     SetOptions, MAX_REALISATION,
 };
 use sluice_nix::wire::{
-    read_bool, read_build_result, read_keyed_build_result, read_keyed_path_info, read_stderr_message, read_string, read_trusted_flag,
-    read_optional_store_path, read_u64, read_unkeyed_path_info, write_keyed_path_info, MAX_PATH_LEN, write_u64, BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter,
-    ProtocolVersion, StderrMessage, WireError, WORKER_MAGIC_1, WORKER_MAGIC_2,
+    read_bool, read_build_result, read_keyed_build_result, read_keyed_path_info, read_optional_store_path, read_stderr_message,
+    read_string, read_trusted_flag, read_u64, read_unkeyed_path_info, write_keyed_path_info, write_u64, BasicDerivation, BuildMode,
+    BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, MAX_PATH_LEN, WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
 use sluice_nix::path_info::ValidPathInfo;

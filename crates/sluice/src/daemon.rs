@@ -24,8 +24,9 @@ pub struct Args {
     /// Where the worker of a client that sends no CPU in its greeting (every Nix since 2.6)
     /// runs: `pin` puts the client's main thread and its worker on one CPU while it is
     /// connected (undone when it leaves; skipped for a client that narrowed its own affinity
-    /// or that the daemon may not change), `free` leaves both to the scheduler.
-    #[arg(long, value_enum, default_value_t = ClientCpu::Pin)]
+    /// or that the daemon may not change; the threads and processes the client starts while
+    /// connected inherit the pin), `free` leaves both to the scheduler.
+    #[arg(long, value_enum, default_value_t = ClientCpu::Free)]
     client_cpu: ClientCpu,
     /// Build what no substituter has through the real `nix-daemon` listening on this socket
     /// (`unix:///nix/var/nix/daemon-socket/nix-build-socket`), which must serve the same store.
