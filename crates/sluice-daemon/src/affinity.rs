@@ -315,8 +315,7 @@ mod tests {
         assert_eq!(uses.take(&both, 0).unwrap().cpu, 1, "the CPU a connection left is the least used");
     }
 
-    /// A client and a process it starts while pinned get their affinity back; one that
-    /// confined itself does not lose its choice.
+    /// A client and a process it starts while pinned get their affinity back.
     #[test]
     fn a_pinned_client_and_what_it_started_get_their_affinity_back() {
         let cpus = allowed();
