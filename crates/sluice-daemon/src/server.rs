@@ -4,7 +4,6 @@
 //! `nix-daemon --stdio` serves `ssh-ng://`; that client is trusted, as in Nix).
 
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,7 +46,7 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
     temp.push(format!(".tmp-{}", std::process::id()));
     let temp = std::path::PathBuf::from(temp);
     let _ = std::fs::remove_file(&temp);
-    let listener = UnixListener::bind(&temp).map_err(io("binding"))?;
+    let listener = sluice_local_store::unix_socket::bind(&temp).map_err(io("binding"))?;
     std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o666)).map_err(io("setting the mode of"))?;
     std::fs::rename(&temp, socket).map_err(io("moving the new socket into place at"))?;
     let limits = Arc::new(Limits::current());

@@ -33,7 +33,7 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -133,7 +133,7 @@ impl RootsServer {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing the old socket", &socket)(e)),
             _ => {}
         }
-        let listener = UnixListener::bind(&socket).map_err(io_err("binding the garbage collector's socket", &socket))?;
+        let listener = crate::unix_socket::bind(&socket).map_err(io_err("binding the garbage collector's socket", &socket))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).map_err(io_err("setting the mode of", &socket))?;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let clients: Clients = Arc::default();
@@ -182,7 +182,7 @@ impl Drop for RootsServer {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.1.notify_all();
         // Wakes the accepting thread, which then sees `stop`.
-        let _ = UnixStream::connect(&self.socket);
+        let _ = crate::unix_socket::connect(&self.socket);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -42,6 +42,7 @@ mod schema;
 mod temp_dir;
 mod temp_roots;
 mod tree;
+pub mod unix_socket;
 mod unpack;
 mod verify;
 mod verify_store;

@@ -195,7 +195,7 @@ impl TempRootsFile {
     fn tell_collector(&mut self, shown: &str) -> io::Result<()> {
         let socket = match &mut self.collector {
             Some(socket) => socket,
-            None => self.collector.insert(UnixStream::connect(&self.gc_socket)?),
+            None => self.collector.insert(crate::unix_socket::connect(&self.gc_socket)?),
         };
         socket.write_all(format!("{shown}\n").as_bytes())?;
         let mut ack = [0u8; 1];

@@ -14,7 +14,6 @@
 //! round trip avoids a cross-CPU wake-up.
 
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -141,7 +140,7 @@ impl DaemonConnection {
     pub fn connect(socket: &Path, lock_cpu: bool) -> Result<Self, RemoteError> {
         let daemon = socket.display().to_string();
         let connect_err = |source| RemoteError::Connect { daemon: daemon.clone(), source };
-        let stream = UnixStream::connect(socket).map_err(connect_err)?;
+        let stream = sluice_local_store::unix_socket::connect(socket).map_err(connect_err)?;
         let reader = stream.try_clone().map_err(connect_err)?;
         let pinned_cpu = if lock_cpu { pin_to_current_cpu() } else { None };
         Self::greeted(daemon, Box::new(reader), Box::new(stream), pinned_cpu)

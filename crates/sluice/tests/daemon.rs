@@ -169,7 +169,7 @@ impl Env {
 fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
     let daemon = Daemon { child, url: format!("unix://{}", socket.display()) };
     let start = Instant::now();
-    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+    while sluice_local_store::unix_socket::connect(socket).is_err() {
         assert!(start.elapsed() < Duration::from_secs(20), "the daemon did not listen on {}", socket.display());
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -958,6 +958,30 @@ fn all_cpus_as_list(list: &str) -> String {
         }
     }
     cpus.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// A daemon whose socket and store are under a directory too long for a socket address (Nix's
+/// functional tests run in such directories): it binds its socket and, for a collection, the
+/// collector's, and real Nix 2.26 and sluice's own client reach it (it failed with "path must
+/// be shorter than SUN_LEN").
+#[test]
+fn a_daemon_below_a_long_directory_binds_and_serves() {
+    let env = Env::new();
+    let long = "d".repeat(110);
+    let (socket, root) = (format!("{long}/socket"), format!("{long}/root"));
+    std::fs::create_dir_all(env.path(&root)).unwrap();
+    let daemon = env.daemon_on(&socket, &root, &env.cache(), "", &[], None);
+    let url = format!("unix://{}", env.path(&socket).display());
+    let tmp = env.path("modern");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let info = common::nix_modern(&tmp, &["nix", "--extra-experimental-features", "nix-command", "store", "info", "--store", &url]);
+    common::check(&info, "nix store info through a long socket path (Nix 2.26)");
+    let gc = common::nix_modern(&tmp, &["nix-store", "--gc", "--store", &url]);
+    common::check(&gc, "nix-store --gc through it: the collector's socket is under the long state directory");
+    let missing = "/nix/store/00000000000000000000000000000000-missing";
+    let own = common::sluice(&tmp, &["path-info", "--store", &url, missing]);
+    assert!(common::stderr(&own).contains("is not valid"), "sluice's client reached the daemon: {}", common::stderr(&own));
+    drop(daemon);
 }
 
 /// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
