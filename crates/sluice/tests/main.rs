@@ -24,5 +24,6 @@ mod push;
 mod review;
 mod serve;
 mod settings;
+mod ssh;
 mod stale_cache;
 mod store_urls;
