@@ -191,8 +191,9 @@ impl LocalStore {
 
     /// Sets the `experimental-features` (Nix's default: none) that a derivation registered
     /// from now on may need: `ca-derivations` for floating content-addressed outputs,
-    /// `impure-derivations` for impure ones (Nix's `parseDerivation` refuses them otherwise,
-    /// at every registration of a `.drv`). Other features change nothing here.
+    /// `impure-derivations` for impure ones, `dynamic-derivations` for outputs hashed as text
+    /// and outputs of input derivations' outputs (Nix's `parseDerivation` refuses them
+    /// otherwise, at every registration of a `.drv`). Other features change nothing here.
     pub fn set_experimental_features<'f>(&self, features: impl IntoIterator<Item = &'f str>) {
         let bits = features.into_iter().fold(0, |bits, f| bits | verify::feature_bit(f));
         self.features.store(bits, std::sync::atomic::Ordering::Relaxed);

@@ -304,6 +304,7 @@ pub(super) fn feature_bit(name: &str) -> u8 {
     match name {
         "ca-derivations" => 1,
         "impure-derivations" => 2,
+        "dynamic-derivations" => 4,
         _ => 0,
     }
 }

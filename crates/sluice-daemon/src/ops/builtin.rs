@@ -33,7 +33,7 @@ pub(super) fn build_stored(c: &mut Conn, drv_path: &StorePath) -> Result<Option<
     for (input, wanted) in &d.input_drvs {
         for (name, path) in derivation_outputs(c, input)?.unwrap_or_default() {
             match path {
-                Some(p) if wanted.contains(&name) => inputs.push(p),
+                Some(p) if wanted.outputs.contains(&name) => inputs.push(p),
                 Some(_) => {}
                 None => return Ok(None),
             }

@@ -72,7 +72,7 @@ pub(super) fn substitute_build_inputs(c: &mut Conn, drvs: Vec<StorePath>) -> Res
             inputs.extend(d.input_srcs.iter().cloned());
             for (input, wanted) in &d.input_drvs {
                 for (name, path) in derivation_outputs(c, input)?.unwrap_or_default() {
-                    if let Some(p) = path.filter(|_| wanted.contains(&name)) {
+                    if let Some(p) = path.filter(|_| wanted.outputs.contains(&name)) {
                         producers.insert(p.clone(), input.clone());
                         inputs.insert(p);
                     }

@@ -7,7 +7,10 @@
 //!
 //! A derivation is `Derive([outputs],[input derivations],[input sources],"platform",
 //! "builder",[args],[env])`: outputs are `("<name>","<path>","<hash algo>","<hash>")`, input
-//! derivations `("<drv path>",["<output>",…])`. Strings are double-quoted with backslash
+//! derivations `("<drv path>",["<output>",…])`. One that uses an output of an input's output
+//! (`dynamic-derivations`) is `DrvWithVersion("xp-dyn-drv",[outputs],…)`, in which an input
+//! derivation may also be `("<drv path>",(["<output>",…],[("<output>",<the same, nested>),…]))`
+//! (Nix's `DerivedPathMap`). Strings are double-quoted with backslash
 //! escapes: `\n`, `\r`, `\t`, and `\<c>` for any other character `c` (notably `\"` and `\\`).
 //! As in Nix, sets and maps are sorted when read (a repeated environment variable or input
 //! derivation takes its last value, a repeated set element counts once); a repeated output
@@ -20,7 +23,7 @@ use crate::store_path::{check_name, StoreDir, StorePath};
 use crate::wire::{output_kind, output_path_name, OutputKind};
 
 mod aterm;
-use aterm::{comma, list, quoted, unquoted, Cursor};
+use aterm::{comma, input_node, list, quoted, unquoted, Cursor};
 
 /// Why a `.drv` could not be read, or why its outputs are refused (Nix's words).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -35,12 +38,21 @@ pub struct Derivation {
     pub name: String,
     pub outputs: BTreeMap<String, OutputKind>,
     /// Input derivations and the outputs of each used.
-    pub input_drvs: BTreeMap<StorePath, BTreeSet<String>>,
+    pub input_drvs: BTreeMap<StorePath, InputOutputs>,
     pub input_srcs: BTreeSet<StorePath>,
     pub platform: Vec<u8>,
     pub builder: Vec<u8>,
     pub args: Vec<Vec<u8>>,
     pub env: BTreeMap<Vec<u8>, Vec<u8>>,
+}
+
+/// What a derivation uses of one input derivation (Nix's `DerivedPathMap<StringSet>::ChildNode`):
+/// some of its outputs, and with `dynamic-derivations`, outputs of the derivations that its
+/// outputs are (output name → what is used of that derivation, to any depth).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InputOutputs {
+    pub outputs: BTreeSet<String>,
+    pub dynamic: BTreeMap<String, InputOutputs>,
 }
 
 /// The kind of a whole derivation, from its outputs (Nix's `DerivationType`).
@@ -75,11 +87,14 @@ pub fn parse_outputs(store_dir: &StoreDir, drv: &StorePath, aterm: &[u8]) -> Res
 }
 
 impl Derivation {
-    /// Parses the ATerm `aterm` of a derivation named `name` (Nix's `parseDerivation`).
-    /// Errors name what was expected and the byte offset; nothing may follow the final `)`.
+    /// Parses the ATerm `aterm` of a derivation named `name` (Nix's `parseDerivation`), in
+    /// either form (`Derive(…)`, or `DrvWithVersion("xp-dyn-drv",…)`, whose input derivations
+    /// may use outputs of their outputs). Errors name what was expected and the byte offset;
+    /// nothing may follow the final `)`.
     pub fn parse(dir: &StoreDir, name: &str, aterm: &[u8]) -> Result<Self, DerivationError> {
         let mut c = Cursor { input: aterm, pos: 0 };
-        c.expect(b"Derive([")?;
+        let versioned = c.header()?;
+        c.expect(b"[")?;
         let mut outputs = BTreeMap::new();
         while !c.end_of_list()? {
             c.expect(b"(")?;
@@ -96,13 +111,10 @@ impl Derivation {
         while !c.end_of_list()? {
             c.expect(b"(")?;
             let path = c.store_path(dir, "input derivation")?;
-            c.expect(b",[")?;
-            let mut names = BTreeSet::new();
-            while !c.end_of_list()? {
-                names.insert(c.utf8_string("input derivation output")?);
-            }
+            c.expect(b",")?;
+            let node = c.input_node(versioned, 0)?;
             c.expect(b")")?;
-            input_drvs.insert(path, names);
+            input_drvs.insert(path, node);
         }
         c.expect(b",[")?;
         let mut input_srcs = BTreeSet::new();
@@ -142,18 +154,35 @@ impl Derivation {
             .collect()
     }
 
-    /// The experimental features its outputs need, as Nix's `parseDerivationOutput` requires
-    /// them (`src/libstore/derivations.cc`): `ca-derivations` for a floating content-addressed
-    /// output, `impure-derivations` for an impure one.
+    /// The experimental features it needs, as Nix's `parseDerivation` and
+    /// `parseDerivationOutput` require them (`src/libstore/derivations.cc`): `ca-derivations`
+    /// for a floating content-addressed output, `impure-derivations` for an impure one,
+    /// `dynamic-derivations` for an output hashed as text or an input derivation's output
+    /// used as a derivation.
     pub fn required_experimental_features(&self) -> BTreeSet<&'static str> {
-        self.outputs
+        let mut features: BTreeSet<&'static str> = self
+            .outputs
             .values()
-            .filter_map(|k| match k {
-                OutputKind::Floating(_) => Some("ca-derivations"),
-                OutputKind::Impure(_) => Some("impure-derivations"),
-                _ => None,
+            .flat_map(|k| {
+                let (algo, _) = k.algo_and_hash();
+                let kind = match k {
+                    OutputKind::Floating(_) => Some("ca-derivations"),
+                    OutputKind::Impure(_) => Some("impure-derivations"),
+                    _ => None,
+                };
+                kind.into_iter().chain(algo.starts_with("text:").then_some("dynamic-derivations"))
             })
-            .collect()
+            .collect();
+        if self.has_dynamic_inputs() {
+            features.insert("dynamic-derivations");
+        }
+        features
+    }
+
+    /// Whether an input derivation's output is used as a derivation (Nix's
+    /// `hasDynamicDrvDep`): such a derivation is written `DrvWithVersion("xp-dyn-drv",…)`.
+    pub fn has_dynamic_inputs(&self) -> bool {
+        self.input_drvs.values().any(|node| !node.dynamic.is_empty())
     }
 
     /// The derivation's type (Nix's `BasicDerivation::type`), refusing the combinations Nix
@@ -198,13 +227,9 @@ impl Derivation {
     /// The ATerm Nix writes for this derivation (`Derivation::unparse`): with `mask_outputs`,
     /// output paths and the environment variables named like outputs are empty; with
     /// `actual_inputs`, the input derivations are replaced by those (hash modulo → outputs).
-    pub(crate) fn unparse(
-        &self,
-        dir: &StoreDir,
-        mask_outputs: bool,
-        actual_inputs: Option<&BTreeMap<String, BTreeSet<String>>>,
-    ) -> Vec<u8> {
-        let mut s = b"Derive([".to_vec();
+    /// The versioned form only when [`has_dynamic_inputs`](Self::has_dynamic_inputs).
+    pub(crate) fn unparse(&self, dir: &StoreDir, mask_outputs: bool, actual_inputs: Option<&BTreeMap<String, InputOutputs>>) -> Vec<u8> {
+        let mut s = if self.has_dynamic_inputs() { b"DrvWithVersion(\"xp-dyn-drv\",[".to_vec() } else { b"Derive([".to_vec() };
         for (i, (id, kind)) in self.outputs.iter().enumerate() {
             comma(&mut s, i);
             let path = match (mask_outputs, kind.path(dir, &self.name, id)) {
@@ -221,16 +246,15 @@ impl Derivation {
             s.push(b')');
         }
         s.extend_from_slice(b"],[");
-        let shown_drvs: BTreeMap<String, &BTreeSet<String>> = match actual_inputs {
+        let shown_drvs: BTreeMap<String, &InputOutputs> = match actual_inputs {
             Some(inputs) => inputs.iter().map(|(k, v)| (k.clone(), v)).collect(),
             None => self.input_drvs.iter().map(|(k, v)| (dir.display_path(k), v)).collect(),
         };
-        for (i, (drv, outputs)) in shown_drvs.iter().enumerate() {
+        for (i, (drv, node)) in shown_drvs.iter().enumerate() {
             comma(&mut s, i);
             s.push(b'(');
             unquoted(&mut s, drv.as_bytes());
-            s.push(b',');
-            list(&mut s, outputs.iter().map(|o| o.as_bytes()), unquoted);
+            input_node(&mut s, node);
             s.push(b')');
         }
         s.extend_from_slice(b"],");
@@ -261,6 +285,8 @@ impl Derivation {
     /// sha256 of [`unparse`](Self::unparse) with each input derivation replaced by its own
     /// hash modulo (base16), which `input_hashes` gives (Nix's memoised
     /// `pathDerivationModulo`, reading the input from the store with `mask_outputs` off).
+    /// Only the outputs of the inputs count, as in Nix: not outputs of their outputs
+    /// (`dynamic-derivations`), and an input of which only those are used is left out.
     pub fn hash_modulo(
         &self,
         dir: &StoreDir,
@@ -283,14 +309,14 @@ impl Derivation {
                 })
                 .collect();
         }
-        let mut inputs: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut inputs: BTreeMap<String, InputOutputs> = BTreeMap::new();
         for (drv, wanted) in &self.input_drvs {
             let hashes = input_hashes(drv)?;
-            for output in wanted {
+            for output in &wanted.outputs {
                 let h = hashes
                     .get(output)
                     .ok_or_else(|| DerivationError(format!("no hash for output '{output}' of derivation '{}'", self.name)))?;
-                inputs.entry(h.to_base16()).or_default().insert(output.clone());
+                inputs.entry(h.to_base16()).or_default().outputs.insert(output.clone());
             }
         }
         let hash = Hash::digest_bytes(HashAlgo::Sha256, &self.unparse(dir, mask_outputs, Some(&inputs)));
@@ -413,6 +439,122 @@ mod tests {
         }
         let empty = Derivation::parse(&store_dir(), "a", b"Derive([],[],[],\"\",\"\",[],[])").unwrap();
         assert_eq!(empty.derivation_type().unwrap_err().0, "must have at least one output");
+    }
+
+    /// An input derivation `dep`, one of whose outputs is itself a derivation.
+    const DEP: &str = "/nix/store/ljrz8i16r1xwav3skkm86kifcf6cfbph-dep.drv";
+
+    /// `DrvWithVersion("xp-dyn-drv",…)` (`dynamic-derivations`): outputs of an input's outputs,
+    /// nested, are read and written back byte for byte, and need the feature.
+    #[test]
+    fn dynamic_derivation_inputs_are_read_and_written_as_nix_does() {
+        let aterm = format!(
+            r#"DrvWithVersion("xp-dyn-drv",[("out","","","")],[("{DEP}",(["bin","out"],[("bin",["lib"]),("out",(["doc"],[("dev",["man","out"])]))]))],[],"x86_64-linux","/bin/sh",[],[("out","")])"#
+        );
+        let drv = Derivation::parse(&store_dir(), "a", aterm.as_bytes()).unwrap();
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<BTreeSet<String>>();
+        let leaf = |n: &[&str]| InputOutputs { outputs: names(n), dynamic: BTreeMap::new() };
+        let expected = InputOutputs {
+            outputs: names(&["bin", "out"]),
+            dynamic: BTreeMap::from([
+                ("bin".to_string(), leaf(&["lib"])),
+                (
+                    "out".to_string(),
+                    InputOutputs { outputs: names(&["doc"]), dynamic: BTreeMap::from([("dev".to_string(), leaf(&["man", "out"]))]) },
+                ),
+            ]),
+        };
+        assert_eq!(drv.input_drvs, BTreeMap::from([(store_dir().parse_path(DEP).unwrap(), expected)]));
+        assert!(drv.has_dynamic_inputs());
+        assert_eq!(drv.unparse(&store_dir(), false, None), aterm.as_bytes());
+        assert_eq!(drv.required_experimental_features(), BTreeSet::from(["dynamic-derivations"]));
+
+        // Without outputs of outputs, Nix writes the older form, whatever it read.
+        let plain = format!(r#"("out","","","")],[("{DEP}",["out"])],[],"x86_64-linux","/bin/sh",[],[("out","")])"#);
+        let drv = Derivation::parse(&store_dir(), "a", format!("DrvWithVersion(\"xp-dyn-drv\",[{plain}").as_bytes()).unwrap();
+        assert!(!drv.has_dynamic_inputs());
+        assert_eq!(drv.unparse(&store_dir(), false, None), format!("Derive([{plain}").as_bytes());
+        assert_eq!(drv.required_experimental_features(), BTreeSet::new());
+
+        // An output hashed as text (a derivation that outputs a derivation) needs the feature too.
+        let text = br#"Derive([("out","","text:sha256","")],[],[],"x86_64-linux","/bin/sh",[],[("out","")])"#;
+        let drv = Derivation::parse(&store_dir(), "a.drv", text).unwrap();
+        assert_eq!(drv.required_experimental_features(), BTreeSet::from(["ca-derivations", "dynamic-derivations"]));
+    }
+
+    /// The hash modulo of a derivation with dynamic inputs is that of its versioned ATerm in
+    /// which each input is its hash and the outputs used of it, without outputs of outputs; an
+    /// input of which only outputs of outputs are used is left out (Nix's
+    /// `hashDerivationModulo`).
+    #[test]
+    fn dynamic_inputs_are_hashed_by_their_own_outputs_only() {
+        let other = "/nix/store/1zhba591ddnyl66pbs4bdcmp3rd8nx09-other.drv";
+        let aterm = format!(
+            r#"DrvWithVersion("xp-dyn-drv",[("out","","","")],[("{DEP}",(["lib"],[("out",["out"])])),("{other}",([],[("out",["out"])]))],[],"x86_64-linux","/bin/sh",[],[("out","")])"#
+        );
+        let drv = Derivation::parse(&store_dir(), "a", aterm.as_bytes()).unwrap();
+        let dep_hash = Hash::digest_bytes(HashAlgo::Sha256, b"dep");
+        let mut asked = Vec::new();
+        let hashes = drv
+            .hash_modulo(&store_dir(), true, &mut |p| {
+                asked.push(store_dir().display_path(p));
+                Ok(BTreeMap::from([("lib".to_string(), dep_hash.clone()), ("out".to_string(), dep_hash.clone())]))
+            })
+            .unwrap();
+        let text = format!(
+            r#"DrvWithVersion("xp-dyn-drv",[("out","","","")],[("{}",["lib"])],[],"x86_64-linux","/bin/sh",[],[("out","")])"#,
+            dep_hash.to_base16()
+        );
+        assert_eq!(hashes, BTreeMap::from([("out".to_string(), Hash::digest_bytes(HashAlgo::Sha256, text.as_bytes()))]));
+        assert_eq!(asked, [other.to_string(), DEP.to_string()]);
+    }
+
+    /// Two derivations Nix 2.26 wrote (`nix derivation add`), the second using the output
+    /// `out` of the first and the output `out` of the derivation that output is: Nix's output
+    /// path passes the output check, a changed one is refused with the path Nix computed.
+    #[test]
+    fn a_dynamic_derivation_written_by_nix_passes_the_output_check() {
+        let dep = path("pcisaphxap2980lbb8c6rc8gkn0jdbxw-dep.drv");
+        let dep_aterm = br#"Derive([("out","/nix/store/qafjlr592an870y95xg454gfm3vhkz9g-dep","","")],[],[],"x86_64-linux","/bin/sh",[],[("out","/nix/store/qafjlr592an870y95xg454gfm3vhkz9g-dep")])"#;
+        let wrap = path("2hqf6vvb2p9nz5agxn3hgg9188b1n1zk-wrap.drv");
+        let wrap_aterm = r#"DrvWithVersion("xp-dyn-drv",[("out","/nix/store/a7ac6nqf61cg28qiqqgqg6j945fr2hx6-wrap","","")],[("/nix/store/pcisaphxap2980lbb8c6rc8gkn0jdbxw-dep.drv",(["out"],[("out",["out"])]))],[],"x86_64-linux","/bin/sh",[],[("out","/nix/store/a7ac6nqf61cg28qiqqgqg6j945fr2hx6-wrap")])"#;
+        let drvs = BTreeMap::from([(dep, dep_aterm.to_vec()), (wrap.clone(), wrap_aterm.as_bytes().to_vec())]);
+        let mut memo = BTreeMap::new();
+        check(&drvs, &mut memo, &wrap, wrap_aterm.as_bytes()).unwrap();
+        let parsed = Derivation::parse(&store_dir(), "wrap", wrap_aterm.as_bytes()).unwrap();
+        assert_eq!(parsed.unparse(&store_dir(), false, None), wrap_aterm.as_bytes());
+        let lie = wrap_aterm.replace("a7ac6nqf61cg28qiqqgqg6j945fr2hx6", "a7ac6nqf61cg28qiqqgqg6j945fr2hx7");
+        assert_eq!(
+            check(&drvs, &mut memo, &wrap, lie.as_bytes()).unwrap_err().0,
+            "derivation '/nix/store/2hqf6vvb2p9nz5agxn3hgg9188b1n1zk-wrap.drv' has incorrect output \
+             '/nix/store/a7ac6nqf61cg28qiqqgqg6j945fr2hx7-wrap', should be '/nix/store/a7ac6nqf61cg28qiqqgqg6j945fr2hx6-wrap'"
+        );
+    }
+
+    /// Outputs of outputs only in the versioned form, under a known version, nested to a bound.
+    #[test]
+    fn malformed_dynamic_derivations_are_errors() {
+        let body = format!(r#"[("out","","","")],[("{DEP}",(["out"],[("out",["out"])]))],[],"x","/bin/sh",[],[])"#);
+        let err = |aterm: &str| Derivation::parse(&store_dir(), "a", aterm.as_bytes()).unwrap_err().0;
+        assert_eq!(err(&format!("Derive({body}")), "expected \"[\" at byte 82");
+        assert_eq!(
+            err(&format!("DrvWithVersion(\"xp-dyn-drv2\",{body}")),
+            "unknown derivation ATerm format version 'xp-dyn-drv2' at byte 15"
+        );
+        assert_eq!(err(&format!("DrvWithVersion(xp-dyn-drv,{body}")), "expected \"\\\"\" at byte 15");
+        assert_eq!(err(&format!("Drv({body}")), "expected \"Derive(\" or \"DrvWithVersion(\" at byte 0");
+        let nested = |depth: usize| {
+            format!(
+                r#"DrvWithVersion("xp-dyn-drv",[("out","","","")],[("{DEP}",{}["out"]{})],[],"x","/bin/sh",[],[])"#,
+                r#"([],[("out","#.repeat(depth),
+                ")])".repeat(depth)
+            )
+        };
+        assert!(Derivation::parse(&store_dir(), "a", nested(aterm::MAX_DYNAMIC_DEPTH).as_bytes()).is_ok());
+        assert_eq!(
+            err(&nested(aterm::MAX_DYNAMIC_DEPTH + 1)),
+            format!("outputs of input derivation outputs nested deeper than 64 at byte {}", 103 + 12 * aterm::MAX_DYNAMIC_DEPTH)
+        );
     }
 
     /// Collects the contents of a NAR whose root is a regular file.
