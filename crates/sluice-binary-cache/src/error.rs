@@ -37,6 +37,12 @@ pub enum CacheError {
     CacheInfo { url: String, what: String },
     #[error("{url}: cache is for store directory {got}, not {expected}")]
     WrongStoreDir { url: String, expected: String, got: String },
+    /// A cache of another store directory where sluice cannot use one (anywhere but among the
+    /// substituters).
+    #[error(
+        "{url}: the cache is for the store directory {dir}; sluice uses such a cache only as a substituter, of content-addressed paths"
+    )]
+    OtherStoreDir { url: String, dir: String },
     /// The server answered an upload with 403, 404 or 410.
     #[error("{url}: the server refused the upload (HTTP 403, 404 or 410)")]
     Refused { url: String },

@@ -119,7 +119,7 @@ pub struct BinaryCache {
     retry: retry::RetryPolicy,
     /// How paths are written.
     write: CacheWriteParams,
-    /// The store directory the cache serves (sluice's only one, `/nix/store`).
+    /// The store directory the cache serves: the URL's `store` (default `/nix/store`).
     store_dir: StoreDir,
     /// The keys narinfos are signed with (read by [`BinaryCache::open`]).
     secret_keys: Vec<SecretKey>,
@@ -184,7 +184,7 @@ impl BinaryCache {
             health: retry::Health::default(),
             retry: retry::RetryPolicy::new(options.download_attempts),
             write: write.clone(),
-            store_dir: StoreDir::default(),
+            store_dir: common.store_dir.clone(),
             secret_keys: Vec::new(),
             initialised: tokio::sync::OnceCell::new(),
             encoder_budget: std::sync::Arc::new(tokio::sync::Semaphore::new(
@@ -240,14 +240,24 @@ impl BinaryCache {
         CacheError::CacheInfo { url: format!("{}/nix-cache-info", self.url), what: what.to_string() }
     }
 
-    /// Fails unless the cache serves `store_dir`.
-    pub fn check_store_dir(&self, store_dir: &StoreDir) -> Result<(), CacheError> {
-        if self.info.store_dir != store_dir.as_str() {
+    /// Fails unless the cache's `nix-cache-info` is for the store directory of its URL (its
+    /// `store`, default `/nix/store`), as Nix's `BinaryCacheStore::init` checks.
+    pub fn check_store_dir(&self) -> Result<(), CacheError> {
+        if self.info.store_dir != self.store_dir.as_str() {
             return Err(CacheError::WrongStoreDir {
                 url: self.url.clone(),
-                expected: store_dir.as_str().into(),
+                expected: self.store_dir.as_str().into(),
                 got: self.info.store_dir.clone(),
             });
+        }
+        Ok(())
+    }
+
+    /// Fails if the cache is for another store directory than `/nix/store` (see
+    /// [`CacheError::OtherStoreDir`]).
+    pub fn require_nix_store_dir(&self) -> Result<(), CacheError> {
+        if self.store_dir != StoreDir::default() {
+            return Err(CacheError::OtherStoreDir { url: self.url.clone(), dir: self.store_dir.as_str().into() });
         }
         Ok(())
     }

@@ -39,14 +39,15 @@ const LISTING_MIME: &str = "application/json";
 pub(crate) const CHECK_BEFORE_UPLOAD: u64 = 1 << 20;
 
 impl BinaryCache {
-    /// Opens the cache `url` for reading and writing: reads its `nix-cache-info` and its
-    /// secret keys. A `file://` or S3 cache without `nix-cache-info` is taken to serve
+    /// Opens the cache `url` for reading and writing (of `/nix/store` only): reads its
+    /// `nix-cache-info` and its secret keys. A `file://` or S3 cache without `nix-cache-info` is taken to serve
     /// `/nix/store`, and one is written before the first addition (Nix's
     /// `BinaryCacheStore::init` writes it at once); over HTTP it is written now, as Nix's
     /// `HttpBinaryCacheStore::init` does, and a server that refuses it is not a binary cache
     /// ([`BinaryCache::read_without_cache_info`]'s error, Nix's words).
     pub async fn open(url: &CacheUrl, client: &LazyClient) -> Result<Self, CacheError> {
         let mut cache = BinaryCache::new(url, client, Default::default())?;
+        cache.require_nix_store_dir()?;
         let info = match cache.fetch_cache_info().await? {
             Some(info) => info,
             None => match cache.read_without_cache_info() {
@@ -58,7 +59,7 @@ impl BinaryCache {
             },
         };
         cache.set_info(info);
-        cache.check_store_dir(&cache.store_dir)?;
+        cache.check_store_dir()?;
         for file in &url.write.secret_key_files {
             let bad = |what: String| CacheError::SecretKey { url: cache.url.clone(), file: file.clone(), what };
             let text = std::fs::read_to_string(file).map_err(|e| bad(e.to_string()))?;

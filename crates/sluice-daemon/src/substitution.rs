@@ -11,7 +11,7 @@ use sluice_binary_cache::http::LazyClient;
 use sluice_binary_cache::narinfo_cache::NarInfoCache;
 use sluice_local_store::{LocalStore, TempRoots};
 use sluice_nix::store_path::StorePath;
-use sluice_store::closure::{self, ClosureEvent, ClosureQuery};
+use sluice_store::closure::{self, ClosureEvent, ClosureQuery, ContentAddresses};
 use sluice_store::config::Settings;
 use sluice_store::failure::Failure;
 use sluice_store::substitute::{copy_closure, repair_paths, CopyReport, Observer, SubstituteOptions};
@@ -39,6 +39,21 @@ impl Observer for Forward {
     }
     fn failed(&self, path: &StorePath, _: &Failure) {
         let _ = self.0.send(Progress::Failed(path.clone()));
+    }
+}
+
+/// Paths to look up or substitute, with the content addresses known of some (the fixed outputs
+/// of derivations being realised), for the substituters of another store directory
+/// ([`ClosureQuery::content_addresses`]).
+#[derive(Debug, Default)]
+pub(crate) struct Wanted {
+    pub paths: Vec<StorePath>,
+    pub content_addresses: ContentAddresses,
+}
+
+impl From<Vec<StorePath>> for Wanted {
+    fn from(paths: Vec<StorePath>) -> Self {
+        Wanted { paths, content_addresses: ContentAddresses::new() }
     }
 }
 
@@ -91,11 +106,11 @@ pub(crate) struct Session {
 impl Session {
     /// Opens the substituters of `settings` (none when `use_substitutes` is off). Caches that
     /// cannot be used are logged and left out, as Nix does.
-    async fn open(store: &LocalStore, settings: &Settings, use_substitutes: bool) -> Result<Session, String> {
+    async fn open(settings: &Settings, use_substitutes: bool) -> Result<Session, String> {
         let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
         let client = LazyClient::new(settings.http_options());
         let disk = substituters::open_disk_cache(settings);
-        let (subs, errors) = substituters::open(urls, &client, disk.as_deref(), store.store_dir()).await;
+        let (subs, errors) = substituters::open(urls, &client, disk.as_deref()).await;
         for e in &errors {
             tracing::warn!("substituter left out: {e}");
         }
@@ -122,7 +137,7 @@ pub(crate) struct Sessions {
 impl Sessions {
     /// The session for `settings`, opened now if there is none yet (concurrent callers with
     /// the same settings wait for the one opening). A degraded session is replaced.
-    async fn get(&self, store: &LocalStore, settings: &Settings, use_substitutes: bool) -> Result<Arc<Session>, String> {
+    async fn get(&self, settings: &Settings, use_substitutes: bool) -> Result<Arc<Session>, String> {
         let key = SessionKey::new(settings, use_substitutes);
         let cell = {
             let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
@@ -136,7 +151,7 @@ impl Sessions {
             }
             cell
         };
-        let session = cell.get_or_try_init(|| async { Session::open(store, settings, use_substitutes).await.map(Arc::new) }).await?;
+        let session = cell.get_or_try_init(|| async { Session::open(settings, use_substitutes).await.map(Arc::new) }).await?;
         Ok(Arc::clone(session))
     }
 }
@@ -149,8 +164,9 @@ async fn closure_query(
     settings: &Settings,
     use_substitutes: bool,
     roots: Option<TempRoots>,
+    content_addresses: ContentAddresses,
 ) -> Result<ClosureQuery, String> {
-    let session = daemon.sessions.get(store, settings, use_substitutes).await?;
+    let session = daemon.sessions.get(settings, use_substitutes).await?;
     let is_valid = closure::validity_in(Some(Arc::clone(store)), roots);
     Ok(ClosureQuery {
         substituters: Arc::clone(&session.substituters),
@@ -158,6 +174,7 @@ async fn closure_query(
         store_dir: store.store_dir().clone(),
         is_valid,
         accept: None,
+        content_addresses: Arc::new(content_addresses),
     })
 }
 
@@ -168,12 +185,12 @@ pub(crate) fn query(
     store: &Arc<LocalStore>,
     settings: &Settings,
     use_substitutes: bool,
-    roots: Vec<StorePath>,
+    roots: Wanted,
 ) -> Result<Vec<ClosureEvent>, String> {
     daemon.runtime.block_on(async {
-        let query = closure_query(daemon, store, settings, use_substitutes, None).await?;
+        let query = closure_query(daemon, store, settings, use_substitutes, None, roots.content_addresses).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let engine = tokio::spawn(async move { query.run(roots, tx).await });
+        let engine = tokio::spawn(async move { query.run(roots.paths, tx).await });
         let mut events = Vec::new();
         while let Some(e) = rx.recv().await {
             events.push(e);
@@ -183,7 +200,7 @@ pub(crate) fn query(
     })
 }
 
-/// Substitutes the closures of `paths` into `store`, calling `progress` on the worker
+/// Substitutes the closures of `wanted`'s paths into `store`, calling `progress` on the worker
 /// thread as paths start and finish. Every path of the closures is a temporary root in
 /// `roots` (the connection's, of `store`) from before its validity is looked at.
 pub(crate) fn copy(
@@ -192,10 +209,10 @@ pub(crate) fn copy(
     settings: &Settings,
     use_substitutes: bool,
     roots: &TempRoots,
-    paths: Vec<StorePath>,
+    wanted: Wanted,
     progress: impl FnMut(Progress),
 ) -> Result<CopyReport, String> {
-    pipeline(daemon, store, settings, use_substitutes, roots, paths, false, progress)
+    pipeline(daemon, store, settings, use_substitutes, roots, wanted, false, progress)
 }
 
 /// Substitutes the damaged valid path `path` again (Nix's `repairPath`; see
@@ -208,7 +225,7 @@ pub(crate) fn repair(
     roots: &TempRoots,
     path: &StorePath,
 ) -> Result<(), String> {
-    let report = pipeline(daemon, store, settings, use_substitutes, roots, vec![path.clone()], true, |_| {})?;
+    let report = pipeline(daemon, store, settings, use_substitutes, roots, vec![path.clone()].into(), true, |_| {})?;
     match report.failed.get(path) {
         Some(why) => Err(why.message.clone()),
         None if report.substituted.contains(path) => Ok(()),
@@ -224,14 +241,14 @@ fn pipeline(
     settings: &Settings,
     use_substitutes: bool,
     roots: &TempRoots,
-    paths: Vec<StorePath>,
+    Wanted { paths, content_addresses }: Wanted,
     repair: bool,
     mut progress: impl FnMut(Progress),
 ) -> Result<CopyReport, String> {
     let policy = settings.signature_policy(daemon.store_require_sigs).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: settings.max_substitution_jobs.unwrap_or(sluice_store::substitute::DEFAULT_JOBS), policy };
     daemon.runtime.block_on(async {
-        let query = closure_query(daemon, store, settings, use_substitutes, Some(roots.clone())).await?;
+        let query = closure_query(daemon, store, settings, use_substitutes, Some(roots.clone()), content_addresses).await?;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let store = Arc::clone(store);
         let observer = Arc::new(Forward(tx));

@@ -5,12 +5,19 @@
 //! answered. The narinfo disk cache is consulted in batches before the network, and new
 //! answers are written back in batches. This is the batch `querySubstitutablePathInfos` of
 //! Nix's founding design; `missing`, `copy` and `path-info -r` use it.
+//!
+//! A substituter of another store directory than the destination's (`?store=DIR`) is asked
+//! only for the paths whose content address the caller knows ([`ClosureQuery::content_addresses`]),
+//! under the name that content address gives them in its directory, and its answer is taken
+//! only for a content-addressed path without references, renamed to the destination's path:
+//! Nix's `PathSubstitutionGoal::init` (`src/libstore/build/substitution-goal.cc`).
 
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
+use sluice_nix::content_address::ContentAddress;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -43,7 +50,21 @@ impl Substituter {
     fn take_prefetched(&self, path: &StorePath) -> Option<Result<Option<String>, CacheError>> {
         self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(path.hash_part())
     }
+
+    /// The name the cache gives the destination's `path` in `store_dir`: the same, for a cache
+    /// of `store_dir`; for a cache of another store directory, the one `content_addresses`
+    /// implies in its directory, and none without one (Nix's `PathSubstitutionGoal::init`).
+    fn name_of(&self, path: &StorePath, store_dir: &StoreDir, content_addresses: &ContentAddresses) -> Option<StorePath> {
+        let dir = self.cache.store_dir();
+        if dir == store_dir {
+            return Some(path.clone());
+        }
+        content_addresses.get(path)?.store_path(dir, path.name(), &[], false).ok()
+    }
 }
+
+/// Content addresses of paths without references, by path (Nix's `StorePathCAMap`).
+pub type ContentAddresses = HashMap<StorePath, ContentAddress>;
 
 /// What the engine learnt about one path of the closure.
 #[derive(Debug)]
@@ -103,6 +124,10 @@ pub struct ClosureQuery {
     /// (its path then fails, naming why). `None` (a query of what caches have, as Nix's
     /// `querySubstitutablePathInfos`): the first is taken.
     pub accept: Option<SignaturePolicy>,
+    /// The content addresses the caller knows of paths it asks for (the fixed outputs of the
+    /// derivations being realised: Nix's `getDerivationCA`), for the substituters of another
+    /// store directory (see the module documentation).
+    pub content_addresses: Arc<ContentAddresses>,
 }
 
 enum Answer {
@@ -206,8 +231,12 @@ impl ClosureQuery {
         }
         let mut cached = self.cached_answers(&rest, &walk.consult);
         for path in rest {
-            let known: Vec<Option<Cached>> =
-                (0..self.substituters.len()).map(|i| cached.remove(&(i, path.hash_part().to_string()))).collect();
+            let known: Vec<Option<Cached>> = (0..self.substituters.len())
+                .map(|i| match self.substituters[i].name_of(&path, &self.store_dir, &self.content_addresses) {
+                    Some(_) => cached.remove(&(i, path.hash_part().to_string())),
+                    None => Some(Cached::Absent),
+                })
+                .collect();
             walk.depth.insert(path.clone(), depth);
             if known.iter().all(Option::is_some) {
                 self.start(path, known, walk);
@@ -240,7 +269,7 @@ impl ClosureQuery {
                 Some(c) => Answer::Cached(c),
                 None => {
                     let subs = self.substituters.clone();
-                    let p = path.clone();
+                    let p = subs[i].name_of(&path, &self.store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
                     let early = subs[i].take_prefetched(&p);
                     Answer::Fetch(tokio::spawn(async move {
                         match early {
@@ -252,8 +281,14 @@ impl ClosureQuery {
             })
             .collect();
         walk.network += network as usize;
-        let lookup =
-            Lookup { subs: self.substituters.clone(), store_dir: self.store_dir.clone(), accept: self.accept.clone(), path, network };
+        let lookup = Lookup {
+            subs: self.substituters.clone(),
+            store_dir: self.store_dir.clone(),
+            accept: self.accept.clone(),
+            content_addresses: self.content_addresses.clone(),
+            path,
+            network,
+        };
         walk.pending.push(Box::pin(lookup.resolve(answers)));
     }
 
@@ -275,7 +310,9 @@ impl ClosureQuery {
         let Some(disk) = &self.disk_cache else { return out };
         let hashes: Vec<&str> = paths.iter().map(|p| p.hash_part()).collect();
         for (i, sub) in self.substituters.iter().enumerate() {
-            let Some(id) = sub.disk_id.filter(|_| consult.get(i).copied().unwrap_or(true)) else { continue };
+            // A cache of another store directory knows the paths by other names.
+            let same_dir = sub.cache.store_dir() == &self.store_dir;
+            let Some(id) = sub.disk_id.filter(|_| same_dir && consult.get(i).copied().unwrap_or(true)) else { continue };
             match disk.lookup(id, &hashes) {
                 Ok(found) => out.extend(found.into_iter().map(|(h, c)| ((i, h), c))),
                 Err(e) => tracing::warn!("{e}"),
@@ -290,6 +327,7 @@ struct Lookup {
     subs: Arc<Vec<Substituter>>,
     store_dir: StoreDir,
     accept: Option<SignaturePolicy>,
+    content_addresses: Arc<ContentAddresses>,
     path: StorePath,
     /// Whether it waits on the network.
     network: bool,
@@ -315,18 +353,23 @@ impl Lookup {
         let mut answers = answers.into_iter().enumerate();
         while let Some((i, answer)) = answers.next() {
             let sub = &subs[i];
-            let parse = |text: Option<String>| text.map(|t| sub.cache.parse_narinfo(path, store_dir, &t)).transpose();
+            let asked = sub.name_of(path, store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
+            let parse = |text: Option<String>| {
+                let parsed = text.map(|t| sub.cache.parse_narinfo(&asked, sub.cache.store_dir(), &t)).transpose();
+                parsed.map(|narinfo| narinfo.and_then(|n| self.renamed(sub, n)))
+            };
             let parsed = match answer {
                 Answer::Cached(Cached::Present(text)) => parse(Some(text)),
                 Answer::Cached(Cached::Absent) => Ok(None),
                 Answer::Fetch(handle) => {
                     let result = handle
                         .await
-                        .unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(path), source: std::io::Error::other(e) }));
+                        .unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(&asked), source: std::io::Error::other(e) }));
                     result.and_then(|text| {
                         let parsed = parse(text.clone());
-                        // Only well-formed narinfos are cached as present.
-                        if let (Ok(_), Some(id)) = (&parsed, sub.disk_id) {
+                        // Only well-formed narinfos are cached as present, and only under the
+                        // name they were asked for.
+                        if let (Ok(_), Some(id), true) = (&parsed, sub.disk_id, asked == *path) {
                             records.push((id, path.hash_part().to_string(), text));
                         }
                         parsed
@@ -371,6 +414,27 @@ impl Lookup {
             (None, false) => ClosureEvent::Failed { path: path.clone(), errors },
         };
         self.outcome(event, records)
+    }
+
+    /// `narinfo` from `sub` as the destination's: as it is from a cache of the destination's
+    /// store directory; from one of another directory, renamed to the path asked for if it is
+    /// content-addressed (at the name its content address gives it there) without references,
+    /// else none (Nix's "asked '…' for '…' but got '…'" is not an error either).
+    fn renamed(&self, sub: &Substituter, mut narinfo: NarInfo) -> Option<NarInfo> {
+        let dir = sub.cache.store_dir();
+        if dir == &self.store_dir {
+            return Some(narinfo);
+        }
+        let implied = narinfo.ca.as_ref().and_then(|ca| ca.store_path(dir, self.path.name(), &[], false).ok());
+        if implied.as_ref() != Some(&narinfo.store_path) || !narinfo.references.is_empty() {
+            tracing::warn!(
+                "{}: not a content-addressed path without references; not substituted",
+                sub.cache.narinfo_url(&narinfo.store_path)
+            );
+            return None;
+        }
+        narinfo.store_path = self.path.clone();
+        Some(narinfo)
     }
 
     fn outcome(self, event: ClosureEvent, records: Vec<(i64, String, Option<String>)>) -> Outcome {

@@ -21,7 +21,7 @@
 //!
 //! | parameter | in sluice |
 //! |---|---|
-//! | `store` | must be `/nix/store`: sluice's store directory is fixed, anything else is refused |
+//! | `store` | must be `/nix/store` (sluice's store directory is fixed), except for a binary cache used as a substituter ([`CommonParams::store_dir`]) |
 //! | `priority` | caches: overrides `nix-cache-info` (an int, negative too); others: accepted, no effect (only substituters have one) |
 //! | `want-mass-query` | caches: overrides `nix-cache-info`; others: accepted, no effect |
 //! | `trusted` | caches: [`CommonParams::trusted`]; others: accepted, no effect |
@@ -42,6 +42,7 @@ use crate::registry::{StoreConfig, StoreKind};
 use crate::store::{Store, StoreFuture};
 pub use sluice_binary_cache::url::{CacheKind, CacheUrl, CacheWriteParams, S3Params, DEFAULT_COMPRESSION};
 pub use sluice_local_store::config::{CommonParams, LocalFsDirs, LocalStoreConfig};
+use sluice_nix::store_path::StoreDir;
 
 /// A parsed store URL: its kind and the configuration the kind parsed from it.
 #[derive(Debug)]
@@ -250,16 +251,32 @@ impl<'a> Query<'a> {
         }
     }
 
-    /// The parameters of writing to a binary cache ([`CacheWriteParams`]).
-    /// Takes the [`CommonParams`], checks `store` and validates and keeps the rest.
-    pub(crate) fn finish(mut self) -> Result<CommonParams, StoreUrlError> {
-        match self.take("store") {
-            Some(v) if self.path("store", &v)? != Path::new(STORE_DIR) => {
-                return Err(self.bad("store", &v, "sluice supports only the store directory /nix/store"));
+    /// Takes the [`CommonParams`], checks `store` (`/nix/store` only) and validates and keeps
+    /// the rest.
+    pub(crate) fn finish(self) -> Result<CommonParams, StoreUrlError> {
+        self.finish_with(false)
+    }
+
+    /// [`Query::finish`] for a binary cache, whose `store` may be any directory.
+    pub(crate) fn finish_cache(self) -> Result<CommonParams, StoreUrlError> {
+        self.finish_with(true)
+    }
+
+    fn finish_with(mut self, any_store_dir: bool) -> Result<CommonParams, StoreUrlError> {
+        let store_dir = match self.take("store") {
+            Some(v) => {
+                let dir = self.path("store", &v)?;
+                if !any_store_dir && dir != Path::new(STORE_DIR) {
+                    return Err(self.bad("store", &v, "sluice supports only the store directory /nix/store"));
+                }
+                let dir = dir.to_str().and_then(|d| StoreDir::new(d).ok());
+                dir.ok_or_else(|| self.bad("store", &v, "not a store directory"))?
             }
-            Some(_) => {}
-            None => crate::env_dirs::check_store_dir()?,
-        }
+            None => {
+                crate::env_dirs::check_store_dir()?;
+                StoreDir::default()
+            }
+        };
         let priority = match self.take("priority") {
             Some(v) => Some(
                 i32::try_from(self.int("priority", &v)?).map_err(|_| self.bad("priority", &v, "out of the range of Nix's int setting"))?,
@@ -271,7 +288,7 @@ impl<'a> Query<'a> {
         for (name, value) in &self.params {
             self.check(name, value, param_type(self.kind, name).unwrap_or(ParamType::Text))?;
         }
-        Ok(CommonParams { priority, want_mass_query, trusted, unused: self.params })
+        Ok(CommonParams { priority, want_mass_query, trusted, store_dir, unused: self.params })
     }
 }
 
@@ -481,7 +498,9 @@ mod tests {
         bad("local?path-info-cache-size=1X", "path-info-cache-size", "1X");
         assert!(bad("local?store=/foo/store&root=/tmp/x", "store", "/foo/store")
             .ends_with("sluice supports only the store directory /nix/store"));
-        bad("file:///c?store=/gnu/store", "store", "/gnu/store");
+        assert_eq!(cache("file:///c?store=/gnu/store/").common.store_dir.as_str(), "/gnu/store", "a cache's, canonicalised");
+        assert_eq!(cache("file:///c").common.store_dir.as_str(), "/nix/store");
+        bad("file:///c?store=gnu", "store", "gnu");
         assert_eq!(err("dummy://?root=/r"), r#"store URL "dummy://?root=/r": parameter "root" is not one of a dummy store"#);
         bad("memory://?priority=x", "priority", "x");
     }

@@ -1,12 +1,14 @@
 //! Opening the configured substituters: each cache's `nix-cache-info` from the disk cache when
-//! fresh, otherwise fetched (all caches at once) and recorded; caches for another store
-//! directory or that cannot be reached are left out with a warning, as Nix does.
+//! fresh, otherwise fetched (all caches at once) and recorded; caches whose `nix-cache-info`
+//! is for another store directory than their URL's or that cannot be reached are left out with
+//! a warning, as Nix does. A cache of another store directory than the destination's
+//! substitutes only content-addressed paths without references (`closure.rs`).
 
 use std::sync::Arc;
 
 use futures::future::join_all;
 use sluice_nix::cache_info::CacheInfo;
-use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::store_path::StorePath;
 
 use crate::closure::{ClosureQuery, Substituter};
 use crate::config::Settings;
@@ -43,7 +45,6 @@ async fn open_one(
     url: &str,
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
-    store_dir: &StoreDir,
     prefetch: &[StorePath],
 ) -> Result<Substituter, SubstituterError> {
     let curl = cache_url(url)?;
@@ -65,12 +66,12 @@ async fn open_one(
             let mut sub = Substituter::new(cache, id);
             sub.trusted = curl.common.trusted;
             sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
-            sub.cache.check_store_dir(store_dir)?;
+            sub.cache.check_store_dir()?;
             prefetch_closure(&sub, disk, prefetch).await;
             return Ok(sub);
         }
     };
-    cache.check_store_dir(store_dir)?;
+    cache.check_store_dir()?;
     let mut sub = Substituter::new(cache, disk_id);
     sub.trusted = curl.common.trusted;
     prefetch_closure(&sub, disk, prefetch).await;
@@ -99,15 +100,10 @@ async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots:
     }
 }
 
-/// Opens `urls` as substituters for `store_dir`, sorted by priority. Returns the usable ones
-/// and one error per cache left out.
-pub async fn open(
-    urls: &[String],
-    client: &LazyClient,
-    disk: Option<&NarInfoCache>,
-    store_dir: &StoreDir,
-) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    open_prefetching(urls, client, disk, store_dir, &[]).await
+/// Opens `urls` as substituters, sorted by priority. Returns the usable ones and one error per
+/// cache left out.
+pub async fn open(urls: &[String], client: &LazyClient, disk: Option<&NarInfoCache>) -> (Vec<Substituter>, Vec<SubstituterError>) {
+    open_prefetching(urls, client, disk, &[]).await
 }
 
 /// Like [`open`], and asks each cache whose `nix-cache-info` is not in the disk cache for the
@@ -117,10 +113,9 @@ pub async fn open_prefetching(
     urls: &[String],
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
-    store_dir: &StoreDir,
     prefetch: &[StorePath],
 ) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    let results = join_all(urls.iter().map(|u| open_one(u, client, disk, store_dir, prefetch))).await;
+    let results = join_all(urls.iter().map(|u| open_one(u, client, disk, prefetch))).await;
     let (mut subs, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

@@ -168,7 +168,10 @@ pub async fn closure_query(
 ) -> Result<ClosureQuery, String> {
     let client = LazyClient::new(settings.http_options());
     let disk = substituters::open_disk_cache(settings);
-    let (subs, errors) = substituters::open_prefetching(urls, &client, disk.as_deref(), store_dir, roots).await;
+    let (subs, mut errors) = substituters::open_prefetching(urls, &client, disk.as_deref(), roots).await;
+    if caches == Caches::Named {
+        errors.extend(subs.iter().filter_map(|s| s.cache.require_nix_store_dir().err()).map(Into::into));
+    }
     for e in errors {
         match caches {
             Caches::Substituters => crate::log::Log::get().msg(crate::log::LVL_WARN, &format!("warning: substituter left out: {e}")),
@@ -177,7 +180,14 @@ pub async fn closure_query(
             Caches::Named => return Err(e.to_string()),
         }
     }
-    Ok(ClosureQuery { substituters: Arc::new(subs), disk_cache: disk, store_dir: store_dir.clone(), is_valid, accept: None })
+    Ok(ClosureQuery {
+        substituters: Arc::new(subs),
+        disk_cache: disk,
+        store_dir: store_dir.clone(),
+        is_valid,
+        accept: None,
+        content_addresses: Default::default(),
+    })
 }
 
 /// What `copy` and `missing` start from: the settings, the destination local store and the

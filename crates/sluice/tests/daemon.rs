@@ -3038,6 +3038,51 @@ fn fetchurl_is_built_in_sluice() {
     assert!(outputs.iter().all(|o| *o == outputs[4]), "{outputs:?}");
 }
 
+/// A fixed output substituted from a binary cache of another store directory
+/// (`file://…?store=/fnord/store`, filled by Nix's `nix store add-file`), as Nix 2.26's
+/// `fetchurl.sh` does it: through `sluice daemon` (with and without `--build-via`) and Nix
+/// 2.8's `nix-daemon`, `<nix/fetchurl.nix>` of a URL that does not exist gets the path under
+/// `/nix/store` that its hash names, with the cache's content. sluice left the substituter out
+/// ("sluice supports only the store directory /nix/store") and fetched the URL. A path whose
+/// content address is not known (`nix-store -r` of the path itself) is not asked for there, as
+/// in Nix; a `builtin:fetchurl` whose output is not fixed gets Nix 2.26's refusal.
+#[test]
+fn fixed_outputs_are_substituted_from_a_cache_of_another_store_directory() {
+    let env = Env::new();
+    let body: &[u8] = b"substituted from /fnord/store\n";
+    let file = env.path("fnord.txt");
+    std::fs::write(&file, body).unwrap();
+    let cache = format!("file://{}?store=/fnord/store", env.path("fnord-cache").display());
+    let added = env.nix("nix", &["store", "add-file", "--store", &cache, file.to_str().unwrap()]);
+    assert!(added.trim().starts_with("/fnord/store/"), "{added}");
+    let d = BuiltinDaemons::start(&env, "");
+    let sha256 = Hash::digest_bytes(HashAlgo::Sha256, body).to_base16();
+    let mut outputs = Vec::new();
+    for (i, (name, _, root)) in d.daemons.iter().enumerate() {
+        let store = d.url(&env, i, false);
+        let args = ["--argstr", "url", "file:///no-such-dir/fnord.txt", "--argstr", "sha256", &sha256, "--option", "substituters", &cache];
+        let (ok, out, err) = fetchurl(&env, &store, false, &args);
+        assert!(ok, "{name}: {err}");
+        assert_eq!(std::fs::read(env.path(root).join(out.trim_start_matches('/'))).unwrap(), body, "{name}");
+        outputs.push(out);
+    }
+    assert!(outputs.iter().all(|o| *o == outputs[2]), "{outputs:?}");
+    // The path itself, without its content address: not asked for under another name.
+    let (_, sluice, _) = &d.daemons[0];
+    env.nix("nix-store", &["--store", &sluice.url, "--delete", &outputs[0]]);
+    let (ok, _, err) = as_root(&env, false, "nix-store", &["--store", &sluice.url, "-r", &outputs[0], "--option", "substituters", &cache]);
+    assert!(!ok && err.contains("is required, but there is no substituter that can build it"), "{err}");
+
+    let expr = env.path("not-fixed.nix");
+    std::fs::write(
+        &expr,
+        r#"derivation { name = "not-fixed"; system = "x86_64-linux"; builder = "builtin:fetchurl"; url = "file:///no-such-dir/x"; }"#,
+    )
+    .unwrap();
+    let (ok, _, err) = as_root(&env, true, "nix-build", &["--store", &d.url(&env, 0, true), expr.to_str().unwrap(), "--no-out-link"]);
+    assert!(!ok && err.contains("'builtin:fetchurl' must be a fixed-output or impure derivation"), "{err}");
+}
+
 /// A derivation as `nix-channel --update` makes it (Nix's `unpack-channel.nix`), of the
 /// tarball `src` (a path, copied into the store as the client instantiates).
 const UNPACK_CHANNEL: &str = r#"

@@ -7,9 +7,11 @@ use sluice_nix::store_path::{StorePath, StorePathError};
 use sluice_nix::wire::ops::BuildDerivation;
 use sluice_nix::wire::{write_build_result, BuildMode, BuildStatus};
 
+use super::query::fixed_outputs;
 use super::realise::{build_result, built_outputs, normal_mode_only, realise_by_substitution, realised_status, BUILD_VIA_HINT};
 use super::{builtin, delegate};
 use crate::conn::{Conn, Fail, OpResult};
+use sluice_store::closure::ContentAddresses;
 
 /// BuildDerivation: derivation path, the derivation in wire form (`BasicDerivation`), build
 /// mode → a build result in the negotiated version's form: AlreadyValid if every output path
@@ -43,7 +45,8 @@ pub(super) fn build_derivation(c: &mut Conn, BuildDerivation { drv_path, drv, mo
         .collect::<Result<Vec<(&str, Option<StorePath>)>, StorePathError>>()
         .map_err(|e| cannot(&e))?;
     let known: Vec<StorePath> = outputs.iter().filter_map(|(_, p)| p.clone()).collect();
-    let (valid_before, valid) = realise_by_substitution(c, &known)?;
+    let fixed = fixed_outputs(&dir, name, drv.outputs.iter().map(|o| (&o.name, &o.kind)));
+    let (valid_before, valid) = realise_by_substitution(c, &known, fixed)?;
     let missing: Vec<String> = outputs
         .iter()
         .filter_map(|(output, path)| match path {
@@ -62,7 +65,7 @@ pub(super) fn build_derivation(c: &mut Conn, BuildDerivation { drv_path, drv, mo
         result
     } else if delegated {
         let srcs: Vec<StorePath> = drv.input_srcs.iter().cloned().collect();
-        realise_by_substitution(c, &srcs)?;
+        realise_by_substitution(c, &srcs, ContentAddresses::new())?;
         delegate::forward(c, |nix, relay| nix.build_derivation(&drv_path, &drv, mode, relay))?
     } else {
         let why = format!(

@@ -52,7 +52,7 @@ pub(super) fn build_sent(c: &mut Conn, drv_path: &StorePath, drv: &BasicDerivati
 
 /// Substitutes `inputs`, then runs the builtin (`None` if an input stays invalid).
 fn run(c: &mut Conn, drv: &BuiltinDerivation, inputs: &[StorePath]) -> Result<Option<BuildResult>, Fail> {
-    let (_, valid) = realise_by_substitution(c, inputs)?;
+    let (_, valid) = realise_by_substitution(c, inputs, Default::default())?;
     if inputs.iter().any(|p| !valid.contains(p)) {
         return Ok(None);
     }

@@ -15,7 +15,7 @@ use sluice_nix::wire::ops::{ClientSettings, SetOptions};
 use sluice_nix::wire::StderrMessage;
 use sluice_store::remote::{DaemonConnection, Relay, RemoteError};
 
-use super::query::{derivation_outputs, load_derivation};
+use super::query::{derivation_outputs, fixed_outputs_of, load_derivation};
 use super::realise::realise_by_substitution;
 use crate::conn::{Conn, Fail};
 
@@ -67,10 +67,12 @@ pub(super) fn substitute_build_inputs(c: &mut Conn, drvs: Vec<StorePath>) -> Res
     while !todo.is_empty() {
         let mut inputs = BTreeSet::new();
         let mut producers: BTreeMap<StorePath, StorePath> = BTreeMap::new();
+        let mut fixed = sluice_store::closure::ContentAddresses::new();
         for drv in &todo {
             let Some(d) = load_derivation(c, drv)? else { continue };
             inputs.extend(d.input_srcs.iter().cloned());
             for (input, wanted) in &d.input_drvs {
+                fixed.extend(fixed_outputs_of(c, input)?);
                 for (name, path) in derivation_outputs(c, input)?.unwrap_or_default() {
                     if let Some(p) = path.filter(|_| wanted.outputs.contains(&name)) {
                         producers.insert(p.clone(), input.clone());
@@ -80,7 +82,7 @@ pub(super) fn substitute_build_inputs(c: &mut Conn, drvs: Vec<StorePath>) -> Res
             }
         }
         let inputs: Vec<StorePath> = inputs.into_iter().collect();
-        let (_, valid) = realise_by_substitution(c, &inputs)?;
+        let (_, valid) = realise_by_substitution(c, &inputs, fixed)?;
         todo = producers.into_iter().filter(|(p, _)| !valid.contains(p)).map(|(_, d)| d).filter(|d| seen.insert(d.clone())).collect();
     }
     Ok(())

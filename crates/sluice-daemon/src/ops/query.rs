@@ -4,15 +4,17 @@
 
 use sluice_nix::derivation::{drv_name, Derivation};
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_nix::store_path::StorePath;
+use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{
     IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryPathInfos, QueryReferrers,
     QueryValidDerivers, QueryValidPaths,
 };
+use sluice_nix::wire::OutputKind;
 use sluice_nix::wire::{
     write_bool, write_bytes, write_keyed_path_info, write_optional_store_path, write_store_path_set, write_u64, write_unkeyed_path_info,
     MAX_PATH_LEN,
 };
+use sluice_store::closure::ContentAddresses;
 
 use super::delegate;
 use crate::conn::{op_err, Conn, Fail, OpResult};
@@ -34,7 +36,7 @@ pub(super) fn valid_paths(c: &mut Conn, QueryValidPaths { paths, substitute }: Q
         };
         if !missing.is_empty() {
             // Paths that cannot be substituted are simply not valid in the answer.
-            super::realise::substitute(c, missing)?;
+            super::realise::substitute(c, missing.into())?;
         }
     }
     let valid = c.store().query_valid_paths(&paths).map_err(op_err)?;
@@ -157,6 +159,25 @@ pub(super) type DrvOutputs = Vec<(String, Option<StorePath>)>;
 pub(super) fn derivation_outputs(c: &Conn, drv: &StorePath) -> Result<Option<DrvOutputs>, Fail> {
     let Some(d) = load_derivation(c, drv)? else { return Ok(None) };
     d.output_paths(c.dir()).map(Some).map_err(|e| Fail::Op(format!("{}: {e}", c.dir().display_path(drv))))
+}
+
+/// The paths and content addresses of the fixed outputs among `outputs` of the derivation
+/// named `drv_name` (Nix's `getDerivationCA`), for the substituters of another store directory.
+pub(super) fn fixed_outputs<'a>(
+    dir: &StoreDir,
+    drv_name: &str,
+    outputs: impl IntoIterator<Item = (&'a String, &'a OutputKind)>,
+) -> ContentAddresses {
+    let fixed = outputs.into_iter().filter_map(|(name, kind)| match kind {
+        OutputKind::Fixed(ca) => Some((kind.path(dir, drv_name, name).ok().flatten()?, ca.clone())),
+        _ => None,
+    });
+    fixed.collect()
+}
+
+/// [`fixed_outputs`] of the valid derivation `drv` (none if it is not valid).
+pub(super) fn fixed_outputs_of(c: &Conn, drv: &StorePath) -> Result<ContentAddresses, Fail> {
+    Ok(load_derivation(c, drv)?.map(|d| fixed_outputs(c.dir(), drv_name(drv), &d.outputs)).unwrap_or_default())
 }
 
 /// The derivation `drv` (Nix `Store::readDerivation`), or `None` if it is not a valid `.drv`.

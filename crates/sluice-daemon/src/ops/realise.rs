@@ -18,22 +18,23 @@ use sluice_store::builtins::Builtin;
 use sluice_store::closure::ClosureEvent;
 use sluice_store::failure::{summarize, Cause};
 
-use super::query::{derivation_outputs, load_derivation};
+use super::query::{derivation_outputs, fixed_outputs_of, load_derivation};
 use super::{builtin, delegate};
 use crate::conn::{op_err, Conn, Fail, OpResult};
-use crate::substitution::{self, Progress};
+use crate::substitution::{self, Progress, Wanted};
 use crate::PROTOCOL_VERSION;
+use sluice_store::closure::ContentAddresses;
 
 /// Nix's `ActivityType` numbers used here.
 const ACT_COPY_PATHS: u64 = 103;
 const ACT_SUBSTITUTE: u64 = 108;
 
-/// Substitutes the closures of `paths` into the store, reporting an activity per path.
+/// Substitutes the closures of `wanted`'s paths into the store, reporting an activity per path.
 /// Paths that cannot be substituted are left invalid (the caller decides whether that fails);
 /// why they could not (an untrusted signature, a cache refusing us, a hash mismatch) is sent
 /// to the client as `error:` log lines, grouped by cause ([`summarize`]), before that. That no
 /// substituter has a path goes without saying: the caller's error says so.
-pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail> {
+pub(super) fn substitute(c: &mut Conn, wanted: Wanted) -> Result<(), Fail> {
     let settings = c.options.settings()?;
     let stderr = c.stderr();
     let parent = c.daemon.activity_id();
@@ -43,7 +44,7 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
     let daemon = c.daemon;
     let dir = c.dir().clone();
     let w = &mut c.w;
-    let result = substitution::copy(daemon, &c.store, &settings, c.options.use_substitutes(), &c.temp_roots.clone(), paths, |p| {
+    let result = substitution::copy(daemon, &c.store, &settings, c.options.use_substitutes(), &c.temp_roots.clone(), wanted, |p| {
         let r = match p {
             Progress::Started(path) => {
                 let id = daemon.activity_id();
@@ -85,7 +86,7 @@ pub(super) fn substitute(c: &mut Conn, paths: Vec<StorePath>) -> Result<(), Fail
 /// EnsurePath: path → 1 once it is valid (substituting it if needed).
 pub(super) fn ensure_path(c: &mut Conn, EnsurePath { path }: EnsurePath) -> OpResult {
     if !c.store().is_valid_path(&path).map_err(op_err)? {
-        substitute(c, vec![path.clone()])?;
+        substitute(c, vec![path.clone()].into())?;
         if !c.store().is_valid_path(&path).map_err(op_err)? {
             return Err(Fail::Op(format!(
                 "path '{}' is required, but there is no substituter that can build it",
@@ -104,7 +105,7 @@ fn substitute_derivations(c: &mut Conn, targets: &[DerivedPath]) -> Result<(), F
     let drvs: BTreeSet<StorePath> =
         targets.iter().filter_map(|t| if let DerivedPath::Built { drv, .. } = t { Some(drv.clone()) } else { None }).collect();
     let drvs: Vec<StorePath> = drvs.into_iter().collect();
-    realise_by_substitution(c, &drvs).map(|_| ())
+    realise_by_substitution(c, &drvs, ContentAddresses::new()).map(|_| ())
 }
 
 /// The store paths a derived path stands for, or why they cannot be named: an opaque path
@@ -174,6 +175,7 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let (mut will_build, mut will_substitute, mut unknown) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
     let (mut download, mut nar) = (0u64, 0u64);
     let mut roots = Vec::new();
+    let mut fixed = ContentAddresses::new();
     let mut outputs_of: Vec<(StorePath, Vec<StorePath>)> = Vec::new();
     let floating_ca = delegate::floating_ca(c)?;
     for t in &targets {
@@ -191,6 +193,7 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
         }
         match (t, wanted_paths(c, t)) {
             (DerivedPath::Built { drv, .. }, Ok(paths)) => {
+                fixed.extend(fixed_outputs_of(c, drv)?);
                 roots.extend(paths.iter().cloned());
                 outputs_of.push((drv.clone(), paths));
             }
@@ -206,7 +209,8 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let events = if roots.is_empty() {
         Vec::new()
     } else {
-        substitution::query(c.daemon, &c.store, &settings, c.options.use_substitutes(), roots).map_err(Fail::Op)?
+        let wanted = Wanted { paths: roots, content_addresses: fixed };
+        substitution::query(c.daemon, &c.store, &settings, c.options.use_substitutes(), wanted).map_err(Fail::Op)?
     };
     let mut missing = BTreeSet::new();
     for e in events {
@@ -241,7 +245,7 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
 fn substitutable(c: &Conn, paths: Vec<StorePath>) -> Result<Vec<std::sync::Arc<sluice_nix::narinfo::NarInfo>>, Fail> {
     let wanted: BTreeSet<StorePath> = paths.iter().cloned().collect();
     let settings = c.options.settings()?;
-    let events = substitution::query(c.daemon, &c.store, &settings, c.options.use_substitutes(), paths).map_err(Fail::Op)?;
+    let events = substitution::query(c.daemon, &c.store, &settings, c.options.use_substitutes(), paths.into()).map_err(Fail::Op)?;
     Ok(events
         .into_iter()
         .filter_map(|e| match e {
@@ -284,14 +288,19 @@ pub(super) fn normal_mode_only(mode: BuildMode) -> Result<(), Fail> {
     Ok(())
 }
 
-/// Which of `paths` are valid before and after substituting the missing ones.
-pub(super) fn realise_by_substitution(c: &mut Conn, paths: &[StorePath]) -> Result<(BTreeSet<StorePath>, BTreeSet<StorePath>), Fail> {
+/// Which of `paths` are valid before and after substituting the missing ones (those of
+/// `content_addresses` from substituters of another store directory too).
+pub(super) fn realise_by_substitution(
+    c: &mut Conn,
+    paths: &[StorePath],
+    content_addresses: ContentAddresses,
+) -> Result<(BTreeSet<StorePath>, BTreeSet<StorePath>), Fail> {
     let before = c.store().query_valid_paths(paths).map_err(op_err)?;
     let missing: Vec<StorePath> = paths.iter().filter(|p| !before.contains(*p)).cloned().collect();
     if missing.is_empty() {
         return Ok((before.clone(), before));
     }
-    substitute(c, missing)?;
+    substitute(c, Wanted { paths: missing, content_addresses })?;
     let after = c.store().query_valid_paths(paths).map_err(op_err)?;
     Ok((before, after))
 }
@@ -357,7 +366,13 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
         wanted[i] = Ok(Vec::new());
     }
     let all: Vec<StorePath> = wanted.iter().flatten().flatten().cloned().collect();
-    let (valid_before, mut valid) = realise_by_substitution(c, &all)?;
+    let mut fixed = ContentAddresses::new();
+    for t in targets {
+        if let DerivedPath::Built { drv, .. } = t {
+            fixed.extend(fixed_outputs_of(c, drv)?);
+        }
+    }
+    let (valid_before, mut valid) = realise_by_substitution(c, &all, fixed)?;
     let mut built: BTreeMap<usize, BuildResult> = BTreeMap::new();
     let mut to_build: Vec<usize> = (0..targets.len())
         .filter(|&i| matches!(targets[i], DerivedPath::Built { .. }) && matches!(&wanted[i], Ok(p) if p.iter().any(|p| !valid.contains(p))))

@@ -20,7 +20,8 @@ use sluice_binary_cache::transfer::TransferProbe;
 use sluice_compress::Compression;
 
 /// Downloads `drv`'s URL into `spool` as the NAR of its output, whose content address is `ca`
-/// (`None`: not a fixed output, which is refused as Nix 2.26 does).
+/// (`None`: not a fixed output, which is refused in Nix 2.26's words; an impure one, which
+/// Nix 2.26 fetches, does not get here: see [`super::build`]).
 pub(super) fn build(
     cx: &mut Context<'_>,
     drv: &BuiltinDerivation,
@@ -29,7 +30,7 @@ pub(super) fn build(
 ) -> Result<(), BuiltinError> {
     let failed = BuiltinError::Failed;
     let Some(ca) = ca else {
-        return Err(failed("'builtin:fetchurl' must be a fixed-output derivation".into()));
+        return Err(failed("'builtin:fetchurl' must be a fixed-output or impure derivation".into()));
     };
     let url = drv.attr("url")?;
     let unpack = drv.env.get("unpack").is_some_and(|v| v == "1");

@@ -54,7 +54,7 @@ fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, St
 /// ones from `q`.
 pub(super) fn cache_url(main: &str, kind: CacheKind, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
     let write = take_write(&mut q)?;
-    Ok(Box::new(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, common: q.finish()?, write }))
+    Ok(Box::new(CacheUrl { base: main.trim_end_matches('/').to_string(), kind, common: q.finish_cache()?, write }))
 }
 
 /// The parameters of writing to a binary cache ([`CacheWriteParams`]).
