@@ -329,6 +329,18 @@ impl BinaryCache {
         format!("{}/{hash_part}.narinfo", self.url)
     }
 
+    /// Fetches the realisation of the derivation output `id` (`sha256:<hash>!<output>`):
+    /// the JSON text of `realisations/<id>.doi`, where Nix's `BinaryCacheStore` keeps it
+    /// (`queryRealisationUncached`, `binary-cache-store.cc`); `None` when the cache has none.
+    pub async fn realisation(&self, id: &str) -> Result<Option<String>, CacheError> {
+        let rel = format!("realisations/{id}.doi");
+        let Some(bytes) = self.get(&rel).await? else { return Ok(None) };
+        String::from_utf8(bytes).map(Some).map_err(|_| CacheError::Io {
+            url: format!("{}/{rel}", self.url),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, "realisation is not UTF-8 text"),
+        })
+    }
+
     /// Fetches the raw narinfo text of `path`; `None` when the cache does not have it.
     pub async fn narinfo_text(&self, path: &StorePath) -> Result<Option<String>, CacheError> {
         self.narinfo_text_of(path.hash_part()).await

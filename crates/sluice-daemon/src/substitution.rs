@@ -200,6 +200,40 @@ pub(crate) fn query(
     })
 }
 
+/// The realisations (JSON) the substituters have for the derivation outputs `ids`, each
+/// from the first substituter by priority that has one, as Nix's `DrvOutputSubstitutionGoal`
+/// asks them (`build/drv-output-substitution-goal.cc`): a cache's failure is logged and the
+/// next one asked. Caches of another store directory than `store`'s are not asked (their
+/// output paths are not the store's).
+pub(crate) fn realisations(
+    daemon: &Daemon,
+    store: &LocalStore,
+    settings: &Settings,
+    use_substitutes: bool,
+    ids: &[String],
+) -> Result<Vec<Option<String>>, String> {
+    daemon.runtime.block_on(async {
+        let session = daemon.sessions.get(settings, use_substitutes).await?;
+        let subs: Vec<&closure::Substituter> = session.substituters.iter().filter(|s| s.cache.store_dir() == store.store_dir()).collect();
+        let mut found = Vec::new();
+        for id in ids {
+            let mut json = None;
+            for sub in &subs {
+                match sub.cache.realisation(id).await {
+                    Ok(Some(text)) => {
+                        json = Some(text);
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("{e}"),
+                }
+            }
+            found.push(json);
+        }
+        Ok(found)
+    })
+}
+
 /// Substitutes the closures of `wanted`'s paths into `store`, calling `progress` on the worker
 /// thread as paths start and finish. Every path of the closures is a temporary root in
 /// `roots` (the connection's, of `store`) from before its validity is looked at.

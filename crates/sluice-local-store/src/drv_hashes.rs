@@ -21,8 +21,9 @@ pub(super) struct DrvHashMemo(Mutex<HashMap<StorePath, DrvHashes>>);
 
 impl LocalStore {
     /// The hash modulo (outputs not masked) of the derivation `drv`, read from the store
-    /// directory: the caller makes sure it is valid or placed by the batch being committed. Errors name the derivation.
-    pub(super) fn drv_hashes(&self, drv: &StorePath) -> Result<DrvHashes, DerivationError> {
+    /// directory: the caller makes sure it is valid or placed by the batch being committed
+    /// (the input hashes of [`Derivation::hash_modulo`]). Errors name the derivation.
+    pub fn drv_hashes(&self, drv: &StorePath) -> Result<DrvHashes, DerivationError> {
         if let Some(h) = self.drv_hashes.0.lock().unwrap_or_else(|p| p.into_inner()).get(drv) {
             return Ok(h.clone());
         }

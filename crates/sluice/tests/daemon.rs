@@ -2609,25 +2609,11 @@ in {
 #[test]
 fn floating_ca_derivations_build_through_nix_daemon_with_build_via() {
     let env = Env::new();
-    let conf = format!("{NIX_DAEMON_BUILD_CONF}experimental-features = ca-derivations nix-command\n");
-    let _nix_daemon = env.nix_daemon("nix-build.socket", "root", &conf);
-    // Nix adds its realisation tables when it opens the store with `ca-derivations` (the
-    // connection of `nix_daemon`'s wait for its socket does), taking the store's big lock for
-    // writing: sluice, which holds it for reading while it runs and does not add them, starts
-    // after that (see the report of issue 41's ca work).
-    let ca_schema = env.path("root/nix/var/nix/db/ca-schema");
-    let start = Instant::now();
-    while !ca_schema.exists() {
-        assert!(start.elapsed() < Duration::from_secs(20), "Nix did not add its realisation tables");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let build_via = format!("unix://{}", env.path("nix-build.socket").display());
-    let features = "experimental-features = ca-derivations";
-    let daemon = env.daemon_on("socket", "root", "", features, &["--build-via", &build_via], None);
+    let (_nix_daemon, _daemon, url) = floating_ca_daemons(&env, "root");
+    let build_via = format!("unix://{}", env.path("root-build.socket").display());
     let expr = env.path("floating.nix");
     std::fs::write(&expr, FLOATING_CA_BUILDS).unwrap();
     let expr = expr.to_str().unwrap();
-    let url = format!("{}?real={}", daemon.url, env.path("root/nix/store").display());
     let feature_args = ["--option", "experimental-features", "ca-derivations nix-command"];
     let build = |url: &str, attr: &str, marker: &str| {
         let mut args = vec!["--store", url, expr, "-A", attr, "--argstr", "marker", marker, "--no-out-link"];
@@ -2665,6 +2651,95 @@ fn floating_ca_derivations_build_through_nix_daemon_with_build_via() {
     let (ok, _, err) = build(&plain_url, "root", "two");
     assert!(!ok, "built without ca-derivations");
     assert!(err.contains("has no fixed path: the sluice daemon realises floating content-addressed outputs only with"), "{err}");
+}
+
+/// Nix 2.8's `nix-daemon` with `ca-derivations` on the store `<tmp>/<root>` (socket
+/// `<root>-build.socket`), and `sluice daemon --build-via` it with the feature (socket
+/// `<root>.socket`): the two daemons and sluice's store URL for a Nix 2.26 client.
+fn floating_ca_daemons(env: &Env, root: &str) -> (Daemon, Daemon, String) {
+    let conf = format!("{NIX_DAEMON_BUILD_CONF}experimental-features = ca-derivations nix-command\n");
+    let nix_daemon = env.nix_daemon(&format!("{root}-build.socket"), root, &conf);
+    // Nix adds its realisation tables when it opens the store with `ca-derivations` (the
+    // connection of `nix_daemon`'s wait for its socket does), taking the store's big lock for
+    // writing: sluice, which holds it for reading while it runs and does not add them, starts
+    // after that (see the report of issue 41's ca work).
+    let ca_schema = env.path(&format!("{root}/nix/var/nix/db/ca-schema"));
+    let start = Instant::now();
+    while !ca_schema.exists() {
+        assert!(start.elapsed() < Duration::from_secs(20), "Nix did not add its realisation tables");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let build_via = format!("unix://{}", env.path(&format!("{root}-build.socket")).display());
+    let features = "experimental-features = ca-derivations";
+    let daemon = env.daemon_on(&format!("{root}.socket"), root, "", features, &["--build-via", &build_via], None);
+    let url = format!("{}?real={}", daemon.url, env.path(&format!("{root}/nix/store")).display());
+    (nix_daemon, daemon, url)
+}
+
+/// Floating content-addressed outputs substituted by their realisations, as Nix 2.26's
+/// `ca/build-cache.sh` does it: `nix copy --to file://…` of `dependent` (whose output refers to
+/// `root`'s) through one `sluice daemon --build-via` writes its realisations
+/// (`realisations/<id>.doi`, with that of `root`, which it depends on); `nix-build` of it
+/// through another, on an empty store, with that cache as substituter, builds nothing (no
+/// "will be built", no build log): QueryMissing finds the realisations, BuildPathsWithResults
+/// substitutes the output paths and registers the realisations with the Nix daemon, root's
+/// first, which then knows them (`nix realisation info`). sluice asked the Nix daemon, told
+/// not to substitute, to build them.
+#[test]
+fn floating_ca_outputs_are_substituted_by_their_realisations() {
+    let env = Env::new();
+    let (_first_nix, _first, first) = floating_ca_daemons(&env, "first");
+    let (_second_nix, _second, second) = floating_ca_daemons(&env, "second");
+    // `dependent`'s output refers to `root`'s: its realisation depends on root's.
+    let expr = env.path("floating.nix");
+    std::fs::write(&expr, FLOATING_CA_BUILDS.replace("read line < ${root}; echo $line-dependent", "echo ${root}-dependent")).unwrap();
+    let expr = expr.to_str().unwrap();
+    let cache = format!("file://{}", env.path("ca-cache").display());
+    let nix = |cmd: &[&str], store: &str, args: &[&str]| {
+        let mut all = cmd.to_vec();
+        all.extend(["--store", store, "-f", expr, "dependent", "--argstr", "marker", "one"]);
+        all.extend(args);
+        all.extend(["--option", "experimental-features", "ca-derivations nix-command"]);
+        as_root(&env, true, "nix", &all)
+    };
+    let (ok, out, err) = nix(&["build"], &first, &["--no-link", "--print-out-paths", "-L"]);
+    assert!(ok && err.contains("marker-one"), "nix build: {err}");
+    let dependent = out.trim().to_owned();
+    let (ok, _, err) = nix(&["copy"], &first, &["--to", &cache]);
+    assert!(ok, "nix copy: {err}");
+    let realisations = std::fs::read_dir(env.path("ca-cache/realisations")).unwrap().count();
+    assert_eq!(realisations, 2, "dependent's and root's");
+
+    let args = [
+        "--store",
+        &second,
+        expr,
+        "-A",
+        "dependent",
+        "--argstr",
+        "marker",
+        "one",
+        "--no-out-link",
+        "--option",
+        "substituters",
+        &cache,
+        "--option",
+        "require-sigs",
+        "false",
+        "--option",
+        "experimental-features",
+        "ca-derivations nix-command",
+    ];
+    let (ok, out, err) = as_root(&env, true, "nix-build", &args);
+    assert!(ok, "nix-build: {err}");
+    assert!(!err.contains("will be built") && !err.contains("marker-one"), "something was built: {err}");
+    assert!(err.contains("will be fetched"), "{err}");
+    assert_eq!(out.trim(), dependent);
+    let root = std::fs::read_to_string(env.path("second").join(&dependent[1..])).unwrap();
+    let root = root.strip_suffix("-dependent\n").unwrap_or_else(|| panic!("{root}"));
+    assert_eq!(std::fs::read_to_string(env.path("second").join(&root[1..])).unwrap(), "root\n");
+    let (ok, out, err) = nix(&["realisation", "info"], &second, &[]);
+    assert!(ok && out.contains(&dependent) && out.contains("!out"), "nix realisation info: {out} {err}");
 }
 
 /// Derivations whose builds show a client's setting overrides, named after `marker`: `uname`

@@ -19,7 +19,7 @@ use sluice_store::closure::ClosureEvent;
 use sluice_store::failure::{summarize, Cause};
 
 use super::query::{derivation_outputs, fixed_outputs_of, load_derivation};
-use super::{builtin, delegate};
+use super::{builtin, delegate, realisation};
 use crate::conn::{op_err, Conn, Fail, OpResult};
 use crate::substitution::{self, Progress, Wanted};
 use crate::PROTOCOL_VERSION;
@@ -180,7 +180,12 @@ pub(super) fn query_missing(c: &mut Conn, QueryMissing { targets }: QueryMissing
     let floating_ca = delegate::floating_ca(c)?;
     for t in &targets {
         if let (DerivedPath::Built { drv, outputs }, true) = (t, floating_ca && wants_floating(c, t)) {
-            match realised_paths(c, drv, outputs)? {
+            let known = match realised_paths(c, drv, outputs)? {
+                Some(paths) => Some(paths),
+                // Outputs the substituters have realisations of are substitutable if their paths are.
+                None => realisation::substitutable(c, drv, outputs, false)?.map(|found| found.into_iter().map(|f| f.out_path).collect()),
+            };
+            match known {
                 Some(paths) => {
                     roots.extend(paths.iter().cloned());
                     outputs_of.push((drv.clone(), paths));
@@ -385,7 +390,17 @@ fn realise(c: &mut Conn, targets: &[DerivedPath], mode: BuildMode, with_results:
         }
     }
     to_build.retain(|i| !built.contains_key(i));
-    to_build.extend(floating);
+    // Floating outputs the Nix daemon has not realised may be substituted by their realisations.
+    for &i in &floating {
+        if let DerivedPath::Built { drv, outputs } = &targets[i] {
+            if realised_paths(c, drv, outputs)?.is_none() {
+                if let Some(result) = realisation::realise_substitutable(c, drv, outputs)? {
+                    built.insert(i, result);
+                }
+            }
+        }
+    }
+    to_build.extend(floating.into_iter().filter(|i| !built.contains_key(i)));
     if delegate::enabled(c) && !to_build.is_empty() {
         let drvs = to_build
             .iter()
