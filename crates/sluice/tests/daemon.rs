@@ -1188,6 +1188,82 @@ fn derivation_only_in_a_cache_is_substituted_first() {
     }
 }
 
+/// The activities of a client's `--log-format internal-json` log that Nix's worker and
+/// substitution goals start (not QueryMissing's lookups), each with its level, text and fields
+/// and the last result of each kind sent for it (a `setExpected` per activity type it is
+/// about; of a NAR's progress only its size, the bytes done being sent at intervals), sorted.
+fn substitution_activities(log: &str) -> Vec<serde_json::Value> {
+    use serde_json::{json, Value};
+    let mut started: Vec<(u64, Value)> = Vec::new();
+    for line in log.lines().filter_map(|l| l.strip_prefix("@nix ")) {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let id = v["id"].as_u64().unwrap_or(0);
+        match v["action"].as_str() {
+            Some("start") if ![0, 109].contains(&v["type"].as_u64().unwrap()) => {
+                started
+                    .push((id, json!({"type": v["type"], "level": v["level"], "text": v["text"], "fields": v["fields"], "results": {}})));
+            }
+            Some("result") => {
+                if let Some((_, entry)) = started.iter_mut().find(|(i, _)| *i == id) {
+                    let (kind, mut fields) = (v["type"].as_u64().unwrap(), v["fields"].clone());
+                    let key = match kind {
+                        106 => format!("106 of {}", fields[0]),
+                        _ => kind.to_string(),
+                    };
+                    if entry["type"] == 100 {
+                        fields[0] = Value::Null;
+                    }
+                    entry["results"][key] = fields;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut all: Vec<Value> = started.into_iter().map(|(_, v)| v).collect();
+    all.sort_by_key(|v| v.to_string());
+    all
+}
+
+/// The activities Nix's substitution goals send (`substitution-goal.cc`, `store-api.cc`'s
+/// `copyStorePath`, `filetransfer.cc`) reach a real client through `sluice daemon` as through
+/// Nix 2.8's `nix-daemon`: Nix 2.8's `nix-store -r` and Nix 2.26's `nix build` of the same path,
+/// each on a fresh store with the same cache, log the same activities (types, levels, texts
+/// naming the cache, fields) and the same final progress results.
+#[test]
+fn substitution_activities_match_nix_daemon() {
+    let env = Env::new();
+    let cache = env.cache();
+    let nix_conf = format!("substituters = {cache}\ntrusted-public-keys = {}\n", cache_key());
+    let glibc = &store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    for (client, n) in [("Nix 2.8", 1), ("Nix 2.26", 2)] {
+        let mut seen = Vec::new();
+        let (sluice_root, nix_root) = (format!("sluice-{n}"), format!("nix-daemon-{n}"));
+        let sluice = env.daemon_on(&format!("sluice-{n}.socket"), &sluice_root, &cache, "", &[], None);
+        let nix_daemon = env.nix_daemon(&format!("nix-daemon-{n}.socket"), &nix_root, &nix_conf);
+        for (daemon, root) in [(&sluice, &sluice_root), (&nix_daemon, &nix_root)] {
+            let url = format!("{}?real={}", daemon.url, env.path(root).join("nix/store").display());
+            let log = ["--log-format", "internal-json", "-v", "--option", "substituters", &cache];
+            let (ok, _, err) = match n {
+                1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", glibc][..], &log].concat()),
+                _ => as_root(&env, true, "nix", &[&["build", "--store", &url, glibc, "--no-link"][..], &log].concat()),
+            };
+            assert!(ok, "{client} through {}: {err}", daemon.url);
+            seen.push(substitution_activities(&err));
+        }
+        // nix-daemon reports a NAR's progress every 8 KiB it has copied, at most so often: a small
+        // NAR may end without any.
+        let [ours, theirs] = &mut seen[..] else { unreachable!() };
+        for (a, b) in ours.iter_mut().zip(theirs.iter()) {
+            if b["type"] == 100 && b["results"] == serde_json::json!({}) {
+                a["results"] = serde_json::json!({});
+            }
+        }
+        let pretty = |v: &Vec<serde_json::Value>| v.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("\n");
+        assert_eq!(pretty(&seen[0]), pretty(&seen[1]), "{client}: through sluice daemon (left) and nix-daemon (right)");
+        assert_eq!(seen[0].iter().filter(|a| a["type"] == 100).count(), 4, "{client}: {}", pretty(&seen[0]));
+    }
+}
+
 /// Nix 2.26 (`nix-modern`, protocol 1.38 with no features) as a client: the same
 /// answers as Nix 2.8 through the same daemon.
 #[test]
@@ -2507,7 +2583,7 @@ fn builds_go_through_nix_daemon_with_build_via() {
     std::fs::write(&expr, DELEGATED_BUILDS).unwrap();
     let expr = expr.to_str().unwrap();
     let nar_hash = |content: &[u8]| Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(content, false)).to_nix32_prefixed();
-    let src_copied = format!("copying path '/nix/store/{}' from a substituter", src.base_name());
+    let src_copied = format!("copying path '/nix/store/{}' from '{cache}'", src.base_name());
     for (client, modern, marker) in [("Nix 2.8", false, "old"), ("Nix 2.26", true, "new")] {
         let url = if modern { format!("{}?real={}", daemon.url, env.path("root/nix/store").display()) } else { daemon.url.clone() };
         for (attr, content) in [("plain", format!("{marker}\n")), ("withInput", "hi\n".to_owned())] {
