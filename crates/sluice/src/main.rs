@@ -14,6 +14,7 @@ mod progress;
 mod serve;
 mod setup;
 mod stderr;
+mod systemd;
 mod terminal;
 
 /// The allocator: jemalloc, whose per-thread caches take the buffers and path records that

@@ -984,6 +984,30 @@ fn a_daemon_below_a_long_directory_binds_and_serves() {
     drop(daemon);
 }
 
+/// Socket activation: `systemd-socket-activate` listens on a socket and starts `sluice daemon`
+/// at the first connection with that socket passed (`LISTEN_FDS`, `LISTEN_PID`), as systemd's
+/// `nix-daemon.socket` does: Nix 2.8 and Nix 2.26 clients are served on it, and the daemon
+/// creates no socket of its own (it bound its default one and left the passed one unanswered).
+#[test]
+fn a_socket_activated_daemon_serves_the_socket_systemd_passes() {
+    let env = Env::new();
+    let (socket, default) = (env.path("activated.socket"), env.path("default.socket"));
+    let mut cmd = env.cmd("systemd-socket-activate");
+    cmd.arg("-l").arg(&socket).arg(sluice()).args(["daemon", "--store"]).arg(env.path("root"));
+    cmd.env("NIX_DAEMON_SOCKET_PATH", &default).stderr(Stdio::null());
+    let daemon = wait_for_socket(cmd.spawn().expect("systemd-socket-activate (systemd) is installed"), &socket);
+    let file = env.path("activated.txt");
+    std::fs::write(&file, "served on the socket systemd passed\n").unwrap();
+    let added = env.cmd("timeout").args(["30", "nix-store", "--store", &daemon.url, "--add"]).arg(&file).output().unwrap();
+    assert!(added.status.success(), "Nix 2.8: {}", String::from_utf8_lossy(&added.stderr));
+    let path = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    assert!(path.starts_with("/nix/store/") && path.ends_with("-activated.txt"), "{path}");
+    assert!(env.path("root").join(path.trim_start_matches('/')).exists());
+    let (ok, _, err) = as_root(&env, true, "nix", &["path-info", "--store", &daemon.url, &path]);
+    assert!(ok, "Nix 2.26: {err}");
+    assert!(!default.exists(), "the daemon bound its default socket {}", default.display());
+}
+
 /// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
 /// flag 0, reserveSpace 0; the daemon sends its version string, then `LAST`).
 fn raw_client_1_34(env: &Env) -> std::os::unix::net::UnixStream {

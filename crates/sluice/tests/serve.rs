@@ -74,9 +74,35 @@ impl Server {
     fn start_url(tmp: &Path, url: &str, args: &[&str]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp, "");
-        let mut child = cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        Server::started(cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap())
+    }
+
+    /// [`Server::start`] by `systemd-socket-activate` listening on a free loopback port, which
+    /// starts `sluice serve` with that socket passed at the first connection (made here).
+    fn start_activated(tmp: &Path, store: &Path, args: &[&str]) -> Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = Command::new("systemd-socket-activate");
+        isolate(&mut cmd, tmp, "");
+        cmd.args(["-l", &format!("127.0.0.1:{port}"), env!("CARGO_BIN_EXE_sluice"), "serve", "--store", store.to_str().unwrap()]);
+        let child = cmd.args(["--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "systemd-socket-activate did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let server = Server::started(child);
+        assert_eq!(server.url, format!("http://127.0.0.1:{port}"), "sluice serve does not serve the socket systemd passed");
+        server
+    }
+
+    /// The server `child` once it said where it serves (lines before, `systemd-socket-activate`'s,
+    /// are skipped).
+    fn started(mut child: Child) -> Server {
         let mut line = String::new();
-        BufReader::new(child.stderr.take().unwrap()).read_line(&mut line).unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        while stderr.read_line(&mut line).unwrap() > 0 && !line.starts_with("serving ") {
+            line.clear();
+        }
         let url = line.trim().rsplit(' ').next().unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
         assert!(url.starts_with("http"), "sluice serve said {line:?}");
         let addr = url.split("://").nth(1).unwrap().to_string();
@@ -183,6 +209,24 @@ fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     assert_eq!(nar.stdout, expected.stdout);
     let range = Command::new("curl").args(["-sf", "-r", "8-23", &format!("{}/{url}", server.url)]).output().unwrap();
     assert_eq!(range.stdout, expected.stdout[8..24]);
+}
+
+/// Socket activation: `systemd-socket-activate` listens on a port and starts `sluice serve`
+/// with that socket passed (`LISTEN_FDS`, `LISTEN_PID`) at the first connection: it serves
+/// there, not on `--listen`, and real Nix 2.8 substitutes the subset from it (it bound
+/// `--listen` and left the passed socket unanswered).
+#[test]
+fn a_socket_activated_server_serves_the_socket_systemd_passes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    let server = Server::start_activated(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
+    let info = Command::new("curl").args(["-sf", "--max-time", "20", &format!("{}/nix-cache-info", server.url)]).output().unwrap();
+    check(&info, "curl nix-cache-info");
+    assert!(String::from_utf8_lossy(&info.stdout).contains("StoreDir: /nix/store\n"));
+    assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
 }
 
 #[test]
