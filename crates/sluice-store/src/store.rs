@@ -96,6 +96,12 @@ pub trait Store: Send + Sync {
         })
     }
 
+    /// Every valid path (Nix's `queryAllValidPaths`, which binary caches and daemons other
+    /// than a local store's do not answer here).
+    fn query_all_valid_paths(&self) -> StoreFuture<'_, BTreeSet<StorePath>> {
+        Box::pin(async move { Err(StoreError::Unsupported { url: self.url().to_string(), what: "listing every valid path" }) })
+    }
+
     /// The build log of the derivation `drv` (Nix's `getBuildLog`), uncompressed, as a stream;
     /// `None` when the store keeps none for it.
     fn build_log<'a>(&'a self, drv: &'a StorePath) -> StoreFuture<'a, Option<NarReader>> {

@@ -45,17 +45,32 @@ pub struct Args {
     /// Print a JSON report on standard output.
     #[arg(long)]
     json: bool,
+    /// Copy every valid path of `--from` (a store that lists its paths: a local store).
+    #[arg(long, requires = "from", conflicts_with = "paths")]
+    all: bool,
+    /// Read store paths from standard input too, separated by white space.
+    #[arg(long)]
+    stdin: bool,
+    /// Copy the derivations of the paths (a `.drv` stands for itself, any other path for its
+    /// deriver in `--from`), as Nix's `--derivation`.
+    #[arg(long, requires = "from")]
+    derivation: bool,
+    /// Let the destination substitute paths from its `substituters` before they are copied
+    /// from `--from` (into a local store).
+    #[arg(short = 's', long)]
+    substitute_on_destination: bool,
     #[command(flatten)]
     cache: CacheFlags,
     /// Store paths whose closures to copy.
-    #[arg(required = true)]
+    #[arg(required_unless_present_any = ["all", "stdin"])]
     paths: Vec<String>,
 }
 
 /// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
 /// From binary caches into a local store, the substitution pipeline copies; any other pair of
 /// stores goes through the `Store` interface.
-pub fn run(args: Args) -> Result<ExitCode, String> {
+pub fn run(mut args: Args) -> Result<ExitCode, String> {
+    args.paths = paths(&args)?;
     // Without --to, the `store` setting's local store.
     let into_local = args.to.as_deref().is_none_or(|t| StoreUrl::parse(t).is_ok_and(|u| u.as_local().is_some()));
     let from_cache = args.from.as_deref().is_none_or(|f| StoreUrl::parse(f).is_ok_and(|u| u.as_cache().is_some()));
@@ -65,9 +80,28 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
 }
 
+/// The paths to copy: those given (and with `--stdin` read), every valid path of `--from`
+/// with `--all`, their derivations with `--derivation`.
+fn paths(args: &Args) -> Result<Vec<String>, String> {
+    let given = setup::with_stdin(args.paths.clone(), args.stdin)?;
+    let Some(from) = args.from.as_deref().filter(|_| args.all || args.derivation) else { return Ok(given) };
+    let settings = setup::settings(&args.cache)?;
+    setup::runtime()?.block_on(async {
+        let src = open_store(from, &settings).await.map_err(|e| e.to_string())?;
+        let paths = match args.all {
+            true => src.query_all_valid_paths().await.map_err(|e| e.to_string())?.into_iter().collect(),
+            false => crate::path_info::derivations(src.as_ref(), setup::parse_paths(src.store_dir(), &given)?).await?,
+        };
+        Ok(paths.iter().map(|p| src.store_dir().display_path(p)).collect())
+    })
+}
+
 /// Copies between any two stores through the `Store` interface.
 fn push(args: Args) -> Result<ExitCode, String> {
     let to = args.to.as_deref().unwrap_or_default();
+    if args.substitute_on_destination {
+        return Err(format!("{to}: --substitute-on-destination applies to copies from binary caches into a local store"));
+    }
     let from = args.from.as_deref().ok_or_else(|| format!("{to}: copying into a store that is not local needs --from"))?;
     let settings = setup::settings(&args.cache)?;
     let started = Instant::now();
@@ -118,6 +152,9 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let to = args.to.clone().unwrap_or_else(|| settings.store.clone());
     dest.ensure_writable("copy paths into it").map_err(|e| format!("{to}: {e}"))?;
     let urls = match &args.from {
+        // The destination's substituters first (`-s`), as Nix's `copyPaths` lets the
+        // destination substitute before it copies from the source.
+        Some(from) if args.substitute_on_destination => settings.substituters.iter().chain([from]).cloned().collect(),
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),
     };

@@ -35,6 +35,10 @@ pub struct Args {
     /// its log to the client. Without it, builds fail.
     #[arg(long, value_name = "unix://PATH")]
     build_via: Option<String>,
+    /// Settings over nix.conf's (`--option NAME VALUE`, `--substituters`, …), as
+    /// `nix-daemon --option` takes them.
+    #[command(flatten)]
+    cache: crate::setup::CacheFlags,
 }
 
 /// `--client-cpu`: [`sluice_daemon::ClientCpu`].
@@ -49,7 +53,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let activated = crate::systemd::listen_fds()?;
     let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
     let store = url.as_local().ok_or_else(|| format!("{}: the daemon serves a local store, not a {}", args.store, url.kind_name()))?;
-    let config = crate::setup::raw_config(&[])?;
+    let config = crate::setup::raw_settings(&args.cache)?;
     let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
     let options = sluice_daemon::DaemonOptions { client_cpu: args.client_cpu.into(), build_via };
     let daemon = sluice_daemon::Daemon::open_with(store, config, options).map_err(|e| e.to_string())?;

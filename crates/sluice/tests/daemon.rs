@@ -1008,6 +1008,27 @@ fn a_socket_activated_daemon_serves_the_socket_systemd_passes() {
     assert!(!default.exists(), "the daemon bound its default socket {}", default.display());
 }
 
+/// `sluice daemon --substituters URL --option NAME VALUE`, as `nix-daemon --option`: the
+/// settings given win over nix.conf's (which has no substituter here), and a Nix 2.8 client
+/// that sets none of them has the path substituted from the cache given.
+#[test]
+fn daemon_settings_from_its_command_line() {
+    let env = Env::new();
+    let cache = env.cache();
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let key = cache_key();
+    let args = ["--substituters", &cache, "--option", "trusted-public-keys", &key, "--option", "narinfo-cache-negative-ttl", "0"];
+    let daemon = env.daemon_on("socket", "root", "", "", &args, None);
+    let out = env
+        .cmd("nix-store")
+        .env("NIX_CONFIG", "experimental-features = nix-command")
+        .args(["--store", &daemon.url, "-r", &glibc])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), glibc);
+}
+
 /// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
 /// flag 0, reserveSpace 0; the daemon sends its version string, then `LAST`).
 fn raw_client_1_34(env: &Env) -> std::os::unix::net::UnixStream {
