@@ -9,8 +9,9 @@ pub enum CacheError {
     #[error("{url}: HTTP status {status}{}", body_suffix(body))]
     Status { url: String, status: u16, body: String },
     /// A failed request; the message carries the whole chain of causes (connection refused,
-    /// certificate not trusted, …), which reqwest's own message leaves out.
-    #[error("{url}: {}", causes(source))]
+    /// certificate not trusted, …), which reqwest's own message leaves out, and for a
+    /// certificate no trust anchor vouches for, what to do about it.
+    #[error("{url}: {}{}", causes(source), untrusted_hint(source))]
     Transport {
         url: String,
         #[source]
@@ -70,6 +71,14 @@ fn is_shortage(error: &(dyn std::error::Error + 'static)) -> bool {
         }
     }
     error.source().is_some_and(is_shortage)
+}
+
+/// For a server certificate that no trust anchor vouches for, the setting that names one.
+fn untrusted_hint(source: &reqwest::Error) -> &'static str {
+    match ["UnknownIssuer", "CaUsedAsEndEntity"].iter().any(|e| causes(source).contains(e)) {
+        true => "; if you trust the server's certificate (or its CA's), name it in ssl-cert-file (--option ssl-cert-file FILE)",
+        false => "",
+    }
 }
 
 fn message_suffix(message: &str) -> String {

@@ -63,7 +63,8 @@ pub struct HttpOptions {
     /// The netrc file with credentials for the caches' hosts (`netrc-file`); a file that does
     /// not exist means none.
     pub netrc_file: PathBuf,
-    /// CA bundle for HTTPS (`ssl-cert-file`).
+    /// CA bundle for HTTPS (`ssl-cert-file`): when set, its certificates are the only trust
+    /// anchors, as curl's `CURLOPT_CAINFO` for Nix ([`super::tls`]).
     pub ssl_cert_file: Option<PathBuf>,
 }
 
@@ -81,10 +82,7 @@ pub fn client(options: &HttpOptions) -> Result<reqwest::Client, String> {
     }
     if let Some(file) = &options.ssl_cert_file {
         let pem = std::fs::read(file).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
-        let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
-        for c in certs {
-            b = b.add_root_certificate(c);
-        }
+        b = b.use_preconfigured_tls(super::tls::client_config(&pem, file)?);
     }
     b.build().map_err(|e| format!("cannot set up the HTTP client: {e}"))
 }

@@ -423,12 +423,9 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
     assert_eq!(server.status_of("/nix-cache-info"), 200);
 }
 
-#[test]
-fn https_serves_http2_by_alpn() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let (root, _) = subset();
-    let src = source_store(tmp, &root);
+/// A self-signed certificate for 127.0.0.1 and its key under `tmp`, as `openssl req -x509`
+/// makes one by default: a CA certificate (`basicConstraints CA:TRUE`).
+fn self_signed(tmp: &Path) -> (PathBuf, PathBuf) {
     let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
     let o = Command::new("openssl")
         .args([
@@ -448,6 +445,57 @@ fn https_serves_http2_by_alpn() {
         .output()
         .unwrap();
     check(&o, "openssl req");
+    (cert, key)
+}
+
+/// A server whose certificate is self-signed by `openssl req -x509` (a CA certificate, which
+/// webpki refuses as a server's: `CaUsedAsEndEntity`) is reached as curl, Nix 2.8 (whose
+/// `ssl-cert-file` is `NIX_SSL_CERT_FILE`: it reads `--option ssl-cert-file` too late) and Nix
+/// 2.26 reach it with that certificate as `ssl-cert-file`; without it, the error says in one
+/// line to name the certificate in `ssl-cert-file`.
+#[test]
+fn a_self_signed_certificate_in_ssl_cert_file_is_accepted_as_by_curl_and_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (cert, key) = self_signed(tmp);
+    let (secret, public) = signing_key(tmp);
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap(), "--secret-key", secret.to_str().unwrap()];
+    let server = Server::start(tmp, &src, &args);
+    let curl =
+        Command::new("curl").args(["-sf", "--cacert", cert.to_str().unwrap(), &format!("{}/nix-cache-info", server.url)]).output().unwrap();
+    check(&curl, "curl --cacert");
+    let mut real = Command::new("nix");
+    isolate(&mut real, tmp, &format!("trusted-public-keys = {public}"));
+    let real = real.env("NIX_SSL_CERT_FILE", &cert).args(["path-info", "--store", &server.url, &root]).output().unwrap();
+    check(&real, "Nix 2.8 with NIX_SSL_CERT_FILE");
+    let cert_file = ["--option", "ssl-cert-file", cert.to_str().unwrap()];
+    check(
+        &nix_modern(tmp, &[&["nix", "path-info", "--store", &server.url, &root][..], &cert_file].concat()),
+        "Nix 2.26 with ssl-cert-file",
+    );
+    let own = sluice(tmp, &[&["path-info", "--store", &server.url, "-r", &root][..], &cert_file].concat());
+    check(&own, "sluice with ssl-cert-file");
+    assert_eq!(String::from_utf8_lossy(&own.stdout).lines().map(str::to_owned).collect::<BTreeSet<_>>(), paths);
+    let unknown = sluice(tmp, &["path-info", "--store", &server.url, &root]);
+    assert_eq!(unknown.status.code(), Some(1));
+    let errors: Vec<String> = stderr(&unknown).lines().filter(|l| l.starts_with("error:")).map(str::to_owned).collect();
+    assert_eq!(errors.len(), 1, "{}", stderr(&unknown));
+    assert!(
+        errors[0].ends_with("CaUsedAsEndEntity)); if you trust the server's certificate (or its CA's), name it in ssl-cert-file (--option ssl-cert-file FILE)"),
+        "{}",
+        errors[0]
+    );
+}
+
+#[test]
+fn https_serves_http2_by_alpn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    let (cert, key) = self_signed(tmp);
     let server = Server::start(tmp, &src, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
     assert!(server.url.starts_with("https://"));
     for (flag, version) in [("--http2", "2"), ("--http1.1", "1.1")] {
