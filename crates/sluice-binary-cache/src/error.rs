@@ -11,7 +11,7 @@ pub enum CacheError {
     /// A failed request; the message carries the whole chain of causes (connection refused,
     /// certificate not trusted, …), which reqwest's own message leaves out, and for a
     /// certificate no trust anchor vouches for, what to do about it.
-    #[error("{url}: {}{}", causes(source), untrusted_hint(source))]
+    #[error("{url}: {}{}", causes(source).replace(&url_suffix(source), ""), untrusted_hint(source))]
     Transport {
         url: String,
         #[source]
@@ -71,6 +71,11 @@ fn is_shortage(error: &(dyn std::error::Error + 'static)) -> bool {
         }
     }
     error.source().is_some_and(is_shortage)
+}
+
+/// What reqwest's message says of the URL (` for url (URL)`), which the error names already.
+fn url_suffix(source: &reqwest::Error) -> String {
+    source.url().map_or_else(String::new, |url| format!(" for url ({url})"))
 }
 
 /// For a server certificate that no trust anchor vouches for, the setting that names one.

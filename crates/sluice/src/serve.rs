@@ -88,6 +88,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         }
         if listeners.is_empty() {
             for addr in &args.listen {
+                if !has_port(addr) {
+                    return Err(format!("--listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000"));
+                }
                 listeners.push(tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?);
             }
         }
@@ -106,4 +109,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         sluice_serve::run(listeners, tls, app, limits).await.map_err(|e| e.to_string())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether `addr` ends with a port: `HOST:PORT`, an IPv6 host in brackets (`[::1]:5000`).
+fn has_port(addr: &str) -> bool {
+    addr.rsplit_once(':').is_some_and(|(host, port)| port.parse::<u16>().is_ok() && (!host.contains(':') || host.ends_with(']')))
 }

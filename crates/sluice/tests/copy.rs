@@ -325,3 +325,35 @@ fn copy_all_stdin_derivation_substitute_on_destination_and_refresh() {
     check(&copy_late(&["--refresh"]), "sluice copy --refresh");
     assert_eq!(registered_paths(&refresh_dst), closure(&libidn2));
 }
+
+/// The summary of a copy fits 80 columns, and a copy whose closure is valid already counts
+/// that closure, not the path asked for (it said "1 already valid"); the summary of a push
+/// names the cache without its `secret-key` file.
+#[test]
+fn copy_summaries_fit_80_columns_count_the_closure_and_hide_secret_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let top = corpus_path("hexurvend-wrapper");
+    let (root, key) = (t.join("root"), corpus_key());
+    let subset = format!("file://{}", corpus().join("cache-subset-bzip2").display());
+    let summary = |o: &std::process::Output| stderr(o).lines().last().unwrap_or_default().to_owned();
+    let first = copy_with(t, &root, &subset, &key, &[], &[&top]);
+    check(&first, "first copy");
+    let line = summary(&first);
+    assert!(line.starts_with("copied 25 paths (0.5 MiB, 0.2 MiB DL) in ") && line.ends_with(" s"), "{line}");
+    assert!(line.chars().count() <= 80, "{line}");
+    let again = copy_with(t, &root, &subset, &key, &[], &[&top]);
+    check(&again, "second copy");
+    let line = summary(&again);
+    assert!(line.starts_with("copied 0 paths (0.0 MiB, 0.0 MiB DL) in ") && line.ends_with(" s; 25 already valid"), "{line}");
+
+    let secret = t.join("push.sec");
+    std::fs::write(&secret, &sluice(t, &["key", "generate", "push-1"]).stdout).unwrap();
+    let cache = t.join("cache");
+    let to = format!("file://{}?secret-key={}&compression=none", cache.display(), secret.display());
+    let pushed = sluice(t, &["copy", "--from", root.to_str().unwrap(), "--to", &to, &top]);
+    check(&pushed, "push");
+    let line = summary(&pushed);
+    assert!(line.starts_with(&format!("copied 25 paths (0.5 MiB) to file://{}?compression=none in ", cache.display())), "{line}");
+    assert!(!stderr(&pushed).contains("secret-key") && !stderr(&pushed).contains("push.sec"), "{}", stderr(&pushed));
+}

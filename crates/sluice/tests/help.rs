@@ -61,6 +61,12 @@ fn man_pages_for_every_command_with_options_and_defaults() {
     assert!(page.contains("\\-\\-as\\-nix") && page.contains("2.26"), "the option and its default: {page}");
     let page = std::fs::read_to_string(dir.join("sluice-copy.1")).unwrap();
     assert!(page.contains("\\-\\-jobs") && page.contains("256"), "{page}");
+    // The help's code spans are bold, not Markdown backticks.
+    assert!(page.contains("(like \\fBnix copy\\fR)"), "{page}");
+    for name in &written {
+        let page = std::fs::read_to_string(dir.join(name)).unwrap();
+        assert!(!page.contains('`'), "{name}: {}", page.lines().find(|l| l.contains('`')).unwrap_or_default());
+    }
 }
 
 /// Every option and argument of every command says what it is in `--help`, and a command does

@@ -552,3 +552,16 @@ fn refused_uploads_are_one_error_line() {
     assert_eq!(counted, 25, "every path of the closure is counted once:\n{err}");
     assert!(err.contains("copied 0 paths"), "{err}");
 }
+
+/// `sluice key generate NAME > FILE` leaves FILE readable by its owner only, as Nix writes
+/// secret keys (mode 0600), whatever the umask.
+#[test]
+fn a_secret_key_written_to_a_file_is_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("cache.sec");
+    let o = sluice_after(tmp.path(), &format!("umask 022 && exec >{}", file.display()), &["key", "generate", "cache-1"]);
+    check(&o, "key generate");
+    assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(std::fs::read_to_string(&file).unwrap().starts_with("cache-1:"));
+}

@@ -945,3 +945,15 @@ fn keep_alive_clients_holding_every_slot_are_shed_for_a_new_one() {
     // One idle keep-alive connection closed for each new client.
     assert_eq!(shed, 3);
 }
+
+/// `--listen` without a port says what it expects, with an example (it said only "invalid
+/// socket address").
+#[test]
+fn listen_without_a_port_says_what_it_expects() {
+    let tmp = tempfile::tempdir().unwrap();
+    for addr in ["127.0.0.1", "::1", "[::1]"] {
+        let o = sluice(tmp.path(), &["serve", "--store", tmp.path().join("store").to_str().unwrap(), "--listen", addr]);
+        assert_eq!(o.status.code(), Some(1));
+        assert_eq!(stderr(&o), format!("error: --listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000\n"));
+    }
+}
