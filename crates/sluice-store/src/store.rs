@@ -54,6 +54,11 @@ pub enum StoreError {
     /// A path was not added because a path it refers to failed.
     #[error("{path} not added: its reference {reference} failed")]
     ReferenceFailed { path: String, reference: String },
+    /// A daemon refused another path of the AddMultipleToStore this path was sent in, and
+    /// stopped before this one: it was not looked at, and may be sent again
+    /// ([`crate::push::copy_closures`] does).
+    #[error("not added: the daemon refused {refused}, sent before it in the same AddMultipleToStore")]
+    NotAttempted { refused: String },
     /// Something else, with its context (a key file, a settings problem).
     #[error("{0}")]
     Other(String),

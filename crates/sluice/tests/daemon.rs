@@ -3655,6 +3655,37 @@ fn sluice_copy_into_and_out_of_daemons() {
     assert_eq!(infos(&second.url), infos(&nix_daemon.url), "daemon to daemon");
 }
 
+/// A daemon that refuses paths inside an AddMultipleToStore batch (signed by a key it does
+/// not trust): each refusal is reported against the path it is about (it was another path's
+/// of the same batch, that the daemon had stopped at), and the paths sent after it in the
+/// batch, which the daemon never looked at, get their own verdict.
+#[test]
+fn refusals_in_an_add_multiple_batch_name_the_path_refused() {
+    let env = Env::new();
+    let cache = env.cache();
+    let top = store_path_of(&env.path("bin-cache"), "24ycq19xja05axfz8a72yhz9aw6mli99");
+    let src = env.path("src");
+    env.nix("nix", &["copy", "--from", &cache, "--to", src.to_str().unwrap(), &top, "--option", "trusted-public-keys", &cache_key()]);
+    let secret = env.cmd(sluice()).args(["key", "generate", "other-1"]).output().unwrap().stdout;
+    let mut public = env.cmd(sluice()).args(["key", "generate", "--public"]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    std::io::Write::write_all(&mut public.stdin.take().unwrap(), &secret).unwrap();
+    let other = String::from_utf8(public.wait_with_output().unwrap().stdout).unwrap();
+    let daemon = env.daemon_on("socket", "root", &cache, &format!("trusted-public-keys = {}", other.trim()), &[], None);
+    let out = env.cmd(sluice()).args(["copy", "--from", src.to_str().unwrap(), "--to", &daemon.url, &top]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let refusals: Vec<&str> = err.lines().filter(|l| l.contains("because it lacks a signature by a trusted key")).collect();
+    assert!(refusals.len() >= 10, "{err}");
+    for line in &refusals {
+        let path = line.strip_prefix("error: ").and_then(|l| l.split(':').next()).unwrap();
+        assert!(line.contains(&format!("cannot add path '{path}' because")), "{line}");
+    }
+    let dependents = err.lines().find(|l| l.contains("were not copied because a path they refer to failed")).unwrap();
+    let leaves = refusals.len() + dependents.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap();
+    assert!(err.ends_with(&format!("0 already there, {leaves} failed\n")), "{err}");
+    assert!(store_entries(&env, "root").iter().all(|e| !e.contains('-')), "{:?}", store_entries(&env, "root"));
+}
+
 /// A narinfo's text without its `Sig` lines.
 fn without_sigs(narinfo: &str) -> String {
     narinfo.lines().filter(|l| !l.starts_with("Sig: ")).map(|l| format!("{l}\n")).collect()
