@@ -67,6 +67,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         .collect::<Result<Vec<_>, String>>()?;
     let settings = setup::settings(&CacheFlags::from(&args.config))?;
     let url = args.store.clone().unwrap_or_else(|| settings.store.clone());
+    if let Some(addr) = args.listen.iter().find(|a| !has_port(a)) {
+        return Err(format!("--listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000"));
+    }
+    must_exist(&url)?;
     let keys = args
         .secret_keys
         .iter()
@@ -88,9 +92,6 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         }
         if listeners.is_empty() {
             for addr in &args.listen {
-                if !has_port(addr) {
-                    return Err(format!("--listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000"));
-                }
                 listeners.push(tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?);
             }
         }
@@ -114,4 +115,23 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
 /// Whether `addr` ends with a port: `HOST:PORT`, an IPv6 host in brackets (`[::1]:5000`).
 fn has_port(addr: &str) -> bool {
     addr.rsplit_once(':').is_some_and(|(host, port)| port.parse::<u16>().is_ok() && (!host.contains(':') || host.ends_with(']')))
+}
+
+/// Refuses to serve a local store or a `file://` cache whose directory does not exist: opening
+/// it would make an empty one and serve that (Nix makes a chroot store it is asked to open,
+/// for writing; a server is asked to show what is there).
+fn must_exist(url: &str) -> Result<(), String> {
+    let Ok(parsed) = sluice_store::store_url::StoreUrl::parse(url) else { return Ok(()) };
+    let dir = match (parsed.as_local(), parsed.as_cache()) {
+        (Some(local), _) => local.dirs.real.clone(),
+        (None, Some(cache)) => match cache.base.strip_prefix("file://") {
+            Some(path) => PathBuf::from(path),
+            None => return Ok(()),
+        },
+        (None, None) => return Ok(()),
+    };
+    match dir.is_dir() {
+        true => Ok(()),
+        false => Err(format!("{url}: no store to serve: {} does not exist", dir.display())),
+    }
 }

@@ -957,3 +957,67 @@ fn listen_without_a_port_says_what_it_expects() {
         assert_eq!(stderr(&o), format!("error: --listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000\n"));
     }
 }
+
+/// `sluice serve --store` of a store or a `file://` cache that does not exist fails, naming
+/// it, and makes nothing (it made an empty store and served it).
+#[test]
+fn serving_a_store_that_does_not_exist_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no/such/dir");
+    for url in [missing.display().to_string(), format!("local?root={}", missing.display()), format!("file://{}", missing.display())] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp.path(), "");
+        let o = cmd.args(["serve", "--store", &url, "--listen", "127.0.0.1:0"]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{url}: {}", stderr(&o));
+        assert!(stderr(&o).starts_with(&format!("error: {url}: no store to serve: {}", missing.display())), "{}", stderr(&o));
+        assert!(!tmp.path().join("no").exists(), "{url}: something was made");
+    }
+}
+
+/// `sluice serve -v` writes an access log line per request: the client, the request line,
+/// the status, the bytes sent and the time; without `-v`, none.
+#[test]
+fn an_access_log_line_per_request_at_verbose() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    for (flags, logged) in [(&["-v"][..], true), (&[], false)] {
+        let log = tmp.join(format!("serve{}.log", flags.len()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp, "");
+        let child = cmd
+            .args(["serve", "--store", src.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+            .args(flags)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let url = loop {
+            let text = std::fs::read_to_string(&log).unwrap();
+            if let Some(line) = text.lines().find(|l| l.starts_with("serving ")) {
+                break line.rsplit(' ').next().unwrap().to_owned();
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let server = Server { child, addr: url.trim_start_matches("http://").to_owned(), url };
+        let hash = &root["/nix/store/".len()..][..32];
+        for target in ["/nix-cache-info".to_owned(), format!("/{hash}.narinfo"), "/00000000000000000000000000000000.narinfo".to_owned()] {
+            let o = Command::new("curl").args(["-s", "-o", "/dev/null", &format!("{}{target}", server.url)]).output().unwrap();
+            check(&o, "curl");
+        }
+        drop(server);
+        let text = std::fs::read_to_string(&log).unwrap();
+        let access: Vec<&str> = text.lines().filter(|l| l.contains("\" 200 ") || l.contains("\" 404 ")).collect();
+        if !logged {
+            assert!(access.is_empty(), "{text}");
+            continue;
+        }
+        assert_eq!(access.len(), 3, "{text}");
+        assert!(access[0].starts_with("INFO 127.0.0.1:") && access[0].contains(" \"GET /nix-cache-info HTTP/1.1\" 200 "), "{}", access[0]);
+        assert!(access[1].contains(&format!(" \"GET /{hash}.narinfo HTTP/1.1\" 200 ")), "{}", access[1]);
+        assert!(access[2].contains(" \"GET /00000000000000000000000000000000.narinfo HTTP/1.1\" 404 "), "{}", access[2]);
+        assert!(access.iter().all(|l| l.contains(" bytes in ") && l.ends_with(" ms")), "{access:?}");
+    }
+}
