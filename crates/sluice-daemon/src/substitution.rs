@@ -34,6 +34,11 @@ pub(crate) enum Progress {
         path: StorePath,
         cache: String,
     },
+    /// Its NAR is downloaded from `url` (an HTTP cache's).
+    Fetching {
+        path: StorePath,
+        url: String,
+    },
     Done(StorePath),
     Failed(StorePath),
 }
@@ -46,6 +51,9 @@ impl Observer for Forward {
     }
     fn started(&self, path: &StorePath, cache: &str) {
         let _ = self.0.send(Progress::Started { path: path.clone(), cache: cache.to_owned() });
+    }
+    fn fetching(&self, path: &StorePath, url: &str) {
+        let _ = self.0.send(Progress::Fetching { path: path.clone(), url: url.to_owned() });
     }
     fn done(&self, path: &StorePath, _: u64) {
         let _ = self.0.send(Progress::Done(path.clone()));

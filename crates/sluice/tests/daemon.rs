@@ -1234,7 +1234,8 @@ fn derivation_only_in_a_cache_is_substituted_first() {
 }
 
 /// The activities of a client's `--log-format internal-json` log that Nix's worker and
-/// substitution goals start (not QueryMissing's lookups), each with its level, text and fields
+/// substitution goals start (not QueryMissing's lookups, nor the downloads of narinfos and
+/// `nix-cache-info`: only those of NARs), each with its level, text and fields
 /// and the last result of each kind sent for it (a `setExpected` per activity type it is
 /// about; of a NAR's progress only its size, the bytes done being sent at intervals), sorted.
 fn substitution_activities(log: &str) -> Vec<serde_json::Value> {
@@ -1244,6 +1245,7 @@ fn substitution_activities(log: &str) -> Vec<serde_json::Value> {
         let v: Value = serde_json::from_str(line).unwrap();
         let id = v["id"].as_u64().unwrap_or(0);
         match v["action"].as_str() {
+            Some("start") if v["type"] == 101 && !v["fields"][0].as_str().unwrap_or_default().contains("/nar/") => {}
             Some("start") if ![0, 109].contains(&v["type"].as_u64().unwrap()) => {
                 started
                     .push((id, json!({"type": v["type"], "level": v["level"], "text": v["text"], "fields": v["fields"], "results": {}})));
@@ -1272,40 +1274,47 @@ fn substitution_activities(log: &str) -> Vec<serde_json::Value> {
 /// The activities Nix's substitution goals send (`substitution-goal.cc`, `store-api.cc`'s
 /// `copyStorePath`, `filetransfer.cc`) reach a real client through `sluice daemon` as through
 /// Nix 2.8's `nix-daemon`: Nix 2.8's `nix-store -r` and Nix 2.26's `nix build` of the same path,
-/// each on a fresh store with the same cache, log the same activities (types, levels, texts
-/// naming the cache, fields) and the same final progress results.
+/// each on a fresh store with the same cache (`file://`, then nginx over HTTP, whose NARs are
+/// downloads: `actFileTransfer`), log the same activities (types, levels, texts naming the
+/// cache, fields) and the same final progress results.
 #[test]
 fn substitution_activities_match_nix_daemon() {
     let env = Env::new();
-    let cache = env.cache();
-    let nix_conf = format!("substituters = {cache}\ntrusted-public-keys = {}\n", cache_key());
+    let file = env.cache();
+    let nginx = common::CacheServer::start(&env.path("bin-cache"), &env.path("nginx"), &[]);
     let glibc = &store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
-    for (client, n) in [("Nix 2.8", 1), ("Nix 2.26", 2)] {
-        let mut seen = Vec::new();
-        let (sluice_root, nix_root) = (format!("sluice-{n}"), format!("nix-daemon-{n}"));
-        let sluice = env.daemon_on(&format!("sluice-{n}.socket"), &sluice_root, &cache, "", &[], None);
-        let nix_daemon = env.nix_daemon(&format!("nix-daemon-{n}.socket"), &nix_root, &nix_conf);
-        for (daemon, root) in [(&sluice, &sluice_root), (&nix_daemon, &nix_root)] {
-            let url = format!("{}?real={}", daemon.url, env.path(root).join("nix/store").display());
-            let log = ["--log-format", "internal-json", "-v", "--option", "substituters", &cache];
-            let (ok, _, err) = match n {
-                1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", glibc][..], &log].concat()),
-                _ => as_root(&env, true, "nix", &[&["build", "--store", &url, glibc, "--no-link"][..], &log].concat()),
-            };
-            assert!(ok, "{client} through {}: {err}", daemon.url);
-            seen.push(substitution_activities(&err));
-        }
-        // nix-daemon reports a NAR's progress every 8 KiB it has copied, at most so often: a small
-        // NAR may end without any.
-        let [ours, theirs] = &mut seen[..] else { unreachable!() };
-        for (a, b) in ours.iter_mut().zip(theirs.iter()) {
-            if b["type"] == 100 && b["results"] == serde_json::json!({}) {
-                a["results"] = serde_json::json!({});
+    for (cache, kind) in [(&file, "file"), (&nginx.url, "http")] {
+        let nix_conf = format!("substituters = {cache}\ntrusted-public-keys = {}\n", cache_key());
+        for (client, n) in [("Nix 2.8", 1), ("Nix 2.26", 2)] {
+            let mut seen = Vec::new();
+            let (sluice_root, nix_root) = (format!("sluice-{kind}-{n}"), format!("nix-daemon-{kind}-{n}"));
+            let sluice = env.daemon_on(&format!("{sluice_root}.socket"), &sluice_root, cache, "", &[], None);
+            let nix_daemon = env.nix_daemon(&format!("{nix_root}.socket"), &nix_root, &nix_conf);
+            for (daemon, root) in [(&sluice, &sluice_root), (&nix_daemon, &nix_root)] {
+                let url = format!("{}?real={}", daemon.url, env.path(root).join("nix/store").display());
+                let log = ["--log-format", "internal-json", "-v", "--option", "substituters", cache];
+                let (ok, _, err) = match n {
+                    1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", glibc][..], &log].concat()),
+                    _ => as_root(&env, true, "nix", &[&["build", "--store", &url, glibc, "--no-link"][..], &log].concat()),
+                };
+                assert!(ok, "{client} through {}: {err}", daemon.url);
+                seen.push(substitution_activities(&err));
             }
+            // nix-daemon reports a NAR's progress (copied, downloaded) at intervals: a small NAR
+            // may end without any.
+            let [ours, theirs] = &mut seen[..] else { unreachable!() };
+            for (a, b) in ours.iter_mut().zip(theirs.iter()) {
+                if (b["type"] == 100 || b["type"] == 101) && b["results"] == serde_json::json!({}) {
+                    a["results"] = serde_json::json!({});
+                }
+            }
+            let pretty = |v: &Vec<serde_json::Value>| v.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("\n");
+            let what = format!("{client}, {kind} cache: through sluice daemon (left) and nix-daemon (right)");
+            assert_eq!(pretty(&seen[0]), pretty(&seen[1]), "{what}");
+            assert_eq!(seen[0].iter().filter(|a| a["type"] == 100).count(), 4, "{what}");
+            let transfers = if kind == "http" { 4 } else { 0 };
+            assert_eq!(seen[0].iter().filter(|a| a["type"] == 101).count(), transfers, "{what}");
         }
-        let pretty = |v: &Vec<serde_json::Value>| v.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("\n");
-        assert_eq!(pretty(&seen[0]), pretty(&seen[1]), "{client}: through sluice daemon (left) and nix-daemon (right)");
-        assert_eq!(seen[0].iter().filter(|a| a["type"] == 100).count(), 4, "{client}: {}", pretty(&seen[0]));
     }
 }
 

@@ -4,7 +4,8 @@
 //! expected sizes of `Worker::updateProgress` (`build/worker.cc`); per path, `actSubstitute`
 //! naming the cache (`build/substitution-goal.cc`) and below it `actCopyPath`, "copying path
 //! 'P' from 'CACHE'" with the destination store's URI and the NAR's progress
-//! (`store-api.cc`'s `copyStorePath`).
+//! (`store-api.cc`'s `copyStorePath`), and below that, for an HTTP cache, `actFileTransfer`,
+//! "downloading 'NAR URL'" with the bytes downloaded (`filetransfer.cc`).
 
 use std::collections::BTreeMap;
 use std::io::{self, Write};
@@ -26,9 +27,21 @@ const RES_PROGRESS: u64 = 105;
 const RES_SET_EXPECTED: u64 = 106;
 /// Nix's `lvlInfo`: `actCopyPath`'s level.
 const LVL_INFO: u64 = 3;
+/// Nix's `lvlTalkative`: `actFileTransfer`'s level.
+const LVL_TALKATIVE: u64 = 4;
 
 /// The URI Nix 2.8's `LocalStore::getUri` gives the destination, whatever its root.
 const LOCAL_URI: &str = "local";
+
+/// The activities of a path whose NAR is coming, and its download and NAR sizes.
+struct Running {
+    substitute: u64,
+    copy: u64,
+    /// `actFileTransfer`, for an HTTP cache's NAR.
+    transfer: Option<u64>,
+    download: u64,
+    nar: u64,
+}
 
 /// A substitution's activities on one connection: the worker's three and each running path's
 /// two (its `actSubstitute` and `actCopyPath`), with the counts the worker reports.
@@ -39,10 +52,10 @@ pub(super) struct SubstitutionActivities<'a> {
     realise: u64,
     builds: u64,
     copy_paths: u64,
-    /// Paths whose NAR is coming: (`actSubstitute`, `actCopyPath`) ids and NAR size.
-    running: BTreeMap<StorePath, (u64, u64, u64)>,
-    /// NAR sizes of the queued paths.
-    nar_sizes: BTreeMap<StorePath, u64>,
+    /// Paths whose NAR is coming: their activities.
+    running: BTreeMap<StorePath, Running>,
+    /// Download and NAR sizes of the queued paths.
+    sizes: BTreeMap<StorePath, (u64, u64)>,
     expected: u64,
     done: u64,
     failed: u64,
@@ -65,7 +78,7 @@ impl<'a> SubstitutionActivities<'a> {
             builds,
             copy_paths,
             running: BTreeMap::new(),
-            nar_sizes: BTreeMap::new(),
+            sizes: BTreeMap::new(),
             expected: 0,
             done: 0,
             failed: 0,
@@ -85,11 +98,11 @@ impl<'a> SubstitutionActivities<'a> {
                 self.expected += 1;
                 self.download_bytes += download;
                 self.nar_bytes += nar;
-                self.nar_sizes.insert(path, nar);
+                self.sizes.insert(path, (download, nar));
             }
             Progress::Started { path, cache } => {
                 self.stop_path(w, &path, false)?;
-                let nar = self.nar_sizes.get(&path).copied().unwrap_or(0);
+                let (download, nar) = self.sizes.get(&path).copied().unwrap_or((0, 0));
                 let (substitute, copy) = (self.daemon.activity_id(), self.daemon.activity_id());
                 let shown = self.dir.display_path(&path);
                 let fields = [ActivityField::Str(shown.clone()), ActivityField::Str(cache.clone())];
@@ -97,7 +110,23 @@ impl<'a> SubstitutionActivities<'a> {
                 let text = format!("copying path '{shown}' from '{cache}'");
                 let fields = [ActivityField::Str(shown), ActivityField::Str(cache), ActivityField::Str(LOCAL_URI.to_owned())];
                 self.stderr.start_activity(w, copy, LVL_INFO, ACT_COPY_PATH, &text, &fields, substitute)?;
-                self.running.insert(path, (substitute, copy, nar));
+                self.running.insert(path, Running { substitute, copy, transfer: None, download, nar });
+            }
+            Progress::Fetching { path, url } => {
+                let Some(running) = self.running.get_mut(&path) else { return Ok(()) };
+                let transfer = self.daemon.activity_id();
+                let text = format!("downloading '{url}'");
+                self.stderr.start_activity(
+                    w,
+                    transfer,
+                    LVL_TALKATIVE,
+                    ACT_FILE_TRANSFER,
+                    &text,
+                    &[ActivityField::Str(url)],
+                    running.copy,
+                )?;
+                running.transfer = Some(transfer);
+                return Ok(());
             }
             Progress::Done(path) => {
                 self.stop_path(w, &path, true)?;
@@ -113,7 +142,13 @@ impl<'a> SubstitutionActivities<'a> {
 
     /// Ends `path`'s activities, if it has any; `copied`: its whole NAR arrived first.
     fn stop_path(&mut self, w: &mut dyn Write, path: &StorePath, copied: bool) -> io::Result<()> {
-        let Some((substitute, copy, nar)) = self.running.remove(path) else { return Ok(()) };
+        let Some(Running { substitute, copy, transfer, download, nar }) = self.running.remove(path) else { return Ok(()) };
+        if let Some(transfer) = transfer {
+            if copied {
+                self.stderr.result(w, transfer, RES_PROGRESS, &[download, download, 0, 0].map(ActivityField::Int))?;
+            }
+            self.stderr.stop_activity(w, transfer)?;
+        }
         if copied {
             self.stderr.result(w, copy, RES_PROGRESS, &[nar, nar, 0, 0].map(ActivityField::Int))?;
         }
