@@ -9,8 +9,9 @@ pub enum CacheError {
     #[error("{url}: HTTP status {status}{}", body_suffix(body))]
     Status { url: String, status: u16, body: String },
     /// A failed request; the message carries the whole chain of causes (connection refused,
-    /// certificate not trusted, …), which reqwest's own message leaves out.
-    #[error("{url}: {}", causes(source))]
+    /// certificate not trusted, …), which reqwest's own message leaves out, and for a
+    /// certificate no trust anchor vouches for, what to do about it.
+    #[error("{url}: {}{}", causes(source).replace(&url_suffix(source), ""), untrusted_hint(source))]
     Transport {
         url: String,
         #[source]
@@ -46,6 +47,12 @@ pub enum CacheError {
     /// The server answered an upload with 403, 404 or 410.
     #[error("{url}: the server refused the upload (HTTP 403, 404 or 410)")]
     Refused { url: String },
+    /// S3 answered with an error code that is not a missing key's (`NoSuchKey`, or
+    /// `AccessDenied` on a missing key without `ListBucket`): wrong credentials
+    /// (`SignatureDoesNotMatch`, `InvalidAccessKeyId`), a bucket that does not exist
+    /// (`NoSuchBucket`), or any refusal of an upload. `message` is S3's own, if it sent one.
+    #[error("{url}: S3 refused the request (HTTP {status} {code}{})", message_suffix(message))]
+    S3 { url: String, status: u16, code: String, message: String },
     /// A secret key file named by `secret-key`/`secret-keys` could not be used.
     #[error("{url}: secret key {}: {what}", file.display())]
     SecretKey { url: String, file: std::path::PathBuf, what: String },
@@ -70,6 +77,26 @@ fn is_shortage(error: &(dyn std::error::Error + 'static)) -> bool {
         }
     }
     error.source().is_some_and(is_shortage)
+}
+
+/// What reqwest's message says of the URL (` for url (URL)`), which the error names already.
+fn url_suffix(source: &reqwest::Error) -> String {
+    source.url().map_or_else(String::new, |url| format!(" for url ({url})"))
+}
+
+/// For a server certificate that no trust anchor vouches for, the setting that names one.
+fn untrusted_hint(source: &reqwest::Error) -> &'static str {
+    match ["UnknownIssuer", "CaUsedAsEndEntity"].iter().any(|e| causes(source).contains(e)) {
+        true => "; if you trust the server's certificate (or its CA's), name it in ssl-cert-file (--option ssl-cert-file FILE)",
+        false => "",
+    }
+}
+
+fn message_suffix(message: &str) -> String {
+    match message.is_empty() {
+        true => String::new(),
+        false => format!(": {message}"),
+    }
 }
 
 fn body_suffix(body: &str) -> String {
@@ -99,7 +126,8 @@ impl CacheError {
 
     /// Whether the failure concerns the whole cache rather than one file: it stayed transient
     /// through every attempt, the cache refused our credentials (401, 407), or it answered a
-    /// narinfo with an HTML page (a parked domain, a captive portal). Such a cache is skipped
+    /// narinfo with an HTML page (a parked domain, a captive portal), or S3 refused a request
+    /// (wrong credentials, no such bucket: [`CacheError::S3`]). Such a cache is skipped
     /// for the rest of the run. A shortage of this machine's resources (see
     /// [`is_local_shortage`](Self::is_local_shortage)) says nothing about the cache.
     pub(crate) fn disables_cache(&self) -> bool {
@@ -107,6 +135,7 @@ impl CacheError {
             || matches!(
                 self,
                 CacheError::Status { status: 401 | 407, .. }
+                    | CacheError::S3 { .. }
                     | CacheError::NarInfo { source: sluice_nix::narinfo::NarInfoError::HtmlPage { .. }, .. }
             )
     }

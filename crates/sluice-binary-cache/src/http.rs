@@ -4,7 +4,7 @@
 //! once it has answered over HTTP/2 (streams multiplexed on one connection); existence checks
 //! and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) by [`WRITE_REQUESTS`] (see there why). The cache's host
 //! entry in `netrc-file` is sent as basic authentication ([`crate::netrc`]). 404, 403 and 410 mean
-//! absence; 5xx, 408, 429, connection failures and stalls are retried with backoff
+//! absence (on S3, only with a missing key's error code: [`super::s3::is_absence`]); 5xx, 408, 429, connection failures and stalls are retried with backoff
 //! (`download-attempts`); a body sent with `Content-Encoding: gzip` (by a proxy, unasked) is
 //! decoded. Writing (Nix's `HttpBinaryCacheStore::upsertFile`, `http-binary-cache-store.cc`):
 //! `PUT` with the file's `Content-Type`, `HEAD` for whether a file exists; an S3 transport
@@ -45,6 +45,8 @@ pub(crate) const WRITE_REQUESTS: usize = 256;
 pub(crate) const MAX_SMALL_FILE: usize = 64 << 20;
 /// Bytes of an error answer's body quoted in the error.
 const BODY_PREFIX: usize = 200;
+/// Bytes of an S3 error answer read for its code and message (AWS's messages are long).
+const S3_ERROR_PREFIX: usize = 2048;
 
 /// What the HTTP transport takes from Nix's settings (`src/libstore/filetransfer.hh`,
 /// `globals.hh`); sluice-store's `Settings::http_options` builds it.
@@ -61,7 +63,8 @@ pub struct HttpOptions {
     /// The netrc file with credentials for the caches' hosts (`netrc-file`); a file that does
     /// not exist means none.
     pub netrc_file: PathBuf,
-    /// CA bundle for HTTPS (`ssl-cert-file`).
+    /// CA bundle for HTTPS (`ssl-cert-file`): when set, its certificates are the only trust
+    /// anchors, as curl's `CURLOPT_CAINFO` for Nix ([`super::tls`]).
     pub ssl_cert_file: Option<PathBuf>,
 }
 
@@ -79,10 +82,7 @@ pub fn client(options: &HttpOptions) -> Result<reqwest::Client, String> {
     }
     if let Some(file) = &options.ssl_cert_file {
         let pem = std::fs::read(file).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
-        let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
-        for c in certs {
-            b = b.add_root_certificate(c);
-        }
+        b = b.use_preconfigured_tls(super::tls::client_config(&pem, file)?);
     }
     b.build().map_err(|e| format!("cannot set up the HTTP client: {e}"))
 }
@@ -140,6 +140,9 @@ pub struct HttpTransport {
     stall: Duration,
     retry: RetryPolicy,
     signer: Option<Arc<dyn RequestSigner>>,
+    /// An S3 absence answered to a `HEAD` (which has no body, so no error code) was checked
+    /// by a `GET` ([`Self::exists`]).
+    head_absence_checked: AtomicBool,
 }
 
 /// Signs each request before it is sent (S3's SigV4), given the hex sha256 of its body.
@@ -207,6 +210,7 @@ impl HttpTransport {
             stall: Duration::from_secs(options.stalled_download_timeout.max(1)),
             retry: RetryPolicy::new(options.download_attempts),
             signer: None,
+            head_absence_checked: AtomicBool::new(false),
         }
     }
 
@@ -306,6 +310,15 @@ impl HttpTransport {
         let status = resp.status().as_u16();
         match status {
             200..=299 => Ok((Some(resp), permit)),
+            404 | 403 if self.signer.is_some() => {
+                let reading = matches!(*spec.method, reqwest::Method::GET | reqwest::Method::HEAD);
+                match super::s3::error_of(&body_prefix(resp, self.stall, S3_ERROR_PREFIX).await) {
+                    Some((code, _)) if reading && super::s3::is_absence(&code) => Ok((None, permit)),
+                    None if reading => Ok((None, permit)),
+                    Some((code, message)) => Err(CacheError::S3 { url: url.to_string(), status, code, message }.into()),
+                    None => Err(CacheError::S3 { url: url.to_string(), status, code: "(no code)".into(), message: String::new() }.into()),
+                }
+            }
             404 | 403 | 410 => Ok((None, permit)),
             _ => {
                 let retry_after = resp
@@ -313,7 +326,7 @@ impl HttpTransport {
                     .get(reqwest::header::RETRY_AFTER)
                     .and_then(|v| v.to_str().ok()?.trim().parse().ok())
                     .map(Duration::from_secs);
-                let body = body_prefix(resp, self.stall).await;
+                let body = body_prefix(resp, self.stall, BODY_PREFIX).await;
                 Err(Failure { error: CacheError::Status { url: url.to_string(), status, body }, retry_after })
             }
         }
@@ -364,9 +377,15 @@ impl HttpTransport {
         .await
     }
 
-    /// Whether `rel` exists (`HEAD`: a success status; 404, 403 and 410 are absence).
+    /// Whether `rel` exists (`HEAD`: a success status; 404, 403 and 410 are absence). On S3,
+    /// the first absence is asked again by `GET`, whose answer carries the error code that
+    /// tells a missing key from wrong credentials or a missing bucket.
     pub async fn exists(&self, rel: &str) -> Result<bool, CacheError> {
-        Ok(self.send(rel, Request { method: &reqwest::Method::HEAD, body: None, headers: &[] }).await?.is_some())
+        let found = self.send(rel, Request { method: &reqwest::Method::HEAD, body: None, headers: &[] }).await?.is_some();
+        if !found && self.signer.is_some() && !self.head_absence_checked.swap(true, Ordering::Relaxed) {
+            self.send(rel, Request::GET).await?;
+        }
+        Ok(found)
     }
 
     /// Creates or replaces `rel` with `upload` (`PUT`, as Nix's `upsertFile`).
@@ -471,17 +490,17 @@ async fn read_body(url: &str, resp: reqwest::Response, stall: Duration) -> Resul
     }
 }
 
-/// The first [`BODY_PREFIX`] bytes of an error answer, as one line of text (best effort).
-async fn body_prefix(resp: reqwest::Response, stall: Duration) -> String {
+/// The first `limit` bytes of an error answer, as one line of text (best effort).
+async fn body_prefix(resp: reqwest::Response, stall: Duration, limit: usize) -> String {
     let mut buf = Vec::new();
     let mut stream = resp.bytes_stream();
-    while buf.len() < BODY_PREFIX {
+    while buf.len() < limit {
         match tokio::time::timeout(stall.min(Duration::from_secs(5)), stream.next()).await {
             Ok(Some(Ok(chunk))) => buf.extend_from_slice(&chunk),
             _ => break,
         }
     }
-    buf.truncate(BODY_PREFIX);
+    buf.truncate(limit);
     let text = String::from_utf8_lossy(&buf).split_whitespace().collect::<Vec<_>>().join(" ");
     text.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect()
 }

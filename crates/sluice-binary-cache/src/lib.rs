@@ -19,6 +19,7 @@ mod pool;
 pub mod retry;
 pub mod s3;
 pub mod spool;
+mod tls;
 pub mod transfer;
 pub mod upload;
 pub mod url;

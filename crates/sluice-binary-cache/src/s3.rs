@@ -4,7 +4,10 @@
 //! sha256 in `x-amz-content-sha256` and, on uploads, its MD5 in `Content-MD5`. The bucket's URL
 //! is `ENDPOINT/BUCKET` in path style (the default with a custom `endpoint`, as Nix's
 //! `addressing-style=auto`) and `BUCKET.ENDPOINT` in virtual-hosted style (the default on AWS,
-//! `s3.REGION.amazonaws.com`). HEAD 403/404 mean absence, as for HTTP.
+//! `s3.REGION.amazonaws.com`). A 403 or 404 means absence only when S3's error code says so
+//! ([`is_absence`]): Nix's `S3Helper::getObject` and `fileExists` take `NoSuchKey` and
+//! `AccessDenied` (a missing key without `ListBucket`) for absence and fail on every other
+//! error (`SignatureDoesNotMatch`, `InvalidAccessKeyId`, `NoSuchBucket`, …).
 //!
 //! Credentials, as the AWS SDK's default chain that Nix uses: with `profile=`, that profile of
 //! the shared credentials file (`$AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`);
@@ -73,6 +76,32 @@ impl S3 {
             _ => http.put(rel, upload, mime, &headers).await,
         }
     }
+}
+
+/// The code and message of an S3 error answer (`<Error><Code>…</Code><Message>…</Message>`);
+/// `None` when `body` has no code (the answer to a `HEAD` has no body). The message is empty
+/// when there is none.
+pub(crate) fn error_of(body: &str) -> Option<(String, String)> {
+    let element = |name: &str| {
+        let start = body.find(&format!("<{name}>"))? + name.len() + 2;
+        let end = start + body[start..].find(&format!("</{name}>"))?;
+        Some(unescape(body[start..end].trim()))
+    };
+    Some((element("Code").filter(|c| !c.is_empty())?, element("Message").unwrap_or_default()))
+}
+
+/// `text` with XML's five predefined entities replaced.
+fn unescape(text: &str) -> String {
+    [("&lt;", "<"), ("&gt;", ">"), ("&quot;", "\""), ("&apos;", "'"), ("&amp;", "&")]
+        .iter()
+        .fold(text.to_string(), |t, (from, to)| t.replace(from, to))
+}
+
+/// Whether S3's error `code` on a download or an existence check means the key is absent:
+/// `NoSuchKey`, or `AccessDenied`, which S3 answers for a missing key when the credentials
+/// may not list the bucket (as Nix's `s3-binary-cache-store.cc` takes them).
+pub(crate) fn is_absence(code: &str) -> bool {
+    matches!(code, "NoSuchKey" | "AccessDenied")
 }
 
 /// SigV4 request signing for service `s3`.
@@ -292,6 +321,26 @@ mod tests {
             assert_eq!(id(plain.current_by(search(Some(Credentials::new("P", "s", None, None, "test")))).await).as_deref(), Some("P"));
         }
         assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 4);
+    }
+
+    #[test]
+    fn error_codes() {
+        let wrong_key = r#"<?xml version="1.0" encoding="UTF-8"?>
+<Error><Code>SignatureDoesNotMatch</Code><Message>The request signature we calculated does not match the signature you provided. Check your key &amp; signing method.</Message><AWSAccessKeyId>AK</AWSAccessKeyId></Error>"#;
+        assert_eq!(
+            error_of(wrong_key),
+            Some((
+                "SignatureDoesNotMatch".into(),
+                "The request signature we calculated does not match the signature you provided. Check your key & signing method.".into()
+            ))
+        );
+        let no_bucket =
+            "<Error><Code>NoSuchBucket</Code><Message>The specified bucket does not exist</Message><BucketName>b</BucketName></Error>";
+        assert_eq!(error_of(no_bucket).map(|(c, _)| is_absence(&c)), Some(false));
+        assert_eq!(error_of("<Error><Code>NoSuchKey</Code></Error>"), Some(("NoSuchKey".into(), String::new())));
+        assert!(is_absence("NoSuchKey") && is_absence("AccessDenied") && !is_absence("InvalidAccessKeyId"));
+        assert_eq!(error_of(""), None);
+        assert_eq!(error_of("<Error><Code></Code></Error>"), None);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use sluice_local_store::{LocalStore, LocalStoreError};
 use sluice_store::config::RawConfig;
 use sluice_store::store_url::LocalStoreConfig;
 
-pub use server::{serve_socket, serve_stdio};
+pub use server::{serve_listener, serve_socket, serve_stdio};
 
 /// The worker-protocol version this daemon speaks at most: 1.38 (Nix 2.24: the feature
 /// exchange, [`FEATURES`]; 1.37 CPU times in build results; 1.36 AddPermRoot; 1.35 the

@@ -28,7 +28,7 @@ const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Listens on `socket` (replacing a stale socket file, creating its directory, mode 0666 so
 /// that every user can connect; `allowed-users` decides) and serves clients until the
-/// process ends. Each connection runs on its own thread; a failing connection affects no
+/// process ends ([`serve_listener`]). Each connection runs on its own thread; a failing connection affects no
 /// other. A connection beyond the [`Limits`] of its user is accepted and closed at once, with
 /// a warning in the log (before the greeting the protocol cannot carry a message).
 pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonError> {
@@ -49,13 +49,21 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
     let listener = sluice_local_store::unix_socket::bind(&temp).map_err(io("binding"))?;
     std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o666)).map_err(io("setting the mode of"))?;
     std::fs::rename(&temp, socket).map_err(io("moving the new socket into place at"))?;
+    serve_listener(daemon, listener, &socket.display().to_string());
+    Ok(())
+}
+
+/// Serves the clients of `listener` (a socket bound by [`serve_socket`], or handed over by
+/// systemd's socket activation), named `name` in the log, until the process ends: each
+/// connection on its own thread, trusted by its peer's uid, within its user's [`Limits`].
+pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListener, name: &str) {
     let limits = Arc::new(Limits::current());
-    tracing::info!("listening on {}", socket.display());
+    tracing::info!("listening on {name}");
     for (n, stream) in listener.incoming().enumerate() {
         let stream = match stream {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!("accepting a connection on {}: {e}", socket.display());
+                tracing::warn!("accepting a connection on {name}: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             }
@@ -99,7 +107,6 @@ pub fn serve_socket(daemon: Arc<Daemon>, socket: &Path) -> Result<(), DaemonErro
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
         }
     }
-    Ok(())
 }
 
 /// Serves one client on standard input and output, then returns.

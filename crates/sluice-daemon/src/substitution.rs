@@ -23,7 +23,22 @@ use crate::Daemon;
 /// Progress of a substitution, forwarded to the client as activities.
 #[derive(Debug)]
 pub(crate) enum Progress {
-    Started(StorePath),
+    /// A path will be substituted: its compressed and NAR sizes (0 if unknown).
+    Queued {
+        path: StorePath,
+        download: u64,
+        nar: u64,
+    },
+    /// Its NAR started to arrive from the cache at URL `cache` (again on a further attempt).
+    Started {
+        path: StorePath,
+        cache: String,
+    },
+    /// Its NAR is downloaded from `url` (an HTTP cache's).
+    Fetching {
+        path: StorePath,
+        url: String,
+    },
     Done(StorePath),
     Failed(StorePath),
 }
@@ -31,8 +46,14 @@ pub(crate) enum Progress {
 struct Forward(mpsc::UnboundedSender<Progress>);
 
 impl Observer for Forward {
-    fn queued(&self, path: &StorePath, _: u64, _: u64) {
-        let _ = self.0.send(Progress::Started(path.clone()));
+    fn queued(&self, path: &StorePath, download: u64, nar: u64) {
+        let _ = self.0.send(Progress::Queued { path: path.clone(), download, nar });
+    }
+    fn started(&self, path: &StorePath, cache: &str) {
+        let _ = self.0.send(Progress::Started { path: path.clone(), cache: cache.to_owned() });
+    }
+    fn fetching(&self, path: &StorePath, url: &str) {
+        let _ = self.0.send(Progress::Fetching { path: path.clone(), url: url.to_owned() });
     }
     fn done(&self, path: &StorePath, _: u64) {
         let _ = self.0.send(Progress::Done(path.clone()));

@@ -123,9 +123,9 @@ async fn accept_loop(
         let (app, builder, tls) = (app.clone(), builder.clone(), tls.clone());
         tokio::spawn(async move {
             let served = match tls {
-                None => serve(&builder, tcp, app, slot, idle).await,
+                None => serve(&builder, tcp, peer, app, slot, idle).await,
                 Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => serve(&builder, stream, app, slot, idle).await,
+                    Ok(Ok(stream)) => serve(&builder, stream, peer, app, slot, idle).await,
                     Ok(Err(e)) => Err(e.into()),
                     Err(_) => Err("TLS handshake timed out".into()),
                 },
@@ -137,12 +137,13 @@ async fn accept_loop(
     }
 }
 
-/// Serves `app` on one connection in its `slot`, each request and its bodies [`Tracked`] in
+/// Serves `app` on one connection from `peer` in its `slot`, each request and its bodies [`Tracked`] in
 /// the connection's [`Activity`], until the client closes it or the watchdog does (see the
 /// module doc).
 async fn serve<S>(
     builder: &auto::Builder<TokioExecutor>,
     stream: S,
+    peer: std::net::SocketAddr,
     app: Arc<App>,
     slot: Slot,
     idle: Duration,
@@ -155,7 +156,8 @@ where
     let requests = activity.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let (app, request) = (app.clone(), requests.start());
-        let req = req.map(|body| Tracked::new(body, Side::Request, request.clone()));
+        let mut req = req.map(|body| Tracked::new(body, Side::Request, request.clone()));
+        req.extensions_mut().insert(crate::routes::Client(peer));
         async move { Ok::<_, Infallible>(app.handle(req).await.map(|body| Tracked::new(body, Side::Response, request))) }
     });
     let conn = builder.serve_connection(TokioIo::new(Counted::new(stream, activity.clone())), service);

@@ -76,8 +76,10 @@ impl Metrics {
     }
 }
 
-/// A response body that counts its bytes and records the request in [`Metrics`] when it is
-/// dropped (sent in full, or abandoned by the client).
+/// A response body that counts its bytes and, when it is dropped (sent in full, or abandoned
+/// by the client), records the request in [`Metrics`] and writes its access log line (at
+/// `info`, `sluice serve -v`): the client, the request line, the status, the body's bytes
+/// and the time from the request's arrival.
 pub struct Metered<B> {
     inner: B,
     metrics: Arc<Metrics>,
@@ -85,17 +87,21 @@ pub struct Metered<B> {
     status: u16,
     started: Instant,
     bytes: u64,
+    /// `CLIENT "METHOD TARGET VERSION"`.
+    request: String,
 }
 
 impl<B> Metered<B> {
-    pub fn new(inner: B, metrics: Arc<Metrics>, endpoint: &'static str, status: u16, started: Instant) -> Self {
-        Metered { inner, metrics, endpoint, status, started, bytes: 0 }
+    pub fn new(inner: B, metrics: Arc<Metrics>, endpoint: &'static str, status: u16, started: Instant, request: String) -> Self {
+        Metered { inner, metrics, endpoint, status, started, bytes: 0, request }
     }
 }
 
 impl<B> Drop for Metered<B> {
     fn drop(&mut self) {
-        self.metrics.record(self.endpoint, self.status, self.bytes, self.started.elapsed().as_secs_f64());
+        let secs = self.started.elapsed().as_secs_f64();
+        self.metrics.record(self.endpoint, self.status, self.bytes, secs);
+        tracing::info!(target: "sluice_serve::access", "{} {} {} bytes in {:.1} ms", self.request, self.status, self.bytes, secs * 1000.0);
     }
 }
 

@@ -266,10 +266,16 @@ fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes
     r
 }
 
+/// The address of the client that sent a request (in its extensions, for the access log).
+#[derive(Debug, Clone, Copy)]
+pub struct Client(pub std::net::SocketAddr);
+
 impl App {
     /// Answers one request (never fails: store errors become 500 naming the store and path).
     pub async fn handle(self: Arc<Self>, req: Request<RequestBody>) -> Response<Body> {
         let started = Instant::now();
+        let client = req.extensions().get::<Client>().map_or_else(|| "-".to_owned(), |c| c.0.to_string());
+        let request = format!("{client} \"{} {} {:?}\"", req.method(), req.uri(), req.version());
         let path = req.uri().path().to_string();
         let route = route(&path);
         let endpoint = route.endpoint();
@@ -282,7 +288,7 @@ impl App {
         };
         let (parts, body) = answer.into_parts();
         let status = parts.status.as_u16();
-        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started))
+        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started, request))
     }
 
     async fn answer(self: &Arc<Self>, route: Route<'_>, req: Request<RequestBody>) -> Result<Answer, StoreError> {

@@ -64,6 +64,11 @@ impl Store for LocalStoreHandle {
         }))
     }
 
+    fn query_all_valid_paths(&self) -> StoreFuture<'_, std::collections::BTreeSet<StorePath>> {
+        let store = self.store.clone();
+        Box::pin(blocking(&self.url, move || Ok(store.query_all_valid_paths()?)))
+    }
+
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
         let (store, hash_part) = (self.store.clone(), hash_part.to_string());
         Box::pin(blocking(&self.url, move || Ok(store.query_path_from_hash_part(&hash_part)?)))

@@ -100,16 +100,21 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         .boxed();
         let (src, dst, slots, info, tx) = (src.clone(), dst.clone(), slots.clone(), info.clone(), senders.remove(&info.path));
         tasks.push(tokio::spawn(async move {
-            let permit = slots.acquire_owned().await.expect("semaphore never closed");
             let shown = dst.store_dir().display_path(&info.path);
-            let outcome = match src.nar_from_path(&info).await {
-                Err(e) => Err(Failure::copy(&shown, src.url(), &e)),
-                Ok(nar) => {
-                    let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
-                    // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).
-                    dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate)
-                        .await
-                        .map_err(|e| Failure::copy(&shown, dst.url(), &e))
+            let mut gate = Some(gate);
+            let outcome = loop {
+                let permit = slots.clone().acquire_owned().await.expect("semaphore never closed");
+                let nar = match src.nar_from_path(&info).await {
+                    Err(e) => break Err(Failure::copy(&shown, src.url(), &e)),
+                    Ok(nar) => Box::new(SlotReader { inner: nar, permit: Some(permit) }) as NarReader,
+                };
+                // Its references were added before the first attempt.
+                let gate = gate.take().unwrap_or_else(|| async { Ok(()) }.boxed());
+                // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).
+                match dst.add_to_store(ValidPathInfo { ultimate: false, ..info.clone() }, nar, gate).await {
+                    // Sent again, on its own verdict.
+                    Err(StoreError::NotAttempted { .. }) => continue,
+                    added => break added.map_err(|e| Failure::copy(&shown, dst.url(), &e)),
                 }
             };
             if let Some(tx) = tx {

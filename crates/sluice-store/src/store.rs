@@ -54,6 +54,11 @@ pub enum StoreError {
     /// A path was not added because a path it refers to failed.
     #[error("{path} not added: its reference {reference} failed")]
     ReferenceFailed { path: String, reference: String },
+    /// A daemon refused another path of the AddMultipleToStore this path was sent in, and
+    /// stopped before this one: it was not looked at, and may be sent again
+    /// ([`crate::push::copy_closures`] does).
+    #[error("not added: the daemon refused {refused}, sent before it in the same AddMultipleToStore")]
+    NotAttempted { refused: String },
     /// Something else, with its context (a key file, a settings problem).
     #[error("{0}")]
     Other(String),
@@ -94,6 +99,12 @@ pub trait Store: Send + Sync {
             let Some(path) = self.query_path_from_hash_part(hash_part).await? else { return Ok(None) };
             Ok(self.query_path_infos(std::slice::from_ref(&path)).await?.pop().flatten().map(|p| p.info))
         })
+    }
+
+    /// Every valid path (Nix's `queryAllValidPaths`, which binary caches and daemons other
+    /// than a local store's do not answer here).
+    fn query_all_valid_paths(&self) -> StoreFuture<'_, BTreeSet<StorePath>> {
+        Box::pin(async move { Err(StoreError::Unsupported { url: self.url().to_string(), what: "listing every valid path" }) })
     }
 
     /// The build log of the derivation `drv` (Nix's `getBuildLog`), uncompressed, as a stream;

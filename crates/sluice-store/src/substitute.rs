@@ -82,6 +82,9 @@ pub trait Observer: Send + Sync {
     /// The NAR of a path started to arrive from the cache at `cache` (its URL); called again
     /// for each further attempt.
     fn started(&self, _path: &StorePath, _cache: &str) {}
+    /// The NAR of a path, which [`started`](Self::started) to arrive, is downloaded from `url`
+    /// (an HTTP cache's: what Nix's `FileTransfer` reports as `actFileTransfer`).
+    fn fetching(&self, _path: &StorePath, _url: &str) {}
     /// `bytes` more compressed bytes arrived from the cache at `cache` (its URL).
     fn downloaded(&self, _cache: &str, _bytes: u64) {}
     /// A path became valid in the destination; its NAR (`nar_size` bytes) was unpacked.

@@ -45,17 +45,32 @@ pub struct Args {
     /// Print a JSON report on standard output.
     #[arg(long)]
     json: bool,
+    /// Copy every valid path of `--from` (a store that lists its paths: a local store).
+    #[arg(long, requires = "from", conflicts_with = "paths")]
+    all: bool,
+    /// Read store paths from standard input too, separated by white space.
+    #[arg(long)]
+    stdin: bool,
+    /// Copy the derivations of the paths (a `.drv` stands for itself, any other path for its
+    /// deriver in `--from`), as Nix's `--derivation`.
+    #[arg(long, requires = "from")]
+    derivation: bool,
+    /// Let the destination substitute paths from its `substituters` before they are copied
+    /// from `--from` (into a local store).
+    #[arg(short = 's', long)]
+    substitute_on_destination: bool,
     #[command(flatten)]
     cache: CacheFlags,
     /// Store paths whose closures to copy.
-    #[arg(required = true)]
+    #[arg(required_unless_present_any = ["all", "stdin"])]
     paths: Vec<String>,
 }
 
 /// Runs `sluice copy`; exit status 0 only when every path asked for is valid in the destination.
 /// From binary caches into a local store, the substitution pipeline copies; any other pair of
 /// stores goes through the `Store` interface.
-pub fn run(args: Args) -> Result<ExitCode, String> {
+pub fn run(mut args: Args) -> Result<ExitCode, String> {
+    args.paths = paths(&args)?;
     // Without --to, the `store` setting's local store.
     let into_local = args.to.as_deref().is_none_or(|t| StoreUrl::parse(t).is_ok_and(|u| u.as_local().is_some()));
     let from_cache = args.from.as_deref().is_none_or(|f| StoreUrl::parse(f).is_ok_and(|u| u.as_cache().is_some()));
@@ -65,9 +80,28 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
 }
 
+/// The paths to copy: those given (and with `--stdin` read), every valid path of `--from`
+/// with `--all`, their derivations with `--derivation`.
+fn paths(args: &Args) -> Result<Vec<String>, String> {
+    let given = setup::with_stdin(args.paths.clone(), args.stdin)?;
+    let Some(from) = args.from.as_deref().filter(|_| args.all || args.derivation) else { return Ok(given) };
+    let settings = setup::settings(&args.cache)?;
+    setup::runtime()?.block_on(async {
+        let src = open_store(from, &settings).await.map_err(|e| e.to_string())?;
+        let paths = match args.all {
+            true => src.query_all_valid_paths().await.map_err(|e| e.to_string())?.into_iter().collect(),
+            false => crate::path_info::derivations(src.as_ref(), setup::parse_paths(src.store_dir(), &given)?).await?,
+        };
+        Ok(paths.iter().map(|p| src.store_dir().display_path(p)).collect())
+    })
+}
+
 /// Copies between any two stores through the `Store` interface.
 fn push(args: Args) -> Result<ExitCode, String> {
     let to = args.to.as_deref().unwrap_or_default();
+    if args.substitute_on_destination {
+        return Err(format!("{to}: --substitute-on-destination applies to copies from binary caches into a local store"));
+    }
     let from = args.from.as_deref().ok_or_else(|| format!("{to}: copying into a store that is not local needs --from"))?;
     let settings = setup::settings(&args.cache)?;
     let started = Instant::now();
@@ -94,10 +128,10 @@ fn push(args: Args) -> Result<ExitCode, String> {
         ))?;
     }
     eprintln!(
-        "copied {} paths ({:.2} MiB of NAR) to {} in {:.2} s; {} already there, {} failed",
+        "copied {} paths ({:.1} MiB) to {} in {:.2} s; {} already there, {} failed",
         report.copied.len(),
         report.nar_bytes as f64 / MIB,
-        to,
+        shown_url(to),
         secs,
         report.already_valid,
         report.failed.len()
@@ -118,6 +152,9 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
     let to = args.to.clone().unwrap_or_else(|| settings.store.clone());
     dest.ensure_writable("copy paths into it").map_err(|e| format!("{to}: {e}"))?;
     let urls = match &args.from {
+        // The destination's substituters first (`-s`), as Nix's `copyPaths` lets the
+        // destination substitute before it copies from the source.
+        Some(from) if args.substitute_on_destination => settings.substituters.iter().chain([from]).cloned().collect(),
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),
     };
@@ -173,6 +210,8 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         progress.error(&line);
     }
     let valid = dest.query_valid_paths(&roots).map_err(|e| e.to_string())?;
+    // What the user asked for is the closures: those of the valid roots count, not the roots.
+    let closure = valid_closure(&dest, valid.iter().cloned().collect())?;
     // Closed before the report is written: a report that waits on its reader, ended there by
     // a signal, leaves the store as a finished command does.
     drop(dest);
@@ -182,22 +221,57 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         let sizes = [("downloadSize", report.downloaded), ("narSize", report.unpacked)];
         print_report(&json_report(&store_dir, ("substituted", &report.substituted), report.already_valid, &report.failed, &sizes, secs))?;
     }
-    let summary = format!(
-        "copied {} paths ({:.2} MiB downloaded, {:.2} MiB unpacked) in {:.2} s; {} already valid, {} failed",
-        report.substituted.len(),
-        report.downloaded as f64 / MIB,
-        report.unpacked as f64 / MIB,
-        secs,
-        report.already_valid,
-        report.failed.len()
-    );
-    progress.msg(LVL_WARN, &summary);
+    let already_valid = closure.saturating_sub(report.substituted.len());
+    progress
+        .msg(LVL_WARN, &summary(report.substituted.len(), report.unpacked, report.downloaded, secs, already_valid, report.failed.len()));
     for m in missing.iter().filter(|m| !report.failed.contains_key(**m)) {
-        progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), to));
+        progress.error(&format!("{} is not valid in {}", store_dir.display_path(m), shown_url(&to)));
     }
     // The copy's tasks have ended (and its temporary roots with them), and the store is closed.
     setup::leave_runtime(rt);
     Ok(if missing.is_empty() && report.failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The summary of a copy in Nix's progress bar's words (`copied`, `DL`), with the counts that
+/// are not 0 after it: `copied 1056 paths (21.8 MiB, 11.4 MiB DL) in 3.21 s; 2 failed`, which
+/// fits 80 columns for a copy of thousands of paths.
+fn summary(copied: usize, nar: u64, downloaded: u64, secs: f64, already_valid: usize, failed: usize) -> String {
+    let mut line = format!("copied {copied} paths ({:.1} MiB, {:.1} MiB DL) in {secs:.2} s", nar as f64 / MIB, downloaded as f64 / MIB);
+    let counts: Vec<String> = [(already_valid, "already valid"), (failed, "failed")]
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, what)| format!("{n} {what}"))
+        .collect();
+    if !counts.is_empty() {
+        line.push_str(&format!("; {}", counts.join(", ")));
+    }
+    line
+}
+
+/// The number of paths in the closures of `roots`, valid paths of `store`.
+fn valid_closure(store: &sluice_local_store::LocalStore, roots: Vec<StorePath>) -> Result<usize, String> {
+    let mut seen: std::collections::BTreeSet<StorePath> = roots.iter().cloned().collect();
+    let mut level = roots;
+    while !level.is_empty() {
+        let mut next = Vec::new();
+        for info in store.query_path_infos(&level) {
+            let info = info.map_err(|e| e.to_string())?;
+            next.extend(info.into_iter().flat_map(|i| i.references).filter(|r| seen.insert(r.clone())));
+        }
+        level = next;
+    }
+    Ok(seen.len())
+}
+
+/// `url` as it is shown: without the `secret-key` and `secret-keys` parameters, which name
+/// the files of secret keys.
+fn shown_url(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else { return url.to_owned() };
+    let kept: Vec<&str> = query.split('&').filter(|p| !matches!(p.split('=').next(), Some("secret-key" | "secret-keys"))).collect();
+    match kept.is_empty() {
+        true => base.to_owned(),
+        false => format!("{base}?{}", kept.join("&")),
+    }
 }
 
 /// The longest an interrupted copy waits for its work in flight to end: in practice, as long as

@@ -10,8 +10,9 @@ use sluice_store::store_url::StoreUrl;
 /// Arguments of `sluice daemon`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The Unix socket to listen on (default: `$NIX_DAEMON_SOCKET_PATH`, else
-    /// `daemon-socket/socket` in `$NIX_STATE_DIR` or `/nix/var/nix`, as Nix's).
+    /// The Unix socket to listen on (default: the socket systemd's socket activation passes,
+    /// `LISTEN_FDS`; else `$NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in
+    /// `$NIX_STATE_DIR` or `/nix/var/nix`, as Nix's).
     #[arg(long, conflicts_with = "stdio")]
     socket: Option<PathBuf>,
     /// Serve one client on standard input and output (as `nix-daemon --stdio`).
@@ -34,6 +35,10 @@ pub struct Args {
     /// its log to the client. Without it, builds fail.
     #[arg(long, value_name = "unix://PATH")]
     build_via: Option<String>,
+    /// Settings over nix.conf's (`--option NAME VALUE`, `--substituters`, …), as
+    /// `nix-daemon --option` takes them.
+    #[command(flatten)]
+    cache: crate::setup::CacheFlags,
 }
 
 /// `--client-cpu`: [`sluice_daemon::ClientCpu`].
@@ -45,19 +50,35 @@ enum ClientCpu {
 
 /// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
 pub fn run(args: Args) -> Result<ExitCode, String> {
+    let activated = crate::systemd::listen_fds()?;
     let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
     let store = url.as_local().ok_or_else(|| format!("{}: the daemon serves a local store, not a {}", args.store, url.kind_name()))?;
-    let config = crate::setup::raw_config(&[])?;
+    let config = crate::setup::raw_settings(&args.cache)?;
     let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
     let options = sluice_daemon::DaemonOptions { client_cpu: args.client_cpu.into(), build_via };
     let daemon = sluice_daemon::Daemon::open_with(store, config, options).map_err(|e| e.to_string())?;
     let served = match (args.stdio, args.socket) {
         (true, _) => sluice_daemon::serve_stdio(daemon),
+        (false, None) if !activated.is_empty() => {
+            sluice_daemon::serve_listener(daemon, activated_socket(activated)?, "the socket systemd passed");
+            Ok(())
+        }
         (false, Some(socket)) => sluice_daemon::serve_socket(daemon, &socket),
         (false, None) => sluice_daemon::serve_socket(daemon, &daemon_socket().map_err(|e| e.to_string())?),
     };
     served.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The one Unix socket systemd passed (Nix's `nix-daemon` takes exactly one too).
+fn activated_socket(mut fds: Vec<std::os::fd::OwnedFd>) -> Result<std::os::unix::net::UnixListener, String> {
+    let fd = match (fds.pop(), fds.is_empty()) {
+        (Some(fd), true) => fd,
+        _ => return Err(format!("socket activation passed {} sockets; sluice daemon listens on one", fds.len() + 1)),
+    };
+    let listener = std::os::unix::net::UnixListener::from(fd);
+    listener.local_addr().map_err(|e| format!("the socket systemd passed is not a Unix socket: {e}"))?;
+    Ok(listener)
 }
 
 /// The socket path of a `--build-via` URL: `unix://` and an absolute path.

@@ -34,7 +34,30 @@ pub fn run(cmd: Command) -> Result<ExitCode, String> {
         if name.is_empty() || name.contains(':') {
             return Err(format!("invalid key name {name:?}: it must be non-empty and contain no ':'"));
         }
+        private_output();
         println!("{}", SecretKey::generate(&name));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Makes standard output, when it is a file (`sluice key generate NAME > key.sec`), readable by
+/// its owner only, as Nix writes secret keys (`nix-store --generate-binary-cache-key`, mode
+/// 0600); warns when it cannot.
+fn private_output() {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(fd) = std::io::stdout().as_fd().try_clone_to_owned() else { return };
+    let file = std::fs::File::from(fd);
+    let Ok(meta) = file.metadata() else { return };
+    if meta.is_file() && meta.permissions().mode() & 0o077 != 0 {
+        if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+            crate::log::Log::get().msg(
+                crate::log::LVL_WARN,
+                &format!(
+                    "warning: the secret key goes to a file others may read (mode {:o}), which cannot be made 0600: {e}",
+                    meta.permissions().mode() & 0o777
+                ),
+            );
+        }
+    }
 }

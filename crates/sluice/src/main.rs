@@ -14,6 +14,7 @@ mod progress;
 mod serve;
 mod setup;
 mod stderr;
+mod systemd;
 mod terminal;
 
 /// The allocator: jemalloc, whose per-thread caches take the buffers and path records that
@@ -76,7 +77,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // A usage error exits with 1, as Nix's do (clap's own is 2); `--help` and `--version` with 0.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
+        }
+    };
     let log = log::Log::init(&cli.log);
     stderr::write_waiting_lines_on_panic();
     // sluice's own messages: warnings by default, more with -v (info) and -vv (debug); the

@@ -1,5 +1,5 @@
 //! `sluice nar`: `dump` a path as a NAR (`nix-store --dump`), `restore` a NAR into a
-//! directory (`nix-store --restore`), `ls` a NAR file (`nix nar ls`).
+//! directory (`nix-store --restore`), `ls` a NAR file (`nix nar ls`), `cat` a file in it (`nix nar cat`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -48,6 +48,16 @@ pub enum Command {
         /// The path inside the NAR (`/` for its root).
         path: String,
     },
+    /// Print the contents of a regular file inside a NAR file.
+    Cat {
+        /// Read the path as this Nix version does (see `ls`).
+        #[arg(long, value_enum, default_value = "2.26", value_name = "VERSION")]
+        as_nix: NixVersion,
+        /// The NAR file.
+        file: PathBuf,
+        /// The path of a regular file inside the NAR.
+        path: String,
+    },
 }
 
 /// Runs a `sluice nar` subcommand.
@@ -60,13 +70,36 @@ pub fn run(cmd: Command) -> Result<ExitCode, String> {
             let stdin = std::io::stdin();
             restore_nar(&mut stdin.lock(), &dir).map_err(|e| format!("restoring into {}: {e}", dir.display()))?;
         }
+        Command::Cat { as_nix, file, path } => {
+            let (root, components) = open_listing(&file, &path, as_nix)?;
+            // Nix 2.26's `nar cat` shows a path that is there as a `CanonPath` (`cat.cc`), one
+            // that is not as its NAR accessor does (`«unknown»/…`).
+            let shown = |accessor: &str| match as_nix {
+                NixVersion::V2_26 => format!("{accessor}/{}", components.join("/")),
+                NixVersion::V2_8 => path.clone(),
+            };
+            // Nix 2.8's NAR accessor walks every character of a path that is not empty, and
+            // needs a directory to do so: `/` of a lone file's NAR is not there.
+            let found = match (as_nix, &root) {
+                (NixVersion::V2_8, NarEntry::Regular { .. } | NarEntry::Symlink { .. }) if !path.is_empty() => None,
+                _ => root.find(components.iter().copied()),
+            };
+            let Some(NarEntry::Regular { size, nar_offset, .. }) = found else {
+                return Err(match found {
+                    Some(_) => format!("path '{}' is not a regular file", shown("")),
+                    None => format!("path '{}' does not exist", shown("«unknown»")),
+                });
+            };
+            use std::io::{Read, Seek};
+            let mut f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            f.seek(std::io::SeekFrom::Start(*nar_offset)).map_err(|e| format!("{}: {e}", file.display()))?;
+            std::io::copy(&mut f.take(*size), &mut out).map_err(|e| format!("{}: {e}", file.display()))?;
+        }
         Command::Ls { recursive, long, directory, json, as_nix, file, path } => {
             if json && directory {
                 return Err("'--directory' is useless with '--json'".into());
             }
-            let components = ls_components(&path, as_nix)?;
-            let f = std::fs::File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-            let root = list_whole(std::io::BufReader::new(f)).map_err(|e| format!("{}: {e}", file.display()))?;
+            let (root, components) = open_listing(&file, &path, as_nix)?;
             let shown = match as_nix {
                 // A NAR accessor's paths show as `«unknown»/…` in Nix 2.26 (`showPath`).
                 NixVersion::V2_26 => format!("«unknown»/{}", components.join("/")),
@@ -101,6 +134,15 @@ pub fn run(cmd: Command) -> Result<ExitCode, String> {
     }
     out.flush().map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The listing of the NAR `file` and the names below its root that `path` leads to
+/// ([`ls_components`]).
+fn open_listing<'a>(file: &std::path::Path, path: &'a str, as_nix: NixVersion) -> Result<(NarEntry, Vec<&'a str>), String> {
+    let components = ls_components(path, as_nix)?;
+    let f = std::fs::File::open(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let root = list_whole(std::io::BufReader::new(f)).map_err(|e| format!("{}: {e}", file.display()))?;
+    Ok((root, components))
 }
 
 /// The names below a NAR's root that `path` leads to, as the Nix version reads it.

@@ -30,6 +30,16 @@ pub struct Args {
     /// Include the closures of the paths.
     #[arg(short, long)]
     recursive: bool,
+    /// Every valid path of the store (a local store's).
+    #[arg(long, conflicts_with = "paths")]
+    all: bool,
+    /// Read store paths from standard input too, separated by white space.
+    #[arg(long)]
+    stdin: bool,
+    /// The derivations of the paths (a `.drv` stands for itself, any other path for its
+    /// deriver), as Nix's `--derivation`.
+    #[arg(long)]
+    derivation: bool,
     /// Print JSON as `nix path-info --json` does.
     #[arg(long)]
     json: bool,
@@ -54,7 +64,7 @@ pub struct Args {
     #[command(flatten)]
     config: ConfigFlags,
     /// Store paths.
-    #[arg(required = true)]
+    #[arg(required_unless_present_any = ["all", "stdin"])]
     paths: Vec<String>,
 }
 
@@ -73,10 +83,15 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     // `-S` needs the whole closure of each path even without `-r` (Nix's `computeFSClosure`).
     let walk = args.recursive || args.closure_size;
     let store_dir = StoreDir::default();
-    let roots = setup::parse_paths(&store_dir, &args.paths)?;
-    let (mut entries, missing) = setup::runtime()?.block_on(async {
+    let given = setup::parse_paths(&store_dir, &setup::with_stdin(args.paths.clone(), args.stdin)?)?;
+    let (roots, (mut entries, missing)) = setup::runtime()?.block_on(async {
         let store = open_store(&store_url, &settings).await.map_err(|e| e.to_string())?;
-        store_entries(store.as_ref(), roots.clone(), walk).await
+        let roots = match (args.all, args.derivation) {
+            (true, _) => store.query_all_valid_paths().await.map_err(|e| e.to_string())?.into_iter().collect(),
+            (false, true) => derivations(store.as_ref(), given).await?,
+            (false, false) => given,
+        };
+        Ok::<_, String>((roots.clone(), store_entries(store.as_ref(), roots, walk).await?))
     })?;
     let closure_sizes = if args.closure_size { closure_sizes(&entries) } else { BTreeMap::new() };
     if !args.recursive {
@@ -170,6 +185,25 @@ fn human_size_2_8(bytes: u64) -> String {
 }
 
 type Entries = (BTreeMap<StorePath, Entry>, Vec<StorePath>);
+
+/// The derivation each of `paths` stands for with `--derivation` (Nix's `toDerivations`): a
+/// `.drv` itself, any other path its deriver, which must be valid in `store` (Nix's
+/// `Store::queryValidDerivers`).
+pub async fn derivations(store: &dyn Store, paths: Vec<StorePath>) -> Result<Vec<StorePath>, String> {
+    let infos = store.query_path_infos(&paths).await.map_err(|e| e.to_string())?;
+    let derivers: Vec<StorePath> = infos.iter().flatten().filter_map(|e| e.info.deriver.clone()).collect();
+    let valid = store.query_valid_paths(&derivers).await.map_err(|e| e.to_string())?;
+    let dir = store.store_dir();
+    paths
+        .into_iter()
+        .zip(infos)
+        .map(|(path, info)| match info.and_then(|e| e.info.deriver) {
+            _ if path.is_derivation() => Ok(path),
+            Some(deriver) if valid.contains(&deriver) => Ok(deriver),
+            _ => Err(format!("'{}' does not have a known deriver", dir.display_path(&path))),
+        })
+        .collect()
+}
 
 /// The entries of `roots` (and their closures when `recursive`) in `store`, and the paths that
 /// are not valid there: the closure is walked breadth-first, one batch per level, which the

@@ -19,7 +19,8 @@ pub struct Args {
     /// sluice opens [default: the `store` setting].
     #[arg(long)]
     store: Option<String>,
-    /// Address to listen on, `HOST:PORT`; may be given more than once.
+    /// Address to listen on, `HOST:PORT`; may be given more than once. With systemd's socket
+    /// activation (`LISTEN_FDS`), the sockets it passes instead.
     #[arg(long = "listen", default_value = "[::]:5000")]
     listen: Vec<String>,
     /// A secret key file (as `nix key generate-secret` writes); every narinfo is signed with
@@ -55,8 +56,21 @@ pub struct Args {
 
 /// Runs `sluice serve` until it is killed or a listener fails.
 pub fn run(args: Args) -> Result<ExitCode, String> {
+    let activated = crate::systemd::listen_fds()?
+        .into_iter()
+        .map(|fd| {
+            let listener = std::net::TcpListener::from(fd);
+            listener.local_addr().map_err(|e| format!("a socket systemd passed is not a TCP socket: {e}"))?;
+            listener.set_nonblocking(true).map_err(|e| format!("a socket systemd passed: {e}"))?;
+            Ok(listener)
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     let settings = setup::settings(&CacheFlags::from(&args.config))?;
     let url = args.store.clone().unwrap_or_else(|| settings.store.clone());
+    if let Some(addr) = args.listen.iter().find(|a| !has_port(a)) {
+        return Err(format!("--listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000"));
+    }
+    must_exist(&url)?;
     let keys = args
         .secret_keys
         .iter()
@@ -73,11 +87,17 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     setup::runtime()?.block_on(async {
         let store = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
         let mut listeners = Vec::new();
-        for addr in &args.listen {
-            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?;
-            let local = listener.local_addr().map_err(|e| format!("{addr}: {e}"))?;
+        for listener in activated {
+            listeners.push(tokio::net::TcpListener::from_std(listener).map_err(|e| format!("a socket systemd passed: {e}"))?);
+        }
+        if listeners.is_empty() {
+            for addr in &args.listen {
+                listeners.push(tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listening on {addr}: {e}"))?);
+            }
+        }
+        for listener in &listeners {
+            let local = listener.local_addr().map_err(|e| format!("a listening socket: {e}"))?;
             eprintln!("serving {url} on {}://{local}", if tls.is_some() { "https" } else { "http" });
-            listeners.push(listener);
         }
         let app = Arc::new(sluice_serve::App {
             store,
@@ -90,4 +110,28 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         sluice_serve::run(listeners, tls, app, limits).await.map_err(|e| e.to_string())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether `addr` ends with a port: `HOST:PORT`, an IPv6 host in brackets (`[::1]:5000`).
+fn has_port(addr: &str) -> bool {
+    addr.rsplit_once(':').is_some_and(|(host, port)| port.parse::<u16>().is_ok() && (!host.contains(':') || host.ends_with(']')))
+}
+
+/// Refuses to serve a local store or a `file://` cache whose directory does not exist: opening
+/// it would make an empty one and serve that (Nix makes a chroot store it is asked to open,
+/// for writing; a server is asked to show what is there).
+fn must_exist(url: &str) -> Result<(), String> {
+    let Ok(parsed) = sluice_store::store_url::StoreUrl::parse(url) else { return Ok(()) };
+    let dir = match (parsed.as_local(), parsed.as_cache()) {
+        (Some(local), _) => local.dirs.real.clone(),
+        (None, Some(cache)) => match cache.base.strip_prefix("file://") {
+            Some(path) => PathBuf::from(path),
+            None => return Ok(()),
+        },
+        (None, None) => return Ok(()),
+    };
+    match dir.is_dir() {
+        true => Ok(()),
+        false => Err(format!("{url}: no store to serve: {} does not exist", dir.display())),
+    }
 }

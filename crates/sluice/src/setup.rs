@@ -23,6 +23,9 @@ pub struct CacheFlags {
     /// Accept paths without a trusted signature.
     #[arg(long)]
     pub no_check_sigs: bool,
+    /// Consider every narinfo remembered in the disk cache out of date (Nix's `--refresh`).
+    #[arg(long)]
+    pub refresh: bool,
     #[command(flatten)]
     pub config: ConfigFlags,
 }
@@ -68,6 +71,14 @@ pub fn default_store(flags: &ConfigFlags) -> Result<String, String> {
 
 /// Settings from nix.conf, `NIX_CONFIG` and the flags.
 pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
+    let raw = raw_settings(flags)?;
+    let mut settings = Settings::from_raw(&raw).map_err(|e| e.to_string())?;
+    settings.check_sigs = !flags.no_check_sigs;
+    Ok(settings)
+}
+
+/// The settings of nix.conf files and `NIX_CONFIG` with the flags applied, unparsed.
+pub fn raw_settings(flags: &CacheFlags) -> Result<RawConfig, String> {
     let mut raw = raw_config(&flags.config.option)?;
     if let Some(s) = &flags.substituters {
         raw.set("substituters", s);
@@ -81,9 +92,22 @@ pub fn settings(flags: &CacheFlags) -> Result<Settings, String> {
     if let Some(n) = flags.config.http_connections {
         raw.set("http-connections", &n.to_string());
     }
-    let mut settings = Settings::from_raw(&raw).map_err(|e| e.to_string())?;
-    settings.check_sigs = !flags.no_check_sigs;
-    Ok(settings)
+    if flags.refresh {
+        for ttl in ["narinfo-cache-positive-ttl", "narinfo-cache-negative-ttl", "tarball-ttl"] {
+            raw.set(ttl, "0");
+        }
+    }
+    Ok(raw)
+}
+
+/// The command-line paths, then with `stdin` (Nix's `--stdin`) those read from standard
+/// input, separated by white space.
+pub fn with_stdin(mut paths: Vec<String>, stdin: bool) -> Result<Vec<String>, String> {
+    if stdin {
+        let text = std::io::read_to_string(std::io::stdin()).map_err(|e| format!("reading paths from standard input: {e}"))?;
+        paths.extend(text.split_whitespace().map(str::to_owned));
+    }
+    Ok(paths)
 }
 
 /// Threads for blocking work (unpacking, SQLite, locks): NAR jobs beyond this wait for a

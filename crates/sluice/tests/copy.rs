@@ -237,3 +237,123 @@ fn copied_paths_are_not_ultimate_in_the_destination() {
     assert_eq!(ultimate(&by_nix), Value::Null, "Nix 2.8 leaves out ultimate when false");
     assert_eq!(ultimate(&by_sluice), ultimate(&by_nix));
 }
+
+/// `sluice copy` ARGS under `t`, with `input` on standard input.
+fn sluice_with_input(t: &Path, args: &[&str], input: &str) -> std::process::Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, t, "");
+    let mut child = cmd
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// The flags of `nix copy` Nix users type: `--all` (every valid path of `--from`),
+/// `--derivation` (a path's deriver's closure) copy what `nix copy` copies; `--stdin` reads the
+/// paths; `-s` lets the destination substitute from its substituters what `--from` lacks; and
+/// `--refresh` asks again a cache whose miss the narinfo disk cache remembers.
+#[test]
+fn copy_all_stdin_derivation_substitute_on_destination_and_refresh() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    let key = corpus_key();
+    let (libidn2, drv) = (corpus_path("libidn2-2.3.4"), "/nix/store/lwdbwfnqd05c45mlvn9537salc088cyg-libidn2-2.3.4.drv");
+    let src = t.join("src");
+    let subset = format!("file://{}", corpus().join("cache-subset-bzip2").display());
+    for (cache, path) in [(subset.clone(), libidn2.as_str()), (format!("file://{}", corpus().join("cache-drv").display()), drv)] {
+        check(&copy_with(t, &src, &cache, &key, &[], &[path]), "filling the source store");
+    }
+    let s = src.to_str().unwrap();
+    let closure = |path: &str| -> std::collections::BTreeSet<String> {
+        let o = nix(t, "nix-store", &["--store", s, "-qR", path]);
+        String::from_utf8(o.stdout).unwrap().lines().map(str::to_owned).collect()
+    };
+    for (flags, paths) in [(&["--all"][..], vec![]), (&["--derivation"], vec![libidn2.as_str()])] {
+        let (ours, theirs) = (t.join(format!("sluice{}", flags[0])), t.join(format!("nix{}", flags[0])));
+        let copied =
+            sluice(t, &[&["copy", "--from", s, "--to", ours.to_str().unwrap(), "--trusted-public-keys", &key][..], flags, &paths].concat());
+        check(&copied, &format!("sluice copy {flags:?}"));
+        let nix_copied = nix(
+            t,
+            "nix",
+            &[&["copy", "--from", s, "--to", theirs.to_str().unwrap(), "--option", "trusted-public-keys", &key][..], flags, &paths]
+                .concat(),
+        );
+        check(&nix_copied, &format!("nix copy {flags:?}"));
+        assert_eq!(registered_paths(&ours), registered_paths(&theirs), "{flags:?}");
+    }
+    assert_eq!(registered_paths(&t.join("sluice--all")), registered_paths(&src));
+    assert_eq!(registered_paths(&t.join("sluice--derivation")), closure(drv));
+    assert!(!registered_paths(&t.join("sluice--derivation")).contains(&libidn2));
+
+    let stdin = t.join("stdin");
+    let copied = sluice_with_input(
+        t,
+        &["copy", "--stdin", "--from", s, "--to", stdin.to_str().unwrap(), "--trusted-public-keys", &key],
+        &format!("{libidn2}\n"),
+    );
+    check(&copied, "sluice copy --stdin");
+    assert_eq!(registered_paths(&stdin), closure(&libidn2));
+
+    // A cache without the paths, and the destination's substituters with them.
+    let empty = t.join("empty-cache");
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::write(empty.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let from_empty = format!("file://{}", empty.display());
+    for (flag, ok) in [(None, false), (Some("-s"), true), (Some("--substitute-on-destination"), true)] {
+        let dst = t.join(format!("dst{}", flag.unwrap_or("")));
+        let args = ["copy", "--from", &from_empty, "--substituters", &subset, "--to", dst.to_str().unwrap(), "--trusted-public-keys", &key];
+        let copied = sluice(t, &[&args[..], flag.as_slice(), &[libidn2.as_str()]].concat());
+        assert_eq!(copied.status.success(), ok, "{flag:?}: {}", stderr(&copied));
+        assert_eq!(registered_paths(&dst), if ok { closure(&libidn2) } else { Default::default() }, "{flag:?}");
+    }
+
+    // The miss remembered: the cache fills, and only --refresh asks it again.
+    let late = CacheServer::start(&empty, &t.join("nginx"), &[]);
+    let refresh_dst = t.join("refresh");
+    let copy_late = |extra: &[&str]| copy_with(t, &refresh_dst, &late.url, &key, &[], &[&[libidn2.as_str()][..], extra].concat());
+    assert!(!copy_late(&[]).status.success());
+    let filled = std::process::Command::new("cp").arg("-a").arg(corpus().join("cache-subset-bzip2/.")).arg(&empty).status().unwrap();
+    assert!(filled.success());
+    let stale = copy_late(&[]);
+    assert!(!stale.status.success(), "the miss is remembered for narinfo-cache-negative-ttl");
+    check(&copy_late(&["--refresh"]), "sluice copy --refresh");
+    assert_eq!(registered_paths(&refresh_dst), closure(&libidn2));
+}
+
+/// The summary of a copy fits 80 columns, and a copy whose closure is valid already counts
+/// that closure, not the path asked for (it said "1 already valid"); the summary of a push
+/// names the cache without its `secret-key` file.
+#[test]
+fn copy_summaries_fit_80_columns_count_the_closure_and_hide_secret_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let top = corpus_path("hexurvend-wrapper");
+    let (root, key) = (t.join("root"), corpus_key());
+    let subset = format!("file://{}", corpus().join("cache-subset-bzip2").display());
+    let summary = |o: &std::process::Output| stderr(o).lines().last().unwrap_or_default().to_owned();
+    let first = copy_with(t, &root, &subset, &key, &[], &[&top]);
+    check(&first, "first copy");
+    let line = summary(&first);
+    assert!(line.starts_with("copied 25 paths (0.5 MiB, 0.2 MiB DL) in ") && line.ends_with(" s"), "{line}");
+    assert!(line.chars().count() <= 80, "{line}");
+    let again = copy_with(t, &root, &subset, &key, &[], &[&top]);
+    check(&again, "second copy");
+    let line = summary(&again);
+    assert!(line.starts_with("copied 0 paths (0.0 MiB, 0.0 MiB DL) in ") && line.ends_with(" s; 25 already valid"), "{line}");
+
+    let secret = t.join("push.sec");
+    std::fs::write(&secret, &sluice(t, &["key", "generate", "push-1"]).stdout).unwrap();
+    let cache = t.join("cache");
+    let to = format!("file://{}?secret-key={}&compression=none", cache.display(), secret.display());
+    let pushed = sluice(t, &["copy", "--from", root.to_str().unwrap(), "--to", &to, &top]);
+    check(&pushed, "push");
+    let line = summary(&pushed);
+    assert!(line.starts_with(&format!("copied 25 paths (0.5 MiB) to file://{}?compression=none in ", cache.display())), "{line}");
+    assert!(!stderr(&pushed).contains("secret-key") && !stderr(&pushed).contains("push.sec"), "{}", stderr(&pushed));
+}

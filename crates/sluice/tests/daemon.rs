@@ -984,6 +984,51 @@ fn a_daemon_below_a_long_directory_binds_and_serves() {
     drop(daemon);
 }
 
+/// Socket activation: `systemd-socket-activate` listens on a socket and starts `sluice daemon`
+/// at the first connection with that socket passed (`LISTEN_FDS`, `LISTEN_PID`), as systemd's
+/// `nix-daemon.socket` does: Nix 2.8 and Nix 2.26 clients are served on it, and the daemon
+/// creates no socket of its own (it bound its default one and left the passed one unanswered).
+#[test]
+fn a_socket_activated_daemon_serves_the_socket_systemd_passes() {
+    let env = Env::new();
+    let (socket, default) = (env.path("activated.socket"), env.path("default.socket"));
+    let mut cmd = env.cmd("systemd-socket-activate");
+    cmd.arg("-l").arg(&socket).arg(sluice()).args(["daemon", "--store"]).arg(env.path("root"));
+    cmd.env("NIX_DAEMON_SOCKET_PATH", &default).stderr(Stdio::null());
+    let daemon = wait_for_socket(cmd.spawn().expect("systemd-socket-activate (systemd) is installed"), &socket);
+    let file = env.path("activated.txt");
+    std::fs::write(&file, "served on the socket systemd passed\n").unwrap();
+    let added = env.cmd("timeout").args(["30", "nix-store", "--store", &daemon.url, "--add"]).arg(&file).output().unwrap();
+    assert!(added.status.success(), "Nix 2.8: {}", String::from_utf8_lossy(&added.stderr));
+    let path = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    assert!(path.starts_with("/nix/store/") && path.ends_with("-activated.txt"), "{path}");
+    assert!(env.path("root").join(path.trim_start_matches('/')).exists());
+    let (ok, _, err) = as_root(&env, true, "nix", &["path-info", "--store", &daemon.url, &path]);
+    assert!(ok, "Nix 2.26: {err}");
+    assert!(!default.exists(), "the daemon bound its default socket {}", default.display());
+}
+
+/// `sluice daemon --substituters URL --option NAME VALUE`, as `nix-daemon --option`: the
+/// settings given win over nix.conf's (which has no substituter here), and a Nix 2.8 client
+/// that sets none of them has the path substituted from the cache given.
+#[test]
+fn daemon_settings_from_its_command_line() {
+    let env = Env::new();
+    let cache = env.cache();
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    let key = cache_key();
+    let args = ["--substituters", &cache, "--option", "trusted-public-keys", &key, "--option", "narinfo-cache-negative-ttl", "0"];
+    let daemon = env.daemon_on("socket", "root", "", "", &args, None);
+    let out = env
+        .cmd("nix-store")
+        .env("NIX_CONFIG", "experimental-features = nix-command")
+        .args(["--store", &daemon.url, "-r", &glibc])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), glibc);
+}
+
 /// A raw client connection to `env`'s daemon after the greeting, as protocol 1.34 (affinity
 /// flag 0, reserveSpace 0; the daemon sends its version string, then `LAST`).
 fn raw_client_1_34(env: &Env) -> std::os::unix::net::UnixStream {
@@ -1184,6 +1229,91 @@ fn derivation_only_in_a_cache_is_substituted_first() {
             "8j3ihyw3p978y2hzm7mkwvzqxk86h123-libunistring-1.1",
         ] {
             assert!(via_sluice.iter().any(|e| e == name), "{client}: {name} not in {via_sluice:?}");
+        }
+    }
+}
+
+/// The activities of a client's `--log-format internal-json` log that Nix's worker and
+/// substitution goals start (not QueryMissing's lookups, nor the downloads of narinfos and
+/// `nix-cache-info`: only those of NARs), each with its level, text and fields
+/// and the last result of each kind sent for it (a `setExpected` per activity type it is
+/// about; of a NAR's progress only its size, the bytes done being sent at intervals), sorted.
+fn substitution_activities(log: &str) -> Vec<serde_json::Value> {
+    use serde_json::{json, Value};
+    let mut started: Vec<(u64, Value)> = Vec::new();
+    for line in log.lines().filter_map(|l| l.strip_prefix("@nix ")) {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let id = v["id"].as_u64().unwrap_or(0);
+        match v["action"].as_str() {
+            Some("start") if v["type"] == 101 && !v["fields"][0].as_str().unwrap_or_default().contains("/nar/") => {}
+            Some("start") if ![0, 109].contains(&v["type"].as_u64().unwrap()) => {
+                started
+                    .push((id, json!({"type": v["type"], "level": v["level"], "text": v["text"], "fields": v["fields"], "results": {}})));
+            }
+            Some("result") => {
+                if let Some((_, entry)) = started.iter_mut().find(|(i, _)| *i == id) {
+                    let (kind, mut fields) = (v["type"].as_u64().unwrap(), v["fields"].clone());
+                    let key = match kind {
+                        106 => format!("106 of {}", fields[0]),
+                        _ => kind.to_string(),
+                    };
+                    if entry["type"] == 100 {
+                        fields[0] = Value::Null;
+                    }
+                    entry["results"][key] = fields;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut all: Vec<Value> = started.into_iter().map(|(_, v)| v).collect();
+    all.sort_by_key(|v| v.to_string());
+    all
+}
+
+/// The activities Nix's substitution goals send (`substitution-goal.cc`, `store-api.cc`'s
+/// `copyStorePath`, `filetransfer.cc`) reach a real client through `sluice daemon` as through
+/// Nix 2.8's `nix-daemon`: Nix 2.8's `nix-store -r` and Nix 2.26's `nix build` of the same path,
+/// each on a fresh store with the same cache (`file://`, then nginx over HTTP, whose NARs are
+/// downloads: `actFileTransfer`), log the same activities (types, levels, texts naming the
+/// cache, fields) and the same final progress results.
+#[test]
+fn substitution_activities_match_nix_daemon() {
+    let env = Env::new();
+    let file = env.cache();
+    let nginx = common::CacheServer::start(&env.path("bin-cache"), &env.path("nginx"), &[]);
+    let glibc = &store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    for (cache, kind) in [(&file, "file"), (&nginx.url, "http")] {
+        let nix_conf = format!("substituters = {cache}\ntrusted-public-keys = {}\n", cache_key());
+        for (client, n) in [("Nix 2.8", 1), ("Nix 2.26", 2)] {
+            let mut seen = Vec::new();
+            let (sluice_root, nix_root) = (format!("sluice-{kind}-{n}"), format!("nix-daemon-{kind}-{n}"));
+            let sluice = env.daemon_on(&format!("{sluice_root}.socket"), &sluice_root, cache, "", &[], None);
+            let nix_daemon = env.nix_daemon(&format!("{nix_root}.socket"), &nix_root, &nix_conf);
+            for (daemon, root) in [(&sluice, &sluice_root), (&nix_daemon, &nix_root)] {
+                let url = format!("{}?real={}", daemon.url, env.path(root).join("nix/store").display());
+                let log = ["--log-format", "internal-json", "-v", "--option", "substituters", cache];
+                let (ok, _, err) = match n {
+                    1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", glibc][..], &log].concat()),
+                    _ => as_root(&env, true, "nix", &[&["build", "--store", &url, glibc, "--no-link"][..], &log].concat()),
+                };
+                assert!(ok, "{client} through {}: {err}", daemon.url);
+                seen.push(substitution_activities(&err));
+            }
+            // nix-daemon reports a NAR's progress (copied, downloaded) at intervals: a small NAR
+            // may end without any.
+            let [ours, theirs] = &mut seen[..] else { unreachable!() };
+            for (a, b) in ours.iter_mut().zip(theirs.iter()) {
+                if (b["type"] == 100 || b["type"] == 101) && b["results"] == serde_json::json!({}) {
+                    a["results"] = serde_json::json!({});
+                }
+            }
+            let pretty = |v: &Vec<serde_json::Value>| v.iter().map(|a| a.to_string()).collect::<Vec<_>>().join("\n");
+            let what = format!("{client}, {kind} cache: through sluice daemon (left) and nix-daemon (right)");
+            assert_eq!(pretty(&seen[0]), pretty(&seen[1]), "{what}");
+            assert_eq!(seen[0].iter().filter(|a| a["type"] == 100).count(), 4, "{what}");
+            let transfers = if kind == "http" { 4 } else { 0 };
+            assert_eq!(seen[0].iter().filter(|a| a["type"] == 101).count(), transfers, "{what}");
         }
     }
 }
@@ -2507,7 +2637,7 @@ fn builds_go_through_nix_daemon_with_build_via() {
     std::fs::write(&expr, DELEGATED_BUILDS).unwrap();
     let expr = expr.to_str().unwrap();
     let nar_hash = |content: &[u8]| Hash::digest_bytes(HashAlgo::Sha256, &regular_file_nar(content, false)).to_nix32_prefixed();
-    let src_copied = format!("copying path '/nix/store/{}' from a substituter", src.base_name());
+    let src_copied = format!("copying path '/nix/store/{}' from '{cache}'", src.base_name());
     for (client, modern, marker) in [("Nix 2.8", false, "old"), ("Nix 2.26", true, "new")] {
         let url = if modern { format!("{}?real={}", daemon.url, env.path("root/nix/store").display()) } else { daemon.url.clone() };
         for (attr, content) in [("plain", format!("{marker}\n")), ("withInput", "hi\n".to_owned())] {
@@ -3652,6 +3782,37 @@ fn sluice_copy_into_and_out_of_daemons() {
     verified(&env, env.path("second-root").to_str().unwrap());
     let infos = |url: &str| without_times(&env.nix("nix", &["path-info", "-r", "--json", "--sigs", "--store", url, &glibc]));
     assert_eq!(infos(&second.url), infos(&nix_daemon.url), "daemon to daemon");
+}
+
+/// A daemon that refuses paths inside an AddMultipleToStore batch (signed by a key it does
+/// not trust): each refusal is reported against the path it is about (it was another path's
+/// of the same batch, that the daemon had stopped at), and the paths sent after it in the
+/// batch, which the daemon never looked at, get their own verdict.
+#[test]
+fn refusals_in_an_add_multiple_batch_name_the_path_refused() {
+    let env = Env::new();
+    let cache = env.cache();
+    let top = store_path_of(&env.path("bin-cache"), "24ycq19xja05axfz8a72yhz9aw6mli99");
+    let src = env.path("src");
+    env.nix("nix", &["copy", "--from", &cache, "--to", src.to_str().unwrap(), &top, "--option", "trusted-public-keys", &cache_key()]);
+    let secret = env.cmd(sluice()).args(["key", "generate", "other-1"]).output().unwrap().stdout;
+    let mut public = env.cmd(sluice()).args(["key", "generate", "--public"]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    std::io::Write::write_all(&mut public.stdin.take().unwrap(), &secret).unwrap();
+    let other = String::from_utf8(public.wait_with_output().unwrap().stdout).unwrap();
+    let daemon = env.daemon_on("socket", "root", &cache, &format!("trusted-public-keys = {}", other.trim()), &[], None);
+    let out = env.cmd(sluice()).args(["copy", "--from", src.to_str().unwrap(), "--to", &daemon.url, &top]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let refusals: Vec<&str> = err.lines().filter(|l| l.contains("because it lacks a signature by a trusted key")).collect();
+    assert!(refusals.len() >= 10, "{err}");
+    for line in &refusals {
+        let path = line.strip_prefix("error: ").and_then(|l| l.split(':').next()).unwrap();
+        assert!(line.contains(&format!("cannot add path '{path}' because")), "{line}");
+    }
+    let dependents = err.lines().find(|l| l.contains("were not copied because a path they refer to failed")).unwrap();
+    let leaves = refusals.len() + dependents.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap();
+    assert!(err.ends_with(&format!("0 already there, {leaves} failed\n")), "{err}");
+    assert!(store_entries(&env, "root").iter().all(|e| !e.contains('-')), "{:?}", store_entries(&env, "root"));
 }
 
 /// A narinfo's text without its `Sig` lines.

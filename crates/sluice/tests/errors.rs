@@ -57,7 +57,8 @@ fn path_info_of_not_a_binary_cache_is_nixs_one_error() {
 }
 
 /// Unreachable, a certificate nobody trusts, 401: one error naming the URL and the cause,
-/// before anything is copied (today: "no substituter has this path" for each path).
+/// before anything is copied (today: "no substituter has this path" for each path), naming
+/// the URL once (reqwest's message repeated it).
 #[test]
 fn from_unreachable_tls_or_401_is_one_error_saying_so() {
     let tmp = tempfile::tempdir().unwrap();
@@ -77,6 +78,7 @@ fn from_unreachable_tls_or_401_is_one_error_saying_so() {
         let lines: Vec<String> = stderr(&o).lines().map(str::to_owned).collect();
         assert_eq!(lines.len(), 1, "one line for {url}: {lines:?}");
         assert!(lines[0].starts_with(&format!("error: {url}/nix-cache-info: ")) && lines[0].contains(cause), "{url}: {lines:?}");
+        assert_eq!(lines[0].matches(url).count(), 1, "the URL once: {lines:?}");
     }
 }
 

@@ -23,7 +23,7 @@ fn completions_name_every_command_and_option() {
         }
     }
     let bad = sluice(tmp.path(), &["completions", "tcsh"]);
-    assert_eq!(bad.status.code(), Some(2), "an unknown shell is a usage error");
+    assert_eq!(bad.status.code(), Some(1), "an unknown shell is a usage error");
 }
 
 #[test]
@@ -43,6 +43,7 @@ fn man_pages_for_every_command_with_options_and_defaults() {
         "sluice-nar-dump",
         "sluice-nar-restore",
         "sluice-nar-ls",
+        "sluice-nar-cat",
         "sluice-daemon",
         "sluice-serve",
         "sluice-key",
@@ -60,21 +61,29 @@ fn man_pages_for_every_command_with_options_and_defaults() {
     assert!(page.contains("\\-\\-as\\-nix") && page.contains("2.26"), "the option and its default: {page}");
     let page = std::fs::read_to_string(dir.join("sluice-copy.1")).unwrap();
     assert!(page.contains("\\-\\-jobs") && page.contains("256"), "{page}");
+    // The help's code spans are bold, not Markdown backticks.
+    assert!(page.contains("(like \\fBnix copy\\fR)"), "{page}");
+    for name in &written {
+        let page = std::fs::read_to_string(dir.join(name)).unwrap();
+        assert!(!page.contains('`'), "{name}: {}", page.lines().find(|l| l.contains('`')).unwrap_or_default());
+    }
 }
 
 /// Every option and argument of every command says what it is in `--help`, and a command does
 /// not offer flags it ignores: `path-info` and `serve` substitute nothing, so they take no
-/// `--substituters`, `--trusted-public-keys` or `--no-check-sigs` (`copy` and `missing` do).
+/// `--substituters`, `--trusted-public-keys` or `--no-check-sigs` (`copy`, `missing` and
+/// `daemon` do).
 #[test]
 fn help_describes_every_argument_and_offers_no_idle_flag() {
     let tmp = tempfile::tempdir().unwrap();
-    let commands: [&[&str]; 11] = [
+    let commands: [&[&str]; 12] = [
         &["copy"],
         &["missing"],
         &["path-info"],
         &["nar", "dump"],
         &["nar", "restore"],
         &["nar", "ls"],
+        &["nar", "cat"],
         &["daemon"],
         &["serve"],
         &["key", "generate"],
@@ -100,7 +109,30 @@ fn help_describes_every_argument_and_offers_no_idle_flag() {
         assert!(items >= 2, "{command:?}: {text}");
         let offered =
             substituting.iter().filter(|f| lines.iter().any(|l| l.trim() == **f || l.trim().starts_with(&format!("{f} <")))).count();
-        let expected = if matches!(command, ["copy"] | ["missing"]) { substituting.len() } else { 0 };
+        let expected = if matches!(command, ["copy"] | ["missing"] | ["daemon"]) { substituting.len() } else { 0 };
         assert_eq!(offered, expected, "{command:?}:\n{text}");
+    }
+}
+
+/// A usage error (an unknown flag, a missing argument, a bad value) exits with 1, as Nix 2.8's
+/// and 2.26's do; `--help` and `--version` with 0.
+#[test]
+fn usage_errors_exit_1_as_nix() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    for (ours, theirs) in [
+        (&["copy", "--bogus", "/nix/store/x"][..], &["copy", "--bogus", "/nix/store/x"][..]),
+        (&["path-info"], &["path-info", "--store"]),
+        (&["copy", "--jobs", "zero", "/nix/store/x"], &["copy", "--max-jobs", "zero", "/nix/store/x"]),
+    ] {
+        let own = sluice(t, ours);
+        assert_eq!(own.status.code(), Some(1), "sluice {ours:?}: {}", stderr(&own));
+        assert!(stderr(&own).starts_with("error: "), "{}", stderr(&own));
+        for real in [nix(t, "nix", theirs), nix_modern(t, &[&["nix"][..], theirs].concat())] {
+            assert_eq!(real.status.code(), Some(1), "nix {theirs:?}: {}", stderr(&real));
+        }
+    }
+    for ok in [&["--help"][..], &["--version"], &["copy", "--help"]] {
+        assert_eq!(sluice(t, ok).status.code(), Some(0), "{ok:?}");
     }
 }

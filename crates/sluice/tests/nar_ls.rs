@@ -73,3 +73,40 @@ fn listings_and_path_spellings_as_nix_2_26_and_2_8() {
     }
     assert_eq!(compared, 16 * 8 * 2);
 }
+
+/// `sluice nar cat` prints a file of a NAR as Nix 2.26's and 2.8's `nix nar cat` do, byte for
+/// byte, and refuses a directory, a symlink and a missing path as they do.
+#[test]
+fn cat_as_nix_2_26_and_2_8() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    let [tree, file] = nars(t);
+    let mut compared = 0;
+    for (nar, path) in [
+        (&tree, "/bin/hello"),
+        (&tree, "/share/doc/hello/README"),
+        (&tree, "/share"),
+        (&tree, "/share/hi"),
+        (&tree, "/missing"),
+        (&file, "/"),
+    ] {
+        let args = ["nar", "cat", nar.as_str(), path];
+        for (version, real) in [("2.26", nix_modern(t, &[&["nix"][..], &args].concat())), ("2.8", nix(t, "nix", &args))] {
+            let own = sluice(t, &[&args[..2], &["--as-nix", version], &args[2..]].concat());
+            let what = format!("Nix {version}: nar cat {path:?}");
+            assert!(
+                own.stdout == real.stdout,
+                "{what}: {:?} against {:?}",
+                String::from_utf8_lossy(&own.stdout),
+                String::from_utf8_lossy(&real.stdout)
+            );
+            assert_eq!(own.status.code(), real.status.code(), "{what}: {}", stderr(&own));
+            if !real.status.success() {
+                let why = stderr(&real).lines().find(|l| l.starts_with("error: ")).unwrap_or_default().to_owned();
+                assert!(stderr(&own).contains(why.trim_start_matches("error: ")), "{what}: Nix says {why:?}, sluice {:?}", stderr(&own));
+            }
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 12);
+}

@@ -103,3 +103,62 @@ fn human_readable_sizes_and_signatures_with_as_nix_2_8() {
         }
     }
 }
+
+/// `--all` (every valid path, in Nix's order), `--derivation` (a `.drv` itself, an output its
+/// deriver when that is valid, else Nix's "does not have a known deriver" and status 1) and Nix
+/// 2.26's `--stdin` print what Nix 2.26 and 2.8 print, of a store holding libidn2's closure,
+/// its derivation's and a file added by `nix-store --add` (no deriver).
+#[test]
+fn all_stdin_and_derivation_as_nix() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    let root = t.join("root");
+    // glibc refers to libidn2, which does not refer to it: not in the store.
+    let (libidn2, glibc) = (corpus_path("libidn2-2.3.4"), corpus_path("glibc-2.37-8"));
+    let drv = "/nix/store/lwdbwfnqd05c45mlvn9537salc088cyg-libidn2-2.3.4.drv";
+    for (cache, path) in [("cache-subset-bzip2", libidn2.as_str()), ("cache-drv", drv)] {
+        let from = format!("file://{}", corpus().join(cache).display());
+        check(&copy_with(t, &root, &from, &corpus_key(), &[], &[path]), "sluice copy");
+    }
+    let store = root.to_str().unwrap();
+    std::fs::write(t.join("added"), "no deriver\n").unwrap();
+    let added = nix(t, "nix-store", &["--store", store, "--add", t.join("added").to_str().unwrap()]);
+    check(&added, "nix-store --add");
+    let added = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    let runs: [&[&str]; 5] =
+        [&["--all"], &["--derivation", &libidn2], &["--derivation", drv, "-r"], &["--derivation", &added], &["--derivation", &glibc]];
+    let mut failed = 0;
+    for args in runs {
+        for (version, real) in [
+            ("2.26", nix_modern(t, &[&["nix", "path-info", "--store", store][..], args].concat())),
+            ("2.8", nix(t, "nix", &[&["path-info", "--store", store][..], args].concat())),
+        ] {
+            let own = sluice(t, &[&["path-info", "--as-nix", version, "--store", store][..], args].concat());
+            let what = format!("Nix {version}: {args:?}");
+            assert_eq!(String::from_utf8_lossy(&own.stdout), String::from_utf8_lossy(&real.stdout), "{what}: {}", stderr(&own));
+            assert_eq!(own.status.code(), real.status.code(), "{what}: {}", stderr(&own));
+            if !real.status.success() {
+                failed += 1;
+                let why = stderr(&real).lines().last().unwrap_or_default().to_owned();
+                assert!(stderr(&own).contains(&why), "{what}: Nix says {why:?}, sluice {:?}", stderr(&own));
+            }
+        }
+    }
+    assert_eq!(failed, 4, "a path without a deriver, a path not in the store");
+    let listed = sluice(t, &["path-info", "--store", store, "--all"]);
+    assert!(String::from_utf8_lossy(&listed.stdout).lines().any(|l| l == drv));
+
+    let piped = |program: &Path, args: &[&str]| {
+        let mut cmd = std::process::Command::new(program);
+        isolate(&mut cmd, t, "");
+        let mut child =
+            cmd.current_dir(t).args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), format!("{libidn2}\n{drv} {added}\n").as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let real = piped(&shared().join("bin/nix-modern"), &["nix", "path-info", "--store", store, "--stdin", "-s"]);
+    let own = piped(Path::new(env!("CARGO_BIN_EXE_sluice")), &["path-info", "--store", store, "--stdin", "-s"]);
+    check(&real, "nix path-info --stdin");
+    assert_eq!(String::from_utf8_lossy(&own.stdout), String::from_utf8_lossy(&real.stdout));
+    assert_eq!(String::from_utf8_lossy(&own.stdout).lines().count(), 3);
+}

@@ -191,11 +191,15 @@ fn subset_into_s3_with_credentials_and_back() {
         isolate(&mut cmd, tmp.path(), "");
         cmd.envs(env.iter().copied()).args(["copy", "--from", src.to_str().unwrap(), "--to", url, &root]).output().unwrap()
     };
-    // Unsigned requests are refused by the server, and the error names the URL.
+    // Unsigned requests are refused by the server, and the error names the URL and S3's code
+    // and message.
     let refused = push(&[], &s3);
     assert!(!refused.status.success());
     assert!(
-        stderr(&refused).contains(&format!("http://127.0.0.1:{}/bucket/nix-cache-info: the server refused the upload", server.port)),
+        stderr(&refused).contains(&format!(
+            "http://127.0.0.1:{}/bucket/nix-cache-info: S3 refused the request (HTTP 403 AccessDenied: Signature is required)",
+            server.port
+        )),
         "{}",
         stderr(&refused)
     );
@@ -240,6 +244,59 @@ fn subset_into_s3_with_credentials_and_back() {
     assert_nix_verifies(tmp.path(), &dst);
     let listed = nix(tmp.path(), "nix", &["path-info", "--store", dst.to_str().unwrap(), "-r", &root]);
     assert_eq!(String::from_utf8(listed.stdout).unwrap().lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
+}
+
+/// `sluice ARGS` under `tmp` with the S3 credentials `id` and `secret` in the environment.
+fn with_s3_keys(tmp: &Path, id: &str, secret: &str, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, "");
+    cmd.envs([("AWS_ACCESS_KEY_ID", id), ("AWS_SECRET_ACCESS_KEY", secret)]).args(args).output().unwrap()
+}
+
+/// Wrong S3 credentials are an error naming S3's code and message, not an empty bucket: a
+/// wrong secret key (403 `SignatureDoesNotMatch`) and an unknown key id (s3s-fs's 403
+/// `NotSignedUp`; AWS's `InvalidAccessKeyId`) fail `path-info`, a copy from the bucket and a
+/// push, and nothing is remembered as a miss: the same copy with the right key then succeeds
+/// with the same narinfo disk cache. A key that is missing is still absence.
+#[test]
+fn wrong_s3_credentials_fail_with_s3s_code_and_are_not_cached_as_misses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, _) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let (secret, public) = signing_key(tmp.path());
+    std::fs::create_dir_all(tmp.path().join("s3/bucket")).unwrap();
+    let server = S3Server::start(&tmp.path().join("s3"), true);
+    let s3 = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1", server.port);
+    let bucket = format!("http://127.0.0.1:{}/bucket/", server.port);
+    check(&push_to_s3(tmp.path(), &src, &format!("{s3}&secret-key={}", secret.display()), &root, ""), "push to S3");
+    // With the right key, a missing key is absence.
+    let missing = "/nix/store/00000000000000000000000000000000-missing";
+    let absent = with_s3_keys(tmp.path(), "AKTEST", "SKTEST", &["path-info", "--store", &s3, missing]);
+    assert_eq!(absent.status.code(), Some(1));
+    assert!(stderr(&absent).contains(&format!("path '{missing}' is not valid")), "{}", stderr(&absent));
+
+    let info = with_s3_keys(tmp.path(), "AKTEST", "WRONG", &["path-info", "--store", &s3, &root]);
+    assert_eq!(info.status.code(), Some(1), "{}", stderr(&info));
+    let refusal = |o: &std::process::Output, what: &str| {
+        let line = stderr(o).lines().find(|l| l.contains(": S3 refused the request")).map(str::to_string);
+        assert!(line.as_ref().is_some_and(|l| l.starts_with(&format!("error: {bucket}")) && l.ends_with(what)), "{}", stderr(o));
+    };
+    refusal(&info, ": S3 refused the request (HTTP 403 SignatureDoesNotMatch)");
+    let info = with_s3_keys(tmp.path(), "AKWRONG", "SKTEST", &["path-info", "--store", &s3, &root]);
+    assert_eq!(info.status.code(), Some(1), "{}", stderr(&info));
+    refusal(&info, ": S3 refused the request (HTTP 403 NotSignedUp: Your account is not signed up)");
+
+    let dst = tmp.path().join("back");
+    let copy = ["copy", "--from", &s3, "--to", dst.to_str().unwrap(), "--trusted-public-keys", &public, &root];
+    let wrong = with_s3_keys(tmp.path(), "AKTEST", "WRONG", &copy);
+    assert!(!wrong.status.success());
+    refusal(&wrong, "(HTTP 403 SignatureDoesNotMatch)");
+    check(&with_s3_keys(tmp.path(), "AKTEST", "SKTEST", &copy), "the same copy with the right key");
+    assert_nix_verifies(tmp.path(), &dst);
+
+    let push = with_s3_keys(tmp.path(), "AKTEST", "WRONG", &["copy", "--from", src.to_str().unwrap(), "--to", &s3, &root]);
+    assert!(!push.status.success());
+    refusal(&push, "(HTTP 403 SignatureDoesNotMatch)");
 }
 
 /// A fake EC2 instance metadata service on loopback answering IMDSv2's three requests (a
@@ -494,4 +551,17 @@ fn refused_uploads_are_one_error_line() {
     let counted: usize = errors.iter().map(|l| l["error: ".len()..].split(' ').next().unwrap().parse::<usize>().unwrap_or(1)).sum();
     assert_eq!(counted, 25, "every path of the closure is counted once:\n{err}");
     assert!(err.contains("copied 0 paths"), "{err}");
+}
+
+/// `sluice key generate NAME > FILE` leaves FILE readable by its owner only, as Nix writes
+/// secret keys (mode 0600), whatever the umask.
+#[test]
+fn a_secret_key_written_to_a_file_is_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("cache.sec");
+    let o = sluice_after(tmp.path(), &format!("umask 022 && exec >{}", file.display()), &["key", "generate", "cache-1"]);
+    check(&o, "key generate");
+    assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(std::fs::read_to_string(&file).unwrap().starts_with("cache-1:"));
 }

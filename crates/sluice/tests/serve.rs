@@ -74,9 +74,35 @@ impl Server {
     fn start_url(tmp: &Path, url: &str, args: &[&str]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp, "");
-        let mut child = cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        Server::started(cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap())
+    }
+
+    /// [`Server::start`] by `systemd-socket-activate` listening on a free loopback port, which
+    /// starts `sluice serve` with that socket passed at the first connection (made here).
+    fn start_activated(tmp: &Path, store: &Path, args: &[&str]) -> Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut cmd = Command::new("systemd-socket-activate");
+        isolate(&mut cmd, tmp, "");
+        cmd.args(["-l", &format!("127.0.0.1:{port}"), env!("CARGO_BIN_EXE_sluice"), "serve", "--store", store.to_str().unwrap()]);
+        let child = cmd.args(["--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap();
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "systemd-socket-activate did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let server = Server::started(child);
+        assert_eq!(server.url, format!("http://127.0.0.1:{port}"), "sluice serve does not serve the socket systemd passed");
+        server
+    }
+
+    /// The server `child` once it said where it serves (lines before, `systemd-socket-activate`'s,
+    /// are skipped).
+    fn started(mut child: Child) -> Server {
         let mut line = String::new();
-        BufReader::new(child.stderr.take().unwrap()).read_line(&mut line).unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        while stderr.read_line(&mut line).unwrap() > 0 && !line.starts_with("serving ") {
+            line.clear();
+        }
         let url = line.trim().rsplit(' ').next().unwrap_or_else(|| panic!("no address in {line:?}")).to_string();
         assert!(url.starts_with("http"), "sluice serve said {line:?}");
         let addr = url.split("://").nth(1).unwrap().to_string();
@@ -183,6 +209,24 @@ fn real_nix_2_8_substitutes_from_sluice_serve_as_from_nginx() {
     assert_eq!(nar.stdout, expected.stdout);
     let range = Command::new("curl").args(["-sf", "-r", "8-23", &format!("{}/{url}", server.url)]).output().unwrap();
     assert_eq!(range.stdout, expected.stdout[8..24]);
+}
+
+/// Socket activation: `systemd-socket-activate` listens on a port and starts `sluice serve`
+/// with that socket passed (`LISTEN_FDS`, `LISTEN_PID`) at the first connection: it serves
+/// there, not on `--listen`, and real Nix 2.8 substitutes the subset from it (it bound
+/// `--listen` and left the passed socket unanswered).
+#[test]
+fn a_socket_activated_server_serves_the_socket_systemd_passes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    let server = Server::start_activated(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
+    let info = Command::new("curl").args(["-sf", "--max-time", "20", &format!("{}/nix-cache-info", server.url)]).output().unwrap();
+    check(&info, "curl nix-cache-info");
+    assert!(String::from_utf8_lossy(&info.stdout).contains("StoreDir: /nix/store\n"));
+    assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
 }
 
 #[test]
@@ -379,12 +423,9 @@ fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
     assert_eq!(server.status_of("/nix-cache-info"), 200);
 }
 
-#[test]
-fn https_serves_http2_by_alpn() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let (root, _) = subset();
-    let src = source_store(tmp, &root);
+/// A self-signed certificate for 127.0.0.1 and its key under `tmp`, as `openssl req -x509`
+/// makes one by default: a CA certificate (`basicConstraints CA:TRUE`).
+fn self_signed(tmp: &Path) -> (PathBuf, PathBuf) {
     let (cert, key) = (tmp.join("cert.pem"), tmp.join("key.pem"));
     let o = Command::new("openssl")
         .args([
@@ -404,6 +445,57 @@ fn https_serves_http2_by_alpn() {
         .output()
         .unwrap();
     check(&o, "openssl req");
+    (cert, key)
+}
+
+/// A server whose certificate is self-signed by `openssl req -x509` (a CA certificate, which
+/// webpki refuses as a server's: `CaUsedAsEndEntity`) is reached as curl, Nix 2.8 (whose
+/// `ssl-cert-file` is `NIX_SSL_CERT_FILE`: it reads `--option ssl-cert-file` too late) and Nix
+/// 2.26 reach it with that certificate as `ssl-cert-file`; without it, the error says in one
+/// line to name the certificate in `ssl-cert-file`.
+#[test]
+fn a_self_signed_certificate_in_ssl_cert_file_is_accepted_as_by_curl_and_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (cert, key) = self_signed(tmp);
+    let (secret, public) = signing_key(tmp);
+    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap(), "--secret-key", secret.to_str().unwrap()];
+    let server = Server::start(tmp, &src, &args);
+    let curl =
+        Command::new("curl").args(["-sf", "--cacert", cert.to_str().unwrap(), &format!("{}/nix-cache-info", server.url)]).output().unwrap();
+    check(&curl, "curl --cacert");
+    let mut real = Command::new("nix");
+    isolate(&mut real, tmp, &format!("trusted-public-keys = {public}"));
+    let real = real.env("NIX_SSL_CERT_FILE", &cert).args(["path-info", "--store", &server.url, &root]).output().unwrap();
+    check(&real, "Nix 2.8 with NIX_SSL_CERT_FILE");
+    let cert_file = ["--option", "ssl-cert-file", cert.to_str().unwrap()];
+    check(
+        &nix_modern(tmp, &[&["nix", "path-info", "--store", &server.url, &root][..], &cert_file].concat()),
+        "Nix 2.26 with ssl-cert-file",
+    );
+    let own = sluice(tmp, &[&["path-info", "--store", &server.url, "-r", &root][..], &cert_file].concat());
+    check(&own, "sluice with ssl-cert-file");
+    assert_eq!(String::from_utf8_lossy(&own.stdout).lines().map(str::to_owned).collect::<BTreeSet<_>>(), paths);
+    let unknown = sluice(tmp, &["path-info", "--store", &server.url, &root]);
+    assert_eq!(unknown.status.code(), Some(1));
+    let errors: Vec<String> = stderr(&unknown).lines().filter(|l| l.starts_with("error:")).map(str::to_owned).collect();
+    assert_eq!(errors.len(), 1, "{}", stderr(&unknown));
+    assert!(
+        errors[0].ends_with("CaUsedAsEndEntity)); if you trust the server's certificate (or its CA's), name it in ssl-cert-file (--option ssl-cert-file FILE)"),
+        "{}",
+        errors[0]
+    );
+}
+
+#[test]
+fn https_serves_http2_by_alpn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    let (cert, key) = self_signed(tmp);
     let server = Server::start(tmp, &src, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
     assert!(server.url.starts_with("https://"));
     for (flag, version) in [("--http2", "2"), ("--http1.1", "1.1")] {
@@ -852,4 +944,80 @@ fn keep_alive_clients_holding_every_slot_are_shed_for_a_new_one() {
     }
     // One idle keep-alive connection closed for each new client.
     assert_eq!(shed, 3);
+}
+
+/// `--listen` without a port says what it expects, with an example (it said only "invalid
+/// socket address").
+#[test]
+fn listen_without_a_port_says_what_it_expects() {
+    let tmp = tempfile::tempdir().unwrap();
+    for addr in ["127.0.0.1", "::1", "[::1]"] {
+        let o = sluice(tmp.path(), &["serve", "--store", tmp.path().join("store").to_str().unwrap(), "--listen", addr]);
+        assert_eq!(o.status.code(), Some(1));
+        assert_eq!(stderr(&o), format!("error: --listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000\n"));
+    }
+}
+
+/// `sluice serve --store` of a store or a `file://` cache that does not exist fails, naming
+/// it, and makes nothing (it made an empty store and served it).
+#[test]
+fn serving_a_store_that_does_not_exist_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no/such/dir");
+    for url in [missing.display().to_string(), format!("local?root={}", missing.display()), format!("file://{}", missing.display())] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp.path(), "");
+        let o = cmd.args(["serve", "--store", &url, "--listen", "127.0.0.1:0"]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{url}: {}", stderr(&o));
+        assert!(stderr(&o).starts_with(&format!("error: {url}: no store to serve: {}", missing.display())), "{}", stderr(&o));
+        assert!(!tmp.path().join("no").exists(), "{url}: something was made");
+    }
+}
+
+/// `sluice serve -v` writes an access log line per request: the client, the request line,
+/// the status, the bytes sent and the time; without `-v`, none.
+#[test]
+fn an_access_log_line_per_request_at_verbose() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, &root);
+    for (flags, logged) in [(&["-v"][..], true), (&[], false)] {
+        let log = tmp.join(format!("serve{}.log", flags.len()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp, "");
+        let child = cmd
+            .args(["serve", "--store", src.to_str().unwrap(), "--listen", "127.0.0.1:0"])
+            .args(flags)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let url = loop {
+            let text = std::fs::read_to_string(&log).unwrap();
+            if let Some(line) = text.lines().find(|l| l.starts_with("serving ")) {
+                break line.rsplit(' ').next().unwrap().to_owned();
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let server = Server { child, addr: url.trim_start_matches("http://").to_owned(), url };
+        let hash = &root["/nix/store/".len()..][..32];
+        for target in ["/nix-cache-info".to_owned(), format!("/{hash}.narinfo"), "/00000000000000000000000000000000.narinfo".to_owned()] {
+            let o = Command::new("curl").args(["-s", "-o", "/dev/null", &format!("{}{target}", server.url)]).output().unwrap();
+            check(&o, "curl");
+        }
+        drop(server);
+        let text = std::fs::read_to_string(&log).unwrap();
+        let access: Vec<&str> = text.lines().filter(|l| l.contains("\" 200 ") || l.contains("\" 404 ")).collect();
+        if !logged {
+            assert!(access.is_empty(), "{text}");
+            continue;
+        }
+        assert_eq!(access.len(), 3, "{text}");
+        assert!(access[0].starts_with("INFO 127.0.0.1:") && access[0].contains(" \"GET /nix-cache-info HTTP/1.1\" 200 "), "{}", access[0]);
+        assert!(access[1].contains(&format!(" \"GET /{hash}.narinfo HTTP/1.1\" 200 ")), "{}", access[1]);
+        assert!(access[2].contains(" \"GET /00000000000000000000000000000000.narinfo HTTP/1.1\" 404 "), "{}", access[2]);
+        assert!(access.iter().all(|l| l.contains(" bytes in ") && l.ends_with(" ms")), "{access:?}");
+    }
 }

@@ -5,6 +5,7 @@
 //! (`sluice_nix::wire::ops`); the data that follows some requests (a NAR, framed data) is
 //! streamed by the handler.
 
+mod activities;
 mod add;
 mod build;
 mod builtin;

@@ -11,69 +11,44 @@ use sluice_nix::wire::ops::{
     BuildPaths, BuildPathsWithResults, EnsurePath, QueryMissing, QuerySubstitutablePathInfos, QuerySubstitutablePaths,
 };
 use sluice_nix::wire::{
-    write_keyed_build_result, write_optional_store_path, write_store_path, write_store_path_set, write_u64, ActivityField, BuildMode,
-    BuildResult, BuildStatus, DerivedPath, OutputsSpec,
+    write_keyed_build_result, write_optional_store_path, write_store_path, write_store_path_set, write_u64, BuildMode, BuildResult,
+    BuildStatus, DerivedPath, OutputsSpec,
 };
 use sluice_store::builtins::Builtin;
 use sluice_store::closure::ClosureEvent;
 use sluice_store::failure::{summarize, Cause};
 
+use super::activities::SubstitutionActivities;
 use super::query::{derivation_outputs, fixed_outputs_of, load_derivation};
 use super::{builtin, delegate, realisation};
 use crate::conn::{op_err, Conn, Fail, OpResult};
-use crate::substitution::{self, Progress, Wanted};
+use crate::substitution::{self, Wanted};
 use crate::PROTOCOL_VERSION;
 use sluice_store::closure::ContentAddresses;
 
-/// Nix's `ActivityType` numbers used here.
-const ACT_COPY_PATHS: u64 = 103;
-const ACT_SUBSTITUTE: u64 = 108;
-
-/// Substitutes the closures of `wanted`'s paths into the store, reporting an activity per path.
+/// Substitutes the closures of `wanted`'s paths into the store, reporting the activities Nix's
+/// worker reports ([`SubstitutionActivities`]).
 /// Paths that cannot be substituted are left invalid (the caller decides whether that fails);
 /// why they could not (an untrusted signature, a cache refusing us, a hash mismatch) is sent
 /// to the client as `error:` log lines, grouped by cause ([`summarize`]), before that. That no
 /// substituter has a path goes without saying: the caller's error says so.
 pub(super) fn substitute(c: &mut Conn, wanted: Wanted) -> Result<(), Fail> {
     let settings = c.options.settings()?;
+    let dir = c.dir().clone();
     let stderr = c.stderr();
-    let parent = c.daemon.activity_id();
-    stderr.start_activity(&mut c.w, parent, 0, ACT_COPY_PATHS, "", &[], 0)?;
-    let mut ids: BTreeMap<StorePath, u64> = BTreeMap::new();
+    let mut activities = SubstitutionActivities::start(&mut c.w, stderr, c.daemon, dir.clone())?;
     let mut write_err = None;
     let daemon = c.daemon;
-    let dir = c.dir().clone();
     let w = &mut c.w;
     let result = substitution::copy(daemon, &c.store, &settings, c.options.use_substitutes(), &c.temp_roots.clone(), wanted, |p| {
-        let r = match p {
-            Progress::Started(path) => {
-                let id = daemon.activity_id();
-                ids.insert(path.clone(), id);
-                let shown = dir.display_path(&path);
-                let text = format!("copying path '{shown}' from a substituter");
-                stderr.start_activity(
-                    w,
-                    id,
-                    3,
-                    ACT_SUBSTITUTE,
-                    &text,
-                    &[ActivityField::Str(shown), ActivityField::Str(String::new())],
-                    parent,
-                )
-            }
-            Progress::Done(path) | Progress::Failed(path) => match ids.remove(&path) {
-                Some(id) => stderr.stop_activity(w, id),
-                None => Ok(()),
-            },
-        };
-        if let Err(e) = r.and_then(|()| std::io::Write::flush(w)) {
+        if let Err(e) = activities.report(w, p).and_then(|()| std::io::Write::flush(w)) {
             write_err.get_or_insert(e);
         }
     });
     if let Some(e) = write_err {
         return Err(Fail::Output(e));
     }
-    stderr.stop_activity(&mut c.w, parent)?;
+    activities.finish(&mut c.w)?;
     let mut report = result.map_err(Fail::Op)?;
     report.failed.retain(|_, f| f.cause != Cause::Unknown);
     for line in summarize(&dir, &report.failed, "substituted") {

@@ -49,8 +49,9 @@ pub(super) fn serve(conn: &mut Reconnecting, queue: &Receiver<Job>, check_sigs: 
 
 /// Adds `batch` (paths none of which refers to another: each was queued once its references
 /// were added) and answers each addition. When a batch fails, the daemon has added the
-/// paths before the one it refused (it adds them in order): those it now has valid are
-/// answered as added, the others with the failure.
+/// paths before the one it refused (it adds them in order, as Nix's `addMultipleToStore`):
+/// those it now has valid are answered as added, the first it does not have with the failure
+/// (it is the path refused), the others as [`StoreError::NotAttempted`].
 fn add(conn: &mut Reconnecting, mut batch: Vec<Addition>, check_sigs: bool) {
     let multiple = conn.with(|c| Ok(c.version().at_least(MULTIPLE_VERSION))).unwrap_or(false);
     if !multiple {
@@ -72,9 +73,18 @@ fn add(conn: &mut Reconnecting, mut batch: Vec<Addition>, check_sigs: bool) {
         }
         Err(e) => {
             let failure = e.to_string();
+            let mut refused: Option<String> = None;
             for a in batch {
                 let valid = conn.with(|c| c.is_valid_path(&a.info.path)).unwrap_or(false);
-                let _ = a.done.send(if valid { Ok(()) } else { Err(StoreError::Other(failure.clone())) });
+                let answer = match (valid, &refused) {
+                    (true, _) => Ok(()),
+                    (false, None) => {
+                        refused = Some(format!("'{}'", a.info.path.base_name()));
+                        Err(StoreError::Other(failure.clone()))
+                    }
+                    (false, Some(first)) => Err(StoreError::NotAttempted { refused: first.clone() }),
+                };
+                let _ = a.done.send(answer);
             }
         }
     }

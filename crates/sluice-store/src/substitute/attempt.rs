@@ -300,6 +300,9 @@ impl Shared {
                     },
                 };
                 observer.started(&path, &cache_url);
+                if unpack_url.starts_with("http://") || unpack_url.starts_with("https://") {
+                    observer.fetching(&path, &unpack_url);
+                }
                 let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0, abandoned };
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
