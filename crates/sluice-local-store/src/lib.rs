@@ -53,7 +53,7 @@ pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use pending::PendingPath;
-pub use temp_dir::{is_temp_dir, TEMP_DIR_NAME};
+pub use temp_dir::{is_temp_dir, KeptTempDir, TEMP_DIR_NAME};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, TrustedKeysError, Vouched, VouchedInfo};
 pub use verify_store::{Repairer, VerifyMessage};
