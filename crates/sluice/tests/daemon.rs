@@ -1141,6 +1141,22 @@ fn cold_text_adds_in_a_row_share_one_directory_of_temporary_trees() {
     assert_eq!(left, Vec::<String>::new(), "the directory is removed once the client is quiet");
 }
 
+/// Each new text path is made durable with an `fsync` of its file and of the store directory,
+/// not with a `syncfs` of the whole file system.
+#[test]
+fn text_adds_flush_their_files_not_the_file_system() {
+    let env = Env::new();
+    let (daemon, mut client) = daemon_and_client_1_34(&env);
+    add_text(&mut client, "first", "connection and store opened");
+    let calls = daemon_syscalls(&env, &daemon, "fsync,fdatasync,syncfs,sync", || {
+        add_text(&mut client, "second", "text");
+    });
+    let calls: Vec<&str> = calls.iter().map(|l| l.split_once(' ').map_or(l.as_str(), |(_, call)| call.trim())).collect();
+    assert_eq!(calls.len(), 2, "{calls:#?}");
+    assert!(calls[0].starts_with("fsync(") && calls[0].contains("-second>) = 0"), "{calls:#?}");
+    assert!(calls[1].starts_with("fsync(") && calls[1].ends_with("/nix/store>) = 0"), "{calls:#?}");
+}
+
 /// A pipelined quick request's reply does not wait behind a slow request sent with it: here
 /// EnsurePath of a path the store lacks, whose substituter accepts connections and never
 /// answers.
