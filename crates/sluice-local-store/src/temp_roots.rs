@@ -369,6 +369,33 @@ mod tests {
         (from..from + n).map(|i| dir.parse_path(&format!("/nix/store/{:0>32}-root-{i}", i % 10)).unwrap()).collect()
     }
 
+    /// A kept GC lock keeps collectors from starting until it is released, and the roots
+    /// added meanwhile are written at once; a root added without keeping releases it.
+    #[test]
+    fn a_kept_gc_lock_holds_collectors_off_until_released() {
+        let state = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
+        let dir = StoreDir::new("/nix/store").unwrap();
+        let collector = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
+        let can_collect = || match flock(&collector, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => flock(&collector, FlockOperation::Unlock).is_ok(),
+            Err(_) => false,
+        };
+        let roots = TempRoots::new(state.path(), &dir);
+        roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
+        assert!(!can_collect() && roots.gc_lock_held_for().is_some());
+        roots.add_all_keeping_gc_lock(&paths(&dir, 1, 2)).unwrap();
+        let written = |roots: &TempRoots| std::fs::read(roots.path().unwrap()).unwrap().iter().filter(|b| **b == 0).count();
+        assert_eq!(written(&roots), 3);
+        assert!(!can_collect());
+        roots.release_gc_lock();
+        assert!(can_collect() && roots.gc_lock_held_for().is_none());
+        roots.add_all_keeping_gc_lock(&paths(&dir, 3, 1)).unwrap();
+        roots.add_all(&paths(&dir, 4, 1)).unwrap();
+        assert!(can_collect() && roots.gc_lock_held_for().is_none());
+        assert_eq!(written(&roots), 5);
+    }
+
     /// Roots sent while a collector runs share one connection (Nix 2.8's collector aborts on
     /// a quick succession of short connections), and a connection the collector ended is
     /// replaced by a new one for the roots after it.
