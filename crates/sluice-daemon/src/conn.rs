@@ -4,15 +4,17 @@
 //! with one `ERROR` and the connection is closed, since the stream cannot be resynchronised;
 //! a failing operation whose request was read completely leaves the connection usable.
 
+use std::cell::RefCell;
 use std::io::{self, BufRead, BufReader, Write};
+use std::rc::Rc;
 use std::sync::Arc;
 
-use sluice_local_store::{LocalStore, TempRoots};
+use sluice_local_store::{KeptTempDir, LocalStore, TempRoots};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{read_request, Op, Request};
 use sluice_nix::wire::{ProtocolVersion, StderrWriter, WireError};
 
-use crate::duplex::{Input, Output};
+use crate::duplex::{Input, Lease, Output};
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::Daemon;
@@ -69,6 +71,55 @@ pub(crate) struct Conn<'d> {
     /// This connection's temporary GC roots (the file is created at the first root; they end
     /// with the connection, as a `nix-daemon` child's do).
     pub temp_roots: TempRoots,
+    /// What the connection keeps while its client keeps asking.
+    pub kept: Rc<Kept>,
+}
+
+/// What a connection keeps while its client keeps asking (see [`crate::duplex`]): the shared
+/// GC lock of its temporary roots, and the store's directory of temporary trees once an
+/// addition used it.
+pub(crate) struct Kept {
+    pub roots: TempRoots,
+    temp_dir: RefCell<Option<KeptTempDir>>,
+}
+
+impl Kept {
+    pub(crate) fn new(roots: TempRoots) -> Rc<Kept> {
+        Rc::new(Kept { roots, temp_dir: RefCell::new(None) })
+    }
+
+    /// Keeps `store`'s directory of temporary trees (an addition is about to use it) while the
+    /// GC lock is kept; a failure is the addition's to meet.
+    pub(crate) fn keep_temp_dir(&self, store: &LocalStore) {
+        let mut kept = self.temp_dir.borrow_mut();
+        if kept.is_none() && self.roots.gc_lock_held_for().is_some() {
+            *kept = store.keep_temp_dir().ok();
+        }
+    }
+}
+
+impl Kept {
+    /// How long the GC lock has been kept (zero for a directory kept without it), if either is.
+    pub(crate) fn held_for(&self) -> Option<std::time::Duration> {
+        let dir = || self.temp_dir.borrow().as_ref().map(|_| std::time::Duration::ZERO);
+        self.roots.gc_lock_held_for().or_else(dir)
+    }
+
+    /// Gives up the GC lock and the directory.
+    pub(crate) fn release(&self) {
+        self.roots.release_gc_lock();
+        self.temp_dir.borrow_mut().take();
+    }
+}
+
+impl Lease for Rc<Kept> {
+    fn held_for(&self) -> Option<std::time::Duration> {
+        Kept::held_for(self)
+    }
+
+    fn release(&self) {
+        Kept::release(self)
+    }
 }
 
 impl Conn<'_> {
@@ -116,15 +167,11 @@ impl Conn<'_> {
         Ok(())
     }
 
-    /// Makes `path` a temporary GC root for the rest of the connection, in the file Nix's
-    /// collector reads.
-    pub(crate) fn add_temp_root(&mut self, path: &StorePath) -> Result<(), Fail> {
-        self.temp_roots.add(path).map_err(op_err)
-    }
-
-    /// [`Conn::add_temp_root`] of every path of `paths`, written together.
+    /// Makes `paths` temporary GC roots for the rest of the connection, written together in
+    /// the file Nix's collector reads; the shared GC lock is kept while the client keeps
+    /// asking (see [`crate::duplex`]).
     pub(crate) fn add_temp_roots(&mut self, paths: &[StorePath]) -> Result<(), Fail> {
-        self.temp_roots.add_all(paths).map_err(op_err)
+        self.temp_roots.add_all_keeping_gc_lock(paths).map_err(op_err)
     }
 
     /// Sends a log line (`NEXT`) at once.

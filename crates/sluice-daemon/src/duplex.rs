@@ -1,21 +1,45 @@
 //! A connection's two directions, coupled so that replies to pipelined requests leave in one
-//! write: what the worker writes waits in an output buffer until the worker is about to block
-//! reading from the client (or the buffer holds [`OUTPUT_CAPACITY`] bytes, or an explicit
-//! `flush` sends a log message at once). A client that sends one request and waits, as every
-//! Nix client does, gets each reply as soon as the worker looks for the next request; a client
-//! that sent several requests gets their replies together. Since the buffer is always emptied
-//! before a read that would wait, a client that waits for a reply before it finishes sending
-//! the next request is never left waiting on a reply held back.
+//! write: what the worker writes waits in an output buffer until the worker reads from the
+//! client's socket again (or the buffer holds [`OUTPUT_CAPACITY`] bytes, or an explicit `flush`
+//! sends a log message at once). The worker reads the client through a buffer
+//! (`conn::Reader`), so requests that arrived together are answered from it without a read,
+//! and their replies leave together when it is empty; a client that sends one request and
+//! waits, as every Nix client does, gets each reply in one write just before the worker reads
+//! its next request. Since the buffer is always emptied before a read, a client that waits for
+//! a reply before it finishes sending the next request is never left waiting on a reply held
+//! back.
+//!
+//! A [`Lease`] (the connection's shared GC lock) is kept while the client keeps up: while it
+//! is held, a read waits at most [`LEASE_IDLE`] for the client and a write at most as long for
+//! room in the socket before the lease is given up (the read or write then goes on without a
+//! deadline), and a lease held longer than [`LEASE_MAX`] is given up before the next read. On
+//! standard input and output (`--stdio`), it is given up before every read and write.
 
 use std::cell::RefCell;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::rc::Rc;
+use std::time::Duration;
 
-use rustix::event::{poll, PollFd, PollFlags};
+use rustix::net::sockopt::{set_socket_timeout, Timeout};
 
 /// Output is sent once this many bytes wait (bytes).
 pub(crate) const OUTPUT_CAPACITY: usize = 64 * 1024;
+
+/// How long a read or write waits for the client before a held [`Lease`] is given up.
+pub(crate) const LEASE_IDLE: Duration = Duration::from_millis(10);
+
+/// How long a [`Lease`] is kept at most while the client keeps up.
+pub(crate) const LEASE_MAX: Duration = Duration::from_millis(50);
+
+/// Something the worker holds on the client's behalf between requests, to be let go when the
+/// client does not keep up: see the module documentation.
+pub(crate) trait Lease {
+    /// How long it has been held, if it is.
+    fn held_for(&self) -> Option<Duration>;
+    /// Lets it go.
+    fn release(&self);
+}
 
 /// What a client connection is read from: a readable file descriptor (a Unix socket, or
 /// standard input for `--stdio`).
@@ -23,36 +47,107 @@ pub(crate) trait ClientInput: Read + AsFd + Send {}
 
 impl<T: Read + AsFd + Send> ClientInput for T {}
 
-/// The output waiting to be sent, and where it goes.
-struct Outbox {
+/// What both sides share: the output waiting to be sent and where it goes, and the lease.
+struct Shared {
     pending: Vec<u8>,
     sink: Box<dyn Write + Send>,
+    lease: Option<Box<dyn Lease>>,
+    /// The client's socket, to set its timeouts; `None` for standard input.
+    socket: Option<OwnedFd>,
+    /// Whether reads and writes wait at most [`LEASE_IDLE`] (`SO_RCVTIMEO`, `SO_SNDTIMEO`).
+    timed: bool,
 }
 
-impl Outbox {
+impl Shared {
     /// Writes out everything pending (the buffer is emptied even if that fails: the
     /// connection is then unusable anyway).
     fn send(&mut self) -> io::Result<()> {
-        let sent = self.sink.write_all(&self.pending).and_then(|()| self.sink.flush());
+        let pending = std::mem::take(&mut self.pending);
+        let sent = self.write_through(&pending);
+        self.pending = pending;
         self.pending.clear();
         sent
     }
+
+    /// Writes all of `data` to the sink and flushes it. A write that waited [`LEASE_IDLE`]
+    /// gives the lease up and goes on without a deadline.
+    fn write_through(&mut self, mut data: &[u8]) -> io::Result<()> {
+        if !self.timed_for_lease() {
+            self.release();
+        }
+        while !data.is_empty() {
+            match self.sink.write(data) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => data = &data[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if self.timed && matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    self.release();
+                    self.set_timeouts(None)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.sink.flush()
+    }
+
+    /// Gives the lease up, if held.
+    fn release(&self) {
+        if let Some(lease) = self.lease.as_ref().filter(|l| l.held_for().is_some()) {
+            lease.release();
+        }
+    }
+
+    /// Sets the socket's read and write timeouts; `false` if there is no socket.
+    fn set_timeouts(&mut self, timeout: Option<Duration>) -> io::Result<bool> {
+        let Some(socket) = &self.socket else { return Ok(false) };
+        let set = [Timeout::Recv, Timeout::Send].into_iter().try_for_each(|which| set_socket_timeout(socket, which, timeout));
+        match set {
+            Ok(()) => {
+                self.timed = timeout.is_some();
+                Ok(true)
+            }
+            Err(rustix::io::Errno::NOTSOCK) => {
+                self.socket = None;
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// How long the lease has been held, if it is.
+    fn held_for(&self) -> Option<Duration> {
+        self.lease.as_ref().and_then(|l| l.held_for())
+    }
+
+    /// Whether the lease is held and reads and writes wait at most [`LEASE_IDLE`] (set now if
+    /// they did not; `false` without a socket).
+    fn timed_for_lease(&mut self) -> bool {
+        self.held_for().is_some() && (self.timed || self.set_timeouts(Some(LEASE_IDLE)).unwrap_or(false))
+    }
+
+    /// Whether the next read may keep the lease, waiting at most [`LEASE_IDLE`] for the
+    /// client: it is held, not for [`LEASE_MAX`] yet, and the source is a socket.
+    fn keep_lease(&mut self) -> bool {
+        self.held_for().is_some_and(|h| h < LEASE_MAX) && self.timed_for_lease()
+    }
 }
 
-/// The writing side: buffers until the reading side is about to wait, the buffer is full, or
-/// `flush` is called.
-pub(crate) struct Output(Rc<RefCell<Outbox>>);
+/// The writing side: buffers until the reading side reads from the client, the buffer is
+/// full, or `flush` is called.
+pub(crate) struct Output(Rc<RefCell<Shared>>);
 
-/// The reading side: before a read that would wait for the client, sends pending output.
+/// The reading side: before each read from the client, sends pending output.
 pub(crate) struct Input {
     source: Box<dyn ClientInput>,
-    outbox: Rc<RefCell<Outbox>>,
+    shared: Rc<RefCell<Shared>>,
 }
 
 /// Couples `source` and `sink` (the two directions of one client connection).
 pub(crate) fn duplex(source: Box<dyn ClientInput>, sink: Box<dyn Write + Send>) -> (Input, Output) {
-    let outbox = Rc::new(RefCell::new(Outbox { pending: Vec::with_capacity(OUTPUT_CAPACITY), sink }));
-    (Input { source, outbox: Rc::clone(&outbox) }, Output(outbox))
+    let socket = source.as_fd().try_clone_to_owned().ok();
+    let shared = Shared { pending: Vec::with_capacity(OUTPUT_CAPACITY), sink, lease: None, socket, timed: false };
+    let shared = Rc::new(RefCell::new(shared));
+    (Input { source, shared: Rc::clone(&shared) }, Output(shared))
 }
 
 impl Write for Output {
@@ -64,8 +159,7 @@ impl Write for Output {
         if data.len() >= OUTPUT_CAPACITY {
             // Flushed too: a sink with its own buffer (standard output is line-buffered) would
             // otherwise keep the tail, and nothing would send it before the worker waits.
-            out.sink.write_all(data)?;
-            out.sink.flush()?;
+            out.write_through(data)?;
             return Ok(data.len());
         }
         out.pending.extend_from_slice(data);
@@ -80,33 +174,36 @@ impl Write for Output {
 impl Input {
     /// Lets reads wait without a deadline again (a socket's `SO_RCVTIMEO`; standard input has
     /// none).
-    pub(crate) fn clear_read_timeout(&self) -> io::Result<()> {
-        match rustix::net::sockopt::set_socket_timeout(self.source.as_fd(), rustix::net::sockopt::Timeout::Recv, None) {
-            Ok(()) | Err(rustix::io::Errno::NOTSOCK) => Ok(()),
-            Err(e) => Err(e.into()),
-        }
+    pub(crate) fn clear_read_timeout(&mut self) -> io::Result<()> {
+        self.shared.borrow_mut().set_timeouts(None).map(|_| ())
+    }
+
+    /// Keeps `lease` while the client keeps up (see the module documentation).
+    pub(crate) fn set_lease(&mut self, lease: Box<dyn Lease>) {
+        self.shared.borrow_mut().lease = Some(lease);
     }
 }
 
 impl Read for Input {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let waiting = !self.outbox.borrow().pending.is_empty();
-        if waiting && !readable(self.source.as_fd())? {
-            self.outbox.borrow_mut().send()?;
+        let mut shared = self.shared.borrow_mut();
+        if !shared.pending.is_empty() {
+            shared.send()?;
         }
+        if shared.keep_lease() {
+            drop(shared);
+            match self.source.read(buf) {
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+                done => return done,
+            }
+            shared = self.shared.borrow_mut();
+        }
+        shared.release();
+        if shared.timed {
+            shared.set_timeouts(None)?;
+        }
+        drop(shared);
         self.source.read(buf)
-    }
-}
-
-/// Whether a read from `fd` would return without waiting (data, end of file or an error).
-fn readable(fd: BorrowedFd) -> io::Result<bool> {
-    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-    loop {
-        match poll(&mut fds, 0) {
-            Ok(n) => return Ok(n > 0),
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
     }
 }
 
@@ -130,19 +227,75 @@ mod tests {
         got
     }
 
+    /// Replies wait while the worker answers requests it has buffered, and leave in one write
+    /// before it reads from the client again.
     #[test]
-    fn output_waits_while_the_client_has_sent_more() {
-        let (mut input, mut output, mut client) = pair();
+    fn output_waits_while_requests_are_buffered() {
+        let (input, mut output, mut client) = pair();
+        let mut input = io::BufReader::new(input);
         client.write_all(b"ab").unwrap();
-        output.write_all(b"reply 1").unwrap();
         let mut byte = [0u8; 1];
         input.read_exact(&mut byte).unwrap();
         assert_eq!(&byte, b"a");
-        // The reading side buffered nothing itself, so "b" is still readable: no send yet.
-        assert_eq!(available(&client), b"");
+        output.write_all(b"reply 1").unwrap();
         input.read_exact(&mut byte).unwrap();
         assert_eq!(&byte, b"b");
-        assert_eq!(available(&client), b"");
+        output.write_all(b", reply 2").unwrap();
+        assert_eq!(available(&client), b"", "nothing is sent while requests are buffered");
+        client.write_all(b"c").unwrap();
+        input.read_exact(&mut byte).unwrap();
+        assert_eq!(available(&client), b"reply 1, reply 2");
+    }
+
+    /// A lease, with the times it was given up.
+    struct Held(Rc<RefCell<(Option<std::time::Instant>, Vec<std::time::Instant>)>>);
+
+    impl Lease for Held {
+        fn held_for(&self) -> Option<Duration> {
+            self.0.borrow().0.map(|at| at.elapsed())
+        }
+        fn release(&self) {
+            let mut state = self.0.borrow_mut();
+            state.0 = None;
+            state.1.push(std::time::Instant::now());
+        }
+    }
+
+    /// A lease is kept while the client answers within [`LEASE_IDLE`], given up when it
+    /// does not (the read then goes on waiting), and given up before a read once held for
+    /// [`LEASE_MAX`].
+    #[test]
+    fn a_lease_is_kept_while_the_client_keeps_sending() {
+        let (mut input, _output, client) = pair();
+        let state = Rc::new(RefCell::new((None, Vec::new())));
+        input.set_lease(Box::new(Held(Rc::clone(&state))));
+        let take = |at| state.borrow_mut().0 = Some(at);
+        let mut byte = [0u8; 1];
+
+        take(std::time::Instant::now());
+        (&client).write_all(b"a").unwrap();
+        input.read_exact(&mut byte).unwrap();
+        assert!(state.borrow().0.is_some() && state.borrow().1.is_empty(), "kept: the client had sent");
+
+        let late = std::thread::spawn({
+            let client = client.try_clone().unwrap();
+            move || {
+                std::thread::sleep(LEASE_IDLE * 100);
+                (&client).write_all(b"b").unwrap();
+            }
+        });
+        let asked = std::time::Instant::now();
+        input.read_exact(&mut byte).unwrap();
+        late.join().unwrap();
+        assert_eq!(&byte, b"b", "the read went on waiting");
+        let released = state.borrow().1.clone();
+        assert_eq!(released.len(), 1, "given up once");
+        assert!(released[0] - asked < LEASE_IDLE * 50, "given up after {:?}", released[0] - asked);
+
+        take(std::time::Instant::now() - LEASE_MAX);
+        (&client).write_all(b"c").unwrap();
+        input.read_exact(&mut byte).unwrap();
+        assert_eq!(state.borrow().1.len(), 2, "given up: held for LEASE_MAX");
     }
 
     #[test]

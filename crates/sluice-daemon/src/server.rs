@@ -5,6 +5,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use std::io::{BufReader, Write};
 use sluice_nix::wire::{read_u64, StderrWriter};
 
 use crate::affinity::{Pinned, Placement};
-use crate::conn::{Conn, Fail};
+use crate::conn::{Conn, Fail, Kept};
 use crate::duplex::{duplex, ClientInput};
 use crate::handshake::{greet, HandshakeError};
 use crate::limits::Limits;
@@ -144,7 +145,7 @@ fn serve_connection(
         }
     };
     // The deadline was the greeting's: a client may wait as long as it likes between requests.
-    if let Err(e) = r.get_ref().clear_read_timeout() {
+    if let Err(e) = r.get_mut().clear_read_timeout() {
         tracing::warn!("{label}: clearing the handshake deadline: {e}; connection closed");
         return;
     }
@@ -161,7 +162,9 @@ fn serve_connection(
         }
     };
     let temp_roots = store.temp_roots();
-    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots };
+    let kept = Kept::new(temp_roots.clone());
+    r.get_mut().set_lease(Box::new(Rc::clone(&kept)));
+    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots, kept };
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
     let _placed = client
         .filter(|_| greeting.cpu.is_none() && daemon.client_cpu == ClientCpu::Pin)

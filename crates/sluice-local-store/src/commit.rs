@@ -1,5 +1,6 @@
-//! Committing unpacked paths in batches: verification, rename into place, one `syncfs` and one
-//! transaction per batch (Nix registers each substituted path on its own, in
+//! Committing unpacked paths in batches: verification, rename into place, one flush (an `fsync`
+//! per single-file path and one of the store directory for a few such paths, else one
+//! `syncfs`) and one transaction per batch (Nix registers each substituted path on its own, in
 //! `LocalStore::addToStore` of `src/libstore/local-store.cc`; a batch keeps its guarantees:
 //! nothing is registered before its tree is durable, nothing stays at a final path
 //! unregistered).
@@ -7,7 +8,7 @@
 use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 
-use rustix::fs::syncfs;
+use rustix::fs::{fstat, fsync, openat, syncfs, FileType, Mode, OFlags};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 
@@ -55,13 +56,13 @@ impl LocalStore {
     /// Commits unpacked paths, each under its own policy, given in dependency order (a path
     /// comes after those of its references that are in `batch`): each passes the
     /// verification boundary and is moved into place as by [`PendingPath::commit`], then one
-    /// `syncfs` makes them durable and one transaction registers all that were placed (a
+    /// flush makes them durable (`LocalStore::make_durable`) and one transaction registers all that were placed (a
     /// registration time of 0 becomes now, as in Nix's `registerValidPath`).
     ///
     /// Returns one result per path, in order. A path with a reference that is neither valid
     /// nor placed earlier in the batch is handed back ([`Uncommitted::Waiting`]); a path that
     /// fails otherwise is given up ([`Uncommitted::Failed`]); neither is registered, and
-    /// nothing is left at its final path. If the `syncfs` or the transaction fails, every
+    /// nothing is left at its final path. If the flush or the transaction fails, every
     /// placed path fails.
     pub fn commit_all(&self, batch: Vec<(PendingPath, &SignaturePolicy)>) -> Vec<Result<(), Uncommitted>> {
         let mut placed = BTreeSet::new();
@@ -111,11 +112,15 @@ impl LocalStore {
             .collect()
     }
 
-    /// Makes the placed paths of `batch` durable (`syncfs`, unless `fsync-store-paths` is
-    /// off) and registers them in one
+    /// Makes the placed paths of `batch` durable ([`LocalStore::make_durable`], unless
+    /// `fsync-store-paths` is off) and registers them in one
     /// transaction, but for repairs, which stay registered as they were. Takes the outputs out
     /// of `outcomes`.
     fn register_placed(&self, batch: &[(PendingPath, &SignaturePolicy)], outcomes: &mut [Placed]) -> Result<(), LocalStoreError> {
+        if !self.no_fsync.load(std::sync::atomic::Ordering::Relaxed) {
+            let placed = batch.iter().zip(outcomes.iter()).filter(|(_, o)| matches!(o, Placed::Yes(_))).map(|((p, _), _)| &p.info.path);
+            self.make_durable(placed.collect())?;
+        }
         let items: Vec<(&ValidPathInfo, Vec<(String, StorePath)>)> = batch
             .iter()
             .zip(outcomes.iter_mut())
@@ -124,12 +129,40 @@ impl LocalStore {
                 _ => None,
             })
             .collect();
-        if !self.no_fsync.load(std::sync::atomic::Ordering::Relaxed) {
-            syncfs(self.store_fd.as_fd()).map_err(|e| io_err("syncing the file system of", &self.layout.real_store_dir)(e.into()))?;
-        }
         match items.is_empty() {
             true => Ok(()),
             false => self.registry.register_all(&items),
         }
     }
+
+    /// Makes the trees of `placed` (at their locations in the store directory) and their
+    /// entries there durable, as Nix's `fsync-store-paths` does (`recursiveSync`,
+    /// `syncParent`): when they are at most [`FSYNC_PATHS`] single regular files (text
+    /// additions, `.drv` files, flat files), an `fsync` of each and one of the store
+    /// directory; otherwise one `syncfs` of the store's file system, which flushes whatever
+    /// else is pending on it too.
+    fn make_durable(&self, placed: Vec<&StorePath>) -> Result<(), LocalStoreError> {
+        let files = match placed.len() <= FSYNC_PATHS {
+            true => placed.iter().map(|p| self.open_single_file(p)).collect::<Option<Vec<_>>>(),
+            false => None,
+        };
+        let store = &self.layout.real_store_dir;
+        let Some(files) = files else {
+            return syncfs(self.store_fd.as_fd()).map_err(|e| io_err("syncing the file system of", store)(e.into()));
+        };
+        for (fd, path) in files.iter().zip(&placed) {
+            fsync(fd).map_err(|e| io_err("syncing", &self.real_path(path))(e.into()))?;
+        }
+        fsync(self.store_fd.as_fd()).map_err(|e| io_err("syncing", store)(e.into()))
+    }
+
+    /// The tree of `path` opened, if it is a single regular file.
+    fn open_single_file(&self, path: &StorePath) -> Option<std::os::fd::OwnedFd> {
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let fd = openat(self.store_fd.as_fd(), path.base_name(), flags, Mode::empty()).ok()?;
+        (FileType::from_raw_mode(fstat(&fd).ok()?.st_mode) == FileType::RegularFile).then_some(fd)
+    }
 }
+
+/// Most paths of a batch made durable one `fsync` each (see [`LocalStore::make_durable`]).
+const FSYNC_PATHS: usize = 8;

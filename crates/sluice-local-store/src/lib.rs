@@ -53,7 +53,7 @@ pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
 pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use pending::PendingPath;
-pub use temp_dir::{is_temp_dir, TEMP_DIR_NAME};
+pub use temp_dir::{is_temp_dir, KeptTempDir, TEMP_DIR_NAME};
 pub use temp_roots::TempRoots;
 pub use verify::{SignaturePolicy, TrustedKeysError, Vouched, VouchedInfo};
 pub use verify_store::{Repairer, VerifyMessage};
@@ -181,7 +181,8 @@ impl LocalStore {
 
     /// Sets `fsync-store-paths` (sluice's default: true; Nix's: false, `src/libstore/globals.hh`).
     /// On, the contents of the paths of each commit and their renames into place are made
-    /// durable (one `syncfs` of the store's file system) before their registration is
+    /// durable (an `fsync` of each single-file path and of the store directory, or one
+    /// `syncfs` of the store's file system for larger commits) before their registration is
     /// written, so that after a crash a path is absent or complete. Off, as in Nix by default,
     /// a commit costs no disk flush, and a crash can leave a registered path whose contents
     /// were not yet written.

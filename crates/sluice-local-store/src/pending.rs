@@ -118,9 +118,10 @@ impl PendingPath {
     /// Passes the verification boundary under `policy`, renames the tree to its final path
     /// and registers the path in one transaction. Fails (leaving nothing at the final path)
     /// if the path fails verification or a reference other than the path itself is not
-    /// valid. The tree's contents and its rename are made durable (`syncfs` of the store's
-    /// file system) before the registration is committed. [`LocalStore::commit_all`] does
-    /// the same for many paths with one `syncfs` and one transaction.
+    /// valid. The tree's contents and its rename are made durable (an `fsync` of a
+    /// single file and of the store directory, else a `syncfs` of the store's file system)
+    /// before the registration is committed. [`LocalStore::commit_all`] does the same for
+    /// many paths with one flush and one transaction.
     pub fn commit(self, policy: &SignaturePolicy) -> Result<(), LocalStoreError> {
         let store = Arc::clone(&self.store);
         let shown = self.shown();

@@ -141,7 +141,20 @@ fn same_file(parent: BorrowedFd<'_>, name: &[u8], fd: BorrowedFd<'_>) -> bool {
     }
 }
 
+/// The directory of temporary trees kept by [`LocalStore::keep_temp_dir`].
+pub struct KeptTempDir {
+    _dir: Arc<TempDir>,
+}
+
 impl LocalStore {
+    /// Keeps the directory of temporary trees of the additions in progress (made now if there
+    /// is none) while the value lives, so that additions one after another (a daemon
+    /// connection's, while its client keeps asking) use one directory instead of making and
+    /// removing one each.
+    pub fn keep_temp_dir(&self) -> Result<KeptTempDir, LocalStoreError> {
+        Ok(KeptTempDir { _dir: self.open_temp_dir()? })
+    }
+
     /// The directory of temporary trees of the additions in progress, made if there is none
     /// (after removing the stale ones, the first time).
     pub(super) fn open_temp_dir(&self) -> Result<Arc<TempDir>, LocalStoreError> {

@@ -13,6 +13,12 @@
 //! child process). Nix's collector reads the leading number as the owner's process id
 //! (`std::stoi`).
 //!
+//! A holder that serves a client which keeps asking (the daemon's connections) may keep the
+//! shared GC lock between additions ([`TempRoots::add_all_keeping_gc_lock`]) and give it up
+//! when the client goes quiet ([`TempRoots::release_gc_lock`]): while it is held no collector
+//! runs, so each root written meanwhile is in the file before any collector reads it, as
+//! with a lock taken per root; a collector starting meanwhile waits for the release.
+//!
 //! Roots are added before the paths they protect are looked at (Nix's order: `addTempRoot`,
 //! then `isValidPath`): a collector that is deleting the path at that moment finishes first
 //! (it answers a socket root only after its deletion of that hash part ends), so the path is
@@ -24,7 +30,8 @@ use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use rustix::fs::{flock, FlockOperation};
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -56,17 +63,46 @@ impl TempRoots {
     /// nothing for paths added before; the others are written in one `write` under one
     /// shared GC lock (or, while a collector runs, sent to it one by one first).
     pub fn add_all(&self, paths: &[StorePath]) -> Result<(), LocalStoreError> {
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        self.add_with(paths, false)
+    }
+
+    /// [`TempRoots::add_all`], keeping the shared GC lock taken for them (or already held)
+    /// until [`TempRoots::release_gc_lock`] or the last clone's end, so that the next roots
+    /// are written without taking it again. No collector can start meanwhile: the caller
+    /// releases it when it waits for something other than its client's next request.
+    pub fn add_all_keeping_gc_lock(&self, paths: &[StorePath]) -> Result<(), LocalStoreError> {
+        self.add_with(paths, true)
+    }
+
+    fn add_with(&self, paths: &[StorePath], keep: bool) -> Result<(), LocalStoreError> {
+        let mut file = self.lock();
         let file = match &mut *file {
             Some(f) => f,
             None => file.insert(TempRootsFile::create(&self.state_dir, &self.store_dir)?),
         };
-        file.add_all(paths)
+        file.add_all(paths, keep)
+    }
+
+    /// How long the shared GC lock has been kept ([`TempRoots::add_all_keeping_gc_lock`]),
+    /// if it is.
+    pub fn gc_lock_held_for(&self) -> Option<Duration> {
+        self.lock().as_ref()?.gc_locked_at.map(|at| at.elapsed())
+    }
+
+    /// Gives up the shared GC lock kept by [`TempRoots::add_all_keeping_gc_lock`], if any.
+    pub fn release_gc_lock(&self) {
+        if let Some(file) = self.lock().as_mut().filter(|f| f.gc_locked_at.is_some()) {
+            file.unlock_gc();
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<TempRootsFile>> {
+        self.file.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The file's path (`<state>/temproots/<pid>-<n>`), once a root was added.
     pub fn path(&self) -> Option<PathBuf> {
-        self.file.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|f| f.path.clone())
+        self.lock().as_ref().map(|f| f.path.clone())
     }
 }
 
@@ -81,6 +117,8 @@ struct TempRootsFile {
     path: PathBuf,
     /// `<state>/gc.lock`, opened once.
     gc_lock: File,
+    /// When the shared GC lock kept on `gc_lock` was taken, while it is kept.
+    gc_locked_at: Option<Instant>,
     gc_socket: PathBuf,
     /// The connection to the running collector's socket, kept for every root this holder
     /// sends it (Nix's `_fdRootsSocket`), and dropped when the collector has gone. One
@@ -120,6 +158,7 @@ impl TempRootsFile {
             file,
             path,
             gc_lock,
+            gc_locked_at: None,
             gc_socket: state_dir.join("gc-socket/socket"),
             collector: None,
             store_dir: store_dir.clone(),
@@ -128,18 +167,23 @@ impl TempRootsFile {
     }
 
     /// Writes the paths of `paths` not written before, in one `write`, under the GC lock
-    /// taken shared; while a collector holds it, each is first sent to the collector over its
-    /// socket (it will not read the file again).
-    fn add_all(&mut self, paths: &[StorePath]) -> Result<(), LocalStoreError> {
+    /// taken shared (or kept from before); while a collector holds it, each is first sent to
+    /// the collector over its socket (it will not read the file again). With `keep`, a lock
+    /// taken here is kept.
+    fn add_all(&mut self, paths: &[StorePath], keep: bool) -> Result<(), LocalStoreError> {
         let new: Vec<&StorePath> = paths.iter().filter(|p| !self.written.contains(*p)).collect();
         if new.is_empty() {
             return Ok(());
         }
         let shown: Vec<String> = new.iter().map(|p| self.store_dir.display_path(p)).collect();
         let mut told = 0;
-        loop {
+        let mut locked = self.gc_locked_at.is_some();
+        while !locked {
             match flock(&self.gc_lock, FlockOperation::NonBlockingLockShared) {
-                Ok(()) => break,
+                Ok(()) => {
+                    locked = true;
+                    break;
+                }
                 Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(io_err("taking the GC lock", &self.gc_socket.with_file_name("gc.lock"))(e.into())),
             }
@@ -183,11 +227,20 @@ impl TempRootsFile {
             text.push(0);
         }
         let written = self.file.write_all(&text);
-        // Released whether or not the roots were written (an unlock of an unheld lock is a no-op).
-        let _ = flock(&self.gc_lock, FlockOperation::Unlock);
+        if written.is_ok() && locked && keep {
+            self.gc_locked_at.get_or_insert_with(Instant::now);
+        } else {
+            // Released whether or not the roots were written (an unlock of an unheld lock is a no-op).
+            self.unlock_gc();
+        }
         written.map_err(io_err("writing temporary roots to", &self.path))?;
         self.written.extend(new.into_iter().cloned());
         Ok(())
+    }
+
+    fn unlock_gc(&mut self) {
+        self.gc_locked_at = None;
+        let _ = flock(&self.gc_lock, FlockOperation::Unlock);
     }
 
     /// Sends one root to a running collector over the kept connection (made first if there
@@ -314,6 +367,33 @@ mod tests {
 
     fn paths(dir: &StoreDir, from: usize, n: usize) -> Vec<StorePath> {
         (from..from + n).map(|i| dir.parse_path(&format!("/nix/store/{:0>32}-root-{i}", i % 10)).unwrap()).collect()
+    }
+
+    /// A kept GC lock keeps collectors from starting until it is released, and the roots
+    /// added meanwhile are written at once; a root added without keeping releases it.
+    #[test]
+    fn a_kept_gc_lock_holds_collectors_off_until_released() {
+        let state = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
+        let dir = StoreDir::new("/nix/store").unwrap();
+        let collector = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
+        let can_collect = || match flock(&collector, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => flock(&collector, FlockOperation::Unlock).is_ok(),
+            Err(_) => false,
+        };
+        let roots = TempRoots::new(state.path(), &dir);
+        roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
+        assert!(!can_collect() && roots.gc_lock_held_for().is_some());
+        roots.add_all_keeping_gc_lock(&paths(&dir, 1, 2)).unwrap();
+        let written = |roots: &TempRoots| std::fs::read(roots.path().unwrap()).unwrap().iter().filter(|b| **b == 0).count();
+        assert_eq!(written(&roots), 3);
+        assert!(!can_collect());
+        roots.release_gc_lock();
+        assert!(can_collect() && roots.gc_lock_held_for().is_none());
+        roots.add_all_keeping_gc_lock(&paths(&dir, 3, 1)).unwrap();
+        roots.add_all(&paths(&dir, 4, 1)).unwrap();
+        assert!(can_collect() && roots.gc_lock_held_for().is_none());
+        assert_eq!(written(&roots), 5);
     }
 
     /// Roots sent while a collector runs share one connection (Nix 2.8's collector aborts on

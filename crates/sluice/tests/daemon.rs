@@ -1110,6 +1110,98 @@ fn pipelined_requests_get_their_replies_before_the_next_request_is_complete() {
     assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 0), "reply 3");
 }
 
+/// The system calls of `sluice daemon` (traced with `strace -f -y`, so that each descriptor
+/// shows its file) while `adds` is run, once it is attached.
+fn daemon_syscalls(env: &Env, daemon: &Daemon, calls: &str, adds: impl FnOnce()) -> Vec<String> {
+    let out = env.path("strace");
+    let pid = daemon.child.id();
+    let mut strace = Command::new("strace")
+        .args(["-f", "-qq", "-y", "-e", &format!("trace={calls}"), "-e", "signal=none", "-o"])
+        .arg(&out)
+        .args(["-p", &pid.to_string()])
+        .spawn()
+        .expect("strace runs (CI installs it)");
+    // Attached: every thread of the daemon shows strace as its tracer.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let traced = || {
+        std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten().all(|task| {
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+            status.lines().any(|l| l.starts_with("TracerPid:") && l.split_whitespace().nth(1) != Some("0"))
+        })
+    };
+    while !traced() {
+        assert!(Instant::now() < deadline, "strace did not attach to the daemon");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    adds();
+    let _ = Command::new("kill").args(["-INT", &strace.id().to_string()]).status();
+    strace.wait().unwrap();
+    std::fs::read_to_string(&out).unwrap().lines().map(str::to_owned).collect()
+}
+
+/// Text additions of valid paths in a row (a warm `nix-instantiate`) take the shared GC lock
+/// for their temporary roots once, not twice each, and poll nothing.
+#[test]
+fn warm_text_adds_in_a_row_keep_the_gc_lock_and_poll_nothing() {
+    let env = Env::new();
+    let (daemon, mut client) = daemon_and_client_1_34(&env);
+    const ADDS: usize = 20;
+    let add_all = |client: &mut std::os::unix::net::UnixStream| {
+        for n in 0..ADDS {
+            assert!(add_text(client, &format!("text-{n}"), &format!("text {n}")).ends_with(format!("-text-{n}").as_bytes()));
+        }
+    };
+    add_all(&mut client);
+    let mut client = raw_client_1_34(&env);
+    let calls = daemon_syscalls(&env, &daemon, "flock,poll,ppoll", || add_all(&mut client));
+    let count = |what: &str| calls.iter().filter(|l| l.contains(what)).count();
+    // Taken and released, and again whenever the client was slower than the lease's idle
+    // limit (a loaded machine; the trace slows the daemon too): far from 2 per addition.
+    let gc_lock = count("gc.lock>");
+    assert!((1..=ADDS / 2).contains(&gc_lock), "{gc_lock} flock calls on gc.lock for {ADDS} additions:\n{}", calls.join("\n"));
+    assert_eq!(count("poll("), 0, "{}", calls.join("\n"));
+}
+
+/// New text paths added in a row (a cold `nix-instantiate`) are unpacked in one directory of
+/// temporary trees, not one made and removed for each (whose temporary root took the GC lock
+/// twice), and the directory goes once the client is quiet.
+#[test]
+fn cold_text_adds_in_a_row_share_one_directory_of_temporary_trees() {
+    let env = Env::new();
+    let (daemon, mut client) = daemon_and_client_1_34(&env);
+    add_text(&mut client, "first", "connection and store opened");
+    const ADDS: usize = 20;
+    let calls = daemon_syscalls(&env, &daemon, "mkdir,mkdirat,flock", || {
+        for n in 0..ADDS {
+            assert!(add_text(&mut client, &format!("text-{n}"), &format!("text {n}")).ends_with(format!("-text-{n}").as_bytes()));
+        }
+    });
+    let count = |what: &str| calls.iter().filter(|l| l.contains(what)).count();
+    // As for valid paths: again whenever the client was slower than the lease's idle limit.
+    let (dirs, gc_lock) = (count("sluice-unpacking\""), count("gc.lock>"));
+    assert!((1..=ADDS / 4).contains(&dirs), "{dirs} directories of temporary trees for {ADDS} additions:\n{}", calls.join("\n"));
+    assert!(gc_lock <= ADDS, "{gc_lock} flock calls on gc.lock for {ADDS} additions:\n{}", calls.join("\n"));
+    std::thread::sleep(Duration::from_millis(500));
+    let left: Vec<String> = common::store_entries(&env.path("root")).into_iter().filter(|e| e.ends_with("-sluice-unpacking")).collect();
+    assert_eq!(left, Vec::<String>::new(), "the directory is removed once the client is quiet");
+}
+
+/// Each new text path is made durable with an `fsync` of its file and of the store directory,
+/// not with a `syncfs` of the whole file system.
+#[test]
+fn text_adds_flush_their_files_not_the_file_system() {
+    let env = Env::new();
+    let (daemon, mut client) = daemon_and_client_1_34(&env);
+    add_text(&mut client, "first", "connection and store opened");
+    let calls = daemon_syscalls(&env, &daemon, "fsync,fdatasync,syncfs,sync", || {
+        add_text(&mut client, "second", "text");
+    });
+    let calls: Vec<&str> = calls.iter().map(|l| l.split_once(' ').map_or(l.as_str(), |(_, call)| call.trim())).collect();
+    assert_eq!(calls.len(), 2, "{calls:#?}");
+    assert!(calls[0].starts_with("fsync(") && calls[0].contains("-second>) = 0"), "{calls:#?}");
+    assert!(calls[1].starts_with("fsync(") && calls[1].ends_with("/nix/store>) = 0"), "{calls:#?}");
+}
+
 /// A pipelined quick request's reply does not wait behind a slow request sent with it: here
 /// EnsurePath of a path the store lacks, whose substituter accepts connections and never
 /// answers.

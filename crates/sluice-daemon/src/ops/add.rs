@@ -42,10 +42,10 @@ pub(super) fn add_to_store(c: &mut Conn, request: AddToStore) -> OpResult {
     let store = Arc::clone(c.store());
     let policy = policy(c, false)?;
     let mut framed = FramedReader::new(&mut c.r);
-    let roots = &c.temp_roots;
+    let kept = &c.kept;
     let result = Ingestion::parse(&method)
         .map_err(Fail::Op)
-        .and_then(|m| add_content(&store, roots, &policy, &name, m, references, &mut framed, repair));
+        .and_then(|m| add_content(&store, kept, &policy, &name, m, references, &mut framed, repair));
     finish_framed(&mut framed)?;
     let info = result?;
     let version = c.version;
@@ -65,11 +65,11 @@ fn add_to_store_legacy(c: &mut Conn, name: String, fixed: bool, recursive: u64, 
     io::Seek::rewind(&mut nar).map_err(op_err)?;
     let policy = policy(c, false)?;
     let info = match method {
-        Ingestion::Nar(_) => add_content(&c.store, &c.temp_roots, &policy, &name, method, Default::default(), &mut nar, false)?,
+        Ingestion::Nar(_) => add_content(&c.store, &c.kept, &policy, &name, method, Default::default(), &mut nar, false)?,
         _ => {
             let mut root = RootFile::new();
             parse(&mut nar, &mut root).map_err(op_err)?;
-            add_content(&c.store, &c.temp_roots, &policy, &name, method, Default::default(), &mut root.contents, false)?
+            add_content(&c.store, &c.kept, &policy, &name, method, Default::default(), &mut root.contents, false)?
         }
     };
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
@@ -78,7 +78,7 @@ fn add_to_store_legacy(c: &mut Conn, name: String, fixed: bool, recursive: u64, 
 /// AddTextToStore (obsolete since 1.25): name, text, references → the path.
 pub(super) fn add_text_to_store(c: &mut Conn, AddTextToStore { name, text, references }: AddTextToStore) -> OpResult {
     let policy = policy(c, false)?;
-    let info = add_content(&c.store, &c.temp_roots, &policy, &name, Ingestion::Text, references, &mut text.as_slice(), false)?;
+    let info = add_content(&c.store, &c.kept, &policy, &name, Ingestion::Text, references, &mut text.as_slice(), false)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 

@@ -46,12 +46,17 @@ fn quick(op: Op) -> bool {
 
 /// Runs operation number `op` on `c`: its request is read, then handled. Before an operation
 /// that is not quick (an addition, a substitution, a scan of the GC roots, …) replies still
-/// waiting are sent. An unknown number is fatal to the connection (its arguments cannot be
-/// skipped).
+/// waiting are sent, and but for AddToStore and AddTextToStore (which root their path, as the
+/// quick AddTempRoot does) the shared GC lock kept for the connection's temporary roots is
+/// given up: the operation may run a collector or wait long. An unknown number is fatal to
+/// the connection (its arguments cannot be skipped).
 pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
     let Some(op) = Op::from_wire(op) else { return Err(Fail::Fatal(format!("invalid operation {op}"))) };
     if !quick(op) {
         std::io::Write::flush(&mut c.w)?;
+        if !matches!(op, Op::AddToStore | Op::AddTextToStore) {
+            c.kept.release();
+        }
     }
     match op {
         Op::IsValidPath => run(c, query::is_valid_path),

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::io::{self, Read, Seek, Write};
 use std::sync::Arc;
 
-use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots};
+use sluice_local_store::{LocalStore, SignaturePolicy};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::nar::writer::NarWriter;
@@ -16,7 +16,7 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 use tempfile::SpooledTempFile;
 
-use crate::conn::{op_err, Fail};
+use crate::conn::{op_err, Fail, Kept};
 
 /// Spooled data stays in memory up to this many bytes.
 const IN_MEMORY: usize = 16 << 20;
@@ -87,13 +87,14 @@ fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher
 /// Adds `data` as `name` with `references` by `method`; returns the path's info (also when it
 /// was valid already, in which case nothing is unpacked unless `repair`: then the tree is
 /// replaced by this content, which must have the registered NAR hash). The path is made a temporary root
-/// in `roots` before its validity is looked at, as Nix's `addToStoreFromDump` does, so that a
-/// collector cannot delete it between the look-up and the client's use of it. The store
-/// checks the content address computed here against the unpacked content again.
+/// of the connection (`kept.roots`) before its validity is looked at, as Nix's
+/// `addToStoreFromDump` does, so that a collector cannot delete it between the look-up and the
+/// client's use of it. The store checks the content address computed here against the
+/// unpacked content again.
 #[allow(clippy::too_many_arguments)] // each is one decision of the caller's; a struct would only rename them
 pub(super) fn add_content(
     store: &Arc<LocalStore>,
-    roots: &TempRoots,
+    kept: &Kept,
     policy: &SignaturePolicy,
     name: &str,
     method: Ingestion,
@@ -115,7 +116,7 @@ pub(super) fn add_content(
     let dir = store.store_dir();
     let self_ref = false;
     let path = ca.store_path(dir, name, &references.iter().cloned().collect::<Vec<_>>(), self_ref).map_err(op_err)?;
-    roots.add(&path).map_err(op_err)?;
+    kept.roots.add_all_keeping_gc_lock(std::slice::from_ref(&path)).map_err(op_err)?;
     if let Some(info) = store.query_path_info(&path).map_err(op_err)?.filter(|_| !repair) {
         return Ok(info);
     }
@@ -149,7 +150,8 @@ pub(super) fn add_content(
         sigs: BTreeSet::new(),
         ca: Some(ca),
     };
-    store.add_nar_if_missing(info, &mut nar, policy, roots, repair).map_err(op_err)
+    kept.keep_temp_dir(store);
+    store.add_nar_if_missing(info, &mut nar, policy, &kept.roots, repair).map_err(op_err)
 }
 
 /// Seconds since the epoch.

@@ -14,7 +14,7 @@ use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// AddTempRoot: path → 1.
 pub(super) fn add_temp_root(c: &mut Conn, AddTempRoot { path }: AddTempRoot) -> OpResult {
-    c.add_temp_root(&path)?;
+    c.add_temp_roots(std::slice::from_ref(&path))?;
     c.reply(|w, _| write_u64(w, 1))
 }
 
