@@ -181,7 +181,7 @@ pub fn read_keyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, versio
     read_unkeyed_path_info(r, dir, version, path)
 }
 
-fn parse_nar_hash(s: &str) -> Result<Hash, WireError> {
+pub(crate) fn parse_nar_hash(s: &str) -> Result<Hash, WireError> {
     let parsed = if s.contains(':') || s.contains('-') { Hash::parse(s) } else { Hash::parse_bare(s, HashAlgo::Sha256) };
     parsed.map_err(|e| WireError::invalid("NAR hash", format!("{s:?}: {e}")))
 }
