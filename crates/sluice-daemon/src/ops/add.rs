@@ -175,9 +175,9 @@ pub(super) fn finish_framed(framed: &mut FramedReader<&mut Reader>) -> Result<()
 }
 
 /// Copies what is read from `inner` into `copy` (to keep the NAR that the parser reads).
-struct Tee<'a, R: Read, W: io::Write> {
-    inner: R,
-    copy: &'a mut W,
+pub(crate) struct Tee<'a, R: Read, W: io::Write> {
+    pub(crate) inner: R,
+    pub(crate) copy: &'a mut W,
 }
 
 impl<R: Read, W: io::Write> Read for Tee<'_, R, W> {

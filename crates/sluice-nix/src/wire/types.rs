@@ -362,6 +362,24 @@ pub struct BuildResult {
     pub built_outputs: BTreeMap<String, String>,
 }
 
+impl BuildResult {
+    /// A result of `status` with `error_msg`, nothing built: no times, no outputs (Nix sets
+    /// the times only when a builder runs, `build/derivation-goal.cc` `buildDone`).
+    pub fn not_built(status: BuildStatus, error_msg: String) -> Self {
+        BuildResult {
+            status,
+            error_msg,
+            times_built: 0,
+            is_non_deterministic: false,
+            start_time: 0,
+            stop_time: 0,
+            cpu_user: None,
+            cpu_system: None,
+            built_outputs: BTreeMap::new(),
+        }
+    }
+}
+
 /// Writes a build result for protocol `version`: status and message; from 1.29 times built,
 /// non-determinism and start/stop times; from 1.37 the optional CPU times; from 1.28 the
 /// built outputs.

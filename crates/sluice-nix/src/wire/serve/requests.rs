@@ -40,53 +40,38 @@ impl ServeRequest for QueryValidPaths {
     }
 }
 
-/// Defines commands whose header is one store path set, `paths`.
-macro_rules! path_set_commands {
-    ($($(#[$doc:meta])* $name:ident;)*) => {
+/// Defines commands whose header is one field, read by `$read` and written by `$write`.
+macro_rules! one_field_commands {
+    ($($(#[$doc:meta])* $name:ident { $field:ident: $ty:ty } = $read:ident($what:literal), |$w:ident, $dir:ident, $v:ident| $write:expr;)*) => {
         $(
             $(#[$doc])*
             #[derive(Debug, Clone, PartialEq, Eq)]
             pub struct $name {
-                pub paths: BTreeSet<StorePath>,
+                pub $field: $ty,
             }
 
             impl ServeRequest for $name {
                 const CMD: ServeCommand = ServeCommand::$name;
 
                 fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
-                    Ok($name { paths: read_store_path_set(r, dir, "paths")? })
+                    Ok($name { $field: $read(r, dir, $what)? })
                 }
 
-                fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
-                    write_store_path_set(w, dir, self.paths.iter())
+                fn write(&self, $w: &mut dyn Write, $dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
+                    let $v = &self.$field;
+                    $write
                 }
             }
         )*
     };
 }
 
-path_set_commands! {
+one_field_commands! {
     /// QueryPathInfos: paths → for each valid one its path and info
     /// ([`super::write_path_info_entry`]), then the empty string.
-    QueryPathInfos;
-}
-
-/// DumpStorePath: a valid path → its NAR, bare.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DumpStorePath {
-    pub path: StorePath,
-}
-
-impl ServeRequest for DumpStorePath {
-    const CMD: ServeCommand = ServeCommand::DumpStorePath;
-
-    fn read(r: &mut dyn Read, dir: &StoreDir, _: ProtocolVersion) -> Result<Self, WireError> {
-        Ok(DumpStorePath { path: read_store_path(r, dir, "path")? })
-    }
-
-    fn write(&self, w: &mut dyn Write, dir: &StoreDir, _: ProtocolVersion) -> io::Result<()> {
-        write_store_path(w, dir, &self.path)
-    }
+    QueryPathInfos { paths: BTreeSet<StorePath> } = read_store_path_set("paths"), |w, dir, v| write_store_path_set(w, dir, v.iter());
+    /// DumpStorePath: a valid path → its NAR, bare.
+    DumpStorePath { path: StorePath } = read_store_path("path"), |w, dir, v| write_store_path(w, dir, v);
 }
 
 /// ImportPaths (`--write` only): no header; an export stream follows (per path `1`, its NAR,

@@ -1,7 +1,6 @@
 //! Serve-protocol serialisers (Nix 2.26 `serve-protocol.cc`: `UnkeyedValidPathInfo`,
 //! `BuildResult`, `ServeProto::BuildOptions`; `export-import.cc`: an exported path's trailer).
 
-use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 
 use super::super::primitives::read_count;
@@ -140,17 +139,7 @@ pub fn write_serve_build_result(w: &mut dyn Write, version: ProtocolVersion, res
 pub fn read_serve_build_result(r: &mut dyn Read, version: ProtocolVersion) -> Result<BuildResult, WireError> {
     let status = BuildStatus::read(r)?;
     let error_msg = read_string(r, MAX_MESSAGE, "build error message")?;
-    let mut res = BuildResult {
-        status,
-        error_msg,
-        times_built: 0,
-        is_non_deterministic: false,
-        start_time: 0,
-        stop_time: 0,
-        cpu_user: None,
-        cpu_system: None,
-        built_outputs: BTreeMap::new(),
-    };
+    let mut res = BuildResult::not_built(status, error_msg);
     if serve_at_least(version, 3) {
         res.times_built = read_u64(r, "times built")?;
         res.is_non_deterministic = read_bool(r, "non-determinism flag")?;
