@@ -10,14 +10,12 @@ use std::io::{self, Read, Seek, Write};
 
 use sluice_local_store::SignaturePolicy;
 use sluice_nix::hash::{HashAlgo, HashingReader};
-use sluice_nix::nar::reader::parse;
-use sluice_nix::nar::Discard;
+use sluice_nix::nar::reader::copy_nar;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::read_u64;
 use sluice_nix::wire::serve::{read_export_trailer, AddToStoreNar, ExportTrailer};
 
 use super::{refused, LegacyServeError, Session};
-use crate::ops::Tee;
 
 /// An ImportPaths NAR larger than this is spooled to a temporary file rather than memory.
 const SPOOL_IN_MEMORY: usize = 16 << 20;
@@ -46,8 +44,7 @@ impl<R: Read, W: Write> Session<R, W> {
     fn import_one(&mut self) -> Result<(), LegacyServeError> {
         let mut spool = tempfile::SpooledTempFile::new(SPOOL_IN_MEMORY);
         let mut hashing = HashingReader::new(&mut self.r, HashAlgo::Sha256);
-        parse(Tee { inner: &mut hashing, copy: &mut spool }, &mut Discard)
-            .map_err(|e| LegacyServeError::Refused(format!("reading the NAR of an imported path: {e}")))?;
+        copy_nar(&mut hashing, &mut spool).map_err(|e| LegacyServeError::Refused(format!("reading the NAR of an imported path: {e}")))?;
         let nar_size = hashing.len();
         let (nar_hash, _) = hashing.finish();
         let ExportTrailer { path, references, deriver } = read_export_trailer(&mut self.r, self.store.store_dir())?;

@@ -18,8 +18,6 @@ mod realisation;
 mod realise;
 mod roots;
 
-pub(crate) use add::Tee;
-
 use sluice_nix::wire::ops::{Op, Request};
 
 use crate::conn::{Conn, Fail, OpResult};
