@@ -14,6 +14,7 @@ pub mod env_dirs;
 pub mod failure;
 pub mod fd_budget;
 pub mod job_queue;
+mod legacy_ssh;
 mod local_handle;
 pub mod push;
 mod reference_cycles;

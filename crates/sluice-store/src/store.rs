@@ -10,7 +10,7 @@
 //! into a local store; [`crate::push`] moves closures between any two stores through this
 //! interface.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -77,6 +77,13 @@ pub trait Store: Send + Sync {
             let infos = self.query_path_infos(paths).await?;
             Ok(paths.iter().zip(infos).filter(|(_, i)| i.is_some()).map(|(p, _)| p.clone()).collect())
         })
+    }
+
+    /// The closure of `roots` under references, every path's info (Nix's `computeFSClosure`);
+    /// a path of it that is not valid is [`StoreError::NotValid`]. By default one batched
+    /// [`query_path_infos`](Self::query_path_infos) per level of references.
+    fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
+        Box::pin(crate::push::closure_infos_by_level(self, roots))
     }
 
     /// The valid path whose hash part is `hash_part` (32 nixbase32 characters; Nix's

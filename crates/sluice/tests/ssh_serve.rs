@@ -305,3 +305,108 @@ fn export_items(stream: &[u8]) -> (Vec<Vec<u8>>, bool) {
     items.sort();
     (items, ordered)
 }
+
+/// A `remote-program` running real `nix-store` (Nix 2.26 through `nix-modern` when `modern`)
+/// on the chroot store under `store`, never on this machine's `/nix` (Nix appends `--serve
+/// --write`).
+fn nix_store_wrapper(tmp: &Path, name: &str, store: &Path, modern: bool) -> PathBuf {
+    let file = tmp.join(name);
+    let nix_store = match modern {
+        true => format!("{} nix-store", shared().join("bin/nix-modern").display()),
+        false => "nix-store".to_string(),
+    };
+    let script = format!(
+        "#!/bin/sh\ncd {t} && export NIX_REMOTE=local?root={s} XDG_CACHE_HOME={t}/far-cache NIX_CONF_DIR={t}/no-etc-nix && exec {nix_store} \"$@\"\n",
+        t = tmp.display(),
+        s = store.display()
+    );
+    std::fs::write(&file, script).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&file).output().unwrap(), "chmod");
+    file
+}
+
+/// `sluice ARGS` with `NIX_SSHOPTS` reaching `sshd`.
+fn sluice_over_ssh(tmp: &Path, sshd: &Sshd, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, "");
+    cmd.env("NIX_SSHOPTS", sshd.ssh_opts()).args(args).output().unwrap()
+}
+
+/// sluice pulls the subset from real `nix-store --serve` (2.8 or 2.26) over ssh, verified by
+/// the corpus key (refused, with nothing added, when that key is not trusted), and pushes it
+/// back into an empty far store; real Nix finds both copies whole and valid.
+fn sluice_copies_both_ways_with(modern: bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let from = format!("ssh://{HOST}?remote-program={}", nix_store_wrapper(tmp, "serve-src", &src, modern).display());
+    let local = tmp.join("local");
+    let to_local = ["copy", "--from", &from, "--to", local.to_str().unwrap()];
+    let o = sluice_over_ssh(tmp, &sshd, &[&to_local[..], &["--trusted-public-keys", "other-1:dGVzdA==", &root]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("other-1"), "{}", stderr(&o));
+    assert!(registered_paths(&local).is_empty(), "untrusted paths were added");
+    let o = sluice_over_ssh(tmp, &sshd, &[&to_local[..], &["--trusted-public-keys", &corpus_key(), &root]].concat());
+    check(&o, "sluice copy --from ssh://");
+    assert_eq!(nix_closure(tmp, &local, &root), paths);
+    assert_nix_verifies(tmp, &local);
+    let info = sluice_over_ssh(tmp, &sshd, &["path-info", "--store", &from, &root]);
+    check(&info, "sluice path-info --store ssh://");
+    assert!(String::from_utf8_lossy(&info.stdout).contains(&root));
+    let far = tmp.join("far");
+    let to = format!("ssh://{HOST}?remote-program={}", nix_store_wrapper(tmp, "serve-far", &far, modern).display());
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--from", local.to_str().unwrap(), "--to", &to, &root]);
+    check(&o, "sluice copy --to ssh://");
+    assert!(stderr(&o).contains("copied 25 paths"), "{}", stderr(&o));
+    assert_eq!(nix_closure(tmp, &far, &root), paths);
+    assert_nix_verifies(tmp, &far);
+    let again = sluice_over_ssh(tmp, &sshd, &["copy", "--from", local.to_str().unwrap(), "--to", &to, &root]);
+    assert!(stderr(&again).contains("25 already there"), "{}", stderr(&again));
+}
+
+#[test]
+fn sluice_copies_from_and_to_nix_2_8_store_serve() {
+    sluice_copies_both_ways_with(false);
+}
+
+#[test]
+fn sluice_copies_from_and_to_nix_2_26_store_serve() {
+    sluice_copies_both_ways_with(true);
+}
+
+/// A far end that dies mid-NAR fails the pull and leaves nothing half-registered (what is
+/// registered is whole, for real Nix); a remote program that is not there is one error naming
+/// the host.
+#[test]
+fn a_far_end_that_dies_or_is_missing_is_one_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, _) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let serve = nix_store_wrapper(tmp, "serve-src", &src, false);
+    let dying = tmp.join("dying");
+    std::fs::write(&dying, format!("#!/bin/sh\n{} \"$@\" | stdbuf -o0 head -c 300000\n", serve.display())).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&dying).output().unwrap(), "chmod");
+    let local = tmp.join("local");
+    let from = format!("ssh://{HOST}?remote-program={}", dying.display());
+    let o = sluice_over_ssh(
+        tmp,
+        &sshd,
+        &["copy", "--from", &from, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root],
+    );
+    assert!(!o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains(HOST), "{}", stderr(&o));
+    assert!(registered_paths(&local).len() < 25);
+    assert_store_closed(&local);
+    if !registered_paths(&local).is_empty() {
+        assert_nix_verifies(tmp, &local);
+    }
+    let missing = format!("ssh://{HOST}?remote-program=/nonexistent/nix-store");
+    let o = sluice_over_ssh(tmp, &sshd, &["path-info", "--store", &missing, &root]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains(&format!("'{HOST}'")) && err.contains("127"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
