@@ -106,8 +106,13 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         tasks.push(tokio::spawn(async move {
             let permit = slots.acquire_owned().await.expect("semaphore never closed");
             let shown = dst.store_dir().display_path(&info.path);
-            let outcome = match src.nar_from_path(&info).await {
-                Err(e) => Err(Failure::copy(&shown, src.url(), &e)),
+            let admitted = dst.admits(&ValidPathInfo { ultimate: false, ..info.clone() });
+            let nar = match admitted {
+                Ok(()) => src.nar_from_path(&info).await.map_err(|e| Failure::copy(&shown, src.url(), &e)),
+                Err(e) => Err(Failure::copy(&shown, dst.url(), &e)),
+            };
+            let outcome = match nar {
+                Err(failure) => Err(failure),
                 Ok(nar) => {
                     let nar: NarReader = Box::new(SlotReader { inner: nar, permit: Some(permit) });
                     // Built here is not built there (Nix's `copyStorePath` clears `ultimate`).

@@ -127,6 +127,15 @@ pub trait Store: Send + Sync {
         })
     }
 
+    /// Whether `info` would be admitted as far as its claims go (a local store's signature
+    /// policy), asked before its NAR is read so that a refused path is not transferred
+    /// (NixOS/nix#13339: a copy refused only after its download). By default every one is;
+    /// [`add_to_store`](Self::add_to_store) checks again whatever this said.
+    fn admits(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
+        let _ = info;
+        Ok(())
+    }
+
     /// Adds `info.path` from its NAR (Nix's `addToStore(info, source)`), checking the NAR
     /// against `info`. Everything that makes the path visible to readers (a narinfo, a
     /// registration) waits for `publish`, and does not happen if it fails; work that does not

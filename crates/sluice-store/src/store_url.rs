@@ -437,7 +437,7 @@ mod tests {
             "s4://x",
             "s3://",
             "s3://bucket/dir",
-            "ssh://host",
+            "gopher://host",
             "unix://relative",
             "file://relative",
             "relative/path",
@@ -447,8 +447,8 @@ mod tests {
         ] {
             assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
-        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy:// or memory://)";
-        assert_eq!(err("ssh://host"), format!("unsupported store URL \"ssh://host\" {expected}"));
+        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
+        assert_eq!(err("gopher://host"), format!("unsupported store URL \"gopher://host\" {expected}"));
     }
 
     #[test]

@@ -341,14 +341,24 @@ fn sluice_copies_both_ways_with(modern: bool) {
     let sshd = Sshd::start(tmp);
     let (root, paths) = subset();
     let src = source_store(tmp, "cache-subset-none", &root);
-    let from = format!("ssh://{HOST}?remote-program={}", nix_store_wrapper(tmp, "serve-src", &src, modern).display());
+    let serve = nix_store_wrapper(tmp, "serve-src", &src, modern);
+    // What the far end sends, kept (tee writes as it reads).
+    let logged = tmp.join("logged");
+    std::fs::write(&logged, format!("#!/bin/sh\n{} \"$@\" | tee {}/sent\n", serve.display(), tmp.display())).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&logged).output().unwrap(), "chmod");
+    let untrusted = format!("ssh://{HOST}?remote-program={}", logged.display());
     let local = tmp.join("local");
-    let to_local = ["copy", "--from", &from, "--to", local.to_str().unwrap()];
-    let o = sluice_over_ssh(tmp, &sshd, &[&to_local[..], &["--trusted-public-keys", "other-1:dGVzdA==", &root]].concat());
+    let to_local = |from: &str, key: &str| {
+        sluice_over_ssh(tmp, &sshd, &["copy", "--from", from, "--to", local.to_str().unwrap(), "--trusted-public-keys", key, &root])
+    };
+    let o = to_local(&untrusted, "other-1:1B6HzFX0V+uJBJHpvKMvUw8EOj66T8tSm5NqhpvJnvs=");
     assert!(!o.status.success() && stderr(&o).contains("other-1"), "{}", stderr(&o));
     assert!(registered_paths(&local).is_empty(), "untrusted paths were added");
-    let o = sluice_over_ssh(tmp, &sshd, &[&to_local[..], &["--trusted-public-keys", &corpus_key(), &root]].concat());
-    check(&o, "sluice copy --from ssh://");
+    // Refused before any NAR was asked for: the far end sent the path infos only.
+    let sent = std::fs::metadata(tmp.join("sent")).unwrap().len();
+    assert!(sent < 64 << 10, "the far end sent {sent} bytes: NARs of paths refused");
+    let from = format!("ssh://{HOST}?remote-program={}", serve.display());
+    check(&to_local(&from, &corpus_key()), "sluice copy --from ssh://");
     assert_eq!(nix_closure(tmp, &local, &root), paths);
     assert_nix_verifies(tmp, &local);
     let info = sluice_over_ssh(tmp, &sshd, &["path-info", "--store", &from, &root]);

@@ -49,3 +49,29 @@ impl StoreConfig for LegacySshConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::any::Any;
+
+    use crate::store_url::StoreUrl;
+
+    /// The SSH configuration `url` parses into.
+    fn ssh(url: &str) -> crate::ssh::SshConfig {
+        let parsed = StoreUrl::parse(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        let config: &dyn Any = parsed.config();
+        config.downcast_ref::<super::LegacySshConfig>().map(|c| c.ssh.clone()).unwrap_or_else(|| panic!("{url}: {parsed:?}"))
+    }
+
+    #[test]
+    fn ssh_forms() {
+        let c = ssh("ssh://alice@build.example:2222?remote-store=local%3Froot%3D/r&compress=true&max-connections=1");
+        assert_eq!((c.user.as_deref(), c.host.as_str(), c.port, c.compress), (Some("alice"), "build.example", Some(2222), true));
+        // Nix's default remote program and arguments (legacy-ssh-store.cc).
+        assert_eq!(c.remote_command(&["--serve", "--write"]), ["nix-store", "--serve", "--write", "--store", "'local?root=/r'"]);
+        let c = ssh("ssh://h?remote-program=sluice%20legacy-serve");
+        assert_eq!(c.remote_command(&["--serve", "--write"]), ["sluice", "legacy-serve", "--serve", "--write"]);
+        assert!(StoreUrl::parse("ssh://h?compression=xz").is_err());
+        assert!(StoreUrl::parse("ssh://h/path").is_err());
+    }
+}
