@@ -14,6 +14,7 @@ mod affinity;
 mod conn;
 mod duplex;
 mod handshake;
+mod legacy_serve;
 mod limits;
 mod ops;
 mod options;
@@ -29,6 +30,7 @@ use sluice_local_store::{LocalStore, LocalStoreError};
 use sluice_store::config::RawConfig;
 use sluice_store::store_url::LocalStoreConfig;
 
+pub use legacy_serve::{serve_legacy_stdio, LegacyServeError};
 pub use server::{serve_listener, serve_socket, serve_stdio};
 
 /// The worker-protocol version this daemon speaks at most: 1.38 (Nix 2.24: the feature

@@ -34,8 +34,12 @@ pub struct PushReport {
     pub nar_bytes: u64,
 }
 
-/// The closure of `roots` in `src`: every path's info, found one level of references at a time.
-pub(crate) async fn closure_infos(src: &dyn Store, roots: &[StorePath]) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
+/// The closure of `roots` in `src`: every path's info, found one level of references at a time
+/// (the default of [`Store::closure_infos`]).
+pub(crate) async fn closure_infos_by_level<S: Store + ?Sized>(
+    src: &S,
+    roots: &[StorePath],
+) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
     let mut infos = BTreeMap::new();
     let mut frontier: Vec<StorePath> = roots.to_vec();
     while !frontier.is_empty() {
@@ -57,7 +61,7 @@ type Done = Shared<futures::future::BoxFuture<'static, Result<(), String>>>;
 
 /// Copies the closures of `roots` from `src` to `dst` (see the module doc).
 pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[StorePath]) -> Result<PushReport, StoreError> {
-    let infos = closure_infos(src.as_ref(), roots).await?;
+    let infos = src.closure_infos(roots).await?;
     let all: Vec<StorePath> = infos.keys().cloned().collect();
     let present = dst.query_valid_paths(&all).await?;
     let mut missing: Vec<&ValidPathInfo> = infos.values().filter(|i| !present.contains(&i.path)).collect();
@@ -103,6 +107,11 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             let shown = dst.store_dir().display_path(&info.path);
             let mut gate = Some(gate);
             let outcome = loop {
+                // The destination's verdict on the signature or content address comes before
+                // any NAR is transferred (NixOS/nix#13339).
+                if let Err(e) = dst.admits(&ValidPathInfo { ultimate: false, ..info.clone() }) {
+                    break Err(Failure::copy(&shown, dst.url(), &e));
+                }
                 let permit = slots.clone().acquire_owned().await.expect("semaphore never closed");
                 let nar = match src.nar_from_path(&info).await {
                     Err(e) => break Err(Failure::copy(&shown, src.url(), &e)),

@@ -10,7 +10,7 @@
 //! into a local store; [`crate::push`] moves closures between any two stores through this
 //! interface.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -84,6 +84,13 @@ pub trait Store: Send + Sync {
         })
     }
 
+    /// The closure of `roots` under references, every path's info (Nix's `computeFSClosure`);
+    /// a path of it that is not valid is [`StoreError::NotValid`]. By default one batched
+    /// [`query_path_infos`](Self::query_path_infos) per level of references.
+    fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
+        Box::pin(crate::push::closure_infos_by_level(self, roots))
+    }
+
     /// The valid path whose hash part is `hash_part` (32 nixbase32 characters; Nix's
     /// `queryPathFromHashPart`), `None` when there is none or `hash_part` is malformed.
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
@@ -129,6 +136,15 @@ pub trait Store: Send + Sync {
             let copied = copied.map_err(|e| StoreError::Other(format!("{}: {shown}: {e}", self.url())))?;
             copied.map(drop).map_err(|e| StoreError::Other(format!("{}: writing the NAR of {shown}: {e}", self.url())))
         })
+    }
+
+    /// Whether `info` would be admitted as far as its claims go (a local store's signature
+    /// policy), asked before its NAR is read so that a refused path is not transferred
+    /// (NixOS/nix#13339: a copy refused only after its download). By default every one is;
+    /// [`add_to_store`](Self::add_to_store) checks again whatever this said.
+    fn admits(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
+        let _ = info;
+        Ok(())
     }
 
     /// Adds `info.path` from its NAR (Nix's `addToStore(info, source)`), checking the NAR

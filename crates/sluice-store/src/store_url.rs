@@ -160,7 +160,7 @@ pub(crate) struct Query<'a> {
 }
 
 impl<'a> Query<'a> {
-    fn parse(url: &'a str, query: &str, kind: &'static StoreKind) -> Result<Self, StoreUrlError> {
+    pub(crate) fn parse(url: &'a str, query: &str, kind: &'static StoreKind) -> Result<Self, StoreUrlError> {
         let mut params = BTreeMap::new();
         for text in query.split('&').filter(|p| !p.is_empty()) {
             let malformed = || StoreUrlError::Malformed { url: url.to_string(), text: text.to_string() };
@@ -454,7 +454,7 @@ mod tests {
             "s4://x",
             "s3://",
             "s3://bucket/dir",
-            "ssh://host",
+            "gopher://host",
             "unix://relative",
             "file://relative",
             "relative/path",
@@ -464,8 +464,8 @@ mod tests {
         ] {
             assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
-        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy:// or memory://)";
-        assert_eq!(err("ssh://host"), format!("unsupported store URL \"ssh://host\" {expected}"));
+        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
+        assert_eq!(err("gopher://host"), format!("unsupported store URL \"gopher://host\" {expected}"));
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod as_nix;
 mod copy;
 mod daemon;
 mod key;
+mod legacy_serve;
 mod log;
 mod manual;
 mod missing;
@@ -59,6 +60,8 @@ enum Command {
     Nar(nar::Command),
     /// Serve Nix's worker protocol to real Nix clients (like `nix-daemon`).
     Daemon(daemon::Args),
+    /// Serve Nix's serve protocol on stdin/stdout (like `nix-store --serve`; the far end of ssh://).
+    LegacyServe(legacy_serve::Args),
     /// Serve a store over HTTP as a binary cache (like nix-serve or harmonia).
     Serve(serve::Args),
     /// Generate and convert signing keys.
@@ -102,7 +105,7 @@ fn main() -> ExitCode {
         .with_ansi(log.format == log::LogFormat::Bar)
         .event_format(log::NixStyle)
         .init();
-    if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_) | Command::Serve(_)) {
+    if !matches!(cli.command, Command::Daemon(_) | Command::Copy(_) | Command::Serve(_) | Command::LegacyServe(_)) {
         // A command whose output is piped into `head` ends quietly when the reader goes away,
         // like other Unix tools, instead of panicking on the write. (The daemon keeps
         // ignoring SIGPIPE: a client that hangs up must not end it, and so does `serve`; so does `copy`: a server
@@ -124,6 +127,7 @@ fn main() -> ExitCode {
         Command::Nar(c) => nar::run(c),
         Command::Key(c) => key::run(c),
         Command::Daemon(a) => daemon::run(a),
+        Command::LegacyServe(a) => legacy_serve::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Completions { shell } => manual::completions(Cli::command(), shell),
         Command::Man { dir } => manual::man_pages(Cli::command(), &dir),

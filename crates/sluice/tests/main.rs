@@ -25,5 +25,6 @@ mod review;
 mod serve;
 mod settings;
 mod ssh;
+mod ssh_serve;
 mod stale_cache;
 mod store_urls;

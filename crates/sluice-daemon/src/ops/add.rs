@@ -17,8 +17,7 @@ use std::io::{self, Read};
 use std::sync::Arc;
 
 use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots};
-use sluice_nix::nar::reader::parse;
-use sluice_nix::nar::Discard;
+use sluice_nix::nar::reader::{copy_nar, parse};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::ops::{AddMultipleToStore, AddTextToStore, AddToStore, AddToStoreNar};
 use sluice_nix::wire::{
@@ -61,7 +60,7 @@ fn add_to_store_legacy(c: &mut Conn, name: String, fixed: bool, recursive: u64, 
     let method = if fixed { format!("fixed:{}{algo}", if recursive == 1 { "r:" } else { "" }) } else { "fixed:r:sha256".to_owned() };
     let method = Ingestion::parse(&method).map_err(Fail::Fatal)?;
     let mut nar = tempfile::SpooledTempFile::new(16 << 20);
-    parse(Tee { inner: &mut c.r, copy: &mut nar }, &mut Discard).map_err(|e| Fail::Fatal(format!("reading the NAR to add: {e}")))?;
+    copy_nar(&mut c.r, &mut nar).map_err(|e| Fail::Fatal(format!("reading the NAR to add: {e}")))?;
     io::Seek::rewind(&mut nar).map_err(op_err)?;
     let policy = policy(c, false)?;
     let info = match method {
@@ -172,20 +171,6 @@ fn add_nar(
 /// read; a broken stream is fatal.
 pub(super) fn finish_framed(framed: &mut FramedReader<&mut Reader>) -> Result<(), Fail> {
     framed.drain().map(|_| ()).map_err(|e| Fail::Fatal(format!("reading the framed data: {e}")))
-}
-
-/// Copies what is read from `inner` into `copy` (to keep the NAR that the parser reads).
-struct Tee<'a, R: Read, W: io::Write> {
-    inner: R,
-    copy: &'a mut W,
-}
-
-impl<R: Read, W: io::Write> Read for Tee<'_, R, W> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.copy.write_all(&buf[..n])?;
-        Ok(n)
-    }
 }
 
 /// A reader that pulls data from the client with `STDERR_READ` (AddToStoreNar before 1.23,

@@ -290,17 +290,7 @@ pub(super) fn realise_by_substitution(
 /// Nix 2.26's `nix build --json` adds them to a path's entry only when they are not 0 (which
 /// it cannot do for a path that is not a derivation's output: `src/nix/build.cc`).
 pub(super) fn build_result(status: BuildStatus, error_msg: String) -> BuildResult {
-    BuildResult {
-        status,
-        error_msg,
-        times_built: 0,
-        is_non_deterministic: false,
-        start_time: 0,
-        stop_time: 0,
-        cpu_user: None,
-        cpu_system: None,
-        built_outputs: BTreeMap::new(),
-    }
+    BuildResult::not_built(status, error_msg)
 }
 
 /// AlreadyValid if every one of `paths` was valid in `valid_before`, else Substituted.

@@ -48,6 +48,27 @@ impl NarError {
     }
 }
 
+/// Copies one NAR from `reader` into `copy`, exactly its bytes, checking it as [`parse`] does
+/// (Nix's `copyNAR`: how the end of a NAR is found on a stream that goes on after it). Returns
+/// the NAR's length; an error of `copy` is a [`NarError::Io`].
+pub fn copy_nar<R: std::io::Read, W: std::io::Write + ?Sized>(reader: R, copy: &mut W) -> Result<u64, NarError> {
+    parse(Tee { inner: reader, copy }, &mut super::Discard)
+}
+
+/// Copies what is read from `inner` into `copy`.
+struct Tee<'a, R, W: ?Sized> {
+    inner: R,
+    copy: &'a mut W,
+}
+
+impl<R: std::io::Read, W: std::io::Write + ?Sized> std::io::Read for Tee<'_, R, W> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.copy.write_all(&buf[..n])?;
+        Ok(n)
+    }
+}
+
 /// Parses one NAR from `reader`, calling `visitor` for each node, and returns the number of
 /// bytes the NAR took. Reads exactly the NAR: no byte after its end is consumed. Errors from
 /// the visitor are returned as [`NarError::Io`], or as [`NarError::Invalid`] if their kind is

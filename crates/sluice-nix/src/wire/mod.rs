@@ -16,6 +16,7 @@ pub mod features;
 mod framed;
 pub mod ops;
 mod primitives;
+pub mod serve;
 mod stderr;
 mod stderr_read;
 mod types;

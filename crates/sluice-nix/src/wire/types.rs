@@ -181,7 +181,7 @@ pub fn read_keyed_path_info(r: &mut (impl Read + ?Sized), dir: &StoreDir, versio
     read_unkeyed_path_info(r, dir, version, path)
 }
 
-fn parse_nar_hash(s: &str) -> Result<Hash, WireError> {
+pub(crate) fn parse_nar_hash(s: &str) -> Result<Hash, WireError> {
     let parsed = if s.contains(':') || s.contains('-') { Hash::parse(s) } else { Hash::parse_bare(s, HashAlgo::Sha256) };
     parsed.map_err(|e| WireError::invalid("NAR hash", format!("{s:?}: {e}")))
 }
@@ -360,6 +360,24 @@ pub struct BuildResult {
     /// Built outputs as protocol ≥ 1.28 carries them: `<drv hash>!<output>` → the
     /// realisation's JSON text.
     pub built_outputs: BTreeMap<String, String>,
+}
+
+impl BuildResult {
+    /// A result of `status` with `error_msg`, nothing built: no times, no outputs (Nix sets
+    /// the times only when a builder runs, `build/derivation-goal.cc` `buildDone`).
+    pub fn not_built(status: BuildStatus, error_msg: String) -> Self {
+        BuildResult {
+            status,
+            error_msg,
+            times_built: 0,
+            is_non_deterministic: false,
+            start_time: 0,
+            stop_time: 0,
+            cpu_user: None,
+            cpu_system: None,
+            built_outputs: BTreeMap::new(),
+        }
+    }
 }
 
 /// Writes a build result for protocol `version`: status and message; from 1.29 times built,

@@ -70,6 +70,7 @@ kinds! {
     s3,
     dummy,
     memory,
+    ssh,
 }
 
 /// The kind whose URL `main` is.

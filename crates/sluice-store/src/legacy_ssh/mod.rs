@@ -1,0 +1,241 @@
+//! [`LegacySshStore`]: `nix-store --serve --write` (or `sluice legacy-serve --write`) on
+//! another host behind the [`Store`] interface, over one ssh connection whose requests are
+//! pipelined ([`pipeline`]). Nix's `LegacySSHStore` (`src/libstore/legacy-ssh-store.cc`, Nix
+//! 2.8 and 2.26), which waits for each reply before the next request.
+//!
+//! Pulling: the closure in two round trips (QueryClosure, then QueryPathInfos of all of it);
+//! NARs with DumpStorePath, requested as the destination takes them and streamed back to back,
+//! each into the pipe its reader unpacks from as it arrives; the destination verifies each
+//! path as it verifies every addition. Pushing: one QueryValidPaths (the push engine's), then
+//! each missing path with AddToStoreNar (ImportPaths before 2.5) once its references were
+//! accepted, its NAR spooled meanwhile.
+
+mod pipeline;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{self, Read, Seek, Write};
+use std::sync::Arc;
+
+use sluice_nix::nar::reader::copy_nar;
+use sluice_nix::path_info::{PathInfo, ValidPathInfo};
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_nix::wire::serve::{
+    read_path_info_entries, serve_at_least, write_export_trailer, write_serve_request, AddToStoreNar, DumpStorePath, ImportPaths,
+    QueryClosure, QueryPathInfos, QueryValidPaths,
+};
+use sluice_nix::wire::{read_store_path_set, read_u64, write_u64};
+
+use crate::ssh::{SshConfig, SshMaster};
+use crate::store::{NarReader, NarWritten, PipedNar, PublishGate, Store, StoreError, StoreFuture};
+use pipeline::Pipeline;
+
+/// Additions spooled at once (each NAR is kept until its references are accepted).
+const ADDITIONS_AT_ONCE: usize = 32;
+/// A NAR to add above this size is spooled to a temporary file rather than memory.
+const SPOOL_IN_MEMORY: usize = 8 << 20;
+
+/// `nix-store --serve --write` on a host, through ssh (see the module doc).
+pub(crate) struct LegacySshStore {
+    /// `ssh://[user@]host`, for messages.
+    url: String,
+    store_dir: StoreDir,
+    conn: Arc<Pipeline>,
+    /// Kept for the host key file it holds while the connection lives.
+    _master: SshMaster,
+}
+
+impl LegacySshStore {
+    /// Runs the remote program (`remote-program --serve --write [--store remote-store]`) on
+    /// the host of `ssh` and greets it. A host that cannot be reached, or a remote program that
+    /// is missing or does not speak the protocol, is one error naming the host.
+    pub fn open(ssh: &SshConfig) -> Result<Self, StoreError> {
+        let url = format!("ssh://{}", ssh.destination());
+        let err = |e: String| StoreError::Other(e);
+        let master = SshMaster::new(ssh.clone()).map_err(|e| err(format!("{url}: {e}")))?;
+        let channel = master.start(&ssh.remote_command(&["--serve", "--write"])).map_err(|e| err(format!("{url}: {e}")))?;
+        let conn = Pipeline::start(&url, Box::new(channel.reader), Box::new(channel.writer)).map_err(err)?;
+        Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), _master: master })
+    }
+
+    /// Sends `write`'s request and waits for the value `read` makes of its reply.
+    async fn ask<T: Send + 'static>(
+        &self,
+        write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+        read: impl FnOnce(&mut dyn Read) -> Result<T, String> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let reply = self.conn.request(write, read);
+        reply.await.map_err(|_| StoreError::Other(format!("{}: the connection ended", self.url)))?.map_err(StoreError::Other)
+    }
+
+    /// The infos of `paths` (one QueryPathInfos), by path; paths not valid there are absent.
+    async fn infos(&self, paths: BTreeSet<StorePath>) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
+        let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+        let req = QueryPathInfos { paths };
+        let read_dir = dir.clone();
+        let infos = self
+            .ask(
+                move |w| write_serve_request(w, &dir, version, &req),
+                move |r| read_path_info_entries(r, &read_dir, version).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
+            )
+            .await?;
+        Ok(infos.into_iter().map(|i| (i.path.clone(), i)).collect())
+    }
+}
+
+impl Store for LegacySshStore {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn store_dir(&self) -> &StoreDir {
+        &self.store_dir
+    }
+
+    fn query_path_infos<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, Vec<Option<PathInfo>>> {
+        Box::pin(async move {
+            let mut infos = self.infos(paths.iter().cloned().collect()).await?;
+            Ok(paths.iter().map(|p| infos.remove(p).map(PathInfo::of)).collect())
+        })
+    }
+
+    fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        Box::pin(async move {
+            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let req = QueryValidPaths { lock: false, substitute: false, paths: paths.iter().cloned().collect() };
+            let read_dir = dir.clone();
+            self.ask(
+                move |w| write_serve_request(w, &dir, version, &req),
+                move |r| read_store_path_set(r, &read_dir, "valid paths").map_err(|e| format!("{url}: QueryValidPaths: {e}")),
+            )
+            .await
+        })
+    }
+
+    /// QueryClosure, then QueryPathInfos of the closure: two round trips whatever its depth.
+    fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
+        Box::pin(async move {
+            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let req = QueryClosure { include_outputs: false, paths: roots.iter().cloned().collect() };
+            let read_dir = dir.clone();
+            let closure = self
+                .ask(
+                    move |w| write_serve_request(w, &dir, version, &req),
+                    move |r| read_store_path_set(r, &read_dir, "closure").map_err(|e| format!("{url}: QueryClosure: {e}")),
+                )
+                .await?;
+            let infos = self.infos(closure.clone()).await?;
+            match closure.iter().find(|p| !infos.contains_key(*p)) {
+                Some(p) => Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(p) }),
+                None => Ok(infos),
+            }
+        })
+    }
+
+    /// DumpStorePath, sent at once; the NAR is copied into the returned reader's pipe by the
+    /// connection's reader thread when its turn comes. If the reader is dropped, the rest of
+    /// the NAR is still read off the connection (and dropped) to keep it in step.
+    fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
+        Box::pin(async move {
+            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let shown = dir.display_path(&info.path);
+            let req = DumpStorePath { path: info.path.clone() };
+            let conn = self.conn.clone();
+            let nar = PipedNar::start(&self.url, move |pipe| {
+                let reply = conn.request(
+                    move |w| write_serve_request(w, &dir, version, &req),
+                    move |r| {
+                        let mut copy = Forward { pipe, failed: None };
+                        copy_nar(r, &mut copy).map_err(|e| format!("{url}: the NAR of {shown}: {e}"))?;
+                        Ok(copy.failed)
+                    },
+                );
+                let written: NarWritten = Box::pin(async move {
+                    match reply.await {
+                        Ok(Ok(None)) => Ok(()),
+                        Ok(Ok(Some(e))) => Err(e),
+                        Ok(Err(e)) => Err(io::Error::other(e)),
+                        Err(_) => Err(io::Error::other("the connection ended")),
+                    }
+                });
+                Ok(written)
+            });
+            Ok(Box::new(nar.map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?) as NarReader)
+        })
+    }
+
+    /// The NAR is spooled, then, once the path's references were accepted, sent with
+    /// AddToStoreNar (ImportPaths before 2.5); the far end's `1` is awaited.
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let shown = self.store_dir.display_path(&info.path);
+            let url = self.url.clone();
+            let spool_err = {
+                let (url, shown) = (url.clone(), shown.clone());
+                move |e: io::Error| StoreError::Other(format!("{url}: spooling the NAR of {shown}: {e}"))
+            };
+            let spooled = tokio::task::spawn_blocking(move || {
+                let mut spool = tempfile::SpooledTempFile::new(SPOOL_IN_MEMORY);
+                io::copy(&mut nar, &mut spool)?;
+                spool.rewind()?;
+                Ok::<_, io::Error>(spool)
+            })
+            .await
+            .map_err(|e| StoreError::Other(format!("{url}: {e}")))?;
+            let mut spool = spooled.map_err(spool_err)?;
+            publish.await?;
+            let (dir, version, conn) = (self.store_dir.clone(), self.conn.version(), self.conn.clone());
+            let (read_url, read_shown) = (url.clone(), shown.clone());
+            let reply = tokio::task::spawn_blocking(move || {
+                conn.request(
+                    move |w| match serve_at_least(version, 5) {
+                        true => {
+                            write_serve_request(w, &dir, version, &AddToStoreNar { info })?;
+                            io::copy(&mut spool, w).map(drop)
+                        }
+                        false => {
+                            write_serve_request(w, &dir, version, &ImportPaths)?;
+                            write_u64(w, 1)?;
+                            io::copy(&mut spool, w)?;
+                            write_export_trailer(w, &dir, &info)?;
+                            write_u64(w, 0)
+                        }
+                    },
+                    move |r| read_u64(r, "import answer").map_err(|e| format!("{read_url}: adding {read_shown}: {e}")),
+                )
+            })
+            .await
+            .map_err(|e| StoreError::Other(format!("{url}: {e}")))?;
+            match reply.await.map_err(|_| StoreError::Other(format!("{url}: the connection ended")))? {
+                Ok(1) => Ok(()),
+                Ok(n) => Err(StoreError::Other(format!("{url}: failed to add path '{shown}' (answered {n})"))),
+                Err(e) => Err(StoreError::Other(e)),
+            }
+        })
+    }
+
+    fn parallelism(&self) -> usize {
+        ADDITIONS_AT_ONCE
+    }
+}
+
+/// Writes into a NAR's pipe until a write fails (its reader is gone), then drops the rest,
+/// keeping the error for the reader's end.
+struct Forward {
+    pipe: std::fs::File,
+    failed: Option<io::Error>,
+}
+
+impl Write for Forward {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.failed.is_none() {
+            if let Err(e) = self.pipe.write_all(buf) {
+                self.failed = Some(e);
+            }
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,422 @@
+//! `sluice legacy-serve`, the far end of `ssh://` stores (Nix's serve protocol, as
+//! `nix-store --serve --write`), used by real Nix 2.8 and 2.26 clients through a real sshd
+//! ([`Sshd`]) with `remote-program=` a one-line wrapper; and the protocol driven by hand for
+//! what a Nix client cannot be made to do (vanish mid-NAR, send a NAR that lies).
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use sluice_nix::store_path::StoreDir;
+use sluice_nix::wire::serve::{
+    client_handshake, write_serve_request, AddToStoreNar, ExportPaths, ImportPaths, QueryPathInfos, QueryValidPaths,
+};
+use sluice_nix::wire::{read_store_path_set, ProtocolVersion};
+
+use crate::common::sshd::{Sshd, HOST};
+use crate::common::*;
+use crate::push::{source_store, subset};
+
+/// A one-line `remote-program` for Nix's `ssh://` store: `sluice legacy-serve` on the store
+/// under `store` (Nix appends `--serve --write`).
+fn serve_wrapper(tmp: &Path, name: &str, store: &Path) -> PathBuf {
+    let file = tmp.join(name);
+    std::fs::write(
+        &file,
+        format!("#!/bin/sh\nexec {} legacy-serve --store local?root={} \"$@\"\n", env!("CARGO_BIN_EXE_sluice"), store.display()),
+    )
+    .unwrap();
+    let o = Command::new("chmod").arg("+x").arg(&file).output().unwrap();
+    check(&o, "chmod");
+    file
+}
+
+/// Real Nix `args` (2.26 through `nix-modern` when `modern`) with `NIX_SSHOPTS` reaching `sshd`
+/// and the corpus key trusted.
+fn nix_over_ssh(tmp: &Path, sshd: &Sshd, modern: bool, args: &[&str]) -> Output {
+    let mut cmd = match modern {
+        true => Command::new(shared().join("bin/nix-modern")),
+        false => Command::new(args[0]),
+    };
+    isolate(&mut cmd, tmp, &format!("trusted-public-keys = {}", corpus_key()));
+    let args = if modern { args } else { &args[1..] };
+    cmd.current_dir(tmp).env("NIX_SSHOPTS", sshd.ssh_opts()).args(args).output().unwrap()
+}
+
+/// The paths registered in the chroot store under `root`, as real Nix 2.8 lists them.
+fn nix_closure(tmp: &Path, root: &Path, path: &str) -> BTreeSet<String> {
+    let o = nix(tmp, "nix-store", &["--store", root.to_str().unwrap(), "-qR", path]);
+    check(&o, "nix-store -qR");
+    String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect()
+}
+
+/// Real Nix (2.8 or 2.26) copies the 25-path subset from sluice's far end and back into
+/// another sluice far end, over ssh; real Nix finds each copy whole and valid.
+fn nix_copies_both_ways(modern: bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let from = format!("ssh://{HOST}?remote-program={}", serve_wrapper(tmp, "serve-src", &src).display());
+    let local = tmp.join("local");
+    let o = nix_over_ssh(tmp, &sshd, modern, &["nix", "copy", "--from", &from, "--to", local.to_str().unwrap(), &root]);
+    check(&o, "nix copy --from ssh:// (sluice legacy-serve)");
+    assert_eq!(nix_closure(tmp, &local, &root), paths);
+    assert_nix_verifies(tmp, &local);
+    let far = tmp.join("far");
+    let to = format!("ssh://{HOST}?remote-program={}", serve_wrapper(tmp, "serve-far", &far).display());
+    let o = nix_over_ssh(tmp, &sshd, modern, &["nix", "copy", "--from", local.to_str().unwrap(), "--to", &to, &root]);
+    check(&o, "nix copy --to ssh:// (sluice legacy-serve --write)");
+    assert_eq!(nix_closure(tmp, &far, &root), paths);
+    assert_nix_verifies(tmp, &far);
+    assert_store_closed(&far);
+    // The far end's infos are the source's: NAR hashes, references, signatures.
+    let (a, b) = (nix_path_info(tmp, src.to_str().unwrap(), &root), nix_path_info(tmp, far.to_str().unwrap(), &root));
+    let strip = |v: Vec<serde_json::Value>| {
+        v.into_iter()
+            .map(|mut i| {
+                i.as_object_mut().unwrap().remove("registrationTime");
+                i
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(strip(a), strip(b));
+}
+
+#[test]
+fn nix_2_8_copies_from_and_to_legacy_serve() {
+    nix_copies_both_ways(false);
+}
+
+#[test]
+fn nix_2_26_copies_from_and_to_legacy_serve() {
+    nix_copies_both_ways(true);
+}
+
+/// `nix-copy-closure` (Nix 2.8) both ways, the host naming the remote program.
+#[test]
+fn nix_copy_closure_2_8_to_and_from_legacy_serve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let far = tmp.join("far");
+    let host = format!("{HOST}?remote-program={}", serve_wrapper(tmp, "serve-far", &far).display());
+    let mut cmd = Command::new("nix-copy-closure");
+    isolate(&mut cmd, tmp, "");
+    let o = cmd
+        .env("NIX_SSHOPTS", sshd.ssh_opts())
+        .env("NIX_REMOTE", format!("local?root={}", src.display()))
+        .args(["--to", &host, &root])
+        .output()
+        .unwrap();
+    check(&o, "nix-copy-closure --to");
+    assert_eq!(nix_closure(tmp, &far, &root), paths);
+    assert_nix_verifies(tmp, &far);
+    let back = tmp.join("back");
+    let mut cmd = Command::new("nix-copy-closure");
+    isolate(&mut cmd, tmp, &format!("trusted-public-keys = {}", corpus_key()));
+    let o = cmd
+        .env("NIX_SSHOPTS", sshd.ssh_opts())
+        .env("NIX_REMOTE", format!("local?root={}", back.display()))
+        .args(["--from", &host, &root])
+        .output()
+        .unwrap();
+    check(&o, "nix-copy-closure --from");
+    assert_eq!(nix_closure(tmp, &back, &root), paths);
+    assert_nix_verifies(tmp, &back);
+}
+
+/// `sluice legacy-serve ARGS` with piped standard input and output.
+fn spawn_serve(tmp: &Path, args: &[&str]) -> std::process::Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, "");
+    cmd.arg("legacy-serve").args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+/// A path of the subset without references, with its info and NAR as the source store has them.
+fn one_path(tmp: &Path, src: &Path) -> (sluice_nix::path_info::ValidPathInfo, Vec<u8>) {
+    let leaf = subset().1.into_iter().find(|p| nix_path_info(tmp, src.to_str().unwrap(), p).len() == 1).unwrap();
+    let url = sluice_store::store_url::StoreUrl::parse(&format!("local?root={}", src.display())).unwrap();
+    let store = sluice_local_store::LocalStore::open(url.as_local().unwrap()).unwrap();
+    let path = StoreDir::default().parse_path(&leaf).unwrap();
+    let mut nar = Vec::new();
+    store.dump_path(&path, &mut nar).unwrap();
+    (store.query_path_info(&path).unwrap().unwrap(), nar)
+}
+
+/// A client that vanishes mid-NAR, and one whose NAR does not match its claimed hash, leave
+/// nothing registered and nothing in the store; without `--write` an import is refused with
+/// Nix's message; a whole NAR is then added.
+#[test]
+fn additions_are_verified_and_a_vanished_client_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, _) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let (info, nar) = one_path(tmp, &src);
+    let far = tmp.join("far");
+    let store = format!("local?root={}", far.display());
+    let dir = StoreDir::default();
+    let v = ProtocolVersion::new(2, 7);
+    let send = |args: &[&str], nar: &[u8], info: &sluice_nix::path_info::ValidPathInfo| {
+        let mut child = spawn_serve(tmp, args);
+        let mut stdin = child.stdin.take().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        assert_eq!(client_handshake(&mut stdout, &mut stdin).unwrap(), v);
+        write_serve_request(&mut stdin, &dir, v, &AddToStoreNar { info: info.clone() }).unwrap();
+        let _ = stdin.write_all(nar);
+        drop(stdin);
+        let answer = sluice_nix::wire::read_u64(&mut stdout, "answer").ok();
+        (child.wait_with_output().unwrap(), answer)
+    };
+    // Half the NAR, then the client is gone.
+    let (o, _) = send(&["--write", "--store", &store], &nar[..nar.len() / 2], &info);
+    assert!(!o.status.success());
+    assert!(registered_paths(&far).is_empty());
+    assert_store_closed(&far);
+    // A NAR whose last byte differs from the one hashed.
+    let mut lying = nar.clone();
+    let n = lying.len();
+    lying[n - 9] ^= 1;
+    let (o, _) = send(&["--write", "--store", &store], &lying, &info);
+    assert!(!o.status.success());
+    assert!(registered_paths(&far).is_empty(), "{}", stderr(&o));
+    assert_store_closed(&far);
+    // Without --write: Nix's refusal, nothing added.
+    let (o, _) = send(&["--store", &store], &nar, &info);
+    assert!(stderr(&o).contains("importing paths is not allowed"), "{}", stderr(&o));
+    assert!(registered_paths(&far).is_empty());
+    // The whole NAR: added, answered 1, and valid for real Nix.
+    let (o, answer) = send(&["--write", "--store", &store], &nar, &info);
+    check(&o, "AddToStoreNar");
+    assert_eq!(answer, Some(1));
+    assert_eq!(registered_paths(&far), [dir.display_path(&info.path)].into());
+    assert_nix_verifies(tmp, &far);
+}
+
+/// QueryValidPaths and QueryPathInfos answer as `nix-store --serve` does, in one round trip.
+#[test]
+fn queries_answer_as_nix_store_serve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let dir = StoreDir::default();
+    let mut child = spawn_serve(tmp, &["--store", &format!("local?root={}", src.display())]);
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let v = client_handshake(&mut stdout, &mut stdin).unwrap();
+    let mut asked: BTreeSet<_> = paths.iter().map(|p| dir.parse_path(p).unwrap()).collect();
+    let missing = dir.parse_path("/nix/store/00000000000000000000000000000000-missing").unwrap();
+    asked.insert(missing.clone());
+    write_serve_request(&mut stdin, &dir, v, &QueryValidPaths { lock: false, substitute: false, paths: asked.clone() }).unwrap();
+    write_serve_request(&mut stdin, &dir, v, &QueryPathInfos { paths: asked.clone() }).unwrap();
+    stdin.flush().unwrap();
+    let valid = read_store_path_set(&mut stdout, &dir, "valid").unwrap();
+    assert_eq!(valid.len(), 25);
+    assert!(!valid.contains(&missing));
+    let infos = sluice_nix::wire::serve::read_path_info_entries(&mut stdout, &dir, v).unwrap();
+    assert_eq!(infos.len(), 25);
+    let top = infos.iter().find(|i| dir.display_path(&i.path) == root).unwrap();
+    let all = nix_path_info(tmp, src.to_str().unwrap(), &root);
+    let theirs = all.iter().find(|i| i["path"] == root.as_str()).unwrap();
+    assert_eq!(top.nar_hash.to_sri(), theirs["narHash"].as_str().unwrap());
+    assert_eq!(top.nar_size, theirs["narSize"].as_u64().unwrap());
+    assert_eq!(top.references.len(), theirs["references"].as_array().unwrap().len());
+    assert!(!top.sigs.is_empty());
+    drop(stdin);
+    check(&child.wait_with_output().unwrap(), "legacy-serve");
+}
+
+/// ExportPaths writes what `nix-store --export` writes, byte for byte; ImportPaths of that
+/// stream (without `--write`: refused) adds the paths, which real Nix then finds valid.
+#[test]
+fn export_and_import_paths_match_nix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let dir = StoreDir::default();
+    let v = ProtocolVersion::new(2, 7);
+    let mut sorted: Vec<&str> = paths.iter().map(String::as_str).collect();
+    sorted.sort();
+    let theirs = nix(tmp, "nix-store", &[&["--store", src.to_str().unwrap(), "--export"][..], &sorted].concat());
+    check(&theirs, "nix-store --export");
+    // Both export the closure, references first; Nix breaks ties between unrelated paths in
+    // its own order, so the streams are compared path by path.
+    let mut child = spawn_serve(tmp, &["--store", &format!("local?root={}", src.display())]);
+    let (mut stdin, mut stdout) = (child.stdin.take().unwrap(), child.stdout.take().unwrap());
+    client_handshake(&mut stdout, &mut stdin).unwrap();
+    let all: BTreeSet<_> = paths.iter().map(|p| dir.parse_path(p).unwrap()).collect();
+    write_serve_request(&mut stdin, &dir, v, &ExportPaths { paths: all }).unwrap();
+    drop(stdin);
+    let mut ours = Vec::new();
+    std::io::Read::read_to_end(&mut stdout, &mut ours).unwrap();
+    check(&child.wait_with_output().unwrap(), "ExportPaths");
+    let (ours, theirs_items) = (export_items(&ours), export_items(&theirs.stdout));
+    assert!(ours.1 && theirs_items.1, "a path exported before its references");
+    assert_eq!(ours.0.len(), 25);
+    assert_eq!(ours.0, theirs_items.0);
+    // Imported into an empty store, with and without --write.
+    let far = tmp.join("far");
+    let store = format!("local?root={}", far.display());
+    for write in [false, true] {
+        let args: &[&str] = if write { &["--write", "--store", &store] } else { &["--store", &store] };
+        let mut child = spawn_serve(tmp, args);
+        let (mut stdin, mut stdout) = (child.stdin.take().unwrap(), child.stdout.take().unwrap());
+        client_handshake(&mut stdout, &mut stdin).unwrap();
+        write_serve_request(&mut stdin, &dir, v, &ImportPaths).unwrap();
+        let _ = stdin.write_all(&theirs.stdout);
+        drop(stdin);
+        let answer = sluice_nix::wire::read_u64(&mut stdout, "answer").ok();
+        let o = child.wait_with_output().unwrap();
+        match write {
+            false => assert!(stderr(&o).contains("importing paths is not allowed") && answer.is_none(), "{}", stderr(&o)),
+            true => {
+                check(&o, "ImportPaths");
+                assert_eq!(answer, Some(1));
+            }
+        }
+    }
+    assert_eq!(nix_closure(tmp, &far, &root), paths);
+    assert_nix_verifies(tmp, &far);
+    assert_store_closed(&far);
+}
+
+/// The items of an export stream, each path's NAR and trailer as one byte string, sorted, and
+/// whether every path came after its references.
+fn export_items(stream: &[u8]) -> (Vec<Vec<u8>>, bool) {
+    let dir = StoreDir::default();
+    let mut r = stream;
+    let (mut items, mut seen, mut ordered) = (Vec::new(), BTreeSet::new(), true);
+    while sluice_nix::wire::read_u64(&mut r, "item").unwrap() == 1 {
+        let start = r;
+        sluice_nix::nar::reader::parse(&mut r, &mut sluice_nix::nar::Discard).unwrap();
+        let t = sluice_nix::wire::serve::read_export_trailer(&mut r, &dir).unwrap();
+        ordered &= t.references.iter().all(|p| *p == t.path || seen.contains(p));
+        seen.insert(t.path);
+        items.push(start[..start.len() - r.len()].to_vec());
+    }
+    assert!(r.is_empty());
+    items.sort();
+    (items, ordered)
+}
+
+/// A `remote-program` running real `nix-store` (Nix 2.26 through `nix-modern` when `modern`)
+/// on the chroot store under `store`, never on this machine's `/nix` (Nix appends `--serve
+/// --write`).
+fn nix_store_wrapper(tmp: &Path, name: &str, store: &Path, modern: bool) -> PathBuf {
+    let file = tmp.join(name);
+    let nix_store = match modern {
+        true => format!("{} nix-store", shared().join("bin/nix-modern").display()),
+        false => "nix-store".to_string(),
+    };
+    let script = format!(
+        "#!/bin/sh\ncd {t} && export NIX_REMOTE=local?root={s} XDG_CACHE_HOME={t}/far-cache NIX_CONF_DIR={t}/no-etc-nix && exec {nix_store} \"$@\"\n",
+        t = tmp.display(),
+        s = store.display()
+    );
+    std::fs::write(&file, script).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&file).output().unwrap(), "chmod");
+    file
+}
+
+/// `sluice ARGS` with `NIX_SSHOPTS` reaching `sshd`.
+fn sluice_over_ssh(tmp: &Path, sshd: &Sshd, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp, "");
+    cmd.env("NIX_SSHOPTS", sshd.ssh_opts()).args(args).output().unwrap()
+}
+
+/// sluice pulls the subset from real `nix-store --serve` (2.8 or 2.26) over ssh, verified by
+/// the corpus key (refused, with nothing added, when that key is not trusted), and pushes it
+/// back into an empty far store; real Nix finds both copies whole and valid.
+fn sluice_copies_both_ways_with(modern: bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let serve = nix_store_wrapper(tmp, "serve-src", &src, modern);
+    // What the far end sends, kept (tee writes as it reads).
+    let logged = tmp.join("logged");
+    std::fs::write(&logged, format!("#!/bin/sh\n{} \"$@\" | tee {}/sent\n", serve.display(), tmp.display())).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&logged).output().unwrap(), "chmod");
+    let untrusted = format!("ssh://{HOST}?remote-program={}", logged.display());
+    let local = tmp.join("local");
+    let to_local = |from: &str, key: &str| {
+        sluice_over_ssh(tmp, &sshd, &["copy", "--from", from, "--to", local.to_str().unwrap(), "--trusted-public-keys", key, &root])
+    };
+    let o = to_local(&untrusted, "other-1:1B6HzFX0V+uJBJHpvKMvUw8EOj66T8tSm5NqhpvJnvs=");
+    assert!(!o.status.success() && stderr(&o).contains("other-1"), "{}", stderr(&o));
+    assert!(registered_paths(&local).is_empty(), "untrusted paths were added");
+    // Refused before any NAR was asked for: the far end sent the path infos only.
+    let sent = std::fs::metadata(tmp.join("sent")).unwrap().len();
+    assert!(sent < 64 << 10, "the far end sent {sent} bytes: NARs of paths refused");
+    let from = format!("ssh://{HOST}?remote-program={}", serve.display());
+    check(&to_local(&from, &corpus_key()), "sluice copy --from ssh://");
+    assert_eq!(nix_closure(tmp, &local, &root), paths);
+    assert_nix_verifies(tmp, &local);
+    let info = sluice_over_ssh(tmp, &sshd, &["path-info", "--store", &from, &root]);
+    check(&info, "sluice path-info --store ssh://");
+    assert!(String::from_utf8_lossy(&info.stdout).contains(&root));
+    let far = tmp.join("far");
+    let to = format!("ssh://{HOST}?remote-program={}", nix_store_wrapper(tmp, "serve-far", &far, modern).display());
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--from", local.to_str().unwrap(), "--to", &to, &root]);
+    check(&o, "sluice copy --to ssh://");
+    assert!(stderr(&o).contains("copied 25 paths"), "{}", stderr(&o));
+    assert_eq!(nix_closure(tmp, &far, &root), paths);
+    assert_nix_verifies(tmp, &far);
+    let again = sluice_over_ssh(tmp, &sshd, &["copy", "--from", local.to_str().unwrap(), "--to", &to, &root]);
+    assert!(stderr(&again).contains("25 already there"), "{}", stderr(&again));
+}
+
+#[test]
+fn sluice_copies_from_and_to_nix_2_8_store_serve() {
+    sluice_copies_both_ways_with(false);
+}
+
+#[test]
+fn sluice_copies_from_and_to_nix_2_26_store_serve() {
+    sluice_copies_both_ways_with(true);
+}
+
+/// A far end that dies mid-NAR fails the pull and leaves nothing half-registered (what is
+/// registered is whole, for real Nix); a remote program that is not there is one error naming
+/// the host.
+#[test]
+fn a_far_end_that_dies_or_is_missing_is_one_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, _) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let serve = nix_store_wrapper(tmp, "serve-src", &src, false);
+    let dying = tmp.join("dying");
+    std::fs::write(&dying, format!("#!/bin/sh\n{} \"$@\" | stdbuf -o0 head -c 300000\n", serve.display())).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&dying).output().unwrap(), "chmod");
+    let local = tmp.join("local");
+    let from = format!("ssh://{HOST}?remote-program={}", dying.display());
+    let o = sluice_over_ssh(
+        tmp,
+        &sshd,
+        &["copy", "--from", &from, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root],
+    );
+    assert!(!o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains(HOST), "{}", stderr(&o));
+    assert!(registered_paths(&local).len() < 25);
+    assert_store_closed(&local);
+    if !registered_paths(&local).is_empty() {
+        assert_nix_verifies(tmp, &local);
+    }
+    let missing = format!("ssh://{HOST}?remote-program=/nonexistent/nix-store");
+    let o = sluice_over_ssh(tmp, &sshd, &["path-info", "--store", &missing, &root]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains(&format!("'{HOST}'")) && err.contains("127"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
