@@ -99,24 +99,23 @@ impl Upstreams {
         let mut list = Vec::new();
         for url in urls {
             let mut cache = BinaryCache::new(url, &client, CacheInfo::default()).map_err(|e| e.to_string())?;
-            let mut skipped_until = None;
-            match tokio::time::timeout(timeout, cache.fetch_cache_info()).await {
-                Ok(Ok(Some(info))) => cache.set_info(info),
-                Ok(Ok(None)) => cache.set_info(cache.read_without_cache_info().map_err(|e| e.to_string())?),
-                Ok(Err(e)) => {
-                    tracing::warn!("upstream {}: {e}; skipped for {} s", url.base, SKIP.as_secs());
-                    skipped_until = Some(Instant::now() + SKIP);
+            let why = match tokio::time::timeout(timeout, cache.fetch_cache_info()).await {
+                Ok(Ok(Some(info))) => {
+                    cache.set_info(info);
+                    None
                 }
-                Err(_) => {
-                    tracing::warn!(
-                        "upstream {}: no nix-cache-info within {} s; skipped for {} s",
-                        url.base,
-                        timeout.as_secs_f64(),
-                        SKIP.as_secs()
-                    );
-                    skipped_until = Some(Instant::now() + SKIP);
+                Ok(Ok(None)) => {
+                    cache.set_info(cache.read_without_cache_info().map_err(|e| e.to_string())?);
+                    None
                 }
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!("no nix-cache-info within {} s", timeout.as_secs_f64())),
+            };
+            if let Some(why) = &why {
+                tracing::warn!("upstream {}: {why}; skipped for {} s", url.base, SKIP.as_secs());
+                metrics.upstream(&url.base, |c| c.failures += 1);
             }
+            let skipped_until = why.map(|_| Instant::now() + SKIP);
             let priority = cache.info().priority;
             list.push(Upstream {
                 url: url.clone(),
