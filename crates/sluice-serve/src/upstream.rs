@@ -33,7 +33,7 @@ pub const SKIP: Duration = Duration::from_secs(60);
 /// `Cache-Control: max-age`).
 pub const MISS_TTL: Duration = Duration::from_secs(30);
 /// Paths remembered: misses, and the upstream sources of NARs served but not yet kept.
-const REMEMBERED: usize = 64 * 1024;
+const REMEMBERED: usize = 16 * 1024;
 
 /// Locks `m`, whatever a panicking holder left.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -87,8 +87,9 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
-    /// The upstreams at `urls` (each asked for its `nix-cache-info`, within `timeout`, for
-    /// its priority; one that does not answer gets Nix's default, 50, and is skipped).
+    /// The upstreams at `urls` (each asked for its `nix-cache-info`, all at once within
+    /// `timeout`, for its priority; one that does not answer gets Nix's default, 50, and is
+    /// skipped).
     pub async fn open(
         urls: &[CacheUrl],
         client: LazyClient,
@@ -96,35 +97,38 @@ impl Upstreams {
         timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Result<Upstreams, String> {
-        let mut list = Vec::new();
-        for url in urls {
-            let mut cache = BinaryCache::new(url, &client, CacheInfo::default()).map_err(|e| e.to_string())?;
-            let why = match tokio::time::timeout(timeout, cache.fetch_cache_info()).await {
-                Ok(Ok(Some(info))) => {
-                    cache.set_info(info);
-                    None
+        let (client_ref, metrics_ref) = (&client, &metrics);
+        // All at once: a dead upstream holds the start for one timeout, not one each.
+        let opened = urls.iter().map(|url| {
+            let (client, metrics) = (client_ref, metrics_ref);
+            async move {
+                let mut cache = BinaryCache::new(url, client, CacheInfo::default()).map_err(|e| e.to_string())?;
+                let why = match tokio::time::timeout(timeout, cache.fetch_cache_info()).await {
+                    Ok(Ok(Some(info))) => {
+                        cache.set_info(info);
+                        None
+                    }
+                    Ok(Ok(None)) => {
+                        cache.set_info(cache.read_without_cache_info().map_err(|e| e.to_string())?);
+                        None
+                    }
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(_) => Some(format!("no nix-cache-info within {} s", timeout.as_secs_f64())),
+                };
+                if let Some(why) = &why {
+                    tracing::warn!("upstream {}: {why}; skipped for {} s", url.base, SKIP.as_secs());
+                    metrics.upstream(&url.base, |c| c.failures += 1);
                 }
-                Ok(Ok(None)) => {
-                    cache.set_info(cache.read_without_cache_info().map_err(|e| e.to_string())?);
-                    None
-                }
-                Ok(Err(e)) => Some(e.to_string()),
-                Err(_) => Some(format!("no nix-cache-info within {} s", timeout.as_secs_f64())),
-            };
-            if let Some(why) = &why {
-                tracing::warn!("upstream {}: {why}; skipped for {} s", url.base, SKIP.as_secs());
-                metrics.upstream(&url.base, |c| c.failures += 1);
+                Ok::<_, String>(Upstream {
+                    url: url.clone(),
+                    priority: cache.info().priority,
+                    cache: Mutex::new(Arc::new(cache)),
+                    trusted: url.common.trusted,
+                    skipped_until: Mutex::new(why.map(|_| Instant::now() + SKIP)),
+                })
             }
-            let skipped_until = why.map(|_| Instant::now() + SKIP);
-            let priority = cache.info().priority;
-            list.push(Upstream {
-                url: url.clone(),
-                cache: Mutex::new(Arc::new(cache)),
-                priority,
-                trusted: url.common.trusted,
-                skipped_until: Mutex::new(skipped_until),
-            });
-        }
+        });
+        let mut list = futures::future::try_join_all(opened).await?;
         list.sort_by_key(|u| u.priority);
         Ok(Upstreams {
             list,
@@ -204,9 +208,11 @@ impl Upstreams {
                     None
                 }
                 Ok(Err(e)) => {
-                    clean &= !e.is_cache_wide();
+                    clean = false;
                     if e.is_cache_wide() {
                         self.skip(i, &e.to_string());
+                    } else {
+                        tracing::warn!("{e}");
                     }
                     None
                 }

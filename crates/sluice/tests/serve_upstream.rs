@@ -207,7 +207,10 @@ fn real_nix_substitutes_through_a_pull_through_cache() {
     check(&o, "nix copy --from the pull-through cache");
     assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
     assert_nix_verifies(tmp, &a);
-    check(&nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]), "verify");
+    check(
+        &nix_trusting(tmp, &public, "nix", &["store", "verify", "--store", a.to_str().unwrap(), "-r", "--sigs-needed", "1", &root]),
+        "verify",
+    );
     assert_eq!(ups.good.requests(".nar.xz"), paths.len());
     assert_eq!(ups.corrupt.requests(".nar.xz"), 1);
     assert_eq!(ups.untrusted.requests(".nar.xz"), 0);
@@ -243,7 +246,8 @@ fn a_burst_of_clients_fetches_one_nar_once() {
     let nginx = CacheServer::start(&good, &tmp.join("nginx"), &["--rtt-ms", "100"]);
     let key = corpus_key();
     let kept = tmp.join("kept");
-    let server = Server::start_url(tmp, &format!("file://{}", kept.display()), &["--option", "trusted-public-keys", &key, "--upstream", &nginx.url]);
+    let server =
+        Server::start_url(tmp, &format!("file://{}", kept.display()), &["--option", "trusted-public-keys", &key, "--upstream", &nginx.url]);
     let (_, paths) = subset();
     let biggest = paths.iter().max_by_key(|p| narinfo_field(&good, p, "FileSize").parse::<u64>().unwrap()).unwrap();
     let hash = &biggest["/nix/store/".len()..][..32];
@@ -251,10 +255,14 @@ fn a_burst_of_clients_fetches_one_nar_once() {
     assert!(ok);
     let url = String::from_utf8(narinfo).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_string)).unwrap();
     let expected = std::fs::read(good.join(narinfo_field(&good, biggest, "URL"))).unwrap();
-    let clients: Vec<_> = (0..16).map(|_| std::thread::spawn({
-        let url = format!("{}/{url}", server.url);
-        move || curl(&url)
-    })).collect();
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            std::thread::spawn({
+                let url = format!("{}/{url}", server.url);
+                move || curl(&url)
+            })
+        })
+        .collect();
     for c in clients {
         assert_eq!(c.join().unwrap(), (true, expected.clone()));
     }
@@ -309,4 +317,33 @@ fn fronts_over_one_bucket_and_a_front_killed_mid_nar() {
     let (ok, kept) = curl(&format!("{}/{hash}.narinfo", c.url));
     assert!(ok && String::from_utf8(kept).unwrap().contains(&format!("URL: {file}\n")));
     assert_eq!(upstream.requests(|_| true).len(), before);
+}
+
+/// The batch endpoint answers the closure of a path only an upstream has, in one request
+/// (the upstream asked level by level, each level at once); nothing is kept before its NAR.
+#[test]
+fn the_batch_endpoint_answers_a_closure_only_upstream() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let good = xz_cache(tmp, "good");
+    let nginx = CacheServer::start(&good, &tmp.join("nginx"), &[]);
+    let key = corpus_key();
+    let kept = tmp.join("kept");
+    let server =
+        Server::start_url(tmp, &format!("file://{}", kept.display()), &["--option", "trusted-public-keys", &key, "--upstream", &nginx.url]);
+    let (root, paths) = subset();
+    let o = Command::new("curl")
+        .args(["-sf", "--data-binary", &root["/nix/store/".len()..][..32], &format!("{}/_sluice/v1/closure", server.url)])
+        .output()
+        .unwrap();
+    check(&o, "POST _sluice/v1/closure");
+    let mut got = BTreeSet::new();
+    for line in String::from_utf8(o.stdout).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let text = v["narinfo"].as_str().unwrap_or_else(|| panic!("no narinfo in {line}"));
+        got.insert(text.lines().find_map(|l| l.strip_prefix("StorePath: ")).unwrap().to_string());
+    }
+    assert_eq!(got, paths);
+    assert_eq!(nginx.requests(".narinfo"), paths.len());
+    assert_eq!(cache_files(&kept), BTreeSet::new());
 }
