@@ -49,6 +49,9 @@ pub struct Flight {
     state: watch::Receiver<State>,
 }
 
+/// The outcome of a fetch, once it ends: the verified file, or why it failed.
+pub type Outcome = tokio::task::JoinHandle<Result<Fetched, String>>;
+
 /// What a fetch that checked out leaves: the file, its sha256 and size.
 pub struct Fetched {
     pub file: tempfile::NamedTempFile,
@@ -64,7 +67,7 @@ impl Flight {
         rel: String,
         spool: tempfile::NamedTempFile,
         expected: Expected,
-    ) -> std::io::Result<(Arc<Flight>, tokio::task::JoinHandle<Result<Fetched, String>>)> {
+    ) -> std::io::Result<(Arc<Flight>, Outcome)> {
         let file = Arc::new(spool.reopen()?);
         let (tx, rx) = watch::channel(State::Writing(0));
         let flight = Arc::new(Flight { file: file.clone(), state: rx.clone() });

@@ -104,7 +104,8 @@ impl Metrics {
         if all.is_empty() {
             return;
         }
-        let counters: [(&str, &str, fn(&UpstreamCounts) -> u64); 6] = [
+        type Counter = (&'static str, &'static str, fn(&UpstreamCounts) -> u64);
+        let counters: [Counter; 6] = [
             ("narinfo_hits_total", "Narinfos an upstream had and the trusted keys accepted.", |c| c.hits),
             ("narinfo_misses_total", "Narinfos an upstream did not have.", |c| c.misses),
             ("narinfo_refused_total", "Narinfos an upstream had that no trusted key signed.", |c| c.refused),

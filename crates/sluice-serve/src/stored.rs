@@ -72,7 +72,7 @@ impl Stored {
         }
         let Some(upstreams) = &self.upstreams else { return Ok(Lookup::Missing(None)) };
         Ok(match upstreams.narinfo(hash_part).await {
-            Found::Yes(narinfo) => Lookup::Found(signed(narinfo, keys, store_dir)),
+            Found::Yes(narinfo) => Lookup::Found(signed(*narinfo, keys, store_dir)),
             Found::No(ttl) => Lookup::Missing(ttl),
         })
     }

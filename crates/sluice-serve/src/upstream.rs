@@ -65,7 +65,7 @@ struct Source {
 /// A narinfo lookup's outcome.
 pub enum Found {
     /// The narinfo to serve (its URL relative to this server).
-    Yes(NarInfo),
+    Yes(Box<NarInfo>),
     /// No upstream has it; for how long that is remembered (`None`: an upstream failed, not
     /// remembered).
     No(Option<Duration>),
@@ -226,7 +226,7 @@ impl Upstreams {
             for (j, answer) in answers.iter().enumerate() {
                 match answer {
                     None => break,
-                    Some(Some(narinfo)) => return Found::Yes(self.serve(j, hash_part, narinfo.clone())),
+                    Some(Some(narinfo)) => return Found::Yes(Box::new(self.serve(j, hash_part, narinfo.clone()))),
                     Some(None) => {}
                 }
             }
