@@ -421,13 +421,17 @@ impl BinaryCache {
     /// Opens the (compressed) NAR of `narinfo` for streaming; `None` when the file is gone.
     /// The reader must be used on a blocking thread.
     pub async fn open_nar(&self, narinfo: &NarInfo) -> Result<Option<NarStream>, CacheError> {
+        self.open_file(&narinfo.url).await
+    }
+
+    /// Opens the cache file `rel` (relative to the cache) for streaming, its bytes as stored;
+    /// `None` when it does not exist. The reader must be used on a blocking thread.
+    pub async fn open_file(&self, rel: &str) -> Result<Option<NarStream>, CacheError> {
         self.health.check(&self.url)?;
         let result = match &self.transport {
-            Transport::File(t) => {
-                t.open(&narinfo.url).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default(), local: true }))
-            }
+            Transport::File(t) => t.open(rel).map(|r| r.map(|reader| NarStream { reader, probe: TransferProbe::default(), local: true })),
             Transport::Http { http, .. } => {
-                http.open(&narinfo.url).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe, local: false }))
+                http.open(rel).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe, local: false }))
             }
         };
         self.health.observe(&self.url, result)

@@ -126,6 +126,12 @@ impl BinaryCache {
     /// [`BinaryCache::narinfo_for_nar`]), `None` when the cache has none or `hash_part` is
     /// malformed.
     pub async fn narinfo_of_hash_part(&self, hash_part: &str) -> Result<Option<ValidPathInfo>, CacheError> {
+        Ok(self.narinfo_by_hash_part(hash_part).await?.map(|(_, narinfo)| self.keep(narinfo).info))
+    }
+
+    /// The narinfo `<hash_part>.narinfo` as stored (its text) and parsed, `None` when the
+    /// cache has none, `hash_part` is malformed or the narinfo is another path's.
+    pub async fn narinfo_by_hash_part(&self, hash_part: &str) -> Result<Option<(String, NarInfo)>, CacheError> {
         // Only a well-formed hash part becomes a file name in the cache.
         if hash_part.len() != sluice_nix::store_path::HASH_PART_LEN || !sluice_nix::base32::is_digits(hash_part) {
             return Ok(None);
@@ -133,10 +139,7 @@ impl BinaryCache {
         let Some(text) = self.narinfo_text_of(hash_part).await? else { return Ok(None) };
         let narinfo = NarInfo::parse(&self.store_dir, &text)
             .map_err(|source| CacheError::NarInfo { url: format!("{}/{hash_part}.narinfo", self.url), source })?;
-        if narinfo.store_path.hash_part() != hash_part {
-            return Ok(None);
-        }
-        Ok(Some(self.keep(narinfo).info))
+        Ok((narinfo.store_path.hash_part() == hash_part).then_some((text, narinfo)))
     }
 
     /// Keeps `narinfo` for [`BinaryCache::narinfo_for_nar`]; what it says of its path.
@@ -236,6 +239,32 @@ impl BinaryCache {
             self.upsert_file(&url, Upload::Nar(prepared), NAR_MIME).await?;
         }
         Ok(narinfo)
+    }
+
+    /// A temporary file for a NAR fetched as it is from elsewhere, where
+    /// [`BinaryCache::put_nar_file`] takes it from: in the cache's directory for `file://`
+    /// (the upload is a rename), else in the system's temporary directory. Nothing in the
+    /// cache names it: a process killed while writing it publishes nothing.
+    pub fn nar_staging_file(&self) -> std::io::Result<tempfile::NamedTempFile> {
+        if let Transport::File(t) = &self.transport {
+            t.create_dirs().map_err(std::io::Error::other)?;
+        }
+        crate::spool::staging_file(&self.staging().0)
+    }
+
+    /// Uploads `file` (from [`BinaryCache::nar_staging_file`], `file_size` bytes whose sha256
+    /// is `file_hash`) as the cache file `rel`, as stored: not recompressed. The narinfo that
+    /// publishes it is written apart ([`BinaryCache::write_narinfo`]).
+    pub async fn put_nar_file(
+        &self,
+        rel: &str,
+        file: tempfile::NamedTempFile,
+        file_hash: sluice_nix::hash::Hash,
+        file_size: u64,
+    ) -> Result<(), CacheError> {
+        self.init_for_writing().await?;
+        let nar = PreparedNar { compressed: crate::spool::Compressed::File(file), file_hash, md5: None, file_size, listing: None };
+        self.upsert_file(rel, Upload::Nar(nar), NAR_MIME).await
     }
 
     /// Writes `narinfo`, which makes its path valid in the cache.

@@ -25,6 +25,7 @@ use sluice_store::store::StoreError;
 use tokio::sync::mpsc;
 
 use crate::routes::{is_hash_part, App, RequestBody};
+use crate::stored::{Lookup, Stored};
 
 /// Where the batch endpoints live (after the leading `/`).
 pub(crate) const PREFIX: &str = "_sluice/v1/";
@@ -88,9 +89,10 @@ pub async fn answer(app: Arc<App>, kind: Kind, req: Request<RequestBody>) -> Ans
     let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(LINES_IN_FLIGHT);
     let walker = Walker { app, tx };
     tokio::spawn(async move {
-        let result = match kind {
-            Kind::NarInfos => walker.narinfos(hashes).await,
-            Kind::Closure => walker.closure(hashes).await,
+        let result = match (kind, walker.app.stored.clone()) {
+            (kind, Some(stored)) => walker.stored(&stored, hashes, kind == Kind::Closure).await,
+            (Kind::NarInfos, None) => walker.narinfos(hashes).await,
+            (Kind::Closure, None) => walker.closure(hashes).await,
         };
         if let Err(e) = result {
             tracing::warn!("batch: {e}");
@@ -132,10 +134,41 @@ struct Walker {
 
 impl Walker {
     async fn send(&self, hash_part: &str, info: Option<&ValidPathInfo>) -> Result<(), Stop> {
-        let text = info.map(|i| self.app.narinfo(i));
-        // Rendered from a String: always UTF-8, borrowed as it is.
-        let text = text.as_deref().map(String::from_utf8_lossy);
+        self.send_text(hash_part, info.map(|i| self.app.narinfo(i)).as_deref()).await
+    }
+
+    async fn send_text(&self, hash_part: &str, text: Option<&[u8]>) -> Result<(), Stop> {
+        // Rendered from a String or read as a narinfo: UTF-8, borrowed as it is.
+        let text = text.map(String::from_utf8_lossy);
         self.tx.send(Ok(line(hash_part, text.as_deref()))).await.map_err(|_| Stop::Gone)
+    }
+
+    /// The narinfos of `hashes` (and with `closure`, of their closures, breadth first) in a
+    /// cache served as stored, with its upstreams if any ([`crate::stored`]): each level's
+    /// narinfos asked all at once, each line sent as soon as its level is answered.
+    async fn stored(&self, stored: &Stored, hashes: Vec<String>, closure: bool) -> Result<(), Stop> {
+        let mut seen = std::collections::HashSet::new();
+        let mut level: Vec<String> = if closure { hashes.into_iter().filter(|h| seen.insert(h.clone())).collect() } else { hashes };
+        while !level.is_empty() {
+            let mut next = Vec::new();
+            for chunk in level.chunks(STORE_BATCH) {
+                let found = futures::future::try_join_all(chunk.iter().map(|h| stored.narinfo(h, &self.app.keys))).await?;
+                for (hash, lookup) in chunk.iter().zip(found) {
+                    let text = match lookup {
+                        Lookup::Found(served) if closure => {
+                            let refs = served.references.iter().map(|r| r.hash_part().to_string());
+                            next.extend(refs.filter(|r| seen.insert(r.clone())));
+                            Some(served.text)
+                        }
+                        Lookup::Found(served) => Some(served.text),
+                        Lookup::Missing(_) => None,
+                    };
+                    self.send_text(hash, text.as_deref()).await?;
+                }
+            }
+            level = next;
+        }
+        Ok(())
     }
 
     /// The valid paths of `hashes`, in order (`None` where there is none).

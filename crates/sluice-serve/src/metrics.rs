@@ -1,6 +1,8 @@
 //! `/metrics`: Prometheus text exposition (format 0.0.4) of requests by endpoint and status,
 //! response body bytes by endpoint, and request durations (from the request's arrival to the
-//! end of its response body) by endpoint, as a histogram in seconds.
+//! end of its response body) by endpoint, as a histogram in seconds; for a pull-through cache,
+//! per upstream, its narinfo answers, their latency, its failures and its NARs
+//! ([`UpstreamCounts`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -26,10 +28,50 @@ struct Endpoint {
     sum: f64,
 }
 
+/// What one upstream of a pull-through cache did ([`crate::upstream`]).
+#[derive(Default)]
+pub struct UpstreamCounts {
+    /// Narinfos it had (and the trusted keys accepted).
+    pub hits: u64,
+    /// Narinfos it did not have.
+    pub misses: u64,
+    /// Narinfos it had that no trusted key signed.
+    pub refused: u64,
+    /// Requests that failed or timed out (each skips it for a while).
+    pub failures: u64,
+    /// NARs fetched and checked.
+    pub nars: u64,
+    /// NARs that failed their check (never served).
+    pub nar_failures: u64,
+    /// Seconds the answered narinfo requests took, and their number.
+    pub latency_sum: f64,
+    pub latency_count: u64,
+}
+
+impl UpstreamCounts {
+    /// A narinfo it had, answered in `took`.
+    pub fn hit(&mut self, took: std::time::Duration) {
+        self.hits += 1;
+        self.answered(took);
+    }
+
+    /// A narinfo it did not have, answered in `took`.
+    pub fn miss(&mut self, took: std::time::Duration) {
+        self.misses += 1;
+        self.answered(took);
+    }
+
+    fn answered(&mut self, took: std::time::Duration) {
+        self.latency_sum += took.as_secs_f64();
+        self.latency_count += 1;
+    }
+}
+
 /// The server's counters, shared by all connections.
 #[derive(Default)]
 pub struct Metrics {
     endpoints: Mutex<BTreeMap<&'static str, Endpoint>>,
+    upstreams: Mutex<BTreeMap<String, UpstreamCounts>>,
 }
 
 impl Metrics {
@@ -45,8 +87,46 @@ impl Metrics {
         }
     }
 
+    /// Counts something upstream `url` did.
+    pub fn upstream(&self, url: &str, count: impl FnOnce(&mut UpstreamCounts)) {
+        count(self.upstreams.lock().unwrap_or_else(|p| p.into_inner()).entry(url.to_string()).or_default());
+    }
+
     /// The exposition text.
     pub fn render(&self) -> String {
+        let mut out = self.render_endpoints();
+        self.render_upstreams(&mut out);
+        out
+    }
+
+    fn render_upstreams(&self, out: &mut String) {
+        let all = self.upstreams.lock().unwrap_or_else(|p| p.into_inner());
+        if all.is_empty() {
+            return;
+        }
+        type Counter = (&'static str, &'static str, fn(&UpstreamCounts) -> u64);
+        let counters: [Counter; 6] = [
+            ("narinfo_hits_total", "Narinfos an upstream had and the trusted keys accepted.", |c| c.hits),
+            ("narinfo_misses_total", "Narinfos an upstream did not have.", |c| c.misses),
+            ("narinfo_refused_total", "Narinfos an upstream had that no trusted key signed.", |c| c.refused),
+            ("failures_total", "Requests to an upstream that failed or timed out.", |c| c.failures),
+            ("nars_total", "NARs fetched from an upstream and checked.", |c| c.nars),
+            ("nar_failures_total", "NARs from an upstream that failed their check.", |c| c.nar_failures),
+        ];
+        for (name, help, get) in counters {
+            let _ = writeln!(out, "# HELP sluice_serve_upstream_{name} {help}\n# TYPE sluice_serve_upstream_{name} counter");
+            for (url, c) in all.iter() {
+                let _ = writeln!(out, "sluice_serve_upstream_{name}{{upstream=\"{url}\"}} {}", get(c));
+            }
+        }
+        out.push_str("# HELP sluice_serve_upstream_narinfo_seconds Time an upstream took to answer a narinfo request.\n# TYPE sluice_serve_upstream_narinfo_seconds summary\n");
+        for (url, c) in all.iter() {
+            let _ = writeln!(out, "sluice_serve_upstream_narinfo_seconds_sum{{upstream=\"{url}\"}} {}", c.latency_sum);
+            let _ = writeln!(out, "sluice_serve_upstream_narinfo_seconds_count{{upstream=\"{url}\"}} {}", c.latency_count);
+        }
+    }
+
+    fn render_endpoints(&self) -> String {
         let all = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = String::new();
         out.push_str(

@@ -25,6 +25,7 @@ use sluice_store::store::{NarReader, Store, StoreError};
 
 use crate::metrics::{Metered, Metrics};
 use crate::progress::Tracked;
+use crate::stored::Lookup;
 use crate::{batch, narinfo};
 
 /// A response body: streamed, metered.
@@ -52,6 +53,16 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// The narinfos served last, rendered and signed.
     pub rendered: narinfo::Rendered,
+    /// When the store is a binary cache: served as it is stored, and pulled through from
+    /// upstreams if it has them ([`crate::stored`]).
+    pub stored: Option<Arc<crate::stored::Stored>>,
+}
+
+/// The hash part and NAR hash of `nar/<hash part>-<NarHash>.nar`, the name a store's NARs are
+/// served by ([`narinfo::nar_url`]).
+fn store_nar(rel: &str) -> Option<(&str, &str)> {
+    let (h, n) = rel.strip_prefix("nar/")?.strip_suffix(".nar")?.split_once('-')?;
+    (is_hash_part(h) && n.len() == 52 && base32::is_digits(n)).then_some((h, n))
 }
 
 /// A parsed request path.
@@ -60,7 +71,8 @@ enum Route<'a> {
     CacheInfo,
     NarInfo(&'a str),
     Listing(&'a str),
-    Nar { hash_part: &'a str, nar_hash: &'a str },
+    /// A NAR file, by its path in the cache (`nar/<name>`, [`crate::stored::is_nar_file`]).
+    Nar(&'a str),
     Log(&'a str),
     Batch(batch::Kind),
     Metrics,
@@ -74,7 +86,7 @@ impl Route<'_> {
             Route::CacheInfo => "nix-cache-info",
             Route::NarInfo(_) => "narinfo",
             Route::Listing(_) => "ls",
-            Route::Nar { .. } => "nar",
+            Route::Nar(_) => "nar",
             Route::Log(_) => "log",
             Route::Batch(batch::Kind::NarInfos) => "batch-narinfos",
             Route::Batch(batch::Kind::Closure) => "batch-closure",
@@ -104,11 +116,8 @@ fn route(path: &str) -> Route<'_> {
         Route::NarInfo(h)
     } else if let Some(h) = hash(rest.strip_suffix(".ls")) {
         Route::Listing(h)
-    } else if let Some(file) = rest.strip_prefix("nar/").and_then(|f| f.strip_suffix(".nar")) {
-        match file.split_once('-') {
-            Some((h, n)) if is_hash_part(h) && n.len() == 52 && base32::is_digits(n) => Route::Nar { hash_part: h, nar_hash: n },
-            _ => Route::NotFound,
-        }
+    } else if rest.strip_prefix("nar/").is_some_and(crate::stored::is_nar_file) {
+        Route::Nar(rest)
     } else if let Some(name) = rest.strip_prefix("log/") {
         match StorePath::from_base_name(name) {
             Ok(p) if p.is_derivation() => Route::Log(name),
@@ -311,6 +320,33 @@ impl App {
             ok(mime, if head { full(Bytes::new()) } else { full(text) }, Some(len))
         };
         let not_found = || status(StatusCode::NOT_FOUND, "not found");
+        if let Some(stored) = &self.stored {
+            match route {
+                Route::NarInfo(h) => {
+                    return Ok(match stored.narinfo(h, &self.keys).await? {
+                        Lookup::Found(served) => body(served.text, "text/x-nix-narinfo"),
+                        Lookup::Missing(ttl) => {
+                            let mut r = not_found();
+                            if let Some(ttl) = ttl {
+                                let value = HeaderValue::from_str(&format!("max-age={}", ttl.as_secs())).expect("ASCII");
+                                r.headers_mut().insert(hyper::header::CACHE_CONTROL, value);
+                            }
+                            r
+                        }
+                    })
+                }
+                Route::Nar(rel) => {
+                    let hash_part =
+                        req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
+                    return Ok(match stored.nar(rel, hash_part).await? {
+                        Some(_) if head => ok("application/x-nix-nar", full(Bytes::new()), None),
+                        Some(reader) => ok("application/x-nix-nar", stream_reader(reader), None),
+                        None => not_found(),
+                    });
+                }
+                _ => {}
+            }
+        }
         Ok(match route {
             Route::CacheInfo => body(self.cache_info().into(), "text/x-nix-cache-info"),
             Route::Metrics => body(self.metrics.render().into(), "text/plain; version=0.0.4"),
@@ -322,9 +358,12 @@ impl App {
                 Some(info) => body(self.listing(&info).await?.into(), "application/json"),
                 None => not_found(),
             },
-            Route::Nar { hash_part, nar_hash } => match self.info_of(hash_part).await? {
-                Some(info) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
-                _ => not_found(),
+            Route::Nar(rel) => match store_nar(rel) {
+                Some((hash_part, nar_hash)) => match self.info_of(hash_part).await? {
+                    Some(info) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
+                    _ => not_found(),
+                },
+                None => not_found(),
             },
             Route::Log(name) => {
                 let drv = StorePath::from_base_name(name).map_err(|e| StoreError::Other(format!("{name}: {e}")))?;
@@ -413,7 +452,11 @@ mod tests {
         assert_eq!(route(&format!("/{h}.ls")), Route::Listing(h));
         assert_eq!(route("/nix-cache-info"), Route::CacheInfo);
         let n = "1".repeat(52);
-        assert_eq!(route(&format!("/nar/{h}-{n}.nar")), Route::Nar { hash_part: h, nar_hash: &n });
+        let nar = format!("nar/{h}-{n}.nar");
+        assert_eq!(route(&format!("/{nar}")), Route::Nar(&nar));
+        assert_eq!(store_nar(&nar), Some((h, &n[..])));
+        assert_eq!(route(&format!("/nar/{n}.nar.xz")), Route::Nar(&format!("nar/{n}.nar.xz")[..]));
+        assert_eq!(store_nar(&format!("nar/{n}.nar.xz")), None);
         for bad in [
             "/../etc/passwd",
             "/%2e%2e/nix-cache-info",

@@ -1,13 +1,22 @@
 //! `sluice serve`: serve a store over HTTP as a binary cache (like nix-serve or harmonia) that
-//! unmodified Nix substitutes from, with `sluice serve`'s batch endpoints for sluice clients.
+//! unmodified Nix substitutes from, with `sluice serve`'s batch endpoints for sluice clients; a
+//! binary cache as it is stored, and with `--upstream` as a pull-through cache.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_binary_cache::http::LazyClient;
+use sluice_binary_cache::BinaryCache;
 use sluice_nix::signature::SecretKey;
-use sluice_store::store::open_store;
+use sluice_serve::metrics::Metrics;
+use sluice_serve::stored::Stored;
+use sluice_serve::upstream::Upstreams;
+use sluice_store::config::Settings;
+use sluice_store::store::{open_store, Store};
+use sluice_store::store_url::StoreUrl;
+use sluice_store::substituters;
 
 use crate::setup::{self, CacheFlags, ConfigFlags};
 
@@ -50,6 +59,16 @@ pub struct Args {
     /// close is dropped.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout: u64,
+    /// A binary cache to fetch what `--store` (then a `file://` or `s3://` cache) lacks from:
+    /// a pull-through cache. May be given more than once; all are asked at once and the
+    /// highest-priority answer (`?priority=N`, else its `nix-cache-info`) signed by a key of
+    /// `trusted-public-keys` wins. NARs are kept in `--store` as the upstream compressed them.
+    #[arg(long = "upstream", value_name = "URL")]
+    upstreams: Vec<String>,
+    /// Seconds an upstream has to answer a narinfo request; one that fails or takes longer
+    /// is left out for 60 s.
+    #[arg(long, default_value_t = 5.0)]
+    upstream_timeout: f64,
     #[command(flatten)]
     config: ConfigFlags,
 }
@@ -70,7 +89,10 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     if let Some(addr) = args.listen.iter().find(|a| !has_port(a)) {
         return Err(format!("--listen {addr}: expected HOST:PORT, e.g. 127.0.0.1:5000 or [::]:5000"));
     }
-    must_exist(&url)?;
+    // A pull-through cache may start empty; a store only served must be there.
+    if args.upstreams.is_empty() {
+        must_exist(&url)?;
+    }
     let keys = args
         .secret_keys
         .iter()
@@ -85,7 +107,8 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     };
     let limits = sluice_serve::Limits { max_connections: args.max_connections.max(1), idle: Duration::from_secs(args.idle_timeout) };
     setup::runtime()?.block_on(async {
-        let store = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
+        let metrics = Arc::new(sluice_serve::metrics::Metrics::default());
+        let (store, stored) = open(&url, &settings, &args, metrics.clone()).await?;
         let mut listeners = Vec::new();
         for listener in activated {
             listeners.push(tokio::net::TcpListener::from_std(listener).map_err(|e| format!("a socket systemd passed: {e}"))?);
@@ -104,8 +127,9 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             keys,
             priority: args.priority,
             batch: !args.no_batch,
-            metrics: Default::default(),
+            metrics,
             rendered: Default::default(),
+            stored,
         });
         sluice_serve::run(listeners, tls, app, limits).await.map_err(|e| e.to_string())
     })?;
@@ -134,4 +158,27 @@ fn must_exist(url: &str) -> Result<(), String> {
         true => Ok(()),
         false => Err(format!("{url}: no store to serve: {} does not exist", dir.display())),
     }
+}
+
+/// Opens the store `url` to serve; a binary cache is also served as it is stored, pulling
+/// through from `--upstream`s (which need one).
+async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>) -> Result<(Arc<dyn Store>, Option<Arc<Stored>>), String> {
+    let Some(cache_url) = StoreUrl::parse(url).map_err(|e| e.to_string())?.as_cache().cloned() else {
+        if !args.upstreams.is_empty() {
+            return Err(format!("--upstream needs a binary cache (file:// or s3://) as --store, not {url}"));
+        }
+        return Ok((open_store(url, settings).await.map_err(|e| e.to_string())?, None));
+    };
+    let client = LazyClient::new(settings.http_options());
+    let cache = Arc::new(BinaryCache::open(&cache_url, &client).await.map_err(|e| e.to_string())?);
+    let upstreams = match args.upstreams.as_slice() {
+        [] => None,
+        urls => {
+            let urls = urls.iter().map(|u| substituters::cache_url(u).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+            let policy = settings.signature_policy(None).map_err(|e| e.to_string())?;
+            let timeout = Duration::try_from_secs_f64(args.upstream_timeout).map_err(|e| format!("--upstream-timeout: {e}"))?;
+            Some(Arc::new(Upstreams::open(&urls, LazyClient::new(settings.http_options()), policy, timeout, metrics).await?))
+        }
+    };
+    Ok((cache.clone(), Some(Arc::new(Stored { cache, upstreams }))))
 }

@@ -23,6 +23,7 @@ mod protocol;
 mod push;
 mod review;
 mod serve;
+mod serve_upstream;
 mod settings;
 mod ssh;
 mod ssh_serve;

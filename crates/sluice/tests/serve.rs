@@ -18,14 +18,14 @@ use std::time::{Duration, Instant};
 use crate::common::*;
 
 /// The 25-path subset's root and its paths.
-fn subset() -> (String, BTreeSet<String>) {
+pub(crate) fn subset() -> (String, BTreeSet<String>) {
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
     let paths = std::fs::read_to_string(corpus().join("truth/subset-paths.txt")).unwrap().lines().map(str::to_string).collect();
     (summary["subsetRoot"].as_str().unwrap().to_string(), paths)
 }
 
 /// A chroot store under `tmp/src` holding the closure of `root`, copied by sluice from the corpus.
-fn source_store(tmp: &Path, root: &str) -> PathBuf {
+pub(crate) fn source_store(tmp: &Path, root: &str) -> PathBuf {
     let src = tmp.join("src");
     let from = format!("file://{}", corpus().join("cache-xz").display());
     check(
@@ -43,7 +43,7 @@ fn serve_subset(tmp: &Path, args: &[&str]) -> (Server, BTreeSet<String>) {
 }
 
 /// A new signing key under `tmp`: (secret key file, public key).
-fn signing_key(tmp: &Path) -> (PathBuf, String) {
+pub(crate) fn signing_key(tmp: &Path) -> (PathBuf, String) {
     let secret = sluice(tmp, &["key", "generate", "sluice-serve-test-1"]);
     check(&secret, "key generate");
     let file = tmp.join("secret.key");
@@ -58,20 +58,20 @@ fn signing_key(tmp: &Path) -> (PathBuf, String) {
 }
 
 /// A running `sluice serve`; killed on drop.
-struct Server {
-    child: Child,
-    url: String,
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    pub(crate) url: String,
     addr: String,
 }
 
 impl Server {
     /// Starts `sluice serve --store STORE --listen 127.0.0.1:0 ARGS` and waits for its address.
-    fn start(tmp: &Path, store: &Path, args: &[&str]) -> Server {
+    pub(crate) fn start(tmp: &Path, store: &Path, args: &[&str]) -> Server {
         Server::start_url(tmp, store.to_str().unwrap(), args)
     }
 
     /// [`Server::start`] for the store at `url`.
-    fn start_url(tmp: &Path, url: &str, args: &[&str]) -> Server {
+    pub(crate) fn start_url(tmp: &Path, url: &str, args: &[&str]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp, "");
         Server::started(cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap())
@@ -134,7 +134,7 @@ impl Drop for Server {
 }
 
 /// `prog ARGS` (real Nix 2.8) isolated under `tmp`, trusting only `public`.
-fn nix_trusting(tmp: &Path, public: &str, prog: &str, args: &[&str]) -> std::process::Output {
+pub(crate) fn nix_trusting(tmp: &Path, public: &str, prog: &str, args: &[&str]) -> std::process::Output {
     let mut cmd = Command::new(prog);
     isolate(&mut cmd, tmp, &format!("trusted-public-keys = {public}\nrequire-sigs = true"));
     cmd.args(args).output().unwrap()

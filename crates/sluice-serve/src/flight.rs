@@ -1,0 +1,191 @@
+//! One NAR file fetched from an upstream once, however many clients ask for it meanwhile
+//! (`sluice serve --upstream`, [`crate::upstream`]): the bytes, as the upstream compressed
+//! them, go into a temporary file that every client reads from the start at its own pace
+//! ([`Follower`]) while a verifier decompresses them and checks `NarHash`/`NarSize` (and the
+//! file's own `FileHash`/`FileSize`). A client gets the last byte only once everything checked
+//! out: a NAR that fails ends every client's body in an error, so no client ever holds a whole
+//! NAR that was not verified. As Nix's `BinaryCacheStore::narFromPath` checks what it
+//! downloads (`src/libstore/binary-cache-store.cc`), but once for all clients.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use sluice_binary_cache::BinaryCache;
+use sluice_compress::Compression;
+use sluice_nix::hash::{Hash, HashAlgo, Hasher};
+use tokio::sync::watch;
+
+/// Bytes read from the upstream at a time.
+const CHUNK: usize = 64 * 1024;
+
+/// How far the fetch is.
+#[derive(Clone, Debug)]
+enum State {
+    /// This many bytes are in the file, more to come.
+    Writing(u64),
+    /// All the bytes are in the file; being checked.
+    Written(u64),
+    /// Checked: the file is whole and right.
+    Verified(u64),
+    /// Failed, and why.
+    Failed(String),
+}
+
+/// What the NAR file must be, from the narinfo it was fetched by.
+#[derive(Clone, Debug)]
+pub struct Expected {
+    pub compression: Compression,
+    pub nar_hash: Hash,
+    pub nar_size: u64,
+    pub file_hash: Option<Hash>,
+    pub file_size: Option<u64>,
+}
+
+/// A NAR file being fetched; clients follow it with [`Flight::follow`].
+pub struct Flight {
+    file: Arc<File>,
+    state: watch::Receiver<State>,
+}
+
+/// The outcome of a fetch, once it ends: the verified file, or why it failed.
+pub type Outcome = tokio::task::JoinHandle<Result<Fetched, String>>;
+
+/// What a fetch that checked out leaves: the file, its sha256 and size.
+pub struct Fetched {
+    pub file: tempfile::NamedTempFile,
+    pub file_hash: Hash,
+    pub file_size: u64,
+}
+
+impl Flight {
+    /// Starts fetching `rel` from `upstream` into `spool`, checked against `expected`; the
+    /// flight, and the fetch's outcome (the verified file, or why it failed).
+    pub fn start(
+        upstream: Arc<BinaryCache>,
+        rel: String,
+        spool: tempfile::NamedTempFile,
+        expected: Expected,
+    ) -> std::io::Result<(Arc<Flight>, Outcome)> {
+        let file = Arc::new(spool.reopen()?);
+        let (tx, rx) = watch::channel(State::Writing(0));
+        let flight = Arc::new(Flight { file: file.clone(), state: rx.clone() });
+        let url = format!("{}/{rel}", upstream.url());
+        let fetch = tokio::spawn(async move {
+            let outcome = fetch(&upstream, &rel, spool, &tx, Follower { file, state: rx, offset: 0, verifier: true }, expected).await;
+            let outcome = outcome.map_err(|e| format!("{url}: {e}"));
+            tx.send_replace(match &outcome {
+                Ok(f) => State::Verified(f.file_size),
+                Err(e) => State::Failed(e.clone()),
+            });
+            outcome
+        });
+        Ok((flight, fetch))
+    }
+
+    /// A reader of the file from its start (to be read on a blocking thread).
+    pub fn follow(&self) -> Follower {
+        Follower { file: self.file.clone(), state: self.state.clone(), offset: 0, verifier: false }
+    }
+}
+
+/// Copies the upstream's file into `spool` while the verifier checks it.
+async fn fetch(
+    upstream: &BinaryCache,
+    rel: &str,
+    mut spool: tempfile::NamedTempFile,
+    tx: &watch::Sender<State>,
+    verifier: Follower,
+    expected: Expected,
+) -> Result<Fetched, String> {
+    let Some(stream) = upstream.open_file(rel).await.map_err(|e| e.to_string())? else {
+        return Err("the upstream has no such file".into());
+    };
+    let compression = expected.compression;
+    let verify = tokio::task::spawn_blocking(move || -> Result<(Hash, u64), String> {
+        let mut nar = compression.decoder(verifier).map_err(|e| e.to_string())?;
+        let mut hasher = Hasher::new(HashAlgo::Sha256);
+        std::io::copy(&mut nar, &mut hasher).map_err(|e| format!("decompressing: {e}"))?;
+        let size = hasher.len();
+        Ok((hasher.finish(), size))
+    });
+    let tx2 = tx.clone();
+    let copy = tokio::task::spawn_blocking(move || -> Result<(tempfile::NamedTempFile, Hash, u64), String> {
+        let mut reader = stream.reader;
+        let mut hasher = Hasher::new(HashAlgo::Sha256);
+        let mut buf = vec![0; CHUNK];
+        loop {
+            let n = reader.read(&mut buf).map_err(|e| format!("reading: {e}"))?;
+            if n == 0 {
+                break;
+            }
+            spool.as_file_mut().write_all(&buf[..n]).map_err(|e| format!("writing {}: {e}", spool.path().display()))?;
+            hasher.update(&buf[..n]);
+            tx2.send_replace(State::Writing(hasher.len()));
+        }
+        let size = hasher.len();
+        tx2.send_replace(State::Written(size));
+        Ok((spool, hasher.finish(), size))
+    });
+    let copied = copy.await.map_err(|e| e.to_string()).and_then(|r| r);
+    if let Err(e) = &copied {
+        // The verifier waits for more bytes: it stops on the failure.
+        tx.send_replace(State::Failed(e.clone()));
+    }
+    let (nar_hash, nar_size) = verify.await.map_err(|e| e.to_string())??;
+    let (file, file_hash, file_size) = copied?;
+    let mismatch = |what: &str, want: String, got: String| Err(format!("{what} is {got}, the narinfo says {want}"));
+    if let Some(want) = expected.file_size.filter(|w| *w != file_size) {
+        return mismatch("FileSize", want.to_string(), file_size.to_string());
+    }
+    if let Some(want) = expected.file_hash.filter(|w| *w != file_hash) {
+        return mismatch("FileHash", want.to_nix32_prefixed(), file_hash.to_nix32_prefixed());
+    }
+    if nar_size != expected.nar_size {
+        return mismatch("NarSize", expected.nar_size.to_string(), nar_size.to_string());
+    }
+    if nar_hash != expected.nar_hash {
+        return mismatch("NarHash", expected.nar_hash.to_nix32_prefixed(), nar_hash.to_nix32_prefixed());
+    }
+    Ok(Fetched { file, file_hash, file_size })
+}
+
+/// A blocking reader of a [`Flight`]'s file from its start, waiting for the bytes still being
+/// fetched. Only the verifier reads the last byte before the file is verified; a failed fetch
+/// is every reader's error.
+pub struct Follower {
+    file: Arc<File>,
+    state: watch::Receiver<State>,
+    offset: u64,
+    verifier: bool,
+}
+
+impl Read for Follower {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let state = self.state.borrow_and_update().clone();
+            let (visible, done) = match state {
+                State::Writing(n) => (if self.verifier { n } else { n.saturating_sub(1) }, false),
+                State::Written(n) => (if self.verifier { n } else { n.saturating_sub(1) }, self.verifier),
+                State::Verified(n) => (n, true),
+                State::Failed(e) => return Err(std::io::Error::other(e)),
+            };
+            if self.offset < visible {
+                let want = buf.len().min(usize::try_from(visible - self.offset).unwrap_or(usize::MAX));
+                let n = self.file.read_at(&mut buf[..want], self.offset)?;
+                if n == 0 {
+                    return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the fetched file is shorter than written"));
+                }
+                self.offset += n as u64;
+                return Ok(n);
+            }
+            if done || buf.is_empty() {
+                return Ok(0);
+            }
+            if futures::executor::block_on(self.state.changed()).is_err() {
+                return Err(std::io::Error::other("the fetch ended without an outcome"));
+            }
+        }
+    }
+}

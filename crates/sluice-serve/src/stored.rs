@@ -1,0 +1,109 @@
+//! A binary cache (`file://`, `s3://`, `http(s)://`) served as it is stored, as nginx in front
+//! of its directory would serve it (Nix's `BinaryCacheStore`, `src/libstore/binary-cache-store.cc`,
+//! reads it the same either way): a narinfo's text as stored (its `URL`, `Compression`,
+//! `FileHash` and `FileSize` kept; re-signed only to add the server's keys), and a NAR file's
+//! bytes as stored (an xz NAR stays xz: nothing is decompressed or recompressed). With
+//! upstreams ([`crate::upstream`]) it is a pull-through cache: what the cache lacks comes from
+//! them, and is kept in it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sluice_binary_cache::BinaryCache;
+use sluice_nix::narinfo::NarInfo;
+use sluice_nix::signature::SecretKey;
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_store::store::{NarReader, StoreError};
+
+use crate::upstream::{Found, Upstreams};
+
+/// The cache served, and its upstreams if it is a pull-through cache.
+pub struct Stored {
+    pub cache: Arc<BinaryCache>,
+    pub upstreams: Option<Arc<Upstreams>>,
+}
+
+/// A narinfo as served.
+pub struct Served {
+    pub text: Bytes,
+    pub references: Vec<StorePath>,
+}
+
+/// A narinfo lookup's outcome.
+pub enum Lookup {
+    Found(Served),
+    /// Not there; for how long the answer may be cached (`Cache-Control: max-age`), if it is
+    /// known to last.
+    Missing(Option<Duration>),
+}
+
+/// `narinfo` with a signature by each of `keys` that it lacks (Nix's `ValidPathInfo::sign`).
+fn signed(mut narinfo: NarInfo, keys: &[SecretKey], store_dir: &StoreDir) -> Served {
+    let fingerprint = narinfo.fingerprint(store_dir);
+    for key in keys {
+        let sig = key.sign(&fingerprint);
+        if !narinfo.signatures.contains(&sig) {
+            narinfo.signatures.push(sig);
+        }
+    }
+    Served { text: narinfo.to_text(store_dir).into(), references: narinfo.references }
+}
+
+/// Whether `name` (after `nar/`) is the name of a NAR file in a binary cache: letters and
+/// digits of nixbase32 and `-`, then `.nar` and an optional extension of letters and digits.
+pub fn is_nar_file(name: &str) -> bool {
+    let Some((stem, ext)) = name.split_once(".nar") else { return false };
+    let stem_ok = stem.len() <= 128 && stem.split('-').all(|part| !part.is_empty() && sluice_nix::base32::is_digits(part));
+    let ext_ok =
+        ext.is_empty() || (2..=8).contains(&ext.len()) && ext.starts_with('.') && ext[1..].bytes().all(|b| b.is_ascii_alphanumeric());
+    stem_ok && ext_ok
+}
+
+impl Stored {
+    /// The narinfo of `hash_part`, signed with `keys` too: the cache's, else the upstreams'.
+    pub async fn narinfo(&self, hash_part: &str, keys: &[SecretKey]) -> Result<Lookup, StoreError> {
+        let store_dir = self.cache.store_dir();
+        if let Some((text, narinfo)) = self.cache.narinfo_by_hash_part(hash_part).await? {
+            return Ok(Lookup::Found(match keys {
+                [] => Served { text: text.into(), references: narinfo.references },
+                _ => signed(narinfo, keys, store_dir),
+            }));
+        }
+        let Some(upstreams) = &self.upstreams else { return Ok(Lookup::Missing(None)) };
+        Ok(match upstreams.narinfo(hash_part).await {
+            Found::Yes(narinfo) => Lookup::Found(signed(*narinfo, keys, store_dir)),
+            Found::No(ttl) => Lookup::Missing(ttl),
+        })
+    }
+
+    /// The bytes of the NAR file `rel` (`nar/…`) as stored, read on a blocking thread: from
+    /// the cache, else fetched from an upstream (whose narinfo of `hash_part` names it, if
+    /// this server did not serve that narinfo itself). `None` when there is none, or only
+    /// copies that failed their check.
+    pub async fn nar(&self, rel: &str, hash_part: Option<&str>) -> Result<Option<NarReader>, StoreError> {
+        if let Some(stream) = self.cache.open_file(rel).await? {
+            return Ok(Some(stream.reader));
+        }
+        let Some(upstreams) = &self.upstreams else { return Ok(None) };
+        let flight = upstreams.flight(rel, hash_part, &self.cache).await.map_err(StoreError::Other)?;
+        Ok(flight.map(|f| Box::new(f.follow()) as NarReader))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nar_file_names() {
+        for good in
+            ["1b8m03r63zqhnjf7l5wnldhh7c134ap5vpj0850ymkq1iyzicy5s.nar.xz", "0c7ry3w8ggj1mgwwxmrkjbpsg7sm25s9-1b8m.nar", "abc.nar.zst"]
+        {
+            assert!(is_nar_file(good), "{good}");
+        }
+        for bad in ["", ".nar", "../x.nar", "a/b.nar", "x.nar/..", "x.nar.x/y", "X.nar", "x.narinfo", "x.nar.", "e.nar.xz", "a--b.nar"] {
+            assert!(!is_nar_file(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! The upstreams of a pull-through cache (`sluice serve --store CACHE --upstream URL…`): what
+//! `CACHE` lacks is asked of every upstream at once, as Nix asks its substituters
+//! (`src/libstore/store-api.cc`, `querySubstitutablePathInfos`, in priority order), and the
+//! highest-priority answer that the trusted keys accept is served: with the upstream's
+//! signatures, its NAR at `nar/<FileHash>.nar<ext>?hash=<hash part>` (the name it gets in
+//! `CACHE`; the query lets any front over the same `CACHE` find the path again). An upstream
+//! that fails or times out is a miss for that request and is skipped for [`SKIP`], as Nix's
+//! `BinaryCacheStore::maybeDisable` (`src/libstore/http-binary-cache-store.cc`) does; a path
+//! no upstream has is remembered for [`MISS_TTL`]. Its NAR is fetched once ([`crate::flight`]),
+//! kept in `CACHE` once checked, and its narinfo written to `CACHE` only after the NAR.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use hashlink::LruCache;
+use sluice_binary_cache::http::LazyClient;
+use sluice_binary_cache::url::CacheUrl;
+use sluice_binary_cache::BinaryCache;
+use sluice_local_store::SignaturePolicy;
+use sluice_nix::cache_info::CacheInfo;
+use sluice_nix::narinfo::NarInfo;
+use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::StoreDir;
+
+use crate::flight::{Expected, Flight};
+use crate::metrics::Metrics;
+
+/// How long an upstream that failed or timed out is left out (Nix's `maybeDisable`: 60 s).
+pub const SKIP: Duration = Duration::from_secs(60);
+/// How long a path no upstream has is remembered as missing (and said so in
+/// `Cache-Control: max-age`).
+pub const MISS_TTL: Duration = Duration::from_secs(30);
+/// Paths remembered: misses, and the upstream sources of NARs served but not yet kept.
+const REMEMBERED: usize = 16 * 1024;
+
+/// Locks `m`, whatever a panicking holder left.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One upstream binary cache.
+pub struct Upstream {
+    url: CacheUrl,
+    /// The open cache; opened again once a skip ends (a [`BinaryCache`] gives up on a failing
+    /// cache for good).
+    cache: Mutex<Arc<BinaryCache>>,
+    priority: i32,
+    /// `?trusted=true`: its narinfos need no signature.
+    trusted: bool,
+    skipped_until: Mutex<Option<Instant>>,
+}
+
+/// Where the NAR of a path served from an upstream comes from.
+#[derive(Clone)]
+struct Source {
+    upstream: usize,
+    /// The NAR file's URL relative to the upstream.
+    rel: String,
+    /// The narinfo as served and kept (its URL the file's name in `CACHE`).
+    narinfo: NarInfo,
+}
+
+/// A narinfo lookup's outcome.
+pub enum Found {
+    /// The narinfo to serve (its URL relative to this server).
+    Yes(Box<NarInfo>),
+    /// No upstream has it; for how long that is remembered (`None`: an upstream failed, not
+    /// remembered).
+    No(Option<Duration>),
+}
+
+/// The upstreams, what they answered, and the NARs being fetched.
+pub struct Upstreams {
+    list: Vec<Upstream>,
+    client: LazyClient,
+    policy: SignaturePolicy,
+    timeout: Duration,
+    store_dir: StoreDir,
+    metrics: Arc<Metrics>,
+    misses: Mutex<LruCache<String, Instant>>,
+    sources: Mutex<LruCache<String, Source>>,
+    flights: Mutex<HashMap<String, Arc<Flight>>>,
+    /// NAR files that failed their check, by upstream: never served.
+    failed: Mutex<HashSet<(usize, String)>>,
+}
+
+impl Upstreams {
+    /// The upstreams at `urls` (each asked for its `nix-cache-info`, all at once within
+    /// `timeout`, for its priority; one that does not answer gets Nix's default, 50, and is
+    /// skipped).
+    pub async fn open(
+        urls: &[CacheUrl],
+        client: LazyClient,
+        policy: SignaturePolicy,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Result<Upstreams, String> {
+        let (client_ref, metrics_ref) = (&client, &metrics);
+        // All at once: a dead upstream holds the start for one timeout, not one each.
+        let opened = urls.iter().map(|url| {
+            let (client, metrics) = (client_ref, metrics_ref);
+            async move {
+                let mut cache = BinaryCache::new(url, client, CacheInfo::default()).map_err(|e| e.to_string())?;
+                let why = match tokio::time::timeout(timeout, cache.fetch_cache_info()).await {
+                    Ok(Ok(Some(info))) => {
+                        cache.set_info(info);
+                        None
+                    }
+                    Ok(Ok(None)) => {
+                        cache.set_info(cache.read_without_cache_info().map_err(|e| e.to_string())?);
+                        None
+                    }
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(_) => Some(format!("no nix-cache-info within {} s", timeout.as_secs_f64())),
+                };
+                if let Some(why) = &why {
+                    tracing::warn!("upstream {}: {why}; skipped for {} s", url.base, SKIP.as_secs());
+                    metrics.upstream(&url.base, |c| c.failures += 1);
+                }
+                Ok::<_, String>(Upstream {
+                    url: url.clone(),
+                    priority: cache.info().priority,
+                    cache: Mutex::new(Arc::new(cache)),
+                    trusted: url.common.trusted,
+                    skipped_until: Mutex::new(why.map(|_| Instant::now() + SKIP)),
+                })
+            }
+        });
+        let mut list = futures::future::try_join_all(opened).await?;
+        list.sort_by_key(|u| u.priority);
+        Ok(Upstreams {
+            list,
+            client,
+            policy,
+            timeout,
+            store_dir: StoreDir::default(),
+            metrics,
+            misses: Mutex::new(LruCache::new(REMEMBERED)),
+            sources: Mutex::new(LruCache::new(REMEMBERED)),
+            flights: Mutex::default(),
+            failed: Mutex::default(),
+        })
+    }
+
+    /// Upstream `i`'s cache, unless it is being skipped (opened anew when its skip ended).
+    fn cache(&self, i: usize) -> Option<Arc<BinaryCache>> {
+        let up = &self.list[i];
+        let mut until = lock(&up.skipped_until);
+        match *until {
+            Some(t) if Instant::now() < t => return None,
+            Some(_) => {
+                *until = None;
+                let fresh = BinaryCache::new(&up.url, &self.client, lock(&up.cache).info().clone());
+                match fresh {
+                    Ok(c) => *lock(&up.cache) = Arc::new(c),
+                    Err(e) => tracing::warn!("upstream {}: {e}", up.url.base),
+                }
+            }
+            None => {}
+        }
+        Some(lock(&up.cache).clone())
+    }
+
+    /// Leaves upstream `i` out for [`SKIP`] after `why`.
+    fn skip(&self, i: usize, why: &str) {
+        let up = &self.list[i];
+        tracing::warn!("upstream {}: {why}; skipped for {} s", up.url.base, SKIP.as_secs());
+        *lock(&up.skipped_until) = Some(Instant::now() + SKIP);
+        self.metrics.upstream(&up.url.base, |c| c.failures += 1);
+    }
+
+    /// The narinfo of `hash_part` from the upstreams (see the module doc).
+    pub async fn narinfo(&self, hash_part: &str) -> Found {
+        if lock(&self.misses).get(hash_part).is_some_and(|until| Instant::now() < *until) {
+            return Found::No(Some(MISS_TTL));
+        }
+        let caches: Vec<Option<Arc<BinaryCache>>> = (0..self.list.len()).map(|i| self.cache(i)).collect();
+        // Per upstream, in priority order: None while asked, Some(answer) once answered (a
+        // skipped one has nothing).
+        let mut answers: Vec<Option<Option<NarInfo>>> = caches.iter().map(|c| c.is_none().then_some(None)).collect();
+        let mut clean = caches.iter().all(Option::is_some);
+        let mut asked: FuturesUnordered<_> = caches
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.map(|c| (i, c)))
+            .map(|(i, cache)| async move {
+                let started = Instant::now();
+                let answer = tokio::time::timeout(self.timeout, cache.narinfo_by_hash_part(hash_part)).await;
+                (i, started.elapsed(), answer)
+            })
+            .collect();
+        while let Some((i, took, answer)) = asked.next().await {
+            let base = &self.list[i].url.base;
+            answers[i] = Some(match answer {
+                Ok(Ok(Some((_, narinfo)))) if self.accepts(i, &narinfo) => {
+                    self.metrics.upstream(base, |c| c.hit(took));
+                    Some(narinfo)
+                }
+                Ok(Ok(Some(_))) => {
+                    tracing::warn!("upstream {base}: the narinfo of {hash_part} has no signature by a trusted key; passed over");
+                    self.metrics.upstream(base, |c| c.refused += 1);
+                    None
+                }
+                Ok(Ok(None)) => {
+                    self.metrics.upstream(base, |c| c.miss(took));
+                    None
+                }
+                Ok(Err(e)) => {
+                    clean = false;
+                    if e.is_cache_wide() {
+                        self.skip(i, &e.to_string());
+                    } else {
+                        tracing::warn!("{e}");
+                    }
+                    None
+                }
+                Err(_) => {
+                    clean = false;
+                    self.skip(i, &format!("no answer within {} s", self.timeout.as_secs_f64()));
+                    None
+                }
+            });
+            // The best answer is known once every upstream before it has answered.
+            for (j, answer) in answers.iter().enumerate() {
+                match answer {
+                    None => break,
+                    Some(Some(narinfo)) => return Found::Yes(Box::new(self.serve(j, hash_part, narinfo.clone()))),
+                    Some(None) => {}
+                }
+            }
+        }
+        if clean {
+            lock(&self.misses).insert(hash_part.to_string(), Instant::now() + MISS_TTL);
+        }
+        Found::No(clean.then_some(MISS_TTL))
+    }
+
+    /// Whether upstream `i`'s `narinfo` is signed by a trusted key (or needs no signature),
+    /// and its NAR did not fail before.
+    fn accepts(&self, i: usize, narinfo: &NarInfo) -> bool {
+        let vouched = self.policy.for_source(self.list[i].trusted).vouch(&self.store_dir, &ValidPathInfo::from_narinfo(narinfo, 0)).is_ok();
+        vouched && !lock(&self.failed).contains(&(i, kept_name(narinfo)))
+    }
+
+    /// Where the NAR file `name` comes from, unless it failed there.
+    fn source(&self, name: &str) -> Option<Source> {
+        let source = lock(&self.sources).get(name).cloned()?;
+        (!lock(&self.failed).contains(&(source.upstream, name.to_string()))).then_some(source)
+    }
+
+    /// Upstream `i`'s `narinfo` as served: its NAR at the name it gets in `CACHE`, remembered
+    /// until that NAR is asked for.
+    fn serve(&self, i: usize, hash_part: &str, mut narinfo: NarInfo) -> NarInfo {
+        let name = kept_name(&narinfo);
+        let rel = std::mem::replace(&mut narinfo.url, name);
+        lock(&self.sources).insert(narinfo.url.clone(), Source { upstream: i, rel, narinfo: narinfo.clone() });
+        narinfo.url = format!("{}?hash={hash_part}", narinfo.url);
+        narinfo
+    }
+
+    /// The flight fetching the NAR file `name` (`nar/…` in `CACHE`), started now if none is
+    /// under way and an upstream's narinfo names it (asked again for `hash_part`, when this
+    /// front did not serve it); once it checks out it is uploaded to `cache` and its narinfo
+    /// written there. `None` when no upstream has it, or only one whose copy failed its check.
+    pub async fn flight(
+        self: &Arc<Self>,
+        name: &str,
+        hash_part: Option<&str>,
+        cache: &Arc<BinaryCache>,
+    ) -> Result<Option<Arc<Flight>>, String> {
+        if let Some(f) = lock(&self.flights).get(name) {
+            return Ok(Some(f.clone()));
+        }
+        let mut source = self.source(name);
+        if let (None, Some(h)) = (&source, hash_part) {
+            if let Found::Yes(_) = self.narinfo(h).await {
+                source = self.source(name);
+            }
+        }
+        let Some(source) = source else { return Ok(None) };
+        let Some(upstream) = self.cache(source.upstream) else { return Ok(None) };
+        let mut flights = lock(&self.flights);
+        if let Some(f) = flights.get(name) {
+            return Ok(Some(f.clone()));
+        }
+        let compression = sluice_compress::Compression::parse(&source.narinfo.compression).map_err(|e| format!("{name}: {e}"))?;
+        let expected = Expected {
+            compression,
+            nar_hash: source.narinfo.nar_hash.clone(),
+            nar_size: source.narinfo.nar_size,
+            file_hash: source.narinfo.file_hash.clone(),
+            file_size: source.narinfo.file_size,
+        };
+        let spool = cache.nar_staging_file().map_err(|e| format!("{}: a temporary file for {name}: {e}", cache.url()))?;
+        let (flight, fetched) = Flight::start(upstream, source.rel.clone(), spool, expected).map_err(|e| format!("{name}: {e}"))?;
+        flights.insert(name.to_string(), flight.clone());
+        drop(flights);
+        let (this, cache, name, base) = (self.clone(), cache.clone(), name.to_string(), self.list[source.upstream].url.base.clone());
+        tokio::spawn(async move {
+            let kept = match fetched.await.map_err(|e| e.to_string()).and_then(|r| r) {
+                Ok(f) => {
+                    this.metrics.upstream(&base, |c| c.nars += 1);
+                    let put = cache.put_nar_file(&name, f.file, f.file_hash, f.file_size).await;
+                    match put {
+                        Ok(()) => cache.write_narinfo(&source.narinfo).await.map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("{e}: the NAR is not served");
+                    this.metrics.upstream(&base, |c| c.nar_failures += 1);
+                    lock(&this.failed).insert((source.upstream, name.clone()));
+                    Ok(())
+                }
+            };
+            if let Err(e) = kept {
+                tracing::warn!("keeping {name} in {}: {e}", cache.url());
+            }
+            lock(&this.flights).remove(&name);
+        });
+        Ok(Some(flight))
+    }
+}
+
+/// The name the NAR file of `narinfo` gets in `CACHE`: `nar/<FileHash>.nar<ext>`, as Nix
+/// names the NARs it writes, with the extension the upstream gave it; without a `FileHash`,
+/// `nar/<NarHash>-<hash part>.nar<ext>`.
+pub fn kept_name(narinfo: &NarInfo) -> String {
+    let file = narinfo.url.rsplit('/').next().unwrap_or_default().split('?').next().unwrap_or_default();
+    let ext = file.find(".nar").map_or("", |i| &file[i + 4..]);
+    let ext = if ext.chars().all(|c| c == '.' || c.is_ascii_alphanumeric()) { ext } else { "" };
+    match &narinfo.file_hash {
+        Some(h) => format!("nar/{}.nar{ext}", h.to_nix32()),
+        None => format!("nar/{}-{}.nar{ext}", narinfo.nar_hash.to_nix32(), narinfo.store_path.hash_part()),
+    }
+}
