@@ -369,6 +369,16 @@ impl HttpTransport {
         Ok(self.send(rel, Request { method: &reqwest::Method::HEAD, body: None, headers: &[] }).await?.is_some())
     }
 
+    /// The size of `rel` (`HEAD`'s `Content-Length`; S3's `HeadObject` when signed), `None` on
+    /// 404, 403 or 410. An answer without a length is a size no expected one matches (0).
+    pub async fn size(&self, rel: &str) -> Result<Option<u64>, CacheError> {
+        let answer = self.send(rel, Request { method: &reqwest::Method::HEAD, body: None, headers: &[] }).await?;
+        Ok(answer.map(|a| {
+            let length = a.headers.get(reqwest::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.trim().parse().ok());
+            length.unwrap_or(0)
+        }))
+    }
+
     /// Creates or replaces `rel` with `upload` (`PUT`, as Nix's `upsertFile`).
     pub async fn put(&self, rel: &str, upload: &Upload, content_type: &str, headers: &[(&'static str, String)]) -> Result<(), CacheError> {
         match self.send(rel, Request { method: &reqwest::Method::PUT, body: Some((upload, content_type)), headers }).await? {
