@@ -22,6 +22,7 @@ pub mod spool;
 pub mod transfer;
 pub mod upload;
 pub mod url;
+mod window;
 
 use std::io::Read;
 use std::path::PathBuf;

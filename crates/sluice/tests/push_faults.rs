@@ -257,3 +257,32 @@ fn a_push_killed_at_any_point_leaves_a_consistent_http_cache() {
 fn a_push_killed_at_any_point_leaves_a_consistent_s3_cache() {
     killed(Kind::S3);
 }
+
+/// A push by PUT into a plain server (python's `http.server`: a listen queue of 5, a connection
+/// per request) has at most `http-connections` connections open at once, 8 when set so and
+/// Nix's 25 by default, and real Nix reads what it pushed (issue 39: it opened up to 256,
+/// whatever `http-connections` said, and the server's full queue made the corpus's push take
+/// 68–111 s where Nix took 12 s).
+#[test]
+fn a_push_by_put_keeps_to_http_connections() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, paths) = subset();
+    let src = source_store(tmp.path(), "cache-subset-none", &root);
+    let (secret, public) = signing_key(tmp.path());
+    for (conf, most) in [("http-connections = 8", 8), ("", 25)] {
+        let dir = tmp.path().join(format!("put-{most}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let server = PutServer::start(&dir, tmp.path(), "[]", 5, false);
+        let url = format!("{}?secret-key={}", server.url, secret.display());
+        check(&push_cmd(tmp.path(), &src, &url, &root, conf).output().unwrap(), "push by PUT");
+        let (accepted, open) = server.connections();
+        assert!(accepted >= 3 * paths.len(), "a connection per request: {accepted}");
+        assert!(open <= most, "{open} connections open at once with {conf:?}");
+        assert_consistent(&dir);
+        std::fs::remove_file(tmp.path().join("put-server.log")).unwrap();
+        assert_nix_reads(tmp.path(), &format!("file://{}", dir.display()), &public, &root, &paths);
+        for d in ["nix-copy", "nix-substitute"] {
+            std::fs::remove_dir_all(tmp.path().join(d)).ok();
+        }
+    }
+}
