@@ -60,6 +60,17 @@ impl FileTransport {
         path.try_exists().map_err(|source| CacheError::Io { url: path.display().to_string(), source })
     }
 
+    /// The size of `rel`, `None` when it does not exist (asked on the calling thread, as
+    /// [`FileTransport::exists`]).
+    pub fn size(&self, rel: &str) -> Result<Option<u64>, CacheError> {
+        let path = self.path(rel);
+        match std::fs::metadata(&path) {
+            Ok(meta) => Ok(Some(meta.len())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(CacheError::Io { url: path.display().to_string(), source }),
+        }
+    }
+
     /// Creates the cache's directory and its `nar` directory, as Nix's
     /// `LocalBinaryCacheStore::init` does before writing (`local-binary-cache-store.cc`).
     pub(crate) fn create_dirs(&self) -> Result<(), CacheError> {

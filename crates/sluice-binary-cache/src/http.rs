@@ -2,7 +2,8 @@
 //! by ALPN, HTTP/1.1 keep-alive otherwise). Downloads (`GET`) from one cache are bounded by
 //! `http-connections` (0: no limit) while the server speaks HTTP/1.1, and by [`H2_STREAMS`]
 //! once it has answered over HTTP/2 (streams multiplexed on one connection); existence checks
-//! and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) by [`WRITE_REQUESTS`] (see there why). The cache's host
+//! and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) by a window below `http-connections` that follows
+//! what the server keeps up with ([`super::window`]). The cache's host
 //! entry in `netrc-file` is sent as basic authentication ([`crate::netrc`]). 404, 403 and 410 mean
 //! absence (on S3, only with a missing key's error code: [`super::s3::is_absence`]); 5xx, 408, 429, connection failures and stalls are retried with backoff
 //! (`download-attempts`); a body sent with `Content-Encoding: gzip` (by a proxy, unasked) is
@@ -23,6 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::pool::ClientPool;
 use super::retry::RetryPolicy;
 use super::transfer::TransferProbe;
+use super::window::{Outcome, Slot, Window};
 use super::{CacheError, Upload};
 
 /// The hex sha256 of an empty body (SigV4's payload hash of `GET` and `HEAD`).
@@ -30,19 +32,12 @@ pub(crate) const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e46
 
 /// Concurrent requests to one cache once it speaks HTTP/2 (nginx's default stream limit).
 pub(crate) const H2_STREAMS: usize = 128;
-/// Concurrent existence checks and uploads (`HEAD`, `PUT`, `POST`, `DELETE`) to one cache:
-/// `http-connections` if it is higher, no limit if it is 0. Nix sends these through the same
-/// curl pool as its downloads, `http-connections` (25) at a time; a push, though, is a few
-/// requests per path (`HEAD` of the narinfo, `HEAD` and `PUT` of the NAR, `PUT` of the
-/// narinfo), each one round trip with a small body: the 1056-path corpus makes 4227 requests,
-/// which at 25 in flight take 170 round trips (`bench/push`, docs/benchmarks.md). The bytes they carry are bounded
-/// elsewhere (NARs are compressed a few at a time, sluice-store's `Store::parallelism`), and
-/// `http-connections` keeps bounding downloads, whose bodies are what loads a server. 256 is
-/// `sluice copy`'s jobs (`substitute::DEFAULT_JOBS`) and `file://`'s capacity.
-pub(crate) const WRITE_REQUESTS: usize = 256;
 /// Largest whole file fetched by [`HttpTransport::get`] (narinfo, `nix-cache-info`), after
 /// content decoding.
 pub(crate) const MAX_SMALL_FILE: usize = 64 << 20;
+/// Uploads of fewer bytes are answered in about a round trip when the server keeps up (their
+/// time tells the write window whether it does; a larger body's is the link's).
+const SMALL_BODY: u64 = 64 << 10;
 /// Bytes of an error answer's body quoted in the error.
 const BODY_PREFIX: usize = 200;
 /// Bytes of an S3 error answer read for its code and message (AWS's messages are long).
@@ -75,7 +70,7 @@ pub fn client(options: &HttpOptions) -> Result<reqwest::Client, String> {
         .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
         .tcp_nodelay(true)
         // Room to keep every connection the write requests opened.
-        .pool_max_idle_per_host(write_limit(options))
+        .pool_max_idle_per_host(write_ceiling(options))
         .no_proxy();
     if options.connect_timeout > 0 {
         b = b.connect_timeout(Duration::from_secs(options.connect_timeout));
@@ -114,9 +109,11 @@ impl LazyClient {
     }
 }
 
-/// Requests in flight for existence checks and uploads (see [`WRITE_REQUESTS`]).
-fn write_limit(options: &HttpOptions) -> usize {
-    options.connection_limit.map_or(Semaphore::MAX_PERMITS, |n| n.max(WRITE_REQUESTS))
+/// Most existence checks and uploads in flight to one cache over HTTP/1.1: `http-connections`,
+/// as for downloads (Nix sends both through one curl pool of that many connections per host),
+/// no limit if it is 0.
+fn write_ceiling(options: &HttpOptions) -> usize {
+    options.connection_limit.unwrap_or(Semaphore::MAX_PERMITS)
 }
 
 /// One HTTP(S) binary cache.
@@ -131,9 +128,8 @@ pub struct HttpTransport {
     limit: Arc<Semaphore>,
     /// Permits `limit` started with (`http-connections`).
     connections: usize,
-    /// Existence checks and uploads in flight ([`WRITE_REQUESTS`]), and its permits.
-    writes: Arc<Semaphore>,
-    write_permits: usize,
+    /// Existence checks and uploads in flight.
+    writes: Window,
     h2: AtomicBool,
     /// The cache's credentials from `netrc-file`.
     credentials: Option<crate::netrc::Credentials>,
@@ -203,8 +199,7 @@ impl HttpTransport {
             pool: ClientPool::new(client, options),
             limit: Arc::new(Semaphore::new(connections)),
             connections,
-            writes: Arc::new(Semaphore::new(write_limit(options))),
-            write_permits: write_limit(options),
+            writes: Window::new(write_ceiling(options)),
             h2: AtomicBool::new(false),
             credentials,
             stall: Duration::from_secs(options.stalled_download_timeout.max(1)),
@@ -274,18 +269,12 @@ impl HttpTransport {
     /// One request: the response when it is a success, `None` for absence, or the failure
     /// (with a prefix of the error body). Waiting for the answer is bounded by the stall timeout.
     /// `nar`: a NAR download, sent over the NAR connections ([`ClientPool::next_nar`]).
-    async fn send_once(
-        &self,
-        target: &reqwest::Url,
-        spec: Request<'_>,
-        nar: bool,
-    ) -> Result<(Option<reqwest::Response>, OwnedSemaphorePermit), Failure> {
+    async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>, nar: bool) -> Result<(Option<reqwest::Response>, Held), Failure> {
         let url = target.as_str();
-        let (limit, permits) = match *spec.method == reqwest::Method::GET {
-            true => (&self.limit, self.connections),
-            false => (&self.writes, self.write_permits),
+        let held = match *spec.method == reqwest::Method::GET {
+            true => Held::Read { _permit: self.limit.clone().acquire_owned().await.expect("semaphore never closed") },
+            false => Held::Write(self.writes.acquire().await),
         };
-        let permit = limit.clone().acquire_owned().await.expect("semaphore never closed");
         if self.base.starts_with("https://") {
             // HTTPS servers mostly speak HTTP/2: open the other connections alongside the
             // first, so that they are up before the closure fans out.
@@ -296,30 +285,47 @@ impl HttpTransport {
         let started = std::time::Instant::now();
         let resp = match tokio::time::timeout(self.stall, client.execute(request)).await {
             Ok(Ok(resp)) => resp,
-            Ok(Err(source)) => return Err(CacheError::Transport { url: url.to_string(), source }.into()),
-            Err(_) => return Err(stalled(url, self.stall, "no answer").into()),
+            Ok(Err(source)) => {
+                held.ended(Outcome::Refused);
+                return Err(CacheError::Transport { url: url.to_string(), source }.into());
+            }
+            Err(_) => {
+                held.ended(Outcome::Refused);
+                return Err(stalled(url, self.stall, "no answer").into());
+            }
         };
+        let status = resp.status().as_u16();
+        // A server that answers it is too busy did not keep up either.
+        let small = spec.body.is_none_or(|(upload, _)| upload.len() < SMALL_BODY);
+        held.ended(match status {
+            429 | 503 => Outcome::Refused,
+            _ => Outcome::Answered { elapsed: started.elapsed(), small },
+        });
         // One line per request (`SLUICE_LOG=sluice_binary_cache::http=debug`): what the
         // requests in flight and their round trips were, for benchmarks.
-        tracing::debug!(method = %spec.method, url, status = resp.status().as_u16(), ms = started.elapsed().as_millis() as u64, in_flight = permits.saturating_sub(limit.available_permits()), "request");
+        let (in_flight, window) = match &held {
+            Held::Read { .. } => (self.connections.saturating_sub(self.limit.available_permits()), self.connections),
+            Held::Write(_) => (self.writes.in_flight(), self.writes.size()),
+        };
+        tracing::debug!(method = %spec.method, url, status, ms = started.elapsed().as_millis() as u64, in_flight, window, "request");
         if resp.version() == reqwest::Version::HTTP_2 && !self.h2.swap(true, Ordering::Relaxed) {
             self.pool.grow_for_h2(&self.base);
             let streams = H2_STREAMS * (self.pool.connections() + self.pool.nar_connections());
             self.limit.add_permits(streams.saturating_sub(self.connections));
+            self.writes.raise_ceiling(streams);
         }
-        let status = resp.status().as_u16();
         match status {
-            200..=299 => Ok((Some(resp), permit)),
+            200..=299 => Ok((Some(resp), held)),
             404 | 403 if self.signer.is_some() => {
                 let reading = matches!(*spec.method, reqwest::Method::GET | reqwest::Method::HEAD);
                 match super::s3::error_of(&body_prefix(resp, self.stall, S3_ERROR_PREFIX).await) {
-                    Some((code, _)) if reading && super::s3::is_absence(&code) => Ok((None, permit)),
-                    None if reading => Ok((None, permit)),
+                    Some((code, _)) if reading && super::s3::is_absence(&code) => Ok((None, held)),
+                    None if reading => Ok((None, held)),
                     Some((code, message)) => Err(CacheError::S3 { url: url.to_string(), status, code, message }.into()),
                     None => Err(CacheError::S3 { url: url.to_string(), status, code: "(no code)".into(), message: String::new() }.into()),
                 }
             }
-            404 | 403 | 410 => Ok((None, permit)),
+            404 | 403 | 410 => Ok((None, held)),
             _ => {
                 let retry_after = resp
                     .headers()
@@ -386,6 +392,16 @@ impl HttpTransport {
             self.send(rel, Request::GET).await?;
         }
         Ok(found)
+    }
+
+    /// The size of `rel` (`HEAD`'s `Content-Length`; S3's `HeadObject` when signed), `None` on
+    /// 404, 403 or 410. An answer without a length is a size no expected one matches (0).
+    pub async fn size(&self, rel: &str) -> Result<Option<u64>, CacheError> {
+        let answer = self.send(rel, Request { method: &reqwest::Method::HEAD, body: None, headers: &[] }).await?;
+        Ok(answer.map(|a| {
+            let length = a.headers.get(reqwest::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.trim().parse().ok());
+            length.unwrap_or(0)
+        }))
     }
 
     /// Creates or replaces `rel` with `upload` (`PUT`, as Nix's `upsertFile`).
@@ -525,10 +541,26 @@ impl<R: Read> Read for LazyGunzip<R> {
     }
 }
 
+/// A request's place among those a cache has in flight: a download's, or a write's in the
+/// write window.
+enum Held {
+    Read { _permit: OwnedSemaphorePermit },
+    Write(Slot),
+}
+
+impl Held {
+    /// Tells the write window how the request ended.
+    fn ended(&self, outcome: Outcome) {
+        if let Held::Write(slot) = self {
+            slot.ended(outcome);
+        }
+    }
+}
+
 /// Holds a cache's request slot for as long as a body is being read.
 struct PermitReader<R> {
     inner: R,
-    _permit: OwnedSemaphorePermit,
+    _permit: Held,
 }
 
 impl<R: Read> Read for PermitReader<R> {

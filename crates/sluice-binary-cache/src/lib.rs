@@ -23,6 +23,7 @@ mod tls;
 pub mod transfer;
 pub mod upload;
 pub mod url;
+mod window;
 
 use std::io::Read;
 use std::path::PathBuf;

@@ -5,6 +5,11 @@
 //! Reads and writes are batched: one query per batch of hash parts, one transaction per batch
 //! of answers, written by an upsert (`insert or replace` would delete and reinsert, which
 //! needs a statement journal: 57 KB of allocation and copying per answer).
+//!
+//! Answers are kept per trusted key set ([`NarInfoCache::for_trusted_keys`]) and per
+//! `nix-cache-info` (recording another one drops the cache's answers), so that a key rotation
+//! or a cache rebuilt under the same URL is never served what was learnt before it (Lix #1268:
+//! a rotated key blocked for the positive TTL, 30 days).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -62,6 +67,8 @@ pub struct DiskCacheError {
 /// The on-disk narinfo cache; safe to share between threads.
 pub struct NarInfoCache {
     path: PathBuf,
+    /// Appended to each cache's URL in `BinaryCaches`: the trusted key set's fingerprint.
+    scope: String,
     conn: Mutex<Connection>,
     positive_ttl: i64,
     negative_ttl: i64,
@@ -94,10 +101,27 @@ impl NarInfoCache {
         conn.execute_batch(SCHEMA).map_err(err)?;
         Ok(NarInfoCache {
             path: path.to_path_buf(),
+            scope: String::new(),
             conn: Mutex::new(conn),
             positive_ttl: positive_ttl as i64,
             negative_ttl: negative_ttl as i64,
         })
+    }
+
+    /// This cache, keeping its answers apart from those recorded under another set of
+    /// `trusted-public-keys` (in any order).
+    pub fn for_trusted_keys(mut self, keys: &[String]) -> Self {
+        let mut keys: Vec<&str> = keys.iter().map(|k| k.trim()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let digest = sluice_nix::hash::Hash::digest_bytes(sluice_nix::hash::HashAlgo::Sha256, keys.join("\n").as_bytes());
+        self.scope = format!(" trusted-keys={}", &digest.to_base16()[..16]);
+        self
+    }
+
+    /// The `BinaryCaches` key of the cache `url`.
+    fn key(&self, url: &str) -> String {
+        format!("{url}{}", self.scope)
     }
 
     fn err(&self, source: rusqlite::Error) -> DiskCacheError {
@@ -113,7 +137,7 @@ impl NarInfoCache {
         let conn = self.conn();
         conn.query_row(
             "select id, storeDir, wantMassQuery, priority, exists (select 1 from SluiceBatch where cache = id) from BinaryCaches where url = ? and timestamp > ?",
-            params![url, now() - CACHE_INFO_TTL],
+            params![self.key(url), now() - CACHE_INFO_TTL],
             |r| Ok((r.get(0)?, CacheInfo { store_dir: r.get(1)?, want_mass_query: r.get::<_, i64>(2)? != 0, priority: r.get(3)?, batch: r.get(4)? })),
         )
         .optional()
@@ -121,9 +145,17 @@ impl NarInfoCache {
     }
 
     /// Records a cache's `nix-cache-info` (its `SluiceBatch` in a table of its own, which
-    /// files made before it get when opened); returns its id.
+    /// files made before it get when opened); returns its id. A `nix-cache-info` other than
+    /// the one recorded drops the cache's answers.
     pub fn record_cache(&self, url: &str, info: &CacheInfo) -> Result<i64, DiskCacheError> {
         let conn = self.conn();
+        let url = self.key(url);
+        conn.execute(
+            "delete from NARs where cache = (select id from BinaryCaches where url = ?1 and (storeDir != ?2 or wantMassQuery != ?3 or priority != ?4 \
+             or exists (select 1 from SluiceBatch where cache = id) != ?5))",
+            params![url, info.store_dir, info.want_mass_query as i64, info.priority, info.batch],
+        )
+        .map_err(|e| self.err(e))?;
         let id: i64 = conn
             .query_row(
                 "insert into BinaryCaches (url, timestamp, storeDir, wantMassQuery, priority) values (?1, ?2, ?3, ?4, ?5)
@@ -225,5 +257,45 @@ mod tests {
         // A new answer replaces the old one (the upsert's conflict branch).
         cache.record(&[(id, "b".into(), Some("now present".into()))]).unwrap();
         assert_eq!(cache.lookup(id, &["b"]).unwrap().get("b"), Some(&Cached::Present("now present".into())));
+    }
+
+    /// A `nix-cache-info` other than the one recorded (a cache rebuilt at the same URL) drops
+    /// the cache's answers; the same one keeps them.
+    #[test]
+    fn another_cache_info_drops_the_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = NarInfoCache::open(&dir.path().join("c.sqlite"), 100, 100).unwrap();
+        let info = CacheInfo { store_dir: "/nix/store".into(), want_mass_query: true, priority: 40, batch: false };
+        let id = cache.record_cache("http://x", &info).unwrap();
+        let other = cache.record_cache("http://y", &info).unwrap();
+        cache.record(&[(id, "a".into(), Some("text".into())), (other, "a".into(), None)]).unwrap();
+        assert_eq!(cache.record_cache("http://x", &info).unwrap(), id);
+        assert_eq!(cache.lookup(id, &["a"]).unwrap().len(), 1);
+        let rebuilt = CacheInfo { priority: 30, ..info.clone() };
+        assert_eq!(cache.record_cache("http://x", &rebuilt).unwrap(), id);
+        assert!(cache.lookup(id, &["a"]).unwrap().is_empty());
+        assert_eq!(cache.lookup(other, &["a"]).unwrap().get("a"), Some(&Cached::Absent), "another cache keeps its answers");
+    }
+
+    /// Answers recorded under one set of trusted keys are not served under another (a key
+    /// added for a rotation), and are under the same set in another order.
+    #[test]
+    fn answers_are_kept_per_trusted_key_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("c.sqlite");
+        let open = |keys: &[&str]| {
+            NarInfoCache::open(&db, 100, 100).unwrap().for_trusted_keys(&keys.iter().map(|k| k.to_string()).collect::<Vec<_>>())
+        };
+        let info = CacheInfo { store_dir: "/nix/store".into(), want_mass_query: true, priority: 40, batch: false };
+        let old = open(&["old:AAAA", "other:BBBB"]);
+        let id = old.record_cache("http://x", &info).unwrap();
+        old.record(&[(id, "a".into(), Some("signed by old".into()))]).unwrap();
+        let same = open(&["other:BBBB", "old:AAAA"]);
+        assert_eq!(same.cache_info("http://x").unwrap(), Some((id, info.clone())));
+        let rotated = open(&["old:AAAA", "other:BBBB", "new:CCCC"]);
+        assert_eq!(rotated.cache_info("http://x").unwrap(), None);
+        let new_id = rotated.record_cache("http://x", &info).unwrap();
+        assert_ne!(new_id, id);
+        assert!(rotated.lookup(new_id, &["a"]).unwrap().is_empty());
     }
 }

@@ -7,7 +7,7 @@
 //! - an addition (`addToStoreCommon`) compresses the NAR into a temporary file while checking
 //!   it ([`upload::prepare_nar`]), writes `<hash part>.ls` if `write-nar-listing`, uploads
 //!   `nar/<FileHash>.nar<ext>` (for a compressed NAR of [`CHECK_BEFORE_UPLOAD`] bytes or
-//!   more, unless a file of that name exists), and only then — once its publish gate opens —
+//!   more, unless a file of that name and size exists), and only then — once its publish gate opens —
 //!   writes `<hash part>.narinfo`, signed with every `secret-key` (`writeNarInfo`; the info's
 //!   own signatures are kept).
 
@@ -73,6 +73,15 @@ impl BinaryCache {
         match &self.transport {
             Transport::File(t) => t.exists(rel),
             Transport::Http { http, .. } => http.exists(rel).await,
+        }
+    }
+
+    /// The size of the cache file `rel` (`HEAD`'s `Content-Length`, S3's `HeadObject`, a
+    /// `file://` cache's `stat`); `None` when it does not exist.
+    pub(crate) async fn file_size(&self, rel: &str) -> Result<Option<u64>, CacheError> {
+        match &self.transport {
+            Transport::File(t) => t.size(rel),
+            Transport::Http { http, .. } => http.size(rel).await,
         }
     }
 
@@ -183,6 +192,34 @@ impl BinaryCache {
         Ok(valid)
     }
 
+    /// Those of `paths` that the cache holds whole: a narinfo that parses and names the path,
+    /// and a NAR at its `URL` of its `FileSize` bytes (of its `NarSize` if it has no
+    /// `FileSize` and is not compressed; if neither, a NAR of any size). All at once: the
+    /// narinfos are fetched and the NARs asked for (`HEAD`, `stat`) in parallel, the transport
+    /// bounding the requests in flight. Stricter than Nix, whose `copyPaths` skips a path whose
+    /// narinfo exists (`BinaryCacheStore::isValidPathUncached`): a narinfo left by a push cut
+    /// short, or whose NAR was deleted or truncated, is written again with its NAR.
+    pub async fn query_complete_paths(&self, paths: &[StorePath]) -> Result<BTreeSet<StorePath>, CacheError> {
+        let complete = futures::future::join_all(paths.iter().map(|path| self.holds_whole(path))).await;
+        let mut out = BTreeSet::new();
+        for (path, complete) in paths.iter().zip(complete) {
+            if complete? {
+                out.insert(path.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the cache holds `path` whole (see [`BinaryCache::query_complete_paths`]).
+    async fn holds_whole(&self, path: &StorePath) -> Result<bool, CacheError> {
+        let Some(text) = self.narinfo_text(path).await? else { return Ok(false) };
+        // A narinfo that does not parse is replaced.
+        let Ok(narinfo) = self.parse_narinfo(path, &self.store_dir, &text) else { return Ok(false) };
+        let expected = narinfo.file_size.or((narinfo.compression == "none").then_some(narinfo.nar_size));
+        let found = self.file_size(&narinfo.url).await?;
+        Ok(found.is_some() && (expected.is_none() || found == expected))
+    }
+
     /// The narinfo of `path` to read its NAR by: the one kept from a query, else fetched
     /// again; `None` when the cache has none.
     pub async fn narinfo_for_nar(&self, path: &StorePath) -> Result<Option<NarInfo>, CacheError> {
@@ -235,7 +272,9 @@ impl BinaryCache {
         }
         let url = format!("nar/{}.nar{}", prepared.file_hash.to_nix32(), self.write.compression.nar_extension());
         let narinfo = self.narinfo_for(info, &prepared, url.clone());
-        if prepared.file_size < CHECK_BEFORE_UPLOAD || !self.file_exists(&url).await? {
+        // A file of that name is the same bytes only if it is whole: one cut short (a push
+        // killed while writing it to a server that writes in place) is written again.
+        if prepared.file_size < CHECK_BEFORE_UPLOAD || self.file_size(&url).await? != Some(prepared.file_size) {
             self.upsert_file(&url, Upload::Nar(prepared), NAR_MIME).await?;
         }
         Ok(narinfo)

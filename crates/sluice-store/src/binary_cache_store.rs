@@ -29,6 +29,10 @@ impl Store for BinaryCache {
         Box::pin(async move { Ok(BinaryCache::query_valid_paths(self, paths).await?) })
     }
 
+    fn query_complete_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        Box::pin(async move { Ok(BinaryCache::query_complete_paths(self, paths).await?) })
+    }
+
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
         Box::pin(async move { Ok(self.narinfo_of_hash_part(hash_part).await?.map(|info| info.path)) })
     }

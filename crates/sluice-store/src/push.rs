@@ -1,7 +1,8 @@
 //! Copying closures between any two stores through the [`Store`] interface (Nix's
 //! `copyPaths`, `src/libstore/store-api.cc`, with the order of Nix 2.35's binary-cache
 //! uploads): the closure is found in the source level by level (one batched query per level),
-//! what the destination already has is found in one query and skipped, and every missing path
+//! what the destination already has, contents included ([`Store::query_complete_paths`]), is
+//! found in one query and skipped, and every missing path
 //! is then transferred at once, largest NAR first, at most the destination's
 //! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
@@ -63,7 +64,7 @@ type Done = Shared<futures::future::BoxFuture<'static, Result<(), String>>>;
 pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[StorePath]) -> Result<PushReport, StoreError> {
     let infos = src.closure_infos(roots).await?;
     let all: Vec<StorePath> = infos.keys().cloned().collect();
-    let present = dst.query_valid_paths(&all).await?;
+    let present = dst.query_complete_paths(&all).await?;
     let mut missing: Vec<&ValidPathInfo> = infos.values().filter(|i| !present.contains(&i.path)).collect();
     missing.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path)));
     let mut report = PushReport { already_valid: present.len(), ..Default::default() };

@@ -91,6 +91,15 @@ pub trait Store: Send + Sync {
         Box::pin(crate::push::closure_infos_by_level(self, roots))
     }
 
+    /// Those of `paths` whose contents are there as well as their metadata: what a copy into
+    /// this store skips. [`Store::query_valid_paths`], but for a binary cache, where a narinfo
+    /// can outlive its NAR (a push killed or failed, a NAR deleted or cut short) and only a NAR
+    /// of the narinfo's `FileSize` counts (Nix's `copyPaths` skips what `queryValidPaths`
+    /// answers, `src/libstore/store-api.cc`).
+    fn query_complete_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
+        self.query_valid_paths(paths)
+    }
+
     /// The valid path whose hash part is `hash_part` (32 nixbase32 characters; Nix's
     /// `queryPathFromHashPart`), `None` when there is none or `hash_part` is malformed.
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {

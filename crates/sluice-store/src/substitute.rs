@@ -460,7 +460,9 @@ impl Shared {
         }
     }
 
-    /// Tries substituter `first` and then every lower-priority one that has the path.
+    /// Tries substituter `first` and then every other one that has the path, in priority
+    /// order: those of higher priority too, whose answer that they lack it may have come from
+    /// the disk cache and be stale (issue 38: the path is asked again of every cache).
     ///
     /// The closure was walked along the references of `narinfo`, and its paths wait for
     /// those: another substituter's narinfo (or a fresh one of the same substituter) is used
@@ -482,7 +484,7 @@ impl Shared {
         // `verdict`: what the closure engine or the dispatch decided of this first candidate's
         // signatures, if either checked them.
         let mut candidate = Some((narinfo, first));
-        let mut next = first + 1;
+        let mut others = (0..self.subs.len()).filter(|i| *i != first);
         let mut refetched = Vec::new();
         let mut last_failed = None;
         let mut eager = true;
@@ -518,9 +520,8 @@ impl Shared {
                     }
                 }
             }
-            let Some(sub) = self.subs.get(next) else { break };
-            let i = next;
-            next += 1;
+            let Some(i) = others.next() else { break };
+            let sub = &self.subs[i];
             match Box::pin(sub.cache.narinfo_text(&path)).await {
                 Ok(Some(text)) => match sub.cache.parse_narinfo(&path, store_dir, &text) {
                     Ok(ni) => match self.within_walked(store_dir, &walked, &ni, i) {
@@ -565,7 +566,9 @@ impl Shared {
 
     /// After substituter `i` failed to provide `narinfo`'s path: drops its narinfo from the
     /// disk cache (it may be stale: the cache was rebuilt, the NAR deleted) and fetches it
-    /// again. Returns the fresh narinfo when it differs from the one that failed.
+    /// again. Returns the fresh narinfo when it differs from the one that failed, which it
+    /// then records; one that does not differ stays out of the disk cache (its NAR is still
+    /// missing or wrong: a later run asks the cache again rather than trusting it).
     async fn refetch_narinfo(&self, store_dir: &StoreDir, narinfo: &NarInfo, i: usize) -> Option<Arc<NarInfo>> {
         let sub = &self.subs[i];
         let (Some(disk), Some(id)) = (&self.disk, sub.disk_id) else { return None };
@@ -575,9 +578,12 @@ impl Shared {
         }
         let text = sub.cache.narinfo_text(path).await.ok()??;
         let fresh = sub.cache.parse_narinfo(path, store_dir, &text).ok()?;
+        if fresh == *narinfo {
+            return None;
+        }
         if let Err(e) = disk.record(&[(id, path.hash_part().to_string(), Some(text))]) {
             tracing::warn!("{e}");
         }
-        (fresh != *narinfo).then(|| Arc::new(fresh))
+        Some(Arc::new(fresh))
     }
 }

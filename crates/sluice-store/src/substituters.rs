@@ -126,12 +126,13 @@ pub async fn open_prefetching(
     (ClosureQuery::sort_substituters(subs), errors)
 }
 
-/// Opens the disk cache at its default place with the settings' TTLs; `None` (with a
+/// Opens the disk cache at its default place with the settings' TTLs, its answers kept per
+/// `trusted-public-keys` set; `None` (with a
 /// warning) when it cannot be opened, in which case every query goes to the network.
 pub fn open_disk_cache(settings: &Settings) -> Option<Arc<NarInfoCache>> {
     let path = NarInfoCache::default_path()?;
     match NarInfoCache::open(&path, settings.narinfo_cache_positive_ttl, settings.narinfo_cache_negative_ttl) {
-        Ok(c) => Some(Arc::new(c)),
+        Ok(c) => Some(Arc::new(c.for_trusted_keys(&settings.trusted_public_keys))),
         Err(e) => {
             tracing::warn!("{e}; continuing without it");
             None

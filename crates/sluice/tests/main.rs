@@ -21,6 +21,7 @@ mod parallel_decode;
 mod path_info_output;
 mod protocol;
 mod push;
+mod push_faults;
 mod review;
 mod serve;
 mod serve_upstream;

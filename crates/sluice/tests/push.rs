@@ -30,7 +30,7 @@ pub(crate) fn source_store(tmp: &Path, cache: &str, root: &str) -> PathBuf {
 }
 
 /// A new signing key under `tmp`: (secret key file, public key).
-fn signing_key(tmp: &Path) -> (PathBuf, String) {
+pub(crate) fn signing_key(tmp: &Path) -> (PathBuf, String) {
     let secret = sluice(tmp, &["key", "generate", "sluice-push-test-1"]);
     check(&secret, "key generate");
     let file = tmp.join("secret.key");
@@ -44,7 +44,7 @@ fn signing_key(tmp: &Path) -> (PathBuf, String) {
 /// Real Nix reads the cache at `url`: `nix copy --from` into a fresh chroot store with only
 /// `public` trusted, `nix store verify` of its signatures, and `nix-store -r` with the cache as
 /// a substituter into another; both stores then hold exactly `paths`.
-fn assert_nix_reads(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTreeSet<String>) {
+pub(crate) fn assert_nix_reads(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTreeSet<String>) {
     let (a, b) = (tmp.join("nix-copy"), tmp.join("nix-substitute"));
     let keys = format!("trusted-public-keys = {public}\nrequire-sigs = true");
     let run = |prog: &str, args: &[&str]| {
@@ -71,7 +71,7 @@ fn assert_nix_reads(tmp: &Path, url: &str, public: &str, root: &str, paths: &BTr
 }
 
 /// The narinfos of a `file://` cache directory, by hash part, with their `References:`.
-fn narinfos(dir: &Path) -> Vec<(String, Vec<String>)> {
+pub(crate) fn narinfos(dir: &Path) -> Vec<(String, Vec<String>)> {
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else { return out };
     for entry in entries {
@@ -323,7 +323,7 @@ fn fake_imds(credentials: &'static str) -> (String, std::thread::JoinHandle<Vec<
 
 /// A chroot store under `tmp/src` holding one 12 MB file that does not compress (three S3
 /// parts of at most 5 MiB): (the store, the path, its NAR by `nix-store --dump`).
-fn incompressible_path(tmp: &Path) -> (PathBuf, String, Vec<u8>) {
+pub(crate) fn incompressible_path(tmp: &Path) -> (PathBuf, String, Vec<u8>) {
     let file = tmp.join("parts");
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let data: Vec<u8> = (0..12_000_000 / 8)
@@ -347,7 +347,7 @@ fn incompressible_path(tmp: &Path) -> (PathBuf, String, Vec<u8>) {
 
 /// `sluice copy` of `path` from `src` to the S3 URL `s3`, with s3s-fs's test credentials and
 /// `conf` as the configuration.
-fn push_to_s3(tmp: &Path, src: &Path, s3: &str, path: &str, conf: &str) -> std::process::Output {
+pub(crate) fn push_to_s3(tmp: &Path, src: &Path, s3: &str, path: &str, conf: &str) -> std::process::Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
     isolate(&mut cmd, tmp, conf);
     cmd.envs([("AWS_ACCESS_KEY_ID", "AKTEST"), ("AWS_SECRET_ACCESS_KEY", "SKTEST")]);

@@ -2,6 +2,7 @@
 //! Nix 2.8 in isolated environments, and real nginx serving a cache (`shared/bin/cache-server`).
 #![allow(dead_code)]
 
+pub mod put_server;
 mod scripted;
 pub mod sshd;
 
@@ -10,6 +11,8 @@ use std::process::{Command, Output};
 
 use sluice_local_store::is_temp_dir;
 
+#[allow(unused_imports)]
+pub use put_server::PutServer;
 #[allow(unused_imports)]
 pub use scripted::{closed_port, Scripted};
 

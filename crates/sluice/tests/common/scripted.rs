@@ -25,10 +25,7 @@ impl Scripted {
         if let Some(r) = rules {
             cmd.args(["--rules", r.to_str().unwrap()]);
         }
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("python3 runs server.py");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let port: u16 = line.trim().strip_prefix("PORT ").and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("server.py said {line:?}"));
+        let (child, port) = launch(cmd);
         Scripted { url: format!("http://127.0.0.1:{port}"), port, log: log.to_path_buf(), child }
     }
 
@@ -54,6 +51,19 @@ impl Drop for Scripted {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts a server script that prints `PORT <n>` once it listens: the process and the port.
+pub fn launch(mut cmd: Command) -> (Child, u16) {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("python3 runs the server script");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let port = line.trim().strip_prefix("PORT ").and_then(|p| p.parse().ok());
+    let Some(port) = port else {
+        let _ = child.kill();
+        panic!("the server script said {line:?}");
+    };
+    (child, port)
 }
 
 /// A loopback port nothing listens on (bound, then released).
