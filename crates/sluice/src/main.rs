@@ -14,6 +14,7 @@ mod progress;
 mod serve;
 mod setup;
 mod stderr;
+mod store;
 mod terminal;
 
 /// The allocator: jemalloc, whose per-thread caches take the buffers and path records that
@@ -60,6 +61,9 @@ enum Command {
     Daemon(daemon::Args),
     /// Serve a store over HTTP as a binary cache (like nix-serve or harmonia).
     Serve(serve::Args),
+    /// Verify, sign and collect stores and binary caches.
+    #[command(subcommand)]
+    Store(store::Command),
     /// Generate and convert signing keys.
     #[command(subcommand)]
     Key(key::Command),
@@ -115,6 +119,7 @@ fn main() -> ExitCode {
         Command::PathInfo(a) => path_info::run(a),
         Command::Nar(c) => nar::run(c),
         Command::Key(c) => key::run(c),
+        Command::Store(c) => store::run(c),
         Command::Daemon(a) => daemon::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Completions { shell } => manual::completions(Cli::command(), shell),

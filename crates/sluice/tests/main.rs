@@ -1,6 +1,7 @@
 //! The integration tests of `sluice`, one binary: a module per behaviour, shared helpers in `common`.
 
 mod big_nar;
+mod cache_gc;
 mod common;
 mod concurrency;
 mod copy;
@@ -27,3 +28,4 @@ mod settings;
 mod ssh;
 mod stale_cache;
 mod store_urls;
+mod store_verify;
