@@ -192,17 +192,7 @@ fn a_modified_local_path_is_named_and_substituted_again() {
     let store = tmp.path().join("store");
     let subset = format!("file://{}", corpus().join("cache-subset-none").display());
     check(&copy_with(tmp.path(), &store, &subset, &corpus_key(), &[], &[&root]), "filling the store");
-    // A file of a path other than the root, changed at the same size.
-    let infos = narinfos(&corpus().join("cache-subset-none"));
-    let victim =
-        infos.keys().filter(|p| **p != root).find(|p| regular_file(&store.join(p.trim_start_matches('/'))).is_some()).unwrap().clone();
-    let file = regular_file(&store.join(victim.trim_start_matches('/'))).unwrap();
-    let mut bytes = std::fs::read(&file).unwrap();
-    bytes[0] ^= 0x20;
-    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    std::fs::write(&file, &bytes).unwrap();
-    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o444)).unwrap();
-
+    let victim = modify_a_file_of_another_path(&store, &root);
     let url = store.to_str().unwrap();
     let o = verify(tmp.path(), url, &["--check-contents", "-r", &root]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
@@ -212,6 +202,43 @@ fn a_modified_local_path_is_named_and_substituted_again() {
     assert!(stderr(&o).contains(&format!("path '{victim}' was modified!")), "{}", stderr(&o));
     check(&verify(tmp.path(), url, &["--check-contents", "--all", "--repair", "--from", &subset]), "verify --repair");
     assert_nix_verifies(tmp.path(), &store);
+}
+
+/// A path modified in the store behind `sluice daemon` (`unix://`): the paths' check through
+/// the daemon names it, and only it.
+#[test]
+fn a_modified_path_behind_a_daemon_is_named() {
+    let env = crate::daemon::Env::new();
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, "");
+    let (root, key) = (subset_root(), corpus_key());
+    env.nix("nix", &["copy", "--from", &cache, "--to", &daemon.url, "--option", "trusted-public-keys", &key, &root]);
+    let store = env.path("root");
+    let victim = modify_a_file_of_another_path(&store, &root);
+    let verify = |args: &[&str]| {
+        let mut cmd = env.cmd(crate::daemon::sluice());
+        cmd.args(["store", "verify", "--store", &daemon.url, "--trusted-public-keys", &key]).args(args).output().unwrap()
+    };
+    let o = verify(&["--check-contents", "-r", &root]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(named(&o), BTreeSet::from([victim]), "{}", String::from_utf8_lossy(&o.stdout));
+    check(&verify(&["-r", &root]), "verify without the contents");
+}
+
+/// Changes a byte of the first file of a path of the subset other than `root` in the chroot
+/// store `store`; that path.
+fn modify_a_file_of_another_path(store: &Path, root: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let infos = narinfos(&corpus().join("cache-subset-none"));
+    let under = |p: &str| store.join(p.trim_start_matches('/'));
+    let victim = infos.keys().filter(|p| *p != root).find(|p| regular_file(&under(p)).is_some()).unwrap().clone();
+    let file = regular_file(&under(&victim)).unwrap();
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[0] ^= 0x20;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::write(&file, &bytes).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o444)).unwrap();
+    victim
 }
 
 /// The first regular file under `path` (itself if it is one).
