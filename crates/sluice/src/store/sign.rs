@@ -12,7 +12,7 @@ use sluice_binary_cache::BinaryCache;
 use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::StorePath;
 
-use crate::setup::{self, CacheFlags};
+use crate::setup::{self, ConfigFlags};
 
 /// Arguments of `sluice store sign`.
 #[derive(clap::Args, Debug)]
@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long)]
     all: bool,
     #[command(flatten)]
-    cache: CacheFlags,
+    config: ConfigFlags,
     /// Store paths to sign.
     paths: Vec<String>,
 }
@@ -42,7 +42,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
     let text = std::fs::read_to_string(&args.key_file).map_err(|e| format!("{}: {e}", args.key_file.display()))?;
     let key = SecretKey::parse(text.trim()).map_err(|e| format!("{}: {e}", args.key_file.display()))?;
-    let settings = setup::settings(&args.cache)?;
+    let settings = setup::settings(&(&args.config).into())?;
     let url = args.store.clone().unwrap_or_else(|| settings.store.clone());
     let rt = setup::runtime()?;
     let added = rt.block_on(async {
