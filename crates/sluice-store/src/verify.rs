@@ -221,13 +221,13 @@ async fn check_nar_file(cache: &BinaryCache, narinfo: &NarInfo) -> Result<(), St
     let stream = cache.open_nar(narinfo).await.map_err(|e| e.to_string())?.ok_or_else(|| format!("its NAR {nar_url} is missing"))?;
     let compression = Compression::parse(&narinfo.compression).map_err(|e| format!("{nar_url}: {e}"))?;
     let file_algo = narinfo.file_hash.as_ref().map_or(HashAlgo::Sha256, |h| h.algo());
-    let nar_algo = narinfo.nar_hash.algo();
+    let (nar_algo, expected_size) = (narinfo.nar_hash.algo(), narinfo.file_size);
     let url = nar_url.clone();
     let hashed = tokio::task::spawn_blocking(move || {
         let mut raw = HashingReader::new(stream.reader, file_algo);
         let mut nar = Hasher::new(nar_algo);
         let decoded = compression
-            .decoder(&mut raw)
+            .decoder_sized(&mut raw, expected_size)
             .map_err(|e| e.to_string())
             .and_then(|mut decoder| std::io::copy(&mut decoder, &mut nar).map(drop).map_err(|e| e.to_string()));
         // The rest of the file, past the end of the compressed stream, counts for FileSize.
