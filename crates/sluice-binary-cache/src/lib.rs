@@ -14,6 +14,7 @@ mod imds;
 mod multipart;
 pub mod narinfo_cache;
 pub mod netrc;
+pub mod objects;
 pub mod paths;
 mod pool;
 pub mod retry;

@@ -4,14 +4,18 @@
 //! unregistered if no valid path refers to it, otherwise reported and, with repair,
 //! substituted again); with contents checked, every `.links` entry must hash to its name (a
 //! modified one is removed with repair) and every valid path's NAR to its registered hash
-//! (a modified one is, with repair, substituted again). Repairs go through the caller's
+//! (a modified one is, with repair, substituted again), the paths hashed on every core at once
+//! and reported in Nix's order. Repairs go through the caller's
 //! `repair` (the substitution pipeline, [`LocalStore::try_begin_repair`]); the replacement's
 //! NAR hash must be the registered one, and it replaces the tree in one atomic exchange.
 
 use std::collections::{BTreeSet, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use rustix::fs::{flock, FlockOperation};
-use sluice_nix::hash::{HashAlgo, Hasher};
+use sluice_nix::hash::{Hash, HashAlgo, Hasher};
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 
 use super::tree::sorted_entries;
@@ -79,14 +83,10 @@ impl LocalStore {
             }
         }
         say(VerifyMessage::Info("checking store hashes..."));
-        for path in &walk.valid {
+        let valid: Vec<&StorePath> = walk.valid.iter().collect();
+        let hashed = self.hash_paths(&valid);
+        for (path, checked) in valid.into_iter().zip(hashed) {
             let shown = self.store_dir.display_path(path);
-            let checked = self.query_path_info(path).and_then(|info| {
-                let info = info.ok_or_else(|| LocalStoreError::NotValid { path: shown.clone() })?;
-                let mut hasher = Hasher::new(HashAlgo::Sha256);
-                self.dump_path(path, &mut hasher)?;
-                Ok((info, hasher.finish()))
-            });
             let outcome = match checked {
                 Ok((info, current)) if current != info.nar_hash => {
                     say(VerifyMessage::Error(&format!(
@@ -116,6 +116,42 @@ impl LocalStore {
             }
         }
         Ok(errors)
+    }
+}
+
+impl LocalStore {
+    /// The registration and current NAR hash of each of `paths`, in order, hashed on as many
+    /// threads as there are cores (Nix hashes one path at a time).
+    fn hash_paths(&self, paths: &[&StorePath]) -> Vec<Result<(ValidPathInfo, Hash), LocalStoreError>> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(paths.len().max(1));
+        let next = AtomicUsize::new(0);
+        let slots: Vec<Mutex<Option<Result<(ValidPathInfo, Hash), LocalStoreError>>>> = paths.iter().map(|_| Mutex::new(None)).collect();
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let (Some(path), Some(slot)) = (paths.get(i), slots.get(i)) else { break };
+                    let hashed = self.hash_path(path);
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(hashed);
+                });
+            }
+        });
+        slots
+            .into_iter()
+            .zip(paths)
+            .map(|(slot, path)| {
+                let unhashed = || Err(LocalStoreError::NotValid { path: self.store_dir.display_path(path) });
+                slot.into_inner().unwrap_or_else(|p| p.into_inner()).unwrap_or_else(unhashed)
+            })
+            .collect()
+    }
+
+    /// The registration of the valid `path` and the sha256 of its NAR as it is now.
+    fn hash_path(&self, path: &StorePath) -> Result<(ValidPathInfo, Hash), LocalStoreError> {
+        let info = self.query_path_info(path)?.ok_or_else(|| LocalStoreError::NotValid { path: self.store_dir.display_path(path) })?;
+        let mut hasher = Hasher::new(HashAlgo::Sha256);
+        self.dump_path(path, &mut hasher)?;
+        Ok((info, hasher.finish()))
     }
 }
 

@@ -7,6 +7,7 @@
 mod binary_cache_store;
 pub mod builtins;
 mod by_key;
+pub mod cache_gc;
 pub mod closure;
 mod closure_depth;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod store_url;
 pub mod substitute;
 pub mod substituters;
 mod unpack_pool;
+pub mod verify;
 
 /// Waits, for at most `timeout`, until the process's unpacking threads have nothing left to
 /// do; whether they got there. For a command stopped by a signal, once the futures of its

@@ -15,6 +15,7 @@ mod progress;
 mod serve;
 mod setup;
 mod stderr;
+mod store;
 mod systemd;
 mod terminal;
 
@@ -64,6 +65,9 @@ enum Command {
     LegacyServe(legacy_serve::Args),
     /// Serve a store over HTTP as a binary cache (like nix-serve or harmonia).
     Serve(serve::Args),
+    /// Verify, sign and collect stores and binary caches.
+    #[command(subcommand)]
+    Store(store::Command),
     /// Generate and convert signing keys.
     #[command(subcommand)]
     Key(key::Command),
@@ -126,6 +130,7 @@ fn main() -> ExitCode {
         Command::PathInfo(a) => path_info::run(a),
         Command::Nar(c) => nar::run(c),
         Command::Key(c) => key::run(c),
+        Command::Store(c) => store::run(c),
         Command::Daemon(a) => daemon::run(a),
         Command::LegacyServe(a) => legacy_serve::run(a),
         Command::Serve(a) => serve::run(a),

@@ -4,7 +4,7 @@
 use crate::common::*;
 
 /// Every subcommand, as `sluice --help` lists it.
-const COMMANDS: [&str; 9] = ["copy", "missing", "path-info", "nar", "daemon", "serve", "key", "completions", "man"];
+const COMMANDS: [&str; 10] = ["copy", "missing", "path-info", "nar", "daemon", "serve", "store", "key", "completions", "man"];
 
 #[test]
 fn completions_name_every_command_and_option() {
@@ -46,6 +46,10 @@ fn man_pages_for_every_command_with_options_and_defaults() {
         "sluice-nar-cat",
         "sluice-daemon",
         "sluice-serve",
+        "sluice-store",
+        "sluice-store-verify",
+        "sluice-store-sign",
+        "sluice-store-gc",
         "sluice-key",
         "sluice-key-generate",
         "sluice-completions",
@@ -71,12 +75,12 @@ fn man_pages_for_every_command_with_options_and_defaults() {
 
 /// Every option and argument of every command says what it is in `--help`, and a command does
 /// not offer flags it ignores: `path-info` and `serve` substitute nothing, so they take no
-/// `--substituters`, `--trusted-public-keys` or `--no-check-sigs` (`copy`, `missing` and
-/// `daemon` do).
+/// `--substituters`, `--trusted-public-keys` or `--no-check-sigs` (`copy`, `missing`,
+/// `daemon` and `store verify` do).
 #[test]
 fn help_describes_every_argument_and_offers_no_idle_flag() {
     let tmp = tempfile::tempdir().unwrap();
-    let commands: [&[&str]; 12] = [
+    let commands: [&[&str]; 15] = [
         &["copy"],
         &["missing"],
         &["path-info"],
@@ -86,6 +90,9 @@ fn help_describes_every_argument_and_offers_no_idle_flag() {
         &["nar", "cat"],
         &["daemon"],
         &["serve"],
+        &["store", "verify"],
+        &["store", "sign"],
+        &["store", "gc"],
         &["key", "generate"],
         &["completions"],
         &["man"],
@@ -109,7 +116,8 @@ fn help_describes_every_argument_and_offers_no_idle_flag() {
         assert!(items >= 2, "{command:?}: {text}");
         let offered =
             substituting.iter().filter(|f| lines.iter().any(|l| l.trim() == **f || l.trim().starts_with(&format!("{f} <")))).count();
-        let expected = if matches!(command, ["copy"] | ["missing"] | ["daemon"]) { substituting.len() } else { 0 };
+        // `store verify` repairs a local store by substituting, and checks signatures.
+        let expected = if matches!(command, ["copy"] | ["missing"] | ["daemon"] | ["store", "verify"]) { substituting.len() } else { 0 };
         assert_eq!(offered, expected, "{command:?}:\n{text}");
     }
 }

@@ -1,6 +1,7 @@
 //! The integration tests of `sluice`, one binary: a module per behaviour, shared helpers in `common`.
 
 mod big_nar;
+mod cache_gc;
 mod common;
 mod concurrency;
 mod copy;
@@ -30,3 +31,4 @@ mod ssh;
 mod ssh_serve;
 mod stale_cache;
 mod store_urls;
+mod store_verify;

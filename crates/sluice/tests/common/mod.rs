@@ -330,3 +330,29 @@ impl Drop for S3Server {
         let _ = self.child.wait();
     }
 }
+
+/// A narinfo of a cache directory, as the cache-maintenance tests read it.
+pub struct CacheNarinfo {
+    /// The hash part its file is named by.
+    pub hash: String,
+    pub store_path: String,
+    /// Its NAR file, relative to the cache.
+    pub url: String,
+    /// Its references other than itself, as store paths.
+    pub references: Vec<String>,
+}
+
+/// The narinfos of the cache directory `dir`.
+pub fn cache_narinfos(dir: &Path) -> Vec<CacheNarinfo> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        let Some(hash) = name.strip_suffix(".narinfo") else { continue };
+        let text = std::fs::read_to_string(dir.join(&name)).unwrap();
+        let field = |f: &str| text.lines().find_map(|l| l.strip_prefix(f)).unwrap_or("").to_string();
+        let store_path = field("StorePath: ");
+        let references = field("References: ").split_whitespace().map(|r| format!("/nix/store/{r}")).filter(|r| *r != store_path).collect();
+        out.push(CacheNarinfo { hash: hash.to_string(), store_path, url: field("URL: "), references });
+    }
+    out
+}

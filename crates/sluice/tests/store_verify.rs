@@ -1,0 +1,296 @@
+//! `sluice store verify` and `sluice store sign`: a copy of the corpus's 25-path subset cache
+//! broken in every way a cache breaks (a NAR deleted, truncated, a byte flipped at the same
+//! size, emptied; a reference's narinfo deleted; a signature removed; an unsigned narinfo
+//! added), on `file://`, HTTP (nginx reading, s3s-fs taking PUT and DELETE) and s3s-fs: verify
+//! names exactly the broken paths, `--repair --from` mends them, and real Nix 2.8 then copies
+//! the closure. A local store with a modified path is found and repaired by substitution.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use crate::common::*;
+
+/// The subset's root.
+fn subset_root() -> String {
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
+    summary["subsetRoot"].as_str().unwrap().to_string()
+}
+
+/// A cache's narinfos by store path: (hash part, NAR file, references other than itself).
+fn narinfos(dir: &Path) -> BTreeMap<String, (String, String, Vec<String>)> {
+    cache_narinfos(dir).into_iter().map(|n| (n.store_path, (n.hash, n.url, n.references))).collect()
+}
+
+/// How [`break_cache`] broke a cache.
+struct Broken {
+    /// Paths of the root's closure that verify must name, with contents checked.
+    bad: BTreeSet<String>,
+    /// The one of them only a check of the contents finds (a byte flipped at the same size).
+    flipped: String,
+    /// The unsigned narinfo added, of a path outside the root's closure.
+    unsigned: String,
+}
+
+/// Breaks the cache directory `dir` (a copy of the subset cache) in every way, each on its own
+/// path.
+fn break_cache(dir: &Path, root: &str) -> Broken {
+    let infos = narinfos(dir);
+    // The reference whose narinfo goes: the one with the most referrers, other than the root.
+    let referrers =
+        |p: &str| -> BTreeSet<String> { infos.iter().filter(|(_, i)| i.2.iter().any(|r| r == p)).map(|(q, _)| q.clone()).collect() };
+    let gone = infos.keys().filter(|p| *p != root).max_by_key(|p| referrers(p).len()).unwrap().clone();
+    // The others, among the paths the root still reaches without it (a walk of the closure
+    // from the root cannot see past the missing narinfo).
+    let mut reached = BTreeSet::new();
+    let mut stack = vec![root.to_string()];
+    while let Some(p) = stack.pop() {
+        if p != gone && reached.insert(p.clone()) {
+            stack.extend(infos[&p].2.iter().cloned());
+        }
+    }
+    let mut others = reached.iter().filter(|p| *p != root && !referrers(&gone).contains(*p));
+    let mut next = || others.next().unwrap().clone();
+    let (deleted, truncated, flipped, emptied, unsigned_sig) = (next(), next(), next(), next(), next());
+    let file = |p: &str| dir.join(&infos[p].1);
+    std::fs::remove_file(dir.join(format!("{}.narinfo", infos[&gone].0))).unwrap();
+    std::fs::remove_file(file(&deleted)).unwrap();
+    let bytes = std::fs::read(file(&truncated)).unwrap();
+    std::fs::write(file(&truncated), &bytes[..bytes.len() / 2]).unwrap();
+    let mut bytes = std::fs::read(file(&flipped)).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x20;
+    std::fs::write(file(&flipped), &bytes).unwrap();
+    std::fs::write(file(&emptied), b"").unwrap();
+    let narinfo = dir.join(format!("{}.narinfo", infos[&unsigned_sig].0));
+    let text = std::fs::read_to_string(&narinfo).unwrap();
+    std::fs::write(&narinfo, text.lines().filter(|l| !l.starts_with("Sig: ")).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    // An unsigned narinfo (and its NAR) of a corpus path outside the subset with no references.
+    let xz = corpus().join("cache-xz");
+    let all = narinfos(&xz);
+    let (unsigned, (hash, nar, _)) = all.iter().find(|(p, i)| i.2.is_empty() && !infos.contains_key(*p)).unwrap();
+    let text = std::fs::read_to_string(xz.join(format!("{hash}.narinfo"))).unwrap();
+    std::fs::write(
+        dir.join(format!("{hash}.narinfo")),
+        text.lines().filter(|l| !l.starts_with("Sig: ")).map(|l| format!("{l}\n")).collect::<String>(),
+    )
+    .unwrap();
+    std::fs::copy(xz.join(nar), dir.join(nar)).unwrap();
+    let mut bad: BTreeSet<String> = [deleted, truncated, flipped.clone(), emptied, unsigned_sig].into();
+    bad.extend(referrers(&gone));
+    Broken { bad, flipped, unsigned: unsigned.clone() }
+}
+
+/// The paths `sluice store verify` named on standard output (one line each).
+fn named(o: &std::process::Output) -> BTreeSet<String> {
+    String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.split(": ").next()).map(str::to_owned).collect()
+}
+
+/// `sluice store verify --store URL` with the corpus key trusted and `args`.
+fn verify(tmp: &Path, url: &str, args: &[&str]) -> std::process::Output {
+    let key = corpus_key();
+    let mut all = vec!["store", "verify", "--store", url, "--trusted-public-keys", &key];
+    all.extend(args);
+    sluice(tmp, &all)
+}
+
+/// Real Nix 2.8 copies the root's closure from `url` into a new chroot store, trusting only the
+/// corpus key, and finds the store clean.
+fn assert_nix_copies(tmp: &Path, url: &str, root: &str) {
+    let store = tmp.join("nix-copied");
+    let o =
+        nix(tmp, "nix", &["copy", "--from", url, "--to", store.to_str().unwrap(), "--option", "trusted-public-keys", &corpus_key(), root]);
+    check(&o, "nix copy --from the repaired cache");
+    assert_nix_verifies(tmp, &store);
+}
+
+/// A broken copy of the subset cache under `dir`, with its breakages.
+fn broken_subset_cache(dir: &Path) -> (String, Broken) {
+    let root = subset_root();
+    copy_dir(&corpus().join("cache-subset-none"), dir);
+    let broken = break_cache(dir, &root);
+    (root, broken)
+}
+
+#[test]
+fn a_file_cache_broken_every_way_is_named_exactly_and_repaired() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let (root, broken) = broken_subset_cache(&cache);
+    let url = format!("file://{}", cache.display());
+
+    let o = verify(tmp.path(), &url, &["--check-contents", "-r", &root]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(named(&o), broken.bad, "{}", String::from_utf8_lossy(&o.stdout));
+    // Without the contents, all but the flipped byte.
+    let o = verify(tmp.path(), &url, &["-r", &root]);
+    let mut sized = broken.bad.clone();
+    sized.remove(&broken.flipped);
+    assert_eq!(named(&o), sized, "{}", String::from_utf8_lossy(&o.stdout));
+    // --all lists the directory: the unsigned narinfo too; --no-trust passes it.
+    let o = verify(tmp.path(), &url, &["--check-contents", "--all"]);
+    let mut every = broken.bad.clone();
+    every.insert(broken.unsigned.clone());
+    assert_eq!(named(&o), every, "{}", String::from_utf8_lossy(&o.stdout));
+    assert!(!named(&verify(tmp.path(), &url, &["--no-trust", &broken.unsigned])).contains(&broken.unsigned));
+
+    let from = format!("file://{}", corpus().join("cache-xz").display());
+    let o = verify(tmp.path(), &url, &["--check-contents", "--all", "--repair", "--from", &from]);
+    check(&o, "verify --repair");
+    check(&verify(tmp.path(), &url, &["--check-contents", "--all"]), "verify after the repair");
+    assert_nix_copies(tmp.path(), &url, &root);
+}
+
+#[test]
+fn an_s3_cache_broken_every_way_is_named_exactly_and_repaired() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bucket = tmp.path().join("s3/bucket");
+    std::fs::create_dir_all(bucket.parent().unwrap()).unwrap();
+    let (root, broken) = broken_subset_cache(&bucket);
+    let server = S3Server::start(&tmp.path().join("s3"), false);
+    let url = format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1", server.port);
+
+    let o = verify(tmp.path(), &url, &["--check-contents", "--all"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let mut every = broken.bad.clone();
+    every.insert(broken.unsigned.clone());
+    assert_eq!(named(&o), every, "{}", String::from_utf8_lossy(&o.stdout));
+
+    let from = format!("file://{}", corpus().join("cache-xz").display());
+    check(&verify(tmp.path(), &url, &["--check-contents", "--all", "--repair", "--from", &from]), "verify --repair");
+    check(&verify(tmp.path(), &url, &["--check-contents", "--all"]), "verify after the repair");
+    assert_nix_copies(tmp.path(), &format!("file://{}", bucket.display()), &root);
+}
+
+#[test]
+fn an_http_cache_broken_every_way_is_named_exactly_and_repaired() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bucket = tmp.path().join("s3/bucket");
+    std::fs::create_dir_all(bucket.parent().unwrap()).unwrap();
+    let (root, broken) = broken_subset_cache(&bucket);
+    // nginx reads it; s3s-fs, without credentials, also takes PUT and DELETE.
+    let nginx = CacheServer::start(&bucket, &tmp.path().join("srv"), &[]);
+    let o = verify(tmp.path(), &nginx.url, &["--check-contents", "-r", &root]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(named(&o), broken.bad, "{}", String::from_utf8_lossy(&o.stdout));
+    let o = verify(tmp.path(), &nginx.url, &["--all"]);
+    assert!(!o.status.success() && stderr(&o).contains("cannot be listed"), "{}", stderr(&o));
+
+    let server = S3Server::start(&tmp.path().join("s3"), false);
+    let url = format!("http://127.0.0.1:{}/bucket", server.port);
+    let from = format!("file://{}", corpus().join("cache-xz").display());
+    check(&verify(tmp.path(), &url, &["--check-contents", "-r", &root, "--repair", "--from", &from]), "verify --repair");
+    check(&verify(tmp.path(), &nginx.url, &["--check-contents", "-r", &root]), "verify after the repair");
+    assert_nix_copies(tmp.path(), &nginx.url, &root);
+}
+
+/// A local store whose path was modified: `--all --check-contents` is `nix-store --verify
+/// --check-contents`, the paths' check names it, and `--repair` substitutes it again.
+#[test]
+fn a_modified_local_path_is_named_and_substituted_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = subset_root();
+    let store = tmp.path().join("store");
+    let subset = format!("file://{}", corpus().join("cache-subset-none").display());
+    check(&copy_with(tmp.path(), &store, &subset, &corpus_key(), &[], &[&root]), "filling the store");
+    let victim = modify_a_file_of_another_path(&store, &root);
+    let url = store.to_str().unwrap();
+    let o = verify(tmp.path(), url, &["--check-contents", "-r", &root]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(named(&o), BTreeSet::from([victim.clone()]), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = verify(tmp.path(), url, &["--check-contents", "--all"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&format!("path '{victim}' was modified!")), "{}", stderr(&o));
+    check(&verify(tmp.path(), url, &["--check-contents", "--all", "--repair", "--from", &subset]), "verify --repair");
+    assert_nix_verifies(tmp.path(), &store);
+}
+
+/// A path modified in the store behind `sluice daemon` (`unix://`): the paths' check through
+/// the daemon names it, and only it.
+#[test]
+fn a_modified_path_behind_a_daemon_is_named() {
+    let env = crate::daemon::Env::new();
+    let cache = env.cache();
+    let daemon = env.daemon("root", &cache, "");
+    let (root, key) = (subset_root(), corpus_key());
+    env.nix("nix", &["copy", "--from", &cache, "--to", &daemon.url, "--option", "trusted-public-keys", &key, &root]);
+    let store = env.path("root");
+    let victim = modify_a_file_of_another_path(&store, &root);
+    let verify = |args: &[&str]| {
+        let mut cmd = env.cmd(crate::daemon::sluice());
+        cmd.args(["store", "verify", "--store", &daemon.url, "--trusted-public-keys", &key]).args(args).output().unwrap()
+    };
+    let o = verify(&["--check-contents", "-r", &root]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(named(&o), BTreeSet::from([victim]), "{}", String::from_utf8_lossy(&o.stdout));
+    check(&verify(&["-r", &root]), "verify without the contents");
+}
+
+/// Changes a byte of the first file of a path of the subset other than `root` in the chroot
+/// store `store`; that path.
+fn modify_a_file_of_another_path(store: &Path, root: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let infos = narinfos(&corpus().join("cache-subset-none"));
+    let under = |p: &str| store.join(p.trim_start_matches('/'));
+    let victim = infos.keys().filter(|p| *p != root).find(|p| regular_file(&under(p)).is_some()).unwrap().clone();
+    let file = regular_file(&under(&victim)).unwrap();
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[0] ^= 0x20;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::write(&file, &bytes).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o444)).unwrap();
+    victim
+}
+
+/// The first regular file under `path` (itself if it is one).
+fn regular_file(path: &Path) -> Option<PathBuf> {
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    if meta.is_file() && meta.len() > 0 {
+        return Some(path.to_path_buf());
+    }
+    if !meta.is_dir() {
+        return None;
+    }
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(path).ok()?.map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    entries.iter().find_map(|e| regular_file(e))
+}
+
+/// `sluice store sign` adds a second key's signature to every narinfo of a cache (a key
+/// rotation), once: real Nix then copies the closure trusting only the new key.
+#[test]
+fn signing_a_cache_with_a_new_key_lets_nix_trust_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = subset_root();
+    let cache = tmp.path().join("cache");
+    copy_dir(&corpus().join("cache-subset-none"), &cache);
+    let secret = sluice(tmp.path(), &["key", "generate", "sluice-sign-test-1"]);
+    check(&secret, "key generate");
+    let key_file = tmp.path().join("secret.key");
+    std::fs::write(&key_file, &secret.stdout).unwrap();
+    let public = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["key", "generate", "--public"])
+        .stdin(std::fs::File::open(&key_file).unwrap())
+        .output()
+        .unwrap();
+    let public = String::from_utf8(public.stdout).unwrap().trim().to_string();
+    let url = format!("file://{}", cache.display());
+    let sign = |args: &[&str]| {
+        let mut all = vec!["store", "sign", "--store", &url, "--key-file", key_file.to_str().unwrap()];
+        all.extend(args);
+        sluice(tmp.path(), &all)
+    };
+    let o = sign(&["-r", &root]);
+    check(&o, "store sign -r");
+    assert!(stderr(&o).contains("added 25 signatures"), "{}", stderr(&o));
+    let o = sign(&["--all"]);
+    assert!(stderr(&o).contains("added 0 signatures"), "{}", stderr(&o));
+    let store = tmp.path().join("nix-copied");
+    let o = nix(
+        tmp.path(),
+        "nix",
+        &["copy", "--from", &url, "--to", store.to_str().unwrap(), "--option", "trusted-public-keys", &public, &root],
+    );
+    check(&o, "nix copy trusting only the new key");
+    // The old signatures are kept.
+    check(&verify(tmp.path(), &url, &["--all"]), "verify with the corpus key");
+}
