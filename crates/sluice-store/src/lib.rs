@@ -19,6 +19,7 @@ pub mod push;
 mod reference_cycles;
 mod registry;
 pub mod remote;
+pub mod ssh;
 pub mod store;
 pub mod store_url;
 pub mod substitute;

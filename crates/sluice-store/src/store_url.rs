@@ -159,7 +159,7 @@ pub(crate) struct Query<'a> {
 }
 
 impl<'a> Query<'a> {
-    fn parse(url: &'a str, query: &str, kind: &'static StoreKind) -> Result<Self, StoreUrlError> {
+    pub(crate) fn parse(url: &'a str, query: &str, kind: &'static StoreKind) -> Result<Self, StoreUrlError> {
         let mut params = BTreeMap::new();
         for text in query.split('&').filter(|p| !p.is_empty()) {
             let malformed = || StoreUrlError::Malformed { url: url.to_string(), text: text.to_string() };
