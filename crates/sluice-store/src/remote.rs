@@ -36,7 +36,7 @@ use sluice_nix::path_info::ValidPathInfo;
 mod batch;
 mod daemon_store;
 
-pub use daemon_store::DaemonStore;
+pub use daemon_store::{Connector, DaemonStore};
 
 /// The protocol version this client speaks: 1.38 (Nix 2.24 and later; the daemon's trusted flag
 /// from 1.35, CPU times in build results from 1.37, the feature exchange from 1.38). Both sides

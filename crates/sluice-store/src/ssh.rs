@@ -46,6 +46,9 @@ pub(crate) const SSH_PARAMS: &[Param] = &[
 /// Bytes of ssh's standard error kept for error messages (the last ones).
 const STDERR_KEPT: usize = 4096;
 
+/// Lines of ssh's standard error an error message quotes (the last ones).
+const STDERR_LINES: usize = 3;
+
 /// Where and how to reach a host: an SSH store's URL authority and parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SshConfig {
@@ -318,11 +321,14 @@ impl Session {
         status
     }
 
-    /// What ssh wrote on standard error, trimmed; `None` if nothing.
+    /// The last [`STDERR_LINES`] lines ssh wrote on standard error (its verdict comes last,
+    /// after banners such as the changed-host-key warning), on one line; `None` if none.
     fn stderr(&self) -> Option<String> {
         let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        let text = String::from_utf8_lossy(&kept).trim().to_string();
-        (!text.is_empty()).then_some(text)
+        let text = String::from_utf8_lossy(&kept);
+        let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.chars().all(|c| c == '@')).collect();
+        let last = &lines[lines.len().saturating_sub(STDERR_LINES)..];
+        (!last.is_empty()).then(|| last.join(" "))
     }
 
     /// The error for a stream that ended early (`cause`: what the reader or writer saw): once

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -40,10 +40,13 @@ pub(super) enum Job {
 /// the additions that can wait in its queue to go in one operation.
 const ADDITIONS_AT_ONCE: usize = 64;
 
+/// Opens a new connection to the daemon of a [`DaemonStore`] (a Unix socket's, or a remote
+/// command's through ssh), on the connection's thread.
+pub type Connector = Box<dyn FnMut() -> Result<DaemonConnection, RemoteError> + Send>;
+
 /// The connection of a [`DaemonStore`], on its thread; `None` after a failure.
 pub(super) struct Reconnecting {
-    socket: PathBuf,
-    lock_cpu: bool,
+    connect: Connector,
     conn: Option<DaemonConnection>,
 }
 
@@ -53,7 +56,7 @@ impl Reconnecting {
     pub(super) fn with<T>(&mut self, f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError>) -> Result<T, RemoteError> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
-            None => self.conn.insert(DaemonConnection::connect(&self.socket, self.lock_cpu)?),
+            None => self.conn.insert((self.connect)()?),
         };
         let result = f(conn);
         if result.is_err() {
@@ -69,9 +72,17 @@ impl DaemonStore {
     /// signatures when `check_sigs` (Nix's `CheckSigs`; `false` is `--no-check-sigs`, which a
     /// daemon honours only for a trusted client).
     pub fn connect(url: &str, socket: &Path, lock_cpu: bool, check_sigs: bool) -> Result<Self, RemoteError> {
+        let socket = socket.to_owned();
+        let daemon = socket.display().to_string();
+        Self::open(url, &daemon, Box::new(move || DaemonConnection::connect(&socket, lock_cpu)), check_sigs)
+    }
+
+    /// The daemon `connect` connects to (opened as `url`, named `daemon` in errors), connected
+    /// from the connection's new thread; additions as with [`DaemonStore::connect`].
+    pub fn open(url: &str, daemon: &str, connect: Connector, check_sigs: bool) -> Result<Self, RemoteError> {
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let (greeted, greeting) = std::sync::mpsc::channel();
-        let mut conn = Reconnecting { socket: socket.to_owned(), lock_cpu, conn: None };
+        let mut conn = Reconnecting { connect, conn: None };
         let spawned = std::thread::Builder::new().name("sluice-daemon-client".into()).spawn(move || {
             let greeting = conn.with(|c| Ok((c.store_dir().clone(), c.version())));
             let ok = greeting.is_ok();
@@ -80,8 +91,8 @@ impl DaemonStore {
                 batch::serve(&mut conn, &queue, check_sigs);
             }
         });
-        spawned.map_err(|source| RemoteError::Connect { daemon: socket.display().to_string(), source })?;
-        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: socket.display().to_string() };
+        spawned.map_err(|source| RemoteError::Connect { daemon: daemon.to_string(), source })?;
+        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: daemon.to_string() };
         let (store_dir, version) = greeting.recv().map_err(|_| ended())??;
         Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs })
     }
