@@ -12,14 +12,14 @@ use std::process::{Command, Stdio};
 use crate::common::*;
 
 /// The 25-path subset's root and its paths.
-fn subset() -> (String, BTreeSet<String>) {
+pub(crate) fn subset() -> (String, BTreeSet<String>) {
     let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(corpus().join("truth/summary.json")).unwrap()).unwrap();
     let paths = std::fs::read_to_string(corpus().join("truth/subset-paths.txt")).unwrap().lines().map(str::to_string).collect();
     (summary["subsetRoot"].as_str().unwrap().to_string(), paths)
 }
 
 /// A chroot store under `tmp/src` holding the closure of `root`, copied by sluice from `cache`.
-fn source_store(tmp: &Path, cache: &str, root: &str) -> PathBuf {
+pub(crate) fn source_store(tmp: &Path, cache: &str, root: &str) -> PathBuf {
     let src = tmp.join("src");
     let from = format!("file://{}", corpus().join(cache).display());
     check(
