@@ -129,6 +129,10 @@ impl Store for LocalStoreHandle {
         })
     }
 
+    fn check_trust(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
+        self.policy.vouch(self.store.store_dir(), info).map(drop).map_err(StoreError::from)
+    }
+
     fn parallelism(&self) -> usize {
         UNPACK_PARALLELISM
     }

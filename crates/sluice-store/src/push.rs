@@ -2,7 +2,8 @@
 //! `copyPaths`, `src/libstore/store-api.cc`, with the order of Nix 2.35's binary-cache
 //! uploads): the closure is found in the source level by level (one batched query per level),
 //! what the destination already has is found in one query and skipped, and every missing path
-//! is then transferred at once, largest NAR first, at most the destination's
+//! is then transferred at once (the destination having vouched for each path's signature or
+//! content address first, the source told to fetch the NARs ahead), largest NAR first, at most the destination's
 //! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
 //! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
@@ -82,7 +83,17 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             report.failed.insert(path.clone(), Failure::other(format!("{}: {message}", dst.store_dir().display_path(&path))));
         }
     }
+    // Trust is decided before any NAR is transferred.
+    for info in &missing {
+        if let Err(e) = dst.check_trust(info) {
+            if let Some(tx) = senders.remove(&info.path) {
+                let _ = tx.send(Err(e.to_string()));
+            }
+            report.failed.insert(info.path.clone(), Failure::copy(&dst.store_dir().display_path(&info.path), dst.url(), &e));
+        }
+    }
     missing.retain(|i| !report.failed.contains_key(&i.path));
+    src.prefetch_nars(&missing);
     let mut tasks = Vec::with_capacity(missing.len());
     for info in missing {
         let gate_refs: Vec<(StorePath, Done)> =

@@ -120,6 +120,20 @@ pub trait Store: Send + Sync {
         })
     }
 
+    /// A hint that the NARs of `infos` are about to be read, in this order: a store that can
+    /// fetch them ahead of their readers does (a daemon, with NarFromPath pipelined).
+    fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
+        let _ = infos;
+    }
+
+    /// Whether `info` may be added as far as its claims go (a trusted signature, or a content
+    /// address, where the store requires one): asked before its NAR is transferred, so that
+    /// a path that would be refused is not downloaded first (NixOS/nix#13339).
+    fn check_trust(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
+        let _ = info;
+        Ok(())
+    }
+
     /// Adds `info.path` from its NAR (Nix's `addToStore(info, source)`), checking the NAR
     /// against `info`. Everything that makes the path visible to readers (a narinfo, a
     /// registration) waits for `publish`, and does not happen if it fails; work that does not

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 
 use crate::common::sshd::{Sshd, HOST};
 use crate::common::*;
@@ -90,6 +90,25 @@ fn nix_modern_bin() -> PathBuf {
     shared().join("bin/nix-modern")
 }
 
+/// The 25-path subset of the corpus: its root, its paths, and a chroot store under `tmp`
+/// holding it.
+fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
+    let (root, paths) = crate::push::subset();
+    let src = crate::push::source_store(tmp, "cache-xz", &root);
+    (root, paths, src)
+}
+
+/// `sluice copy --from from --to to root` through the test's sshd, trusting `key` (the
+/// destination's `trusted-public-keys` when given).
+fn sluice_copy(tmp: &Path, sshd: &Sshd, from: &str, to: &str, key: Option<&str>, root: &str) -> Output {
+    let mut cmd = over_ssh(tmp, sshd, &sluice_bin());
+    cmd.args(["copy", "--from", from, "--to", to]);
+    if let Some(key) = key {
+        cmd.args(["--trusted-public-keys", key]);
+    }
+    cmd.arg(root).output().unwrap()
+}
+
 /// Asserts that real Nix finds the chroot store `store` clean and holding the closure of
 /// `root`, which is `paths`.
 fn assert_holds(tmp: &Path, store: &Path, root: &str, paths: &BTreeSet<String>) {
@@ -100,28 +119,24 @@ fn assert_holds(tmp: &Path, store: &Path, root: &str, paths: &BTreeSet<String>) 
 }
 
 /// `sluice copy` pushes a closure into `ssh-ng://` with real Nix 2.8's and 2.26's
-/// `nix-daemon --stdio` at the far end and pulls it back, `sluice path-info --store` and
-/// `sluice missing --store` read it there; real Nix verifies every store.
+/// `nix-daemon --stdio` at the far end and pulls it back, `sluice path-info --store` reads it
+/// there; real Nix verifies every store.
 #[test]
 fn sluice_copies_both_ways_with_nix_daemons_at_the_far_end() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
     let sshd = Sshd::start(tmp);
-    let (root, paths) = crate::push::subset();
-    let src = crate::push::source_store(tmp, "cache-xz", &root);
+    let (root, paths, src) = subset_store(tmp);
     for (far, name) in [(FarEnd::Nix28, "far-2.8"), (FarEnd::Nix226, "far-2.26")] {
         let (store, url) = far_end(tmp, name, far, "CMD");
-        let o = over_ssh(tmp, &sshd, &sluice_bin()).args(["copy", "--from", src.to_str().unwrap(), "--to", &url, &root]).output().unwrap();
+        let o = sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root);
         check(&o, &format!("sluice copy --to {url}"));
         assert_holds(tmp, &store, &root, &paths);
         let o = over_ssh(tmp, &sshd, &sluice_bin()).args(["path-info", "--store", &url, "-r", &root]).output().unwrap();
         check(&o, "sluice path-info --store ssh-ng://");
         assert_eq!(String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
         let back = tmp.join(format!("back-from-{name}"));
-        let o = over_ssh(tmp, &sshd, &sluice_bin())
-            .args(["copy", "--from", &url, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root])
-            .output()
-            .unwrap();
+        let o = sluice_copy(tmp, &sshd, &url, back.to_str().unwrap(), Some(&corpus_key()), &root);
         check(&o, &format!("sluice copy --from {url}"));
         assert_holds(tmp, &back, &root, &paths);
         assert_store_closed(&back);
@@ -136,8 +151,7 @@ fn real_nix_clients_copy_both_ways_through_sluice_at_the_far_end() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
     let sshd = Sshd::start(tmp);
-    let (root, paths) = crate::push::subset();
-    let src = crate::push::source_store(tmp, "cache-xz", &root);
+    let (root, paths, src) = subset_store(tmp);
     let nix = PathBuf::from("nix");
     for (pusher, puller, name) in [(&nix, nix_modern_bin(), "far-a"), (&nix_modern_bin(), nix.clone(), "far-b")] {
         let (store, url) = far_end(tmp, name, FarEnd::Sluice, "CMD");
@@ -216,16 +230,12 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
     let sshd = Sshd::start(tmp);
-    let (root, paths) = crate::push::subset();
-    let src = crate::push::source_store(tmp, "cache-xz", &root);
-    let push = |url: &str| over_ssh(tmp, &sshd, &sluice_bin()).args(["copy", "--from", src.to_str().unwrap(), "--to", url, &root]).output().unwrap();
+    let (root, paths, src) = subset_store(tmp);
+    let push = |url: &str| sluice_copy(tmp, &sshd, src.to_str().unwrap(), url, None, &root);
     check(&push(&far_end(tmp, "far", FarEnd::Nix28, "CMD").1), "push");
     let (_, cut_output) = far_end(tmp, "far", FarEnd::Nix28, "CMD | dd bs=64K count=200000 iflag=count_bytes status=none");
     let back = tmp.join("back");
-    let o = over_ssh(tmp, &sshd, &sluice_bin())
-        .args(["copy", "--from", &cut_output, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root])
-        .output()
-        .unwrap();
+    let o = sluice_copy(tmp, &sshd, &cut_output, back.to_str().unwrap(), Some(&corpus_key()), &root);
     assert!(!o.status.success(), "a pull from a far end cut short succeeded");
     assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
     assert_store_closed(&back);
@@ -242,4 +252,56 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
     assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
     assert!(registered_paths(&far2).len() < paths.len());
     assert_nix_verifies(tmp, &far2);
+}
+
+/// Trust is decided before a NAR is transferred (NixOS/nix#13339): pulling paths signed by
+/// no key the destination trusts fails without their NARs crossing the connection (the far
+/// end's output, counted by `dd`, stays below the closure's NAR bytes).
+#[test]
+fn untrusted_paths_are_refused_before_their_nars_are_transferred() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    let o = sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root);
+    check(&o, "push");
+    let count = tmp.join("far-output-bytes");
+    let (_, counted) = far_end(tmp, "far", FarEnd::Nix28, &format!("CMD | dd bs=64K 2>{}", count.display()));
+    let back = tmp.join("back");
+    let other_key = "cache.nixos.org-1:6NCHdD59X431o0gWypbMrAURkbJ16ZPMQFGspcDShjY=";
+    let o = sluice_copy(tmp, &sshd, &counted, back.to_str().unwrap(), Some(other_key), &root);
+    assert!(!o.status.success(), "untrusted paths were copied");
+    assert!(stderr(&o).contains("signature"), "{}", stderr(&o));
+    assert!(registered_paths(&back).is_empty());
+    let nar_bytes: u64 = nix_path_info(tmp, far.to_str().unwrap(), &root).iter().map(|i| i["narSize"].as_u64().unwrap()).sum();
+    let sent: u64 = std::fs::read_to_string(&count).unwrap().lines().find_map(|l| l.split(' ').next()?.parse().ok()).unwrap();
+    assert_eq!(paths.len(), 25);
+    assert!(sent < nar_bytes / 10, "{sent} bytes came from the far end, the closure's NARs are {nar_bytes}");
+}
+
+/// A pull is at the round-trip floor: the closure found one level per round trip and every
+/// NAR asked for at once (NarFromPath pipelined), not one round trip per path: at 150 ms RTT
+/// the 25-path closure takes less than `ssh host true` and 16 round trips (one NAR per
+/// round trip took 25 more).
+#[test]
+fn a_pull_pipelines_its_nars() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let rtt = 150;
+    let sshd = Sshd::start(tmp).with_rtt(rtt);
+    let (root, paths, src) = subset_store(tmp);
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root), "push");
+    let started = std::time::Instant::now();
+    check(&Command::new("ssh").arg("-F").arg(sshd.ssh_config()).args([HOST, "true"]).output().unwrap(), "ssh true");
+    let floor = started.elapsed();
+    let back = tmp.join("back");
+    let started = std::time::Instant::now();
+    let o = sluice_copy(tmp, &sshd, &url, back.to_str().unwrap(), Some(&corpus_key()), &root);
+    let took = started.elapsed();
+    check(&o, "pull");
+    assert_eq!(registered_paths(&back), paths);
+    let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
+    assert!(trips < 16.0, "the pull took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
 }
