@@ -301,8 +301,8 @@ fn collect_stderr(stderr: std::process::ChildStderr, kept: &Mutex<Vec<u8>>) {
     }
 }
 
-/// A running ssh: its process and what it wrote on standard error. Killed when the channel's
-/// reader and writer are both gone.
+/// A running ssh: its process and what it wrote on standard error. Once the channel's reader
+/// and writer are both gone (its input closed), given [`EXIT_GRACE`] to end, then killed.
 struct Session {
     host: String,
     command: String,
@@ -348,11 +348,20 @@ impl Session {
     }
 }
 
+/// How long a session whose streams are closed is given to end by itself (the remote command
+/// sees the end of its input and exits, then ssh) before ssh is killed.
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Drop for Session {
     fn drop(&mut self) {
         let child = self.child.get_mut().unwrap_or_else(|p| p.into_inner());
-        if matches!(child.try_wait(), Ok(None)) {
-            let _ = child.kill();
+        let deadline = std::time::Instant::now() + EXIT_GRACE;
+        while matches!(child.try_wait(), Ok(None)) {
+            if std::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let _ = child.wait();
     }
