@@ -118,13 +118,6 @@ impl Store for LocalStoreHandle {
         Box::pin(blocking(&self.url, move || Ok(store.dump_path(&path, &mut sink)?)))
     }
 
-    /// The store's signature policy ([`SignaturePolicy::vouch`]): signed by a trusted key, or
-    /// content-addressed (checked against the content when it is added), or no signature
-    /// required.
-    fn admits(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
-        self.policy.vouch(self.store.store_dir(), info).map(drop).map_err(StoreError::from)
-    }
-
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
         Box::pin(async move {
             let (store, roots) = (self.store.clone(), self.roots.clone());
@@ -139,6 +132,13 @@ impl Store for LocalStoreHandle {
             let policy = self.policy.clone();
             blocking(&self.url, move || Ok(pending.commit(&policy)?)).await
         })
+    }
+
+    /// The store's signature policy ([`SignaturePolicy::vouch`]): signed by a trusted key, or
+    /// content-addressed (checked against the content when it is added), or no signature
+    /// required.
+    fn check_trust(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
+        self.policy.vouch(self.store.store_dir(), info).map(drop).map_err(StoreError::from)
     }
 
     fn parallelism(&self) -> usize {

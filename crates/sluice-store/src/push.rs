@@ -2,8 +2,9 @@
 //! `copyPaths`, `src/libstore/store-api.cc`, with the order of Nix 2.35's binary-cache
 //! uploads): the closure is found in the source level by level (one batched query per level),
 //! what the destination already has, contents included ([`Store::query_complete_paths`]), is
-//! found in one query and skipped, and every missing path
-//! is then transferred at once, largest NAR first, at most the destination's
+//! found in one query and skipped, and every missing path is then transferred at once (the
+//! destination having vouched for each path's signature or content address first, the source
+//! told to fetch the NARs ahead), largest NAR first, at most the destination's
 //! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
 //! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
@@ -87,7 +88,17 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             report.failed.insert(path.clone(), Failure::other(format!("{}: {message}", dst.store_dir().display_path(&path))));
         }
     }
+    // Trust is decided before any NAR is transferred (built here is not built there).
+    for info in &missing {
+        if let Err(e) = dst.check_trust(&ValidPathInfo { ultimate: false, ..(*info).clone() }) {
+            if let Some(tx) = senders.remove(&info.path) {
+                let _ = tx.send(Err(e.to_string()));
+            }
+            report.failed.insert(info.path.clone(), Failure::copy(&dst.store_dir().display_path(&info.path), dst.url(), &e));
+        }
+    }
     missing.retain(|i| !report.failed.contains_key(&i.path));
+    src.prefetch_nars(&missing);
     let mut tasks = Vec::with_capacity(missing.len());
     for info in missing {
         let gate_refs: Vec<(StorePath, Done)> =
@@ -108,11 +119,6 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             let shown = dst.store_dir().display_path(&info.path);
             let mut gate = Some(gate);
             let outcome = loop {
-                // The destination's verdict on the signature or content address comes before
-                // any NAR is transferred (NixOS/nix#13339).
-                if let Err(e) = dst.admits(&ValidPathInfo { ultimate: false, ..info.clone() }) {
-                    break Err(Failure::copy(&shown, dst.url(), &e));
-                }
                 let permit = slots.clone().acquire_owned().await.expect("semaphore never closed");
                 let nar = match src.nar_from_path(&info).await {
                     Err(e) => break Err(Failure::copy(&shown, src.url(), &e)),

@@ -36,7 +36,7 @@ use sluice_nix::path_info::ValidPathInfo;
 mod batch;
 mod daemon_store;
 
-pub use daemon_store::DaemonStore;
+pub use daemon_store::{Connector, DaemonStore};
 
 /// The protocol version this client speaks: 1.38 (Nix 2.24 and later; the daemon's trusted flag
 /// from 1.35, CPU times in build results from 1.37, the feature exchange from 1.38). Both sides
@@ -319,6 +319,28 @@ impl DaemonConnection {
                 written = sink.write_all(&buf[..n]);
             }
         }
+    }
+
+    /// NarFromPath of each of `paths` (a path and its registered NAR size), pipelined
+    /// ([`DaemonConnection::pipelined`]: one round trip per [`PIPELINE_BYTES`] of requests):
+    /// each NAR is read whole and given to `each` with its index as soon as it has arrived.
+    /// After an error the rest of the replies are unread: drop the connection.
+    pub fn nars_from_paths(&mut self, paths: &[(StorePath, u64)], mut each: impl FnMut(usize, Vec<u8>)) -> Result<(), RemoteError> {
+        let requests: Vec<NarFromPath> = paths.iter().map(|(path, _)| NarFromPath { path: path.clone() }).collect();
+        let mut next = 0;
+        self.pipelined(&requests, "NarFromPath", |c, _| {
+            let size = paths[next].1;
+            let io = c.io_err("reading the NAR (NarFromPath)");
+            let mut nar = Vec::with_capacity(size.min(PIPELINE_BYTES as u64) as usize);
+            (&mut c.r).take(size).read_to_end(&mut nar).map_err(&io)?;
+            if nar.len() as u64 != size {
+                return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            each(next, nar);
+            next += 1;
+            Ok(())
+        })?;
+        Ok(())
     }
 
     /// AddToStoreNar (daemons of protocol ≥ 1.23): adds `info.path` from the NAR read

@@ -46,6 +46,9 @@ pub(crate) const SSH_PARAMS: &[Param] = &[
 /// Bytes of ssh's standard error kept for error messages (the last ones).
 const STDERR_KEPT: usize = 4096;
 
+/// Lines of ssh's standard error an error message quotes (the last ones).
+const STDERR_LINES: usize = 3;
+
 /// Where and how to reach a host: an SSH store's URL authority and parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SshConfig {
@@ -298,8 +301,8 @@ fn collect_stderr(stderr: std::process::ChildStderr, kept: &Mutex<Vec<u8>>) {
     }
 }
 
-/// A running ssh: its process and what it wrote on standard error. Killed when the channel's
-/// reader and writer are both gone.
+/// A running ssh: its process and what it wrote on standard error. Once the channel's reader
+/// and writer are both gone (its input closed), given [`EXIT_GRACE`] to end, then killed.
 struct Session {
     host: String,
     command: String,
@@ -318,11 +321,14 @@ impl Session {
         status
     }
 
-    /// What ssh wrote on standard error, trimmed; `None` if nothing.
+    /// The last [`STDERR_LINES`] lines ssh wrote on standard error (its verdict comes last,
+    /// after banners such as the changed-host-key warning), on one line; `None` if none.
     fn stderr(&self) -> Option<String> {
         let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        let text = String::from_utf8_lossy(&kept).trim().to_string();
-        (!text.is_empty()).then_some(text)
+        let text = String::from_utf8_lossy(&kept);
+        let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.chars().all(|c| c == '@')).collect();
+        let last = &lines[lines.len().saturating_sub(STDERR_LINES)..];
+        (!last.is_empty()).then(|| last.join(" "))
     }
 
     /// The error for a stream that ended early (`cause`: what the reader or writer saw): once
@@ -342,11 +348,20 @@ impl Session {
     }
 }
 
+/// How long a session whose streams are closed is given to end by itself (the remote command
+/// sees the end of its input and exits, then ssh) before ssh is killed.
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Drop for Session {
     fn drop(&mut self) {
         let child = self.child.get_mut().unwrap_or_else(|p| p.into_inner());
-        if matches!(child.try_wait(), Ok(None)) {
-            let _ = child.kill();
+        let deadline = std::time::Instant::now() + EXIT_GRACE;
+        while matches!(child.try_wait(), Ok(None)) {
+            if std::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let _ = child.wait();
     }

@@ -147,11 +147,17 @@ pub trait Store: Send + Sync {
         })
     }
 
-    /// Whether `info` would be admitted as far as its claims go (a local store's signature
-    /// policy), asked before its NAR is read so that a refused path is not transferred
-    /// (NixOS/nix#13339: a copy refused only after its download). By default every one is;
-    /// [`add_to_store`](Self::add_to_store) checks again whatever this said.
-    fn admits(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
+    /// A hint that the NARs of `infos` are about to be read, in this order: a store that can
+    /// fetch them ahead of their readers does (a daemon, with NarFromPath pipelined).
+    fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
+        let _ = infos;
+    }
+
+    /// Whether `info` may be added as far as its claims go (a trusted signature, or a content
+    /// address, where the store requires one): asked before its NAR is transferred, so that
+    /// a path that would be refused is not downloaded first (NixOS/nix#13339). By default every
+    /// one is; [`add_to_store`](Self::add_to_store) checks again whatever this said.
+    fn check_trust(&self, info: &ValidPathInfo) -> Result<(), StoreError> {
         let _ = info;
         Ok(())
     }

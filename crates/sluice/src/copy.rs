@@ -25,7 +25,7 @@ use crate::setup::{self, CacheFlags};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The store to copy from [default: the `substituters`, by priority]: a binary cache, or
-    /// any store (local, a daemon) when copying into a binary cache or a daemon. As with `nix copy --from`, a
+    /// any store (local, a daemon, `ssh-ng://`) when copying into a binary cache or a daemon. As with `nix copy --from`, a
     /// cache's paths need a trusted signature even with `?trusted=true`, which applies to
     /// substituters only.
     #[arg(long)]
@@ -34,7 +34,7 @@ pub struct Args {
     /// with the local store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`,
     /// …) or a binary cache (`file://DIR`, `http(s)://…` by PUT, `s3://BUCKET?…`, with
     /// `compression`, `compression-level`, `parallel-compression`, `secret-key`,
-    /// `write-nar-listing`) or a daemon (`daemon`, `unix://PATH`) [default: the `store`
+    /// `write-nar-listing`) or a daemon (`daemon`, `unix://PATH`, `ssh-ng://[user@]host[:port]`) [default: the `store`
     /// setting, whose default is `$NIX_REMOTE` or `auto`].
     #[arg(long)]
     to: Option<String>,

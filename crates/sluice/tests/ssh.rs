@@ -1,9 +1,12 @@
 //! The SSH stores (`ssh-ng://`, `ssh://`) against a real sshd on 127.0.0.1 ([`common::sshd`]).
 
-use std::process::Command;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
 
-use crate::common::check;
 use crate::common::sshd::{Sshd, HOST};
+use crate::common::*;
 
 /// The harness itself: the test's own keys and configuration log in, and nothing else does.
 #[test]
@@ -19,4 +22,286 @@ fn sshd_logs_in_with_the_tests_key_only() {
         .output()
         .unwrap();
     assert!(!o.status.success(), "a client without the test's key logged in");
+}
+
+// ssh-ng://: the worker protocol through ssh, real Nix at either end.
+
+/// What serves a chroot store at the far end of `ssh-ng://`.
+#[derive(Clone, Copy, Debug)]
+enum FarEnd {
+    /// Real Nix 2.8's `nix-daemon --stdio`.
+    Nix28,
+    /// Real Nix 2.26's `nix-daemon --stdio` (`shared/bin/nix-modern`).
+    Nix226,
+    /// `sluice daemon --stdio`.
+    Sluice,
+}
+
+/// A chroot store under `tmp/name` served at the far end by `far`, and its `ssh-ng://` URL:
+/// `remote-program=` a wrapper script that gives the far end an isolated environment whose
+/// default store is that chroot store (so that it never opens this machine's /nix), trusting
+/// the corpus's key, and `remote-store=` the chroot store for Nix's daemons (sluice's is given
+/// `--store` by the wrapper). The wrapper runs `shape` with `CMD` replaced by the far end's
+/// command (`CMD | dd … count=N` cuts it midway).
+fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String) {
+    let store = tmp.join(name);
+    let (home, conf) = (tmp.join(format!("{name}-home")), tmp.join("no-etc-nix"));
+    std::fs::create_dir_all(&home).unwrap();
+    let root = format!("local?root={}", store.display());
+    let program = match far {
+        FarEnd::Nix28 => "nix-daemon".to_string(),
+        FarEnd::Nix226 => format!("cd /tmp && {}/bin/nix-modern nix-daemon", shared().display()),
+        FarEnd::Sluice => format!("{} daemon --store {}", env!("CARGO_BIN_EXE_sluice"), store.display()),
+    };
+    let command = shape.replace("CMD", &format!("{program} \"$@\""));
+    let wrapper = tmp.join(format!("{name}-remote-program"));
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexport HOME={} NIX_CONF_DIR={} NIX_REMOTE='{root}' NIX_CONFIG='trusted-public-keys = {}'\n{command}\n",
+            home.display(),
+            conf.display(),
+            corpus_key()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let remote_store = match far {
+        FarEnd::Sluice => String::new(),
+        _ => format!("&remote-store={root}"),
+    };
+    (store, format!("ssh-ng://{HOST}?remote-program={}{remote_store}", wrapper.display()))
+}
+
+/// `program` (sluice, Nix 2.8's `nix`, or `nix-modern` for Nix 2.26) isolated under `tmp`
+/// (trusting the corpus's key), reaching the test's sshd through `NIX_SSHOPTS`.
+fn over_ssh(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
+    let mut cmd = Command::new(program);
+    isolate(&mut cmd, tmp, &format!("trusted-public-keys = {}", corpus_key()));
+    cmd.env("NIX_SSHOPTS", sshd.ssh_opts()).current_dir(tmp);
+    cmd
+}
+
+fn sluice_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
+}
+
+fn nix_modern_bin() -> PathBuf {
+    shared().join("bin/nix-modern")
+}
+
+/// The 25-path subset of the corpus: its root, its paths, and a chroot store under `tmp`
+/// holding it.
+fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
+    let (root, paths) = crate::push::subset();
+    let src = crate::push::source_store(tmp, "cache-xz", &root);
+    (root, paths, src)
+}
+
+/// `sluice copy --from from --to to root` through the test's sshd, trusting `key` (the
+/// destination's `trusted-public-keys` when given).
+fn sluice_copy(tmp: &Path, sshd: &Sshd, from: &str, to: &str, key: Option<&str>, root: &str) -> Output {
+    let mut cmd = over_ssh(tmp, sshd, &sluice_bin());
+    cmd.args(["copy", "--from", from, "--to", to]);
+    if let Some(key) = key {
+        cmd.args(["--trusted-public-keys", key]);
+    }
+    cmd.arg(root).output().unwrap()
+}
+
+/// Asserts that real Nix finds the chroot store `store` clean and holding the closure of
+/// `root`, which is `paths`.
+fn assert_holds(tmp: &Path, store: &Path, root: &str, paths: &BTreeSet<String>) {
+    assert_nix_verifies(tmp, store);
+    let infos = nix_path_info(tmp, store.to_str().unwrap(), root);
+    let held: BTreeSet<String> = infos.iter().map(|i| i["path"].as_str().unwrap().to_string()).collect();
+    assert_eq!(&held, paths);
+}
+
+/// `sluice copy` pushes a closure into `ssh-ng://` with real Nix 2.8's and 2.26's
+/// `nix-daemon --stdio` at the far end and pulls it back, `sluice path-info --store` reads it
+/// there; real Nix verifies every store.
+#[test]
+fn sluice_copies_both_ways_with_nix_daemons_at_the_far_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    for (far, name) in [(FarEnd::Nix28, "far-2.8"), (FarEnd::Nix226, "far-2.26")] {
+        let (store, url) = far_end(tmp, name, far, "CMD");
+        let o = sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root);
+        check(&o, &format!("sluice copy --to {url}"));
+        assert_holds(tmp, &store, &root, &paths);
+        let o = over_ssh(tmp, &sshd, &sluice_bin()).args(["path-info", "--store", &url, "-r", &root]).output().unwrap();
+        check(&o, "sluice path-info --store ssh-ng://");
+        assert_eq!(String::from_utf8_lossy(&o.stdout).lines().map(str::to_string).collect::<BTreeSet<_>>(), paths);
+        let back = tmp.join(format!("back-from-{name}"));
+        let o = sluice_copy(tmp, &sshd, &url, back.to_str().unwrap(), Some(&corpus_key()), &root);
+        check(&o, &format!("sluice copy --from {url}"));
+        assert_holds(tmp, &back, &root, &paths);
+        assert_store_closed(&back);
+    }
+}
+
+/// Real Nix 2.8 and 2.26 clients copy a closure both ways through `sluice daemon --stdio` at
+/// the far end of `ssh-ng://` (Nix's `nix copy --to` / `--from` unchanged, the daemon named by
+/// `remote-program=`); real Nix verifies every store.
+#[test]
+fn real_nix_clients_copy_both_ways_through_sluice_at_the_far_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let nix = PathBuf::from("nix");
+    for (pusher, puller, name) in [(&nix, nix_modern_bin(), "far-a"), (&nix_modern_bin(), nix.clone(), "far-b")] {
+        let (store, url) = far_end(tmp, name, FarEnd::Sluice, "CMD");
+        let mut push = over_ssh(tmp, &sshd, pusher);
+        if *pusher != nix {
+            push.arg("nix");
+        }
+        let o = push.args(["copy", "--from", src.to_str().unwrap(), "--to", &url, &root]).output().unwrap();
+        check(&o, &format!("{} nix copy --to {url}", pusher.display()));
+        assert_holds(tmp, &store, &root, &paths);
+        let back = tmp.join(format!("{name}-back"));
+        let mut pull = over_ssh(tmp, &sshd, &puller);
+        if puller != nix {
+            pull.arg("nix");
+        }
+        let o = pull.args(["copy", "--from", &url, "--to", back.to_str().unwrap(), &root]).output().unwrap();
+        check(&o, &format!("{} nix copy --from {url}", puller.display()));
+        assert_holds(tmp, &back, &root, &paths);
+    }
+}
+
+/// ssh's own failures and a missing remote program are one error naming the host and saying
+/// why: a host key other than the host's (`base64-ssh-public-host-key`), a key the host does
+/// not accept (`ssh-key`, with `[user@]host:port`), a `remote-program` that is not there.
+#[test]
+fn ssh_failures_are_one_error_naming_the_host() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, _) = crate::push::subset();
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    let o = Command::new("ssh-keygen").args(["-q", "-t", "ed25519", "-N", "", "-f"]).arg(tmp.join("other_key")).output().unwrap();
+    check(&o, "ssh-keygen");
+    let other_key = std::fs::read_to_string(tmp.join("other_key.pub")).unwrap();
+    let wrong_host_key = format!("{url}&base64-ssh-public-host-key={}", base64_of(other_key.as_bytes()));
+    let direct = format!(
+        "ssh-ng://root@127.0.0.1:{}?ssh-key={}&remote-program=/bin/false",
+        sshd.port,
+        tmp.join("other_key").display()
+    );
+    let missing = format!("ssh-ng://{HOST}?remote-program={}/no-such-nix-daemon", tmp.display());
+    let cases = [
+        (&wrong_host_key, sshd.ssh_opts(), vec!["failed to start SSH connection to 'sluice-test'", "Host key verification failed"]),
+        (
+            &direct,
+            "-F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o IdentitiesOnly=yes".into(),
+            vec!["failed to start SSH connection to '127.0.0.1'", "Permission denied (publickey"],
+        ),
+        (&missing, sshd.ssh_opts(), vec!["'sluice-test'", "status 127 (the remote program was not found)", "no-such-nix-daemon"]),
+    ];
+    for (url, opts, expected) in cases {
+        let o = over_ssh(tmp, &sshd, &sluice_bin()).env("NIX_SSHOPTS", opts).args(["path-info", "--store", url, &root]).output().unwrap();
+        assert!(!o.status.success(), "{url}: succeeded");
+        let err = stderr(&o);
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{url}: not one line:\n{err}");
+        for e in expected {
+            assert!(err.contains(e), "{url}: {e:?} not in:\n{err}");
+        }
+    }
+}
+
+/// The base64 of `bytes` (`base64 -w0`).
+fn base64_of(bytes: &[u8]) -> String {
+    let mut child = Command::new("base64").arg("-w0").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap()
+}
+
+/// A far end that dies in the middle of a copy (its output cut after 200 KB pulling, its
+/// input cut after 200 KB pushing) fails the copy with an error naming the host and leaves
+/// nothing half-registered on either side: sluice's store holds only whole, registered paths
+/// whose closures are complete and nothing temporary, and Nix's verifies.
+#[test]
+fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let push = |url: &str| sluice_copy(tmp, &sshd, src.to_str().unwrap(), url, None, &root);
+    check(&push(&far_end(tmp, "far", FarEnd::Nix28, "CMD").1), "push");
+    let (_, cut_output) = far_end(tmp, "far", FarEnd::Nix28, "CMD | dd bs=64K count=200000 iflag=count_bytes status=none");
+    let back = tmp.join("back");
+    let o = sluice_copy(tmp, &sshd, &cut_output, back.to_str().unwrap(), Some(&corpus_key()), &root);
+    assert!(!o.status.success(), "a pull from a far end cut short succeeded");
+    assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
+    assert_store_closed(&back);
+    let registered = registered_paths(&back);
+    assert!(registered.len() < paths.len(), "everything was copied: {registered:?}");
+    assert_nix_verifies(tmp, &back);
+    for path in &registered {
+        let closure = nix_path_info(tmp, back.to_str().unwrap(), path);
+        assert!(closure.iter().all(|i| i["valid"].as_bool() != Some(false)), "{path}'s closure is incomplete: {closure:?}");
+    }
+    let (far2, cut_input) = far_end(tmp, "far2", FarEnd::Nix28, "dd bs=64K count=200000 iflag=count_bytes status=none | CMD");
+    let o = push(&cut_input);
+    assert!(!o.status.success(), "a push into a far end cut short succeeded");
+    assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
+    assert!(registered_paths(&far2).len() < paths.len());
+    assert_nix_verifies(tmp, &far2);
+}
+
+/// Trust is decided before a NAR is transferred (NixOS/nix#13339): pulling paths signed by
+/// no key the destination trusts fails without their NARs crossing the connection (the far
+/// end's output, counted by `dd`, stays below the closure's NAR bytes).
+#[test]
+fn untrusted_paths_are_refused_before_their_nars_are_transferred() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    let o = sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root);
+    check(&o, "push");
+    let count = tmp.join("far-output-bytes");
+    let (_, counted) = far_end(tmp, "far", FarEnd::Nix28, &format!("CMD | dd bs=64K 2>{}", count.display()));
+    let back = tmp.join("back");
+    let other_key = "cache.nixos.org-1:6NCHdD59X431o0gWypbMrAURkbJ16ZPMQFGspcDShjY=";
+    let o = sluice_copy(tmp, &sshd, &counted, back.to_str().unwrap(), Some(other_key), &root);
+    assert!(!o.status.success(), "untrusted paths were copied");
+    assert!(stderr(&o).contains("signature"), "{}", stderr(&o));
+    assert!(registered_paths(&back).is_empty());
+    let nar_bytes: u64 = nix_path_info(tmp, far.to_str().unwrap(), &root).iter().map(|i| i["narSize"].as_u64().unwrap()).sum();
+    let sent: u64 = std::fs::read_to_string(&count).unwrap().lines().find_map(|l| l.split(' ').next()?.parse().ok()).unwrap();
+    assert_eq!(paths.len(), 25);
+    assert!(sent < nar_bytes / 10, "{sent} bytes came from the far end, the closure's NARs are {nar_bytes}");
+}
+
+/// A pull is at the round-trip floor: the closure found one level per round trip and every
+/// NAR asked for at once (NarFromPath pipelined), not one round trip per path: at 150 ms RTT
+/// the 25-path closure takes less than `ssh host true` and 16 round trips (one NAR per
+/// round trip took 25 more).
+#[test]
+fn a_pull_pipelines_its_nars() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let rtt = 150;
+    let sshd = Sshd::start(tmp).with_rtt(rtt);
+    let (root, paths, src) = subset_store(tmp);
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root), "push");
+    let started = std::time::Instant::now();
+    check(&Command::new("ssh").arg("-F").arg(sshd.ssh_config()).args([HOST, "true"]).output().unwrap(), "ssh true");
+    let floor = started.elapsed();
+    let back = tmp.join("back");
+    let started = std::time::Instant::now();
+    let o = sluice_copy(tmp, &sshd, &url, back.to_str().unwrap(), Some(&corpus_key()), &root);
+    let took = started.elapsed();
+    check(&o, "pull");
+    assert_eq!(registered_paths(&back), paths);
+    let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
+    assert!(trips < 16.0, "the pull took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
 }

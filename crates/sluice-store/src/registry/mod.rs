@@ -66,6 +66,7 @@ macro_rules! kinds {
 kinds! {
     local,
     daemon,
+    ssh_ng,
     binary_cache,
     s3,
     dummy,

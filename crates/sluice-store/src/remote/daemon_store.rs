@@ -1,16 +1,18 @@
 //! [`DaemonStore`]: a daemon behind the [`Store`](crate::store::Store) interface, its one
 //! connection on a thread of its own.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
 
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ProtocolVersion;
 
 use super::{batch, DaemonConnection, RemoteError};
-use crate::store::{NarReader, PipedNar, PublishGate, StoreError, StoreFuture};
+use crate::store::{NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture};
 
 /// A daemon behind the [`Store`](crate::store::Store) interface: one connection (Nix's
 /// default `max-connections`), owned by a thread of its own that runs the store's operations
@@ -26,7 +28,18 @@ pub struct DaemonStore {
     store_dir: StoreDir,
     version: ProtocolVersion,
     jobs: std::sync::mpsc::Sender<Job>,
+    prefetched: Prefetched,
 }
+
+/// NARs being fetched ahead of their readers ([`Store::prefetch_nars`]), by path: each
+/// arrives whole, or as the connection's failure.
+type Prefetched = Arc<Mutex<HashMap<StorePath, Receiver<Result<Vec<u8>, String>>>>>;
+
+/// Largest NAR fetched ahead of its reader (larger ones are streamed when read).
+const PREFETCH_NAR_MAX: u64 = 4 << 20;
+
+/// Most bytes of NAR fetched ahead of their readers by one copy.
+const PREFETCH_TOTAL: u64 = 512 << 20;
 
 /// Work for the connection's thread.
 pub(super) enum Job {
@@ -40,10 +53,13 @@ pub(super) enum Job {
 /// the additions that can wait in its queue to go in one operation.
 const ADDITIONS_AT_ONCE: usize = 64;
 
+/// Opens a new connection to the daemon of a [`DaemonStore`] (a Unix socket's, or a remote
+/// command's through ssh), on the connection's thread.
+pub type Connector = Box<dyn FnMut() -> Result<DaemonConnection, RemoteError> + Send>;
+
 /// The connection of a [`DaemonStore`], on its thread; `None` after a failure.
 pub(super) struct Reconnecting {
-    socket: PathBuf,
-    lock_cpu: bool,
+    connect: Connector,
     conn: Option<DaemonConnection>,
 }
 
@@ -53,7 +69,7 @@ impl Reconnecting {
     pub(super) fn with<T>(&mut self, f: impl FnOnce(&mut DaemonConnection) -> Result<T, RemoteError>) -> Result<T, RemoteError> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
-            None => self.conn.insert(DaemonConnection::connect(&self.socket, self.lock_cpu)?),
+            None => self.conn.insert((self.connect)()?),
         };
         let result = f(conn);
         if result.is_err() {
@@ -69,9 +85,17 @@ impl DaemonStore {
     /// signatures when `check_sigs` (Nix's `CheckSigs`; `false` is `--no-check-sigs`, which a
     /// daemon honours only for a trusted client).
     pub fn connect(url: &str, socket: &Path, lock_cpu: bool, check_sigs: bool) -> Result<Self, RemoteError> {
+        let socket = socket.to_owned();
+        let daemon = socket.display().to_string();
+        Self::open(url, &daemon, Box::new(move || DaemonConnection::connect(&socket, lock_cpu)), check_sigs)
+    }
+
+    /// The daemon `connect` connects to (opened as `url`, named `daemon` in errors), connected
+    /// from the connection's new thread; additions as with [`DaemonStore::connect`].
+    pub fn open(url: &str, daemon: &str, connect: Connector, check_sigs: bool) -> Result<Self, RemoteError> {
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let (greeted, greeting) = std::sync::mpsc::channel();
-        let mut conn = Reconnecting { socket: socket.to_owned(), lock_cpu, conn: None };
+        let mut conn = Reconnecting { connect, conn: None };
         let spawned = std::thread::Builder::new().name("sluice-daemon-client".into()).spawn(move || {
             let greeting = conn.with(|c| Ok((c.store_dir().clone(), c.version())));
             let ok = greeting.is_ok();
@@ -80,10 +104,10 @@ impl DaemonStore {
                 batch::serve(&mut conn, &queue, check_sigs);
             }
         });
-        spawned.map_err(|source| RemoteError::Connect { daemon: socket.display().to_string(), source })?;
-        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: socket.display().to_string() };
+        spawned.map_err(|source| RemoteError::Connect { daemon: daemon.to_string(), source })?;
+        let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: daemon.to_string() };
         let (store_dir, version) = greeting.recv().map_err(|_| ended())??;
-        Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs })
+        Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs, prefetched: Prefetched::default() })
     }
 
     /// Runs `f` on the connection's thread.
@@ -101,7 +125,7 @@ impl DaemonStore {
     }
 }
 
-impl crate::store::Store for DaemonStore {
+impl Store for DaemonStore {
     fn url(&self) -> &str {
         &self.url
     }
@@ -134,9 +158,54 @@ impl crate::store::Store for DaemonStore {
     }
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
-        let nar =
-            DaemonNar { url: self.url.clone(), jobs: self.jobs.clone(), path: info.path.clone(), nar_size: info.nar_size, piped: None };
+        let nar = DaemonNar {
+            url: self.url.clone(),
+            jobs: self.jobs.clone(),
+            path: info.path.clone(),
+            nar_size: info.nar_size,
+            prefetched: self.prefetched.clone(),
+            reader: None,
+        };
         Box::pin(async move { Ok(Box::new(nar) as NarReader) })
+    }
+
+    /// The NARs of `infos` (up to [`PREFETCH_NAR_MAX`] each, [`PREFETCH_TOTAL`] in all) are
+    /// asked for at once, NarFromPath pipelined on the connection, and kept as they arrive
+    /// until their readers take them: one round trip for hundreds of NARs instead of one each.
+    fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
+        let mut total = 0;
+        let mut wanted = Vec::new();
+        let mut senders = Vec::new();
+        let mut prefetched = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
+        for info in infos.iter().filter(|i| i.nar_size <= PREFETCH_NAR_MAX) {
+            if total + info.nar_size > PREFETCH_TOTAL {
+                break;
+            }
+            total += info.nar_size;
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            prefetched.insert(info.path.clone(), rx);
+            wanted.push((info.path.clone(), info.nar_size));
+            senders.push(Some(tx));
+        }
+        if wanted.is_empty() {
+            return;
+        }
+        tracing::debug!("{}: fetching {} NARs ahead ({total} bytes)", self.url, wanted.len());
+        let fetch = Job::Run(Box::new(move |conn: &mut Reconnecting| {
+            let fetched = conn.with(|c| {
+                c.nars_from_paths(&wanted, |i, nar| {
+                    if let Some(tx) = senders[i].take() {
+                        let _ = tx.send(Ok(nar));
+                    }
+                })
+            });
+            if let Err(e) = fetched {
+                let message = e.to_string();
+                senders.into_iter().flatten().for_each(|tx| drop(tx.send(Err(message.clone()))));
+            }
+        }));
+        // Without the thread, each reader finds its NAR's sender gone and says so.
+        let _ = self.jobs.send(fetch);
     }
 
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, mut publish: PublishGate) -> StoreFuture<'a, ()> {
@@ -178,40 +247,64 @@ async fn spool(url: &str, mut nar: NarReader) -> Result<NarReader, StoreError> {
     spooled.await.map_err(|e| err(std::io::Error::other(e)))?.map_err(err)
 }
 
-/// A NAR read from a daemon. The NarFromPath operation is queued on the connection's thread
-/// at the first read, not before: that thread then streams only NARs whose readers are reading
-/// (a NAR opened but not read yet cannot hold up the ones behind it). The thread writes into a
-/// pipe; a reader dropped early makes its writes fail, and the rest is read and dropped.
+/// A NAR read from a daemon: fetched ahead ([`Store::prefetch_nars`]), or else streamed by
+/// a NarFromPath operation queued on the connection's thread at the first read, not before:
+/// that thread then streams only NARs whose readers are reading (a NAR opened but not read yet
+/// cannot hold up the ones behind it). The thread writes into a pipe; a reader dropped early
+/// makes its writes fail, and the rest is read and dropped.
 struct DaemonNar {
     url: String,
     jobs: std::sync::mpsc::Sender<Job>,
     path: StorePath,
     nar_size: u64,
-    piped: Option<PipedNar>,
+    prefetched: Prefetched,
+    reader: Option<NarReader>,
+}
+
+impl DaemonNar {
+    /// The NAR fetched ahead, once it has arrived, if it was asked for.
+    fn take_prefetched(&self) -> Option<std::io::Result<NarReader>> {
+        let arrival = self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.path)?;
+        Some(match arrival.recv() {
+            Ok(Ok(nar)) => Ok(Box::new(std::io::Cursor::new(nar)) as NarReader),
+            Ok(Err(message)) => Err(std::io::Error::other(message)),
+            Err(_) => Err(std::io::Error::other(format!("{}: the daemon connection's thread ended", self.url))),
+        })
+    }
+
+    /// Starts streaming the NAR through a pipe from the connection's thread.
+    fn stream(&self) -> std::io::Result<NarReader> {
+        let (path, nar_size, jobs) = (self.path.clone(), self.nar_size, &self.jobs);
+        let ended = format!("{}: the daemon connection's thread ended", self.url);
+        let piped = PipedNar::start(&self.url, |mut write| {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let job = Job::Run(Box::new(move |conn| {
+                let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
+                drop(write);
+                let _ = tx.send(read);
+            }));
+            jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
+            Ok(Box::pin(async move {
+                match rx.await {
+                    // A failed write is the reader's own doing (it stopped reading).
+                    Ok(read) => read.map(drop).map_err(std::io::Error::other),
+                    Err(_) => Err(std::io::Error::other(ended)),
+                }
+            }))
+        })?;
+        Ok(Box::new(piped))
+    }
 }
 
 impl Read for DaemonNar {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if self.piped.is_none() {
-            let (path, nar_size, jobs) = (self.path.clone(), self.nar_size, &self.jobs);
-            let ended = format!("{}: the daemon connection's thread ended", self.url);
-            self.piped = Some(PipedNar::start(&self.url, |mut write| {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                let job = Job::Run(Box::new(move |conn| {
-                    let read = conn.with(|c| c.nar_from_path(&path, nar_size, &mut write));
-                    drop(write);
-                    let _ = tx.send(read);
-                }));
-                jobs.send(job).map_err(|_| std::io::Error::other(ended.clone()))?;
-                Ok(Box::pin(async move {
-                    match rx.await {
-                        // A failed write is the reader's own doing (it stopped reading).
-                        Ok(read) => read.map(drop).map_err(std::io::Error::other),
-                        Err(_) => Err(std::io::Error::other(ended)),
-                    }
-                }))
-            })?);
-        }
-        self.piped.as_mut().expect("started above").read(buf)
+        let reader = match &mut self.reader {
+            Some(reader) => reader,
+            None => {
+                let reader = self.take_prefetched().unwrap_or_else(|| self.stream())?;
+                self.reader.insert(reader)
+            }
+        };
+        reader.read(buf)
     }
 }
