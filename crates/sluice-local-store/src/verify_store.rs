@@ -119,13 +119,16 @@ impl LocalStore {
     }
 }
 
+/// A path's registration and its current NAR hash, or why it could not be hashed.
+type Hashed = Result<(ValidPathInfo, Hash), LocalStoreError>;
+
 impl LocalStore {
     /// The registration and current NAR hash of each of `paths`, in order, hashed on as many
     /// threads as there are cores (Nix hashes one path at a time).
-    fn hash_paths(&self, paths: &[&StorePath]) -> Vec<Result<(ValidPathInfo, Hash), LocalStoreError>> {
+    fn hash_paths(&self, paths: &[&StorePath]) -> Vec<Hashed> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(paths.len().max(1));
         let next = AtomicUsize::new(0);
-        let slots: Vec<Mutex<Option<Result<(ValidPathInfo, Hash), LocalStoreError>>>> = paths.iter().map(|_| Mutex::new(None)).collect();
+        let slots: Vec<Mutex<Option<Hashed>>> = paths.iter().map(|_| Mutex::new(None)).collect();
         std::thread::scope(|scope| {
             for _ in 0..threads {
                 scope.spawn(|| loop {

@@ -265,10 +265,7 @@ impl SshMaster {
             session.wait();
             return Err(SshError::Connect { host, stderr: session.stderr().unwrap_or_else(|| "ssh ended without a message".into()) });
         }
-        Ok(SshChannel {
-            reader: SshReader { stdout, session: session.clone() },
-            writer: SshWriter { stdin, session },
-        })
+        Ok(SshChannel { reader: SshReader { stdout, session: session.clone() }, writer: SshWriter { stdin, session } })
     }
 }
 
@@ -452,7 +449,15 @@ mod tests {
         assert_eq!((c.user, c.host.as_str(), c.port), (None, "::1", Some(22)));
         assert_eq!(ssh_config("ssh-ng://root@::1").host, "::1");
         assert_eq!(ssh_config("ssh-ng://h").remote_command(&["--stdio"]), ["nix-daemon", "--stdio"]);
-        for bad in ["ssh-ng://", "ssh-ng://-oProxyCommand=x", "ssh-ng://-u@h", "ssh-ng://@h", "ssh-ng://h:port", "ssh-ng://h/path", "ssh-ng://h?remote-program="] {
+        for bad in [
+            "ssh-ng://",
+            "ssh-ng://-oProxyCommand=x",
+            "ssh-ng://-u@h",
+            "ssh-ng://@h",
+            "ssh-ng://h:port",
+            "ssh-ng://h/path",
+            "ssh-ng://h?remote-program=",
+        ] {
             assert!(parse(bad).is_err(), "{bad} was accepted");
         }
         let e = parse("ssh-ng://h?base64-ssh-public-host-key=@@").unwrap_err().to_string();

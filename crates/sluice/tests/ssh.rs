@@ -187,11 +187,7 @@ fn ssh_failures_are_one_error_naming_the_host() {
     check(&o, "ssh-keygen");
     let other_key = std::fs::read_to_string(tmp.join("other_key.pub")).unwrap();
     let wrong_host_key = format!("{url}&base64-ssh-public-host-key={}", base64_of(other_key.as_bytes()));
-    let direct = format!(
-        "ssh-ng://root@127.0.0.1:{}?ssh-key={}&remote-program=/bin/false",
-        sshd.port,
-        tmp.join("other_key").display()
-    );
+    let direct = format!("ssh-ng://root@127.0.0.1:{}?ssh-key={}&remote-program=/bin/false", sshd.port, tmp.join("other_key").display());
     let missing = format!("ssh-ng://{HOST}?remote-program={}/no-such-nix-daemon", tmp.display());
     let cases = [
         (&wrong_host_key, sshd.ssh_opts(), vec!["failed to start SSH connection to 'sluice-test'", "Host key verification failed"]),
