@@ -45,6 +45,7 @@ fn man_pages_for_every_command_with_options_and_defaults() {
         "sluice-nar-ls",
         "sluice-nar-cat",
         "sluice-daemon",
+        "sluice-legacy-serve",
         "sluice-serve",
         "sluice-store",
         "sluice-store-verify",
@@ -80,7 +81,7 @@ fn man_pages_for_every_command_with_options_and_defaults() {
 #[test]
 fn help_describes_every_argument_and_offers_no_idle_flag() {
     let tmp = tempfile::tempdir().unwrap();
-    let commands: [&[&str]; 15] = [
+    let commands: [&[&str]; 16] = [
         &["copy"],
         &["missing"],
         &["path-info"],
@@ -89,6 +90,7 @@ fn help_describes_every_argument_and_offers_no_idle_flag() {
         &["nar", "ls"],
         &["nar", "cat"],
         &["daemon"],
+        &["legacy-serve"],
         &["serve"],
         &["store", "verify"],
         &["store", "sign"],
