@@ -17,7 +17,11 @@
 //! shared GC lock between additions ([`TempRoots::add_all_keeping_gc_lock`]) and give it up
 //! when the client goes quiet ([`TempRoots::release_gc_lock`]): while it is held no collector
 //! runs, so each root written meanwhile is in the file before any collector reads it, as
-//! with a lock taken per root; a collector starting meanwhile waits for the release.
+//! with a lock taken per root; a collector starting meanwhile waits for the release. A lock
+//! given up is kept again only [`GC_LOCK_GAP`] later, roots taking it one at a time
+//! meanwhile: `flock` does not queue shared lockers behind a waiting exclusive one, so
+//! connections that kept it back to back would keep a collector waiting for as long as their
+//! clients keep asking.
 //!
 //! Roots are added before the paths they protect are looked at (Nix's order: `addTempRoot`,
 //! then `isValidPath`): a collector that is deleting the path at that moment finishes first
@@ -32,6 +36,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// How long after a kept shared GC lock was given up a holder takes it per root (released at
+/// once) before it keeps it again ([`TempRoots::add_all_keeping_gc_lock`]): the gaps in which
+/// a waiting collector gets the lock.
+pub(crate) const GC_LOCK_GAP: Duration = Duration::from_millis(50);
 
 use rustix::fs::{flock, FlockOperation};
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -119,6 +128,8 @@ struct TempRootsFile {
     gc_lock: File,
     /// When the shared GC lock kept on `gc_lock` was taken, while it is kept.
     gc_locked_at: Option<Instant>,
+    /// When a kept shared GC lock was last given up ([`GC_LOCK_GAP`]).
+    gc_released_at: Option<Instant>,
     gc_socket: PathBuf,
     /// The connection to the running collector's socket, kept for every root this holder
     /// sends it (Nix's `_fdRootsSocket`), and dropped when the collector has gone. One
@@ -159,6 +170,7 @@ impl TempRootsFile {
             path,
             gc_lock,
             gc_locked_at: None,
+            gc_released_at: None,
             gc_socket: state_dir.join("gc-socket/socket"),
             collector: None,
             store_dir: store_dir.clone(),
@@ -227,7 +239,8 @@ impl TempRootsFile {
             text.push(0);
         }
         let written = self.file.write_all(&text);
-        if written.is_ok() && locked && keep {
+        let in_gap = self.gc_released_at.is_some_and(|at| at.elapsed() < GC_LOCK_GAP);
+        if written.is_ok() && locked && keep && !in_gap {
             self.gc_locked_at.get_or_insert_with(Instant::now);
         } else {
             // Released whether or not the roots were written (an unlock of an unheld lock is a no-op).
@@ -239,7 +252,9 @@ impl TempRootsFile {
     }
 
     fn unlock_gc(&mut self) {
-        self.gc_locked_at = None;
+        if self.gc_locked_at.take().is_some() {
+            self.gc_released_at = Some(Instant::now());
+        }
         let _ = flock(&self.gc_lock, FlockOperation::Unlock);
     }
 
@@ -394,6 +409,29 @@ mod tests {
         roots.add_all(&paths(&dir, 4, 1)).unwrap();
         assert!(can_collect() && roots.gc_lock_held_for().is_none());
         assert_eq!(written(&roots), 5);
+    }
+
+    /// A lock given up is not kept again within [`GC_LOCK_GAP`]: roots added meanwhile take it
+    /// one at a time, so a collector waiting for it gets it between them; after the gap it is
+    /// kept again.
+    #[test]
+    fn a_released_gc_lock_is_kept_again_only_after_the_gap() {
+        let state = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
+        let dir = StoreDir::new("/nix/store").unwrap();
+        let collector = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
+        let can_collect = || match flock(&collector, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => flock(&collector, FlockOperation::Unlock).is_ok(),
+            Err(_) => false,
+        };
+        let roots = TempRoots::new(state.path(), &dir);
+        roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
+        roots.release_gc_lock();
+        roots.add_all_keeping_gc_lock(&paths(&dir, 1, 1)).unwrap();
+        assert!(can_collect() && roots.gc_lock_held_for().is_none(), "kept again within the gap");
+        std::thread::sleep(GC_LOCK_GAP);
+        roots.add_all_keeping_gc_lock(&paths(&dir, 2, 1)).unwrap();
+        assert!(!can_collect() && roots.gc_lock_held_for().is_some(), "not kept after the gap");
     }
 
     /// Roots sent while a collector runs share one connection (Nix 2.8's collector aborts on

@@ -1177,9 +1177,11 @@ fn cold_text_adds_in_a_row_share_one_directory_of_temporary_trees() {
         }
     });
     let count = |what: &str| calls.iter().filter(|l| l.contains(what)).count();
-    // As for valid paths: again whenever the client was slower than the lease's idle limit.
+    // As for valid paths: again whenever the client was slower than the lease's idle limit,
+    // and one each for the additions in the gaps between leases (`GC_LOCK_GAP`, about half
+    // the time once adds in a row outlast a lease).
     let (dirs, gc_lock) = (count("sluice-unpacking\""), count("gc.lock>"));
-    assert!((1..=ADDS / 4).contains(&dirs), "{dirs} directories of temporary trees for {ADDS} additions:\n{}", calls.join("\n"));
+    assert!((1..=ADDS * 3 / 4).contains(&dirs), "{dirs} directories of temporary trees for {ADDS} additions:\n{}", calls.join("\n"));
     assert!(gc_lock <= ADDS, "{gc_lock} flock calls on gc.lock for {ADDS} additions:\n{}", calls.join("\n"));
     std::thread::sleep(Duration::from_millis(500));
     let left: Vec<String> = common::store_entries(&env.path("root")).into_iter().filter(|e| e.ends_with("-sluice-unpacking")).collect();
