@@ -464,7 +464,7 @@ mod tests {
         ] {
             assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
-        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
+        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, ssh-ng://[user@]host[:port], file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
         assert_eq!(err("gopher://host"), format!("unsupported store URL \"gopher://host\" {expected}"));
     }
 
