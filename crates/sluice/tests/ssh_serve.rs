@@ -167,7 +167,8 @@ fn additions_are_verified_and_a_vanished_client_leaves_nothing() {
         let mut stdin = child.stdin.take().unwrap();
         let mut stdout = child.stdout.take().unwrap();
         assert_eq!(client_handshake(&mut stdout, &mut stdin).unwrap(), v);
-        write_serve_request(&mut stdin, &dir, v, &AddToStoreNar { info: info.clone() }).unwrap();
+        // A far end that refuses may exit before it read the whole request.
+        let _ = write_serve_request(&mut stdin, &dir, v, &AddToStoreNar { info: info.clone() });
         let _ = stdin.write_all(nar);
         drop(stdin);
         let answer = sluice_nix::wire::read_u64(&mut stdout, "answer").ok();

@@ -20,7 +20,8 @@ wins) changes the answer for matching requests:
    "delay": 0.2}                  # optional: wait this long (after reading the body) before answering
 Every request is appended to --log as one JSON line {"method", "path", "status", "received",
 "answered"} (times in seconds since the epoch: when the request was read, when it was answered),
-and every accepted connection as {"method": "CONNECT", "open": <connections open now>}.
+and every accepted connection as {"method": "CONNECT", "open": <connections open now>} (without
+--keep-alive, a connection counts as open until its answer starts).
 """
 import argparse, json, os, re, socketserver, tempfile, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,7 +53,15 @@ class H(BaseHTTPRequestHandler):
 
     def finish(self):
         super().finish()
-        with LOCK: OPEN[0] -= 1
+        self._count_out()
+
+    def _count_out(self):
+        # A connection counts as open until its answer starts: once a client has its answer it
+        # may open the next one before this thread has closed this one.
+        with LOCK:
+            if not getattr(self, "counted_out", False):
+                OPEN[0] -= 1
+                self.counted_out = True
 
     def _rule(self, path):
         with LOCK:
@@ -94,6 +103,8 @@ class H(BaseHTTPRequestHandler):
             status, out = status or 200, open(fs, "rb").read()
         else:
             status, out = status or 404, b"not found\n"
+        if not A.keep_alive:
+            self._count_out()
         self.send_response(status)
         self.send_header("Content-Length", str(len(out)))
         self.end_headers()
