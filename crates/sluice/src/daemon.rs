@@ -18,10 +18,10 @@ pub struct Args {
     /// Serve one client on standard input and output (as `nix-daemon --stdio`).
     #[arg(long)]
     stdio: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store), with
+    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
     /// the local store's parameters (`state`, `real`, `require-sigs`, …).
-    #[arg(long, default_value = "local")]
-    store: String,
+    #[arg(long)]
+    store: Option<String>,
     /// Where the worker of a client that sends no CPU in its greeting (every Nix since 2.6)
     /// runs: `pin` puts the client's main thread and its worker on one CPU while it is
     /// connected (undone when it leaves; skipped for a client that narrowed its own affinity
@@ -51,8 +51,9 @@ enum ClientCpu {
 /// Runs `sluice daemon` until it is killed (socket) or the client leaves (stdio).
 pub fn run(args: Args) -> Result<ExitCode, String> {
     let activated = crate::systemd::listen_fds()?;
-    let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
-    let store = url.as_local().ok_or_else(|| format!("{}: the daemon serves a local store, not a {}", args.store, url.kind_name()))?;
+    let served = crate::setup::served_store(args.store.clone());
+    let url = StoreUrl::parse(&served).map_err(|e| e.to_string())?;
+    let store = url.as_local().ok_or_else(|| format!("{served}: the daemon serves a local store, not a {}", url.kind_name()))?;
     let config = crate::setup::raw_settings(&args.cache)?;
     let build_via = args.build_via.as_deref().map(build_socket).transpose()?;
     let options = sluice_daemon::DaemonOptions { client_cpu: args.client_cpu.into(), build_via };

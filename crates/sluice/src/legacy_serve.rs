@@ -13,9 +13,9 @@ pub struct Args {
     /// Allow imports (ImportPaths, AddToStoreNar) and build requests, as `nix-store --serve --write`.
     #[arg(long)]
     write: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store).
-    #[arg(long, default_value = "local", overrides_with = "store")]
-    store: String,
+    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`).
+    #[arg(long, overrides_with = "store")]
+    store: Option<String>,
     /// Accepted and ignored: Nix's `ssh://` store runs its remote program with `--serve`.
     #[arg(long, hide = true)]
     serve: bool,
@@ -23,8 +23,9 @@ pub struct Args {
 
 /// Serves one client until it closes its end.
 pub fn run(args: Args) -> Result<ExitCode, String> {
-    let url = StoreUrl::parse(&args.store).map_err(|e| e.to_string())?;
-    let store = url.as_local().ok_or_else(|| format!("{}: legacy-serve serves a local store, not a {}", args.store, url.kind_name()))?;
+    let served = crate::setup::served_store(args.store.clone());
+    let url = StoreUrl::parse(&served).map_err(|e| e.to_string())?;
+    let store = url.as_local().ok_or_else(|| format!("{served}: legacy-serve serves a local store, not a {}", url.kind_name()))?;
     let config = crate::setup::raw_config(&[])?;
     sluice_daemon::serve_legacy_stdio(store, &config, args.write).map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)

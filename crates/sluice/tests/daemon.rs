@@ -4337,3 +4337,18 @@ fn an_untrusted_flood_of_idle_connections_leaves_room_for_trusted_users() {
     assert!(flooded.elapsed() >= Duration::from_secs(10), "closed after {:?}, before the deadline", flooded.elapsed());
     assert_eq!(is_valid(&mut root, MISSING), 0, "a greeted connection outlives the deadline");
 }
+
+/// A server without `--store` serves the chroot store `NIX_REMOTE` names, as `nix-daemon`
+/// serves the `store` setting: started in a test's environment (or a far end's wrapper that
+/// sets `NIX_REMOTE`), it never opens this machine's `/nix`.
+#[test]
+fn servers_without_store_serve_the_store_nix_remote_names() {
+    for server in [&["daemon", "--stdio"][..], &["legacy-serve"][..]] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        common::isolate(&mut cmd, tmp.path(), "");
+        let o = cmd.args(server).stdin(std::process::Stdio::null()).output().unwrap();
+        let opened = tmp.path().join("default-store/nix/var/nix/db/db.sqlite");
+        assert!(opened.is_file(), "{server:?} did not open the store NIX_REMOTE names: {}", common::stderr(&o));
+    }
+}
