@@ -384,18 +384,22 @@ mod tests {
         (from..from + n).map(|i| dir.parse_path(&format!("/nix/store/{:0>32}-root-{i}", i % 10)).unwrap()).collect()
     }
 
+    /// A state directory's would-be collector: whether it could take `gc.lock` exclusively now.
+    fn collector_of(state: &Path) -> impl Fn() -> bool {
+        std::fs::create_dir_all(state.join("temproots")).unwrap();
+        let collector = super::super::lock::open_lock_file(&state.join("gc.lock")).unwrap();
+        move || match flock(&collector, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => flock(&collector, FlockOperation::Unlock).is_ok(),
+            Err(_) => false,
+        }
+    }
+
     /// A kept GC lock keeps collectors from starting until it is released, and the roots
     /// added meanwhile are written at once; a root added without keeping releases it.
     #[test]
     fn a_kept_gc_lock_holds_collectors_off_until_released() {
-        let state = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
-        let dir = StoreDir::new("/nix/store").unwrap();
-        let collector = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
-        let can_collect = || match flock(&collector, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => flock(&collector, FlockOperation::Unlock).is_ok(),
-            Err(_) => false,
-        };
+        let (state, dir) = (tempfile::tempdir().unwrap(), StoreDir::new("/nix/store").unwrap());
+        let can_collect = collector_of(state.path());
         let roots = TempRoots::new(state.path(), &dir);
         roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
         assert!(!can_collect() && roots.gc_lock_held_for().is_some());
@@ -416,14 +420,8 @@ mod tests {
     /// kept again.
     #[test]
     fn a_released_gc_lock_is_kept_again_only_after_the_gap() {
-        let state = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
-        let dir = StoreDir::new("/nix/store").unwrap();
-        let collector = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
-        let can_collect = || match flock(&collector, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => flock(&collector, FlockOperation::Unlock).is_ok(),
-            Err(_) => false,
-        };
+        let (state, dir) = (tempfile::tempdir().unwrap(), StoreDir::new("/nix/store").unwrap());
+        let can_collect = collector_of(state.path());
         let roots = TempRoots::new(state.path(), &dir);
         roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
         roots.release_gc_lock();
