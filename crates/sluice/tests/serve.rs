@@ -448,6 +448,31 @@ fn self_signed(tmp: &Path) -> (PathBuf, PathBuf) {
     (cert, key)
 }
 
+/// `sluice serve` over HTTPS with a self-signed certificate ([`self_signed`]), signing with
+/// a key of its own, serving the corpus subset's closure from a store under `tmp`.
+struct Tls {
+    server: Server,
+    cert: PathBuf,
+    /// The public key of the server's signing key.
+    public: String,
+    /// The store served.
+    src: PathBuf,
+    root: String,
+    paths: BTreeSet<String>,
+}
+
+impl Tls {
+    fn start(tmp: &Path) -> Tls {
+        let (root, paths) = subset();
+        let src = source_store(tmp, &root);
+        let (cert, key) = self_signed(tmp);
+        let (secret, public) = signing_key(tmp);
+        let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap(), "--secret-key", secret.to_str().unwrap()];
+        let server = Server::start(tmp, &src, &args);
+        Tls { server, cert, public, src, root, paths }
+    }
+}
+
 /// A server whose certificate is self-signed by `openssl req -x509` (a CA certificate, which
 /// webpki refuses as a server's: `CaUsedAsEndEntity`) is reached as curl, Nix 2.8 (whose
 /// `ssl-cert-file` is `NIX_SSL_CERT_FILE`: it reads `--option ssl-cert-file` too late) and Nix
@@ -457,12 +482,7 @@ fn self_signed(tmp: &Path) -> (PathBuf, PathBuf) {
 fn a_self_signed_certificate_in_ssl_cert_file_is_accepted_as_by_curl_and_nix() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
-    let (root, paths) = subset();
-    let src = source_store(tmp, &root);
-    let (cert, key) = self_signed(tmp);
-    let (secret, public) = signing_key(tmp);
-    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap(), "--secret-key", secret.to_str().unwrap()];
-    let server = Server::start(tmp, &src, &args);
+    let Tls { server, cert, public, root, paths, .. } = Tls::start(tmp);
     let curl =
         Command::new("curl").args(["-sf", "--cacert", cert.to_str().unwrap(), &format!("{}/nix-cache-info", server.url)]).output().unwrap();
     check(&curl, "curl --cacert");
@@ -535,12 +555,7 @@ fn https_serves_http2_by_alpn() {
 fn head_answers_have_no_body_over_http2_so_nix_2_8_gets_its_404_over_tls() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
-    let (root, _) = subset();
-    let src = source_store(tmp, &root);
-    let (cert, key) = self_signed(tmp);
-    let (secret, public) = signing_key(tmp);
-    let args = ["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap(), "--secret-key", secret.to_str().unwrap()];
-    let server = Server::start(tmp, &src, &args);
+    let Tls { server, cert, public, src, .. } = Tls::start(tmp);
     let missing = "/nix/store/00000000000000000000000000000000-missing";
     let mut real = Command::new("nix");
     isolate(&mut real, tmp, &format!("trusted-public-keys = {public}\ndownload-attempts = 1"));
