@@ -13,9 +13,9 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 
 /// The paths of every narinfo a `file://` or S3 cache holds (`--all`; Nix's
-/// `LocalBinaryCacheStore::queryAllValidPaths` lists a directory's narinfos the same way); the
-/// narinfos that cannot be read are the errors, each naming its file. A plain HTTP cache
-/// cannot be listed.
+/// `LocalBinaryCacheStore::queryAllValidPaths`, `src/libstore/local-binary-cache-store.cc`,
+/// lists a directory's narinfos the same way); the narinfos that cannot be read are the
+/// errors, each naming its file. A plain HTTP cache cannot be listed.
 pub async fn all_cache_paths(cache: &BinaryCache) -> Result<(Vec<StorePath>, Vec<String>), CacheError> {
     use futures::stream::StreamExt;
     let objects = cache.list_objects().await?;
