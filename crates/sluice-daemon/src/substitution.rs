@@ -39,6 +39,12 @@ pub(crate) enum Progress {
         path: StorePath,
         url: String,
     },
+    /// How far its NAR got: compressed bytes downloaded and NAR bytes unpacked.
+    Bytes {
+        path: StorePath,
+        downloaded: u64,
+        unpacked: u64,
+    },
     Done(StorePath),
     Failed(StorePath),
 }
@@ -54,6 +60,9 @@ impl Observer for Forward {
     }
     fn fetching(&self, path: &StorePath, url: &str) {
         let _ = self.0.send(Progress::Fetching { path: path.clone(), url: url.to_owned() });
+    }
+    fn progress(&self, path: &StorePath, downloaded: u64, unpacked: u64) {
+        let _ = self.0.send(Progress::Bytes { path: path.clone(), downloaded, unpacked });
     }
     fn done(&self, path: &StorePath, _: u64) {
         let _ = self.0.send(Progress::Done(path.clone()));

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Body as _;
 use hyper::header::{HeaderValue, ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, RANGE};
 use hyper::{Method, Request, Response, StatusCode};
 use sluice_nix::base32;
@@ -288,6 +289,7 @@ impl App {
         let path = req.uri().path().to_string();
         let route = route(&path);
         let endpoint = route.endpoint();
+        let head = req.method() == Method::HEAD;
         let answer = match self.answer(route, req).await {
             Ok(a) => a,
             Err(e) => {
@@ -295,7 +297,18 @@ impl App {
                 status(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
             }
         };
-        let (parts, body) = answer.into_parts();
+        let (mut parts, mut body) = answer.into_parts();
+        if head {
+            // Whatever the answer (an error's text too), HEAD gets its headers only: hyper
+            // leaves a HEAD answer's body out over HTTP/1.1 but sends it over HTTP/2, where
+            // DATA answering HEAD is a protocol error to the client (nghttp2 resets the
+            // stream: Nix 2.8's 404 narinfo HEAD fails with "Stream error in the HTTP/2
+            // framing layer").
+            if let Some(len) = body.size_hint().exact() {
+                parts.headers.entry(CONTENT_LENGTH).or_insert(len.into());
+            }
+            body = full(Bytes::new());
+        }
         let status = parts.status.as_u16();
         Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started, request))
     }

@@ -12,6 +12,31 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 
+/// The paths of every narinfo a `file://` or S3 cache holds (`--all`; Nix's
+/// `LocalBinaryCacheStore::queryAllValidPaths`, `src/libstore/local-binary-cache-store.cc`,
+/// lists a directory's narinfos the same way); the narinfos that cannot be read are the
+/// errors, each naming its file. A plain HTTP cache cannot be listed.
+pub async fn all_cache_paths(cache: &BinaryCache) -> Result<(Vec<StorePath>, Vec<String>), CacheError> {
+    use futures::stream::StreamExt;
+    let objects = cache.list_objects().await?;
+    let hashes: Vec<String> = objects.into_iter().filter_map(|o| o.name.strip_suffix(".narinfo").map(str::to_owned)).collect();
+    let found = futures::stream::iter(hashes)
+        .map(|hash| async move { (cache.narinfo_of_hash_part(&hash).await, hash) })
+        .buffer_unordered(cache.capacity().min(64))
+        .collect::<Vec<_>>()
+        .await;
+    let (mut paths, mut errors) = (Vec::new(), Vec::new());
+    for (info, hash) in found {
+        match info {
+            Ok(Some(info)) => paths.push(info.path),
+            Ok(None) => errors.push(format!("{}/{hash}.narinfo: not the narinfo of a path of that hash", cache.url())),
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    paths.sort();
+    Ok((paths, errors))
+}
+
 impl Store for BinaryCache {
     fn url(&self) -> &str {
         BinaryCache::url(self)
@@ -41,6 +66,18 @@ impl Store for BinaryCache {
     /// its info).
     fn query_path_info_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<ValidPathInfo>> {
         Box::pin(async move { Ok(self.narinfo_of_hash_part(hash_part).await?) })
+    }
+
+    /// The paths of its narinfos, for a `file://` or S3 cache ([`all_cache_paths`]); a narinfo
+    /// that cannot be read fails the listing, naming it.
+    fn query_all_valid_paths(&self) -> StoreFuture<'_, BTreeSet<StorePath>> {
+        Box::pin(async move {
+            let (paths, unreadable) = all_cache_paths(self).await?;
+            match unreadable.into_iter().next() {
+                Some(first) => Err(StoreError::Other(first)),
+                None => Ok(paths.into_iter().collect()),
+            }
+        })
     }
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {

@@ -4,7 +4,7 @@
 //! interface, the daemon client, the closure engine, the substitution pipeline (caches →
 //! local store), the push engine (any store → any store), builtins and settings.
 
-mod binary_cache_store;
+pub mod binary_cache_store;
 pub mod builtins;
 mod by_key;
 pub mod cache_gc;

@@ -87,6 +87,10 @@ pub trait Observer: Send + Sync {
     fn fetching(&self, _path: &StorePath, _url: &str) {}
     /// `bytes` more compressed bytes arrived from the cache at `cache` (its URL).
     fn downloaded(&self, _cache: &str, _bytes: u64) {}
+    /// How far the NAR of a path that [`started`](Self::started) got in this attempt:
+    /// compressed bytes downloaded and NAR bytes unpacked; called at most every 50 ms per
+    /// path while it streams (not at its end: [`done`](Self::done) says that).
+    fn progress(&self, _path: &StorePath, _downloaded: u64, _unpacked: u64) {}
     /// A path became valid in the destination; its NAR (`nar_size` bytes) was unpacked.
     fn done(&self, _path: &StorePath, _nar_size: u64) {}
     /// A path failed, with the reason.

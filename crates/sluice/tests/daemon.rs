@@ -1412,6 +1412,88 @@ fn substitution_activities_match_nix_daemon() {
     }
 }
 
+/// The byte progress results (`resProgress`: done, expected) sent for the `actCopyPath` (100)
+/// and `actFileTransfer` (101) activities about `name` in a client's internal-json log, in
+/// the order sent, by activity type.
+fn byte_progress(log: &str, name: &str) -> [Vec<(u64, u64)>; 2] {
+    let mut ids: Vec<(u64, usize)> = Vec::new();
+    let mut seen = [Vec::new(), Vec::new()];
+    for line in log.lines().filter_map(|l| l.strip_prefix("@nix ")) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let id = v["id"].as_u64().unwrap_or(0);
+        match v["action"].as_str() {
+            Some("start") if v["type"] == 100 && v["text"].as_str().is_some_and(|t| t.contains(name)) => ids.push((id, 0)),
+            Some("start") if v["type"] == 101 && v["text"].as_str().is_some_and(|t| t.contains("/nar/")) => ids.push((id, 1)),
+            Some("result") if v["type"] == 105 => {
+                if let Some((_, kind)) = ids.iter().find(|(i, _)| *i == id) {
+                    seen[*kind].push((v["fields"][0].as_u64().unwrap(), v["fields"][1].as_u64().unwrap()));
+                }
+            }
+            _ => {}
+        }
+    }
+    seen
+}
+
+/// A NAR's progress reaches a real client through `sluice daemon` while it streams, as
+/// through Nix 2.8's `nix-daemon` (`filetransfer.cc`'s progress callback, `copyStorePath`'s
+/// progress sink): Nix 2.8's `nix-store -r` and Nix 2.26's `nix build` of a 24 MiB path from
+/// an HTTP cache at RTT 20 ms, through each daemon, get `actFileTransfer` and `actCopyPath`
+/// progress with bytes done below the size before the end, rising, and ending at the same
+/// sizes nix-daemon announces (the download's FileSize, the NarSize; sluice's last report is
+/// the whole size).
+#[test]
+fn byte_progress_streams_through_the_daemon_as_through_nix_daemon() {
+    let env = Env::new();
+    let blob = env.path("big-blob");
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let bytes: Vec<u8> = (0..24 << 20)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 56) as u8
+        })
+        .collect();
+    std::fs::write(&blob, bytes).unwrap();
+    let src = env.path("src").display().to_string();
+    let path = env.nix("nix-store", &["--store", &src, "--add", blob.to_str().unwrap()]).trim().to_owned();
+    let secret = format!("{SHARED}/corpus/keys/cache-key.sec");
+    let to = format!("file://{}?compression=none&secret-key={secret}", env.path("big-cache").display());
+    env.nix("nix", &["copy", "--from", &src, "--to", &to, &path]);
+    let nginx = common::CacheServer::start(&env.path("big-cache"), &env.path("nginx"), &["--rtt-ms", "20"]);
+    let nix_conf = format!("substituters = {}\ntrusted-public-keys = {}\n", nginx.url, cache_key());
+    for (client, n) in [("Nix 2.8", 1), ("Nix 2.26", 2)] {
+        let mut seen = Vec::new();
+        let (sluice_root, nix_root) = (format!("sluice-{n}"), format!("nix-daemon-{n}"));
+        let sluice = env.daemon_on(&format!("{sluice_root}.socket"), &sluice_root, &nginx.url, "", &[], None);
+        let nix_daemon = env.nix_daemon(&format!("{nix_root}.socket"), &nix_root, &nix_conf);
+        for (daemon, root) in [(&sluice, &sluice_root), (&nix_daemon, &nix_root)] {
+            let url = format!("{}?real={}", daemon.url, env.path(root).join("nix/store").display());
+            let log = ["--log-format", "internal-json", "-v", "--option", "substituters", &nginx.url];
+            let (ok, _, err) = match n {
+                1 => as_root(&env, false, "nix-store", &[&["--store", &url, "-r", &path][..], &log].concat()),
+                _ => as_root(&env, true, "nix", &[&["build", "--store", &url, &path, "--no-link"][..], &log].concat()),
+            };
+            assert!(ok, "{client} through {}: {err}", daemon.url);
+            seen.push(byte_progress(&err, "big-blob"));
+        }
+        for kind in 0..2 {
+            let (ours, theirs) = (&seen[0][kind], &seen[1][kind]);
+            let what =
+                format!("{client}, {}: through sluice daemon {ours:?}, nix-daemon {theirs:?}", ["actCopyPath", "actFileTransfer"][kind]);
+            let size = theirs.last().map(|p| p.1).unwrap_or_default();
+            assert!(size > 24 << 20, "{what}");
+            for progress in [ours, theirs] {
+                assert!(progress.iter().any(|&(done, _)| done > 0 && done < size), "no progress before the end: {what}");
+                assert!(progress.windows(2).all(|w| w[0].0 <= w[1].0), "{what}");
+                // curl reports (0, 0) until the response's headers have come.
+                assert!(progress.iter().all(|&(done, expected)| expected == size || (done, expected) == (0, 0)), "{what}");
+            }
+            // nix-daemon's last report may come before the NAR's last chunk.
+            assert_eq!(ours.last(), Some(&(size, size)), "{what}");
+        }
+    }
+}
+
 /// Nix 2.26 (`nix-modern`, protocol 1.38 with no features) as a client: the same
 /// answers as Nix 2.8 through the same daemon.
 #[test]

@@ -1,6 +1,7 @@
 //! `path-info` prints what real Nix 2.26's `nix path-info`
 //! prints for the same store, byte for byte, and with `--as-nix 2.8` what Nix 2.8's prints.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use crate::common::*;
@@ -161,4 +162,32 @@ fn all_stdin_and_derivation_as_nix() {
     check(&real, "nix path-info --stdin");
     assert_eq!(String::from_utf8_lossy(&own.stdout), String::from_utf8_lossy(&real.stdout));
     assert_eq!(String::from_utf8_lossy(&own.stdout).lines().count(), 3);
+}
+
+/// `path-info --all` and `copy --all` of a `file://` cache take every path it has a narinfo
+/// of, as Nix 2.8 and 2.26 list a directory cache's narinfos (`LocalBinaryCacheStore::
+/// queryAllValidPaths`); sluice refused them as "listing every valid path is not supported".
+#[test]
+fn all_of_a_file_cache_is_its_narinfos_as_nix_lists_them() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let t = tmp.path();
+    // Under /tmp, which Nix 2.26 (`nix-modern`) sees.
+    copy_dir(&corpus().join("cache-subset-bzip2"), &t.join("cache"));
+    let from = format!("file://{}", t.join("cache").display());
+    let lines = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect::<BTreeSet<_>>();
+    let own = sluice(t, &["path-info", "--store", &from, "--all"]);
+    check(&own, "sluice path-info --all of a file:// cache");
+    let listed = lines(&own);
+    for real in [nix(t, "nix", &["path-info", "--store", &from, "--all"]), nix_modern(t, &["nix", "path-info", "--store", &from, "--all"])]
+    {
+        check(&real, "nix path-info --all of a file:// cache");
+        assert_eq!(listed, lines(&real));
+    }
+    let narinfos = std::fs::read_dir(t.join("cache")).unwrap();
+    assert_eq!(listed.len(), narinfos.filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".narinfo")).count());
+    let root = t.join("root");
+    let copied =
+        sluice(t, &["copy", "--all", "--from", &from, "--to", root.to_str().unwrap(), "--option", "trusted-public-keys", &corpus_key()]);
+    check(&copied, "sluice copy --all from a file:// cache");
+    assert_eq!(lines(&sluice(t, &["path-info", "--store", root.to_str().unwrap(), "--all"])), listed);
 }

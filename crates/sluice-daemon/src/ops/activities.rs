@@ -5,7 +5,8 @@
 //! naming the cache (`build/substitution-goal.cc`) and below it `actCopyPath`, "copying path
 //! 'P' from 'CACHE'" with the destination store's URI and the NAR's progress
 //! (`store-api.cc`'s `copyStorePath`), and below that, for an HTTP cache, `actFileTransfer`,
-//! "downloading 'NAR URL'" with the bytes downloaded (`filetransfer.cc`).
+//! "downloading 'NAR URL'" with the bytes downloaded (`filetransfer.cc`). Byte progress is
+//! sent while a NAR streams, as often as the substitution pipeline reports it (every 50 ms).
 
 use std::collections::BTreeMap;
 use std::io::{self, Write};
@@ -127,6 +128,13 @@ impl<'a> SubstitutionActivities<'a> {
                 )?;
                 running.transfer = Some(transfer);
                 return Ok(());
+            }
+            Progress::Bytes { path, downloaded, unpacked } => {
+                let Some(running) = self.running.get(&path) else { return Ok(()) };
+                if let Some(transfer) = running.transfer {
+                    self.stderr.result(w, transfer, RES_PROGRESS, &[downloaded, running.download, 0, 0].map(ActivityField::Int))?;
+                }
+                return self.stderr.result(w, running.copy, RES_PROGRESS, &[unpacked, running.nar, 0, 0].map(ActivityField::Int));
             }
             Progress::Done(path) => {
                 self.stop_path(w, &path, true)?;

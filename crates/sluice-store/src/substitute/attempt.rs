@@ -5,29 +5,66 @@
 //! its references allow.
 
 use std::io::Read;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use sluice_binary_cache::NarStream;
 use sluice_compress::Compression;
 use sluice_local_store::{LocalStore, LocalStoreError, PendingPath, TempRoots, TryAdd, Uncommitted, Unpacked, VouchedInfo};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_nix::store_path::StoreDir;
+use sluice_nix::store_path::{StoreDir, StorePath};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
 use super::{Commit, Observer, Shared, State, Until, Verdict};
 use crate::closure::Substituter;
 use crate::failure::{Cause, Failure};
 
-/// A reader that tells the observer how many bytes passed, and fails once its job is
-/// [`Abandoned`].
+/// How often, at most, an attempt tells the observer how far its NAR got
+/// ([`Observer::progress`]). Nix reports every chunk (`filetransfer.cc`'s progress callback,
+/// `copyStorePath`'s progress sink) and its progress bar draws at most every 50 ms
+/// (`progress-bar.cc`): reports at that rate show the same.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
+
+/// How far one attempt's NAR got: compressed bytes read and NAR bytes unpacked, told to the
+/// observer at most every [`PROGRESS_INTERVAL`]. Shared by the readers on both sides of the
+/// decompressor, which may run on its own threads.
+struct Meter {
+    observer: Arc<dyn Observer>,
+    path: StorePath,
+    downloaded: AtomicU64,
+    unpacked: AtomicU64,
+    start: Instant,
+    /// When it was last told, in nanoseconds since `start`.
+    reported: AtomicU64,
+}
+
+impl Meter {
+    fn new(observer: Arc<dyn Observer>, path: StorePath) -> Arc<Meter> {
+        let (downloaded, unpacked, reported) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        Arc::new(Meter { observer, path, downloaded, unpacked, start: Instant::now(), reported })
+    }
+
+    fn add(&self, downloaded: u64, unpacked: u64) {
+        let downloaded = self.downloaded.fetch_add(downloaded, Ordering::Relaxed) + downloaded;
+        let unpacked = self.unpacked.fetch_add(unpacked, Ordering::Relaxed) + unpacked;
+        let now = self.start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        let last = self.reported.load(Ordering::Relaxed);
+        let due = now.saturating_sub(last) >= PROGRESS_INTERVAL.as_nanos() as u64;
+        if due && self.reported.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            self.observer.progress(&self.path, downloaded, unpacked);
+        }
+    }
+}
+
+/// A reader of a NAR's compressed bytes that tells the observer how many passed, and fails
+/// once its job is [`Abandoned`].
 struct Counting<R> {
     inner: R,
-    observer: Arc<dyn Observer>,
+    meter: Arc<Meter>,
     /// The URL of the cache the bytes come from.
     cache: String,
-    total: u64,
     abandoned: Arc<AtomicBool>,
 }
 
@@ -37,8 +74,22 @@ impl<R: Read> Read for Counting<R> {
             return Err(std::io::Error::other("the copy was stopped"));
         }
         let n = self.inner.read(buf)?;
-        self.total += n as u64;
-        self.observer.downloaded(&self.cache, n as u64);
+        self.meter.observer.downloaded(&self.cache, n as u64);
+        self.meter.add(n as u64, 0);
+        Ok(n)
+    }
+}
+
+/// A reader of a NAR's decompressed bytes that counts them into its [`Meter`].
+struct Unpacking<R> {
+    inner: R,
+    meter: Arc<Meter>,
+}
+
+impl<R: Read> Read for Unpacking<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.meter.add(0, n as u64);
         Ok(n)
     }
 }
@@ -303,16 +354,18 @@ impl Shared {
                 if unpack_url.starts_with("http://") || unpack_url.starts_with("https://") {
                     observer.fetching(&path, &unpack_url);
                 }
-                let mut counting = Counting { inner: reader, observer, cache: cache_url, total: 0, abandoned };
+                let meter = Meter::new(observer, path);
+                let mut counting = Counting { inner: reader, meter: meter.clone(), cache: cache_url, abandoned };
                 let result = match compression.decoder_sized(&mut counting, file_size) {
                     Ok(decoder) => {
                         let limited = SizeLimit { inner: decoder, remaining: nar_size, declared: nar_size };
-                        let mut nar = std::io::BufReader::with_capacity(sluice_compress::NAR_READ_BUFFER, limited);
+                        let unpacking = Unpacking { inner: limited, meter: meter.clone() };
+                        let mut nar = std::io::BufReader::with_capacity(sluice_compress::NAR_READ_BUFFER, unpacking);
                         pending.unpack(&mut nar).map_err(|e| format!("{unpack_url}: {e}"))
                     }
                     Err(e) => Err(format!("{unpack_url}: {e}")),
                 };
-                let total = counting.total;
+                let total = meter.downloaded.load(Ordering::Relaxed);
                 Ok(Some(Locked::Unpacked { pending, result: result.map(|u| (u, total)) }))
             };
             let locked = match local {

@@ -61,7 +61,7 @@ async fn sign_cache(cache: &BinaryCache, args: &Args, key: &SecretKey) -> Result
     let dir = cache.store_dir();
     let roots = match args.all {
         true => {
-            let (paths, unreadable) = super::all_cache_paths(cache).await?;
+            let (paths, unreadable) = sluice_store::binary_cache_store::all_cache_paths(cache).await.map_err(|e| e.to_string())?;
             if let Some(first) = unreadable.first() {
                 return Err(first.clone());
             }

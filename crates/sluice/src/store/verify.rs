@@ -78,7 +78,7 @@ async fn verify_paths(args: &Args, url: &str, settings: &Settings) -> Result<Exi
     let dir = target.store().store_dir().clone();
     let roots = match (&target, args.all) {
         (Target::Cache(cache), true) => {
-            let (paths, errors) = super::all_cache_paths(cache).await?;
+            let (paths, errors) = sluice_store::binary_cache_store::all_cache_paths(cache).await.map_err(|e| e.to_string())?;
             unreadable = errors;
             paths
         }
