@@ -68,14 +68,15 @@ impl LegacySshStore {
     }
 
     /// The infos of `paths` (one QueryPathInfos), by path; paths not valid there are absent.
+    /// An answer about a path not asked is refused ([`read_path_info_entries`]).
     async fn infos(&self, paths: BTreeSet<StorePath>) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
         let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
-        let req = QueryPathInfos { paths };
+        let (req, asked) = (QueryPathInfos { paths: paths.clone() }, paths);
         let read_dir = dir.clone();
         let infos = self
             .ask(
                 move |w| write_serve_request(w, &dir, version, &req),
-                move |r| read_path_info_entries(r, &read_dir, version).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
+                move |r| read_path_info_entries(r, &read_dir, version, &asked).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
             )
             .await?;
         Ok(infos.into_iter().map(|i| (i.path.clone(), i)).collect())
@@ -112,6 +113,9 @@ impl Store for LegacySshStore {
     }
 
     /// QueryClosure, then QueryPathInfos of the closure: two round trips whatever its depth.
+    /// The far end's closure must hold every root and every reference of its paths (Nix's
+    /// `computeFSClosure` follows the references itself): one that does not is refused, naming
+    /// the path it lacks, before any NAR is asked for.
     fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
         Box::pin(async move {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
@@ -124,8 +128,21 @@ impl Store for LegacySshStore {
                 )
                 .await?;
             let infos = self.infos(closure.clone()).await?;
-            match closure.iter().find(|p| !infos.contains_key(*p)) {
-                Some(p) => Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(p) }),
+            if let Some(p) = closure.iter().find(|p| !infos.contains_key(*p)) {
+                return Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(p) });
+            }
+            let outside = |(referrer, missing): (Option<&StorePath>, &StorePath)| {
+                let shown = |p| self.store_dir.display_path(p);
+                let why = match referrer {
+                    Some(r) => format!("a reference of {}", shown(r)),
+                    None => "a path asked for".into(),
+                };
+                StoreError::Other(format!("{}: QueryClosure: its answer lacks {}, {why}", self.url, shown(missing)))
+            };
+            let roots = roots.iter().map(|p| (None, p));
+            let references = infos.values().flat_map(|i| i.references.iter().map(|r| (Some(&i.path), r)));
+            match roots.chain(references).find(|(_, p)| !infos.contains_key(*p)) {
+                Some(lacking) => Err(outside(lacking)),
                 None => Ok(infos),
             }
         })
