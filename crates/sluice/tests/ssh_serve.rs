@@ -503,3 +503,32 @@ fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
     assert!(registered_paths(&local).is_empty());
     assert_store_closed(&local);
 }
+
+/// A far end whose NAR goes on past the size its info gives is cut off there: the copy fails
+/// at once naming the path, instead of reading for ever.
+#[test]
+fn a_far_end_whose_nar_never_ends_is_cut_off_at_its_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, _) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let (a, _) = one_path(tmp, &src);
+    let a_shown = StoreDir::default().display_path(&a.path);
+    let mut replies = far_replies(&[&a], &[&a], &[]);
+    replies.push(("endless".into(), Vec::new()));
+    let (url, _) = hostile_far_end(tmp, "endless", replies);
+    let local = tmp.join("local");
+    let mut cmd = Command::new("timeout");
+    isolate(&mut cmd, tmp, "");
+    let o = cmd
+        .env("NIX_SSHOPTS", sshd.ssh_opts())
+        .args(["60", env!("CARGO_BIN_EXE_sluice"), "copy", "--from", &url, "--to", local.to_str().unwrap()])
+        .args(["--trusted-public-keys", &corpus_key(), &a_shown])
+        .output()
+        .unwrap();
+    assert_ne!(o.status.code(), Some(124), "still reading the endless NAR after 60 s: {}", stderr(&o));
+    assert!(!o.status.success() && stderr(&o).contains(&a_shown), "{}", stderr(&o));
+    assert!(registered_paths(&local).is_empty());
+    assert_store_closed(&local);
+}

@@ -150,19 +150,22 @@ impl Store for LegacySshStore {
 
     /// DumpStorePath, sent at once; the NAR is copied into the returned reader's pipe by the
     /// connection's reader thread when its turn comes. If the reader is dropped, the rest of
-    /// the NAR is still read off the connection (and dropped) to keep it in step.
+    /// the NAR is still read off the connection (and dropped) to keep it in step. No more than
+    /// the info's NAR size is read: a NAR that goes on past it is an error (the connection is
+    /// then out of step), not read for ever.
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
             let shown = dir.display_path(&info.path);
-            let req = DumpStorePath { path: info.path.clone() };
+            let (req, nar_size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);
             let conn = self.conn.clone();
             let nar = PipedNar::start(&self.url, move |pipe| {
                 let reply = conn.request(
                     move |w| write_serve_request(w, &dir, version, &req),
                     move |r| {
                         let mut copy = Forward { pipe, failed: None };
-                        copy_nar(r, &mut copy).map_err(|e| format!("{url}: the NAR of {shown}: {e}"))?;
+                        copy_nar(r.take(nar_size), &mut copy)
+                            .map_err(|e| format!("{url}: the NAR of {shown} (of {nar_size} bytes, its info says): {e}"))?;
                         Ok(copy.failed)
                     },
                 );
