@@ -7,14 +7,13 @@ command with bytes a test prepared in DIR (argv[1]; the arguments Nix appends fo
   valid              the reply to QueryValidPaths
   nar-<base name>    the reply to DumpStorePath of /nix/store/<base name>
   endless            DumpStorePath answers a NAR of one regular file that never ends
-  stall              DumpStorePath answers nothing and the far end waits for ever
+  stall              DumpStorePath answers nothing; the far end reads until its input ends
 
 Every command it is sent is appended to DIR/log, one name a line."""
 
 import os
 import struct
 import sys
-import time
 
 d = sys.argv[1]
 r, w = sys.stdin.buffer, sys.stdout.buffer
@@ -70,7 +69,8 @@ while True:
         base = string().rsplit("/", 1)[-1]
         log("DumpStorePath " + base)
         if os.path.exists(os.path.join(d, "stall")):
-            time.sleep(1e6)
+            r.read()
+            sys.exit(0)
         if os.path.exists(os.path.join(d, "endless")):
             head = b"".join(nar_string(s) for s in [b"nix-archive-1", b"(", b"type", b"regular", b"contents"])
             w.write(head + struct.pack("<Q", 1 << 62))
