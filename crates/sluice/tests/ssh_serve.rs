@@ -504,6 +504,25 @@ fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
     assert_store_closed(&local);
 }
 
+/// A far end asked which paths it has cannot name others: a push into one that answers a path
+/// not asked is refused, naming it (before, it counted as one more path already there).
+#[test]
+fn a_far_end_that_says_it_has_paths_not_asked_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, _) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let two = leaves(tmp, &src, 2);
+    let ((a, _), (b, _)) = (&two[0], &two[1]);
+    let dir = StoreDir::default();
+    let mut valid = Vec::new();
+    write_store_path_set(&mut valid, &dir, [&a.path, &b.path].into_iter()).unwrap();
+    let (url, _) = hostile_far_end(tmp, "claims", vec![("valid".into(), valid)]);
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--from", src.to_str().unwrap(), "--to", &url, &dir.display_path(&a.path)]);
+    assert!(!o.status.success() && stderr(&o).contains(&dir.display_path(&b.path)), "{}", stderr(&o));
+}
+
 /// `sluice copy OPTIONS` of a path of the subset from a far end that answers its queries and
 /// then, asked for its NAR, does `misbehaviour` (`endless` or `stall`, see
 /// `hostile_serve.py`), killed after 60 s (status 124): its output, the path and the

@@ -99,14 +99,23 @@ impl Store for LegacySshStore {
         })
     }
 
+    /// One QueryValidPaths. An answer naming a path not asked is refused, as
+    /// [`read_path_info_entries`] refuses an info not asked.
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
         Box::pin(async move {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
-            let req = QueryValidPaths { lock: false, substitute: false, paths: paths.iter().cloned().collect() };
+            let asked: BTreeSet<StorePath> = paths.iter().cloned().collect();
+            let req = QueryValidPaths { lock: false, substitute: false, paths: asked.clone() };
             let read_dir = dir.clone();
             self.ask(
                 move |w| write_serve_request(w, &dir, version, &req),
-                move |r| read_store_path_set(r, &read_dir, "valid paths").map_err(|e| format!("{url}: QueryValidPaths: {e}")),
+                move |r| {
+                    let valid = read_store_path_set(r, &read_dir, "valid paths").map_err(|e| format!("{url}: QueryValidPaths: {e}"))?;
+                    match valid.iter().find(|p| !asked.contains(*p)) {
+                        Some(p) => Err(format!("{url}: QueryValidPaths: it answered {}, which was not asked", read_dir.display_path(p))),
+                        None => Ok(valid),
+                    }
+                },
             )
             .await
         })
