@@ -362,8 +362,11 @@ fn an_upstream_whose_nar_never_ends_is_cut_off() {
     let upstream = PutServer::start(&good, tmp, &endless.to_string(), 16, false);
     let key = corpus_key();
     let kept = tmp.join("kept");
-    let server =
-        Server::start_url(tmp, &format!("file://{}", kept.display()), &["--option", "trusted-public-keys", &key, "--upstream", &upstream.url]);
+    let server = Server::start_url(
+        tmp,
+        &format!("file://{}", kept.display()),
+        &["--option", "trusted-public-keys", &key, "--upstream", &upstream.url],
+    );
     let hash = &root["/nix/store/".len()..][..32];
     assert!(curl(&format!("{}/{hash}.narinfo", server.url)).0);
     let asked = Instant::now();

@@ -11,8 +11,7 @@ use std::process::{Command, Output, Stdio};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 use sluice_nix::wire::serve::{
-    client_handshake, write_path_info_entry, write_serve_request, AddToStoreNar, ExportPaths, ImportPaths, QueryPathInfos,
-    QueryValidPaths,
+    client_handshake, write_path_info_entry, write_serve_request, AddToStoreNar, ExportPaths, ImportPaths, QueryPathInfos, QueryValidPaths,
 };
 use sluice_nix::wire::{read_store_path_set, write_bytes, write_store_path_set, ProtocolVersion};
 
@@ -482,7 +481,11 @@ fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
     let nars = [(a, a_nar.as_slice()), (b, b_nar.as_slice())];
     let local = tmp.join("local");
     let copy = |url: &str| {
-        sluice_over_ssh(tmp, &sshd, &["copy", "--from", url, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &a_shown])
+        sluice_over_ssh(
+            tmp,
+            &sshd,
+            &["copy", "--from", url, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &a_shown],
+        )
     };
     // Asked the infos of a, it sends b's too.
     let (url, far) = hostile_far_end(tmp, "extra", far_replies(&[a], &[a, b], &nars));
