@@ -47,12 +47,15 @@ pub(crate) struct LegacySshStore {
 impl LegacySshStore {
     /// Runs the remote program (`remote-program --serve --write [--store remote-store]`) on
     /// the host of `ssh` and greets it. A host that cannot be reached, or a remote program that
-    /// is missing or does not speak the protocol, is one error naming the host.
-    pub fn open(ssh: &SshConfig) -> Result<Self, StoreError> {
+    /// is missing or does not speak the protocol, is one error naming the host; so is one that
+    /// moves no byte either way for `stall` while a reply or a request waits
+    /// ([`SshChannel::give_up_after`](crate::ssh::SshChannel::give_up_after)).
+    pub fn open(ssh: &SshConfig, stall: std::time::Duration) -> Result<Self, StoreError> {
         let url = format!("ssh://{}", ssh.destination());
         let err = |e: String| StoreError::Other(e);
         let master = SshMaster::new(ssh.clone()).map_err(|e| err(format!("{url}: {e}")))?;
         let channel = master.start(&ssh.remote_command(&["--serve", "--write"])).map_err(|e| err(format!("{url}: {e}")))?;
+        channel.give_up_after(stall);
         let conn = Pipeline::start(&url, Box::new(channel.reader), Box::new(channel.writer)).map_err(err)?;
         Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), _master: master })
     }
