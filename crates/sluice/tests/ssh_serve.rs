@@ -433,6 +433,17 @@ fn a_far_end_that_dies_or_is_missing_is_one_clear_error() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
 
+/// A test's directory with sshd running and the subset's source store in it: the directory,
+/// sshd, the store, and `n` of its paths without references ([`leaves`]).
+fn before_a_far_end(n: usize) -> (tempfile::TempDir, Sshd, PathBuf, Vec<(ValidPathInfo, Vec<u8>)>) {
+    let dir = tempfile::tempdir().unwrap();
+    let sshd = Sshd::start(dir.path());
+    let (root, _) = subset();
+    let src = source_store(dir.path(), "cache-subset-none", &root);
+    let leaves = leaves(dir.path(), &src, n);
+    (dir, sshd, src, leaves)
+}
+
 /// A fake far end (`tests/common/hostile_serve.py`) under `tmp/name`, answering with
 /// `replies` (file name → bytes, see the script): its `ssh://` URL and its directory (where
 /// `log` lists the commands it was sent).
@@ -469,12 +480,8 @@ fn far_replies(closure: &[&ValidPathInfo], infos: &[&ValidPathInfo], nars: &[(&V
 /// not closed under the references its infos give, is refused before any NAR is asked for.
 #[test]
 fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let sshd = Sshd::start(tmp);
-    let (root, _) = subset();
-    let src = source_store(tmp, "cache-subset-none", &root);
-    let two = leaves(tmp, &src, 2);
+    let (dir, sshd, _, two) = before_a_far_end(2);
+    let tmp = dir.path();
     let ((a, a_nar), (b, b_nar)) = (&two[0], &two[1]);
     let dir = StoreDir::default();
     let (a_shown, b_shown) = (dir.display_path(&a.path), dir.display_path(&b.path));
@@ -511,12 +518,8 @@ fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
 /// not asked is refused, naming it (before, it counted as one more path already there).
 #[test]
 fn a_far_end_that_says_it_has_paths_not_asked_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tmp = tmp.path();
-    let sshd = Sshd::start(tmp);
-    let (root, _) = subset();
-    let src = source_store(tmp, "cache-subset-none", &root);
-    let two = leaves(tmp, &src, 2);
+    let (dir, sshd, src, two) = before_a_far_end(2);
+    let tmp = dir.path();
     let ((a, _), (b, _)) = (&two[0], &two[1]);
     let dir = StoreDir::default();
     let mut valid = Vec::new();
@@ -531,12 +534,9 @@ fn a_far_end_that_says_it_has_paths_not_asked_is_refused() {
 /// `hostile_serve.py`), killed after 60 s (status 124): its output, the path and the
 /// destination store.
 fn copy_from_a_far_end_that(misbehaviour: &str, options: &[&str]) -> (Output, String, PathBuf, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, sshd, _, mut one) = before_a_far_end(1);
     let tmp = dir.path();
-    let sshd = Sshd::start(tmp);
-    let (root, _) = subset();
-    let src = source_store(tmp, "cache-subset-none", &root);
-    let (a, _) = one_path(tmp, &src);
+    let (a, _) = one.remove(0);
     let a_shown = StoreDir::default().display_path(&a.path);
     let mut replies = far_replies(&[&a], &[&a], &[]);
     replies.push((misbehaviour.into(), Vec::new()));
