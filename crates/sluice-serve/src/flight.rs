@@ -6,6 +6,11 @@
 //! out: a NAR that fails ends every client's body in an error, so no client ever holds a whole
 //! NAR that was not verified. As Nix's `BinaryCacheStore::narFromPath` checks what it
 //! downloads (`src/libstore/binary-cache-store.cc`), but once for all clients.
+//!
+//! An upstream cannot make the fetch go on for ever: the file is read up to its `FileSize`
+//! (the `NarSize` of an uncompressed one) and no further, the verifier decompresses no more
+//! than `NarSize` and a byte, and the verifier's failure (a file that does not decompress, or
+//! decompresses to more) stops the fetch at once.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -102,13 +107,24 @@ async fn fetch(
     let Some(stream) = upstream.open_file(rel).await.map_err(|e| e.to_string())? else {
         return Err("the upstream has no such file".into());
     };
-    let compression = expected.compression;
+    let (compression, nar_size) = (expected.compression, expected.nar_size);
+    let file_size = expected.file_size.or((compression == Compression::None).then_some(nar_size));
+    let verifier_tx = tx.clone();
     let verify = tokio::task::spawn_blocking(move || -> Result<(Hash, u64), String> {
-        let mut nar = compression.decoder(verifier).map_err(|e| e.to_string())?;
-        let mut hasher = Hasher::new(HashAlgo::Sha256);
-        std::io::copy(&mut nar, &mut hasher).map_err(|e| format!("decompressing: {e}"))?;
-        let size = hasher.len();
-        Ok((hasher.finish(), size))
+        let checked = (|| {
+            let nar = compression.decoder(verifier).map_err(|e| e.to_string())?;
+            let mut hasher = Hasher::new(HashAlgo::Sha256);
+            std::io::copy(&mut nar.take(nar_size.saturating_add(1)), &mut hasher).map_err(|e| format!("decompressing: {e}"))?;
+            match hasher.len() {
+                size if size > nar_size => Err(format!("it decompresses to more than the NarSize of {nar_size} bytes the narinfo gives")),
+                size => Ok((hasher.finish(), size)),
+            }
+        })();
+        if let Err(e) = &checked {
+            // The fetch stops too.
+            verifier_tx.send_replace(State::Failed(e.clone()));
+        }
+        checked
     });
     let tx2 = tx.clone();
     let copy = tokio::task::spawn_blocking(move || -> Result<(tempfile::NamedTempFile, Hash, u64), String> {
@@ -120,9 +136,22 @@ async fn fetch(
             if n == 0 {
                 break;
             }
+            if let Some(size) = file_size.filter(|size| hasher.len() + n as u64 > *size) {
+                return Err(format!("the upstream sent more than the FileSize of {size} bytes the narinfo gives"));
+            }
             spool.as_file_mut().write_all(&buf[..n]).map_err(|e| format!("writing {}: {e}", spool.path().display()))?;
             hasher.update(&buf[..n]);
-            tx2.send_replace(State::Writing(hasher.len()));
+            let len = hasher.len();
+            let going_on = |s: &mut State| match s {
+                State::Failed(_) => false,
+                _ => {
+                    *s = State::Writing(len);
+                    true
+                }
+            };
+            if !tx2.send_if_modified(going_on) {
+                return Err("stopped: the verifier failed".into());
+            }
         }
         let size = hasher.len();
         tx2.send_replace(State::Written(size));

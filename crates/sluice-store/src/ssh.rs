@@ -14,6 +14,10 @@
 //! [`SshChannel`] wait for ssh and fail with one error naming the host and saying why (ssh's
 //! message, or the remote command's exit status and message: 127 for a missing program).
 //!
+//! A channel may be given a stall limit ([`SshChannel::give_up_after`], `ssh://` gives it
+//! `stalled-download-timeout`): a read or write that waits that long while no byte moved
+//! either way fails, naming the host, instead of waiting for ever on a far end that stopped.
+//!
 //! | parameter | Nix source | in sluice |
 //! |---|---|---|
 //! | `ssh-key` | `common-ssh-store-config.hh` | `-i` |
@@ -24,9 +28,11 @@
 //! | `max-connections` | `remote-store.hh`, `legacy-ssh-store.hh` | accepted, no effect (one connection) |
 
 use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 
@@ -260,6 +266,8 @@ impl SshMaster {
             child: Mutex::new(child),
             kept,
             collector: Mutex::new(Some(collector)),
+            stall: OnceLock::new(),
+            moved: Mutex::new(Instant::now()),
         });
         if !self.local && first_line(&mut stdout).as_deref() != Some("started") {
             session.wait();
@@ -306,9 +314,40 @@ struct Session {
     child: Mutex<Child>,
     kept: Arc<Mutex<Vec<u8>>>,
     collector: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The stall limit, if one was given ([`SshChannel::give_up_after`]).
+    stall: OnceLock<Duration>,
+    /// When a byte last moved either way.
+    moved: Mutex<Instant>,
 }
 
 impl Session {
+    /// Notes that bytes moved.
+    fn moved(&self) {
+        *self.moved.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    /// Waits until `fd` is ready for `events`, or fails once the stall limit passed since this
+    /// wait began and since a byte last moved either way; at once without a limit.
+    fn ready(&self, fd: BorrowedFd<'_>, events: rustix::event::PollFlags) -> std::io::Result<()> {
+        let Some(limit) = self.stall.get().copied() else { return Ok(()) };
+        let began = Instant::now();
+        loop {
+            let moved = *self.moved.lock().unwrap_or_else(|p| p.into_inner());
+            let left = limit.saturating_sub(moved.max(began).elapsed());
+            if left.is_zero() {
+                let status = format!("stalled: nothing moved either way for {} s (stalled-download-timeout)", limit.as_secs());
+                let stalled = SshError::Ended { host: self.host.clone(), command: self.command.clone(), status, stderr: String::new() };
+                return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, stalled));
+            }
+            let mut fds = [rustix::event::PollFd::from_borrowed_fd(fd, events)];
+            match rustix::event::poll(&mut fds, i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)) {
+                Ok(0) | Err(rustix::io::Errno::INTR) => {}
+                Ok(_) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// Waits for ssh to exit and for its standard error to be read; its exit status.
     fn wait(&self) -> Option<std::process::ExitStatus> {
         let status = self.child.lock().unwrap_or_else(|p| p.into_inner()).wait().ok();
@@ -370,6 +409,18 @@ pub struct SshChannel {
     pub writer: SshWriter,
 }
 
+impl SshChannel {
+    /// From now on, a read or write that has waited `limit` while no byte moved either way
+    /// fails (see the module documentation).
+    pub fn give_up_after(&self, limit: Duration) {
+        let _ = self.reader.session.stall.set(limit);
+    }
+}
+
+/// Bytes written at most at once under a stall limit: what a pipe that polls writable takes
+/// without blocking (`PIPE_BUF`).
+const PIPE_BUF: usize = 4096;
+
 /// The remote command's standard output. Where it ends, ssh's failure (if it failed) is the
 /// read's error.
 pub struct SshReader {
@@ -379,7 +430,12 @@ pub struct SshReader {
 
 impl Read for SshReader {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self.stdout.read(buf) {
+        self.session.ready(self.stdout.as_fd(), rustix::event::PollFlags::IN)?;
+        let read = self.stdout.read(buf);
+        if matches!(read, Ok(n) if n > 0) {
+            self.session.moved();
+        }
+        match read {
             Ok(0) if !buf.is_empty() => match self.session.wait() {
                 Some(status) if status.success() => Ok(0),
                 _ => Err(self.session.ended("end of its output")),
@@ -399,7 +455,16 @@ pub struct SshWriter {
 
 impl Write for SshWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.stdin.write(buf).map_err(|e| if e.kind() == std::io::ErrorKind::Interrupted { e } else { self.session.ended(&e.to_string()) })
+        let buf = match self.session.stall.get() {
+            Some(_) => &buf[..buf.len().min(PIPE_BUF)],
+            None => buf,
+        };
+        self.session.ready(self.stdin.as_fd(), rustix::event::PollFlags::OUT)?;
+        let written = self.stdin.write(buf);
+        if written.is_ok() {
+            self.session.moved();
+        }
+        written.map_err(|e| if e.kind() == std::io::ErrorKind::Interrupted { e } else { self.session.ended(&e.to_string()) })
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

@@ -347,3 +347,32 @@ fn the_batch_endpoint_answers_a_closure_only_upstream() {
     assert_eq!(nginx.requests(".narinfo"), paths.len());
     assert_eq!(cache_files(&kept), BTreeSet::new());
 }
+
+/// An upstream whose NAR file goes on past the `FileSize` its narinfo gives (a body that never
+/// ends) is cut off there: the client's request fails at once instead of waiting while the
+/// front spools the endless body, and nothing is kept.
+#[test]
+fn an_upstream_whose_nar_never_ends_is_cut_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let good = xz_cache(tmp, "good");
+    let (root, _) = subset();
+    let file = narinfo_field(&good, &root, "URL");
+    let endless = serde_json::json!([{ "path": format!("/{file}"), "endless": true }]);
+    let upstream = PutServer::start(&good, tmp, &endless.to_string(), 16, false);
+    let key = corpus_key();
+    let kept = tmp.join("kept");
+    let server = Server::start_url(
+        tmp,
+        &format!("file://{}", kept.display()),
+        &["--option", "trusted-public-keys", &key, "--upstream", &upstream.url],
+    );
+    let hash = &root["/nix/store/".len()..][..32];
+    assert!(curl(&format!("{}/{hash}.narinfo", server.url)).0);
+    let asked = Instant::now();
+    let (ok, _) = curl(&format!("{}/{file}", server.url));
+    assert!(!ok, "an endless NAR was served whole");
+    assert!(asked.elapsed() < Duration::from_secs(30), "the request failed only after {:?}", asked.elapsed());
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(cache_files(&kept), BTreeSet::new());
+}

@@ -8,11 +8,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 use sluice_nix::wire::serve::{
-    client_handshake, write_serve_request, AddToStoreNar, ExportPaths, ImportPaths, QueryPathInfos, QueryValidPaths,
+    client_handshake, write_path_info_entry, write_serve_request, AddToStoreNar, ExportPaths, ImportPaths, QueryPathInfos, QueryValidPaths,
 };
-use sluice_nix::wire::{read_store_path_set, ProtocolVersion};
+use sluice_nix::wire::{read_store_path_set, write_bytes, write_store_path_set, ProtocolVersion};
 
 use crate::common::sshd::{Sshd, HOST};
 use crate::common::*;
@@ -139,13 +140,23 @@ fn spawn_serve(tmp: &Path, args: &[&str]) -> std::process::Child {
 
 /// A path of the subset without references, with its info and NAR as the source store has them.
 fn one_path(tmp: &Path, src: &Path) -> (sluice_nix::path_info::ValidPathInfo, Vec<u8>) {
-    let leaf = subset().1.into_iter().find(|p| nix_path_info(tmp, src.to_str().unwrap(), p).len() == 1).unwrap();
+    leaves(tmp, src, 1).remove(0)
+}
+
+/// `n` paths of the subset without references, with their infos and NARs as the source store
+/// has them.
+fn leaves(tmp: &Path, src: &Path, n: usize) -> Vec<(sluice_nix::path_info::ValidPathInfo, Vec<u8>)> {
     let url = sluice_store::store_url::StoreUrl::parse(&format!("local?root={}", src.display())).unwrap();
     let store = sluice_local_store::LocalStore::open(url.as_local().unwrap()).unwrap();
-    let path = StoreDir::default().parse_path(&leaf).unwrap();
-    let mut nar = Vec::new();
-    store.dump_path(&path, &mut nar).unwrap();
-    (store.query_path_info(&path).unwrap().unwrap(), nar)
+    let leaves = subset().1.into_iter().filter(|p| nix_path_info(tmp, src.to_str().unwrap(), p).len() == 1).take(n);
+    leaves
+        .map(|leaf| {
+            let path = StoreDir::default().parse_path(&leaf).unwrap();
+            let mut nar = Vec::new();
+            store.dump_path(&path, &mut nar).unwrap();
+            (store.query_path_info(&path).unwrap().unwrap(), nar)
+        })
+        .collect()
 }
 
 /// A client that vanishes mid-NAR, and one whose NAR does not match its claimed hash, leave
@@ -220,7 +231,7 @@ fn queries_answer_as_nix_store_serve() {
     let valid = read_store_path_set(&mut stdout, &dir, "valid").unwrap();
     assert_eq!(valid.len(), 25);
     assert!(!valid.contains(&missing));
-    let infos = sluice_nix::wire::serve::read_path_info_entries(&mut stdout, &dir, v).unwrap();
+    let infos = sluice_nix::wire::serve::read_path_info_entries(&mut stdout, &dir, v, &asked).unwrap();
     assert_eq!(infos.len(), 25);
     let top = infos.iter().find(|i| dir.display_path(&i.path) == root).unwrap();
     let all = nix_path_info(tmp, src.to_str().unwrap(), &root);
@@ -420,4 +431,148 @@ fn a_far_end_that_dies_or_is_missing_is_one_clear_error() {
     let err = stderr(&o);
     assert!(err.contains(&format!("'{HOST}'")) && err.contains("127"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// A test's directory with sshd running and the subset's source store in it: the directory,
+/// sshd, the store, and `n` of its paths without references ([`leaves`]).
+fn before_a_far_end(n: usize) -> (tempfile::TempDir, Sshd, PathBuf, Vec<(ValidPathInfo, Vec<u8>)>) {
+    let dir = tempfile::tempdir().unwrap();
+    let sshd = Sshd::start(dir.path());
+    let (root, _) = subset();
+    let src = source_store(dir.path(), "cache-subset-none", &root);
+    let leaves = leaves(dir.path(), &src, n);
+    (dir, sshd, src, leaves)
+}
+
+/// A fake far end (`tests/common/hostile_serve.py`) under `tmp/name`, answering with
+/// `replies` (file name → bytes, see the script): its `ssh://` URL and its directory (where
+/// `log` lists the commands it was sent).
+fn hostile_far_end(tmp: &Path, name: &str, replies: Vec<(String, Vec<u8>)>) -> (String, PathBuf) {
+    let dir = tmp.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, bytes) in replies {
+        std::fs::write(dir.join(file), bytes).unwrap();
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/common/hostile_serve.py");
+    let program = tmp.join(format!("{name}.sh"));
+    std::fs::write(&program, format!("#!/bin/sh\nexec python3 {} {} \"$@\"\n", script.display(), dir.display())).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&program).output().unwrap(), "chmod");
+    (format!("ssh://{HOST}?remote-program={}", program.display()), dir)
+}
+
+/// The replies of a far end that answers QueryClosure with `closure`, QueryPathInfos with
+/// `infos` and DumpStorePath with `nars`.
+fn far_replies(closure: &[&ValidPathInfo], infos: &[&ValidPathInfo], nars: &[(&ValidPathInfo, &[u8])]) -> Vec<(String, Vec<u8>)> {
+    let dir = StoreDir::default();
+    let mut closure_reply = Vec::new();
+    write_store_path_set(&mut closure_reply, &dir, closure.iter().map(|i| &i.path)).unwrap();
+    let mut infos_reply = Vec::new();
+    for info in infos {
+        write_path_info_entry(&mut infos_reply, &dir, ProtocolVersion::new(2, 7), info).unwrap();
+    }
+    write_bytes(&mut infos_reply, b"").unwrap();
+    let nars = nars.iter().map(|(i, nar)| (format!("nar-{}", i.path.base_name()), nar.to_vec()));
+    [("closure".to_string(), closure_reply), ("infos".to_string(), infos_reply)].into_iter().chain(nars).collect()
+}
+
+/// A far end's QueryClosure and QueryPathInfos answers are held to what was asked: an info of
+/// a path not asked for is refused, not copied; a closure that lacks the path asked for, or is
+/// not closed under the references its infos give, is refused before any NAR is asked for.
+#[test]
+fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
+    let (dir, sshd, _, two) = before_a_far_end(2);
+    let tmp = dir.path();
+    let ((a, a_nar), (b, b_nar)) = (&two[0], &two[1]);
+    let dir = StoreDir::default();
+    let (a_shown, b_shown) = (dir.display_path(&a.path), dir.display_path(&b.path));
+    let nars = [(a, a_nar.as_slice()), (b, b_nar.as_slice())];
+    let local = tmp.join("local");
+    let copy = |url: &str| {
+        sluice_over_ssh(
+            tmp,
+            &sshd,
+            &["copy", "--from", url, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &a_shown],
+        )
+    };
+    // Asked the infos of a, it sends b's too.
+    let (url, far) = hostile_far_end(tmp, "extra", far_replies(&[a], &[a, b], &nars));
+    let o = copy(&url);
+    assert!(!registered_paths(&local).contains(&b_shown), "a path not asked for was added: {}", stderr(&o));
+    assert!(!o.status.success() && stderr(&o).contains(&b_shown), "{}", stderr(&o));
+    assert!(!std::fs::read_to_string(far.join("log")).unwrap().contains("DumpStorePath"));
+    // The closure of a, it says, is empty.
+    let (url, _) = hostile_far_end(tmp, "empty", far_replies(&[], &[], &nars));
+    let o = copy(&url);
+    assert!(!o.status.success() && stderr(&o).contains(&a_shown), "a closure without its root was copied: {}", stderr(&o));
+    // The closure is a alone, but a's info refers to b.
+    let a_refers = ValidPathInfo { references: [a.path.clone(), b.path.clone()].into(), sigs: Default::default(), ..a.clone() };
+    let (url, far) = hostile_far_end(tmp, "open", far_replies(&[&a_refers], &[&a_refers], &nars));
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--no-check-sigs", "--from", &url, "--to", local.to_str().unwrap(), &a_shown]);
+    assert!(!o.status.success() && stderr(&o).contains(&b_shown), "{}", stderr(&o));
+    assert!(!std::fs::read_to_string(far.join("log")).unwrap().contains("DumpStorePath"), "{}", stderr(&o));
+    assert!(registered_paths(&local).is_empty());
+    assert_store_closed(&local);
+}
+
+/// A far end asked which paths it has cannot name others: a push into one that answers a path
+/// not asked is refused, naming it (before, it counted as one more path already there).
+#[test]
+fn a_far_end_that_says_it_has_paths_not_asked_is_refused() {
+    let (dir, sshd, src, two) = before_a_far_end(2);
+    let tmp = dir.path();
+    let ((a, _), (b, _)) = (&two[0], &two[1]);
+    let dir = StoreDir::default();
+    let mut valid = Vec::new();
+    write_store_path_set(&mut valid, &dir, [&a.path, &b.path].into_iter()).unwrap();
+    let (url, _) = hostile_far_end(tmp, "claims", vec![("valid".into(), valid)]);
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--from", src.to_str().unwrap(), "--to", &url, &dir.display_path(&a.path)]);
+    assert!(!o.status.success() && stderr(&o).contains(&dir.display_path(&b.path)), "{}", stderr(&o));
+}
+
+/// `sluice copy OPTIONS` of a path of the subset from a far end that answers its queries and
+/// then, asked for its NAR, does `misbehaviour` (`endless` or `stall`, see
+/// `hostile_serve.py`), killed after 60 s (status 124): its output, the path and the
+/// destination store.
+fn copy_from_a_far_end_that(misbehaviour: &str, options: &[&str]) -> (Output, String, PathBuf, tempfile::TempDir) {
+    let (dir, sshd, _, mut one) = before_a_far_end(1);
+    let tmp = dir.path();
+    let (a, _) = one.remove(0);
+    let a_shown = StoreDir::default().display_path(&a.path);
+    let mut replies = far_replies(&[&a], &[&a], &[]);
+    replies.push((misbehaviour.into(), Vec::new()));
+    let (url, _) = hostile_far_end(tmp, misbehaviour, replies);
+    let local = tmp.join("local");
+    let mut cmd = Command::new("timeout");
+    isolate(&mut cmd, tmp, "");
+    let o = cmd
+        .env("NIX_SSHOPTS", sshd.ssh_opts())
+        .args(["60", env!("CARGO_BIN_EXE_sluice"), "copy"])
+        .args(options)
+        .args(["--from", &url, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &a_shown])
+        .output()
+        .unwrap();
+    (o, a_shown, local, dir)
+}
+
+/// A far end whose NAR goes on past the size its info gives is cut off there: the copy fails
+/// at once naming the path, instead of reading for ever.
+#[test]
+fn a_far_end_whose_nar_never_ends_is_cut_off_at_its_size() {
+    let (o, a_shown, local, _dir) = copy_from_a_far_end_that("endless", &[]);
+    assert_ne!(o.status.code(), Some(124), "still reading the endless NAR after 60 s: {}", stderr(&o));
+    assert!(!o.status.success() && stderr(&o).contains(&a_shown), "{}", stderr(&o));
+    assert!(registered_paths(&local).is_empty());
+    assert_store_closed(&local);
+}
+
+/// A far end that stops answering in the middle of a copy (it has the NAR asked for and sends
+/// nothing) is given up after `stalled-download-timeout` without a byte moving either way, the
+/// copy failing with an error naming the host, as an HTTP download that stalls is.
+#[test]
+fn a_far_end_that_stalls_is_given_up() {
+    let (o, _, local, _dir) = copy_from_a_far_end_that("stall", &["--option", "stalled-download-timeout", "5"]);
+    assert_ne!(o.status.code(), Some(124), "still waiting for the stalled far end after 60 s: {}", stderr(&o));
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains(&format!("'{HOST}'")) && err.contains("nothing moved either way for 5 s"), "{err}");
+    assert!(registered_paths(&local).is_empty());
 }

@@ -47,12 +47,15 @@ pub(crate) struct LegacySshStore {
 impl LegacySshStore {
     /// Runs the remote program (`remote-program --serve --write [--store remote-store]`) on
     /// the host of `ssh` and greets it. A host that cannot be reached, or a remote program that
-    /// is missing or does not speak the protocol, is one error naming the host.
-    pub fn open(ssh: &SshConfig) -> Result<Self, StoreError> {
+    /// is missing or does not speak the protocol, is one error naming the host; so is one that
+    /// moves no byte either way for `stall` while a reply or a request waits
+    /// ([`SshChannel::give_up_after`](crate::ssh::SshChannel::give_up_after)).
+    pub fn open(ssh: &SshConfig, stall: std::time::Duration) -> Result<Self, StoreError> {
         let url = format!("ssh://{}", ssh.destination());
         let err = |e: String| StoreError::Other(e);
         let master = SshMaster::new(ssh.clone()).map_err(|e| err(format!("{url}: {e}")))?;
         let channel = master.start(&ssh.remote_command(&["--serve", "--write"])).map_err(|e| err(format!("{url}: {e}")))?;
+        channel.give_up_after(stall);
         let conn = Pipeline::start(&url, Box::new(channel.reader), Box::new(channel.writer)).map_err(err)?;
         Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), _master: master })
     }
@@ -68,14 +71,15 @@ impl LegacySshStore {
     }
 
     /// The infos of `paths` (one QueryPathInfos), by path; paths not valid there are absent.
+    /// An answer about a path not asked is refused ([`read_path_info_entries`]).
     async fn infos(&self, paths: BTreeSet<StorePath>) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
         let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
-        let req = QueryPathInfos { paths };
+        let (req, asked) = (QueryPathInfos { paths: paths.clone() }, paths);
         let read_dir = dir.clone();
         let infos = self
             .ask(
                 move |w| write_serve_request(w, &dir, version, &req),
-                move |r| read_path_info_entries(r, &read_dir, version).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
+                move |r| read_path_info_entries(r, &read_dir, version, &asked).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
             )
             .await?;
         Ok(infos.into_iter().map(|i| (i.path.clone(), i)).collect())
@@ -98,20 +102,32 @@ impl Store for LegacySshStore {
         })
     }
 
+    /// One QueryValidPaths. An answer naming a path not asked is refused, as
+    /// [`read_path_info_entries`] refuses an info not asked.
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
         Box::pin(async move {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
-            let req = QueryValidPaths { lock: false, substitute: false, paths: paths.iter().cloned().collect() };
+            let asked: BTreeSet<StorePath> = paths.iter().cloned().collect();
+            let req = QueryValidPaths { lock: false, substitute: false, paths: asked.clone() };
             let read_dir = dir.clone();
             self.ask(
                 move |w| write_serve_request(w, &dir, version, &req),
-                move |r| read_store_path_set(r, &read_dir, "valid paths").map_err(|e| format!("{url}: QueryValidPaths: {e}")),
+                move |r| {
+                    let valid = read_store_path_set(r, &read_dir, "valid paths").map_err(|e| format!("{url}: QueryValidPaths: {e}"))?;
+                    match valid.iter().find(|p| !asked.contains(*p)) {
+                        Some(p) => Err(format!("{url}: QueryValidPaths: it answered {}, which was not asked", read_dir.display_path(p))),
+                        None => Ok(valid),
+                    }
+                },
             )
             .await
         })
     }
 
     /// QueryClosure, then QueryPathInfos of the closure: two round trips whatever its depth.
+    /// The far end's closure must hold every root and every reference of its paths (Nix's
+    /// `computeFSClosure` follows the references itself): one that does not is refused, naming
+    /// the path it lacks, before any NAR is asked for.
     fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
         Box::pin(async move {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
@@ -124,8 +140,21 @@ impl Store for LegacySshStore {
                 )
                 .await?;
             let infos = self.infos(closure.clone()).await?;
-            match closure.iter().find(|p| !infos.contains_key(*p)) {
-                Some(p) => Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(p) }),
+            if let Some(p) = closure.iter().find(|p| !infos.contains_key(*p)) {
+                return Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(p) });
+            }
+            let outside = |(referrer, missing): (Option<&StorePath>, &StorePath)| {
+                let shown = |p| self.store_dir.display_path(p);
+                let why = match referrer {
+                    Some(r) => format!("a reference of {}", shown(r)),
+                    None => "a path asked for".into(),
+                };
+                StoreError::Other(format!("{}: QueryClosure: its answer lacks {}, {why}", self.url, shown(missing)))
+            };
+            let roots = roots.iter().map(|p| (None, p));
+            let references = infos.values().flat_map(|i| i.references.iter().map(|r| (Some(&i.path), r)));
+            match roots.chain(references).find(|(_, p)| !infos.contains_key(*p)) {
+                Some(lacking) => Err(outside(lacking)),
                 None => Ok(infos),
             }
         })
@@ -133,19 +162,22 @@ impl Store for LegacySshStore {
 
     /// DumpStorePath, sent at once; the NAR is copied into the returned reader's pipe by the
     /// connection's reader thread when its turn comes. If the reader is dropped, the rest of
-    /// the NAR is still read off the connection (and dropped) to keep it in step.
+    /// the NAR is still read off the connection (and dropped) to keep it in step. No more than
+    /// the info's NAR size is read: a NAR that goes on past it is an error (the connection is
+    /// then out of step), not read for ever.
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
             let shown = dir.display_path(&info.path);
-            let req = DumpStorePath { path: info.path.clone() };
+            let (req, nar_size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);
             let conn = self.conn.clone();
             let nar = PipedNar::start(&self.url, move |pipe| {
                 let reply = conn.request(
                     move |w| write_serve_request(w, &dir, version, &req),
                     move |r| {
                         let mut copy = Forward { pipe, failed: None };
-                        copy_nar(r, &mut copy).map_err(|e| format!("{url}: the NAR of {shown}: {e}"))?;
+                        copy_nar(r.take(nar_size), &mut copy)
+                            .map_err(|e| format!("{url}: the NAR of {shown} (of {nar_size} bytes, its info says): {e}"))?;
                         Ok(copy.failed)
                     },
                 );

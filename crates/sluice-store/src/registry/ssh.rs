@@ -39,10 +39,12 @@ fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>
 }
 
 impl StoreConfig for LegacySshConfig {
-    fn open<'a>(&'a self, _url: &'a str, _settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
+    /// A far end that moves no byte for `stalled-download-timeout` is given up.
+    fn open<'a>(&'a self, _url: &'a str, settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
         Box::pin(async move {
             let ssh = self.ssh.clone();
-            let store = tokio::task::spawn_blocking(move || LegacySshStore::open(&ssh))
+            let stall = std::time::Duration::from_secs(settings.stalled_download_timeout.max(1));
+            let store = tokio::task::spawn_blocking(move || LegacySshStore::open(&ssh, stall))
                 .await
                 .map_err(|e| crate::store::StoreError::Other(format!("ssh://{}: {e}", self.ssh.destination())))??;
             Ok(Arc::new(store) as Arc<dyn Store>)

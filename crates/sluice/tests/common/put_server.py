@@ -17,6 +17,7 @@ wins) changes the answer for matching requests:
    "cut_at": 1000,                # optional (PUT): store the first N bytes in place (as a server
                                   #   writing as it receives would keep of an upload cut short),
                                   #   close the connection unanswered
+   "endless": true,               # optional (GET): no Content-Length, the file, then zeros for ever
    "delay": 0.2}                  # optional: wait this long (after reading the body) before answering
 Every request is appended to --log as one JSON line {"method", "path", "status", "received",
 "answered"} (times in seconds since the epoch: when the request was read, when it was answered),
@@ -106,11 +107,17 @@ class H(BaseHTTPRequestHandler):
         if not A.keep_alive:
             self._count_out()
         self.send_response(status)
-        self.send_header("Content-Length", str(len(out)))
+        if not rule.get("endless"):
+            self.send_header("Content-Length", str(len(out)))
         self.end_headers()
         log({**entry, "status": status, "answered": time.time()})
         if self.command != "HEAD":
             self.wfile.write(out)
+            while rule.get("endless"):
+                try:
+                    self.wfile.write(bytes(1 << 16))
+                except OSError:
+                    return
 
     do_GET = do_HEAD = do_PUT = _answer
 

@@ -1,6 +1,7 @@
 //! Serve-protocol serialisers (Nix 2.26 `serve-protocol.cc`: `UnkeyedValidPathInfo`,
 //! `BuildResult`, `ServeProto::BuildOptions`; `export-import.cc`: an exported path's trailer).
 
+use std::collections::BTreeSet;
 use std::io::{self, Read, Write};
 
 use super::super::primitives::read_count;
@@ -92,17 +93,30 @@ pub fn write_path_info_entry(w: &mut dyn Write, dir: &StoreDir, version: Protoco
     Ok(())
 }
 
-/// Reads a QueryPathInfos answer up to its empty string: the infos, in the order sent
-/// (registration time 0, not ultimate: the protocol does not carry them). A server older than
-/// 2.4 sends no NAR hash, which is refused, as Nix refuses it.
-pub fn read_path_info_entries(r: &mut dyn Read, dir: &StoreDir, version: ProtocolVersion) -> Result<Vec<ValidPathInfo>, WireError> {
-    let mut infos = Vec::new();
+/// Reads the answer to a QueryPathInfos of `asked` up to its empty string: the infos, in the
+/// order sent (registration time 0, not ultimate: the protocol does not carry them). An entry
+/// for a path not in `asked`, or one answered already, is refused, so that no far end can add
+/// paths to the answer or make it longer than the request (Nix's `LegacySSHStore` asks one
+/// path at a time and refuses an answer about another). A server older than 2.4 sends no NAR
+/// hash, which is refused, as Nix refuses it.
+pub fn read_path_info_entries(
+    r: &mut dyn Read,
+    dir: &StoreDir,
+    version: ProtocolVersion,
+    asked: &BTreeSet<StorePath>,
+) -> Result<Vec<ValidPathInfo>, WireError> {
+    let mut infos: Vec<ValidPathInfo> = Vec::new();
+    let mut unanswered: BTreeSet<&StorePath> = asked.iter().collect();
     loop {
         let path = read_string(r, MAX_PATH_LEN, "path")?;
         if path.is_empty() {
             return Ok(infos);
         }
         let path = dir.parse_path(&path).map_err(|e| WireError::invalid("path", e))?;
+        if !unanswered.remove(&path) {
+            let why = format!("an info for {}, which was not asked or was answered already", dir.display_path(&path));
+            return Err(WireError::invalid("path", why));
+        }
         let deriver = read_optional_store_path(r, dir, "deriver")?;
         let references = read_store_path_set(r, dir, "references")?;
         read_u64(r, "download size")?;
@@ -218,13 +232,22 @@ mod tests {
         write_path_info_entry(&mut bytes, &dir, v, &info("a")).unwrap();
         write_path_info_entry(&mut bytes, &dir, v, &info("c")).unwrap();
         write_bytes(&mut bytes, b"").unwrap();
+        let asked: BTreeSet<StorePath> = [sp("a"), sp("c"), sp("d")].into();
         let mut r = bytes.as_slice();
-        assert_eq!(read_path_info_entries(&mut r, &dir, v).unwrap(), [info("a"), info("c")]);
+        assert_eq!(read_path_info_entries(&mut r, &dir, v, &asked).unwrap(), [info("a"), info("c")]);
         assert!(r.is_empty());
+        // An answer about a path not asked, or about one twice, is refused.
+        let err = read_path_info_entries(&mut bytes.as_slice(), &dir, v, &[sp("a")].into()).unwrap_err();
+        assert!(err.to_string().contains("/nix/store/") && err.to_string().contains("-c, which was not asked"), "{err}");
+        let mut twice = Vec::new();
+        write_path_info_entry(&mut twice, &dir, v, &info("a")).unwrap();
+        write_path_info_entry(&mut twice, &dir, v, &info("a")).unwrap();
+        let err = read_path_info_entries(&mut twice.as_slice(), &dir, v, &asked).unwrap_err();
+        assert!(err.to_string().contains("answered already"), "{err}");
         // The hash as Nix's opServe writes it: nix32 with its algorithm.
         let text = String::from_utf8_lossy(&bytes);
         assert!(text.contains("sha256:1b8m03r63zqhnjf7l5wnldhh7c134ap5vpj0850ymkq1iyzicy5s"), "{text}");
-        let err = read_path_info_entries(&mut bytes.as_slice(), &dir, ProtocolVersion::new(2, 3)).unwrap_err();
+        let err = read_path_info_entries(&mut bytes.as_slice(), &dir, ProtocolVersion::new(2, 3), &asked).unwrap_err();
         assert!(err.to_string().contains("mandatory"), "{err}");
     }
 
