@@ -174,6 +174,8 @@ async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>
     let upstreams = match args.upstreams.as_slice() {
         [] => None,
         urls => {
+            // Writable from the start, and rid of what fronts killed mid-NAR left.
+            cache.init_for_writing().await.map_err(|e| e.to_string())?;
             let urls = urls.iter().map(|u| substituters::cache_url(u).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
             let policy = settings.signature_policy(None).map_err(|e| e.to_string())?;
             let timeout = Duration::try_from_secs_f64(args.upstream_timeout).map_err(|e| format!("--upstream-timeout: {e}"))?;

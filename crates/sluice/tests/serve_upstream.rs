@@ -347,3 +347,68 @@ fn the_batch_endpoint_answers_a_closure_only_upstream() {
     assert_eq!(nginx.requests(".narinfo"), paths.len());
     assert_eq!(cache_files(&kept), BTreeSet::new());
 }
+
+/// The temporary files of NARs being fetched into a `file://` cache (`.sluice-upload-*`, in
+/// its directory).
+fn uploads(dir: &Path) -> BTreeSet<String> {
+    let names = std::fs::read_dir(dir).into_iter().flatten().map(|e| e.unwrap().file_name().to_string_lossy().into_owned());
+    names.filter(|n| n.starts_with(".sluice-upload-")).collect()
+}
+
+/// Two fronts over one `file://` cache fetch a NAR each from a slow upstream; one is killed
+/// (`kill -9`) mid-NAR and leaves its temporary file. A front started later removes it and
+/// not the live front's, whose NAR is then kept whole. Before, the dead front's file stayed
+/// for good.
+#[test]
+fn a_later_front_removes_what_a_killed_one_left_and_no_live_upload() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let good = xz_cache(tmp, "good");
+    let (root, paths) = subset();
+    let other = paths.iter().find(|p| **p != root).unwrap().clone();
+    let (dead_file, live_file) = (narinfo_field(&good, &root, "URL"), narinfo_field(&good, &other, "URL"));
+    let rules = tmp.join("rules.json");
+    let slow = serde_json::json!([
+        { "path": format!("/{dead_file}"), "delay": 60, "fail_times": 1 },
+        { "path": format!("/{live_file}"), "delay": 5, "fail_times": 1 },
+    ]);
+    std::fs::write(&rules, slow.to_string()).unwrap();
+    let upstream = Scripted::start(&good, Some(&rules), 0, &tmp.join("upstream.log"));
+    let kept = tmp.join("kept");
+    let store = format!("file://{}", kept.display());
+    let key = corpus_key();
+    let args = ["--option", "trusted-public-keys", &key, "--upstream", &upstream.url];
+    let mut dead = Server::start_url(tmp, &store, &args);
+    let live = Server::start_url(tmp, &store, &args);
+    let fetching = |server: &Server, path: &str| {
+        let (ok, narinfo) = curl(&format!("{}/{}.narinfo", server.url, &path["/nix/store/".len()..][..32]));
+        assert!(ok);
+        let url = String::from_utf8(narinfo).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_string)).unwrap();
+        let nar = format!("{}/{url}", server.url);
+        std::thread::spawn(move || curl(&nar))
+    };
+    let _abandoned = fetching(&dead, &root);
+    let waiting = fetching(&live, &other);
+    let started = Instant::now();
+    while uploads(&kept).len() < 2 {
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", uploads(&kept));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let both = uploads(&kept);
+    dead.child.kill().unwrap();
+    dead.child.wait().unwrap();
+
+    let _later = Server::start_url(tmp, &store, &args);
+    let left = uploads(&kept);
+    assert_eq!(left.len(), 1, "the killed front's temporary file is still there: {left:?}");
+    assert!(left.is_subset(&both), "{left:?} {both:?}");
+    assert_eq!(waiting.join().unwrap(), (true, std::fs::read(good.join(&live_file)).unwrap()));
+    let hash = &other["/nix/store/".len()..][..32];
+    let want = BTreeSet::from([format!("{hash}.narinfo"), live_file.clone()]);
+    let started = Instant::now();
+    while cache_files(&kept) != want || !uploads(&kept).is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?} {:?}", cache_files(&kept), uploads(&kept));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::read(kept.join(&live_file)).unwrap(), std::fs::read(good.join(&live_file)).unwrap());
+}
