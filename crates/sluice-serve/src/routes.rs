@@ -23,7 +23,7 @@ use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StorePath, HASH_PART_LEN};
 use sluice_store::store::{NarReader, Store, StoreError};
 
-use crate::metrics::{Metered, Metrics};
+use crate::metrics::{Metered, Metrics, RequestLine};
 use crate::progress::Tracked;
 use crate::stored::Lookup;
 use crate::{batch, narinfo};
@@ -38,6 +38,8 @@ pub(crate) type RequestBody = Tracked<hyper::body::Incoming>;
 pub(crate) const MAX_LINE: usize = 8 * 1024;
 /// Bytes of a streamed body read from the store at a time.
 const CHUNK: usize = 64 * 1024;
+/// Bytes of a body read from a file at a time ([`stream_reader`]).
+const READ_CHUNK: usize = 256 * 1024;
 /// Chunks buffered between the store's reader and the connection.
 const CHUNKS_IN_FLIGHT: usize = 4;
 
@@ -164,12 +166,31 @@ where
     http_body_util::StreamBody::new(frames).boxed_unsync()
 }
 
-/// A streamed body of what `reader` yields (read on a blocking thread), as [`stream`].
-fn stream_reader(mut reader: NarReader) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
-    stream(0, u64::MAX, |mut sink| async move {
-        let copied = tokio::task::spawn_blocking(move || std::io::copy(&mut reader, &mut sink).and_then(|_| sink.finish())).await;
-        copied.map_err(|e| StoreError::Other(e.to_string()))?.map_err(|e| StoreError::Other(e.to_string()))
-    })
+/// A streamed body of what `reader` yields, read on a blocking thread straight into the
+/// chunks sent (up to [`READ_CHUNK`] bytes each, no copy between), at most
+/// [`CHUNKS_IN_FLIGHT`] waiting for the connection; an error of `reader` ends the body with it.
+/// Reading stops as soon as the client goes away.
+fn stream_reader(reader: NarReader) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
+    use std::io::Read as _;
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(CHUNKS_IN_FLIGHT);
+    tokio::task::spawn_blocking(move || {
+        let mut reader = reader;
+        loop {
+            // Read into the chunk's spare capacity: `take` ends at its size, and a file reads
+            // into it without initialising it first.
+            let mut chunk = Vec::with_capacity(READ_CHUNK);
+            let (sent, failed) = match (&mut reader).take(READ_CHUNK as u64).read_to_end(&mut chunk) {
+                Ok(0) => return,
+                Ok(_) => (tx.blocking_send(Ok(chunk.into())), false),
+                Err(e) => (tx.blocking_send(Err(e)), true),
+            };
+            if sent.is_err() || failed {
+                return;
+            }
+        }
+    });
+    let frames = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item.map(hyper::body::Frame::data), rx)) });
+    http_body_util::StreamBody::new(frames).boxed_unsync()
 }
 
 /// The writing end of a [`stream`]ed body: drops the first `skip` bytes written, cuts the
@@ -275,6 +296,16 @@ fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes
     r
 }
 
+/// The length of the request target `uri` as the client wrote it (origin form, or absolute
+/// form with its scheme and authority), counted without writing it out.
+fn target_len(uri: &hyper::Uri) -> usize {
+    let path = uri.path_and_query().map_or(0, |p| p.as_str().len());
+    match (uri.scheme_str(), uri.authority()) {
+        (Some(scheme), Some(authority)) => scheme.len() + "://".len() + authority.as_str().len() + path,
+        _ => path,
+    }
+}
+
 /// The address of the client that sent a request (in its extensions, for the access log).
 #[derive(Debug, Clone, Copy)]
 pub struct Client(pub std::net::SocketAddr);
@@ -283,25 +314,24 @@ impl App {
     /// Answers one request (never fails: store errors become 500 naming the store and path).
     pub async fn handle(self: Arc<Self>, req: Request<RequestBody>) -> Response<Body> {
         let started = Instant::now();
-        let client = req.extensions().get::<Client>().map_or_else(|| "-".to_owned(), |c| c.0.to_string());
-        let request = format!("{client} \"{} {} {:?}\"", req.method(), req.uri(), req.version());
-        let path = req.uri().path().to_string();
-        let route = route(&path);
+        let client = req.extensions().get::<Client>().map(|c| c.0);
+        let line = RequestLine { client, method: req.method().clone(), target: req.uri().clone(), version: req.version() };
+        let route = route(line.target.path());
         let endpoint = route.endpoint();
         let answer = match self.answer(route, req).await {
             Ok(a) => a,
             Err(e) => {
-                tracing::warn!("{path}: {e}");
+                tracing::warn!("{}: {e}", line.target.path());
                 status(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
             }
         };
         let (parts, body) = answer.into_parts();
         let status = parts.status.as_u16();
-        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started, request))
+        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started, line))
     }
 
     async fn answer(self: &Arc<Self>, route: Route<'_>, req: Request<RequestBody>) -> Result<Answer, StoreError> {
-        if req.uri().to_string().len() > MAX_LINE {
+        if target_len(req.uri()) > MAX_LINE {
             return Ok(status(StatusCode::URI_TOO_LONG, "request target too long"));
         }
         if req.headers().iter().any(|(n, v)| n.as_str().len() + v.len() + 2 > MAX_LINE) {
@@ -339,8 +369,8 @@ impl App {
                     let hash_part =
                         req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
                     return Ok(match stored.nar(rel, hash_part).await? {
-                        Some(_) if head => ok("application/x-nix-nar", full(Bytes::new()), None),
-                        Some(reader) => ok("application/x-nix-nar", stream_reader(reader), None),
+                        Some((_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), len),
+                        Some((reader, len)) => ok("application/x-nix-nar", stream_reader(reader), len),
                         None => not_found(),
                     });
                 }

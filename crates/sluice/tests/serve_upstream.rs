@@ -77,6 +77,10 @@ fn a_binary_cache_is_served_as_it_is_stored() {
     let url = narinfo_field(&cache, &root, "URL");
     assert!(url.ends_with(".nar.xz"), "{url}");
     assert_eq!(curl(&format!("{}/{url}", plain.url)), (true, std::fs::read(cache.join(&url)).unwrap()));
+    // With its length, as nginx serves it (it was chunked, without one).
+    let head = Command::new("curl").args(["-sf", "-D", "-", "-o", "/dev/null", &format!("{}/{url}", plain.url)]).output().unwrap();
+    let len = std::fs::metadata(cache.join(&url)).unwrap().len();
+    assert!(String::from_utf8_lossy(&head.stdout).to_lowercase().contains(&format!("content-length: {len}\r\n")), "{head:?}");
     assert!(!curl(&format!("{}/nar/{}.nar", plain.url, "0".repeat(52))).0);
 
     let (secret, public) = signing_key(tmp);
