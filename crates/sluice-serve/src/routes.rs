@@ -17,6 +17,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper::header::{HeaderValue, ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, RANGE};
 use hyper::{Method, Request, Response, StatusCode};
+use sluice_compress::Compression;
 use sluice_nix::base32;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::signature::SecretKey;
@@ -26,6 +27,7 @@ use sluice_store::store::{NarReader, Store, StoreError};
 use crate::metrics::{Metered, Metrics, RequestLine};
 use crate::progress::Tracked;
 use crate::stored::Lookup;
+use crate::upstream::{kept_name, Found, Keep, Upstreams};
 use crate::{batch, narinfo};
 
 /// A response body: streamed, metered.
@@ -58,6 +60,10 @@ pub struct App {
     /// When the store is a binary cache: served as it is stored, and pulled through from
     /// upstreams if it has them ([`crate::stored`]).
     pub stored: Option<Arc<crate::stored::Stored>>,
+    /// When the store is a local store and the server a pull-through cache: its upstreams,
+    /// whose paths are served while they are fetched and then added to the store
+    /// ([`Keep::Store`]).
+    pub upstreams: Option<Arc<Upstreams>>,
 }
 
 /// The hash part and NAR hash of `nar/<hash part>-<NarHash>.nar`, the name a store's NARs are
@@ -287,6 +293,15 @@ fn status(code: StatusCode, text: &str) -> Answer {
     r
 }
 
+/// 404, and for how long that answer may be cached, if known.
+fn missing(ttl: Option<std::time::Duration>) -> Answer {
+    let mut r = status(StatusCode::NOT_FOUND, "not found");
+    if let Some(Ok(value)) = ttl.map(|ttl| HeaderValue::try_from(format!("max-age={}", ttl.as_secs()))) {
+        r.headers_mut().insert(hyper::header::CACHE_CONTROL, value);
+    }
+    r
+}
+
 fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>, len: Option<u64>) -> Answer {
     let mut r = Response::new(body);
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(mime));
@@ -350,47 +365,46 @@ impl App {
             ok(mime, if head { full(Bytes::new()) } else { full(text) }, Some(len))
         };
         let not_found = || status(StatusCode::NOT_FOUND, "not found");
+        // A pull-through NAR's `?hash=`: the path whose narinfo named it.
+        let hash_part = || req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
+        let nar_file = |found: Option<(NarReader, Option<u64>)>| match found {
+            Some((_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), len),
+            Some((reader, len)) => ok("application/x-nix-nar", stream_reader(reader), len),
+            None => not_found(),
+        };
         if let Some(stored) = &self.stored {
             match route {
                 Route::NarInfo(h) => {
                     return Ok(match stored.narinfo(h, &self.keys).await? {
                         Lookup::Found(served) => body(served.text, "text/x-nix-narinfo"),
-                        Lookup::Missing(ttl) => {
-                            let mut r = not_found();
-                            if let Some(ttl) = ttl {
-                                let value = HeaderValue::from_str(&format!("max-age={}", ttl.as_secs())).expect("ASCII");
-                                r.headers_mut().insert(hyper::header::CACHE_CONTROL, value);
-                            }
-                            r
-                        }
+                        Lookup::Missing(ttl) => missing(ttl),
                     })
                 }
-                Route::Nar(rel) => {
-                    let hash_part =
-                        req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
-                    return Ok(match stored.nar(rel, hash_part).await? {
-                        Some((_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), len),
-                        Some((reader, len)) => ok("application/x-nix-nar", stream_reader(reader), len),
-                        None => not_found(),
-                    });
-                }
+                Route::Nar(rel) => return Ok(nar_file(stored.nar(rel, hash_part()).await?)),
                 _ => {}
             }
         }
         Ok(match route {
             Route::CacheInfo => body(self.cache_info().into(), "text/x-nix-cache-info"),
             Route::Metrics => body(self.metrics.render().into(), "text/plain; version=0.0.4"),
-            Route::NarInfo(h) => match self.info_of(h).await? {
-                Some(info) => body(self.narinfo(&info), "text/x-nix-narinfo"),
-                None => not_found(),
+            Route::NarInfo(h) => match (self.info_of(h).await?, &self.upstreams) {
+                (Some(info), _) => body(self.narinfo(&info), "text/x-nix-narinfo"),
+                // As the store will serve it once it is kept (uncompressed, at its name there),
+                // so that a client's cached narinfo stays right.
+                (None, Some(upstreams)) => match upstreams.narinfo(h).await {
+                    Found::Yes(narinfo) => body(self.narinfo(&ValidPathInfo::from_narinfo(&narinfo, 0)), "text/x-nix-narinfo"),
+                    Found::No(ttl) => missing(ttl),
+                },
+                (None, None) => not_found(),
             },
             Route::Listing(h) => match self.info_of(h).await? {
                 Some(info) => body(self.listing(&info).await?.into(), "application/json"),
                 None => not_found(),
             },
             Route::Nar(rel) => match store_nar(rel) {
-                Some((hash_part, nar_hash)) => match self.info_of(hash_part).await? {
-                    Some(info) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
+                Some((hash_part, nar_hash)) => match (self.info_of(hash_part).await?, &self.upstreams) {
+                    (Some(info), _) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
+                    (None, Some(upstreams)) => self.pulled_nar(upstreams, hash_part, nar_hash, head).await?.unwrap_or_else(not_found),
                     _ => not_found(),
                 },
                 None => not_found(),
@@ -407,6 +421,32 @@ impl App {
             Route::Batch(kind) => batch::answer(self.clone(), kind, req).await,
             Route::NotFound => not_found(),
         })
+    }
+
+    /// The NAR of the path `hash_part` (whose NAR hash is `nar_hash`) that a local store
+    /// lacks, from the upstreams: fetched once and kept ([`Keep::Store`]), decompressed for the
+    /// client on the way. `None` when no upstream has that NAR.
+    async fn pulled_nar(
+        &self,
+        upstreams: &Arc<Upstreams>,
+        hash_part: &str,
+        nar_hash: &str,
+        head: bool,
+    ) -> Result<Option<Answer>, StoreError> {
+        let Found::Yes(narinfo) = upstreams.narinfo(hash_part).await else { return Ok(None) };
+        if narinfo.nar_hash.to_nix32() != nar_hash {
+            return Ok(None);
+        }
+        let compression = Compression::parse(&narinfo.compression).map_err(|e| StoreError::Other(format!("{}: {e}", narinfo.url)))?;
+        let keep = Keep::Store(self.store.clone());
+        let Some(flight) = upstreams.flight(&kept_name(&narinfo), Some(hash_part), &keep).await.map_err(StoreError::Other)? else {
+            return Ok(None);
+        };
+        let body = match head {
+            true => full(Bytes::new()),
+            false => stream_reader(compression.decoder(flight.follow()).map_err(|e| StoreError::Other(format!("{}: {e}", narinfo.url)))?),
+        };
+        Ok(Some(ok("application/x-nix-nar", body, Some(narinfo.nar_size))))
     }
 
     /// `nix-cache-info`: the store directory, `WantMassQuery: 1` (a server answers many

@@ -16,7 +16,7 @@ use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::store::{NarReader, StoreError};
 
-use crate::upstream::{Found, Upstreams};
+use crate::upstream::{Found, Keep, Upstreams};
 
 /// The cache served, and its upstreams if it is a pull-through cache.
 pub struct Stored {
@@ -86,7 +86,7 @@ impl Stored {
             return Ok(Some((stream.reader, stream.len)));
         }
         let Some(upstreams) = &self.upstreams else { return Ok(None) };
-        let flight = upstreams.flight(rel, hash_part, &self.cache).await.map_err(StoreError::Other)?;
+        let flight = upstreams.flight(rel, hash_part, &Keep::Cache(self.cache.clone())).await.map_err(StoreError::Other)?;
         Ok(flight.map(|f| (Box::new(f.follow()) as NarReader, None)))
     }
 }
