@@ -10,6 +10,9 @@ use super::spool::{staging_file, Compressed};
 use super::upload::PreparedNar;
 use super::{CacheError, Upload};
 
+/// A file opened for streaming, and its size.
+pub type Opened = (Box<dyn Read + Send>, u64);
+
 /// Reads cache files from a local directory.
 #[derive(Debug, Clone)]
 pub struct FileTransport {
@@ -44,13 +47,17 @@ impl FileTransport {
         }
     }
 
-    /// Opens a file for streaming; `None` when it does not exist.
-    pub fn open(&self, rel: &str) -> Result<Option<Box<dyn Read + Send>>, CacheError> {
+    /// Opens a file for streaming, with its size; `None` when it does not exist.
+    pub fn open(&self, rel: &str) -> Result<Option<Opened>, CacheError> {
         let path = self.path(rel);
+        let io = |source| CacheError::Io { url: path.display().to_string(), source };
         match std::fs::File::open(&path) {
-            Ok(f) => Ok(Some(Box::new(f))),
+            Ok(f) => {
+                let len = f.metadata().map_err(io)?.len();
+                Ok(Some((Box::new(f), len)))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(CacheError::Io { url: path.display().to_string(), source }),
+            Err(source) => Err(io(source)),
         }
     }
 

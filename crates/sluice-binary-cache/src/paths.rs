@@ -102,6 +102,7 @@ impl BinaryCache {
                 if let Transport::File(t) = &self.transport {
                     t.create_dirs()?;
                 }
+                self.sweep_staging().await?;
                 if !self.file_exists("nix-cache-info").await? {
                     let text = format!("StoreDir: {}\n", self.store_dir.as_str());
                     self.upsert_file("nix-cache-info", Upload::Bytes(text.into()), CACHE_INFO_MIME).await?;
@@ -110,6 +111,27 @@ impl BinaryCache {
             })
             .await
             .map(drop)
+    }
+
+    /// Removes what writers killed mid-upload left where this cache's uploads are staged
+    /// ([`crate::spool::sweep_staging`]); done once before this cache is first written.
+    async fn sweep_staging(&self) -> Result<(), CacheError> {
+        let dir = self.staging().0;
+        let swept = tokio::task::spawn_blocking({
+            let dir = dir.clone();
+            move || crate::spool::sweep_staging(&dir)
+        })
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r);
+        match swept {
+            Ok(0) => Ok(()),
+            Ok(n) => {
+                tracing::info!("{}: removed {n} temporary files of uploads that were killed", dir.display());
+                Ok(())
+            }
+            Err(source) => Err(CacheError::Io { url: dir.display().to_string(), source }),
+        }
     }
 
     /// Where NARs are compressed before upload, and whether a small one may stay in memory:

@@ -21,12 +21,65 @@ pub(crate) const SPOOL_MEMORY: u64 = 64 << 20;
 /// Bytes of compressed NARs in memory now.
 static SPOOLED: AtomicU64 = AtomicU64::new(0);
 
+/// The name prefix of [`staging_file`]s.
+const STAGING_PREFIX: &str = ".sluice-upload-";
+
 /// A new temporary file in `dir` for a cache file written there and renamed into place, or
 /// uploaded from there, with the mode Nix's `writeFile` gives a cache file (`0666` less the
-/// umask; `tempfile`'s own default is `0600`).
-pub(crate) fn staging_file(dir: &Path) -> io::Result<tempfile::NamedTempFile> {
+/// umask; `tempfile`'s own default is `0600`). It holds an exclusive `flock` while it is open,
+/// which tells [`sweep_staging`] that its writer is alive; one swept between its creation and
+/// the lock is made again.
+pub fn staging_file(dir: &Path) -> io::Result<tempfile::NamedTempFile> {
     use std::os::unix::fs::PermissionsExt as _;
-    tempfile::Builder::new().prefix(".sluice-upload-").permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)
+    loop {
+        let file = tempfile::Builder::new().prefix(STAGING_PREFIX).permissions(std::fs::Permissions::from_mode(0o666)).tempfile_in(dir)?;
+        file.as_file().lock()?;
+        if names(file.path(), file.as_file())? {
+            return Ok(file);
+        }
+    }
+}
+
+/// Whether `path` is the file `file` is open on.
+fn names(path: &Path, file: &std::fs::File) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt as _;
+    let open = file.metadata()?;
+    match std::fs::symlink_metadata(path) {
+        Ok(named) => Ok((named.dev(), named.ino()) == (open.dev(), open.ino())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes the [`staging_file`]s in `dir` that no live process holds: those of a writer killed
+/// mid-upload (a push, a pull-through front), which nothing names (a killed writer published
+/// nothing). A file whose lock is held, by this process or another, is left alone. Returns how
+/// many were removed; a file that cannot be opened (another user's) is skipped.
+pub fn sweep_staging(dir: &Path) -> io::Result<usize> {
+    let mut removed = 0;
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        if !entry.file_name().to_str().is_some_and(|n| n.starts_with(STAGING_PREFIX)) || !entry.file_type()?.is_file() {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = std::fs::File::open(&path) else { continue };
+        match file.try_lock() {
+            Ok(()) if names(&path, &file)? => match std::fs::remove_file(&path) {
+                Ok(()) => removed += 1,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io::Error::new(e.kind(), format!("removing {}: {e}", path.display()))),
+            },
+            Ok(()) | Err(std::fs::TryLockError::WouldBlock) => {}
+            Err(std::fs::TryLockError::Error(e)) => return Err(io::Error::new(e.kind(), format!("locking {}: {e}", path.display()))),
+        }
+    }
+    Ok(removed)
 }
 
 /// A compressed NAR, ready to upload.
@@ -164,6 +217,26 @@ mod tests {
     /// A small NAR stays in memory and is counted until dropped; one that grows past
     /// SPOOL_NAR_MAX, or finds the budget spent, goes to a file with the same bytes; a
     /// `file://` spool writes a file at once. Parts read back from either.
+    /// A staging file left by a writer that is gone (its file closed, as a killed process's)
+    /// is swept; one still open is not, whoever holds it; other files are not touched.
+    #[test]
+    fn only_staging_files_no_one_holds_are_swept() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let live = staging_file(dir.path()).unwrap();
+        let (_, dead) = staging_file(dir.path()).unwrap().keep().unwrap();
+        std::fs::write(dir.path().join(".sluice-uploaded"), b"x").unwrap();
+        std::fs::write(dir.path().join("nix-cache-info"), b"StoreDir: /nix/store\n").unwrap();
+        assert_eq!(sweep_staging(dir.path()).unwrap(), 1);
+        assert!(!dead.exists() && live.path().exists());
+        let mut left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
+        left.sort();
+        let mut want = vec![dir.path().join(".sluice-uploaded"), live.path().to_path_buf(), dir.path().join("nix-cache-info")];
+        want.sort();
+        assert_eq!(left, want);
+        drop(live);
+        assert_eq!(sweep_staging(dir.path().join("absent").as_path()).unwrap(), 0);
+    }
+
     #[test]
     fn small_nars_stay_in_memory_within_the_budget() {
         let dir = tempfile::TempDir::new().unwrap();

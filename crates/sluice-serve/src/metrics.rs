@@ -156,6 +156,25 @@ impl Metrics {
     }
 }
 
+/// What the access log says of a request: `CLIENT "METHOD TARGET VERSION"`, written out only
+/// when the line is logged.
+pub struct RequestLine {
+    pub client: Option<std::net::SocketAddr>,
+    pub method: hyper::Method,
+    pub target: hyper::Uri,
+    pub version: hyper::Version,
+}
+
+impl std::fmt::Display for RequestLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.client {
+            Some(client) => write!(f, "{client}")?,
+            None => f.write_str("-")?,
+        }
+        write!(f, " \"{} {} {:?}\"", self.method, self.target, self.version)
+    }
+}
+
 /// A response body that counts its bytes and, when it is dropped (sent in full, or abandoned
 /// by the client), records the request in [`Metrics`] and writes its access log line (at
 /// `info`, `sluice serve -v`): the client, the request line, the status, the body's bytes
@@ -167,12 +186,11 @@ pub struct Metered<B> {
     status: u16,
     started: Instant,
     bytes: u64,
-    /// `CLIENT "METHOD TARGET VERSION"`.
-    request: String,
+    request: RequestLine,
 }
 
 impl<B> Metered<B> {
-    pub fn new(inner: B, metrics: Arc<Metrics>, endpoint: &'static str, status: u16, started: Instant, request: String) -> Self {
+    pub fn new(inner: B, metrics: Arc<Metrics>, endpoint: &'static str, status: u16, started: Instant, request: RequestLine) -> Self {
         Metered { inner, metrics, endpoint, status, started, bytes: 0, request }
     }
 }

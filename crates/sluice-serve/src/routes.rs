@@ -18,15 +18,17 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Body as _;
 use hyper::header::{HeaderValue, ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, RANGE};
 use hyper::{Method, Request, Response, StatusCode};
+use sluice_compress::Compression;
 use sluice_nix::base32;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StorePath, HASH_PART_LEN};
 use sluice_store::store::{NarReader, Store, StoreError};
 
-use crate::metrics::{Metered, Metrics};
+use crate::metrics::{Metered, Metrics, RequestLine};
 use crate::progress::Tracked;
 use crate::stored::Lookup;
+use crate::upstream::{kept_name, Found, Keep, Upstreams};
 use crate::{batch, narinfo};
 
 /// A response body: streamed, metered.
@@ -39,6 +41,8 @@ pub(crate) type RequestBody = Tracked<hyper::body::Incoming>;
 pub(crate) const MAX_LINE: usize = 8 * 1024;
 /// Bytes of a streamed body read from the store at a time.
 const CHUNK: usize = 64 * 1024;
+/// Bytes of a body read from a file at a time ([`stream_reader`]).
+const READ_CHUNK: usize = 256 * 1024;
 /// Chunks buffered between the store's reader and the connection.
 const CHUNKS_IN_FLIGHT: usize = 4;
 
@@ -57,6 +61,10 @@ pub struct App {
     /// When the store is a binary cache: served as it is stored, and pulled through from
     /// upstreams if it has them ([`crate::stored`]).
     pub stored: Option<Arc<crate::stored::Stored>>,
+    /// When the store is a local store and the server a pull-through cache: its upstreams,
+    /// whose paths are served while they are fetched and then added to the store
+    /// ([`Keep::Store`]).
+    pub upstreams: Option<Arc<Upstreams>>,
 }
 
 /// The hash part and NAR hash of `nar/<hash part>-<NarHash>.nar`, the name a store's NARs are
@@ -165,12 +173,31 @@ where
     http_body_util::StreamBody::new(frames).boxed_unsync()
 }
 
-/// A streamed body of what `reader` yields (read on a blocking thread), as [`stream`].
-fn stream_reader(mut reader: NarReader) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
-    stream(0, u64::MAX, |mut sink| async move {
-        let copied = tokio::task::spawn_blocking(move || std::io::copy(&mut reader, &mut sink).and_then(|_| sink.finish())).await;
-        copied.map_err(|e| StoreError::Other(e.to_string()))?.map_err(|e| StoreError::Other(e.to_string()))
-    })
+/// A streamed body of what `reader` yields, read on a blocking thread straight into the
+/// chunks sent (up to [`READ_CHUNK`] bytes each, no copy between), at most
+/// [`CHUNKS_IN_FLIGHT`] waiting for the connection; an error of `reader` ends the body with it.
+/// Reading stops as soon as the client goes away.
+fn stream_reader(reader: NarReader) -> http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error> {
+    use std::io::Read as _;
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(CHUNKS_IN_FLIGHT);
+    tokio::task::spawn_blocking(move || {
+        let mut reader = reader;
+        loop {
+            // Read into the chunk's spare capacity: `take` ends at its size, and a file reads
+            // into it without initialising it first.
+            let mut chunk = Vec::with_capacity(READ_CHUNK);
+            let (sent, failed) = match (&mut reader).take(READ_CHUNK as u64).read_to_end(&mut chunk) {
+                Ok(0) => return,
+                Ok(_) => (tx.blocking_send(Ok(chunk.into())), false),
+                Err(e) => (tx.blocking_send(Err(e)), true),
+            };
+            if sent.is_err() || failed {
+                return;
+            }
+        }
+    });
+    let frames = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item.map(hyper::body::Frame::data), rx)) });
+    http_body_util::StreamBody::new(frames).boxed_unsync()
 }
 
 /// The writing end of a [`stream`]ed body: drops the first `skip` bytes written, cuts the
@@ -267,6 +294,15 @@ fn status(code: StatusCode, text: &str) -> Answer {
     r
 }
 
+/// 404, and for how long that answer may be cached, if known.
+fn missing(ttl: Option<std::time::Duration>) -> Answer {
+    let mut r = status(StatusCode::NOT_FOUND, "not found");
+    if let Some(Ok(value)) = ttl.map(|ttl| HeaderValue::try_from(format!("max-age={}", ttl.as_secs()))) {
+        r.headers_mut().insert(hyper::header::CACHE_CONTROL, value);
+    }
+    r
+}
+
 fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>, len: Option<u64>) -> Answer {
     let mut r = Response::new(body);
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(mime));
@@ -274,6 +310,16 @@ fn ok(mime: &'static str, body: http_body_util::combinators::UnsyncBoxBody<Bytes
         r.headers_mut().insert(CONTENT_LENGTH, len.into());
     }
     r
+}
+
+/// The length of the request target `uri` as the client wrote it (origin form, or absolute
+/// form with its scheme and authority), counted without writing it out.
+fn target_len(uri: &hyper::Uri) -> usize {
+    let path = uri.path_and_query().map_or(0, |p| p.as_str().len());
+    match (uri.scheme_str(), uri.authority()) {
+        (Some(scheme), Some(authority)) => scheme.len() + "://".len() + authority.as_str().len() + path,
+        _ => path,
+    }
 }
 
 /// The address of the client that sent a request (in its extensions, for the access log).
@@ -284,16 +330,15 @@ impl App {
     /// Answers one request (never fails: store errors become 500 naming the store and path).
     pub async fn handle(self: Arc<Self>, req: Request<RequestBody>) -> Response<Body> {
         let started = Instant::now();
-        let client = req.extensions().get::<Client>().map_or_else(|| "-".to_owned(), |c| c.0.to_string());
-        let request = format!("{client} \"{} {} {:?}\"", req.method(), req.uri(), req.version());
-        let path = req.uri().path().to_string();
-        let route = route(&path);
+        let client = req.extensions().get::<Client>().map(|c| c.0);
+        let line = RequestLine { client, method: req.method().clone(), target: req.uri().clone(), version: req.version() };
+        let route = route(line.target.path());
         let endpoint = route.endpoint();
         let head = req.method() == Method::HEAD;
         let answer = match self.answer(route, req).await {
             Ok(a) => a,
             Err(e) => {
-                tracing::warn!("{path}: {e}");
+                tracing::warn!("{}: {e}", line.target.path());
                 status(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
             }
         };
@@ -310,11 +355,11 @@ impl App {
             body = full(Bytes::new());
         }
         let status = parts.status.as_u16();
-        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started, request))
+        Response::from_parts(parts, Metered::new(body, self.metrics.clone(), endpoint, status, started, line))
     }
 
     async fn answer(self: &Arc<Self>, route: Route<'_>, req: Request<RequestBody>) -> Result<Answer, StoreError> {
-        if req.uri().to_string().len() > MAX_LINE {
+        if target_len(req.uri()) > MAX_LINE {
             return Ok(status(StatusCode::URI_TOO_LONG, "request target too long"));
         }
         if req.headers().iter().any(|(n, v)| n.as_str().len() + v.len() + 2 > MAX_LINE) {
@@ -333,47 +378,46 @@ impl App {
             ok(mime, if head { full(Bytes::new()) } else { full(text) }, Some(len))
         };
         let not_found = || status(StatusCode::NOT_FOUND, "not found");
+        // A pull-through NAR's `?hash=`: the path whose narinfo named it.
+        let hash_part = || req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
+        let nar_file = |found: Option<(NarReader, Option<u64>)>| match found {
+            Some((_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), len),
+            Some((reader, len)) => ok("application/x-nix-nar", stream_reader(reader), len),
+            None => not_found(),
+        };
         if let Some(stored) = &self.stored {
             match route {
                 Route::NarInfo(h) => {
                     return Ok(match stored.narinfo(h, &self.keys).await? {
                         Lookup::Found(served) => body(served.text, "text/x-nix-narinfo"),
-                        Lookup::Missing(ttl) => {
-                            let mut r = not_found();
-                            if let Some(ttl) = ttl {
-                                let value = HeaderValue::from_str(&format!("max-age={}", ttl.as_secs())).expect("ASCII");
-                                r.headers_mut().insert(hyper::header::CACHE_CONTROL, value);
-                            }
-                            r
-                        }
+                        Lookup::Missing(ttl) => missing(ttl),
                     })
                 }
-                Route::Nar(rel) => {
-                    let hash_part =
-                        req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
-                    return Ok(match stored.nar(rel, hash_part).await? {
-                        Some(_) if head => ok("application/x-nix-nar", full(Bytes::new()), None),
-                        Some(reader) => ok("application/x-nix-nar", stream_reader(reader), None),
-                        None => not_found(),
-                    });
-                }
+                Route::Nar(rel) => return Ok(nar_file(stored.nar(rel, hash_part()).await?)),
                 _ => {}
             }
         }
         Ok(match route {
             Route::CacheInfo => body(self.cache_info().into(), "text/x-nix-cache-info"),
             Route::Metrics => body(self.metrics.render().into(), "text/plain; version=0.0.4"),
-            Route::NarInfo(h) => match self.info_of(h).await? {
-                Some(info) => body(self.narinfo(&info), "text/x-nix-narinfo"),
-                None => not_found(),
+            Route::NarInfo(h) => match (self.info_of(h).await?, &self.upstreams) {
+                (Some(info), _) => body(self.narinfo(&info), "text/x-nix-narinfo"),
+                // As the store will serve it once it is kept (uncompressed, at its name there),
+                // so that a client's cached narinfo stays right.
+                (None, Some(upstreams)) => match upstreams.narinfo(h).await {
+                    Found::Yes(narinfo) => body(self.narinfo(&ValidPathInfo::from_narinfo(&narinfo, 0)), "text/x-nix-narinfo"),
+                    Found::No(ttl) => missing(ttl),
+                },
+                (None, None) => not_found(),
             },
             Route::Listing(h) => match self.info_of(h).await? {
                 Some(info) => body(self.listing(&info).await?.into(), "application/json"),
                 None => not_found(),
             },
             Route::Nar(rel) => match store_nar(rel) {
-                Some((hash_part, nar_hash)) => match self.info_of(hash_part).await? {
-                    Some(info) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
+                Some((hash_part, nar_hash)) => match (self.info_of(hash_part).await?, &self.upstreams) {
+                    (Some(info), _) if info.nar_hash.to_nix32() == nar_hash => self.nar(&info, req.headers().get(RANGE), head).await?,
+                    (None, Some(upstreams)) => self.pulled_nar(upstreams, hash_part, nar_hash, head).await?.unwrap_or_else(not_found),
                     _ => not_found(),
                 },
                 None => not_found(),
@@ -390,6 +434,32 @@ impl App {
             Route::Batch(kind) => batch::answer(self.clone(), kind, req).await,
             Route::NotFound => not_found(),
         })
+    }
+
+    /// The NAR of the path `hash_part` (whose NAR hash is `nar_hash`) that a local store
+    /// lacks, from the upstreams: fetched once and kept ([`Keep::Store`]), decompressed for the
+    /// client on the way. `None` when no upstream has that NAR.
+    async fn pulled_nar(
+        &self,
+        upstreams: &Arc<Upstreams>,
+        hash_part: &str,
+        nar_hash: &str,
+        head: bool,
+    ) -> Result<Option<Answer>, StoreError> {
+        let Found::Yes(narinfo) = upstreams.narinfo(hash_part).await else { return Ok(None) };
+        if narinfo.nar_hash.to_nix32() != nar_hash {
+            return Ok(None);
+        }
+        let compression = Compression::parse(&narinfo.compression).map_err(|e| StoreError::Other(format!("{}: {e}", narinfo.url)))?;
+        let keep = Keep::Store(self.store.clone());
+        let Some(flight) = upstreams.flight(&kept_name(&narinfo), Some(hash_part), &keep).await.map_err(StoreError::Other)? else {
+            return Ok(None);
+        };
+        let body = match head {
+            true => full(Bytes::new()),
+            false => stream_reader(compression.decoder(flight.follow()).map_err(|e| StoreError::Other(format!("{}: {e}", narinfo.url)))?),
+        };
+        Ok(Some(ok("application/x-nix-nar", body, Some(narinfo.nar_size))))
     }
 
     /// `nix-cache-info`: the store directory, `WantMassQuery: 1` (a server answers many

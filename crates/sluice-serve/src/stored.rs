@@ -16,7 +16,7 @@ use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_store::store::{NarReader, StoreError};
 
-use crate::upstream::{Found, Upstreams};
+use crate::upstream::{Found, Keep, Upstreams};
 
 /// The cache served, and its upstreams if it is a pull-through cache.
 pub struct Stored {
@@ -77,17 +77,17 @@ impl Stored {
         })
     }
 
-    /// The bytes of the NAR file `rel` (`nar/…`) as stored, read on a blocking thread: from
-    /// the cache, else fetched from an upstream (whose narinfo of `hash_part` names it, if
-    /// this server did not serve that narinfo itself). `None` when there is none, or only
-    /// copies that failed their check.
-    pub async fn nar(&self, rel: &str, hash_part: Option<&str>) -> Result<Option<NarReader>, StoreError> {
+    /// The bytes of the NAR file `rel` (`nar/…`) as stored, read on a blocking thread, and
+    /// their number when known: from the cache, else fetched from an upstream (whose narinfo
+    /// of `hash_part` names it, if this server did not serve that narinfo itself). `None`
+    /// when there is none, or only copies that failed their check.
+    pub async fn nar(&self, rel: &str, hash_part: Option<&str>) -> Result<Option<(NarReader, Option<u64>)>, StoreError> {
         if let Some(stream) = self.cache.open_file(rel).await? {
-            return Ok(Some(stream.reader));
+            return Ok(Some((stream.reader, stream.len)));
         }
         let Some(upstreams) = &self.upstreams else { return Ok(None) };
-        let flight = upstreams.flight(rel, hash_part, &self.cache).await.map_err(StoreError::Other)?;
-        Ok(flight.map(|f| Box::new(f.follow()) as NarReader))
+        let flight = upstreams.flight(rel, hash_part, &Keep::Cache(self.cache.clone())).await.map_err(StoreError::Other)?;
+        Ok(flight.map(|f| (Box::new(f.follow()) as NarReader, None)))
     }
 }
 

@@ -6,8 +6,10 @@
 //! `CACHE`; the query lets any front over the same `CACHE` find the path again). An upstream
 //! that fails or times out is a miss for that request and is skipped for [`SKIP`], as Nix's
 //! `BinaryCacheStore::maybeDisable` (`src/libstore/http-binary-cache-store.cc`) does; a path
-//! no upstream has is remembered for [`MISS_TTL`]. Its NAR is fetched once ([`crate::flight`]),
-//! kept in `CACHE` once checked, and its narinfo written to `CACHE` only after the NAR.
+//! no upstream has is remembered for [`MISS_TTL`]. Its NAR is fetched once ([`crate::flight`])
+//! and kept once checked ([`Keep`]): in a binary cache as the upstream compressed it, its
+//! narinfo written only after the NAR; in a local store as a path registered with the
+//! upstream's signatures, once its references are.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -24,7 +26,11 @@ use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 
-use crate::flight::{Expected, Flight};
+use sluice_compress::Compression;
+use sluice_nix::store_path::StorePath;
+use sluice_store::store::Store;
+
+use crate::flight::{Expected, Fetched, Flight};
 use crate::metrics::Metrics;
 
 /// How long an upstream that failed or timed out is left out (Nix's `maybeDisable`: 60 s).
@@ -34,6 +40,76 @@ pub const SKIP: Duration = Duration::from_secs(60);
 pub const MISS_TTL: Duration = Duration::from_secs(30);
 /// Paths remembered: misses, and the upstream sources of NARs served but not yet kept.
 const REMEMBERED: usize = 16 * 1024;
+/// How long a path fetched for a local store waits for its references to be kept (its
+/// client fetched them first, through this server; their keeping may still be under way).
+pub const REFERENCES_WAIT: Duration = Duration::from_secs(60);
+
+/// Where a pull-through cache keeps what it fetched from its upstreams.
+#[derive(Clone)]
+pub enum Keep {
+    /// A binary cache (`file://`, `s3://`): the NAR file as the upstream compressed it, then
+    /// its narinfo.
+    Cache(Arc<BinaryCache>),
+    /// A local store: the path unpacked from the NAR (checked again by the store) and
+    /// registered with the upstream's signatures, once its references are valid there (a
+    /// local store registers no path before its references, as Nix's `registerValidPaths`).
+    Store(Arc<dyn Store>),
+}
+
+impl Keep {
+    fn url(&self) -> &str {
+        match self {
+            Keep::Cache(cache) => cache.url(),
+            Keep::Store(store) => store.url(),
+        }
+    }
+
+    /// A temporary file for a NAR fetched to be kept: where a binary cache stages its
+    /// uploads, else in the system's temporary directory.
+    fn staging_file(&self) -> std::io::Result<tempfile::NamedTempFile> {
+        match self {
+            Keep::Cache(cache) => cache.nar_staging_file(),
+            Keep::Store(_) => sluice_binary_cache::spool::staging_file(&std::env::temp_dir()),
+        }
+    }
+
+    /// Keeps `fetched`, the NAR file `name` of `narinfo` (compressed with `compression`).
+    async fn keep(&self, name: &str, fetched: Fetched, narinfo: &NarInfo, compression: Compression) -> Result<(), String> {
+        match self {
+            Keep::Cache(cache) => {
+                cache.put_nar_file(name, fetched.file, fetched.file_hash, fetched.file_size).await.map_err(|e| e.to_string())?;
+                cache.write_narinfo(narinfo).await.map_err(|e| e.to_string())
+            }
+            Keep::Store(store) => {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                let info = ValidPathInfo::from_narinfo(narinfo, i64::try_from(now).unwrap_or(i64::MAX));
+                references_kept(store.as_ref(), &info).await?;
+                let file = fetched.file.reopen().map_err(|e| format!("{}: {e}", fetched.file.path().display()))?;
+                let nar = compression.decoder(file).map_err(|e| e.to_string())?;
+                store.add_to_store(info, nar, Box::pin(async { Ok(()) })).await.map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
+/// Waits, at most [`REFERENCES_WAIT`], until every reference of `info` but itself is valid in
+/// `store`; fails naming those that are not.
+async fn references_kept(store: &dyn Store, info: &ValidPathInfo) -> Result<(), String> {
+    let references: Vec<StorePath> = info.references.iter().filter(|r| **r != info.path).cloned().collect();
+    let deadline = Instant::now() + REFERENCES_WAIT;
+    loop {
+        let valid = store.query_valid_paths(&references).await.map_err(|e| e.to_string())?;
+        if valid.len() == references.len() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<String> =
+                references.iter().filter(|r| !valid.contains(*r)).map(|r| store.store_dir().display_path(r)).collect();
+            return Err(format!("its references {} are not valid after {} s", missing.join(", "), REFERENCES_WAIT.as_secs()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
 
 /// Locks `m`, whatever a panicking holder left.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -262,14 +338,9 @@ impl Upstreams {
 
     /// The flight fetching the NAR file `name` (`nar/…` in `CACHE`), started now if none is
     /// under way and an upstream's narinfo names it (asked again for `hash_part`, when this
-    /// front did not serve it); once it checks out it is uploaded to `cache` and its narinfo
-    /// written there. `None` when no upstream has it, or only one whose copy failed its check.
-    pub async fn flight(
-        self: &Arc<Self>,
-        name: &str,
-        hash_part: Option<&str>,
-        cache: &Arc<BinaryCache>,
-    ) -> Result<Option<Arc<Flight>>, String> {
+    /// front did not serve it); once it checks out it is kept in `keep`. `None` when no
+    /// upstream has it, or only one whose copy failed its check.
+    pub async fn flight(self: &Arc<Self>, name: &str, hash_part: Option<&str>, keep: &Keep) -> Result<Option<Arc<Flight>>, String> {
         if let Some(f) = lock(&self.flights).get(name) {
             return Ok(Some(f.clone()));
         }
@@ -285,7 +356,7 @@ impl Upstreams {
         if let Some(f) = flights.get(name) {
             return Ok(Some(f.clone()));
         }
-        let compression = sluice_compress::Compression::parse(&source.narinfo.compression).map_err(|e| format!("{name}: {e}"))?;
+        let compression = Compression::parse(&source.narinfo.compression).map_err(|e| format!("{name}: {e}"))?;
         let expected = Expected {
             compression,
             nar_hash: source.narinfo.nar_hash.clone(),
@@ -293,20 +364,16 @@ impl Upstreams {
             file_hash: source.narinfo.file_hash.clone(),
             file_size: source.narinfo.file_size,
         };
-        let spool = cache.nar_staging_file().map_err(|e| format!("{}: a temporary file for {name}: {e}", cache.url()))?;
+        let spool = keep.staging_file().map_err(|e| format!("{}: a temporary file for {name}: {e}", keep.url()))?;
         let (flight, fetched) = Flight::start(upstream, source.rel.clone(), spool, expected).map_err(|e| format!("{name}: {e}"))?;
         flights.insert(name.to_string(), flight.clone());
         drop(flights);
-        let (this, cache, name, base) = (self.clone(), cache.clone(), name.to_string(), self.list[source.upstream].url.base.clone());
+        let (this, keep, name, base) = (self.clone(), keep.clone(), name.to_string(), self.list[source.upstream].url.base.clone());
         tokio::spawn(async move {
             let kept = match fetched.await.map_err(|e| e.to_string()).and_then(|r| r) {
                 Ok(f) => {
                     this.metrics.upstream(&base, |c| c.nars += 1);
-                    let put = cache.put_nar_file(&name, f.file, f.file_hash, f.file_size).await;
-                    match put {
-                        Ok(()) => cache.write_narinfo(&source.narinfo).await.map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
-                    }
+                    keep.keep(&name, f, &source.narinfo, compression).await
                 }
                 Err(e) => {
                     tracing::warn!("{e}: the NAR is not served");
@@ -316,7 +383,7 @@ impl Upstreams {
                 }
             };
             if let Err(e) = kept {
-                tracing::warn!("keeping {name} in {}: {e}", cache.url());
+                tracing::warn!("keeping {name} in {}: {e}", keep.url());
             }
             lock(&this.flights).remove(&name);
         });

@@ -54,9 +54,8 @@ async fn open_one(
         Some((id, info)) => (Some(id), BinaryCache::new(&curl, client, info)?),
         None => {
             let mut cache = BinaryCache::new(&curl, client, CacheInfo::default())?;
-            // The narinfos of the roots travel alongside nix-cache-info: one round trip for both.
             let roots = &prefetch[..prefetch.len().min(MAX_PREFETCH)];
-            let (info, answers) = futures::join!(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p))));
+            let (info, answers, closure) = fetch_cold(&cache, roots, prefetch).await;
             let info = match info? {
                 Some(info) => info,
                 None => cache.read_without_cache_info()?,
@@ -67,7 +66,10 @@ async fn open_one(
             sub.trusted = curl.common.trusted;
             sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
             sub.cache.check_store_dir()?;
-            prefetch_closure(&sub, disk, prefetch).await;
+            match closure {
+                Some(answers) => keep_closure(&sub, answers),
+                None => prefetch_closure(&sub, disk, prefetch).await,
+            }
             return Ok(sub);
         }
     };
@@ -94,10 +96,47 @@ async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots:
         }
     }
     match sub.cache.batch_closure(roots).await {
-        Ok(Some(answers)) => sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(answers.into_iter().map(|(h, t)| (h, Ok(t)))),
+        Ok(Some(answers)) => keep_closure(sub, answers),
         Ok(None) => {}
         Err(e) => tracing::warn!("{e}; asking for each narinfo instead"),
     }
+}
+
+/// Keeps the batch endpoint's `answers` in `sub.prefetched`, where the closure engine takes them.
+fn keep_closure(sub: &Substituter, answers: Vec<(String, Option<String>)>) {
+    sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(answers.into_iter().map(|(h, t)| (h, Ok(t))));
+}
+
+/// What a cache not yet known is asked at once, so that a cold closure query spends one round
+/// trip on them together: its `nix-cache-info`, the narinfos of `roots`, and (of an HTTP
+/// cache) the closure of `prefetch` from the batch endpoint, unasked for
+/// ([`BinaryCache::batch_closure_unasked`]). The closure is waited for, and returned, only if
+/// `nix-cache-info` offers the batch; otherwise it is dropped, in flight or not.
+#[allow(clippy::type_complexity)]
+async fn fetch_cold(
+    cache: &BinaryCache,
+    roots: &[StorePath],
+    prefetch: &[StorePath],
+) -> (Result<Option<CacheInfo>, CacheError>, Vec<Result<Option<String>, CacheError>>, Option<Vec<(String, Option<String>)>>) {
+    use futures::future::{select, Either};
+    let opened = std::pin::pin!(futures::future::join(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p)))));
+    let mut closure = std::pin::pin!(async {
+        match prefetch {
+            [] => None,
+            _ => cache.batch_closure_unasked(prefetch).await,
+        }
+    });
+    let ((info, answers), early) = match select(opened, closure.as_mut()).await {
+        Either::Left((opened, _)) => (opened, None),
+        Either::Right((early, opened)) => (opened.await, Some(early)),
+    };
+    let offered = matches!(&info, Ok(Some(i)) if i.batch);
+    let closure = match early {
+        Some(early) => early,
+        None if offered => closure.await,
+        None => None,
+    };
+    (info, answers, closure.filter(|_| offered))
 }
 
 /// Opens `urls` as substituters, sorted by priority. Returns the usable ones and one error per

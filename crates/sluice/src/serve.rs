@@ -59,10 +59,11 @@ pub struct Args {
     /// close is dropped.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout: u64,
-    /// A binary cache to fetch what `--store` (then a `file://` or `s3://` cache) lacks from:
-    /// a pull-through cache. May be given more than once; all are asked at once and the
-    /// highest-priority answer (`?priority=N`, else its `nix-cache-info`) signed by a key of
-    /// `trusted-public-keys` wins. NARs are kept in `--store` as the upstream compressed them.
+    /// A binary cache to fetch what `--store` (then a `file://` or `s3://` cache, or a local
+    /// store) lacks from: a pull-through cache. May be given more than once; all are asked at
+    /// once and the highest-priority answer (`?priority=N`, else its `nix-cache-info`) signed
+    /// by a key of `trusted-public-keys` wins. NARs are kept in a binary cache as the upstream
+    /// compressed them; in a local store as paths, once their references are.
     #[arg(long = "upstream", value_name = "URL")]
     upstreams: Vec<String>,
     /// Seconds an upstream has to answer a narinfo request; one that fails or takes longer
@@ -108,7 +109,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     let limits = sluice_serve::Limits { max_connections: args.max_connections.max(1), idle: Duration::from_secs(args.idle_timeout) };
     setup::runtime()?.block_on(async {
         let metrics = Arc::new(sluice_serve::metrics::Metrics::default());
-        let (store, stored) = open(&url, &settings, &args, metrics.clone()).await?;
+        let (store, stored, upstreams) = open(&url, &settings, &args, metrics.clone()).await?;
         let mut listeners = Vec::new();
         for listener in activated {
             listeners.push(tokio::net::TcpListener::from_std(listener).map_err(|e| format!("a socket systemd passed: {e}"))?);
@@ -126,10 +127,13 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             store,
             keys,
             priority: args.priority,
-            batch: !args.no_batch,
+            // The batch endpoints walk a local store's paths only: not offered when what it
+            // lacks comes from upstreams.
+            batch: !args.no_batch && upstreams.is_none(),
             metrics,
             rendered: Default::default(),
             stored,
+            upstreams,
         });
         sluice_serve::run(listeners, tls, app, limits).await.map_err(|e| e.to_string())
     })?;
@@ -160,17 +164,14 @@ fn must_exist(url: &str) -> Result<(), String> {
     }
 }
 
-/// Opens the store `url` to serve; a binary cache is also served as it is stored, pulling
-/// through from `--upstream`s (which need one).
-async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>) -> Result<(Arc<dyn Store>, Option<Arc<Stored>>), String> {
-    let Some(cache_url) = StoreUrl::parse(url).map_err(|e| e.to_string())?.as_cache().cloned() else {
-        if !args.upstreams.is_empty() {
-            return Err(format!("--upstream needs a binary cache (file:// or s3://) as --store, not {url}"));
-        }
-        return Ok((open_store(url, settings).await.map_err(|e| e.to_string())?, None));
-    };
-    let client = LazyClient::new(settings.http_options());
-    let cache = Arc::new(BinaryCache::open(&cache_url, &client).await.map_err(|e| e.to_string())?);
+/// What `sluice serve` serves: the store, the binary cache served as it is stored (if it is
+/// one), and the upstreams of a pull-through local store.
+type Opened = (Arc<dyn Store>, Option<Arc<Stored>>, Option<Arc<Upstreams>>);
+
+/// Opens the store `url` to serve; a binary cache is also served as it is stored. With
+/// `--upstream`s it is a pull-through cache, which needs a binary cache or a local store.
+async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>) -> Result<Opened, String> {
+    let parsed = StoreUrl::parse(url).map_err(|e| e.to_string())?;
     let upstreams = match args.upstreams.as_slice() {
         [] => None,
         urls => {
@@ -180,5 +181,17 @@ async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>
             Some(Arc::new(Upstreams::open(&urls, LazyClient::new(settings.http_options()), policy, timeout, metrics).await?))
         }
     };
-    Ok((cache.clone(), Some(Arc::new(Stored { cache, upstreams }))))
+    let Some(cache_url) = parsed.as_cache().cloned() else {
+        if upstreams.is_some() && parsed.as_local().is_none() {
+            return Err(format!("--upstream needs a binary cache (file:// or s3://) or a local store as --store, not {url}"));
+        }
+        return Ok((open_store(url, settings).await.map_err(|e| e.to_string())?, None, upstreams));
+    };
+    let client = LazyClient::new(settings.http_options());
+    let cache = Arc::new(BinaryCache::open(&cache_url, &client).await.map_err(|e| e.to_string())?);
+    if upstreams.is_some() {
+        // Writable from the start, and rid of what fronts killed mid-NAR left.
+        cache.init_for_writing().await.map_err(|e| e.to_string())?;
+    }
+    Ok((cache.clone(), Some(Arc::new(Stored { cache, upstreams })), None))
 }

@@ -345,6 +345,33 @@ fn sluice_gets_the_same_closure_with_and_without_the_batch_endpoint() {
     assert_eq!(lines[0]["narinfo"].as_str().unwrap().as_bytes(), single.stdout);
 }
 
+/// A cold `sluice missing` (no `nix-cache-info` in the disk cache) sends its batch request
+/// alongside `nix-cache-info`, not once its answer said `SluiceBatch`: through latency-proxy
+/// over plain HTTP that is TCP and one request, 2 RTT, where it took 3. A cache that turns out
+/// not to advertise the batch has its answer ignored (the same closure, per narinfo).
+#[test]
+fn a_cold_closure_query_sends_the_batch_with_nix_cache_info() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let src = source_store(tmp, &root);
+    let (secret, public) = signing_key(tmp);
+    let batch = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap()]);
+    let plain = Server::start(tmp, &src, &["--secret-key", secret.to_str().unwrap(), "--no-batch"]);
+    let port = |s: &Server| s.addr.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let rtt = Duration::from_millis(1000);
+    let proxy = LatencyProxy::start(port(&batch), rtt.as_millis() as u32);
+    let started = Instant::now();
+    let got = sluice_missing(tmp, &format!("http://127.0.0.1:{}", proxy.port), &public, &root, "cold");
+    let took = started.elapsed();
+    let missing: BTreeSet<String> = got["willSubstitute"].as_array().unwrap().iter().map(|p| p.as_str().unwrap().to_string()).collect();
+    assert_eq!(missing, paths);
+    assert!(took >= 2 * rtt && took < rtt * 13 / 5, "the cold closure query took {took:?} at RTT {rtt:?} (2 RTT expected)");
+    let requests = batch.raw(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert!(requests.contains("sluice_serve_requests_total{endpoint=\"batch-closure\",status=\"200\"} 1\n"), "{requests}");
+    assert_eq!(sluice_missing(tmp, &plain.url, &public, &root, "plain"), got);
+}
+
 #[test]
 fn hostile_requests_are_refused_and_do_not_take_the_server_down() {
     let tmp = tempfile::tempdir().unwrap();

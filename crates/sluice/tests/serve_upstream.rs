@@ -77,6 +77,10 @@ fn a_binary_cache_is_served_as_it_is_stored() {
     let url = narinfo_field(&cache, &root, "URL");
     assert!(url.ends_with(".nar.xz"), "{url}");
     assert_eq!(curl(&format!("{}/{url}", plain.url)), (true, std::fs::read(cache.join(&url)).unwrap()));
+    // With its length, as nginx serves it (it was chunked, without one).
+    let head = Command::new("curl").args(["-sf", "-D", "-", "-o", "/dev/null", &format!("{}/{url}", plain.url)]).output().unwrap();
+    let len = std::fs::metadata(cache.join(&url)).unwrap().len();
+    assert!(String::from_utf8_lossy(&head.stdout).to_lowercase().contains(&format!("content-length: {len}\r\n")), "{head:?}");
     assert!(!curl(&format!("{}/nar/{}.nar", plain.url, "0".repeat(52))).0);
 
     let (secret, public) = signing_key(tmp);
@@ -167,6 +171,16 @@ fn pull_through(tmp: &Path, cache: &str, ups: &Upstreams, secret: &Path) -> Serv
     Server::start_url(tmp, cache, &args)
 }
 
+/// Real Nix 2.26 (`nix-modern`) copies `root` from `url` into a new store under `tmp`,
+/// trusting only `public`.
+fn nix_2_26_copies(tmp: &Path, public: &str, url: &str, root: &str) {
+    let to = tmp.join("nix-2.26");
+    let mut cmd = Command::new(shared().join("bin/nix-modern"));
+    isolate(&mut cmd, tmp, &format!("trusted-public-keys = {public}\nrequire-sigs = true"));
+    let o = cmd.current_dir(tmp).args(["nix", "copy", "--from", url, "--to", to.to_str().unwrap(), root]).output().unwrap();
+    check(&o, "nix-modern nix copy --from the pull-through cache");
+}
+
 /// A pull-through cache in front of four upstreams (see [`upstreams`]): the untrusted one's
 /// narinfos are passed over, the dead one is skipped at once (no request waits for it), the
 /// corrupt NAR is never served whole, never kept, and counted, and the path then comes from
@@ -227,11 +241,7 @@ fn real_nix_substitutes_through_a_pull_through_cache() {
 
     // Nix 2.26 copies it again, from what was kept: no upstream request.
     let narinfos_asked = ups.good.requests(".narinfo");
-    let b = tmp.join("nix-2.26");
-    let mut cmd = Command::new(shared().join("bin/nix-modern"));
-    isolate(&mut cmd, tmp, &format!("trusted-public-keys = {public}\nrequire-sigs = true"));
-    let o = cmd.current_dir(tmp).args(["nix", "copy", "--from", &server.url, "--to", b.to_str().unwrap(), &root]).output().unwrap();
-    check(&o, "nix-modern nix copy --from the pull-through cache");
+    nix_2_26_copies(tmp, &public, &server.url, &root);
     assert_eq!(ups.good.requests(".nar.xz"), paths.len());
     assert_eq!(ups.good.requests(".narinfo"), narinfos_asked);
 }
@@ -375,4 +385,108 @@ fn an_upstream_whose_nar_never_ends_is_cut_off() {
     assert!(asked.elapsed() < Duration::from_secs(30), "the request failed only after {:?}", asked.elapsed());
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(cache_files(&kept), BTreeSet::new());
+}
+
+/// The temporary files of NARs being fetched into a `file://` cache (`.sluice-upload-*`, in
+/// its directory).
+fn uploads(dir: &Path) -> BTreeSet<String> {
+    let names = std::fs::read_dir(dir).into_iter().flatten().map(|e| e.unwrap().file_name().to_string_lossy().into_owned());
+    names.filter(|n| n.starts_with(".sluice-upload-")).collect()
+}
+
+/// Two fronts over one `file://` cache fetch a NAR each from a slow upstream; one is killed
+/// (`kill -9`) mid-NAR and leaves its temporary file. A front started later removes it and
+/// not the live front's, whose NAR is then kept whole. Before, the dead front's file stayed
+/// for good.
+#[test]
+fn a_later_front_removes_what_a_killed_one_left_and_no_live_upload() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let good = xz_cache(tmp, "good");
+    let (root, paths) = subset();
+    let other = paths.iter().find(|p| **p != root).unwrap().clone();
+    let (dead_file, live_file) = (narinfo_field(&good, &root, "URL"), narinfo_field(&good, &other, "URL"));
+    let rules = tmp.join("rules.json");
+    let slow = serde_json::json!([
+        { "path": format!("/{dead_file}"), "delay": 60, "fail_times": 1 },
+        { "path": format!("/{live_file}"), "delay": 15, "fail_times": 1 },
+    ]);
+    std::fs::write(&rules, slow.to_string()).unwrap();
+    let upstream = Scripted::start(&good, Some(&rules), 0, &tmp.join("upstream.log"));
+    let kept = tmp.join("kept");
+    let store = format!("file://{}", kept.display());
+    let key = corpus_key();
+    let args = ["--option", "trusted-public-keys", &key, "--upstream", &upstream.url];
+    let mut dead = Server::start_url(tmp, &store, &args);
+    let live = Server::start_url(tmp, &store, &args);
+    let fetching = |server: &Server, path: &str| {
+        let (ok, narinfo) = curl(&format!("{}/{}.narinfo", server.url, &path["/nix/store/".len()..][..32]));
+        assert!(ok);
+        let url = String::from_utf8(narinfo).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_string)).unwrap();
+        let nar = format!("{}/{url}", server.url);
+        std::thread::spawn(move || curl(&nar))
+    };
+    let _abandoned = fetching(&dead, &root);
+    let waiting = fetching(&live, &other);
+    let started = Instant::now();
+    while uploads(&kept).len() < 2 {
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", uploads(&kept));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let both = uploads(&kept);
+    dead.child.kill().unwrap();
+    dead.child.wait().unwrap();
+
+    let _later = Server::start_url(tmp, &store, &args);
+    let left = uploads(&kept);
+    assert_eq!(left.len(), 1, "the killed front's temporary file is still there: {left:?}");
+    assert!(left.is_subset(&both), "{left:?} {both:?}");
+    assert_eq!(waiting.join().unwrap(), (true, std::fs::read(good.join(&live_file)).unwrap()));
+    let hash = &other["/nix/store/".len()..][..32];
+    let want = BTreeSet::from([format!("{hash}.narinfo"), live_file.clone()]);
+    let started = Instant::now();
+    while cache_files(&kept) != want || !uploads(&kept).is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?} {:?}", cache_files(&kept), uploads(&kept));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::read(kept.join(&live_file)).unwrap(), std::fs::read(good.join(&live_file)).unwrap());
+}
+
+/// A local store as the pull-through cache: real Nix 2.8 copies the closure through it, each
+/// NAR fetched once from the upstream (nginx), and the paths are then valid in that store
+/// (added once their references were, each checked by `nix-store --verify`); real Nix 2.26
+/// copies them again from it, with no upstream request. Before, `--upstream` refused a local
+/// store.
+#[test]
+fn a_local_store_is_a_pull_through_cache() {
+    let o = Command::new(shared().join("bin/setup-nix-modern")).current_dir("/tmp").output().unwrap();
+    check(&o, "setup-nix-modern");
+    let tmp = tempfile::Builder::new().tempdir_in("/tmp").unwrap();
+    let tmp = tmp.path();
+    let (root, paths) = subset();
+    let good = xz_cache(tmp, "good");
+    let nginx = CacheServer::start(&good, &tmp.join("nginx"), &[]);
+    let (secret, public) = signing_key(tmp);
+    let kept = tmp.join("kept");
+    let key = corpus_key();
+    let store = format!("local?root={}", kept.display());
+    let args = ["--option", "trusted-public-keys", &key, "--upstream", &nginx.url, "--secret-key", secret.to_str().unwrap()];
+    let server = Server::start_url(tmp, &store, &args);
+
+    let a = tmp.join("nix-2.8");
+    let o = nix_trusting(tmp, &public, "nix", &["copy", "--from", &server.url, "--to", a.to_str().unwrap(), &root]);
+    check(&o, "nix copy --from the pull-through local store");
+    assert_nix_verifies(tmp, &a);
+    assert_eq!(nginx.requests(".nar.xz"), paths.len());
+    let started = Instant::now();
+    while registered_paths(&kept) != paths {
+        assert!(started.elapsed() < Duration::from_secs(30), "kept {:?} of {:?}", registered_paths(&kept), paths);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_nix_verifies(tmp, &kept);
+
+    let narinfos_asked = nginx.requests(".narinfo");
+    nix_2_26_copies(tmp, &public, &server.url, &root);
+    assert_eq!(nginx.requests(".nar.xz"), paths.len());
+    assert_eq!(nginx.requests(".narinfo"), narinfos_asked);
 }

@@ -328,7 +328,7 @@ impl Shared {
         let mut pending: Option<PendingPath> = None;
         loop {
             let permit = self.jobs.acquire(narinfo.file_size.unwrap_or(narinfo.nar_size)).await;
-            let NarStream { reader, probe, local } = match cache.open_nar(narinfo).await {
+            let NarStream { reader, probe, local, .. } = match cache.open_nar(narinfo).await {
                 Ok(Some(r)) => r,
                 Ok(None) => return Err(Attempt::TryNext(Failure::other(format!("{url}: NAR not found (404)")))),
                 Err(e) => return Err(Attempt::TryNext(Failure::cache(sub.cache.url(), &e))),

@@ -2,6 +2,7 @@
 //! Nix 2.8 in isolated environments, and real nginx serving a cache (`shared/bin/cache-server`).
 #![allow(dead_code)]
 
+mod latency;
 pub mod put_server;
 mod scripted;
 pub mod sshd;
@@ -11,6 +12,8 @@ use std::process::{Command, Output};
 
 use sluice_local_store::is_temp_dir;
 
+#[allow(unused_imports)]
+pub use latency::LatencyProxy;
 #[allow(unused_imports)]
 pub use put_server::PutServer;
 #[allow(unused_imports)]

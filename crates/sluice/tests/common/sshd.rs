@@ -3,11 +3,10 @@
 //! no system file (sshd runs in a private mount namespace with its own empty `/run`, where it
 //! wants `/run/sshd`). Optionally behind `shared/bin/latency-proxy`. Stopped on drop.
 
+use super::latency::wait_for_port;
+use super::{check, closed_port, LatencyProxy};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
-use super::{check, closed_port, shared};
 
 /// The host alias the client configuration gives the server: `ssh-ng://sluice-test`.
 pub const HOST: &str = "sluice-test";
@@ -19,7 +18,7 @@ pub struct Sshd {
     /// The port sshd listens on.
     pub port: u16,
     child: Child,
-    proxy: Option<Child>,
+    proxy: Option<LatencyProxy>,
 }
 
 impl Sshd {
@@ -62,17 +61,9 @@ impl Sshd {
     /// Puts `shared/bin/latency-proxy --rtt-ms rtt_ms` between the client configuration and
     /// sshd: every connection through [`HOST`] then pays the round-trip time.
     pub fn with_rtt(mut self, rtt_ms: u32) -> Sshd {
-        let port = closed_port();
-        let proxy = Command::new(shared().join("bin/latency-proxy"))
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &format!("127.0.0.1:{}", self.port)])
-            .args(["--rtt-ms", &rtt_ms.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let proxy = LatencyProxy::start(self.port, rtt_ms);
+        self.write_client_config(proxy.port);
         self.proxy = Some(proxy);
-        wait_for_port(port, "latency-proxy");
-        self.write_client_config(port);
         self
     }
 
@@ -106,22 +97,10 @@ impl Sshd {
     }
 }
 
-/// Waits until something accepts connections on 127.0.0.1:`port`.
-fn wait_for_port(port: u16, what: &str) {
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("{what} did not start on port {port}");
-}
-
 impl Drop for Sshd {
     fn drop(&mut self) {
-        for child in [Some(&mut self.child), self.proxy.as_mut()].into_iter().flatten() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.proxy = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
