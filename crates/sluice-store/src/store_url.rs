@@ -147,7 +147,8 @@ impl StoreUrl {
 /// socket exists. (With a variable that names no absolute path, the local store, whose URL
 /// then fails saying why.)
 fn auto_is_daemon() -> bool {
-    let (Ok(state), Ok(socket)) = (crate::env_dirs::state_dir(), crate::env_dirs::daemon_socket()) else { return false };
+    let Ok(state) = crate::env_dirs::state_dir() else { return false };
+    let Ok(socket) = crate::env_dirs::daemon_socket(&state) else { return false };
     rustix::fs::access(&state, rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK).is_err() && socket.exists()
 }
 
@@ -234,14 +235,20 @@ impl<'a> Query<'a> {
         self.take(name).map(|v| self.bool(name, &v)).transpose()
     }
 
-    /// `state`, `log` and `real` over the defaults in `dirs`.
-    pub(crate) fn take_dirs(&mut self, dirs: &mut LocalFsDirs) -> Result<(), StoreUrlError> {
+    /// The directories of a local file-system store (`LOCAL_FS`): `root` (else `main_root`),
+    /// then `state`, `log` and `real` over the defaults under it.
+    pub(crate) fn take_dirs(&mut self, main_root: Option<PathBuf>) -> Result<LocalFsDirs, StoreUrlError> {
+        let root = match self.take("root") {
+            Some(v) => self.optional_path("root", &v)?,
+            None => main_root,
+        };
+        let mut dirs = crate::env_dirs::local_fs_dirs(root.as_deref())?;
         for (name, dir) in [("state", &mut dirs.state), ("log", &mut dirs.log), ("real", &mut dirs.real)] {
             if let Some(v) = self.take(name) {
                 *dir = self.path(name, &v)?;
             }
         }
-        Ok(())
+        Ok(dirs)
     }
 
     pub(crate) fn take_size(&mut self, name: &str, default: u64) -> Result<u64, StoreUrlError> {

@@ -27,12 +27,7 @@ pub(super) const KIND: StoreKind = StoreKind {
 
 /// Parses the kind's URL and parameters.
 fn parse(_url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-    let root = match q.take("root") {
-        Some(v) => q.optional_path("root", &v)?,
-        None => (main != "local").then(|| canon_path(main)).flatten(),
-    };
-    let mut dirs = crate::env_dirs::local_fs_dirs(root.as_deref())?;
-    q.take_dirs(&mut dirs)?;
+    let dirs = q.take_dirs((main != "local").then(|| canon_path(main)).flatten())?;
     let read_only = q.take_bool("read-only")?.unwrap_or(false);
     let require_sigs = q.take_bool("require-sigs")?;
     Ok(Box::new(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))
