@@ -97,13 +97,14 @@ fn paths(args: &Args) -> Result<Vec<String>, String> {
 }
 
 /// Copies between any two stores through the `Store` interface.
+/// Without `--to`, into the `store` setting's store, as `nix copy`.
 fn push(args: Args) -> Result<ExitCode, String> {
-    let to = args.to.as_deref().unwrap_or_default();
+    let settings = setup::settings(&args.cache)?;
+    let to = args.to.as_deref().unwrap_or(&settings.store);
     if args.substitute_on_destination {
         return Err(format!("{to}: --substitute-on-destination applies to copies from binary caches into a local store"));
     }
     let from = args.from.as_deref().ok_or_else(|| format!("{to}: copying into a store that is not local needs --from"))?;
-    let settings = setup::settings(&args.cache)?;
     let started = Instant::now();
     let rt = setup::runtime()?;
     let (report, store_dir) = rt.block_on(async {
