@@ -240,10 +240,11 @@ fn copied_paths_are_not_ultimate_in_the_destination() {
 
 /// `sluice copy --from STORE` without `--to` copies into the `store` setting's store
 /// (`$NIX_REMOTE`, here the test's chroot default store), as `nix copy` does, also when `--from`
-/// is not a binary cache (a local store, a daemon, `ssh-ng://`). Regression: such a copy went
-/// into `/nix/store` whatever `NIX_REMOTE` said.
+/// is not a binary cache (a local store, a daemon, `ssh-ng://`); `sluice copy --to CACHE`
+/// without `--from` copies from it. Regressions: the first went into `/nix/store` whatever
+/// `NIX_REMOTE` said; the second (the README's `ssh://` example) was refused as needing `--from`.
 #[test]
-fn copy_from_a_store_without_to_goes_into_the_store_setting() {
+fn copy_without_to_or_from_uses_the_store_setting() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     let file = tmp.path().join("hello.txt");
@@ -257,6 +258,9 @@ fn copy_from_a_store_without_to_goes_into_the_store_setting() {
     assert!(stderr(&o).contains(&format!("to {default} in")), "{}", stderr(&o));
     let info = nix_path_info(tmp.path(), &default, &path);
     assert_eq!(info[0]["path"], Value::String(path.clone()));
+    let cache = format!("file://{}", tmp.path().join("cache").display());
+    check(&sluice(tmp.path(), &["copy", "--to", &cache, &path]), "sluice copy without --from");
+    assert_eq!(nix_path_info(tmp.path(), &cache, &path)[0]["narHash"], info[0]["narHash"]);
 }
 
 /// `sluice copy` ARGS under `t`, with `input` on standard input.
