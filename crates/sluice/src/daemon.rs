@@ -16,8 +16,10 @@ pub struct Args {
     /// `local?root=DIR`, `$NIX_STATE_DIR` or `/nix/var/nix` for `local`).
     #[arg(long, conflicts_with = "stdio")]
     socket: Option<PathBuf>,
-    /// Serve one client on standard input and output (as `nix-daemon --stdio`).
-    #[arg(long)]
+    /// Serve one client on standard input and output (as `nix-daemon --stdio`). Given twice
+    /// it is the same as once: an `ssh-ng://` client appends it to a `remote-program` that may
+    /// already say it.
+    #[arg(long, overrides_with = "stdio")]
     stdio: bool,
     /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
     /// the local store's parameters (`state`, `real`, `require-sigs`, …).

@@ -4355,6 +4355,25 @@ fn servers_without_store_serve_the_store_nix_remote_names() {
     }
 }
 
+/// The far ends of the SSH stores take the flag their client appends to `remote-program` when
+/// `remote-program` already gives it (`ssh-ng://…?remote-program=sluice daemon --stdio` runs
+/// `sluice daemon --stdio --stdio`; `ssh://…?remote-program=sluice legacy-serve --write` runs
+/// `sluice legacy-serve --write --serve --write`), as `nix-daemon` and `nix-store` take a flag
+/// twice: each serves its store and reads the client's greeting. Regression: clap refused the
+/// second flag ("cannot be used multiple times"), so the README's ssh:// example failed.
+#[test]
+fn servers_take_a_flag_twice_as_their_ssh_clients_append_it() {
+    for server in [&["daemon", "--stdio", "--stdio"][..], &["legacy-serve", "--write", "--serve", "--write"][..]] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        common::isolate(&mut cmd, tmp.path(), "");
+        let o = cmd.args(server).stdin(std::process::Stdio::null()).output().unwrap();
+        assert!(!common::stderr(&o).contains("cannot be used multiple times"), "{server:?}: {}", common::stderr(&o));
+        let opened = tmp.path().join("default-store/nix/var/nix/db/db.sqlite");
+        assert!(opened.is_file(), "{server:?} did not serve its store: {}", common::stderr(&o));
+    }
+}
+
 /// Without `--socket` or `NIX_DAEMON_SOCKET_PATH`, `sluice daemon` listens on
 /// `daemon-socket/socket` in the served store's state directory, as Nix 2.35's `nix-daemon`
 /// (`getDaemonSocketPath`, `uds-remote-store.cc`): a chroot store given by `--store DIR`, by
