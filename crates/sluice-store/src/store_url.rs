@@ -72,6 +72,8 @@ pub enum StoreUrlError {
     BadParam { url: String, param: String, value: String, reason: &'static str },
     #[error("environment variable {var} has the invalid value {value:?}: {reason}")]
     BadEnv { var: &'static str, value: String, reason: &'static str },
+    #[error("store URL {url:?}: a relative path needs the working directory: {reason}")]
+    NoWorkingDir { url: String, reason: String },
 }
 
 /// How Nix reads a setting's value (`src/libutil/config.cc`).
@@ -405,6 +407,11 @@ mod tests {
         assert_eq!(local("local?root=/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
         assert_eq!(local("/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
         assert_eq!(local("/tmp/r?root=/tmp/s").dirs.root, Some("/tmp/s".into()));
+        // A relative path with a `/` is a chroot store under the working directory, as Nix
+        // 2.26's `isNonUriPath` and `absPath` (Nix 2.8 took `./DIR` too).
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(local("./r").dirs.root, Some(cwd.join("r")));
+        assert_eq!(local("relative/path/..").dirs.root, Some(cwd.join("relative")));
         assert_eq!(
             local("local?root=/tmp/r/./x//&real=/big/store/&state=/tmp/../var/st&log=/l").dirs,
             LocalFsDirs { root: Some("/tmp/r/x".into()), state: "/var/st".into(), log: "/l".into(), real: "/big/store".into() }
@@ -464,14 +471,13 @@ mod tests {
             "gopher://host",
             "unix://relative",
             "file://relative",
-            "relative/path",
             "dummy://x",
             "dummy",
             "memory://x",
         ] {
             assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
-        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, ssh-ng://[user@]host[:port], file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
+        let expected = "(expected local, local?root=DIR, a path, daemon, unix://, ssh-ng://[user@]host[:port], file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
         assert_eq!(err("gopher://host"), format!("unsupported store URL \"gopher://host\" {expected}"));
     }
 

@@ -31,7 +31,7 @@ pub struct Args {
     /// substituters only.
     #[arg(long)]
     from: Option<String>,
-    /// The store to copy into: a local store (`local`, `local?root=DIR` or an absolute path,
+    /// The store to copy into: a local store (`local`, `local?root=DIR` or a path,
     /// with the local store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`,
     /// …) or a binary cache (`file://DIR`, `http(s)://…` by PUT, `s3://BUCKET?…`, with
     /// `compression`, `compression-level`, `parallel-compression`, `secret-key`,

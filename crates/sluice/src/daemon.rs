@@ -21,7 +21,7 @@ pub struct Args {
     /// already say it.
     #[arg(long, overrides_with = "stdio")]
     stdio: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
+    /// The store to serve: `local`, `local?root=DIR` or a path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
     /// the local store's parameters (`state`, `real`, `require-sigs`, …).
     #[arg(long)]
     store: Option<String>,

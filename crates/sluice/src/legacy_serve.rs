@@ -15,7 +15,7 @@ pub struct Args {
     /// `remote-program` that may already say it.
     #[arg(long, overrides_with = "write")]
     write: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`).
+    /// The store to serve: `local`, `local?root=DIR` or a path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`).
     #[arg(long, overrides_with = "store")]
     store: Option<String>,
     /// Accepted and ignored: Nix's `ssh://` store runs its remote program with `--serve`.
