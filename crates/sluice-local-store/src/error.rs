@@ -10,8 +10,8 @@ use sluice_nix::nar::reader::NarError;
 use crate::schema;
 
 /// Who signed an untrusted path and whom the policy trusts, as [`LocalStoreError::Untrusted`]
-/// says it.
-fn untrusted_detail(signers: &[String], trusted: &[String]) -> String {
+/// says it (and `sluice store verify`, in Nix's `nix store verify` words, `verify.cc`).
+pub fn untrusted_detail(signers: &[String], trusted: &[String]) -> String {
     let trusted_names = if trusted.is_empty() { "none".to_owned() } else { trusted.join(", ") };
     if signers.is_empty() {
         return format!("it has no signature; trusted: {trusted_names}");

@@ -71,7 +71,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::config::LocalStoreConfig;
 use error::io_err;
-pub use error::{unverified_signers, LocalStoreError};
+pub use error::{untrusted_detail, unverified_signers, LocalStoreError};
 use layout::Layout;
 use lock::PathLock;
 use registry::Registry;

@@ -8,7 +8,7 @@
 //! | `NIX_STORE_DIR`, else `NIX_STORE` | `nixStore` | `/nix/store` |
 //! | `NIX_STATE_DIR` | `nixStateDir` | `/nix/var/nix` |
 //! | `NIX_LOG_DIR` | `nixLogDir` | `/nix/var/log/nix` |
-//! | `NIX_DAEMON_SOCKET_PATH` | `nixDaemonSocketFile` | `<nixStateDir>/daemon-socket/socket` |
+//! | `NIX_DAEMON_SOCKET_PATH` | (`getDaemonSocketPath`) | `daemon-socket/socket` in the store's state directory |
 //!
 //! A variable that is empty counts as unset (Nix's `getEnvNonEmpty`); a value must be an
 //! absolute path, canonicalised as Nix's `canonPath` does (which refuses a relative one).
@@ -69,11 +69,14 @@ pub(crate) fn state_dir() -> Result<PathBuf, StoreUrlError> {
     dir("NIX_STATE_DIR", "/nix/var/nix")
 }
 
-/// The default daemon socket (`NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in the
-/// state directory): where `daemon` and `unix://` connect and `sluice daemon` listens.
-pub fn daemon_socket() -> Result<PathBuf, StoreUrlError> {
+/// The default daemon socket of a store whose state directory is `state`
+/// (`NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in `state`; Nix's
+/// `getDaemonSocketPath`, `src/libstore/uds-remote-store.cc`): where `daemon` and `unix://`
+/// connect and `sluice daemon` listens. A chroot store (`local?root=DIR`) thus has its own,
+/// `DIR/nix/var/nix/daemon-socket/socket`, never the system's.
+pub fn daemon_socket(state: &Path) -> Result<PathBuf, StoreUrlError> {
     match from_env(&["NIX_DAEMON_SOCKET_PATH"])? {
         Some((_, path)) => Ok(path),
-        None => Ok(state_dir()?.join("daemon-socket/socket")),
+        None => Ok(state.join("daemon-socket/socket")),
     }
 }

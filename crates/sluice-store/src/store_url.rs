@@ -72,6 +72,8 @@ pub enum StoreUrlError {
     BadParam { url: String, param: String, value: String, reason: &'static str },
     #[error("environment variable {var} has the invalid value {value:?}: {reason}")]
     BadEnv { var: &'static str, value: String, reason: &'static str },
+    #[error("store URL {url:?}: a relative path needs the working directory: {reason}")]
+    NoWorkingDir { url: String, reason: String },
 }
 
 /// How Nix reads a setting's value (`src/libutil/config.cc`).
@@ -147,7 +149,8 @@ impl StoreUrl {
 /// socket exists. (With a variable that names no absolute path, the local store, whose URL
 /// then fails saying why.)
 fn auto_is_daemon() -> bool {
-    let (Ok(state), Ok(socket)) = (crate::env_dirs::state_dir(), crate::env_dirs::daemon_socket()) else { return false };
+    let Ok(state) = crate::env_dirs::state_dir() else { return false };
+    let Ok(socket) = crate::env_dirs::daemon_socket(&state) else { return false };
     rustix::fs::access(&state, rustix::fs::Access::READ_OK | rustix::fs::Access::WRITE_OK).is_err() && socket.exists()
 }
 
@@ -234,14 +237,20 @@ impl<'a> Query<'a> {
         self.take(name).map(|v| self.bool(name, &v)).transpose()
     }
 
-    /// `state`, `log` and `real` over the defaults in `dirs`.
-    pub(crate) fn take_dirs(&mut self, dirs: &mut LocalFsDirs) -> Result<(), StoreUrlError> {
+    /// The directories of a local file-system store (`LOCAL_FS`): `root` (else `main_root`),
+    /// then `state`, `log` and `real` over the defaults under it.
+    pub(crate) fn take_dirs(&mut self, main_root: Option<PathBuf>) -> Result<LocalFsDirs, StoreUrlError> {
+        let root = match self.take("root") {
+            Some(v) => self.optional_path("root", &v)?,
+            None => main_root,
+        };
+        let mut dirs = crate::env_dirs::local_fs_dirs(root.as_deref())?;
         for (name, dir) in [("state", &mut dirs.state), ("log", &mut dirs.log), ("real", &mut dirs.real)] {
             if let Some(v) = self.take(name) {
                 *dir = self.path(name, &v)?;
             }
         }
-        Ok(())
+        Ok(dirs)
     }
 
     pub(crate) fn take_size(&mut self, name: &str, default: u64) -> Result<u64, StoreUrlError> {
@@ -398,6 +407,11 @@ mod tests {
         assert_eq!(local("local?root=/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
         assert_eq!(local("/tmp/r"), LocalStoreConfig::with_root(Path::new("/tmp/r")));
         assert_eq!(local("/tmp/r?root=/tmp/s").dirs.root, Some("/tmp/s".into()));
+        // A relative path with a `/` is a chroot store under the working directory, as Nix
+        // 2.26's `isNonUriPath` and `absPath` (Nix 2.8 took `./DIR` too).
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(local("./r").dirs.root, Some(cwd.join("r")));
+        assert_eq!(local("relative/path/..").dirs.root, Some(cwd.join("relative")));
         assert_eq!(
             local("local?root=/tmp/r/./x//&real=/big/store/&state=/tmp/../var/st&log=/l").dirs,
             LocalFsDirs { root: Some("/tmp/r/x".into()), state: "/var/st".into(), log: "/l".into(), real: "/big/store".into() }
@@ -457,14 +471,13 @@ mod tests {
             "gopher://host",
             "unix://relative",
             "file://relative",
-            "relative/path",
             "dummy://x",
             "dummy",
             "memory://x",
         ] {
             assert_eq!(StoreUrl::parse(url).err(), Some(StoreUrlError::Unsupported(url.into())));
         }
-        let expected = "(expected local, local?root=DIR, an absolute path, daemon, unix://, ssh-ng://[user@]host[:port], file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
+        let expected = "(expected local, local?root=DIR, a path, daemon, unix://, ssh-ng://[user@]host[:port], file://, http://, https://, s3://BUCKET, dummy://, memory:// or ssh://[user@]host[:port])";
         assert_eq!(err("gopher://host"), format!("unsupported store URL \"gopher://host\" {expected}"));
     }
 

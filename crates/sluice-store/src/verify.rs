@@ -23,7 +23,7 @@ use std::sync::Arc;
 use futures::stream::{FuturesUnordered, StreamExt};
 use sluice_binary_cache::BinaryCache;
 use sluice_compress::Compression;
-use sluice_local_store::SignaturePolicy;
+use sluice_local_store::{untrusted_detail, LocalStoreError, SignaturePolicy};
 use sluice_nix::hash::{HashAlgo, Hasher, HashingReader};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
@@ -172,12 +172,22 @@ async fn check(target: &Target, dir: &StoreDir, path: StorePath, opts: &VerifyOp
 }
 
 /// The signature check of `info`; `None` when it is vouched for (or was built in the store).
+/// An unsigned path is "untrusted", as `nix store verify` says (`src/nix/verify.cc`): nothing is
+/// being added.
 fn untrusted(dir: &StoreDir, info: &ValidPathInfo, opts: &VerifyOptions) -> Option<String> {
     let policy = opts.trust.as_ref()?;
     if info.ultimate {
         return None;
     }
-    policy.vouch(dir, info).err().map(|e| e.to_string())
+    policy.vouch(dir, info).err().map(|e| match e {
+        LocalStoreError::Untrusted { path, signers, trusted } => {
+            format!("path '{path}' is untrusted ({})", untrusted_detail(&signers, &trusted))
+        }
+        LocalStoreError::UnsignedFalseCa { path, ca, implied } => {
+            format!("path '{path}' is untrusted (it claims to be content-addressed but isn't: its content address {ca} implies {implied})")
+        }
+        e => e.to_string(),
+    })
 }
 
 /// A cache's path, from its narinfo and NAR file.

@@ -24,17 +24,19 @@ use crate::setup::{self, CacheFlags};
 /// Arguments of `sluice copy`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The store to copy from [default: the `substituters`, by priority]: a binary cache, or
-    /// any store (local, a daemon, `ssh-ng://`) when copying into a binary cache or a daemon. As with `nix copy --from`, a
+    /// The store to copy from [default: into a local store the `substituters`, by priority;
+    /// into any other the `store` setting's store, as `nix copy --to`]: a binary cache, or any
+    /// store (local, a daemon, `ssh-ng://`, `ssh://`). As with `nix copy --from`, a
     /// cache's paths need a trusted signature even with `?trusted=true`, which applies to
     /// substituters only.
     #[arg(long)]
     from: Option<String>,
-    /// The store to copy into: a local store (`local`, `local?root=DIR` or an absolute path,
+    /// The store to copy into: a local store (`local`, `local?root=DIR` or a path,
     /// with the local store's parameters: `state`, `real`, `log`, `require-sigs`, `read-only`,
     /// …) or a binary cache (`file://DIR`, `http(s)://…` by PUT, `s3://BUCKET?…`, with
     /// `compression`, `compression-level`, `parallel-compression`, `secret-key`,
-    /// `write-nar-listing`) or a daemon (`daemon`, `unix://PATH`, `ssh-ng://[user@]host[:port]`) [default: the `store`
+    /// `write-nar-listing`) or a daemon (`daemon`, `unix://PATH`, `ssh-ng://[user@]host[:port]`)
+    /// or `ssh://[user@]host[:port]` [default: the `store`
     /// setting, whose default is `$NIX_REMOTE` or `auto`].
     #[arg(long)]
     to: Option<String>,
@@ -97,13 +99,14 @@ fn paths(args: &Args) -> Result<Vec<String>, String> {
 }
 
 /// Copies between any two stores through the `Store` interface.
+/// Without `--to` into, without `--from` from, the `store` setting's store, as `nix copy`.
 fn push(args: Args) -> Result<ExitCode, String> {
-    let to = args.to.as_deref().unwrap_or_default();
+    let settings = setup::settings(&args.cache)?;
+    let to = args.to.as_deref().unwrap_or(&settings.store);
     if args.substitute_on_destination {
         return Err(format!("{to}: --substitute-on-destination applies to copies from binary caches into a local store"));
     }
-    let from = args.from.as_deref().ok_or_else(|| format!("{to}: copying into a store that is not local needs --from"))?;
-    let settings = setup::settings(&args.cache)?;
+    let from = args.from.as_deref().unwrap_or(&settings.store);
     let started = Instant::now();
     let rt = setup::runtime()?;
     let (report, store_dir) = rt.block_on(async {

@@ -11,14 +11,17 @@ use sluice_store::store_url::StoreUrl;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The Unix socket to listen on (default: the socket systemd's socket activation passes,
-    /// `LISTEN_FDS`; else `$NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in
-    /// `$NIX_STATE_DIR` or `/nix/var/nix`, as Nix's).
+    /// `LISTEN_FDS`; else `$NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in the served
+    /// store's state directory, as Nix 2.35's: `DIR/nix/var/nix` for a chroot store
+    /// `local?root=DIR`, `$NIX_STATE_DIR` or `/nix/var/nix` for `local`).
     #[arg(long, conflicts_with = "stdio")]
     socket: Option<PathBuf>,
-    /// Serve one client on standard input and output (as `nix-daemon --stdio`).
-    #[arg(long)]
+    /// Serve one client on standard input and output (as `nix-daemon --stdio`). Given twice
+    /// it is the same as once: an `ssh-ng://` client appends it to a `remote-program` that may
+    /// already say it.
+    #[arg(long, overrides_with = "stdio")]
     stdio: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
+    /// The store to serve: `local`, `local?root=DIR` or a path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
     /// the local store's parameters (`state`, `real`, `require-sigs`, …).
     #[arg(long)]
     store: Option<String>,
@@ -65,7 +68,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
             Ok(())
         }
         (false, Some(socket)) => sluice_daemon::serve_socket(daemon, &socket),
-        (false, None) => sluice_daemon::serve_socket(daemon, &daemon_socket().map_err(|e| e.to_string())?),
+        (false, None) => sluice_daemon::serve_socket(daemon, &daemon_socket(&store.dirs.state).map_err(|e| e.to_string())?),
     };
     served.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)

@@ -11,9 +11,11 @@ use sluice_store::store_url::StoreUrl;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Allow imports (ImportPaths, AddToStoreNar) and build requests, as `nix-store --serve --write`.
-    #[arg(long)]
+    /// Given twice it is the same as once: an `ssh://` client appends `--serve --write` to a
+    /// `remote-program` that may already say it.
+    #[arg(long, overrides_with = "write")]
     write: bool,
-    /// The store to serve: `local`, `local?root=DIR` or an absolute path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`).
+    /// The store to serve: `local`, `local?root=DIR` or a path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`).
     #[arg(long, overrides_with = "store")]
     store: Option<String>,
     /// Accepted and ignored: Nix's `ssh://` store runs its remote program with `--serve`.

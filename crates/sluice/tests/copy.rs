@@ -238,6 +238,31 @@ fn copied_paths_are_not_ultimate_in_the_destination() {
     assert_eq!(ultimate(&by_sluice), ultimate(&by_nix));
 }
 
+/// `sluice copy --from STORE` without `--to` copies into the `store` setting's store
+/// (`$NIX_REMOTE`, here the test's chroot default store), as `nix copy` does, also when `--from`
+/// is not a binary cache (a local store, a daemon, `ssh-ng://`); `sluice copy --to CACHE`
+/// without `--from` copies from it. Regressions: the first went into `/nix/store` whatever
+/// `NIX_REMOTE` said; the second (the README's `ssh://` example) was refused as needing `--from`.
+#[test]
+fn copy_without_to_or_from_uses_the_store_setting() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let file = tmp.path().join("hello.txt");
+    std::fs::write(&file, b"into NIX_REMOTE\n").unwrap();
+    let added = nix(tmp.path(), "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
+    check(&added, "nix-store --add");
+    let path = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    let o = sluice(tmp.path(), &["copy", "--from", src.to_str().unwrap(), &path]);
+    check(&o, "sluice copy without --to");
+    let default = default_store(tmp.path());
+    assert!(stderr(&o).contains(&format!("to {default} in")), "{}", stderr(&o));
+    let info = nix_path_info(tmp.path(), &default, &path);
+    assert_eq!(info[0]["path"], Value::String(path.clone()));
+    let cache = format!("file://{}", tmp.path().join("cache").display());
+    check(&sluice(tmp.path(), &["copy", "--to", &cache, &path]), "sluice copy without --from");
+    assert_eq!(nix_path_info(tmp.path(), &cache, &path)[0]["narHash"], info[0]["narHash"]);
+}
+
 /// `sluice copy` ARGS under `t`, with `input` on standard input.
 fn sluice_with_input(t: &Path, args: &[&str], input: &str) -> std::process::Output {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));

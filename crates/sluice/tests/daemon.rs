@@ -48,7 +48,8 @@ impl Env {
             .env("XDG_CACHE_HOME", self.path("cache"))
             .env("NIX_CONF_DIR", self.path("conf"))
             .env("NIX_CONFIG", "substituters =\nexperimental-features = nix-command")
-            .env("NIX_REMOTE", format!("local?root={}", self.path("default-store").display()));
+            .env("NIX_REMOTE", format!("local?root={}", self.path("default-store").display()))
+            .env("NIX_DAEMON_SOCKET_PATH", common::default_daemon_socket(self.dir.path()));
         c
     }
 
@@ -337,7 +338,8 @@ fn local_store_directories_follow_the_environment() {
         c.args(["--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /nix && exec \"$0\" \"$@\"", program])
             .env("NIX_STATE_DIR", &state)
             .env("NIX_LOG_DIR", &log)
-            .env("NIX_STORE_DIR", "/nix/store");
+            .env("NIX_STORE_DIR", "/nix/store")
+            .env_remove("NIX_DAEMON_SOCKET_PATH");
         c
     };
     let run = |mut c: Command| {
@@ -4432,5 +4434,58 @@ fn servers_without_store_serve_the_store_nix_remote_names() {
         let o = cmd.args(server).stdin(std::process::Stdio::null()).output().unwrap();
         let opened = tmp.path().join("default-store/nix/var/nix/db/db.sqlite");
         assert!(opened.is_file(), "{server:?} did not open the store NIX_REMOTE names: {}", common::stderr(&o));
+    }
+}
+
+/// The far ends of the SSH stores take the flag their client appends to `remote-program` when
+/// `remote-program` already gives it (`ssh-ng://…?remote-program=sluice daemon --stdio` runs
+/// `sluice daemon --stdio --stdio`; `ssh://…?remote-program=sluice legacy-serve --write` runs
+/// `sluice legacy-serve --write --serve --write`), as `nix-daemon` and `nix-store` take a flag
+/// twice: each serves its store and reads the client's greeting. Regression: clap refused the
+/// second flag ("cannot be used multiple times"), so the README's ssh:// example failed.
+#[test]
+fn servers_take_a_flag_twice_as_their_ssh_clients_append_it() {
+    for server in [&["daemon", "--stdio", "--stdio"][..], &["legacy-serve", "--write", "--serve", "--write"][..]] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        common::isolate(&mut cmd, tmp.path(), "");
+        let o = cmd.args(server).stdin(std::process::Stdio::null()).output().unwrap();
+        assert!(!common::stderr(&o).contains("cannot be used multiple times"), "{server:?}: {}", common::stderr(&o));
+        let opened = tmp.path().join("default-store/nix/var/nix/db/db.sqlite");
+        assert!(opened.is_file(), "{server:?} did not serve its store: {}", common::stderr(&o));
+    }
+}
+
+/// Without `--socket` or `NIX_DAEMON_SOCKET_PATH`, `sluice daemon` listens on
+/// `daemon-socket/socket` in the served store's state directory, as Nix 2.35's `nix-daemon`
+/// (`getDaemonSocketPath`, `uds-remote-store.cc`): a chroot store given by `--store DIR`, by
+/// `NIX_REMOTE=local?root=DIR` or with its own `state` has its own socket, where Nix 2.8 and
+/// sluice's client (`daemon?root=DIR`, `unix://?state=S`) reach it. Regression: the daemon
+/// bound `/nix/var/nix/daemon-socket/socket` whatever its store.
+#[test]
+fn a_daemon_without_socket_listens_in_its_stores_state_directory() {
+    let env = Env::new();
+    let under = |root: &str| env.path(root).join("nix/var/nix");
+    let path = |p: &str| env.path(p).display().to_string();
+    let (given, own) = (path("given"), format!("local?root={}&state={}", path("own"), path("own-state")));
+    let cases: [(Vec<&str>, Option<String>, PathBuf, String); 3] = [
+        (vec!["--store", &given], None, under("given"), format!("daemon?root={}", path("given"))),
+        (vec![], Some(format!("local?root={}", path("remote"))), under("remote"), format!("daemon?root={}", path("remote"))),
+        (vec!["--store", &own], None, env.path("own-state"), format!("unix://?state={}", path("own-state"))),
+    ];
+    for (args, remote, state, client) in cases {
+        let mut cmd = env.cmd(sluice());
+        cmd.env_remove("NIX_DAEMON_SOCKET_PATH").arg("daemon").args(&args).stderr(Stdio::null());
+        if let Some(remote) = &remote {
+            cmd.env("NIX_REMOTE", remote);
+        }
+        let socket = state.join("daemon-socket/socket");
+        let daemon = wait_for_socket(cmd.spawn().unwrap(), &socket);
+        let file = env.path("own-socket.txt");
+        std::fs::write(&file, "through the store's own socket\n").unwrap();
+        let path = env.nix("nix-store", &["--store", &daemon.url, "--add", file.to_str().unwrap()]).trim().to_owned();
+        assert!(state.join("db/db.sqlite").is_file(), "{args:?} {remote:?}: the daemon serves another store");
+        let found = env.cmd(sluice()).env_remove("NIX_DAEMON_SOCKET_PATH").args(["path-info", "--store", &client, &path]).output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&found.stdout).trim(), path, "{client}: {}", common::stderr(&found));
     }
 }

@@ -255,6 +255,21 @@ fn regular_file(path: &Path) -> Option<PathBuf> {
     entries.iter().find_map(|e| regular_file(e))
 }
 
+/// A path no trusted key signed is "untrusted", in `nix store verify`'s words, naming who signed
+/// it and whom the policy trusts; nothing is being added, so the message does not say "cannot
+/// add path" (it did: the verification boundary's words for a copy).
+#[test]
+fn an_unsigned_path_is_named_untrusted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = subset_root();
+    let url = format!("file://{}", corpus().join("cache-subset-none").display());
+    let other = "other-key-1:q5O2GFmQEvyTT7b2+X7ihXx+oq5tQ5KSmD43rUlO+8g=";
+    let o = sluice(tmp.path(), &["store", "verify", "--store", &url, "--trusted-public-keys", other, &root]);
+    let signer = corpus_key().split(':').next().unwrap().to_owned();
+    let expected = format!("{root}: path '{root}' is untrusted (signed by: {signer}; trusted: other-key-1)");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().next(), Some(expected.as_str()), "{}", stderr(&o));
+}
+
 /// `sluice store sign` adds a second key's signature to every narinfo of a cache (a key
 /// rotation), once: real Nix then copies the closure trusting only the new key.
 #[test]

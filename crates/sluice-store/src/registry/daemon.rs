@@ -1,11 +1,13 @@
 //! A daemon's Unix socket: `unix://PATH`, or `daemon` (and `unix://`) for the default socket
-//! (`$NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in `$NIX_STATE_DIR` or
-//! `/nix/var/nix`: [`crate::env_dirs::daemon_socket`]); Nix's
-//! `UDSRemoteStore` (`src/libstore/uds-remote-store.cc`), which adds no parameters of its own.
+//! (`$NIX_DAEMON_SOCKET_PATH`, else `daemon-socket/socket` in the store's state directory:
+//! `state`, else `ROOT/nix/var/nix` with `root`, else `$NIX_STATE_DIR` or `/nix/var/nix`:
+//! [`crate::env_dirs::daemon_socket`]); Nix's `UDSRemoteStore`
+//! (`src/libstore/uds-remote-store.cc`), which adds no parameters of its own.
 //!
 //! | parameter | Nix source | in sluice |
 //! |---|---|---|
-//! | `root`, `state`, `log`, `real` | `local-fs-store.hh` | accepted, no effect (sluice's daemon client only queries) |
+//! | `root`, `state` | `local-fs-store.hh` | the directory of the default socket (as Nix 2.35's `getDaemonSocketPath`) |
+//! | `log`, `real` | `local-fs-store.hh` | accepted, no effect (sluice's daemon client only queries) |
 //! | `max-connections`, `max-connection-age` | `remote-store.hh` | accepted, no effect (sluice's client holds one connection) |
 
 use std::path::PathBuf;
@@ -33,9 +35,10 @@ struct DaemonConfig {
 }
 
 /// Parses the kind's URL and parameters.
-fn parse(url: &str, main: &str, q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    let dirs = q.take_dirs(None)?;
     let socket = match main.strip_prefix("unix://").unwrap_or("") {
-        "" => crate::env_dirs::daemon_socket()?,
+        "" => crate::env_dirs::daemon_socket(&dirs.state)?,
         path if path.starts_with('/') => PathBuf::from(path),
         _ => return Err(StoreUrlError::Unsupported(url.to_string())),
     };
@@ -68,6 +71,8 @@ mod tests {
         if std::env::var_os("NIX_DAEMON_SOCKET_PATH").is_none() && std::env::var_os("NIX_STATE_DIR").is_none() {
             assert_eq!(socket("daemon?store=/nix/store"), PathBuf::from("/nix/var/nix/daemon-socket/socket"));
             assert_eq!(socket("unix://"), PathBuf::from("/nix/var/nix/daemon-socket/socket"));
+            assert_eq!(socket("daemon?root=/r"), PathBuf::from("/r/nix/var/nix/daemon-socket/socket"));
+            assert_eq!(socket("unix://?root=/r&state=/s"), PathBuf::from("/s/daemon-socket/socket"));
         }
     }
 }

@@ -1,5 +1,7 @@
-//! The local store: `local`, `local?root=DIR`, or a bare absolute path (the same as
-//! `local?root=PATH`, a chroot store); Nix's `LocalStore` (`src/libstore/local-store.cc`).
+//! The local store: `local`, `local?root=DIR`, or a bare path (the same as `local?root=PATH`,
+//! a chroot store: any text with a `/` and no `://`, relative to the working directory unless
+//! absolute, as Nix's `isNonUriPath` and `absPath`, `src/libstore/store-reference.cc`); Nix's
+//! `LocalStore` (`src/libstore/local-store.cc`).
 //!
 //! | parameter | Nix source | in sluice |
 //! |---|---|---|
@@ -19,20 +21,23 @@ use crate::store_url::{canon_path, LocalStoreConfig, ParamType, Query, StoreUrlE
 /// The local store's kind.
 pub(super) const KIND: StoreKind = StoreKind {
     name: "local store",
-    forms: "local, local?root=DIR, an absolute path",
-    claims: |main| main == "local" || main.starts_with('/'),
+    forms: "local, local?root=DIR, a path",
+    claims: |main| main == "local" || (!main.contains("://") && main.contains('/')),
     params: &[LOCAL_FS, &[("require-sigs", ParamType::Bool), ("read-only", ParamType::Bool)]],
     parse,
 };
 
 /// Parses the kind's URL and parameters.
-fn parse(_url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
-    let root = match q.take("root") {
-        Some(v) => q.optional_path("root", &v)?,
-        None => (main != "local").then(|| canon_path(main)).flatten(),
+fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
+    let root = match main {
+        "local" => None,
+        _ if main.starts_with('/') => canon_path(main),
+        _ => {
+            let cwd = std::env::current_dir().map_err(|e| StoreUrlError::NoWorkingDir { url: url.to_owned(), reason: e.to_string() })?;
+            canon_path(&cwd.join(main).to_string_lossy())
+        }
     };
-    let mut dirs = crate::env_dirs::local_fs_dirs(root.as_deref())?;
-    q.take_dirs(&mut dirs)?;
+    let dirs = q.take_dirs(root)?;
     let read_only = q.take_bool("read-only")?.unwrap_or(false);
     let require_sigs = q.take_bool("require-sigs")?;
     Ok(Box::new(LocalStoreConfig { dirs, read_only, require_sigs, common: q.finish()? }))

@@ -40,9 +40,10 @@ pub fn corpus_key() -> String {
 }
 
 /// A command environment without the caller's Nix configuration: its own HOME, cache and
-/// config dirs under `tmp`, an empty `NIX_CONFIG` apart from `extra`, and a default store
-/// ([`default_store`]) under `tmp`, so that no command can touch this machine's `/nix`, and
-/// the EC2 instance metadata service turned off (`AWS_EC2_METADATA_DISABLED`).
+/// config dirs under `tmp`, an empty `NIX_CONFIG` apart from `extra`, a default store
+/// ([`default_store`]) and daemon socket ([`default_daemon_socket`]) under `tmp`, so that no
+/// command can touch this machine's `/nix`, and the EC2 instance metadata service turned off
+/// (`AWS_EC2_METADATA_DISABLED`).
 pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
     let home = tmp.join("home");
     std::fs::create_dir_all(&home).unwrap();
@@ -52,6 +53,7 @@ pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
         .env("NIX_CONF_DIR", tmp.join("no-etc-nix"))
         .env("NIX_CONFIG", format!("substituters =\nexperimental-features = nix-command\n{extra}"))
         .env("NIX_REMOTE", default_store(tmp))
+        .env("NIX_DAEMON_SOCKET_PATH", default_daemon_socket(tmp))
         // No test may ask this machine's instance metadata service for S3 credentials.
         .env("AWS_EC2_METADATA_DISABLED", "true");
 }
@@ -61,6 +63,13 @@ pub fn isolate(cmd: &mut Command, tmp: &Path, extra: &str) {
 /// --from A --to B`): without this, that is this machine's `/nix`.
 pub fn default_store(tmp: &Path) -> String {
     format!("local?root={}", tmp.join("default-store").display())
+}
+
+/// The default daemon socket (`NIX_DAEMON_SOCKET_PATH`) of a test's commands, under `tmp`: a
+/// daemon started without `--socket` binds it, and `daemon` connects to it, never this
+/// machine's `/nix/var/nix/daemon-socket/socket`.
+pub fn default_daemon_socket(tmp: &Path) -> PathBuf {
+    tmp.join("default-daemon-socket")
 }
 
 /// `sluice ARGS` in an isolated environment under `tmp`.
