@@ -29,7 +29,7 @@ pub struct Args {
     /// connected inherit the pin); `auto` does the same while the client works alone, giving
     /// its CPUs back within 5 ms once it starts a thread or a process, and before a NAR
     /// transfer, a build, a substitution or maintenance; `free` leaves both to the scheduler.
-    #[arg(long, value_enum, default_value_t = ClientCpu::Auto)]
+    #[arg(long, value_enum, default_value_t = ClientCpu::Free)]
     client_cpu: ClientCpu,
     /// Build what no substituter has through the real `nix-daemon` listening on this socket
     /// (`unix:///nix/var/nix/daemon-socket/nix-build-socket`), which must serve the same store.

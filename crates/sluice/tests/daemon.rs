@@ -879,14 +879,13 @@ fn old_style_client_gets_its_worker_pinned() {
 }
 
 /// A client of today's kind (no CPU in the greeting) in its own process. With `--client-cpu
-/// pin`, and by default (`auto`) while it starts nothing: while it is connected, its main
-/// thread and its worker run on one CPU; once it has disconnected and lives on (as `nix
-/// develop` execs a shell), its affinity is what it was. By default, a client that starts a
-/// thread, or sends an operation after which clients work in parallel (QueryAllValidPaths
-/// here), gets its CPUs back while still connected: pinned for the connection's life, the test
-/// binary's own raw clients made every test thread it started meanwhile, and their Nix
-/// children, run on one CPU (Nix 2.26's parallel xz then wrote one block: parallel_decode
-/// failed under load). With `free`, neither moves.
+/// pin`, and with `auto` while it starts nothing: while it is connected, its main thread and
+/// its worker run on one CPU; once it has disconnected and lives on (as `nix develop` execs a
+/// shell), its affinity is what it was. With `auto`, a client that starts a thread, or sends an
+/// operation after which clients work in parallel (QueryAllValidPaths here), gets its CPUs back
+/// while still connected. By default (`free`) neither moves: pinned, the test binary's own raw
+/// clients made test threads it started, and their Nix children, run on one CPU (Nix 2.26's
+/// parallel xz then wrote one block: parallel_decode failed under load).
 #[test]
 fn a_client_and_its_worker_share_a_cpu_while_connected_and_no_longer() {
     let (all_cpus, _) = own_cpus();
@@ -922,11 +921,11 @@ sys.stdin.readline(); print(cpus(), flush=True)
 "#;
     // (daemon flags, what the client does while connected, pinned when connected, after that).
     let cases: [(&[&str], &str, bool, bool); 5] = [
-        (&[], "nothing", true, true),
-        (&[], "thread", true, false),
-        (&[], "op", true, false),
+        (&["--client-cpu", "auto"], "nothing", true, true),
+        (&["--client-cpu", "auto"], "thread", true, false),
+        (&["--client-cpu", "auto"], "op", true, false),
         (&["--client-cpu", "pin"], "thread", true, true),
-        (&["--client-cpu", "free"], "nothing", false, false),
+        (&[], "nothing", false, false),
     ];
     for (n, (args, act, pinned, still_pinned)) in cases.into_iter().enumerate() {
         let case = format!("{args:?} {act}");
@@ -950,7 +949,8 @@ sys.stdin.readline(); print(cpus(), flush=True)
         let connected = next_line(&mut line);
         if pinned {
             assert!(!connected.contains(','), "{case}: the connected client runs on one CPU, not {connected}");
-            assert_eq!(worker_cpus(daemon.child.id()), vec![connected.clone()], "{case}: its worker runs on the client's CPU");
+            // (A worker of the daemon's start-up probe may not have ended yet.)
+            assert!(worker_cpus(daemon.child.id()).contains(&connected), "{case}: its worker runs on the client's CPU");
         } else {
             assert_eq!((connected.as_str(), worker_cpus(daemon.child.id())), (all.as_str(), vec![all_cpus.clone()]), "{case}");
         }
