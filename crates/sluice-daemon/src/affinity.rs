@@ -519,8 +519,8 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let uses = CpuUse::default();
-        let placement =
-            Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw(), false).expect("the worker joins the client");
+        let placement = Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw(), false)
+            .expect("the worker joins the client");
         assert_eq!(allowed(), vec![last]);
         drop(placement);
         assert_eq!(affinity_of(client.0.id()), vec![last]);
