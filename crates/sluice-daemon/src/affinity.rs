@@ -7,12 +7,16 @@
 //! to that CPU (Nix's `setAffinityTo`/`restoreAffinity`, `src/libutil/affinity.cc`, removed in
 //! Nix 2.6). For clients that send no CPU, [`Placement::pin_client`] does both sides from the
 //! daemon: the client's main thread (whose id is the peer pid from `SO_PEERCRED`, the thread
-//! that makes a Nix client's store calls) and the worker go to one CPU for the connection's
-//! life, and the client's threads and descendants that inherited the pin get their previous
-//! affinity back when the connection ends.
+//! that makes a Nix client's store calls) and the worker go to one CPU, and the client's
+//! threads and descendants that inherited the pin get their previous affinity back when the
+//! placement ends: when the connection does, or, for a watched placement (the daemon's default,
+//! `--client-cpu auto`), as soon as the client's main thread has started a thread or a process
+//! (seen within [`WATCH_PERIOD`]), since what it starts would inherit the one CPU and a client
+//! that works in parallel would be slowed.
 
 use std::os::unix::fs::MetadataExt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use rustix::process::{sched_getaffinity, sched_setaffinity, CpuSet, Pid};
 
@@ -50,14 +54,76 @@ impl Drop for Pinned {
 }
 
 /// How many connections the daemon has placed on each CPU, so that concurrent clients are
-/// spread over the CPUs instead of sharing the one they happened to start on.
+/// spread over the CPUs instead of sharing the one they happened to start on; and the watched
+/// clients' pins.
 #[derive(Default)]
-pub(crate) struct CpuUse(Mutex<Vec<u32>>);
+pub(crate) struct CpuUse {
+    counts: Mutex<Vec<u32>>,
+    watched: Arc<Watched>,
+}
+
+/// How often the pinned clients of watched placements are looked at for threads and processes
+/// they started.
+pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(5);
+
+/// A client's pin, shared by its placement and the watcher; `None` once given back.
+type SharedPin = Arc<Mutex<Option<ClientPin>>>;
+
+/// The pins of watched placements, and whether a watcher thread runs (it ends when none is left).
+#[derive(Default)]
+struct Watched(Mutex<(Vec<Weak<Mutex<Option<ClientPin>>>>, bool)>);
+
+impl Watched {
+    /// Has `pin` looked at every [`WATCH_PERIOD`] until its placement ends; `false` if no
+    /// watcher thread could be started.
+    fn watch(self: &Arc<Self>, pin: &SharedPin) -> bool {
+        let mut state = lock(&self.0);
+        state.0.push(Arc::downgrade(pin));
+        if !state.1 {
+            let watched = Arc::clone(self);
+            match std::thread::Builder::new().name("sluice-client-cpu".into()).spawn(move || watched.run()) {
+                Ok(_) => state.1 = true,
+                Err(e) => {
+                    tracing::warn!("cannot start the thread that watches pinned clients: {e}; the client is not pinned");
+                    state.0.pop();
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Gives back the pin of each client that started a thread or a process, until no pin is
+    /// left to watch.
+    fn run(&self) {
+        loop {
+            std::thread::sleep(WATCH_PERIOD);
+            let mut state = lock(&self.0);
+            state.0.retain(|pin| {
+                let Some(shared) = pin.upgrade() else { return false };
+                let mut pin = lock(&shared);
+                if pin.as_ref().is_some_and(ClientPin::started_something) {
+                    *pin = None;
+                }
+                pin.is_some()
+            });
+            if state.0.is_empty() {
+                state.1 = false;
+                return;
+            }
+        }
+    }
+}
+
+/// `mutex` locked, even if a thread panicked while holding it.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 impl CpuUse {
     /// Counts a connection on the CPU of `candidates` with the fewest, `preferred` on a tie.
     fn take(&self, candidates: &CpuSet, preferred: usize) -> Option<Taken<'_>> {
-        let mut counts = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut counts = lock(&self.counts);
         let count = |cpu: usize| counts.get(cpu).copied().unwrap_or(0);
         let cpu = (0..CpuSet::MAX_CPU).filter(|c| candidates.is_set(*c)).min_by_key(|c| (count(*c), *c != preferred, *c))?;
         if counts.len() <= cpu {
@@ -76,7 +142,7 @@ struct Taken<'a> {
 
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
-        let mut counts = self.uses.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut counts = lock(&self.uses.counts);
         if let Some(n) = counts.get_mut(self.cpu) {
             *n = n.saturating_sub(1);
         }
@@ -86,9 +152,19 @@ impl Drop for Taken<'_> {
 /// Where a connection runs, undone when dropped: the client's affinity first, then the
 /// worker's, then the CPU's count.
 pub(crate) struct Placement<'a> {
-    _client: Option<ClientPin>,
+    client: Option<SharedPin>,
+    /// Whether the client's pin is given back as soon as it starts a thread or a process.
+    watched: bool,
     _worker: Pinned,
     _taken: Taken<'a>,
+}
+
+impl Drop for Placement<'_> {
+    fn drop(&mut self) {
+        if let Some(client) = &self.client {
+            lock(client).take();
+        }
+    }
 }
 
 impl<'a> Placement<'a> {
@@ -100,8 +176,10 @@ impl<'a> Placement<'a> {
     /// when the client cannot be seen or changed (another pid namespace, another user's
     /// process for a daemon that is not root), or on one CPU. Only a process of the peer's
     /// `uid` (its effective uid) is touched: the pid from `SO_PEERCRED` is the one that
-    /// connected, which may since have exited and been reused.
-    pub(crate) fn pin_client(uses: &'a CpuUse, pid: i32, uid: u32) -> Option<Placement<'a>> {
+    /// connected, which may since have exited and been reused. `watched`: the client's pin is
+    /// given back as soon as its main thread has started a thread or a process (see the module
+    /// documentation); a client whose children cannot be seen is then not pinned.
+    pub(crate) fn pin_client(uses: &'a CpuUse, pid: i32, uid: u32, watched: bool) -> Option<Placement<'a>> {
         let client = Pid::from_raw(pid)?;
         if std::fs::metadata(format!("/proc/{pid}")).ok()?.uid() != uid {
             return None;
@@ -113,15 +191,31 @@ impl<'a> Placement<'a> {
             Choice::JoinClient => {
                 let taken = uses.take(&client_cpus, current)?;
                 let worker = Pinned::to_cpu(taken.cpu as u64)?;
-                Some(Placement { _client: None, _worker: worker, _taken: taken })
+                Some(Placement { client: None, watched, _worker: worker, _taken: taken })
             }
             Choice::PinBoth => {
                 let taken = uses.take(&worker_cpus, current)?;
-                let client = ClientPin::new(client, client_cpus, taken.cpu)?;
+                let client = Arc::new(Mutex::new(Some(ClientPin::new(client, client_cpus, taken.cpu, watched)?)));
+                if watched && !uses.watched.watch(&client) {
+                    return None;
+                }
                 let worker = Pinned::to_cpu(taken.cpu as u64)?;
-                Some(Placement { _client: Some(client), _worker: worker, _taken: taken })
+                Some(Placement { client: Some(client), watched, _worker: worker, _taken: taken })
             }
         }
+    }
+}
+
+impl Placement<'_> {
+    /// Whether the client's pin was given back (it started a thread or a process); the worker's
+    /// is kept until the placement is dropped.
+    pub(crate) fn client_given_back(&self) -> bool {
+        self.client.as_ref().is_some_and(|c| lock(c).is_none())
+    }
+
+    /// Whether the placement is watched (see [`Placement::pin_client`]).
+    pub(crate) fn watched(&self) -> bool {
+        self.watched
     }
 }
 
@@ -161,19 +255,34 @@ struct ClientPin {
     since: u64,
     previous: CpuSet,
     cpu: usize,
+    /// For a watched pin, the client's threads and its main thread's children when it was
+    /// made; empty otherwise.
+    known: (Vec<i32>, Vec<i32>),
 }
 
 impl ClientPin {
-    fn new(pid: Pid, previous: CpuSet, cpu: usize) -> Option<ClientPin> {
-        let start = task_stat(pid.as_raw_nonzero().get())?.start;
+    /// `watched`: the client's threads and children are noted first, `None` if its children
+    /// cannot be listed (`/proc/<pid>/task/<pid>/children` needs `CONFIG_PROC_CHILDREN`).
+    fn new(pid: Pid, previous: CpuSet, cpu: usize, watched: bool) -> Option<ClientPin> {
+        let raw = pid.as_raw_nonzero().get();
+        let start = task_stat(raw)?.start;
         let since = ticks_since_boot()?;
+        let known = if watched { (tasks(raw), children(raw)?) } else { Default::default() };
         match sched_setaffinity(Some(pid), &only(cpu)) {
-            Ok(()) => Some(ClientPin { pid, start, since, previous, cpu }),
+            Ok(()) => Some(ClientPin { pid, start, since, previous, cpu, known }),
             Err(e) => {
                 tracing::debug!("cannot pin client {} to CPU {cpu}: {e}", pid.as_raw_nonzero());
                 None
             }
         }
+    }
+
+    /// Whether the client has a thread, or its main thread a child, that it did not have when
+    /// pinned (or its children can no longer be listed: it exited).
+    fn started_something(&self) -> bool {
+        let pid = self.pid.as_raw_nonzero().get();
+        let new = |now: Vec<i32>, known: &[i32]| now.iter().any(|t| !known.contains(t));
+        new(tasks(pid), &self.known.0) || children(pid).is_none_or(|c| new(c, &self.known.1))
     }
 
     /// Whether task `tid` (started at `start`) carries this pin: the pinned thread itself, or
@@ -227,6 +336,12 @@ fn tasks(pid: i32) -> Vec<i32> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|entries| entries.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
         .unwrap_or_default()
+}
+
+/// The child processes of process `pid`'s main thread (`/proc/<pid>/task/<pid>/children`).
+fn children(pid: i32) -> Option<Vec<i32>> {
+    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?;
+    Some(list.split_whitespace().filter_map(|c| c.parse().ok()).collect())
 }
 
 /// What the daemon reads of `/proc/<tid>/stat` (`man 5 proc`).
@@ -329,7 +444,7 @@ mod tests {
         let script = format!("while [ ! -e {0} ]; do sleep 0.01; done; sleep 30 & echo $! > {0}.child; wait", go.display());
         let client = Killed(Command::new("sh").arg("-c").arg(&script).spawn().unwrap());
         let uses = CpuUse::default();
-        let placement = Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw()).expect("placed");
+        let placement = Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw(), false).expect("placed");
         let cpu = rustix::process::sched_getcpu();
         assert_eq!(affinity_of(client.0.id()), vec![cpu], "the client joins the worker's CPU");
         std::fs::write(&go, "").unwrap();
@@ -348,6 +463,48 @@ mod tests {
         let _ = Command::new("kill").arg(child.to_string()).status();
     }
 
+    /// A watched client that starts a process while connected gets its CPUs back, and so does
+    /// the process, within a few watch periods and before the connection ends; the worker
+    /// keeps its CPU until its placement is dropped.
+    #[test]
+    fn a_watched_client_gets_its_cpus_back_once_it_starts_a_process() {
+        use std::io::{BufRead, Write};
+        let cpus = allowed();
+        if cpus.len() < 2 {
+            eprintln!("skipped: one CPU");
+            return;
+        }
+        // The shell waits (`read` is built in: it starts nothing) until told, then starts a child.
+        let mut client = Killed(
+            Command::new("sh")
+                .args(["-c", "read go; sleep 30 & echo $!; wait"])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let uses = CpuUse::default();
+        let placement = Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw(), true).expect("placed");
+        let cpu = rustix::process::sched_getcpu();
+        std::thread::sleep(WATCH_PERIOD * 4);
+        assert_eq!(affinity_of(client.0.id()), vec![cpu], "pinned while it starts nothing");
+        assert!(!placement.client_given_back());
+        client.0.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(client.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let child: u32 = line.trim().parse().unwrap();
+        let start = std::time::Instant::now();
+        while affinity_of(client.0.id()) != cpus || affinity_of(child) != cpus {
+            assert!(start.elapsed() < WATCH_PERIOD * 200, "the client and its child still on CPU {cpu}");
+            std::thread::sleep(WATCH_PERIOD);
+        }
+        assert!(placement.client_given_back());
+        assert_eq!(allowed(), vec![cpu], "the worker keeps its CPU until the placement ends");
+        drop(placement);
+        assert_eq!(allowed(), cpus);
+        let _ = Command::new("kill").arg(child.to_string()).status();
+    }
+
     #[test]
     fn a_client_confined_to_one_cpu_is_left_alone() {
         let cpus = allowed();
@@ -362,8 +519,8 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         let uses = CpuUse::default();
-        let placement =
-            Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw()).expect("the worker joins the client");
+        let placement = Placement::pin_client(&uses, client.0.id() as i32, rustix::process::geteuid().as_raw(), false)
+            .expect("the worker joins the client");
         assert_eq!(allowed(), vec![last]);
         drop(placement);
         assert_eq!(affinity_of(client.0.id()), vec![last]);
@@ -374,7 +531,7 @@ mod tests {
     fn another_users_process_is_not_touched() {
         let client = Killed(Command::new("sleep").arg("30").spawn().unwrap());
         let other = rustix::process::geteuid().as_raw() + 1;
-        assert!(Placement::pin_client(&CpuUse::default(), client.0.id() as i32, other).is_none());
+        assert!(Placement::pin_client(&CpuUse::default(), client.0.id() as i32, other, false).is_none());
     }
 
     #[test]

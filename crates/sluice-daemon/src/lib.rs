@@ -101,6 +101,16 @@ pub struct Daemon {
 /// Where a connection's worker and its client run, for clients that send no CPU (Nix ≥ 2.6).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ClientCpu {
+    /// As [`ClientCpu::Pin`], while the client works alone: the client's pin is
+    /// given back as soon as its main thread starts a thread or a process (seen within 5 ms),
+    /// or before an operation after which clients work in parallel
+    /// (NAR transfers, builds, substitutions, maintenance), and the worker's at its next
+    /// request. Only a client whose children the daemon can list (`/proc/<pid>/task/<pid>/children`)
+    /// is pinned. Not the default: a thread or process started by the pinned thread runs on
+    /// its one CPU until the watcher sees it, which under load can be long enough for a
+    /// program to size its thread pool by that one CPU (Nix 2.26's parallel xz, started by a
+    /// test thread of a test binary whose raw clients got it pinned, wrote one block).
+    Auto,
     /// The client's main thread and its worker are pinned to one CPU (the least used by the
     /// daemon's connections) while connected, when the daemon may change the client's affinity
     /// (root, or the client's own user) and the client has not narrowed it; the client's

@@ -166,9 +166,10 @@ fn serve_connection(
     r.get_mut().set_lease(Box::new(Rc::clone(&kept)));
     let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots, kept };
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
-    let _placed = client
-        .filter(|_| greeting.cpu.is_none() && daemon.client_cpu == ClientCpu::Pin)
-        .and_then(|(pid, uid)| Placement::pin_client(&daemon.cpu_use, pid, uid));
+    let watched = daemon.client_cpu == ClientCpu::Auto;
+    let mut placed = client
+        .filter(|_| greeting.cpu.is_none() && daemon.client_cpu != ClientCpu::Free)
+        .and_then(|(pid, uid)| Placement::pin_client(&daemon.cpu_use, pid, uid, watched));
     tracing::debug!(
         "{label}: protocol {} features {:?} user {} trusted {}",
         conn.version,
@@ -191,6 +192,11 @@ fn serve_connection(
             }
         };
         ops += 1;
+        // A watched placement ends once the client's pin was given back, or before an operation
+        // after which clients work in parallel (transfers, builds, maintenance).
+        if placed.as_ref().is_some_and(|p| p.watched() && (p.client_given_back() || !crate::ops::keeps_client_placed(op))) {
+            placed = None;
+        }
         match crate::ops::dispatch(&mut conn, op) {
             Ok(()) => {}
             Err(Fail::Op(msg)) => {

@@ -29,7 +29,9 @@ pub struct Args {
     /// runs: `pin` puts the client's main thread and its worker on one CPU while it is
     /// connected (undone when it leaves; skipped for a client that narrowed its own affinity
     /// or that the daemon may not change; the threads and processes the client starts while
-    /// connected inherit the pin), `free` leaves both to the scheduler.
+    /// connected inherit the pin); `auto` does the same while the client works alone, giving
+    /// its CPUs back within 5 ms once it starts a thread or a process, and before a NAR
+    /// transfer, a build, a substitution or maintenance; `free` leaves both to the scheduler.
     #[arg(long, value_enum, default_value_t = ClientCpu::Free)]
     client_cpu: ClientCpu,
     /// Build what no substituter has through the real `nix-daemon` listening on this socket
@@ -47,6 +49,7 @@ pub struct Args {
 /// `--client-cpu`: [`sluice_daemon::ClientCpu`].
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 enum ClientCpu {
+    Auto,
     Pin,
     Free,
 }
@@ -96,6 +99,7 @@ fn build_socket(url: &str) -> Result<PathBuf, String> {
 impl From<ClientCpu> for sluice_daemon::ClientCpu {
     fn from(c: ClientCpu) -> Self {
         match c {
+            ClientCpu::Auto => sluice_daemon::ClientCpu::Auto,
             ClientCpu::Pin => sluice_daemon::ClientCpu::Pin,
             ClientCpu::Free => sluice_daemon::ClientCpu::Free,
         }

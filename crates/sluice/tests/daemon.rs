@@ -880,12 +880,14 @@ fn old_style_client_gets_its_worker_pinned() {
     assert!(!valid);
 }
 
-/// A client of today's kind (no CPU in the greeting) in its own process, with `--client-cpu
-/// pin`: while it is connected, its main thread and its worker run on one CPU; once it has
-/// disconnected and lives on (as `nix develop` execs a shell), its affinity is what it was. By
-/// default (`free`) neither moves: pinned, the test binary's own raw clients made every test
-/// thread it started meanwhile, and their Nix children, run on one CPU (Nix 2.26's parallel xz
-/// then wrote one block: parallel_decode failed under load).
+/// A client of today's kind (no CPU in the greeting) in its own process. With `--client-cpu
+/// pin`, and with `auto` while it starts nothing: while it is connected, its main thread and
+/// its worker run on one CPU; once it has disconnected and lives on (as `nix develop` execs a
+/// shell), its affinity is what it was. With `auto`, a client that starts a thread, or sends an
+/// operation after which clients work in parallel (QueryAllValidPaths here), gets its CPUs back
+/// while still connected. By default (`free`) neither moves: pinned, the test binary's own raw
+/// clients made test threads it started, and their Nix children, run on one CPU (Nix 2.26's
+/// parallel xz then wrote one block: parallel_decode failed under load).
 #[test]
 fn a_client_and_its_worker_share_a_cpu_while_connected_and_no_longer() {
     let (all_cpus, _) = own_cpus();
@@ -893,12 +895,14 @@ fn a_client_and_its_worker_share_a_cpu_while_connected_and_no_longer() {
         eprintln!("skipped: one CPU");
         return;
     }
+    let all = all_cpus_as_list(&all_cpus);
     let env = Env::new();
     let cache = env.cache();
-    // The client: greets as 1.34 (affinity flag 0), prints its CPUs, waits for a line on
+    // The client: greets as 1.34 (affinity flag 0), prints its CPUs, does what argv[2] says
+    // (start a thread, or send QueryAllValidPaths), prints its CPUs again, waits for a line on
     // stdin, disconnects, waits for another, prints its CPUs again.
     let script = r#"
-import os, socket, struct, sys
+import os, socket, struct, sys, threading, time
 def cpus(): return ",".join(map(str, sorted(os.sched_getaffinity(0))))
 s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
 u = lambda: struct.unpack("<Q", s.recv(8, socket.MSG_WAITALL))[0]
@@ -906,16 +910,32 @@ s.sendall(struct.pack("<Q", 0x6e697863)); u(); u()
 s.sendall(struct.pack("<QQQ", 0x122, 0, 0))
 n = u(); s.recv((n + 7) // 8 * 8, socket.MSG_WAITALL)
 assert u() == 0x616c7473
+print(cpus(), flush=True)
+if sys.argv[2] == "thread":
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+if sys.argv[2] == "op":
+    s.sendall(struct.pack("<Q", 23)); assert u() == 0x616c7473
+    for _ in range(u()): n = u(); s.recv((n + 7) // 8 * 8, socket.MSG_WAITALL)
+time.sleep(0.3)
 print(cpus(), flush=True); sys.stdin.readline()
 s.close()
 sys.stdin.readline(); print(cpus(), flush=True)
 "#;
-    // `free` is the default: a client that starts threads while connected keeps its CPUs.
-    for (mode, args, pinned) in [("pin", &["--client-cpu", "pin"][..], true), ("free", &[][..], false)] {
-        let daemon = env.daemon_on(&format!("socket-{mode}"), "root", &cache, "", args, None);
+    // (daemon flags, what the client does while connected, pinned when connected, after that).
+    let cases: [(&[&str], &str, bool, bool); 5] = [
+        (&["--client-cpu", "auto"], "nothing", true, true),
+        (&["--client-cpu", "auto"], "thread", true, false),
+        (&["--client-cpu", "auto"], "op", true, false),
+        (&["--client-cpu", "pin"], "thread", true, true),
+        (&[], "nothing", false, false),
+    ];
+    for (n, (args, act, pinned, still_pinned)) in cases.into_iter().enumerate() {
+        let case = format!("{args:?} {act}");
+        let daemon = env.daemon_on(&format!("socket-{n}"), "root", &cache, "", args, None);
         let mut client = Command::new("python3")
             .args(["-c", script])
-            .arg(env.path(&format!("socket-{mode}")))
+            .arg(env.path(&format!("socket-{n}")))
+            .arg(act)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -929,13 +949,16 @@ sys.stdin.readline(); print(cpus(), flush=True)
             line.trim().to_owned()
         };
         let connected = next_line(&mut line);
-        let workers = worker_cpus(daemon.child.id());
         if pinned {
-            assert!(!connected.contains(','), "{mode}: the connected client runs on one CPU, not {connected}");
-            assert_eq!(workers, vec![connected.clone()], "{mode}: its worker runs on the client's CPU");
+            assert!(!connected.contains(','), "{case}: the connected client runs on one CPU, not {connected}");
+            // (A worker of the daemon's start-up probe may not have ended yet.)
+            assert!(worker_cpus(daemon.child.id()).contains(&connected), "{case}: its worker runs on the client's CPU");
         } else {
-            assert_eq!((connected.as_str(), workers), (all_cpus_as_list(&all_cpus).as_str(), vec![all_cpus.clone()]));
+            assert_eq!((connected.as_str(), worker_cpus(daemon.child.id())), (all.as_str(), vec![all_cpus.clone()]), "{case}");
         }
+        let after = next_line(&mut line);
+        let expected = if still_pinned { &connected } else { &all };
+        assert_eq!(&after, expected, "{case}: the client's CPUs after it did {act}");
         use std::io::Write;
         to_client.write_all(b"disconnect\n").unwrap();
         // The worker ends when the connection does, and undoes the pin first.
@@ -945,7 +968,7 @@ sys.stdin.readline(); print(cpus(), flush=True)
             std::thread::sleep(Duration::from_millis(10));
         }
         to_client.write_all(b"report\n").unwrap();
-        assert_eq!(next_line(&mut line), all_cpus_as_list(&all_cpus), "{mode}: the client's affinity after it disconnected");
+        assert_eq!(next_line(&mut line), all, "{case}: the client's affinity after it disconnected");
         assert!(client.wait().unwrap().success());
     }
 }

@@ -44,6 +44,14 @@ fn quick(op: Op) -> bool {
     )
 }
 
+/// Whether a client stays on its worker's CPU through operation number `op` (a watched
+/// placement, [`crate::affinity`]): the quick operations and those that add a file or text,
+/// during which Nix clients do nothing in parallel; after the others (NAR transfers, builds,
+/// substitutions, maintenance), clients may compress, copy or download with several threads.
+pub(crate) fn keeps_client_placed(op: u64) -> bool {
+    Op::from_wire(op).is_some_and(|op| quick(op) || matches!(op, Op::AddToStore | Op::AddTextToStore | Op::QueryValidPaths))
+}
+
 /// Runs operation number `op` on `c`: its request is read, then handled. Before an operation
 /// that is not quick (an addition, a substitution, a scan of the GC roots, …) replies still
 /// waiting are sent, and but for AddToStore and AddTextToStore (which root their path, as the
