@@ -69,9 +69,12 @@ pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(5);
 /// A client's pin, shared by its placement and the watcher; `None` once given back.
 type SharedPin = Arc<Mutex<Option<ClientPin>>>;
 
+/// A watched placement's pin, as the watcher holds it: gone once the placement ends.
+type WatchedPin = Weak<Mutex<Option<ClientPin>>>;
+
 /// The pins of watched placements, and whether a watcher thread runs (it ends when none is left).
 #[derive(Default)]
-struct Watched(Mutex<(Vec<Weak<Mutex<Option<ClientPin>>>>, bool)>);
+struct Watched(Mutex<(Vec<WatchedPin>, bool)>);
 
 impl Watched {
     /// Has `pin` looked at every [`WATCH_PERIOD`] until its placement ends; `false` if no
