@@ -63,8 +63,6 @@ pub fn raw_config(extra: &[String]) -> Result<RawConfig, String> {
     Ok(raw)
 }
 
-/// The store to use when none is named: the `store` setting, whose default is `$NIX_REMOTE`
-/// or `auto`, as in Nix.
 /// The local store a server (`daemon`, `legacy-serve`) serves without `--store`: `NIX_REMOTE`
 /// when it names a local store (a chroot store, as Nix's `nix-daemon` serves the `store`
 /// setting), else `local`. So a server started in an environment whose Nix commands use a
@@ -75,6 +73,8 @@ pub fn served_store(store: Option<String>) -> String {
     store.or(remote).unwrap_or_else(|| "local".into())
 }
 
+/// The store to use when none is named: the `store` setting, whose default is `$NIX_REMOTE`
+/// or `auto`, as in Nix.
 pub fn default_store(flags: &ConfigFlags) -> Result<String, String> {
     Ok(Settings::from_raw(&raw_config(&flags.option)?).map_err(|e| e.to_string())?.store)
 }
