@@ -1,10 +1,10 @@
 //! [`BatchedAdder`]: paths that arrive one after another on one stream (a daemon's
-//! AddMultipleToStore, the serve protocol's imports), each unpacked as it arrives, committed in
-//! batches by a registrar thread: whatever was unpacked while the previous batch was being
-//! committed goes into the next, with one flush and one transaction
-//! ([`LocalStore::commit_all`]), as the substitution pipeline's registrar commits
-//! (sluice-store `substitute.rs`). Nix adds and registers each path of an AddMultipleToStore
-//! on its own (`Store::addMultipleToStore`, `src/libstore/store-api.cc`; `LocalStore::addToStore`).
+//! AddMultipleToStore, the serve protocol's imports), each unpacked as it arrives, committed by
+//! a registrar thread in batches of [`COMMIT_BATCH`] paths (and the rest once the stream ends),
+//! each with one flush and one transaction ([`LocalStore::commit_all`], as the substitution
+//! pipeline's registrar commits, sluice-store `substitute.rs`), while the next batch is
+//! unpacked. Nix adds, flushes and registers each path of an AddMultipleToStore on its own
+//! (`Store::addMultipleToStore`, `src/libstore/store-api.cc`; `LocalStore::addToStore`).
 //!
 //! Nothing is half-registered: a path is registered only in a batch that made its tree durable
 //! first, and a path whose NAR is cut short is never handed over. A path refused at commit
@@ -117,12 +117,15 @@ impl Drop for BatchedAdder {
     }
 }
 
-/// The registrar: commits what `arrivals` brings in batches until it ends, or until a path
-/// fails (the paths after it are dropped, uncommitted); that failure goes into `failed`.
+/// The registrar: commits what `arrivals` brings in batches of [`COMMIT_BATCH`] until it ends
+/// (then the rest), or until a path fails (the paths after it are dropped, uncommitted); that
+/// failure goes into `failed`.
 fn register(store: &LocalStore, policy: &SignaturePolicy, arrivals: &Receiver<PendingPath>, failed: &Mutex<Option<LocalStoreError>>) {
-    while let Ok(first) = arrivals.recv() {
-        let mut batch = vec![(first, policy)];
-        batch.extend(arrivals.try_iter().take(COMMIT_BATCH - 1).map(|p| (p, policy)));
+    loop {
+        let batch: Vec<(PendingPath, &SignaturePolicy)> = arrivals.iter().take(COMMIT_BATCH).map(|p| (p, policy)).collect();
+        if batch.is_empty() {
+            return;
+        }
         tracing::debug!("committing {} paths", batch.len());
         if let Some(e) = store.commit_all(batch).into_iter().find_map(Result::err) {
             *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.into_error());

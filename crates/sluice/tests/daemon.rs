@@ -4352,3 +4352,20 @@ fn servers_without_store_serve_the_store_nix_remote_names() {
         assert!(opened.is_file(), "{server:?} did not open the store NIX_REMOTE names: {}", common::stderr(&o));
     }
 }
+
+/// `sluice daemon` given `--store` twice serves the last, as Nix takes the last value of an
+/// option: a far end's wrapper may give one and Nix passes another from `remote-store` (clap
+/// refused the second before).
+#[test]
+fn the_daemon_serves_the_last_store_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (first, last) = (tmp.path().join("first"), tmp.path().join("last"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    common::isolate(&mut cmd, tmp.path(), "");
+    let stores = [format!("local?root={}", first.display()), format!("local?root={}", last.display())];
+    let o =
+        cmd.args(["daemon", "--stdio", "--store", &stores[0], "--store", &stores[1]]).stdin(std::process::Stdio::null()).output().unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    assert!(last.join("nix/var/nix/db/db.sqlite").is_file(), "the last --store was not served: {}", common::stderr(&o));
+    assert!(!first.exists(), "the first --store was opened");
+}
