@@ -250,6 +250,17 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
     assert_nix_verifies(tmp, &far2);
 }
 
+/// `program copy` (sluice, or Nix 2.26 as `nix-modern nix copy`) isolated under `tmp`,
+/// reaching the test's sshd.
+fn copy_command(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
+    let mut cmd = over_ssh(tmp, sshd, program);
+    if program == nix_modern_bin() {
+        cmd.arg("nix");
+    }
+    cmd.arg("copy");
+    cmd
+}
+
 /// The far end's input cut after 200 KB (a `far_end` shape).
 const CUT_INPUT: &str = "dd bs=64K count=200000 iflag=count_bytes status=none | CMD";
 
@@ -266,11 +277,7 @@ fn a_push_cut_midway_into_sluice_leaves_nothing_half_registered() {
     let (root, paths, src) = subset_store(tmp);
     for (pusher, name) in [(sluice_bin(), "far-a"), (nix_modern_bin(), "far-b")] {
         let (far, cut) = far_end(tmp, name, FarEnd::Sluice, CUT_INPUT);
-        let mut push = over_ssh(tmp, &sshd, &pusher);
-        if pusher == nix_modern_bin() {
-            push.arg("nix");
-        }
-        let o = push.args(["copy", "--from", src.to_str().unwrap(), "--to", &cut, &root]).output().unwrap();
+        let o = copy_command(tmp, &sshd, &pusher).args(["--from", src.to_str().unwrap(), "--to", &cut, &root]).output().unwrap();
         assert!(!o.status.success(), "{}: a push into a far end cut short succeeded", pusher.display());
         assert_store_closed(&far);
         let registered = registered_paths(&far);
@@ -299,11 +306,8 @@ fn sluice_at_the_far_end_commits_a_push_in_one_batch() {
     for (pusher, name) in [(sluice_bin(), "far-a"), (nix_modern_bin(), "far-b")] {
         let traced = tmp.join(format!("{name}-syncfs"));
         let (far, url) = far_end(tmp, name, FarEnd::Sluice, &format!("strace -f -qq -e trace=syncfs -o {} CMD", traced.display()));
-        let mut push = over_ssh(tmp, &sshd, &pusher);
-        if pusher == nix_modern_bin() {
-            push.arg("nix");
-        }
-        check(&push.args(["copy", "--from", src.to_str().unwrap(), "--to", &url, &root]).output().unwrap(), "push");
+        let push = copy_command(tmp, &sshd, &pusher).args(["--from", src.to_str().unwrap(), "--to", &url, &root]).output().unwrap();
+        check(&push, "push");
         assert_holds(tmp, &far, &root, &paths);
         let syncfs = std::fs::read_to_string(&traced).unwrap().lines().filter(|l| l.contains("syncfs(")).count();
         assert_eq!(syncfs, 1, "{}: {syncfs} syncfs for {} paths", pusher.display(), paths.len());
