@@ -21,6 +21,7 @@
 //! lock.
 
 mod api;
+mod batched;
 mod commit;
 pub mod config;
 mod content_hash;
@@ -47,6 +48,7 @@ mod unpack;
 mod verify;
 mod verify_store;
 
+pub use batched::BatchedAdder;
 pub use commit::Uncommitted;
 pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};

@@ -8,7 +8,9 @@
 //! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
 //! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
-//! killed. Paths in a reference cycle the source claims fail, with their dependents.
+//! killed. Paths in a reference cycle the source claims fail, with their dependents. Into a
+//! store that takes a whole copy as one stream (a daemon, `ssh-ng://`, `ssh://`), the missing
+//! paths go instead in one stream in dependency order ([`stream`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -22,6 +24,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::failure::Failure;
 use crate::reference_cycles::reference_cycles;
 use crate::store::{NarReader, Store, StoreError};
+
+mod stream;
+
+pub use stream::dependency_order;
 
 /// What a copy did.
 #[derive(Debug, Default)]
@@ -98,6 +104,10 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         }
     }
     missing.retain(|i| !report.failed.contains_key(&i.path));
+    if dst.takes_streams() {
+        stream::copy_as_stream(&src, &dst, missing, &mut report).await?;
+        return Ok(report);
+    }
     src.prefetch_nars(&missing);
     let mut tasks = Vec::with_capacity(missing.len());
     for info in missing {

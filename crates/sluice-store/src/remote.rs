@@ -13,6 +13,7 @@
 //! daemon which honours it (sluice does) runs the connection's worker on the same CPU and each
 //! round trip avoids a cross-CPU wake-up.
 
+use std::borrow::Borrow;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::Path;
 
@@ -22,13 +23,14 @@ use sluice_nix::wire::features::{
 };
 use sluice_nix::wire::ops::{
     write_request, AddMultipleToStore, AddTempRoot, AddTempRoots, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults,
-    IsValidPath, NarFromPath, QueryDerivationOutputMap, QueryPathInfo, QueryPathInfos, QueryRealisation, RegisterDrvOutput, Request,
-    SetOptions, MAX_REALISATION,
+    IsValidPath, NarFromPath, QueryDerivationOutputMap, QueryPathInfo, QueryPathInfos, QueryRealisation, QueryValidPaths,
+    RegisterDrvOutput, Request, SetOptions, MAX_REALISATION,
 };
 use sluice_nix::wire::{
     read_bool, read_build_result, read_keyed_build_result, read_keyed_path_info, read_optional_store_path, read_stderr_message,
-    read_string, read_trusted_flag, read_u64, read_unkeyed_path_info, write_keyed_path_info, write_u64, BasicDerivation, BuildMode,
-    BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, MAX_PATH_LEN, WORKER_MAGIC_1, WORKER_MAGIC_2,
+    read_store_path_set, read_string, read_trusted_flag, read_u64, read_unkeyed_path_info, write_keyed_path_info, write_u64,
+    BasicDerivation, BuildMode, BuildResult, DerivedPath, FramedWriter, ProtocolVersion, StderrMessage, WireError, MAX_PATH_LEN,
+    WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
 use sluice_nix::path_info::ValidPathInfo;
@@ -240,6 +242,14 @@ impl DaemonConnection {
         Ok(paths.iter().map(|p| infos.get(p).cloned()).collect())
     }
 
+    /// Those of `paths` that are valid in the daemon's store: one QueryValidPaths (Nix's
+    /// `RemoteStore::queryValidPaths`), substituting none.
+    pub fn query_valid_paths(&mut self, paths: &[StorePath]) -> Result<std::collections::BTreeSet<StorePath>, RemoteError> {
+        let what = "QueryValidPaths";
+        self.request(&QueryValidPaths { paths: paths.iter().cloned().collect(), substitute: false }, what)?;
+        read_store_path_set(&mut self.r, &self.store_dir, "valid paths").map_err(self.wire_err(what))
+    }
+
     /// Makes `paths` temporary roots in the daemon for the rest of the connection (Nix's
     /// `addTempRoot`): one AddTempRoots when the daemon offers it, else one AddTempRoot per
     /// path, pipelined.
@@ -363,14 +373,20 @@ impl DaemonConnection {
         })
     }
 
-    /// AddMultipleToStore (daemons of protocol ≥ 1.32): adds every path of `paths`, in
-    /// order, in one operation, as Nix's `RemoteStore::addMultipleToStore` sends it: repair
-    /// (false), dontCheckSigs (`!check_sigs`), then one framed stream of the count and, per
-    /// path, its keyed info in the protocol 1.16 form followed by exactly `NarSize` bytes of
-    /// its NAR. The daemon adds them one after another and stops at the first it refuses (its
-    /// error is the result; the paths before it are added). A NAR that cannot be read, or
-    /// ends before its `NarSize`, ends the stream there ([`RemoteError::Nar`]).
-    pub fn add_multiple_to_store(&mut self, paths: &mut [(&ValidPathInfo, &mut dyn Read)], check_sigs: bool) -> Result<(), RemoteError> {
+    /// AddMultipleToStore (daemons of protocol ≥ 1.32): adds the `count` paths `paths`
+    /// yields, in order, in one operation, as Nix's `RemoteStore::addMultipleToStore` sends
+    /// them: repair (false), dontCheckSigs (`!check_sigs`), then one framed stream of the
+    /// count and, per path, its keyed info in the protocol 1.16 form followed by exactly
+    /// `NarSize` bytes of its NAR, each NAR read as its turn comes. The daemon adds them one
+    /// after another and stops at the first it refuses (its error is the result; the paths
+    /// before it are added). A NAR that cannot be read, or ends before its `NarSize`, or a
+    /// `paths` that ends before `count`, ends the stream there ([`RemoteError::Nar`]).
+    pub fn add_multiple_to_store<I: Borrow<ValidPathInfo>, N: Read>(
+        &mut self,
+        count: usize,
+        paths: impl Iterator<Item = (I, N)>,
+        check_sigs: bool,
+    ) -> Result<(), RemoteError> {
         let what = "AddMultipleToStore";
         if !self.version.at_least(batch::MULTIPLE_VERSION) {
             let message = format!("{what} needs protocol 1.32 (Nix 2.4), the daemon speaks {}", self.version);
@@ -379,10 +395,12 @@ impl DaemonConnection {
         self.send(&AddMultipleToStore { repair: false, dont_check_sigs: !check_sigs }, what)?;
         let (daemon, dir) = (self.daemon.clone(), self.store_dir.clone());
         self.with_framed_sink(what, |out| {
-            write_u64(out, paths.len() as u64)?;
-            for (info, nar) in paths.iter_mut() {
+            write_u64(out, count as u64)?;
+            let mut sent = 0;
+            for (info, mut nar) in paths.take(count) {
+                let info = info.borrow();
                 write_keyed_path_info(out, &dir, ProtocolVersion::new(1, 16), info)?;
-                let read = copy_nar(&mut nar.take(info.nar_size), out)?.and_then(|n| match n == info.nar_size {
+                let read = copy_nar(&mut (&mut nar).take(info.nar_size), out)?.and_then(|n| match n == info.nar_size {
                     true => Ok(()),
                     false => Err(std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
@@ -392,8 +410,12 @@ impl DaemonConnection {
                 if let Err(source) = read {
                     return Ok(Err(RemoteError::Nar { daemon, path: dir.display_path(&info.path), source }));
                 }
+                sent += 1;
             }
-            Ok(Ok(()))
+            match sent == count {
+                true => Ok(Ok(())),
+                false => Ok(Err(RemoteError::Protocol { message: format!("{what}: {sent} of its {count} paths were given"), daemon })),
+            }
         })
     }
 

@@ -34,6 +34,19 @@ pub type PublishGate = BoxFuture<'static, Result<(), StoreError>>;
 /// A NAR being read: uncompressed bytes, to be read on a blocking thread.
 pub type NarReader = Box<dyn Read + Send>;
 
+/// One path of a stream of additions ([`Store::add_stream`]): its info and its NAR.
+pub struct StreamedPath {
+    pub info: ValidPathInfo,
+    pub nar: NarReader,
+}
+
+/// The paths of a stream of additions, in the order they are to be sent, each as soon as the
+/// copy has opened its NAR.
+pub type AdditionStream = tokio::sync::mpsc::Receiver<StreamedPath>;
+
+/// The outcome of each path a stream of additions brought, in order.
+pub type StreamOutcomes = Vec<(StorePath, Result<(), StoreError>)>;
+
 /// Errors of any store; each names the store (URL, socket or directory) and the path.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -170,6 +183,22 @@ pub trait Store: Send + Sync {
 
     /// NAR transfers worth running at once against this store.
     fn parallelism(&self) -> usize;
+
+    /// Whether the store takes a whole copy as one stream ([`add_stream`](Self::add_stream)).
+    fn takes_streams(&self) -> bool {
+        false
+    }
+
+    /// Adds the `count` paths `additions` brings, in a dependency order (each after its
+    /// references among them), as one stream the store makes each path valid from in turn
+    /// (a daemon's AddMultipleToStore, Nix's `copyPaths`; the serve protocol's pipelined
+    /// imports): no path waits for another's answer. One outcome per path received, in order;
+    /// after a path the store refused, [`StoreError::NotAttempted`] for those it did not look
+    /// at (to be sent again). Only for a store that [`takes_streams`](Self::takes_streams).
+    fn add_stream<'a>(&'a self, count: usize, additions: AdditionStream) -> StoreFuture<'a, StreamOutcomes> {
+        let _ = (count, additions);
+        Box::pin(async move { Err(StoreError::Unsupported { url: self.url().to_string(), what: "adding paths as one stream" }) })
+    }
 }
 
 /// Opens the store `url` with `settings` (Nix's `openStore`), as the kind of store that

@@ -22,8 +22,10 @@ pub struct Args {
     #[arg(long, overrides_with = "stdio")]
     stdio: bool,
     /// The store to serve: `local`, `local?root=DIR` or a path (a chroot store; default `$NIX_REMOTE` when it names a local store, else `local`), with
-    /// the local store's parameters (`state`, `real`, `require-sigs`, …).
-    #[arg(long)]
+    /// the local store's parameters (`state`, `real`, `require-sigs`, …). Given more than once,
+    /// the last one counts, as with Nix's options (a wrapper's `--store`, then the one Nix
+    /// passes from `remote-store`).
+    #[arg(long, overrides_with = "store")]
     store: Option<String>,
     /// Where the worker of a client that sends no CPU in its greeting (every Nix since 2.6)
     /// runs: `pin` puts the client's main thread and its worker on one CPU while it is

@@ -4512,3 +4512,20 @@ fn a_daemon_without_socket_listens_in_its_stores_state_directory() {
         assert_eq!(String::from_utf8_lossy(&found.stdout).trim(), path, "{client}: {}", common::stderr(&found));
     }
 }
+
+/// `sluice daemon` given `--store` twice serves the last, as Nix takes the last value of an
+/// option: a far end's wrapper may give one and Nix passes another from `remote-store` (clap
+/// refused the second before).
+#[test]
+fn the_daemon_serves_the_last_store_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (first, last) = (tmp.path().join("first"), tmp.path().join("last"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    common::isolate(&mut cmd, tmp.path(), "");
+    let stores = [format!("local?root={}", first.display()), format!("local?root={}", last.display())];
+    let o =
+        cmd.args(["daemon", "--stdio", "--store", &stores[0], "--store", &stores[1]]).stdin(std::process::Stdio::null()).output().unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    assert!(last.join("nix/var/nix/db/db.sqlite").is_file(), "the last --store was not served: {}", common::stderr(&o));
+    assert!(!first.exists(), "the first --store was opened");
+}

@@ -242,12 +242,100 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
         let closure = nix_path_info(tmp, back.to_str().unwrap(), path);
         assert!(closure.iter().all(|i| i["valid"].as_bool() != Some(false)), "{path}'s closure is incomplete: {closure:?}");
     }
-    let (far2, cut_input) = far_end(tmp, "far2", FarEnd::Nix28, "dd bs=64K count=200000 iflag=count_bytes status=none | CMD");
+    let (far2, cut_input) = far_end(tmp, "far2", FarEnd::Nix28, CUT_INPUT);
     let o = push(&cut_input);
     assert!(!o.status.success(), "a push into a far end cut short succeeded");
     assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
     assert!(registered_paths(&far2).len() < paths.len());
     assert_nix_verifies(tmp, &far2);
+}
+
+/// `program copy` (sluice, or Nix 2.26 as `nix-modern nix copy`) isolated under `tmp`,
+/// reaching the test's sshd.
+fn copy_command(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
+    let mut cmd = over_ssh(tmp, sshd, program);
+    if program == nix_modern_bin() {
+        cmd.arg("nix");
+    }
+    cmd.arg("copy");
+    cmd
+}
+
+/// The far end's input cut after 200 KB (a `far_end` shape).
+const CUT_INPUT: &str = "dd bs=64K count=200000 iflag=count_bytes status=none | CMD";
+
+/// A push whose stream is cut midway into `sluice daemon --stdio`, which commits the paths of
+/// an AddMultipleToStore in batches, leaves nothing half-registered there, from sluice and
+/// from real Nix 2.26: only whole, registered paths whose closures are complete, no tree
+/// unregistered, nothing temporary, and real Nix verifies the store; the push then completes
+/// into the same store.
+#[test]
+fn a_push_cut_midway_into_sluice_leaves_nothing_half_registered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    for (pusher, name) in [(sluice_bin(), "far-a"), (nix_modern_bin(), "far-b")] {
+        let (far, cut) = far_end(tmp, name, FarEnd::Sluice, CUT_INPUT);
+        let o = copy_command(tmp, &sshd, &pusher).args(["--from", src.to_str().unwrap(), "--to", &cut, &root]).output().unwrap();
+        assert!(!o.status.success(), "{}: a push into a far end cut short succeeded", pusher.display());
+        assert_store_closed(&far);
+        let registered = registered_paths(&far);
+        assert!(registered.len() < paths.len(), "everything was copied: {registered:?}");
+        assert_nix_verifies(tmp, &far);
+        for path in &registered {
+            let closure = nix_path_info(tmp, far.to_str().unwrap(), path);
+            assert!(closure.iter().all(|i| i["valid"].as_bool() != Some(false)), "{path}'s closure is incomplete: {closure:?}");
+        }
+        let (_, whole) = far_end(tmp, name, FarEnd::Sluice, "CMD");
+        check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &whole, None, &root), "the push again");
+        assert_holds(tmp, &far, &root, &paths);
+    }
+}
+
+/// `sluice daemon --stdio` at the far end commits the paths of an AddMultipleToStore in
+/// batches: the 25 paths of a push, from sluice and from real Nix 2.26, are made durable with
+/// one `syncfs` (one per path before, as Nix flushes each), counted by strace; real Nix
+/// verifies the store.
+#[test]
+fn sluice_at_the_far_end_commits_a_push_in_one_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    for (pusher, name) in [(sluice_bin(), "far-a"), (nix_modern_bin(), "far-b")] {
+        let traced = tmp.join(format!("{name}-syncfs"));
+        let (far, url) = far_end(tmp, name, FarEnd::Sluice, &format!("strace -f -qq -e trace=syncfs -o {} CMD", traced.display()));
+        let push = copy_command(tmp, &sshd, &pusher).args(["--from", src.to_str().unwrap(), "--to", &url, &root]).output().unwrap();
+        check(&push, "push");
+        assert_holds(tmp, &far, &root, &paths);
+        let syncfs = std::fs::read_to_string(&traced).unwrap().lines().filter(|l| l.contains("syncfs(")).count();
+        assert_eq!(syncfs, 1, "{}: {syncfs} syncfs for {} paths", pusher.display(), paths.len());
+    }
+}
+
+/// A push into `ssh-ng://` is one stream: one validity query, then every missing path in one
+/// AddMultipleToStore, not a round trip per level of the closure: at 150 ms RTT the 25-path
+/// closure goes into Nix 2.8's daemon in less than `ssh host true` and 8 round trips (the
+/// greeting, the query, the stream and its answer).
+#[test]
+fn a_push_is_one_stream() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let rtt = 150;
+    let sshd = Sshd::start(tmp).with_rtt(rtt);
+    let (root, paths, src) = subset_store(tmp);
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    let started = std::time::Instant::now();
+    check(&Command::new("ssh").arg("-F").arg(sshd.ssh_config()).args([HOST, "true"]).output().unwrap(), "ssh true");
+    let floor = started.elapsed();
+    let started = std::time::Instant::now();
+    let o = sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root);
+    let took = started.elapsed();
+    check(&o, "push");
+    assert_holds(tmp, &far, &root, &paths);
+    let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
+    assert!(trips < 8.0, "the push took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
 }
 
 /// Trust is decided before a NAR is transferred (NixOS/nix#13339): pulling paths signed by

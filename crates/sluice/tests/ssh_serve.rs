@@ -22,12 +22,15 @@ use crate::push::{source_store, subset};
 /// A one-line `remote-program` for Nix's `ssh://` store: `sluice legacy-serve` on the store
 /// under `store` (Nix appends `--serve --write`).
 fn serve_wrapper(tmp: &Path, name: &str, store: &Path) -> PathBuf {
+    shaped_serve_wrapper(tmp, name, store, "exec CMD")
+}
+
+/// [`serve_wrapper`] running `shape` with `CMD` replaced by the far end's command (`dd … | CMD`
+/// cuts its input midway).
+fn shaped_serve_wrapper(tmp: &Path, name: &str, store: &Path, shape: &str) -> PathBuf {
     let file = tmp.join(name);
-    std::fs::write(
-        &file,
-        format!("#!/bin/sh\nexec {} legacy-serve --store local?root={} \"$@\"\n", env!("CARGO_BIN_EXE_sluice"), store.display()),
-    )
-    .unwrap();
+    let command = format!("{} legacy-serve --store local?root={} \"$@\"", env!("CARGO_BIN_EXE_sluice"), store.display());
+    std::fs::write(&file, format!("#!/bin/sh\n{}\n", shape.replace("CMD", &command))).unwrap();
     let o = Command::new("chmod").arg("+x").arg(&file).output().unwrap();
     check(&o, "chmod");
     file
@@ -575,4 +578,47 @@ fn a_far_end_that_stalls_is_given_up() {
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains(&format!("'{HOST}'")) && err.contains("nothing moved either way for 5 s"), "{err}");
     assert!(registered_paths(&local).is_empty());
+}
+
+/// sluice pushes into `ssh://` with `sluice legacy-serve --write` at the far end as one stream
+/// of pipelined AddToStoreNar, which the far end commits in one batch: one `syncfs` for the 25
+/// paths (one per path before), counted by strace. A push whose stream is cut midway leaves
+/// nothing half-registered there (whole, registered paths with complete closures; nothing
+/// temporary) and the push then completes; real Nix verifies the store each time.
+#[test]
+fn a_push_into_legacy_serve_is_one_batch_and_a_cut_one_leaves_nothing_half_registered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let push = |wrapper: &Path| {
+        let to = format!("ssh://{HOST}?remote-program={}", wrapper.display());
+        sluice_over_ssh(tmp, &sshd, &["copy", "--from", src.to_str().unwrap(), "--to", &to, &root])
+    };
+    let (far, traced) = (tmp.join("far"), tmp.join("syncfs"));
+    let shape = format!("exec strace -f -qq -e trace=syncfs -o {} CMD", traced.display());
+    check(&push(&shaped_serve_wrapper(tmp, "serve-far", &far, &shape)), "sluice copy --to ssh://");
+    assert_eq!(nix_closure(tmp, &far, &root), paths);
+    assert_nix_verifies(tmp, &far);
+    let syncfs = std::fs::read_to_string(&traced).unwrap().lines().filter(|l| l.contains("syncfs(")).count();
+    assert_eq!(syncfs, 1, "{syncfs} syncfs for {} paths", paths.len());
+
+    let cut_far = tmp.join("cut-far");
+    let cut = shaped_serve_wrapper(tmp, "serve-cut", &cut_far, "dd bs=64K count=200000 iflag=count_bytes status=none | CMD");
+    let o = push(&cut);
+    assert!(!o.status.success(), "a push into a far end cut short succeeded");
+    assert!(stderr(&o).contains(HOST), "{}", stderr(&o));
+    assert_store_closed(&cut_far);
+    let registered = registered_paths(&cut_far);
+    assert!(registered.len() < paths.len(), "everything was copied: {registered:?}");
+    if !registered.is_empty() {
+        assert_nix_verifies(tmp, &cut_far);
+    }
+    for path in &registered {
+        assert!(nix_closure(tmp, &cut_far, path).iter().all(|p| registered.contains(p)), "{path}'s closure is incomplete");
+    }
+    check(&push(&serve_wrapper(tmp, "serve-whole", &cut_far)), "the push again");
+    assert_eq!(nix_closure(tmp, &cut_far, &root), paths);
+    assert_nix_verifies(tmp, &cut_far);
 }

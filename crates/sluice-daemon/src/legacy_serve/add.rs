@@ -5,25 +5,50 @@
 //! goes through the store's verification boundary (`PendingPath::commit`): its NAR hash and
 //! size, its content address against its content, its references valid; a client that
 //! disappears mid-NAR leaves nothing registered (the unpacked tree is dropped).
+//!
+//! Paths are unpacked as they arrive and committed in batches ([`BatchedAdder`]: one flush and
+//! one transaction per batch, where Nix commits each path); their answers (`1`) are owed until
+//! the session settles them ([`Session::settle`]): before any other request, and before it
+//! waits for input, so a client that sends its additions back to back (sluice's `ssh://`)
+//! gets its paths committed together, and one that waits for each answer gets it.
 
 use std::io::{self, Read, Seek, Write};
+use std::sync::Arc;
 
-use sluice_local_store::SignaturePolicy;
+use sluice_local_store::{BatchedAdder, LocalStore, SignaturePolicy, TempRoots};
 use sluice_nix::hash::{HashAlgo, HashingReader};
 use sluice_nix::nar::reader::copy_nar;
 use sluice_nix::path_info::ValidPathInfo;
-use sluice_nix::wire::read_u64;
 use sluice_nix::wire::serve::{read_export_trailer, AddToStoreNar, ExportTrailer};
+use sluice_nix::wire::{read_u64, write_u64};
 
 use super::{refused, LegacyServeError, Session};
+
+/// Additions not answered yet: their paths unpacked, being committed in batches.
+pub(super) struct Adding {
+    adder: BatchedAdder,
+    /// The `1`s owed.
+    owed: usize,
+}
+
+/// The session's additions not answered yet, started if there are none.
+fn adding<'a>(adding: &'a mut Option<Adding>, store: &Arc<LocalStore>, roots: &TempRoots) -> Result<&'a mut Adding, LegacyServeError> {
+    match adding {
+        Some(a) => Ok(a),
+        None => {
+            let adder = BatchedAdder::new(store, roots, SignaturePolicy::unchecked()).map_err(refused)?;
+            Ok(adding.insert(Adding { adder, owed: 0 }))
+        }
+    }
+}
 
 /// An ImportPaths NAR larger than this is spooled to a temporary file rather than memory.
 const SPOOL_IN_MEMORY: usize = 16 << 20;
 
 impl<R: Read, W: Write> Session<R, W> {
-    /// ImportPaths: for each `1`, a NAR and its trailer; `0` ends; answered `1`. Each NAR is
-    /// kept (spooled) until its trailer names its path, then added; paths are added as they
-    /// arrive, so a stream cut short leaves the paths before the cut, each whole.
+    /// ImportPaths: for each `1`, a NAR and its trailer; `0` ends; answered `1` (owed). Each
+    /// NAR is kept (spooled) until its trailer names its path, then unpacked; a stream cut
+    /// short leaves the paths before the cut, each whole.
     pub(super) fn import_paths(&mut self) -> Result<(), LegacyServeError> {
         self.require_write("importing paths")?;
         loop {
@@ -37,7 +62,8 @@ impl<R: Read, W: Write> Session<R, W> {
                 }
             }
         }
-        sluice_nix::wire::write_u64(&mut self.w, 1).map_err(LegacyServeError::Write)
+        adding(&mut self.adding, &self.store, &self.roots)?.owed += 1;
+        Ok(())
     }
 
     /// One path of an export stream: its NAR (hashed as it is spooled), then its trailer.
@@ -60,18 +86,30 @@ impl<R: Read, W: Write> Session<R, W> {
             sigs: Default::default(),
             ca: None,
         };
-        self.store.add_nar_if_missing(info, &mut spool, &SignaturePolicy::unchecked(), &self.roots, false).map_err(refused)?;
-        Ok(())
+        adding(&mut self.adding, &self.store, &self.roots)?.adder.add(info, &mut spool, false).map_err(refused)
     }
 
-    /// AddToStoreNar: the info, then exactly its NAR size of NAR → `1`. A valid path's NAR is
-    /// read and dropped.
+    /// AddToStoreNar: the info, then exactly its NAR size of NAR → `1` (owed). A valid path's
+    /// NAR is read and dropped.
     pub(super) fn add_to_store_nar(&mut self) -> Result<(), LegacyServeError> {
         self.require_write("importing paths")?;
         let AddToStoreNar { info } = self.read()?;
+        let adding = adding(&mut self.adding, &self.store, &self.roots)?;
         let mut nar = (&mut self.r).take(info.nar_size);
-        self.store.add_nar_if_missing(info, &mut nar, &SignaturePolicy::unchecked(), &self.roots, false).map_err(refused)?;
+        adding.adder.add(info, &mut nar, false).map_err(refused)?;
         io::copy(&mut nar, &mut io::sink()).map_err(|e| LegacyServeError::Refused(format!("reading the rest of the NAR: {e}")))?;
-        sluice_nix::wire::write_u64(&mut self.w, 1).map_err(LegacyServeError::Write)
+        adding.owed += 1;
+        Ok(())
+    }
+
+    /// Waits until the additions not answered yet are committed, then answers each `1`; a
+    /// path refused ends the session with its error.
+    pub(super) fn settle(&mut self) -> Result<(), LegacyServeError> {
+        let Some(Adding { adder, owed }) = self.adding.take() else { return Ok(()) };
+        adder.finish().map_err(refused)?;
+        for _ in 0..owed {
+            write_u64(&mut self.w, 1).map_err(LegacyServeError::Write)?;
+        }
+        Ok(())
     }
 }

@@ -7,7 +7,8 @@
 //! Without `--write` only queries and NAR dumps are answered; imports and builds end the
 //! connection with Nix's message. As in Nix, a request that fails ends the connection: its
 //! error goes to standard error (ssh relays it to the client) and the process exits non-zero.
-//! Additions ([`add`]) go through the store's verification boundary.
+//! Additions ([`add`]) go through the store's verification boundary, and are committed in
+//! batches while the client keeps sending them.
 
 mod add;
 mod build;
@@ -51,6 +52,10 @@ struct Session<R, W> {
     roots: TempRoots,
     version: ProtocolVersion,
     write_allowed: bool,
+    /// The additions not answered yet ([`add`]).
+    adding: Option<add::Adding>,
+    /// Whether input is waiting to be read on `r` (a read would not block).
+    input_waiting: fn(&R) -> bool,
 }
 
 /// Serves one client on standard input and output from the local store `store` (settings
@@ -64,21 +69,42 @@ pub fn serve_legacy_stdio(store: &LocalStoreConfig, config: &RawConfig, write_al
     }
     let r = BufReader::with_capacity(256 * 1024, io::stdin().lock());
     let w = BufWriter::with_capacity(256 * 1024, io::stdout().lock());
-    serve(r, w, store, write_allowed)
+    serve(r, w, store, write_allowed, |r| !r.buffer().is_empty() || readable(r.get_ref()))
 }
 
-/// Serves one client on `r`/`w` (the handshake, then requests until `r` ends).
-fn serve<R: Read, W: Write>(mut r: R, mut w: W, store: Arc<LocalStore>, write_allowed: bool) -> Result<(), LegacyServeError> {
+/// Whether a read of `fd` would not block (data, or its end, is there).
+fn readable(fd: &impl std::os::fd::AsFd) -> bool {
+    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+    rustix::event::poll(&mut fds, 0).is_ok_and(|n| n > 0)
+}
+
+/// Serves one client on `r`/`w` (the handshake, then requests until `r` ends);
+/// `input_waiting` tells whether a read of `r` would not block. Additions are answered once
+/// committed: before any other request, and before the session waits for input.
+fn serve<R: Read, W: Write>(
+    mut r: R,
+    mut w: W,
+    store: Arc<LocalStore>,
+    write_allowed: bool,
+    input_waiting: fn(&R) -> bool,
+) -> Result<(), LegacyServeError> {
     let version = server_handshake(&mut r, &mut w)?;
     let roots = store.temp_roots();
-    let mut s = Session { r, w, store, roots, version, write_allowed };
+    let mut s = Session { r, w, store, roots, version, write_allowed, adding: None, input_waiting };
     loop {
+        if s.adding.is_some() && !(s.input_waiting)(&s.r) {
+            s.settle()?;
+            s.w.flush().map_err(LegacyServeError::Write)?;
+        }
         let n = match read_u64(&mut s.r, "command") {
             Ok(n) => n,
-            Err(e) if e.is_eof() => return Ok(()),
+            Err(e) if e.is_eof() => return s.settle(),
             Err(e) => return Err(e.into()),
         };
         let cmd = ServeCommand::from_wire(n).ok_or_else(|| LegacyServeError::Refused(format!("unknown serve command {n}")))?;
+        if !matches!(cmd, ServeCommand::ImportPaths | ServeCommand::AddToStoreNar) {
+            s.settle()?;
+        }
         s.command(cmd)?;
         s.w.flush().map_err(LegacyServeError::Write)?;
     }
@@ -156,7 +182,7 @@ impl<R: Read, W: Write> Session<R, W> {
     /// and its trailer; then `0`.
     fn export_paths(&mut self, paths: BTreeSet<StorePath>) -> Result<(), LegacyServeError> {
         let infos = infos_of(&self.store, paths.into_iter().collect())?;
-        for info in dependency_order(&infos) {
+        for info in sluice_store::push::dependency_order(infos.values()) {
             write_u64(&mut self.w, 1).map_err(LegacyServeError::Write)?;
             self.store.dump_path(&info.path, &mut self.w).map_err(refused)?;
             write_export_trailer(&mut self.w, self.store.store_dir(), info).map_err(LegacyServeError::Write)?;
@@ -205,31 +231,4 @@ fn closure(
         level = next.into_iter().filter(|p| !done.contains_key(p)).collect();
     }
     Ok(done)
-}
-
-/// The infos of `infos`, each after those of its references among them (Nix's
-/// `topoSortPaths`, reversed).
-fn dependency_order(infos: &BTreeMap<StorePath, ValidPathInfo>) -> Vec<&ValidPathInfo> {
-    fn visit<'a>(
-        p: &StorePath,
-        infos: &'a BTreeMap<StorePath, ValidPathInfo>,
-        seen: &mut BTreeSet<StorePath>,
-        out: &mut Vec<&'a ValidPathInfo>,
-    ) {
-        let Some(info) = infos.get(p) else { return };
-        if !seen.insert(p.clone()) {
-            return;
-        }
-        for r in &info.references {
-            if r != p {
-                visit(r, infos, seen, out);
-            }
-        }
-        out.push(info);
-    }
-    let (mut seen, mut out) = (BTreeSet::new(), Vec::with_capacity(infos.len()));
-    for p in infos.keys() {
-        visit(p, infos, &mut seen, &mut out);
-    }
-    out
 }

@@ -7,8 +7,8 @@
 //! NARs with DumpStorePath, requested as the destination takes them and streamed back to back,
 //! each into the pipe its reader unpacks from as it arrives; the destination verifies each
 //! path as it verifies every addition. Pushing: one QueryValidPaths (the push engine's), then
-//! each missing path with AddToStoreNar (ImportPaths before 2.5) once its references were
-//! accepted, its NAR spooled meanwhile.
+//! every missing path in dependency order with AddToStoreNar (ImportPaths before 2.5),
+//! pipelined as one stream ([`Store::add_stream`]).
 
 mod pipeline;
 
@@ -23,11 +23,13 @@ use sluice_nix::wire::serve::{
     read_path_info_entries, serve_at_least, write_export_trailer, write_serve_request, AddToStoreNar, DumpStorePath, ImportPaths,
     QueryClosure, QueryPathInfos, QueryValidPaths,
 };
-use sluice_nix::wire::{read_store_path_set, read_u64, write_u64};
+use sluice_nix::wire::{read_store_path_set, read_u64, write_u64, ProtocolVersion};
 
 use crate::ssh::{SshConfig, SshMaster};
-use crate::store::{NarReader, NarWritten, PipedNar, PublishGate, Store, StoreError, StoreFuture};
-use pipeline::Pipeline;
+use crate::store::{
+    AdditionStream, NarReader, NarWritten, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes, StreamedPath,
+};
+use pipeline::{Pipeline, Reply};
 
 /// Additions spooled at once (each NAR is kept until its references are accepted).
 const ADDITIONS_AT_ONCE: usize = 32;
@@ -216,38 +218,88 @@ impl Store for LegacySshStore {
             let mut spool = spooled.map_err(spool_err)?;
             publish.await?;
             let (dir, version, conn) = (self.store_dir.clone(), self.conn.version(), self.conn.clone());
-            let (read_url, read_shown) = (url.clone(), shown.clone());
-            let reply = tokio::task::spawn_blocking(move || {
-                conn.request(
-                    move |w| match serve_at_least(version, 5) {
-                        true => {
-                            write_serve_request(w, &dir, version, &AddToStoreNar { info })?;
-                            io::copy(&mut spool, w).map(drop)
-                        }
-                        false => {
-                            write_serve_request(w, &dir, version, &ImportPaths)?;
-                            write_u64(w, 1)?;
-                            io::copy(&mut spool, w)?;
-                            write_export_trailer(w, &dir, &info)?;
-                            write_u64(w, 0)
-                        }
-                    },
-                    move |r| read_u64(r, "import answer").map_err(|e| format!("{read_url}: adding {read_shown}: {e}")),
-                )
-            })
-            .await
-            .map_err(|e| StoreError::Other(format!("{url}: {e}")))?;
-            match reply.await.map_err(|_| StoreError::Other(format!("{url}: the connection ended")))? {
-                Ok(1) => Ok(()),
-                Ok(n) => Err(StoreError::Other(format!("{url}: failed to add path '{shown}' (answered {n})"))),
-                Err(e) => Err(StoreError::Other(e)),
-            }
+            let reply = tokio::task::spawn_blocking(move || send_addition(&conn, &dir, version, info, &mut spool))
+                .await
+                .map_err(|e| StoreError::Other(format!("{url}: {e}")))?;
+            self.answer(shown, reply).await
         })
+    }
+
+    /// Every path as soon as its NAR is open: AddToStoreNar (ImportPaths of one path before
+    /// 2.5) pipelined, each NAR streamed from its source into the request, the far end's
+    /// answers read as they come: one stream, no round trip per path or per level (Nix's
+    /// `LegacySSHStore` waits for each path's answer).
+    fn add_stream<'a>(&'a self, count: usize, mut additions: AdditionStream) -> StoreFuture<'a, StreamOutcomes> {
+        Box::pin(async move {
+            let (dir, version, conn) = (self.store_dir.clone(), self.conn.version(), self.conn.clone());
+            let sent = tokio::task::spawn_blocking(move || {
+                let mut sent = Vec::with_capacity(count);
+                while let Some(StreamedPath { info, mut nar }) = additions.blocking_recv() {
+                    let (path, shown) = (info.path.clone(), dir.display_path(&info.path));
+                    sent.push((path, shown, send_addition(&conn, &dir, version, info, &mut nar)));
+                }
+                sent
+            });
+            let sent = sent.await.map_err(|e| StoreError::Other(format!("{}: {e}", self.url)))?;
+            let mut outcomes = Vec::with_capacity(sent.len());
+            for (path, shown, reply) in sent {
+                outcomes.push((path, self.answer(shown, reply).await));
+            }
+            Ok(outcomes)
+        })
+    }
+
+    fn takes_streams(&self) -> bool {
+        true
     }
 
     fn parallelism(&self) -> usize {
         ADDITIONS_AT_ONCE
     }
+}
+
+impl LegacySshStore {
+    /// The outcome of the addition of `shown` from the far end's answer `reply`: `1` is added.
+    async fn answer(&self, shown: String, reply: Reply<u64>) -> Result<(), StoreError> {
+        match reply.await.map_err(|_| StoreError::Other(format!("{}: the connection ended", self.url)))? {
+            Ok(1) => Ok(()),
+            Ok(n) => Err(StoreError::Other(format!("{}: failed to add path '{shown}' (answered {n})", self.url))),
+            Err(e) => Err(StoreError::Other(e)),
+        }
+    }
+}
+
+/// Sends the addition of `info.path` with its NAR, read from `nar` as it is sent (exactly its
+/// `NarSize` bytes): AddToStoreNar, or before 2.5 ImportPaths of that one path; its answer.
+fn send_addition(conn: &Pipeline, dir: &StoreDir, version: ProtocolVersion, info: ValidPathInfo, nar: &mut dyn Read) -> Reply<u64> {
+    let (url, shown) = (conn.name().to_string(), dir.display_path(&info.path));
+    conn.request(
+        move |w| {
+            let mut nar = nar.take(info.nar_size);
+            let copied = match serve_at_least(version, 5) {
+                true => {
+                    write_serve_request(w, dir, version, &AddToStoreNar { info: info.clone() })?;
+                    io::copy(&mut nar, w)?
+                }
+                false => {
+                    write_serve_request(w, dir, version, &ImportPaths)?;
+                    write_u64(w, 1)?;
+                    let copied = io::copy(&mut nar, w)?;
+                    write_export_trailer(w, dir, &info)?;
+                    write_u64(w, 0)?;
+                    copied
+                }
+            };
+            match copied == info.nar_size {
+                true => Ok(()),
+                false => Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("the NAR ended after {copied} of its {} bytes", info.nar_size),
+                )),
+            }
+        },
+        move |r| read_u64(r, "import answer").map_err(|e| format!("{url}: adding {shown}: {e}")),
+    )
 }
 
 /// Writes into a NAR's pipe until a write fails (its reader is gone), then drops the rest,

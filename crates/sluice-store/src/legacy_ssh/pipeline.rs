@@ -28,6 +28,9 @@ struct Sending {
     broken: Option<String>,
 }
 
+/// The value read from a reply, or why there is none (see [`Pipeline::request`]).
+pub(super) type Reply<T> = tokio::sync::oneshot::Receiver<Result<T, String>>;
+
 /// A pipelined serve-protocol connection (see the module doc).
 pub(super) struct Pipeline {
     /// `ssh://host`, for errors.
@@ -58,6 +61,11 @@ impl Pipeline {
         Ok(Pipeline { name: name.to_string(), version, sending: Mutex::new(Sending { w, replies, broken: None }), broken })
     }
 
+    /// The far end's name (`ssh://host`), for errors.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The negotiated protocol version.
     pub fn version(&self) -> ProtocolVersion {
         self.version
@@ -70,7 +78,7 @@ impl Pipeline {
         &self,
         write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
         read: impl FnOnce(&mut dyn Read) -> Result<T, String> + Send + 'static,
-    ) -> tokio::sync::oneshot::Receiver<Result<T, String>> {
+    ) -> Reply<T> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let mut s = self.sending.lock().unwrap_or_else(|p| p.into_inner());
         let failed = self.broken_by().or_else(|| s.broken.clone());

@@ -5,13 +5,14 @@
 //! `remote-store.cc`): one round trip, and one wait for the daemon's answer, per batch instead
 //! of per path. A daemon older than protocol 1.32 gets one AddToStoreNar per path.
 
-use std::io::Read;
 use std::sync::mpsc::Receiver;
 
 use sluice_nix::path_info::ValidPathInfo;
+use sluice_nix::store_path::StorePath;
 
 use super::daemon_store::{Job, Reconnecting};
-use crate::store::{NarReader, StoreError};
+use super::RemoteError;
+use crate::store::{AdditionStream, NarReader, StoreError, StreamOutcomes};
 
 /// The protocol minor version from which a daemon takes AddMultipleToStore (1.32, Nix 2.4).
 pub(super) const MULTIPLE_VERSION: u8 = 32;
@@ -48,10 +49,7 @@ pub(super) fn serve(conn: &mut Reconnecting, queue: &Receiver<Job>, check_sigs: 
 }
 
 /// Adds `batch` (paths none of which refers to another: each was queued once its references
-/// were added) and answers each addition. When a batch fails, the daemon has added the
-/// paths before the one it refused (it adds them in order, as Nix's `addMultipleToStore`):
-/// those it now has valid are answered as added, the first it does not have with the failure
-/// (it is the path refused), the others as [`StoreError::NotAttempted`].
+/// were added) and answers each addition ([`answers`]).
 fn add(conn: &mut Reconnecting, mut batch: Vec<Addition>, check_sigs: bool) {
     let multiple = conn.with(|c| Ok(c.version().at_least(MULTIPLE_VERSION))).unwrap_or(false);
     if !multiple {
@@ -62,30 +60,70 @@ fn add(conn: &mut Reconnecting, mut batch: Vec<Addition>, check_sigs: bool) {
         return;
     }
     tracing::debug!("AddMultipleToStore of {} paths", batch.len());
-    let added = conn.with(|c| {
-        let mut paths: Vec<(&ValidPathInfo, &mut dyn Read)> = batch.iter_mut().map(|a| (&a.info, &mut a.nar as &mut dyn Read)).collect();
-        c.add_multiple_to_store(&mut paths, check_sigs)
-    });
-    match added {
-        Ok(()) => batch.into_iter().for_each(|a| drop(a.done.send(Ok(())))),
-        Err(e) if batch.len() == 1 => {
-            let _ = batch.remove(0).done.send(Err(e.into()));
-        }
-        Err(e) => {
-            let failure = e.to_string();
-            let mut refused: Option<String> = None;
-            for a in batch {
-                let valid = conn.with(|c| c.is_valid_path(&a.info.path)).unwrap_or(false);
-                let answer = match (valid, &refused) {
-                    (true, _) => Ok(()),
-                    (false, None) => {
-                        refused = Some(format!("'{}'", a.info.path.base_name()));
-                        Err(StoreError::Other(failure.clone()))
-                    }
-                    (false, Some(first)) => Err(StoreError::NotAttempted { refused: first.clone() }),
-                };
-                let _ = a.done.send(answer);
-            }
-        }
+    let count = batch.len();
+    let added = conn.with(|c| c.add_multiple_to_store(count, batch.iter_mut().map(|a| (&a.info, &mut a.nar)), check_sigs));
+    let paths: Vec<StorePath> = batch.iter().map(|a| a.info.path.clone()).collect();
+    let answers = answers(conn, &paths, added);
+    for (a, (_, answer)) in batch.into_iter().zip(answers) {
+        let _ = a.done.send(answer);
     }
+}
+
+/// Adds the `count` paths `additions` brings (in dependency order) in one AddMultipleToStore
+/// (one AddToStoreNar each, in turn, before protocol 1.32), each NAR read as its turn comes;
+/// the outcome of each path received ([`Store::add_stream`](crate::store::Store::add_stream)).
+/// A daemon that could not be reached before a path was sent is the error.
+pub(super) fn add_stream(
+    conn: &mut Reconnecting,
+    count: usize,
+    mut additions: AdditionStream,
+    check_sigs: bool,
+) -> Result<StreamOutcomes, StoreError> {
+    let multiple = conn.with(|c| Ok(c.version().at_least(MULTIPLE_VERSION))).unwrap_or(false);
+    if !multiple {
+        let mut outcomes = Vec::with_capacity(count);
+        while let Some(mut p) = additions.blocking_recv() {
+            let added = conn.with(|c| c.add_to_store_nar(&p.info, &mut p.nar, check_sigs));
+            outcomes.push((p.info.path, added.map_err(StoreError::from)));
+        }
+        return Ok(outcomes);
+    }
+    let mut sent = Vec::with_capacity(count);
+    tracing::debug!("AddMultipleToStore of {count} paths, as one stream");
+    let paths = std::iter::from_fn(|| additions.blocking_recv()).map(|p| {
+        sent.push(p.info.path.clone());
+        (p.info, p.nar)
+    });
+    match conn.with(|c| c.add_multiple_to_store(count, paths, check_sigs)) {
+        Err(e) if sent.is_empty() => Err(e.into()),
+        added => Ok(answers(conn, &sent, added)),
+    }
+}
+
+/// The answer for each of `paths`, sent in this order in one AddMultipleToStore whose outcome
+/// is `added`. When it failed, the daemon has added the paths before the one it refused (it
+/// adds them in order, as Nix's `addMultipleToStore`): those it now has valid (asked in one
+/// query) are answered as added, the first it does not have with the failure (it is the path
+/// refused), the others as [`StoreError::NotAttempted`].
+fn answers(conn: &mut Reconnecting, paths: &[StorePath], added: Result<(), RemoteError>) -> StreamOutcomes {
+    let e = match added {
+        Ok(()) => return paths.iter().map(|p| (p.clone(), Ok(()))).collect(),
+        Err(e) if paths.len() == 1 => return vec![(paths[0].clone(), Err(e.into()))],
+        Err(e) => e,
+    };
+    let failure = e.to_string();
+    let valid = conn.with(|c| c.query_path_infos(paths)).unwrap_or_default();
+    let mut refused: Option<String> = None;
+    let answer = |(path, valid): (&StorePath, Option<&Option<ValidPathInfo>>)| {
+        let answer = match (valid.is_some_and(Option::is_some), &refused) {
+            (true, _) => Ok(()),
+            (false, None) => {
+                refused = Some(format!("'{}'", path.base_name()));
+                Err(StoreError::Other(failure.clone()))
+            }
+            (false, Some(first)) => Err(StoreError::NotAttempted { refused: first.clone() }),
+        };
+        (path.clone(), answer)
+    };
+    paths.iter().zip(valid.iter().map(Some).chain(std::iter::repeat(None))).map(answer).collect()
 }

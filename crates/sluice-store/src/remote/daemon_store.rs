@@ -12,7 +12,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ProtocolVersion;
 
 use super::{batch, DaemonConnection, RemoteError};
-use crate::store::{NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture};
+use crate::store::{AdditionStream, NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes};
 
 /// A daemon behind the [`Store`](crate::store::Store) interface: one connection (Nix's
 /// default `max-connections`), owned by a thread of its own that runs the store's operations
@@ -29,6 +29,8 @@ pub struct DaemonStore {
     version: ProtocolVersion,
     jobs: std::sync::mpsc::Sender<Job>,
     prefetched: Prefetched,
+    /// Whether additions ask the daemon to check signatures.
+    check_sigs: bool,
 }
 
 /// NARs being fetched ahead of their readers ([`Store::prefetch_nars`]), by path: each
@@ -107,7 +109,7 @@ impl DaemonStore {
         spawned.map_err(|source| RemoteError::Connect { daemon: daemon.to_string(), source })?;
         let ended = || RemoteError::Protocol { message: "the connection's thread ended".into(), daemon: daemon.to_string() };
         let (store_dir, version) = greeting.recv().map_err(|_| ended())??;
-        Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs, prefetched: Prefetched::default() })
+        Ok(DaemonStore { url: url.to_string(), store_dir, version, jobs, prefetched: Prefetched::default(), check_sigs })
     }
 
     /// Runs `f` on the connection's thread.
@@ -142,16 +144,17 @@ impl Store for DaemonStore {
         })
     }
 
-    /// Each path is made a temporary root of the connection before it is looked up, as Nix's
-    /// `copyPaths` does (`addTempRoots`, then `queryValidPaths`), so that a path found valid
-    /// stays valid in the daemon while the connection lives (a path added later may refer to it).
+    /// One QueryValidPaths (Nix's `copyPaths` asks `queryValidPaths`); the paths found valid
+    /// are then made temporary roots of the connection, so that they stay valid in the daemon
+    /// while it lives (a path added later may refer to one). A path missing, as every path of
+    /// a first copy is, costs no more round trip.
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
         let paths = paths.to_vec();
         Box::pin(async move {
             self.run(move |c| {
-                c.add_temp_roots(&paths)?;
-                let infos = c.query_path_infos(&paths)?;
-                Ok(paths.into_iter().zip(infos).filter_map(|(p, i)| i.map(|_| p)).collect())
+                let valid = c.query_valid_paths(&paths)?;
+                c.add_temp_roots(&valid.iter().cloned().collect::<Vec<_>>())?;
+                Ok(valid)
             })
             .await
         })
@@ -222,6 +225,21 @@ impl Store for DaemonStore {
             let (done, answer) = tokio::sync::oneshot::channel();
             self.jobs.send(Job::Add(batch::Addition { info, nar, done })).map_err(|_| self.ended())?;
             answer.await.map_err(|_| self.ended())?
+        })
+    }
+
+    /// Always: one AddMultipleToStore (one AddToStoreNar per path, in turn, before 1.32).
+    fn takes_streams(&self) -> bool {
+        true
+    }
+
+    fn add_stream<'a>(&'a self, count: usize, additions: AdditionStream) -> StoreFuture<'a, StreamOutcomes> {
+        let check_sigs = self.check_sigs;
+        Box::pin(async move {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let job = Job::Run(Box::new(move |conn| drop(tx.send(batch::add_stream(conn, count, additions, check_sigs)))));
+            self.jobs.send(job).map_err(|_| self.ended())?;
+            rx.await.map_err(|_| self.ended())?
         })
     }
 
