@@ -123,6 +123,9 @@ impl LocalStore {
 /// A path's registration and its current NAR hash, or why it could not be hashed.
 type Hashed = Result<(ValidPathInfo, Hash), LocalStoreError>;
 
+/// A path's registration as read (`None`: not valid), or why it could not be read.
+type Registration = Result<Option<ValidPathInfo>, LocalStoreError>;
+
 impl LocalStore {
     /// The registration and current NAR hash of each of `paths`, in order: the registrations
     /// read in one database transaction (Nix queries each path's, a read lock each), then the
@@ -133,8 +136,7 @@ impl LocalStore {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(paths.len().max(1));
         let next = AtomicUsize::new(0);
         let slots: Vec<Mutex<Option<Hashed>>> = paths.iter().map(|_| Mutex::new(None)).collect();
-        let infos: Vec<Mutex<Option<Result<Option<ValidPathInfo>, LocalStoreError>>>> =
-            infos.into_iter().map(|i| Mutex::new(Some(i))).collect();
+        let infos: Vec<Mutex<Option<Registration>>> = infos.into_iter().map(|i| Mutex::new(Some(i))).collect();
         std::thread::scope(|scope| {
             for _ in 0..threads {
                 scope.spawn(|| loop {
@@ -158,7 +160,7 @@ impl LocalStore {
 
     /// The registration `info` of `path` (as read, `None` if it is not valid) and the sha256
     /// of its NAR as it is now.
-    fn hash_path(&self, path: &StorePath, info: Option<Result<Option<ValidPathInfo>, LocalStoreError>>) -> Hashed {
+    fn hash_path(&self, path: &StorePath, info: Option<Registration>) -> Hashed {
         let not_valid = || LocalStoreError::NotValid { path: self.store_dir.display_path(path) };
         let info = info.ok_or_else(not_valid)??.ok_or_else(not_valid)?;
         let real_path = self.real_path(path);
