@@ -8,6 +8,7 @@
 
 pub mod causes;
 mod error;
+pub mod fence;
 pub mod file;
 pub mod http;
 mod imds;

@@ -56,29 +56,66 @@ impl BinaryCache {
                 }
                 Ok(objects)
             }
-            Transport::Http { http, s3: Some(_) } => {
-                let mut objects = Vec::new();
-                let mut token: Option<String> = None;
-                loop {
-                    let mut query = reqwest::Url::parse("http://list/").map_err(|e| invalid(self.url.clone(), e.to_string()))?;
-                    query.query_pairs_mut().append_pair("list-type", "2").append_pair("max-keys", &LIST_PAGE.to_string());
-                    if let Some(token) = &token {
-                        query.query_pairs_mut().append_pair("continuation-token", token);
-                    }
-                    let rel = format!("?{}", query.query().unwrap_or_default());
-                    let answer =
-                        http.send(&rel, Request::GET).await?.ok_or_else(|| invalid(http.resolve(&rel), "no such bucket".into()))?;
-                    let xml = String::from_utf8(answer.body).map_err(|_| invalid(http.resolve(&rel), "listing is not UTF-8".into()))?;
-                    let page = parse_list_page(&xml).map_err(|what| invalid(http.resolve(&rel), what))?;
-                    objects.extend(page.objects);
-                    match page.next {
-                        Some(next) => token = Some(next),
-                        None => return Ok(objects),
-                    }
-                }
-            }
+            Transport::Http { s3: Some(_), .. } => self.list_bucket("").await,
             Transport::Http { s3: None, .. } => {
                 Err(invalid(self.url.clone(), "an HTTP binary cache cannot be listed; name the paths".into()))
+            }
+        }
+    }
+
+    /// The files whose names start with `prefix`, a directory of the cache (`sluice/gc/`):
+    /// that directory's files for `file://` (none when it does not exist), the keys under that
+    /// prefix of an S3 bucket. Fails for a plain HTTP cache.
+    pub async fn list_under(&self, prefix: &str) -> Result<Vec<Object>, CacheError> {
+        match &self.transport {
+            Transport::File(t) => match t.dir().join(prefix).is_dir() {
+                true => list_dir(&t.dir().join(prefix), prefix),
+                false => Ok(Vec::new()),
+            },
+            Transport::Http { s3: Some(_), .. } => self.list_bucket(prefix).await,
+            Transport::Http { s3: None, .. } => {
+                Err(invalid(self.url.clone(), "an HTTP binary cache cannot be listed; name the paths".into()))
+            }
+        }
+    }
+
+    /// Whether the cache's files can be listed (`file://` and S3, not plain HTTP).
+    pub fn can_list(&self) -> bool {
+        !matches!(self.transport, Transport::Http { s3: None, .. })
+    }
+
+    /// Creates or replaces the small cache file `rel` with `bytes` (its directories made first
+    /// in a `file://` cache).
+    pub async fn put_object(&self, rel: &str, bytes: Vec<u8>) -> Result<(), CacheError> {
+        if let (Transport::File(t), Some((dir, _))) = (&self.transport, rel.rsplit_once('/')) {
+            let dir = t.dir().join(dir);
+            std::fs::create_dir_all(&dir).map_err(|source| CacheError::Io { url: dir.display().to_string(), source })?;
+        }
+        self.upsert_file(rel, super::Upload::Bytes(bytes.into()), "application/octet-stream").await
+    }
+
+    /// The keys of the S3 bucket that start with `prefix`, a `ListObjectsV2` page at a time.
+    async fn list_bucket(&self, prefix: &str) -> Result<Vec<Object>, CacheError> {
+        let Transport::Http { http, .. } = &self.transport else { return Ok(Vec::new()) };
+        let mut objects = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut query = reqwest::Url::parse("http://list/").map_err(|e| invalid(self.url.clone(), e.to_string()))?;
+            query.query_pairs_mut().append_pair("list-type", "2").append_pair("max-keys", &LIST_PAGE.to_string());
+            if !prefix.is_empty() {
+                query.query_pairs_mut().append_pair("prefix", prefix);
+            }
+            if let Some(token) = &token {
+                query.query_pairs_mut().append_pair("continuation-token", token);
+            }
+            let rel = format!("?{}", query.query().unwrap_or_default());
+            let answer = http.send(&rel, Request::GET).await?.ok_or_else(|| invalid(http.resolve(&rel), "no such bucket".into()))?;
+            let xml = String::from_utf8(answer.body).map_err(|_| invalid(http.resolve(&rel), "listing is not UTF-8".into()))?;
+            let page = parse_list_page(&xml).map_err(|what| invalid(http.resolve(&rel), what))?;
+            objects.extend(page.objects);
+            match page.next {
+                Some(next) => token = Some(next),
+                None => return Ok(objects),
             }
         }
     }

@@ -13,7 +13,7 @@ use rustix::fs::{openat, readlinkat, FileType, Mode, OFlags};
 use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::nar::{NarPath, NarVisitor};
 
-use super::tree::{file_type_at, open_dir, sorted_entries};
+use super::tree::{lstat_at, open_dir, sorted_entries_of_new};
 
 /// One node of a [`Walk`], in NAR order; its position is [`Walk::path`].
 pub(super) enum Node {
@@ -96,20 +96,21 @@ impl Walk {
 type OpenDir = (OwnedFd, Vec<Vec<u8>>);
 
 /// Looks at the node `name` in `parent`: a file (opened) or symlink whole, a directory opened
-/// with its entries.
+/// with its entries. As Nix's `dumpPath`, a file's size and mode are those its `lstat` gave
+/// (no `fstat` once it is open: [`ExactReader`] fails if it shrank meanwhile).
 fn look(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<(Node, Option<OpenDir>)> {
-    match file_type_at(parent, name)? {
+    let st = lstat_at(parent, name)?;
+    match FileType::from_raw_mode(st.st_mode) {
         FileType::RegularFile => {
             let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
             let file = File::from(openat(parent, name, flags, Mode::empty())?);
-            let meta = file.metadata()?;
-            let executable = std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o100 != 0;
-            Ok((Node::Regular { executable, contents: ExactReader { inner: file, size: meta.len(), left: meta.len() } }, None))
+            let (executable, size) = (st.st_mode & 0o100 != 0, st.st_size as u64);
+            Ok((Node::Regular { executable, contents: ExactReader { inner: file, size, left: size } }, None))
         }
         FileType::Symlink => Ok((Node::Symlink(readlinkat(parent, name, Vec::new())?.into_bytes()), None)),
         FileType::Directory => {
             let dir = open_dir(parent, name)?;
-            let mut entries = sorted_entries(dir.as_fd())?;
+            let mut entries = sorted_entries_of_new(dir.as_fd())?;
             entries.reverse();
             Ok((Node::DirectoryStart, Some((dir, entries))))
         }

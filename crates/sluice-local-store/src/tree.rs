@@ -45,9 +45,27 @@ pub(super) fn sorted_entries(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
     Ok(names)
 }
 
-/// The type of `name` in `parent`, not following symlinks.
-pub(super) fn file_type_at(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<FileType> {
-    Ok(FileType::from_raw_mode(statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)?.st_mode))
+/// [`sorted_entries`] of a directory opened by this thread and not read yet: its entries read
+/// from the descriptor itself (`getdents64` from its offset, the start), where
+/// [`sorted_entries`] opens the directory again (an `openat`, an `fcntl` and a `close` more for
+/// each directory of a tree dumped).
+pub(super) fn sorted_entries_of_new(dir: BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 8192];
+    let mut entries = rustix::fs::RawDir::new(dir, &mut buf);
+    let mut names = Vec::new();
+    while let Some(entry) = entries.next() {
+        let name = entry?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The status of `name` in `parent`, not following symlinks (`lstat`).
+pub(super) fn lstat_at(parent: BorrowedFd<'_>, name: &[u8]) -> io::Result<rustix::fs::Stat> {
+    Ok(statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)?)
 }
 
 /// Deletes the tree `name` in `parent`, making read-only directories writable first (store

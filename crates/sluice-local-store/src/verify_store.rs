@@ -15,6 +15,7 @@ use std::sync::Mutex;
 
 use rustix::fs::{flock, FlockOperation};
 use sluice_nix::hash::{Hash, HashAlgo, Hasher};
+use sluice_nix::nar::writer::NarWriter;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 
@@ -122,19 +123,27 @@ impl LocalStore {
 /// A path's registration and its current NAR hash, or why it could not be hashed.
 type Hashed = Result<(ValidPathInfo, Hash), LocalStoreError>;
 
+/// A path's registration as read (`None`: not valid), or why it could not be read.
+type Registration = Result<Option<ValidPathInfo>, LocalStoreError>;
+
 impl LocalStore {
-    /// The registration and current NAR hash of each of `paths`, in order, hashed on as many
-    /// threads as there are cores (Nix hashes one path at a time).
+    /// The registration and current NAR hash of each of `paths`, in order: the registrations
+    /// read in one database transaction (Nix queries each path's, a read lock each), then the
+    /// trees hashed on as many threads as there are cores (Nix hashes one path at a time).
     fn hash_paths(&self, paths: &[&StorePath]) -> Vec<Hashed> {
+        let owned: Vec<StorePath> = paths.iter().map(|p| (*p).clone()).collect();
+        let infos = self.query_path_infos(&owned);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(paths.len().max(1));
         let next = AtomicUsize::new(0);
         let slots: Vec<Mutex<Option<Hashed>>> = paths.iter().map(|_| Mutex::new(None)).collect();
+        let infos: Vec<Mutex<Option<Registration>>> = infos.into_iter().map(|i| Mutex::new(Some(i))).collect();
         std::thread::scope(|scope| {
             for _ in 0..threads {
                 scope.spawn(|| loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let (Some(path), Some(slot)) = (paths.get(i), slots.get(i)) else { break };
-                    let hashed = self.hash_path(path);
+                    let (Some(path), Some(slot), Some(info)) = (paths.get(i), slots.get(i), infos.get(i)) else { break };
+                    let info = info.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    let hashed = self.hash_path(path, info);
                     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(hashed);
                 });
             }
@@ -149,11 +158,16 @@ impl LocalStore {
             .collect()
     }
 
-    /// The registration of the valid `path` and the sha256 of its NAR as it is now.
-    fn hash_path(&self, path: &StorePath) -> Result<(ValidPathInfo, Hash), LocalStoreError> {
-        let info = self.query_path_info(path)?.ok_or_else(|| LocalStoreError::NotValid { path: self.store_dir.display_path(path) })?;
+    /// The registration `info` of `path` (as read, `None` if it is not valid) and the sha256
+    /// of its NAR as it is now.
+    fn hash_path(&self, path: &StorePath, info: Option<Registration>) -> Hashed {
+        let not_valid = || LocalStoreError::NotValid { path: self.store_dir.display_path(path) };
+        let info = info.ok_or_else(not_valid)??.ok_or_else(not_valid)?;
+        let real_path = self.real_path(path);
         let mut hasher = Hasher::new(HashAlgo::Sha256);
-        self.dump_path(path, &mut hasher)?;
+        let mut writer = NarWriter::new(&mut hasher).map_err(io_err("hashing", &real_path))?;
+        super::dump::dump(std::os::fd::AsFd::as_fd(&self.store_fd), path.base_name().as_bytes(), &mut writer)
+            .map_err(io_err("hashing", &real_path))?;
         Ok((info, hasher.finish()))
     }
 }

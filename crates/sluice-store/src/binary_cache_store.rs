@@ -58,6 +58,14 @@ impl Store for BinaryCache {
         Box::pin(async move { Ok(BinaryCache::query_complete_paths(self, paths).await?) })
     }
 
+    fn begin_push<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, (BTreeSet<StorePath>, Option<String>)> {
+        Box::pin(async move { Ok(BinaryCache::begin_push(self, paths).await?) })
+    }
+
+    fn end_push<'a>(&'a self, token: String) -> StoreFuture<'a, ()> {
+        Box::pin(async move { Ok(BinaryCache::end_push(self, &token).await?) })
+    }
+
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {
         Box::pin(async move { Ok(self.narinfo_of_hash_part(hash_part).await?.map(|info| info.path)) })
     }

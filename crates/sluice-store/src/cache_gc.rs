@@ -1,28 +1,33 @@
 //! Garbage collection of a binary cache (`sluice store gc`; Nix has none). A `file://` or S3
 //! cache is listed; the closures of the paths to keep, of every narinfo written less than
-//! `keep_newer_than` ago (a push in progress) and, with a size limit, of the newest other
-//! narinfos while their NAR files fit, are kept; the rest is deleted in an order that leaves
-//! the cache consistent at every moment, and so after a collection killed at any point:
+//! `keep_newer_than` ago and, with a size limit, of the newest other narinfos while their NAR
+//! files fit, are kept; then, behind the fence of `sluice_binary_cache::fence` (the
+//! collection's `.running` file written, then the pushes' files read), the closures of the
+//! pushes in progress and of the narinfos written since the listing (pushes that ended
+//! meanwhile) are kept too. The rest is deleted in an order that leaves the cache consistent
+//! at every moment, and so after a collection killed at any point:
 //!
 //! 1. narinfos, referrers before references: a narinfo is deleted only once every narinfo
 //!    that refers to it was (the paths kept are closed under references, so none of them
-//!    refers to one deleted); those that wait for none go at once;
-//! 2. the cache is listed again, and the narinfos written since (a push racing the
-//!    collection) are read: a narinfo deleted that one of them refers to (the push found it
-//!    there before it went) is written back, with its references;
-//! 3. NAR files and `<hash>.ls` listings that no narinfo left names, and that are older than
-//!    `keep_newer_than` (a push uploads a NAR before its narinfo).
+//!    refers to one deleted); those that wait for none go at once. No push publishes a
+//!    narinfo referring to one of them meanwhile: one that began before the fence is kept
+//!    with its closure, one that begins after waits for the collection to end;
+//! 2. unless a push is in progress (it may publish a narinfo naming a NAR file it found or
+//!    uploaded before), NAR files and `<hash>.ls` listings that no narinfo names, and that are
+//!    older than `keep_newer_than` (a writer other than sluice uploads a NAR before its
+//!    narinfo).
 //!
-//! A narinfo that does not parse names nothing, and goes unless it is new or kept. What no
-//! listing can see is a push that writes a narinfo referring to one deleted after the second
-//! listing: a push in progress while a cache is collected must be one that checks its
-//! references again before it publishes.
+//! A narinfo that does not parse names nothing, and goes unless it is new or kept. Writers
+//! other than sluice (`nix copy`) know no fence: `keep_newer_than` is what protects what they
+//! write, and a narinfo they publish referring to an old path that the collection deletes in
+//! the same moment can be left incomplete.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use futures::stream::{self, StreamExt};
+use sluice_binary_cache::fence::Collection;
 use sluice_binary_cache::objects::Object;
 use sluice_binary_cache::{BinaryCache, CacheError};
 use sluice_nix::narinfo::NarInfo;
@@ -54,9 +59,8 @@ pub struct GcReport {
     pub deleted: Vec<String>,
     /// Bytes of the files deleted.
     pub freed: u64,
-    /// Narinfos deleted and written back, because a narinfo written meanwhile (a push)
-    /// refers to them.
-    pub restored: usize,
+    /// Whether a push was in progress (its closure was kept, and no NAR file was deleted).
+    pub pushes_in_progress: bool,
     /// Requests made to the cache (listing pages count one each on S3).
     pub requests: usize,
 }
@@ -76,7 +80,7 @@ pub async fn collect(cache: &BinaryCache, opts: &GcOptions) -> Result<GcReport, 
     let objects = cache.list_objects().await?;
     requests.fetch_add(1, Ordering::Relaxed);
     let sizes: HashMap<&str, u64> = objects.iter().map(|o| (o.name.as_str(), o.size)).collect();
-    let entries = read_narinfos(cache, narinfos_of(&objects), &requests).await?;
+    let mut entries = read_narinfos(cache, narinfos_of(&objects), &requests).await?;
 
     // The paths kept: roots, then their closures.
     let mut live: BTreeSet<String> = BTreeSet::new();
@@ -103,6 +107,28 @@ pub async fn collect(cache: &BinaryCache, opts: &GcOptions) -> Result<GcReport, 
             }
         }
     }
+    // The fence (`sluice_binary_cache::fence`): a push that begins from now on waits for this
+    // collection; the closures of those in progress are kept, and narinfos written since the
+    // listing (pushes that ended meanwhile) keep theirs.
+    let mut fence = match opts.dry_run {
+        true => None,
+        false => Some(Collection::begin(cache).await?),
+    };
+    let pushes = cache.pushes_in_progress().await?;
+    requests.fetch_add(usize::from(fence.is_some()) + pushes.requests, Ordering::Relaxed);
+    let pushing = pushes.closures;
+    for hash in pushing.iter().flatten() {
+        add_closure(&entries, hash, &mut live);
+    }
+    let again = cache.list_objects().await?;
+    requests.fetch_add(1, Ordering::Relaxed);
+    let rewritten = narinfos_of(&again).into_iter().filter(|o| entries.get(hash_of(&o.name)).is_none_or(|e| e.modified != o.modified));
+    let added = read_narinfos(cache, rewritten.collect(), &requests).await?;
+    let added_hashes: Vec<String> = added.keys().cloned().collect();
+    entries.extend(added);
+    for hash in &added_hashes {
+        add_closure(&entries, hash, &mut live);
+    }
     let mut report = GcReport { kept: live.len(), kept_bytes: nar_bytes(&entries, &live, &sizes), ..GcReport::default() };
 
     // 1. Narinfos, referrers first.
@@ -116,6 +142,9 @@ pub async fn collect(cache: &BinaryCache, opts: &GcOptions) -> Result<GcReport, 
         }
     }
     while !waiting.is_empty() {
+        if let Some(fence) = &mut fence {
+            requests.fetch_add(fence.keep_alive(cache).await?, Ordering::Relaxed);
+        }
         let mut level: Vec<&String> = waiting.iter().filter(|(_, n)| **n == 0).map(|(h, _)| *h).collect();
         if level.is_empty() {
             // A cycle of narinfos (no store path can make one): deleted together.
@@ -135,49 +164,38 @@ pub async fn collect(cache: &BinaryCache, opts: &GcOptions) -> Result<GcReport, 
         }
     }
 
-    // 2. Narinfos written meanwhile: the narinfos deleted that they refer to are written
-    //    back (references first), and the files they name are kept.
-    let now = cache.list_objects().await?;
-    requests.fetch_add(1, Ordering::Relaxed);
-    let added: Vec<&Object> = narinfos_of(&now).into_iter().filter(|o| !entries.contains_key(hash_of(&o.name))).collect();
-    let added = read_narinfos(cache, added, &requests).await?;
-    let mut restore: BTreeSet<&str> = BTreeSet::new();
-    let mut stack: Vec<&str> = added.values().flat_map(references).collect();
-    while let Some(hash) = stack.pop() {
-        if let Some(entry) = entries.get(hash).filter(|_| !opts.dry_run && !live.contains(hash)) {
-            if restore.insert(hash) {
-                stack.extend(references(entry));
-            }
+    // 2. Files no narinfo names, unless a push is in progress (it may be about to publish a
+    //    narinfo naming a NAR file it found there, or uploaded before the listing).
+    if pushing.is_none() {
+        let now = cache.list_objects().await?;
+        requests.fetch_add(1, Ordering::Relaxed);
+        let unknown: Vec<&Object> = narinfos_of(&now).into_iter().filter(|o| !entries.contains_key(hash_of(&o.name))).collect();
+        let unknown = read_narinfos(cache, unknown, &requests).await?;
+        let mut named: BTreeSet<String> = BTreeSet::new();
+        let mut described: BTreeSet<&str> = BTreeSet::new();
+        let kept = entries.iter().filter(|(h, _)| live.contains(*h));
+        for (hash, entry) in kept.chain(unknown.iter()) {
+            named.extend(entry.narinfo.as_ref().map(|n| n.url.clone()));
+            described.insert(hash.as_str());
         }
+        let unnamed: Vec<&Object> = now
+            .iter()
+            .filter(|o| o.modified < new_since)
+            .filter(|o| match o.name.strip_suffix(".ls") {
+                Some(hash) => is_hash_part(hash) && !described.contains(hash),
+                None => o.name.starts_with("nar/") && !named.contains(&o.name),
+            })
+            .collect();
+        let names: Vec<String> = unnamed.iter().map(|o| o.name.clone()).collect();
+        delete_all(cache, &names, opts.dry_run, &requests).await?;
+        report.freed += unnamed.iter().map(|o| o.size).sum::<u64>();
+        report.deleted.extend(names);
     }
-    for name in report.deleted.iter().rev().filter(|n| restore.contains(hash_of(n))) {
-        if let Some(narinfo) = &entries[hash_of(name)].narinfo {
-            requests.fetch_add(1, Ordering::Relaxed);
-            cache.write_narinfo(narinfo).await?;
-        }
+    report.pushes_in_progress = pushing.is_some();
+    if let Some(fence) = fence {
+        delete_all(cache, &pushes.killed, false, &requests).await?;
+        requests.fetch_add(fence.end(cache).await?, Ordering::Relaxed);
     }
-    report.restored = restore.len();
-    let mut named: BTreeSet<String> = BTreeSet::new();
-    let mut described: BTreeSet<&str> = BTreeSet::new();
-    let kept = entries.iter().filter(|(h, _)| live.contains(*h) || restore.contains(h.as_str()));
-    for (hash, entry) in kept.chain(added.iter()) {
-        named.extend(entry.narinfo.as_ref().map(|n| n.url.clone()));
-        described.insert(hash.as_str());
-    }
-
-    // 3. Files no narinfo names.
-    let unnamed: Vec<&Object> = now
-        .iter()
-        .filter(|o| o.modified < new_since)
-        .filter(|o| match o.name.strip_suffix(".ls") {
-            Some(hash) => is_hash_part(hash) && !described.contains(hash),
-            None => o.name.starts_with("nar/") && !named.contains(&o.name),
-        })
-        .collect();
-    let names: Vec<String> = unnamed.iter().map(|o| o.name.clone()).collect();
-    delete_all(cache, &names, opts.dry_run, &requests).await?;
-    report.freed += unnamed.iter().map(|o| o.size).sum::<u64>();
-    report.deleted.extend(names);
     report.requests = requests.into_inner();
     Ok(report)
 }

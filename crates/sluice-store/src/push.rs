@@ -71,7 +71,7 @@ type Done = Shared<futures::future::BoxFuture<'static, Result<(), String>>>;
 pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[StorePath]) -> Result<PushReport, StoreError> {
     let infos = src.closure_infos(roots).await?;
     let all: Vec<StorePath> = infos.keys().cloned().collect();
-    let present = dst.query_complete_paths(&all).await?;
+    let (present, push) = dst.begin_push(&all).await?;
     let mut missing: Vec<&ValidPathInfo> = infos.values().filter(|i| !present.contains(&i.path)).collect();
     missing.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path)));
     let mut report = PushReport { already_valid: present.len(), ..Default::default() };
@@ -149,19 +149,24 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             (info.path, info.nar_size, outcome)
         }));
     }
+    let mut joined = Ok(());
     for task in tasks {
-        let (path, size, outcome) = task.await.map_err(|e| StoreError::Other(format!("copy task: {e}")))?;
-        match outcome {
-            Ok(()) => {
+        match task.await {
+            Ok((path, size, Ok(()))) => {
                 report.copied.push(path);
                 report.nar_bytes += size;
             }
-            Err(reason) => {
+            Ok((path, _, Err(reason))) => {
                 report.failed.insert(path, reason);
             }
+            Err(e) => joined = Err(StoreError::Other(format!("copy task: {e}"))),
         }
     }
-    Ok(report)
+    // Every narinfo was answered (or will never be written): the push's fence comes down.
+    if let Some(push) = push {
+        dst.end_push(push).await?;
+    }
+    joined.map(|()| report)
 }
 
 /// A NAR reader holding one of the destination's transfer slots until the NAR has been read

@@ -113,6 +113,20 @@ pub trait Store: Send + Sync {
         self.query_valid_paths(paths)
     }
 
+    /// [`query_complete_paths`](Self::query_complete_paths) for a copy into this store that
+    /// is about to begin, and a token for [`end_push`](Self::end_push): a binary cache that a
+    /// collection may be deleting from keeps the two apart (`sluice_binary_cache::fence`), so
+    /// that none of the paths answered goes while the copy publishes paths referring to them.
+    fn begin_push<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, (BTreeSet<StorePath>, Option<String>)> {
+        Box::pin(async move { Ok((self.query_complete_paths(paths).await?, None)) })
+    }
+
+    /// Ends the copy [`begin_push`](Self::begin_push) began, once its last path was added.
+    fn end_push<'a>(&'a self, token: String) -> StoreFuture<'a, ()> {
+        let _ = token;
+        Box::pin(async move { Ok(()) })
+    }
+
     /// The valid path whose hash part is `hash_part` (32 nixbase32 characters; Nix's
     /// `queryPathFromHashPart`), `None` when there is none or `hash_part` is malformed.
     fn query_path_from_hash_part<'a>(&'a self, hash_part: &'a str) -> StoreFuture<'a, Option<StorePath>> {

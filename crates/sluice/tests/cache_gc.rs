@@ -190,3 +190,107 @@ fn a_gc_and_a_push_racing_leave_a_consistent_cache() {
     let hash = |p: &str| p.trim_start_matches("/nix/store/")[..32].to_string();
     assert!(closure(&infos, &hash(&b)).contains(&hash(&b)), "the push's paths were collected");
 }
+
+/// A narinfo of `dir` that is there while a reference's narinfo or its NAR is not, looked at
+/// twice (the referrer is read again after its reference was found missing: a collection
+/// deletes referrers first, so one seen before it went is no fault); narinfos still being
+/// written (not ending in a newline) are passed over.
+fn broken_now(dir: &Path) -> Option<String> {
+    let names: Vec<String> = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    for name in names.iter().filter(|n| n.ends_with(".narinfo")) {
+        let Ok(text) = std::fs::read_to_string(dir.join(name)) else { continue };
+        if !text.ends_with('\n') {
+            continue;
+        }
+        let field = |f: &str| text.lines().find_map(|l| l.strip_prefix(f)).unwrap_or("").to_string();
+        let mut wanted: Vec<String> = field("References: ").split_whitespace().map(|r| format!("{}.narinfo", &r[..32])).collect();
+        wanted.push(field("URL: "));
+        for missing in wanted.iter().filter(|w| !dir.join(w).exists()) {
+            if dir.join(name).exists() && !dir.join(missing).exists() {
+                return Some(format!("{name} is there, {missing} is not"));
+            }
+        }
+    }
+    None
+}
+
+/// A corpus path with a closure of 50 to 300 paths, and the corpus's cache without that
+/// path's narinfo and its referrers': a push of it skips all but one path, and publishes a
+/// narinfo referring to them.
+fn cache_lacking_a_top(dir: &Path) -> String {
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    copy_dir(&corpus().join("cache-xz"), dir);
+    let all = narinfos(dir);
+    let (hash, top) = all
+        .iter()
+        .map(|(h, i)| (h, &i.0, closure(&all, h).len()))
+        .filter(|(_, _, n)| (50..=300).contains(n))
+        .max_by_key(|(h, _, n)| (*n, (*h).clone()))
+        .map(|(h, p, _)| (h.clone(), p.clone()))
+        .unwrap();
+    for referrer in all.keys().filter(|h| closure(&all, h).contains(&hash)) {
+        std::fs::remove_file(dir.join(format!("{referrer}.narinfo"))).unwrap();
+    }
+    age(dir);
+    top
+}
+
+/// A push and a collection that keeps nothing (`--keep-newer-than 0s`) started together, at
+/// staggered offsets, again and again, into a `file://` cache and an s3s-fs bucket: while both
+/// run, the cache is consistent whenever it is looked at (a watcher reads it without pause),
+/// the push succeeds, the cache ends consistent, and real Nix 2.8 copies the pushed closure
+/// whenever its root is still there. Without the fence, the collection deleted paths the push
+/// had found there, under the narinfo the push then published.
+#[test]
+fn a_gc_and_a_push_racing_leave_a_consistent_cache_at_every_moment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let from = format!("file://{}", corpus().join("cache-xz").display());
+    let mut copied = 0;
+    for round in 0..12 {
+        let s3 = round % 2 == 1;
+        let dir = tmp.path().join(format!("s3-{round}"));
+        let cache = dir.join("bucket");
+        let top = cache_lacking_a_top(&cache);
+        let server = s3.then(|| S3Server::start(&dir, false));
+        let url = match &server {
+            Some(server) => format!("s3://bucket?endpoint=http://127.0.0.1:{}&region=eu-west-1", server.port),
+            None => format!("file://{}", cache.display()),
+        };
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (push, gc, broken) = std::thread::scope(|scope| {
+            let watcher = scope.spawn(|| {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Some(fault) = broken_now(&cache) {
+                        return Some(fault);
+                    }
+                }
+                None
+            });
+            let mut push = Command::new(env!("CARGO_BIN_EXE_sluice"));
+            isolate(&mut push, tmp.path(), "");
+            let push = push.args(["copy", "--from", &from, "--to", &url, &top]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(15 * (round / 2) as u64));
+            let gc = sluice(tmp.path(), &["store", "gc", "--store", &url, "--keep-newer-than", "0s"]);
+            let push = push.wait_with_output().unwrap();
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            (push, gc, watcher.join().unwrap())
+        });
+        check(&push, &format!("round {round}: the push"));
+        check(&gc, &format!("round {round}: the gc"));
+        assert_eq!(broken, None, "round {round} ({url}): the cache was inconsistent while the push and the gc ran\n{}", stderr(&gc));
+        assert_consistent(&cache, false);
+        let hash = |p: &str| p.trim_start_matches("/nix/store/")[..32].to_string();
+        if cache.join(format!("{}.narinfo", hash(&top))).exists() {
+            let store = tmp.path().join(format!("nix-copied-{round}"));
+            let files = format!("file://{}", cache.display());
+            let o = nix(
+                tmp.path(),
+                "nix",
+                &["copy", "--from", &files, "--to", store.to_str().unwrap(), "--option", "trusted-public-keys", &corpus_key(), &top],
+            );
+            check(&o, &format!("round {round}: nix copy of the pushed closure"));
+            copied += 1;
+        }
+    }
+    assert!(copied > 0, "no round left the pushed closure for Nix to copy");
+}

@@ -309,3 +309,50 @@ fn signing_a_cache_with_a_new_key_lets_nix_trust_it() {
     // The old signatures are kept.
     check(&verify(tmp.path(), &url, &["--all"]), "verify with the corpus key");
 }
+
+/// `--all --check-contents` of a local store makes, per node of the trees it hashes, the
+/// system calls Nix's `dumpPath` makes and no more: one `openat` per directory and file (no
+/// second open of each directory to read it, with the `fcntl` that goes with it), no `fstat`
+/// of an opened file (its `lstat` said its size), and the registrations read in one
+/// transaction, not with two locking queries per path. Counted with `strace -f -c`.
+#[test]
+fn a_local_verify_opens_each_node_once_and_locks_the_database_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let cache = format!("file://{}", corpus().join("cache-xz").display());
+    check(&copy_with(tmp.path(), &store, &cache, &corpus_key(), &[], &[TOP]), "filling the store");
+    let (mut dirs, mut files, mut paths) = (0, 0, 0);
+    for entry in std::fs::read_dir(store.join("nix/store")).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        paths += 1;
+        let o = std::process::Command::new("find")
+            .arg(entry.path())
+            .args(["-type", "d", "-printf", "d\n", "-o", "-type", "f", "-printf", "f\n"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8(o.stdout).unwrap();
+        dirs += text.lines().filter(|l| *l == "d").count();
+        files += text.lines().filter(|l| *l == "f").count();
+    }
+    assert!(paths > 1000 && dirs > 1000, "{paths} paths, {dirs} directories");
+    let trace = tmp.path().join("strace");
+    let mut cmd = std::process::Command::new("strace");
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["-f", "-o", trace.to_str().unwrap(), "-e", "trace=openat,fcntl,statx,fstat", env!("CARGO_BIN_EXE_sluice")]);
+    let o = cmd
+        .args(["store", "verify", "--store", store.to_str().unwrap(), "--all", "--check-contents"])
+        .output()
+        .expect("strace runs (CI installs it)");
+    check(&o, "verify --all --check-contents under strace");
+    let trace = std::fs::read_to_string(&trace).unwrap();
+    // Calls, not their resumptions; a debug build's descriptor checks (F_GETFD) are no locks.
+    let calls = |what: &str| trace.lines().filter(|l| l.contains(what) && !l.contains("resumed>")).count();
+    let (opens, fcntls, fstats) = (calls(" openat("), calls("F_SETLK"), calls(" statx(") + calls(" fstat("));
+    let table = format!("{opens} openat, {fcntls} fcntl locks, {fstats} fstat");
+    assert!(opens >= dirs + files && opens <= dirs + files + 200, "{opens} openat for {dirs} directories and {files} files\n{table}");
+    assert!(fcntls <= 200, "{fcntls} fcntl locks for {paths} paths\n{table}");
+    assert!(fstats <= 200, "{fstats} fstat/statx for {files} files\n{table}");
+}
