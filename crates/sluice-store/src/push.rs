@@ -129,7 +129,9 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
             let shown = dst.store_dir().display_path(&info.path);
             let mut gate = Some(gate);
             let outcome = loop {
-                let permit = slots.clone().acquire_owned().await.expect("semaphore never closed");
+                let Ok(permit) = slots.clone().acquire_owned().await else {
+                    break Err(Failure::other(format!("{shown}: the push's slots were closed")));
+                };
                 let nar = match src.nar_from_path(&info).await {
                     Err(e) => break Err(Failure::copy(&shown, src.url(), &e)),
                     Ok(nar) => Box::new(SlotReader { inner: nar, permit: Some(permit) }) as NarReader,
