@@ -301,3 +301,28 @@ fn a_pull_pipelines_its_nars() {
     let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
     assert!(trips < 16.0, "the pull took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
 }
+
+/// A pull registers its paths as the substitution pipeline does: handed to one registrar in
+/// dependency order and committed in a few batches (each one transaction and one flush), not
+/// one commit per path; real Nix finds the closure whole and valid.
+#[test]
+fn a_pull_registers_its_paths_in_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root), "push");
+    let back = tmp.join("back");
+    let mut cmd = over_ssh(tmp, &sshd, &sluice_bin());
+    cmd.env("SLUICE_LOG", "sluice_store::registrar=debug");
+    let o = cmd.args(["copy", "--from", &url, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]).output().unwrap();
+    check(&o, "pull");
+    assert_holds(tmp, &back, &root, &paths);
+    let batches: Vec<usize> = stderr(&o)
+        .lines()
+        .filter_map(|l| l.split("registering ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(batches.iter().sum::<usize>(), paths.len(), "{}", stderr(&o));
+    assert!(batches.len() <= paths.len() / 3, "{} batches: {batches:?}", batches.len());
+}
