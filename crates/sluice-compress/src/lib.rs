@@ -14,6 +14,7 @@ pub mod encoder_memory;
 mod xz_streams;
 pub(crate) mod zstd_frames;
 mod zstd_stream;
+pub mod zstd_channel;
 
 use std::io::{BufReader, Read, Write};
 
