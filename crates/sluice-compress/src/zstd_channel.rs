@@ -133,19 +133,21 @@ impl<R: Read> Read for ZstdChannelReader<R> {
             None => self.decoder.insert(Decoder::new().map_err(|e| zstd_err("starting", e))?),
         };
         loop {
-            if self.pos == self.end {
-                let n = self.inner.read(&mut self.buf)?;
-                if n == 0 {
-                    return Ok(0);
-                }
-                (self.pos, self.end) = (0, n);
-            }
+            // What zstd holds decoded comes out first: with all the input consumed, a read of
+            // more would wait for bytes the far end may never send before its answer.
             let mut input = InBuffer::around(&self.buf[self.pos..self.end]);
             let mut output = OutBuffer::around(&mut *out);
             decoder.run(&mut input, &mut output).map_err(|e| zstd_err("reading", e))?;
             self.pos += input.pos();
             if output.pos() > 0 {
                 return Ok(output.pos());
+            }
+            if self.pos == self.end {
+                let n = self.inner.read(&mut self.buf)?;
+                if n == 0 {
+                    return Ok(0);
+                }
+                (self.pos, self.end) = (0, n);
             }
         }
     }
@@ -184,5 +186,31 @@ mod tests {
         r.read_to_end(&mut all).unwrap();
         assert_eq!(all.len(), data.len() + 4);
         assert_eq!(&all[data.len()..], b"tail");
+    }
+
+    /// A write decoded into more than the reader's buffer holds is read whole from what has
+    /// arrived, without waiting for more input (which a peer waiting for its answer never
+    /// sends): the input below ends where the write's bytes end, and reading past them fails.
+    #[test]
+    fn decoded_bytes_zstd_holds_are_read_before_more_input() {
+        let mut w = ZstdChannelWriter::new(Vec::new(), Switch::on_now());
+        let data = vec![7u8; 1 << 20];
+        w.write_all(&data).unwrap();
+        let mut wire = std::io::Cursor::new(w.inner).chain(FailingRead);
+        let mut r = ZstdChannelReader::new(&mut wire, Switch::on_now());
+        let mut back = vec![0u8; data.len()];
+        for chunk in back.chunks_mut(4096) {
+            r.read_exact(chunk).unwrap();
+        }
+        assert_eq!(back, data);
+    }
+
+    /// Input that must not be read: a read waiting for the far end.
+    struct FailingRead;
+
+    impl Read for FailingRead {
+        fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+            Err(io::Error::other("read past what the far end sent"))
+        }
     }
 }
