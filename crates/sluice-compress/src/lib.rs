@@ -12,6 +12,7 @@
 
 pub mod encoder_memory;
 mod xz_streams;
+pub mod zstd_channel;
 pub(crate) mod zstd_frames;
 mod zstd_stream;
 

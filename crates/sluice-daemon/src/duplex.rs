@@ -22,6 +22,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use rustix::net::sockopt::{set_socket_timeout, Timeout};
+use sluice_compress::zstd_channel::{Switch, ZstdChannelReader, ZstdChannelWriter};
 
 /// Output is sent once this many bytes wait (bytes).
 pub(crate) const OUTPUT_CAPACITY: usize = 64 * 1024;
@@ -56,6 +57,9 @@ struct Shared {
     socket: Option<OwnedFd>,
     /// Whether reads and writes wait at most [`LEASE_IDLE`] (`SO_RCVTIMEO`, `SO_SNDTIMEO`).
     timed: bool,
+    /// Once the connection is compressed ([`Input::compress`]): what compresses the output
+    /// before it is sent.
+    zstd: Option<ZstdChannelWriter<Vec<u8>>>,
 }
 
 impl Shared {
@@ -69,9 +73,22 @@ impl Shared {
         sent
     }
 
+    /// Writes all of `data` to the sink (compressed, once the connection is) and flushes it.
+    fn write_through(&mut self, data: &[u8]) -> io::Result<()> {
+        let Some(zstd) = &mut self.zstd else { return self.write_plain(data) };
+        zstd.write_all(data)?;
+        let packed = std::mem::take(zstd.get_mut());
+        let sent = self.write_plain(&packed);
+        if let Some(zstd) = &mut self.zstd {
+            *zstd.get_mut() = packed;
+            zstd.get_mut().clear();
+        }
+        sent
+    }
+
     /// Writes all of `data` to the sink and flushes it. A write that waited [`LEASE_IDLE`]
     /// gives the lease up and goes on without a deadline.
-    fn write_through(&mut self, mut data: &[u8]) -> io::Result<()> {
+    fn write_plain(&mut self, mut data: &[u8]) -> io::Result<()> {
         if !self.timed_for_lease() {
             self.release();
         }
@@ -138,16 +155,19 @@ pub(crate) struct Output(Rc<RefCell<Shared>>);
 
 /// The reading side: before each read from the client, sends pending output.
 pub(crate) struct Input {
-    source: Box<dyn ClientInput>,
+    source: ZstdChannelReader<Box<dyn ClientInput>>,
+    /// Whether `source` is decoded as zstd.
+    zstd: Switch,
     shared: Rc<RefCell<Shared>>,
 }
 
 /// Couples `source` and `sink` (the two directions of one client connection).
 pub(crate) fn duplex(source: Box<dyn ClientInput>, sink: Box<dyn Write + Send>) -> (Input, Output) {
     let socket = source.as_fd().try_clone_to_owned().ok();
-    let shared = Shared { pending: Vec::with_capacity(OUTPUT_CAPACITY), sink, lease: None, socket, timed: false };
+    let shared = Shared { pending: Vec::with_capacity(OUTPUT_CAPACITY), sink, lease: None, socket, timed: false, zstd: None };
     let shared = Rc::new(RefCell::new(shared));
-    (Input { source, shared: Rc::clone(&shared) }, Output(shared))
+    let zstd = Switch::default();
+    (Input { source: ZstdChannelReader::new(source, zstd.clone()), zstd, shared: Rc::clone(&shared) }, Output(shared))
 }
 
 impl Write for Output {
@@ -176,6 +196,16 @@ impl Input {
     /// none).
     pub(crate) fn clear_read_timeout(&mut self) -> io::Result<()> {
         self.shared.borrow_mut().set_timeouts(None).map(|_| ())
+    }
+
+    /// From now on, both directions are zstd streams (the [`SLUICE_ZSTD`] feature: see
+    /// `sluice_compress::zstd_channel`). Called with nothing pending either way: right after the
+    /// greeting, which the client answers only with a request.
+    ///
+    /// [`SLUICE_ZSTD`]: sluice_nix::wire::features::SLUICE_ZSTD
+    pub(crate) fn compress(&mut self) {
+        self.zstd.on();
+        self.shared.borrow_mut().zstd = Some(ZstdChannelWriter::new(Vec::new(), Switch::on_now()));
     }
 
     /// Keeps `lease` while the client keeps up (see the module documentation).

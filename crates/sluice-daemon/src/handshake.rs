@@ -12,7 +12,7 @@ use sluice_nix::wire::{
     WORKER_MAGIC_2,
 };
 
-use crate::{FEATURES, MIN_CLIENT_VERSION, NIX_VERSION, PROTOCOL_VERSION};
+use crate::{MIN_CLIENT_VERSION, NIX_VERSION, PROTOCOL_VERSION};
 
 /// A completed greeting.
 #[derive(Debug, Clone)]
@@ -41,8 +41,9 @@ pub(crate) enum HandshakeError {
 }
 
 /// Runs the greeting up to (not including) the startup `LAST`, which the caller sends once it
-/// has decided whether the peer may use the daemon. `trusted` is reported to clients ≥ 1.35.
-pub(crate) fn greet(r: &mut impl Read, w: &mut impl Write, trusted: bool) -> Result<Greeting, HandshakeError> {
+/// has decided whether the peer may use the daemon. `trusted` is reported to clients ≥ 1.35;
+/// `offered`: the daemon's features.
+pub(crate) fn greet(r: &mut impl Read, w: &mut impl Write, trusted: bool, offered: &[&str]) -> Result<Greeting, HandshakeError> {
     let magic = read_u64(r, "client magic")?;
     if magic != WORKER_MAGIC_1 {
         return Err(HandshakeError::BadMagic(magic));
@@ -57,8 +58,8 @@ pub(crate) fn greet(r: &mut impl Read, w: &mut impl Write, trusted: bool) -> Res
     // The client sends its features and waits for the daemon's before it goes on.
     let mut features = FeatureSet::new();
     if version >= FEATURES_VERSION {
-        features = negotiated(FEATURES, &read_features(r, "client features")?);
-        write_features(w, &feature_set(FEATURES))?;
+        features = negotiated(offered, &read_features(r, "client features")?);
+        write_features(w, &feature_set(offered))?;
         w.flush()?;
     }
     let mut cpu = None;
@@ -120,7 +121,7 @@ mod tests {
     fn a_newer_client_negotiates_1_38_and_the_common_features() {
         let sent = client(ProtocolVersion::new(1, 123), &["aap", "queryPathInfos", "xyzzy"]);
         let mut answer = Vec::new();
-        let g = greet(&mut sent.as_slice(), &mut answer, true).unwrap();
+        let g = greet(&mut sent.as_slice(), &mut answer, true, crate::FEATURES).unwrap();
         assert_eq!((g.version, g.cpu), (ProtocolVersion::new(1, 38), None));
         assert_eq!(g.features, feature_set(&["queryPathInfos"]));
         let r = &mut answer.as_slice();
@@ -138,7 +139,7 @@ mod tests {
     fn a_1_37_client_exchanges_no_features() {
         let sent = client(ProtocolVersion::new(1, 37), &[]);
         let mut answer = Vec::new();
-        let g = greet(&mut sent.as_slice(), &mut answer, false).unwrap();
+        let g = greet(&mut sent.as_slice(), &mut answer, false, crate::FEATURES).unwrap();
         assert_eq!(g.version, ProtocolVersion::new(1, 37));
         assert!(g.features.is_empty());
         let mut expected = Vec::new();

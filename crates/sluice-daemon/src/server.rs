@@ -21,6 +21,7 @@ use crate::limits::Limits;
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::{ClientCpu, Daemon, DaemonError};
+use sluice_nix::wire::features::SLUICE_ZSTD;
 
 /// How long a socket client may take to send its magic number and protocol version (Nix's
 /// client sends them at once); one that has not is disconnected, so that idle connections
@@ -102,7 +103,7 @@ pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixLis
         let label = format!("connection {n} ({})", peer.name);
         let spawned = std::thread::Builder::new().name(format!("sluice-worker-{n}")).spawn(move || {
             let _admitted = admitted;
-            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some((pid, uid)), &label);
+            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some((pid, uid)), &label, crate::FEATURES);
         });
         if let Err(e) = spawned {
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
@@ -110,15 +111,18 @@ pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixLis
     }
 }
 
-/// Serves one client on standard input and output, then returns.
+/// Serves one client on standard input and output, then returns. With a client that offers
+/// it too (sluice's `ssh-ng://`), the connection is compressed ([`SLUICE_ZSTD`]).
 pub fn serve_stdio(daemon: Arc<Daemon>) -> Result<(), DaemonError> {
     let peer = Peer { name: "stdio client".into(), trusted: true, allowed: true };
-    serve_connection(&daemon, Box::new(std::io::stdin()), Box::new(std::io::stdout()), peer, None, "stdio");
+    let features: Vec<&str> = crate::FEATURES.iter().copied().chain([SLUICE_ZSTD]).collect();
+    serve_connection(&daemon, Box::new(std::io::stdin()), Box::new(std::io::stdout()), peer, None, "stdio", &features);
     Ok(())
 }
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
-/// connection in the daemon's log; `client` is the peer process and its uid, if known.
+/// connection in the daemon's log; `client` is the peer process and its uid, if known;
+/// `features`: the daemon's.
 fn serve_connection(
     daemon: &Daemon,
     reader: Box<dyn ClientInput>,
@@ -126,10 +130,11 @@ fn serve_connection(
     peer: Peer,
     client: Option<(i32, u32)>,
     label: &str,
+    features: &[&str],
 ) {
     let (input, mut w) = duplex(reader, writer);
     let mut r = BufReader::with_capacity(64 * 1024, input);
-    let greeting = match greet(&mut r, &mut w, peer.trusted) {
+    let greeting = match greet(&mut r, &mut w, peer.trusted, features) {
         Ok(g) => g,
         Err(HandshakeError::BadMagic(m)) => {
             tracing::warn!("{label}: error: protocol mismatch (client sent {m:#x}); connection closed");
@@ -180,6 +185,9 @@ fn serve_connection(
     if let Err(e) = conn.stderr().last(&mut conn.w).and_then(|()| conn.w.flush()) {
         tracing::debug!("{label}: client gone: {e}");
         return;
+    }
+    if greeting.features.contains(SLUICE_ZSTD) {
+        conn.r.get_mut().compress();
     }
     let mut ops = 0u64;
     loop {

@@ -19,6 +19,7 @@ mod legacy_ssh;
 mod local_handle;
 pub mod push;
 mod reference_cycles;
+mod registrar;
 mod registry;
 pub mod remote;
 pub mod ssh;

@@ -1,18 +1,26 @@
 //! The local store behind the [`Store`] interface: queries run on blocking threads, a NAR is
 //! dumped by the thread that reads it, as it reads (or straight into the caller's writer by
 //! [`Store::dump_nar`]), and additions pass the
-//! one verification boundary ([`LocalStore::begin_add`] → [`PendingPath::unpack`] → after the
-//! publish gate, [`PendingPath::commit`] under the store's signature policy).
+//! one verification boundary ([`LocalStore::begin_add`] → [`PendingPath::unpack`] → the
+//! registrar's [`LocalStore::commit_all`] under the store's signature policy).
+//!
+//! Additions are registered as the substitution pipeline registers substituted paths: each
+//! unpacked path is handed to the handle's [`Registrar`] as soon as each of its references is
+//! valid or was handed to it before (or its publish gate opens), and the registrar commits what
+//! it was handed in batches, in order, one transaction and one flush per batch: a closure
+//! pulled from a daemon or an SSH store is registered in a few batches, not one commit per path.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
+use crate::registrar::Registrar;
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
-use sluice_local_store::{LocalStore, NarDump, PendingPath, SignaturePolicy, TempRoots};
+use sluice_local_store::{LocalStore, NarDump, PendingPath, SignaturePolicy, TempRoots, Uncommitted};
 
 /// NARs unpacked at once into a local store (each on a blocking thread).
 const UNPACK_PARALLELISM: usize = 32;
@@ -24,13 +32,51 @@ pub(crate) struct LocalStoreHandle {
     store: Arc<LocalStore>,
     roots: TempRoots,
     policy: SignaturePolicy,
+    /// Registers the additions, started by the first one (in the runtime).
+    registrar: OnceLock<Registrar>,
+    /// Per path added through the handle: whether it is handed to the registrar (or found
+    /// valid), which its dependents wait for.
+    handed: Mutex<HashMap<StorePath, tokio::sync::watch::Sender<bool>>>,
 }
 
 impl LocalStoreHandle {
     /// A handle on `store` (opened from `url`) adding paths under `policy`.
     pub fn new(url: &str, store: Arc<LocalStore>, policy: SignaturePolicy) -> Self {
         let roots = store.temp_roots();
-        LocalStoreHandle { url: url.to_string(), store, roots, policy }
+        LocalStoreHandle { url: url.to_string(), store, roots, policy, registrar: OnceLock::new(), handed: Mutex::default() }
+    }
+
+    /// Whether `path` was handed to the registrar (or found valid), as a channel to wait on.
+    fn handed(&self, path: &StorePath) -> tokio::sync::watch::Sender<bool> {
+        let mut handed = self.handed.lock().unwrap_or_else(|p| p.into_inner());
+        handed.entry(path.clone()).or_insert_with(|| tokio::sync::watch::channel(false).0).clone()
+    }
+
+    /// Waits until each of `references` (valid ones left out) was handed to the registrar, or
+    /// `publish` opened (then `published` is set: every reference is valid); `publish`'s error
+    /// if it failed first.
+    async fn references_handed(
+        &self,
+        references: Vec<StorePath>,
+        publish: &mut PublishGate,
+        published: &mut bool,
+    ) -> Result<(), StoreError> {
+        let (store, asked) = (self.store.clone(), references.clone());
+        let valid = blocking(&self.url, move || Ok(store.query_valid_paths(&asked)?)).await?;
+        let waits: Vec<_> = references.iter().filter(|r| !valid.contains(*r)).map(|r| self.handed(r).subscribe()).collect();
+        let all = async {
+            for mut handed in waits {
+                let _ = handed.wait_for(|h| *h).await;
+            }
+        };
+        tokio::select! {
+            biased;
+            opened = publish => {
+                *published = true;
+                opened
+            }
+            () = all => Ok(()),
+        }
     }
 }
 
@@ -118,8 +164,13 @@ impl Store for LocalStoreHandle {
         Box::pin(blocking(&self.url, move || Ok(store.dump_path(&path, &mut sink)?)))
     }
 
-    fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()> {
+    /// The NAR is unpacked at once; the path is then handed to the registrar once its
+    /// references allow (see the module doc), and handed to it again, once its publish gate
+    /// opens, if the registrar handed it back (a reference of it was refused meanwhile).
+    fn add_to_store<'a>(&'a self, info: ValidPathInfo, mut nar: NarReader, mut publish: PublishGate) -> StoreFuture<'a, ()> {
         Box::pin(async move {
+            let path = info.path.clone();
+            let references: Vec<StorePath> = info.references.iter().filter(|r| **r != path).cloned().collect();
             let (store, roots) = (self.store.clone(), self.roots.clone());
             let pending: Option<PendingPath> = blocking(&self.url, move || {
                 let Some(mut pending) = store.begin_add(info, &roots)? else { return Ok(None) };
@@ -127,10 +178,33 @@ impl Store for LocalStoreHandle {
                 Ok(Some(pending))
             })
             .await?;
-            let Some(pending) = pending else { return Ok(()) };
-            publish.await?;
-            let policy = self.policy.clone();
-            blocking(&self.url, move || Ok(pending.commit(&policy)?)).await
+            let handed = self.handed(&path);
+            let Some(mut pending) = pending else {
+                handed.send_replace(true);
+                return Ok(());
+            };
+            let mut published = false;
+            self.references_handed(references, &mut publish, &mut published).await?;
+            let registrar = self.registrar.get_or_init(|| Registrar::start(self.store.clone(), self.policy.clone()).0);
+            let stopped = || StoreError::Other(format!("{}: the registrar stopped", self.url));
+            loop {
+                // Marked handed after it is: its dependents are handed after it.
+                let registered = registrar.hand(pending, false).ok_or_else(stopped)?;
+                handed.send_replace(true);
+                let uncommitted = match registered.await.map_err(|_| stopped())? {
+                    Ok(()) => return Ok(()),
+                    Err(uncommitted) => uncommitted,
+                };
+                handed.send_replace(false);
+                match uncommitted {
+                    Uncommitted::Waiting(back, _) if !published => {
+                        published = true;
+                        (&mut publish).await?;
+                        pending = *back;
+                    }
+                    uncommitted => return Err(uncommitted.into_error().into()),
+                }
+            }
         })
     }
 

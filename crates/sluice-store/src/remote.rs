@@ -19,7 +19,7 @@ use std::path::Path;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::features::{
-    feature_set, negotiated, read_features, write_features, FeatureSet, ADD_TEMP_ROOTS, FEATURES_VERSION, QUERY_PATH_INFOS,
+    feature_set, negotiated, read_features, write_features, FeatureSet, ADD_TEMP_ROOTS, FEATURES_VERSION, QUERY_PATH_INFOS, SLUICE_ZSTD,
 };
 use sluice_nix::wire::ops::{
     write_request, AddMultipleToStore, AddTempRoot, AddTempRoots, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults,
@@ -33,6 +33,7 @@ use sluice_nix::wire::{
     WORKER_MAGIC_1, WORKER_MAGIC_2,
 };
 
+use sluice_compress::zstd_channel::{Switch, ZstdChannelReader, ZstdChannelWriter};
 use sluice_nix::path_info::ValidPathInfo;
 
 mod batch;
@@ -132,6 +133,9 @@ pub struct DaemonConnection {
     /// Whether the daemon trusts this client (≥ 1.35; `None` when it does not say).
     trusted: Option<bool>,
     pinned_cpu: Option<usize>,
+    /// The switch of the stream's zstd ([`SLUICE_ZSTD`]), when it is offered (over a stream
+    /// that is not a local socket).
+    zstd: Option<Switch>,
 }
 
 impl DaemonConnection {
@@ -145,19 +149,29 @@ impl DaemonConnection {
         let stream = sluice_local_store::unix_socket::connect(socket).map_err(connect_err)?;
         let reader = stream.try_clone().map_err(connect_err)?;
         let pinned_cpu = if lock_cpu { pin_to_current_cpu() } else { None };
-        Self::greeted(daemon, Box::new(reader), Box::new(stream), pinned_cpu)
+        Self::greeted(daemon, Box::new(reader), Box::new(stream), pinned_cpu, None)
     }
 
     /// Greets the daemon that reads what `writer` writes and answers on `reader` (such as a
     /// `nix-daemon --stdio`'s standard input and output), named `daemon` in errors. No CPU
-    /// hint is sent.
+    /// hint is sent. [`SLUICE_ZSTD`] is offered: with a daemon that offers it too (`sluice
+    /// daemon --stdio`), everything after the greeting travels zstd-compressed.
     pub fn over(daemon: String, reader: DaemonReader, writer: DaemonWriter) -> Result<Self, RemoteError> {
-        Self::greeted(daemon, reader, writer, None)
+        let switch = Switch::default();
+        let reader = Box::new(ZstdChannelReader::new(reader, switch.clone()));
+        let writer = Box::new(ZstdChannelWriter::new(writer, switch.clone()));
+        Self::greeted(daemon, reader, writer, None, Some(switch))
     }
 
     /// The connection over `reader` and `writer`, greeted, having named `pinned_cpu` to the
-    /// daemon.
-    fn greeted(daemon: String, reader: DaemonReader, writer: DaemonWriter, pinned_cpu: Option<usize>) -> Result<Self, RemoteError> {
+    /// daemon, offering [`SLUICE_ZSTD`] with `zstd`, the switch of the channel's compression.
+    fn greeted(
+        daemon: String,
+        reader: DaemonReader,
+        writer: DaemonWriter,
+        pinned_cpu: Option<usize>,
+        zstd: Option<Switch>,
+    ) -> Result<Self, RemoteError> {
         let mut conn = DaemonConnection {
             daemon,
             r: BufReader::with_capacity(64 * 1024, reader),
@@ -168,6 +182,7 @@ impl DaemonConnection {
             daemon_version: None,
             trusted: None,
             pinned_cpu,
+            zstd,
         };
         conn.greet()?;
         Ok(conn)
@@ -579,10 +594,12 @@ impl DaemonConnection {
         self.version = daemon.min(CLIENT_VERSION);
         let io = self.io_err(what);
         write_u64(&mut self.w, CLIENT_VERSION.to_wire()).map_err(&io)?;
+        let mut ours = CLIENT_FEATURES.to_vec();
+        ours.extend(self.zstd.as_ref().map(|_| SLUICE_ZSTD));
         if self.version >= FEATURES_VERSION {
-            write_features(&mut self.w, &feature_set(CLIENT_FEATURES)).and_then(|()| self.w.flush()).map_err(&io)?;
+            write_features(&mut self.w, &feature_set(&ours)).and_then(|()| self.w.flush()).map_err(&io)?;
             let offered = read_features(&mut self.r, "daemon features").map_err(self.wire_err(what))?;
-            self.features = negotiated(CLIENT_FEATURES, &offered);
+            self.features = negotiated(&ours, &offered);
         }
         match self.pinned_cpu {
             Some(cpu) => write_u64(&mut self.w, 1).and_then(|()| write_u64(&mut self.w, cpu as u64)),
@@ -597,7 +614,12 @@ impl DaemonConnection {
         if self.version.at_least(35) {
             self.trusted = read_trusted_flag(&mut self.r, "daemon trusted flag").map_err(self.wire_err(what))?;
         }
-        self.finish_stderr(what)
+        self.finish_stderr(what)?;
+        // The daemon sends nothing more until asked: nothing compressed is buffered yet.
+        if let Some(switch) = self.zstd.as_ref().filter(|_| self.features.contains(SLUICE_ZSTD)) {
+            switch.on();
+        }
+        Ok(())
     }
 
     /// Sends `request` (its operation number and header) and flushes it.

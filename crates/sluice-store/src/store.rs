@@ -192,7 +192,9 @@ pub trait Store: Send + Sync {
     /// Adds `info.path` from its NAR (Nix's `addToStore(info, source)`), checking the NAR
     /// against `info`. Everything that makes the path visible to readers (a narinfo, a
     /// registration) waits for `publish`, and does not happen if it fails; work that does not
-    /// (unpacking, compressing, uploading the NAR) may go ahead.
+    /// (unpacking, compressing, uploading the NAR) may go ahead. A local store registers a path
+    /// as soon as each of its references is registered or queued for registration before it
+    /// (`local_handle.rs`), which is what the gate guards, sooner.
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, publish: PublishGate) -> StoreFuture<'a, ()>;
 
     /// NAR transfers worth running at once against this store.

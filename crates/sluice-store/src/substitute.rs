@@ -49,7 +49,7 @@ use std::sync::{Arc, Mutex};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 
 use crate::closure::{ClosureEvent, ClosureQuery, Substituter};
 use crate::closure_depth::ClosureDepths;
@@ -57,9 +57,10 @@ use crate::failure::{Cause, Failure};
 use crate::fd_budget::{FdBudget, LockPermits};
 use crate::job_queue::JobQueue;
 use crate::reference_cycles::reference_cycles;
+use crate::registrar::Registrar;
 use attempt::Attempt;
 use sluice_binary_cache::narinfo_cache::NarInfoCache;
-use sluice_local_store::{LocalStore, PendingPath, SignaturePolicy, TempRoots, Uncommitted, VouchedInfo};
+use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 
 /// NAR downloads in flight at once unless the caller says otherwise: `sluice copy --jobs` and the
 /// daemon without `max-substitution-jobs` (why 256: docs/benchmarks.md, "Why `copy --jobs`
@@ -194,53 +195,9 @@ struct Shared {
     /// Whether the paths asked for are valid ones being repaired ([`repair_paths`]).
     repair: bool,
     /// Paths ready to be registered (their references are valid or handed to it before).
-    registrar: mpsc::UnboundedSender<Commit>,
+    registrar: Registrar,
     /// The priorities of the paths' unpacking.
     depths: ClosureDepths,
-}
-
-/// A path whose tree is unpacked and whose references are valid or handed to the registrar
-/// before it, waiting for registration.
-struct Commit {
-    pending: PendingPath,
-    /// Whether it came from a `?trusted=true` substituter.
-    trusted: bool,
-    reply: oneshot::Sender<Result<(), Uncommitted>>,
-}
-
-/// Most paths registered in one transaction.
-const COMMIT_BATCH: usize = 512;
-
-/// Registers ready paths in batches ([`LocalStore::commit_all`]): whatever has arrived while
-/// the previous batch was being committed goes into the next, with one `syncfs` and one
-/// transaction per batch, each path under the policy of its source
-/// ([`SignaturePolicy::for_source`]). A path is handed over only after those of its
-/// references that are not valid, so the order of arrival is a dependency order: a chain of
-/// paths unpacked at once is registered in one batch, not one batch per link. A path whose
-/// reference was refused is handed back ([`Uncommitted::Waiting`]).
-async fn registrar(dest: Arc<LocalStore>, policy: SignaturePolicy, mut rx: mpsc::UnboundedReceiver<Commit>) {
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < COMMIT_BATCH {
-            match rx.try_recv() {
-                Ok(more) => batch.push(more),
-                Err(_) => break,
-            }
-        }
-        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|c| ((c.pending, c.trusted), c.reply)).unzip();
-        let (dest, policy) = (dest.clone(), policy.clone());
-        let committed = tokio::task::spawn_blocking(move || {
-            let policies = [policy.for_source(false), policy.for_source(true)];
-            dest.commit_all(items.into_iter().map(|(pending, trusted)| (pending, &*policies[trusted as usize])).collect())
-        });
-        let results = match committed.await {
-            Ok(results) => results,
-            Err(e) => return tracing::error!("the registrar failed: {e}"),
-        };
-        for (reply, result) in replies.into_iter().zip(results) {
-            let _ = reply.send(result);
-        }
-    }
 }
 
 /// Copies the closures of `paths` from the substituters of `query` into `dest`, keeping
@@ -292,11 +249,10 @@ async fn run(
     repair: bool,
 ) -> CopyReport {
     let query = ClosureQuery { accept: Some(opts.policy.clone()), ..query };
-    let (registrar_tx, registrar_rx) = mpsc::unbounded_channel();
-    let registrar_task = tokio::spawn(registrar(dest.clone(), opts.policy.clone(), registrar_rx));
+    let (registrar, registrar_task) = Registrar::start(dest.clone(), opts.policy.clone());
     let budget = FdBudget::current();
     let shared = Arc::new(Shared {
-        registrar: registrar_tx,
+        registrar,
         dest,
         roots,
         subs: query.substituters.clone(),

@@ -20,6 +20,13 @@ pub const ADD_TEMP_ROOTS: &str = "addTempRoots";
 /// (DeterminateSystems' Nix, `featureQueryPathInfos`).
 pub const QUERY_PATH_INFOS: &str = "queryPathInfos";
 
+/// sluice's own: once the greeting is over, both directions of the connection are zstd
+/// streams (`sluice_compress::zstd_channel`), so that NARs travel compressed between two sluice
+/// ends over ssh. Offered over standard input and output only (`ssh-ng://`, `sluice daemon
+/// --stdio`); Nix ignores a feature it does not know (`intersectFeatures`,
+/// `worker-protocol-connection.cc`), and never offers it.
+pub const SLUICE_ZSTD: &str = "sluice-zstd";
+
 /// Most features read from a peer.
 const MAX_FEATURES: u64 = 1024;
 /// Longest feature name read from a peer, in bytes.

@@ -4,11 +4,13 @@
 //! 2.8 and 2.26), which waits for each reply before the next request.
 //!
 //! Pulling: the closure in two round trips (QueryClosure, then QueryPathInfos of all of it);
-//! NARs with DumpStorePath, requested as the destination takes them and streamed back to back,
-//! each into the pipe its reader unpacks from as it arrives; the destination verifies each
-//! path as it verifies every addition. Pushing: one QueryValidPaths (the push engine's), then
-//! every missing path in dependency order with AddToStoreNar (ImportPaths before 2.5),
-//! pipelined as one stream ([`Store::add_stream`]).
+//! NARs with DumpStorePath, all requested at once (as the copy announces them,
+//! [`Store::prefetch_nars`]) and streamed back to back, each handed to its reader as soon as
+//! it has arrived (a large one streamed into the pipe its reader unpacks from), never more than
+//! its info's NAR size read; the destination verifies each path as it verifies every addition.
+//! Pushing: one QueryValidPaths (the push engine's), then every missing path in dependency
+//! order with AddToStoreNar (ImportPaths before 2.5), pipelined as one stream
+//! ([`Store::add_stream`]).
 
 mod pipeline;
 
@@ -33,6 +35,14 @@ use pipeline::{Pipeline, Reply};
 
 /// Additions spooled at once (each NAR is kept until its references are accepted).
 const ADDITIONS_AT_ONCE: usize = 32;
+/// Largest NAR fetched ahead of its reader (larger ones are streamed when read).
+const PREFETCH_NAR_MAX: u64 = 4 << 20;
+/// Most bytes of NAR fetched ahead of their readers by one copy.
+const PREFETCH_TOTAL: u64 = 512 << 20;
+
+/// NARs asked for ahead of their readers ([`Store::prefetch_nars`]), by path: each arrives
+/// whole, or as why it did not.
+type Prefetched = std::sync::Mutex<std::collections::HashMap<StorePath, tokio::sync::oneshot::Receiver<Result<Vec<u8>, String>>>>;
 /// A NAR to add above this size is spooled to a temporary file rather than memory.
 const SPOOL_IN_MEMORY: usize = 8 << 20;
 
@@ -42,6 +52,7 @@ pub(crate) struct LegacySshStore {
     url: String,
     store_dir: StoreDir,
     conn: Arc<Pipeline>,
+    prefetched: Prefetched,
     /// Kept for the host key file it holds while the connection lives.
     _master: SshMaster,
 }
@@ -59,7 +70,7 @@ impl LegacySshStore {
         let channel = master.start(&ssh.remote_command(&["--serve", "--write"])).map_err(|e| err(format!("{url}: {e}")))?;
         channel.give_up_after(stall);
         let conn = Pipeline::start(&url, Box::new(channel.reader), Box::new(channel.writer)).map_err(err)?;
-        Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), _master: master })
+        Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), prefetched: Prefetched::default(), _master: master })
     }
 
     /// Sends `write`'s request and waits for the value `read` makes of its reply.
@@ -162,13 +173,47 @@ impl Store for LegacySshStore {
         })
     }
 
-    /// DumpStorePath, sent at once; the NAR is copied into the returned reader's pipe by the
-    /// connection's reader thread when its turn comes. If the reader is dropped, the rest of
-    /// the NAR is still read off the connection (and dropped) to keep it in step. No more than
-    /// the info's NAR size is read: a NAR that goes on past it is an error (the connection is
-    /// then out of step), not read for ever.
+    /// The NARs of `infos` (up to [`PREFETCH_NAR_MAX`] each, [`PREFETCH_TOTAL`] in all) are
+    /// asked for at once, DumpStorePath pipelined, and kept as they arrive, back to back on
+    /// the channel, until their readers take them: one round trip for the closure's NARs, where
+    /// a window of readers would cost one per window.
+    fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
+        let mut total = 0;
+        let mut prefetched = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
+        for info in infos.iter().filter(|i| i.nar_size <= PREFETCH_NAR_MAX) {
+            if total + info.nar_size > PREFETCH_TOTAL {
+                break;
+            }
+            total += info.nar_size;
+            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let shown = dir.display_path(&info.path);
+            let (req, size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);
+            let nar = self.conn.request(
+                move |w| write_serve_request(w, &dir, version, &req),
+                move |r| {
+                    let mut nar = Vec::with_capacity(size as usize);
+                    copy_nar(r.take(size), &mut nar)
+                        .map_err(|e| format!("{url}: the NAR of {shown} (of {size} bytes, its info says): {e}"))?;
+                    Ok(nar)
+                },
+            );
+            prefetched.insert(info.path.clone(), nar);
+        }
+    }
+
+    /// The NAR fetched ahead ([`Store::prefetch_nars`]) once it has arrived; else DumpStorePath,
+    /// sent at once, the NAR copied into the returned reader's pipe by the connection's reader
+    /// thread when its turn comes. If the reader is dropped, the rest of the NAR is still read
+    /// off the connection (and dropped) to keep it in step. No more than the info's NAR size is
+    /// read, ahead or not: a NAR that goes on past it is an error (the connection is then out of
+    /// step), not read for ever.
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
         Box::pin(async move {
+            let ahead = self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(&info.path);
+            if let Some(ahead) = ahead {
+                let nar = ahead.await.map_err(|_| StoreError::Other(format!("{}: the connection ended", self.url)))?;
+                return Ok(Box::new(io::Cursor::new(nar.map_err(StoreError::Other)?)) as NarReader);
+            }
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
             let shown = dir.display_path(&info.path);
             let (req, nar_size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);

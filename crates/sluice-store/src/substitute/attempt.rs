@@ -15,9 +15,9 @@ use sluice_local_store::{LocalStore, LocalStoreError, PendingPath, TempRoots, Tr
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use tokio::sync::{oneshot, OwnedSemaphorePermit};
+use tokio::sync::OwnedSemaphorePermit;
 
-use super::{Commit, Observer, Shared, State, Until, Verdict};
+use super::{Observer, Shared, State, Until, Verdict};
 use crate::closure::Substituter;
 use crate::failure::{Cause, Failure};
 
@@ -192,26 +192,23 @@ impl Shared {
         let mut until = Until::Ready;
         loop {
             self.wait_references(store_dir, narinfo, until, true).await?;
-            let (reply, registered) = oneshot::channel();
             let stopped = || Attempt::Final(Failure::other("the registrar stopped".into()));
             // Handed over only if it was not failed meanwhile (for a cycle), and marked ready in
             // the same step, so that a path is never both: its dependents are handed over after it
             // from now on.
-            let mut commit = Some(Commit { pending, trusted, reply });
-            let mut sent = true;
+            let (mut unhanded, mut registered) = (Some(pending), None);
             let handed = self.gate.update(path, |s| {
                 if *s == State::Failed {
                     return None;
                 }
-                sent = commit.take().is_some_and(|c| self.registrar.send(c).is_ok());
-                sent.then_some(State::Ready)
+                registered = unhanded.take().and_then(|p| self.registrar.hand(p, trusted));
+                registered.is_some().then_some(State::Ready)
             });
-            if !sent {
-                return Err(stopped());
-            }
-            if !handed {
-                return Err(Attempt::Final(Failure::other("failed meanwhile".into())));
-            }
+            let registered = match (handed, registered) {
+                (true, Some(registered)) => registered,
+                _ if unhanded.is_some() => return Err(Attempt::Final(Failure::other("failed meanwhile".into()))),
+                _ => return Err(stopped()),
+            };
             let uncommitted = match registered.await.map_err(|_| stopped())? {
                 Ok(()) => break,
                 Err(uncommitted) => uncommitted,
