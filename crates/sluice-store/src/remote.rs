@@ -265,6 +265,40 @@ impl DaemonConnection {
         read_store_path_set(&mut self.r, &self.store_dir, "valid paths").map_err(self.wire_err(what))
     }
 
+    /// Those of `paths` that are valid in the daemon's store, each made a temporary root of
+    /// the connection before it is looked up, as Nix's `copyPaths` does (`addTempRoot`, then
+    /// `queryValidPaths`): a path found valid then stays valid while the connection lives,
+    /// whatever a collector does meanwhile. The roots and the query are written at once (one
+    /// round trip) when they fit in [`PIPELINE_BYTES`], else sent one after the other.
+    pub fn query_valid_paths_rooted(&mut self, paths: &[StorePath]) -> Result<std::collections::BTreeSet<StorePath>, RemoteError> {
+        let query = QueryValidPaths { paths: paths.iter().cloned().collect(), substitute: false };
+        let batched = !self.features.contains(ADD_TEMP_ROOTS);
+        let io = self.io_err("AddTempRoot");
+        let mut batch = Vec::new();
+        if batched {
+            for path in paths {
+                write_request(&mut batch, &self.store_dir, self.version, &AddTempRoot { path: path.clone() }).map_err(&io)?;
+            }
+        } else if !paths.is_empty() {
+            write_request(&mut batch, &self.store_dir, self.version, &AddTempRoots { paths: query.paths.clone() }).map_err(&io)?;
+        }
+        write_request(&mut batch, &self.store_dir, self.version, &query).map_err(&io)?;
+        if batch.len() > PIPELINE_BYTES {
+            self.add_temp_roots(paths)?;
+            return self.query_valid_paths(paths);
+        }
+        self.w.write_all(&batch).and_then(|()| self.w.flush()).map_err(&io)?;
+        let roots = if batched { paths.len() } else { usize::from(!paths.is_empty()) };
+        for _ in 0..roots {
+            let what = if batched { "AddTempRoot" } else { "AddTempRoots" };
+            self.finish_stderr(what)?;
+            read_u64(&mut self.r, "AddTempRoot result").map_err(self.wire_err(what))?;
+        }
+        let what = "QueryValidPaths";
+        self.finish_stderr(what)?;
+        read_store_path_set(&mut self.r, &self.store_dir, "valid paths").map_err(self.wire_err(what))
+    }
+
     /// Makes `paths` temporary roots in the daemon for the rest of the connection (Nix's
     /// `addTempRoot`): one AddTempRoots when the daemon offers it, else one AddTempRoot per
     /// path, pipelined.

@@ -144,20 +144,13 @@ impl Store for DaemonStore {
         })
     }
 
-    /// One QueryValidPaths (Nix's `copyPaths` asks `queryValidPaths`); the paths found valid
-    /// are then made temporary roots of the connection, so that they stay valid in the daemon
-    /// while it lives (a path added later may refer to one). A path missing, as every path of
-    /// a first copy is, costs no more round trip.
+    /// Each path is made a temporary root of the connection before it is looked up, as Nix's
+    /// `copyPaths` does (`addTempRoots`, then `queryValidPaths`), so that a path found valid
+    /// stays valid in the daemon while the connection lives (a path added later may refer to
+    /// it): one round trip ([`DaemonConnection::query_valid_paths_rooted`]).
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
         let paths = paths.to_vec();
-        Box::pin(async move {
-            self.run(move |c| {
-                let valid = c.query_valid_paths(&paths)?;
-                c.add_temp_roots(&valid.iter().cloned().collect::<Vec<_>>())?;
-                Ok(valid)
-            })
-            .await
-        })
+        Box::pin(async move { self.run(move |c| c.query_valid_paths_rooted(&paths)).await })
     }
 
     fn nar_from_path<'a>(&'a self, info: &'a ValidPathInfo) -> StoreFuture<'a, NarReader> {
