@@ -46,13 +46,15 @@ fn upstream_metric(server: &Server, name: &str, upstream: &str) -> u64 {
     text.lines().find_map(|l| l.strip_prefix(&prefix)).map_or(0, |v| v.parse().unwrap())
 }
 
-/// Files of the cache directory `dir` (relative), `nix-cache-info` and hidden files left out.
+/// Files of the cache directory `dir` (relative), `nix-cache-info`, hidden files and the
+/// directory of sluice's push and gc fence (`sluice/`, which a push into the cache leaves)
+/// left out.
 fn cache_files(dir: &Path) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for sub in ["", "nar"] {
         for e in std::fs::read_dir(dir.join(sub)).into_iter().flatten() {
             let name = e.unwrap().file_name().to_string_lossy().into_owned();
-            if name != "nix-cache-info" && name != "nar" && !name.starts_with('.') {
+            if !["nix-cache-info", "nar", "sluice"].contains(&name.as_str()) && !name.starts_with('.') {
                 out.insert(if sub.is_empty() { name } else { format!("{sub}/{name}") });
             }
         }
