@@ -27,9 +27,14 @@ use crate::failure::{Cause, Failure};
 /// (`progress-bar.cc`): reports at that rate show the same.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
 
+/// Bytes (read and unpacked together) after which progress is told even before
+/// [`PROGRESS_INTERVAL`] has passed: a NAR read and unpacked within one interval still shows
+/// its way through, as Nix's per-chunk reports do.
+const PROGRESS_STEP: u64 = 1 << 20;
+
 /// How far one attempt's NAR got: compressed bytes read and NAR bytes unpacked, told to the
-/// observer at most every [`PROGRESS_INTERVAL`]. Shared by the readers on both sides of the
-/// decompressor, which may run on its own threads.
+/// observer every [`PROGRESS_INTERVAL`] or [`PROGRESS_STEP`] bytes, whichever comes first.
+/// Shared by the readers on both sides of the decompressor, which may run on its own threads.
 struct Meter {
     observer: Arc<dyn Observer>,
     path: StorePath,
@@ -38,12 +43,14 @@ struct Meter {
     start: Instant,
     /// When it was last told, in nanoseconds since `start`.
     reported: AtomicU64,
+    /// The bytes read and unpacked it was last told.
+    reported_bytes: AtomicU64,
 }
 
 impl Meter {
     fn new(observer: Arc<dyn Observer>, path: StorePath) -> Arc<Meter> {
         let (downloaded, unpacked, reported) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
-        Arc::new(Meter { observer, path, downloaded, unpacked, start: Instant::now(), reported })
+        Arc::new(Meter { observer, path, downloaded, unpacked, start: Instant::now(), reported, reported_bytes: AtomicU64::new(0) })
     }
 
     fn add(&self, downloaded: u64, unpacked: u64) {
@@ -51,8 +58,11 @@ impl Meter {
         let unpacked = self.unpacked.fetch_add(unpacked, Ordering::Relaxed) + unpacked;
         let now = self.start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
         let last = self.reported.load(Ordering::Relaxed);
-        let due = now.saturating_sub(last) >= PROGRESS_INTERVAL.as_nanos() as u64;
+        let bytes = downloaded.saturating_add(unpacked);
+        let due = now.saturating_sub(last) >= PROGRESS_INTERVAL.as_nanos() as u64
+            || bytes.saturating_sub(self.reported_bytes.load(Ordering::Relaxed)) >= PROGRESS_STEP;
         if due && self.reported.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            self.reported_bytes.store(bytes, Ordering::Relaxed);
             self.observer.progress(&self.path, downloaded, unpacked);
         }
     }
