@@ -69,14 +69,22 @@ impl BinaryCache {
     /// Those of `paths` the cache holds whole ([`BinaryCache::query_complete_paths`]), found
     /// under the fence of the module documentation, and the name of the push's file to hand
     /// to [`BinaryCache::end_push`] once the last narinfo was answered (`None` for a cache that
-    /// cannot be listed, which `sluice store gc` does not collect).
+    /// cannot be listed, which `sluice store gc` does not collect, and for a bucket whose
+    /// listing these credentials may not read, e.g. push keys without `s3:ListBucket`: such a
+    /// push goes ahead unfenced, with a warning, as a push of Nix's does).
     pub async fn begin_push(&self, paths: &[StorePath]) -> Result<(BTreeSet<StorePath>, Option<String>), CacheError> {
         if !self.can_list() {
             return Ok((self.query_complete_paths(paths).await?, None));
         }
         // A push writes: a cache that refuses it says so here, about `nix-cache-info`.
         self.init_for_writing().await?;
-        let before = self.gc_state().await?;
+        let before = match self.gc_state().await {
+            Ok(before) => before,
+            Err(e) => {
+                tracing::warn!("{e}: pushing without the fence against `sluice store gc` (it needs the cache's listing)");
+                return Ok((self.query_complete_paths(paths).await?, None));
+            }
+        };
         let mut complete = self.query_complete_paths(paths).await?;
         let name = format!("{PUSHES}{}", unique_id());
         let text: String = paths.iter().map(|p| format!("{}\n", p.hash_part())).collect();
