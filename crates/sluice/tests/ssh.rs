@@ -440,5 +440,7 @@ fn a_pull_registers_its_paths_in_batches() {
     assert_holds(tmp, &back, &root, &paths);
     let batches: Vec<usize> = stderr(&o).lines().filter_map(|l| l.split("registering ").nth(1)?.split(' ').next()?.parse().ok()).collect();
     assert_eq!(batches.iter().sum::<usize>(), paths.len(), "{}", stderr(&o));
-    assert!(batches.len() <= paths.len() / 3, "{} batches: {batches:?}", batches.len());
+    // How many commits depends on how fast the NARs come against how long a commit takes;
+    // one per path (as before) is what must not happen.
+    assert!(batches.len() < paths.len() && batches.iter().any(|&b| b > 1), "{} batches: {batches:?}", batches.len());
 }
