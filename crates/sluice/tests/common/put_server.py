@@ -109,8 +109,11 @@ class H(BaseHTTPRequestHandler):
         self.send_response(status)
         if not rule.get("endless"):
             self.send_header("Content-Length", str(len(out)))
+        # Taken before the headers go out: once they have, the client may read the answer and
+        # send its next request, which another thread may log first.
+        answered = time.time()
         self.end_headers()
-        log({**entry, "status": status, "answered": time.time()})
+        log({**entry, "status": status, "answered": answered})
         if self.command != "HEAD":
             self.wfile.write(out)
             while rule.get("endless"):
