@@ -175,7 +175,8 @@ pub trait Store: Send + Sync {
     }
 
     /// A hint that the NARs of `infos` are about to be read, in this order: a store that can
-    /// fetch them ahead of their readers does (a daemon, with NarFromPath pipelined).
+    /// fetch them ahead of their readers does (a daemon, with NarFromPath pipelined;
+    /// `ssh://`, with DumpStorePath pipelined), those [`fetched_ahead`] picks.
     fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
         let _ = infos;
     }
@@ -259,4 +260,24 @@ impl Read for PipedNar {
         }
         Ok(n)
     }
+}
+
+/// Largest NAR a store fetches ahead of its reader ([`Store::prefetch_nars`]); larger ones are
+/// streamed when read.
+pub(crate) const PREFETCH_NAR_MAX: u64 = 4 << 20;
+
+/// Most bytes of NAR a store fetches ahead of their readers for one copy.
+pub(crate) const PREFETCH_TOTAL: u64 = 512 << 20;
+
+/// Those of `infos` whose NARs [`Store::prefetch_nars`] fetches ahead, in their order: up to
+/// [`PREFETCH_NAR_MAX`] each, until [`PREFETCH_TOTAL`] in all.
+pub(crate) fn fetched_ahead<'a>(infos: &[&'a ValidPathInfo]) -> Vec<&'a ValidPathInfo> {
+    let mut total = 0;
+    let small = infos.iter().copied().filter(|i| i.nar_size <= PREFETCH_NAR_MAX);
+    small
+        .take_while(|i| {
+            total += i.nar_size;
+            total <= PREFETCH_TOTAL
+        })
+        .collect()
 }

@@ -29,16 +29,13 @@ use sluice_nix::wire::{read_store_path_set, read_u64, write_u64, ProtocolVersion
 
 use crate::ssh::{SshConfig, SshMaster};
 use crate::store::{
-    AdditionStream, NarReader, NarWritten, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes, StreamedPath,
+    fetched_ahead, AdditionStream, NarReader, NarWritten, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes,
+    StreamedPath,
 };
 use pipeline::{Pipeline, Reply};
 
 /// Additions spooled at once (each NAR is kept until its references are accepted).
 const ADDITIONS_AT_ONCE: usize = 32;
-/// Largest NAR fetched ahead of its reader (larger ones are streamed when read).
-const PREFETCH_NAR_MAX: u64 = 4 << 20;
-/// Most bytes of NAR fetched ahead of their readers by one copy.
-const PREFETCH_TOTAL: u64 = 512 << 20;
 
 /// NARs asked for ahead of their readers ([`Store::prefetch_nars`]), by path: each arrives
 /// whole, or as why it did not.
@@ -173,18 +170,13 @@ impl Store for LegacySshStore {
         })
     }
 
-    /// The NARs of `infos` (up to [`PREFETCH_NAR_MAX`] each, [`PREFETCH_TOTAL`] in all) are
+    /// The NARs of `infos` (those [`fetched_ahead`] picks) are
     /// asked for at once, DumpStorePath pipelined, and kept as they arrive, back to back on
     /// the channel, until their readers take them: one round trip for the closure's NARs, where
     /// a window of readers would cost one per window.
     fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
-        let mut total = 0;
         let mut prefetched = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
-        for info in infos.iter().filter(|i| i.nar_size <= PREFETCH_NAR_MAX) {
-            if total + info.nar_size > PREFETCH_TOTAL {
-                break;
-            }
-            total += info.nar_size;
+        for info in fetched_ahead(infos) {
             let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
             let shown = dir.display_path(&info.path);
             let (req, size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);

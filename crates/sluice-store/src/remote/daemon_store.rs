@@ -12,7 +12,7 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ProtocolVersion;
 
 use super::{batch, DaemonConnection, RemoteError};
-use crate::store::{AdditionStream, NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes};
+use crate::store::{fetched_ahead, AdditionStream, NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes};
 
 /// A daemon behind the [`Store`](crate::store::Store) interface: one connection (Nix's
 /// default `max-connections`), owned by a thread of its own that runs the store's operations
@@ -36,12 +36,6 @@ pub struct DaemonStore {
 /// NARs being fetched ahead of their readers ([`Store::prefetch_nars`]), by path: each
 /// arrives whole, or as the connection's failure.
 type Prefetched = Arc<Mutex<HashMap<StorePath, Receiver<Result<Vec<u8>, String>>>>>;
-
-/// Largest NAR fetched ahead of its reader (larger ones are streamed when read).
-const PREFETCH_NAR_MAX: u64 = 4 << 20;
-
-/// Most bytes of NAR fetched ahead of their readers by one copy.
-const PREFETCH_TOTAL: u64 = 512 << 20;
 
 /// Work for the connection's thread.
 pub(super) enum Job {
@@ -165,19 +159,16 @@ impl Store for DaemonStore {
         Box::pin(async move { Ok(Box::new(nar) as NarReader) })
     }
 
-    /// The NARs of `infos` (up to [`PREFETCH_NAR_MAX`] each, [`PREFETCH_TOTAL`] in all) are
+    /// The NARs of `infos` (those [`fetched_ahead`] picks) are
     /// asked for at once, NarFromPath pipelined on the connection, and kept as they arrive
     /// until their readers take them: one round trip for hundreds of NARs instead of one each.
     fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
-        let mut total = 0;
+        let ahead = fetched_ahead(infos);
+        let total: u64 = ahead.iter().map(|i| i.nar_size).sum();
         let mut wanted = Vec::new();
         let mut senders = Vec::new();
         let mut prefetched = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
-        for info in infos.iter().filter(|i| i.nar_size <= PREFETCH_NAR_MAX) {
-            if total + info.nar_size > PREFETCH_TOTAL {
-                break;
-            }
-            total += info.nar_size;
+        for info in ahead {
             let (tx, rx) = std::sync::mpsc::sync_channel(1);
             prefetched.insert(info.path.clone(), rx);
             wanted.push((info.path.clone(), info.nar_size));
