@@ -112,6 +112,17 @@ pub enum RemoteError {
     },
 }
 
+impl RemoteError {
+    /// Whether the connection itself failed: it could not be made, its stream broke or
+    /// stalled, or the peer went out of step. Asking that daemon again at once would meet the
+    /// same failure (or wait as long again on a stalled far end); a daemon's refusal
+    /// ([`RemoteError::Daemon`]) or a NAR this side could not read ([`RemoteError::Nar`])
+    /// leaves the daemon able to take other paths.
+    pub fn is_connection_failure(&self) -> bool {
+        matches!(self, RemoteError::Connect { .. } | RemoteError::Io { .. } | RemoteError::Wire { .. } | RemoteError::Protocol { .. })
+    }
+}
+
 /// The reading side of a daemon's byte stream.
 pub type DaemonReader = Box<dyn Read + Send>;
 /// The writing side of a daemon's byte stream.
@@ -470,9 +481,10 @@ impl DaemonConnection {
 
     /// Flushes the request written so far, then sends the framed stream `send` writes while
     /// a second thread reads the daemon's messages (Nix's `withFramedSink`: the daemon may
-    /// answer, or fail, before the stream ends). The connection's failure first, then
-    /// `send`'s own (a NAR that could not be read: the stream is ended where it stopped), then
-    /// the daemon's answer.
+    /// answer, or fail, before the stream ends). The daemon's refusal first (a daemon that
+    /// refuses may close the connection, failing the stream's writes), then the connection's
+    /// failure, then `send`'s own (a NAR that could not be read: the stream is ended where it
+    /// stopped), then the daemon's answer.
     fn with_framed_sink(
         &mut self,
         what: &'static str,
@@ -498,10 +510,11 @@ impl DaemonConnection {
                 daemon: self.daemon.clone(),
             })
         });
-        match sent {
-            Ok(Ok(())) => replied,
-            Ok(Err(nar)) => Err(nar),
-            Err(e) => Err(io(e)),
+        match (sent, replied) {
+            (_, Err(refused @ RemoteError::Daemon { .. })) => Err(refused),
+            (Ok(Ok(())), replied) => replied,
+            (Ok(Err(nar)), _) => Err(nar),
+            (Err(e), _) => Err(io(e)),
         }
     }
 

@@ -14,7 +14,7 @@
 //! [`SshChannel`] wait for ssh and fail with one error naming the host and saying why (ssh's
 //! message, or the remote command's exit status and message: 127 for a missing program).
 //!
-//! A channel may be given a stall limit ([`SshChannel::give_up_after`], `ssh://` gives it
+//! A channel may be given a stall limit ([`SshChannel::give_up_after`]; both SSH stores give it
 //! `stalled-download-timeout`): a read or write that waits that long while no byte moved
 //! either way fails, naming the host, instead of waiting for ever on a far end that stopped.
 //!
@@ -412,14 +412,17 @@ pub struct SshChannel {
 impl SshChannel {
     /// From now on, a read or write that has waited `limit` while no byte moved either way
     /// fails (see the module documentation).
-    pub fn give_up_after(&self, limit: Duration) {
+    ///
+    /// # Errors
+    /// The remote command's input cannot be made non-blocking (`fcntl`), so that a write could
+    /// block past the limit.
+    pub fn give_up_after(&self, limit: Duration) -> std::io::Result<()> {
+        let stdin = self.writer.stdin.as_fd();
+        rustix::fs::fcntl_setfl(stdin, rustix::fs::fcntl_getfl(stdin)? | rustix::fs::OFlags::NONBLOCK)?;
         let _ = self.reader.session.stall.set(limit);
+        Ok(())
     }
 }
-
-/// Bytes written at most at once under a stall limit: what a pipe that polls writable takes
-/// without blocking (`PIPE_BUF`).
-const PIPE_BUF: usize = 4096;
 
 /// The remote command's standard output. Where it ends, ssh's failure (if it failed) is the
 /// read's error.
@@ -454,17 +457,22 @@ pub struct SshWriter {
 }
 
 impl Write for SshWriter {
+    /// Under a stall limit the input is non-blocking: as much of `buf` as the pipe takes is
+    /// written, and a full pipe is waited on (up to the limit).
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let buf = match self.session.stall.get() {
-            Some(_) => &buf[..buf.len().min(PIPE_BUF)],
-            None => buf,
-        };
-        self.session.ready(self.stdin.as_fd(), rustix::event::PollFlags::OUT)?;
-        let written = self.stdin.write(buf);
-        if written.is_ok() {
-            self.session.moved();
+        loop {
+            match self.stdin.write(buf) {
+                Ok(n) => {
+                    self.session.moved();
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.session.ready(self.stdin.as_fd(), rustix::event::PollFlags::OUT)?
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Err(e),
+                Err(e) => return Err(self.session.ended(&e.to_string())),
+            }
         }
-        written.map_err(|e| if e.kind() == std::io::ErrorKind::Interrupted { e } else { self.session.ended(&e.to_string()) })
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

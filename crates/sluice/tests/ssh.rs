@@ -102,12 +102,17 @@ fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
 /// destination's `trusted-public-keys` when given).
 fn sluice_copy(tmp: &Path, sshd: &Sshd, from: &str, to: &str, key: Option<&str>, root: &str) -> Output {
     let mut cmd = over_ssh(tmp, sshd, &sluice_bin());
-    cmd.args(["copy", "--from", from, "--to", to]);
+    cmd.args(["copy", "--option", "stalled-download-timeout", &STALL_LIMIT.to_string(), "--from", from, "--to", to]);
     if let Some(key) = key {
         cmd.args(["--trusted-public-keys", key]);
     }
     cmd.arg(root).output().unwrap()
 }
+
+/// The `stalled-download-timeout` (seconds) of `sluice_copy`: a far end cut midway may leave
+/// its daemon alive and waiting while the copy waits for the rest of a reply, which only the
+/// stall limit ends.
+const STALL_LIMIT: u64 = 30;
 
 /// Asserts that real Nix finds the chroot store `store` clean and holding the closure of
 /// `root`, which is `paths`.
@@ -248,6 +253,52 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
     assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
     assert!(registered_paths(&far2).len() < paths.len());
     assert_nix_verifies(tmp, &far2);
+}
+
+/// A far end that stops reading or writing midway and stays connected (its output, then its
+/// input, no longer passed on after 200 KB) is given up after `stalled-download-timeout`, a
+/// pull and a push each failing with one error naming the host, instead of waiting for ever;
+/// the local store holds nothing half-registered and the far one verifies.
+#[test]
+fn a_far_end_that_stalls_is_given_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, _, src) = subset_store(tmp);
+    let stall = "{ dd bs=64K count=200000 iflag=count_bytes status=none; sleep 30; }";
+    let copy = |from: &str, to: &str| {
+        let o = over_ssh(tmp, &sshd, Path::new("timeout"))
+            .arg("60")
+            .arg(sluice_bin())
+            .args([
+                "copy",
+                "--option",
+                "stalled-download-timeout",
+                "3",
+                "--trusted-public-keys",
+                &corpus_key(),
+                "--from",
+                from,
+                "--to",
+                to,
+                &root,
+            ])
+            .output()
+            .unwrap();
+        assert_ne!(o.status.code(), Some(124), "{from} -> {to}: still waiting after 60 s: {}", stderr(&o));
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{from} -> {to}: succeeded");
+        assert!(err.contains("ssh-ng://sluice-test") && err.contains("nothing moved either way for 3 s"), "{from} -> {to}: {err}");
+    };
+    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &far_end(tmp, "far", FarEnd::Nix28, "CMD").1, None, &root), "push");
+    let (_, stalled_output) = far_end(tmp, "far", FarEnd::Nix28, &format!("CMD | {stall}"));
+    let back = tmp.join("back");
+    copy(&stalled_output, back.to_str().unwrap());
+    assert_store_closed(&back);
+    assert_nix_verifies(tmp, &back);
+    let (far2, stalled_input) = far_end(tmp, "far2", FarEnd::Nix28, &format!("{stall} | CMD"));
+    copy(src.to_str().unwrap(), &stalled_input);
+    assert!(registered_paths(&far2).is_empty());
 }
 
 /// `program copy` (sluice, or Nix 2.26 as `nix-modern nix copy`) isolated under `tmp`,

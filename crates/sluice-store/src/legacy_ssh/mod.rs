@@ -65,7 +65,7 @@ impl LegacySshStore {
         let err = |e: String| StoreError::Other(e);
         let master = SshMaster::new(ssh.clone()).map_err(|e| err(format!("{url}: {e}")))?;
         let channel = master.start(&ssh.remote_command(&["--serve", "--write"])).map_err(|e| err(format!("{url}: {e}")))?;
-        channel.give_up_after(stall);
+        channel.give_up_after(stall).map_err(|e| err(format!("{url}: {e}")))?;
         let conn = Pipeline::start(&url, Box::new(channel.reader), Box::new(channel.writer)).map_err(err)?;
         Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), prefetched: Prefetched::default(), _master: master })
     }

@@ -45,14 +45,20 @@ fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>
 }
 
 impl StoreConfig for SshNgConfig {
+    /// A far end that moves no byte either way for `stalled-download-timeout` while a reply
+    /// or a request waits is given up, as `ssh://`'s is (a connection of an `ssh-ng://` store
+    /// carries store operations only; builds go to the local daemon).
     fn open<'a>(&'a self, _url: &'a str, settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
         Box::pin(async move {
             let daemon = format!("{SCHEME}://{}", self.ssh.destination());
             let master = SshMaster::new(self.ssh.clone()).map_err(|e| StoreError::Other(format!("{daemon}: {e}")))?;
             let command = self.ssh.remote_command(&["--stdio"]);
             let name = daemon.clone();
+            let stall = std::time::Duration::from_secs(settings.stalled_download_timeout.max(1));
             let connect = Box::new(move || {
-                let channel = master.start(&command).map_err(|e| RemoteError::Connect { daemon: name.clone(), source: std::io::Error::other(e) })?;
+                let connect_err = |e: String| RemoteError::Connect { daemon: name.clone(), source: std::io::Error::other(e) };
+                let channel = master.start(&command).map_err(|e| connect_err(e.to_string()))?;
+                channel.give_up_after(stall).map_err(|e| connect_err(e.to_string()))?;
                 DaemonConnection::over(name.clone(), Box::new(channel.reader), Box::new(channel.writer))
             });
             Ok(Arc::new(DaemonStore::open(&daemon, &daemon, connect, settings.require_sigs)?) as Arc<dyn Store>)

@@ -53,9 +53,10 @@ pub(super) fn serve(conn: &mut Reconnecting, queue: &Receiver<Job>, check_sigs: 
 fn add(conn: &mut Reconnecting, mut batch: Vec<Addition>, check_sigs: bool) {
     let multiple = conn.with(|c| Ok(c.version().at_least(MULTIPLE_VERSION))).unwrap_or(false);
     if !multiple {
+        let mut broken = None;
         for mut a in batch {
-            let added = conn.with(|c| c.add_to_store_nar(&a.info, &mut a.nar, check_sigs));
-            let _ = a.done.send(added.map_err(StoreError::from));
+            let added = one_by_one(conn, &mut broken, |c| c.add_to_store_nar(&a.info, &mut a.nar, check_sigs));
+            let _ = a.done.send(added);
         }
         return;
     }
@@ -81,10 +82,10 @@ pub(super) fn add_stream(
 ) -> Result<StreamOutcomes, StoreError> {
     let multiple = conn.with(|c| Ok(c.version().at_least(MULTIPLE_VERSION))).unwrap_or(false);
     if !multiple {
-        let mut outcomes = Vec::with_capacity(count);
+        let (mut outcomes, mut broken) = (Vec::with_capacity(count), None);
         while let Some(mut p) = additions.blocking_recv() {
-            let added = conn.with(|c| c.add_to_store_nar(&p.info, &mut p.nar, check_sigs));
-            outcomes.push((p.info.path, added.map_err(StoreError::from)));
+            let added = one_by_one(conn, &mut broken, |c| c.add_to_store_nar(&p.info, &mut p.nar, check_sigs));
+            outcomes.push((p.info.path, added));
         }
         return Ok(outcomes);
     }
@@ -100,15 +101,41 @@ pub(super) fn add_stream(
     }
 }
 
+/// Runs `add` (one path's AddToStoreNar) unless the connection failed for an earlier path
+/// of the batch (`broken`, which a connection failure sets): the paths after it fail with
+/// that failure, without connecting again to a far end that just failed or stalled.
+fn one_by_one(
+    conn: &mut Reconnecting,
+    broken: &mut Option<String>,
+    add: impl FnOnce(&mut super::DaemonConnection) -> Result<(), RemoteError>,
+) -> Result<(), StoreError> {
+    if let Some(failure) = broken {
+        return Err(StoreError::Other(failure.clone()));
+    }
+    conn.with(add).map_err(|e| {
+        if e.is_connection_failure() {
+            *broken = Some(e.to_string());
+        }
+        e.into()
+    })
+}
+
 /// The answer for each of `paths`, sent in this order in one AddMultipleToStore whose outcome
-/// is `added`. When it failed, the daemon has added the paths before the one it refused (it
-/// adds them in order, as Nix's `addMultipleToStore`): those it now has valid (asked in one
-/// query) are answered as added, the first it does not have with the failure (it is the path
-/// refused), the others as [`StoreError::NotAttempted`].
+/// is `added`. When the daemon refused a path, it has added the paths before it (it adds them
+/// in order, as Nix's `addMultipleToStore`): those it now has valid (asked in one query) are
+/// answered as added, the first it does not have with the failure (it is the path refused),
+/// the others as [`StoreError::NotAttempted`]. When the connection failed
+/// ([`RemoteError::is_connection_failure`]), every path fails with that failure: the daemon is
+/// not asked again (a far end that stalled would be waited on as long again), and a path it
+/// did add is found valid by the next copy.
 fn answers(conn: &mut Reconnecting, paths: &[StorePath], added: Result<(), RemoteError>) -> StreamOutcomes {
     let e = match added {
         Ok(()) => return paths.iter().map(|p| (p.clone(), Ok(()))).collect(),
         Err(e) if paths.len() == 1 => return vec![(paths[0].clone(), Err(e.into()))],
+        Err(e) if e.is_connection_failure() => {
+            let failure = e.to_string();
+            return paths.iter().map(|p| (p.clone(), Err(StoreError::Other(failure.clone())))).collect();
+        }
         Err(e) => e,
     };
     let failure = e.to_string();
