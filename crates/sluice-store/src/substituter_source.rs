@@ -187,14 +187,19 @@ impl std::fmt::Debug for StoreSource {
     }
 }
 
-/// An opened store and the sender of the lookups its batching task sends it.
+/// An opened store, and the senders of the lookups and NARs its batching tasks send it.
 struct Opened {
     store: Arc<dyn Store>,
     lookups: mpsc::UnboundedSender<Lookup>,
+    nars: mpsc::UnboundedSender<NarOpened>,
 }
 
 /// A path asked of a store, and where its info goes.
 type Lookup = (StorePath, oneshot::Sender<Result<Option<PathInfo>, String>>);
+
+/// The info of a path whose NAR is being opened, and what is told once its NAR is asked for
+/// ahead ([`Store::prefetch_nars`]).
+type NarOpened = (ValidPathInfo, oneshot::Sender<()>);
 
 impl StoreSource {
     /// The store `parsed` (whose URL is `url`, with the common parameters `common`), to be
@@ -244,10 +249,17 @@ impl StoreSource {
         Ok(info.map(|i| narinfo_of(&i.info).to_text(&self.store_dir)))
     }
 
-    /// The NAR of `narinfo`'s path, uncompressed.
+    /// The NAR of `narinfo`'s path, uncompressed, asked for ahead together with those of the
+    /// other paths being opened meanwhile (their signatures were checked already: no NAR of a
+    /// path that would be refused is fetched).
     async fn open_nar(&self, narinfo: &NarInfo) -> Result<NarStream, CacheError> {
         let opened = self.opened().await?;
         let info = ValidPathInfo::from_narinfo(narinfo, 0);
+        let (ready, fetched_ahead) = oneshot::channel();
+        if opened.nars.send((info.clone(), ready)).is_ok() {
+            // Without the task, the NAR is asked for when it is read.
+            let _ = fetched_ahead.await;
+        }
         let url = || self.narinfo_url_of(&narinfo.store_path);
         let reader = opened
             .store
@@ -263,9 +275,21 @@ impl StoreSource {
     }
 }
 
-/// `store` with the task that sends it the lookups asked meanwhile as one query, while the
-/// previous one is answered.
+/// `store` with its two tasks: one sends it the lookups asked meanwhile as one query, while
+/// the previous one is answered; the other asks for the NARs being opened meanwhile at once
+/// ([`Store::prefetch_nars`]: pipelined on one connection, instead of a round trip each).
 fn start(store: Arc<dyn Store>) -> Opened {
+    let (nars, mut opening) = mpsc::unbounded_channel::<NarOpened>();
+    let fetching = store.clone();
+    tokio::spawn(async move {
+        let mut batch = Vec::new();
+        while opening.recv_many(&mut batch, STORE_LOOKUPS).await > 0 {
+            fetching.prefetch_nars(&batch.iter().map(|(info, _)| info).collect::<Vec<_>>());
+            for (_, ready) in batch.drain(..) {
+                let _ = ready.send(());
+            }
+        }
+    });
     let (lookups, mut asked) = mpsc::unbounded_channel::<Lookup>();
     let queried = store.clone();
     tokio::spawn(async move {
@@ -282,7 +306,7 @@ fn start(store: Arc<dyn Store>) -> Opened {
             }
         }
     });
-    Opened { store, lookups }
+    Opened { store, lookups, nars }
 }
 
 /// The narinfo a store's `info` stands for: its NAR uncompressed, of unknown file size.

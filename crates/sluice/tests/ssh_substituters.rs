@@ -136,3 +136,30 @@ fn an_unreachable_ssh_substituter_is_given_up_with_one_warning() {
     assert_eq!(warnings.len(), 1, "{err}");
     assert!(warnings[0].contains("not used for the rest of this run"), "{err}");
 }
+
+/// Substitution from `ssh-ng://` pipelines its round trips: the closure's paths asked in
+/// batches and their NARs fetched ahead (NarFromPath pipelined) on the one connection, not a
+/// round trip per path for each: at 150 ms RTT the 25-path closure takes less than `ssh host
+/// true` and 40 round trips (23–30 on a loaded machine; 37 with each NAR asked when read; Nix
+/// 2.26's `nix-store -r` with the same substituter, about 400).
+#[test]
+fn substitution_from_ssh_ng_pipelines_its_lookups_and_nars() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let rtt = 150;
+    let sshd = Sshd::start(tmp).with_rtt(rtt);
+    let (root, paths, _) = subset_store(tmp);
+    let (_, url) = far_end(tmp, "src", FarEnd::Nix28, "CMD");
+    let started = std::time::Instant::now();
+    check(&std::process::Command::new("ssh").arg("-F").arg(sshd.ssh_config()).args([HOST, "true"]).output().unwrap(), "ssh true");
+    let floor = started.elapsed();
+    let dest = tmp.join("dest");
+    let started = std::time::Instant::now();
+    let o =
+        over_ssh(tmp, &sshd, &sluice_bin()).args(["copy", "--substituters", &url, "--to", dest.to_str().unwrap(), &root]).output().unwrap();
+    let took = started.elapsed();
+    check(&o, "sluice copy substituting from ssh-ng://");
+    assert_eq!(registered_paths(&dest), paths);
+    let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
+    assert!(trips < 40.0, "the substitution took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
+}
