@@ -442,7 +442,7 @@ fn a_pull_pipelines_its_nars() {
 }
 
 /// The bytes a `dd` at the far end counted (its `N bytes … copied` line in `file`).
-fn dd_bytes(file: &Path) -> u64 {
+pub(crate) fn dd_bytes(file: &Path) -> u64 {
     std::fs::read_to_string(file).unwrap().lines().find_map(|l| l.split(' ').next()?.parse().ok()).unwrap()
 }
 

@@ -163,3 +163,32 @@ fn substitution_from_ssh_ng_pipelines_its_lookups_and_nars() {
     let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
     assert!(trips < 40.0, "the substitution took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
 }
+
+/// An SSH substituter's priority is 0 unless its URL says otherwise (Nix's
+/// `StoreConfig::priority`), ahead of a binary cache's 50 even when listed after it: the
+/// closure's NARs come from the far end (counted by `dd` there); with `?priority=60` they come
+/// from the cache, whose answers come first.
+#[test]
+fn an_ssh_substituter_comes_before_a_cache_by_priority() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, _) = subset_store(tmp);
+    let nar_bytes: u64 = nix_path_info(tmp, tmp.join("src").to_str().unwrap(), &root).iter().map(|i| i["narSize"].as_u64().unwrap()).sum();
+    let cache = format!("file://{}", corpus().join("cache-xz").display());
+    for (query, from_far_end) in [("", true), ("&priority=60", false)] {
+        let count = tmp.join(format!("far-output-bytes{query}"));
+        let (_, url) = far_end(tmp, "src", FarEnd::Nix28, &format!("CMD | dd bs=64K 2>{}", count.display()));
+        let dest = tmp.join(format!("dest{query}"));
+        let substituters = format!("{cache} {url}{query}");
+        let o = over_ssh(tmp, &sshd, &sluice_bin())
+            .args(["copy", "--substituters", &substituters, "--to", dest.to_str().unwrap(), &root])
+            .output()
+            .unwrap();
+        check(&o, &format!("sluice copy --substituters '{substituters}'"));
+        assert_eq!(registered_paths(&dest), paths);
+        // A substituter whose answers were not needed is never connected to.
+        let sent = if count.exists() { crate::ssh::dd_bytes(&count) } else { 0 };
+        assert_eq!(sent > nar_bytes, from_far_end, "{sent} bytes came from the far end, the closure's NARs are {nar_bytes} ({query})");
+    }
+}
