@@ -26,6 +26,7 @@ pub mod ssh;
 pub mod store;
 pub mod store_url;
 pub mod substitute;
+pub mod substituter_source;
 pub mod substituters;
 mod unpack_pool;
 pub mod verify;

@@ -83,15 +83,8 @@ impl Env {
     /// [`Env::daemon_limited`] on `<tmp>/<socket>`, with more arguments `args`.
     fn daemon_on(&self, socket: &str, root: &str, cache: &str, extra_config: &str, args: &[&str], open_files: Option<u64>) -> Daemon {
         let socket = self.path(socket);
-        let config = format!("substituters = {cache}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
-        let mut cmd = self.cmd(sluice());
-        cmd.env("NIX_CONFIG", config)
-            .args(["daemon", "--socket"])
-            .arg(&socket)
-            .arg("--store")
-            .arg(self.path(root))
-            .args(args)
-            .stderr(Stdio::null());
+        let mut cmd = self.daemon_command(&socket, root, cache, extra_config);
+        cmd.args(args);
         if let Some(n) = open_files {
             let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
             // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
@@ -104,6 +97,16 @@ impl Env {
             }
         }
         wait_for_socket(cmd.spawn().unwrap(), &socket)
+    }
+
+    /// The command that starts `sluice daemon` on `socket` for the store at `<tmp>/<root>`,
+    /// with `substituters`, the corpus key trusted and `extra_config` lines (to be started
+    /// with [`wait_for_socket`]).
+    pub(crate) fn daemon_command(&self, socket: &Path, root: &str, substituters: &str, extra_config: &str) -> Command {
+        let config = format!("substituters = {substituters}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
+        let mut cmd = self.cmd(sluice());
+        cmd.env("NIX_CONFIG", config).args(["daemon", "--socket"]).arg(socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
+        cmd
     }
 
     /// Starts Nix 2.8's `nix-daemon` on `<tmp>/<socket>` for the store at `<tmp>/<root>`, with
@@ -167,7 +170,7 @@ impl Env {
 /// Waits until `child` (a daemon) listens on `socket` (the socket file exists from its `bind`,
 /// a moment before its `listen`, when a connection is still refused); a daemon that does not
 /// is killed.
-fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
+pub(crate) fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
     let daemon = Daemon { child, url: format!("unix://{}", socket.display()) };
     let start = Instant::now();
     while sluice_local_store::unix_socket::connect(socket).is_err() {

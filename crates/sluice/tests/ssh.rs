@@ -28,7 +28,7 @@ fn sshd_logs_in_with_the_tests_key_only() {
 
 /// What serves a chroot store at the far end of `ssh-ng://`.
 #[derive(Clone, Copy, Debug)]
-enum FarEnd {
+pub(crate) enum FarEnd {
     /// Real Nix 2.8's `nix-daemon --stdio`.
     Nix28,
     /// Real Nix 2.26's `nix-daemon --stdio` (`shared/bin/nix-modern`).
@@ -43,7 +43,7 @@ enum FarEnd {
 /// the corpus's key, and `remote-store=` the chroot store for Nix's daemons (sluice's is given
 /// `--store` by the wrapper). The wrapper runs `shape` with `CMD` replaced by the far end's
 /// command (`CMD | dd … count=N` cuts it midway).
-fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String) {
+pub(crate) fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String) {
     let store = tmp.join(name);
     let (home, conf) = (tmp.join(format!("{name}-home")), tmp.join("no-etc-nix"));
     std::fs::create_dir_all(&home).unwrap();
@@ -75,24 +75,24 @@ fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String
 
 /// `program` (sluice, Nix 2.8's `nix`, or `nix-modern` for Nix 2.26) isolated under `tmp`
 /// (trusting the corpus's key), reaching the test's sshd through `NIX_SSHOPTS`.
-fn over_ssh(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
+pub(crate) fn over_ssh(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
     let mut cmd = Command::new(program);
     isolate(&mut cmd, tmp, &format!("trusted-public-keys = {}", corpus_key()));
     cmd.env("NIX_SSHOPTS", sshd.ssh_opts()).current_dir(tmp);
     cmd
 }
 
-fn sluice_bin() -> PathBuf {
+pub(crate) fn sluice_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
 }
 
-fn nix_modern_bin() -> PathBuf {
+pub(crate) fn nix_modern_bin() -> PathBuf {
     shared().join("bin/nix-modern")
 }
 
 /// The 25-path subset of the corpus: its root, its paths, and a chroot store under `tmp`
 /// holding it.
-fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
+pub(crate) fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
     let (root, paths) = crate::push::subset();
     let src = crate::push::source_store(tmp, "cache-xz", &root);
     (root, paths, src)
@@ -442,7 +442,7 @@ fn a_pull_pipelines_its_nars() {
 }
 
 /// The bytes a `dd` at the far end counted (its `N bytes … copied` line in `file`).
-fn dd_bytes(file: &Path) -> u64 {
+pub(crate) fn dd_bytes(file: &Path) -> u64 {
     std::fs::read_to_string(file).unwrap().lines().find_map(|l| l.split(' ').next()?.parse().ok()).unwrap()
 }
 
