@@ -301,6 +301,33 @@ fn a_far_end_that_stalls_is_given_up() {
     assert!(registered_paths(&far2).is_empty());
 }
 
+/// A NAR this side cannot read whole (the source cache's file of glibc cut short) fails a
+/// push into `ssh-ng://` with that cause, naming the path, not with the daemon's refusal of
+/// the cut-short stream that follows it ("reached end of FramedSource"), as Nix reports
+/// `withFramedSink`'s own failure first.
+#[test]
+fn a_nar_that_cannot_be_read_is_the_pushs_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = crate::push::subset();
+    let cache = tmp.join("cache");
+    copy_dir(&corpus().join("cache-subset-none"), &cache);
+    let glibc = corpus_path("glibc-2.37-8");
+    let narinfo = std::fs::read_to_string(cache.join(format!("{}.narinfo", &glibc["/nix/store/".len()..][..32]))).unwrap();
+    let nar = cache.join(narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap());
+    std::fs::OpenOptions::new().write(true).open(&nar).unwrap().set_len(150_000).unwrap();
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    let o = sluice_copy(tmp, &sshd, &format!("file://{}", cache.display()), &url, Some(&corpus_key()), &root);
+    assert!(!o.status.success(), "a push of a NAR cut short succeeded");
+    let err = stderr(&o);
+    let cause = format!("reading the NAR of {glibc} to add it: the NAR ended after 150000 of its 299200 bytes");
+    assert!(err.contains(&cause) && !err.contains("FramedSource"), "{err}");
+    let registered = registered_paths(&far);
+    assert!(!registered.contains(&glibc) && registered.len() < paths.len(), "{registered:?}");
+    assert_nix_verifies(tmp, &far);
+}
+
 /// `program copy` (sluice, or Nix 2.26 as `nix-modern nix copy`) isolated under `tmp`,
 /// reaching the test's sshd.
 fn copy_command(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
