@@ -221,16 +221,14 @@ fn give_back(pool: &Mutex<Vec<Vec<u8>>>, buf: Vec<u8>) {
 static READERS: AtomicUsize = AtomicUsize::new(0);
 
 impl Drop for FrameDecoder<'_> {
+    /// Gives the reader's buffers back before it stops counting, so that the reader ending
+    /// last empties the pools after every other reader gave its buffers back.
     fn drop(&mut self) {
-        match READERS.fetch_sub(1, Ordering::AcqRel) {
-            1 => {
-                for pool in [&POOL_OUT, &POOL_IN] {
-                    pool.lock().unwrap_or_else(PoisonError::into_inner).clear();
-                }
-            }
-            _ => {
-                give_back(&POOL_OUT, std::mem::take(&mut self.out));
-                give_back(&POOL_IN, std::mem::take(&mut self.pending));
+        give_back(&POOL_OUT, std::mem::take(&mut self.out));
+        give_back(&POOL_IN, std::mem::take(&mut self.pending));
+        if READERS.fetch_sub(1, Ordering::AcqRel) == 1 {
+            for pool in [&POOL_OUT, &POOL_IN] {
+                pool.lock().unwrap_or_else(PoisonError::into_inner).clear();
             }
         }
     }
@@ -467,7 +465,7 @@ impl<W: Write> Write for FrameEncoder<W> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Compressible data that is not all alike, `len` bytes.
@@ -481,8 +479,9 @@ mod tests {
         e.finish().unwrap()
     }
 
-    /// Held by each test that makes readers, so that the pools' test sees only its own.
-    fn serial() -> std::sync::MutexGuard<'static, ()> {
+    /// Held by each test that makes readers (here and in the crate's), so that the pools'
+    /// tests see only their own.
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
         static SERIAL: Mutex<()> = Mutex::new(());
         SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -548,6 +547,32 @@ mod tests {
         assert!(pooled(&POOL_OUT).len() <= POOLED);
         drop(alive);
         assert_eq!((pooled(&POOL_OUT), pooled(&POOL_IN)), (vec![], vec![]));
+    }
+
+    /// A reader that ends counts as alive until its buffers are back in the pools, so that the
+    /// reader ending last empties the pools after them. Before, it stopped counting first: a
+    /// reader ending meanwhile, last, emptied the pools, then the first gave its buffers back,
+    /// held with no reader alive. Here the first one's giving back waits on the pool's lock.
+    #[test]
+    fn an_ending_reader_counts_until_its_buffers_are_back() {
+        let _serial = serial();
+        let packed = zstd::bulk::compress(&data(4096), 1).unwrap();
+        let mut ending = FrameDecoder::new(Box::new(&packed[..]));
+        ending.read_exact(&mut [0u8]).unwrap();
+        let last = FrameDecoder::new(Box::new(&b""[..]));
+        let counted = std::thread::scope(|s| {
+            let pool = POOL_OUT.lock().unwrap();
+            let dropping = s.spawn(move || drop(ending));
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let counted = READERS.load(Ordering::Acquire);
+            drop(pool);
+            dropping.join().unwrap();
+            counted
+        });
+        assert_eq!(counted, 2, "a reader stopped counting before its buffers were back");
+        assert_eq!(pooled(&POOL_OUT).len(), 1);
+        drop(last);
+        assert_eq!((pooled(&POOL_OUT), pooled(&POOL_IN), READERS.load(Ordering::Acquire)), (vec![], vec![], 0));
     }
 
     /// Nothing written is one empty frame.
