@@ -258,7 +258,9 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
 /// A far end that stops reading or writing midway and stays connected (its output, then its
 /// input, no longer passed on after 200 KB) is given up after `stalled-download-timeout`, a
 /// pull and a push each failing with one error naming the host, instead of waiting for ever;
-/// the local store holds nothing half-registered and the far one verifies.
+/// the local store holds nothing half-registered and the far one verifies. A far end whose
+/// output ends while it lives on is not waited for either (before, the pull waited for it to
+/// exit, whatever the limit).
 #[test]
 fn a_far_end_that_stalls_is_given_up() {
     let tmp = tempfile::tempdir().unwrap();
@@ -266,7 +268,7 @@ fn a_far_end_that_stalls_is_given_up() {
     let sshd = Sshd::start(tmp);
     let (root, _, src) = subset_store(tmp);
     let stall = "{ dd bs=64K count=200000 iflag=count_bytes status=none; sleep 30; }";
-    let copy = |from: &str, to: &str| {
+    let copy = |from: &str, to: &str, said: &str| {
         let o = over_ssh(tmp, &sshd, Path::new("timeout"))
             .arg("60")
             .arg(sluice_bin())
@@ -288,16 +290,25 @@ fn a_far_end_that_stalls_is_given_up() {
         assert_ne!(o.status.code(), Some(124), "{from} -> {to}: still waiting after 60 s: {}", stderr(&o));
         let err = stderr(&o);
         assert!(!o.status.success(), "{from} -> {to}: succeeded");
-        assert!(err.contains("ssh-ng://sluice-test") && err.contains("nothing moved either way for 3 s"), "{from} -> {to}: {err}");
+        let host = [from, to].into_iter().find_map(|url| url.strip_prefix("ssh-ng://")?.split('?').next()).unwrap();
+        assert!(err.contains(&format!("ssh-ng://{host}")) && err.contains(said), "{from} -> {to}: {err}");
     };
+    let stalled = "nothing moved either way for 3 s";
     check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &far_end(tmp, "far", FarEnd::Nix28, "CMD").1, None, &root), "push");
     let (_, stalled_output) = far_end(tmp, "far", FarEnd::Nix28, &format!("CMD | {stall}"));
     let back = tmp.join("back");
-    copy(&stalled_output, back.to_str().unwrap());
+    copy(&stalled_output, back.to_str().unwrap(), stalled);
+    assert_store_closed(&back);
+    assert_nix_verifies(tmp, &back);
+    // ssh keeps its output open while it lives: the far end `localhost` runs here, without
+    // ssh, ends it.
+    let closed = "CMD | dd bs=64K count=200000 iflag=count_bytes status=none; exec >&-; sleep 90";
+    let (_, closed_output) = far_end(tmp, "far", FarEnd::Sluice, closed);
+    copy(&closed_output.replacen(HOST, "localhost", 1), back.to_str().unwrap(), "(end of its output)");
     assert_store_closed(&back);
     assert_nix_verifies(tmp, &back);
     let (far2, stalled_input) = far_end(tmp, "far2", FarEnd::Nix28, &format!("{stall} | CMD"));
-    copy(src.to_str().unwrap(), &stalled_input);
+    copy(src.to_str().unwrap(), &stalled_input, stalled);
     assert!(registered_paths(&far2).is_empty());
 }
 
