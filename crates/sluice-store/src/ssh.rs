@@ -292,11 +292,12 @@ fn first_line(r: &mut impl Read) -> Option<String> {
 }
 
 /// Reads ssh's standard error to its end, logging each line and keeping the last
-/// [`STDERR_KEPT`] bytes in `kept`.
+/// [`STDERR_KEPT`] bytes in `kept`. A line is read [`STDERR_KEPT`] bytes at most at a time:
+/// a far end writing no newline holds no more memory.
 fn collect_stderr(stderr: std::process::ChildStderr, kept: &Mutex<Vec<u8>>) {
     let mut lines = std::io::BufReader::new(stderr);
     let mut line = Vec::new();
-    while matches!(std::io::BufRead::read_until(&mut lines, b'\n', &mut line), Ok(n) if n > 0) {
+    while matches!(std::io::BufRead::read_until(&mut (&mut lines).take(STDERR_KEPT as u64), b'\n', &mut line), Ok(n) if n > 0) {
         tracing::debug!("ssh: {}", String::from_utf8_lossy(&line).trim_end());
         let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
         kept.extend_from_slice(&line);

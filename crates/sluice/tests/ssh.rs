@@ -403,6 +403,29 @@ fn sluice_at_the_far_end_commits_a_push_in_one_batch() {
     }
 }
 
+/// A far end that floods its standard error with no newline (128 MiB of NUL bytes, then its
+/// daemon) costs no memory for it: ssh's standard error is kept in pieces of at most 4 KiB
+/// (before, the line being read grew to the whole flood); the push completes.
+#[test]
+fn a_far_end_flooding_its_stderr_costs_no_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "head -c 128M /dev/zero >&2; CMD");
+    let rss = tmp.join("rss");
+    let o = over_ssh(tmp, &sshd, Path::new("/usr/bin/time"))
+        .args(["-f", "%M", "-o", rss.to_str().unwrap()])
+        .arg(sluice_bin())
+        .args(["copy", "--from", src.to_str().unwrap(), "--to", &url, &root])
+        .output()
+        .unwrap();
+    check(&o, "push");
+    assert_holds(tmp, &far, &root, &paths);
+    let kib: u64 = std::fs::read_to_string(&rss).unwrap().lines().last().unwrap().trim().parse().unwrap();
+    assert!(kib < 96 * 1024, "peak RSS {kib} KiB");
+}
+
 /// A push into `ssh-ng://` is one stream: one validity query, then every missing path in one
 /// AddMultipleToStore, not a round trip per level of the closure: at 150 ms RTT the 25-path
 /// closure goes into Nix 2.8's daemon in less than `ssh host true` and 8 round trips (the
