@@ -601,7 +601,9 @@ pub(crate) mod tests {
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         let input: Vec<u8> = (0..2 * FRAME_SIZE)
             .map(|_| {
-                (x ^= x << 13, x ^= x >> 7, x ^= x << 17);
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
                 x as u8
             })
             .collect();
