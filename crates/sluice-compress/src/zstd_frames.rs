@@ -221,16 +221,14 @@ fn give_back(pool: &Mutex<Vec<Vec<u8>>>, buf: Vec<u8>) {
 static READERS: AtomicUsize = AtomicUsize::new(0);
 
 impl Drop for FrameDecoder<'_> {
+    /// Gives the reader's buffers back before it stops counting, so that the reader ending
+    /// last empties the pools after every other reader gave its buffers back.
     fn drop(&mut self) {
-        match READERS.fetch_sub(1, Ordering::AcqRel) {
-            1 => {
-                for pool in [&POOL_OUT, &POOL_IN] {
-                    pool.lock().unwrap_or_else(PoisonError::into_inner).clear();
-                }
-            }
-            _ => {
-                give_back(&POOL_OUT, std::mem::take(&mut self.out));
-                give_back(&POOL_IN, std::mem::take(&mut self.pending));
+        give_back(&POOL_OUT, std::mem::take(&mut self.out));
+        give_back(&POOL_IN, std::mem::take(&mut self.pending));
+        if READERS.fetch_sub(1, Ordering::AcqRel) == 1 {
+            for pool in [&POOL_OUT, &POOL_IN] {
+                pool.lock().unwrap_or_else(PoisonError::into_inner).clear();
             }
         }
     }
@@ -254,13 +252,20 @@ impl<'a> FrameDecoder<'a> {
 
     /// Reads more input into `pending`, growing it (geometrically, within its capacity
     /// first: a reused buffer seldom grows) when it has less than [`READ_CHUNK`] of room; false
-    /// at the input's end.
+    /// at the input's end. While its capacity has room, it does not grow past it: a frame's
+    /// buffer is reserved for the whole frame ([`FrameDecoder::next_frame`]), and grown to
+    /// twice that for the last pieces of a frame read in short pieces, the pool would not keep
+    /// it.
     fn fill(&mut self) -> io::Result<bool> {
         if self.input_done {
             return Ok(false);
         }
         if self.pending.len() - self.filled < READ_CHUNK {
-            let len = (self.filled + READ_CHUNK).max((2 * self.pending.len()).min(self.pending.capacity()));
+            let capacity = self.pending.capacity();
+            let len = match self.filled < capacity {
+                true => (self.filled + READ_CHUNK).min(capacity).max((2 * self.pending.len()).min(capacity)),
+                false => self.filled + READ_CHUNK,
+            };
             self.pending.resize(len, 0);
         }
         let n = loop {
@@ -467,7 +472,7 @@ impl<W: Write> Write for FrameEncoder<W> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Compressible data that is not all alike, `len` bytes.
@@ -481,8 +486,9 @@ mod tests {
         e.finish().unwrap()
     }
 
-    /// Held by each test that makes readers, so that the pools' test sees only its own.
-    fn serial() -> std::sync::MutexGuard<'static, ()> {
+    /// Held by each test that makes readers (here and in the crate's), so that the pools'
+    /// tests see only their own.
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
         static SERIAL: Mutex<()> = Mutex::new(());
         SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -548,6 +554,67 @@ mod tests {
         assert!(pooled(&POOL_OUT).len() <= POOLED);
         drop(alive);
         assert_eq!((pooled(&POOL_OUT), pooled(&POOL_IN)), (vec![], vec![]));
+    }
+
+    /// A reader that ends counts as alive until its buffers are back in the pools, so that the
+    /// reader ending last empties the pools after them. Before, it stopped counting first: a
+    /// reader ending meanwhile, last, emptied the pools, then the first gave its buffers back,
+    /// held with no reader alive. Here the first one's giving back waits on the pool's lock.
+    #[test]
+    fn an_ending_reader_counts_until_its_buffers_are_back() {
+        let _serial = serial();
+        let packed = zstd::bulk::compress(&data(4096), 1).unwrap();
+        let mut ending = FrameDecoder::new(Box::new(&packed[..]));
+        ending.read_exact(&mut [0u8]).unwrap();
+        let last = FrameDecoder::new(Box::new(&b""[..]));
+        let counted = std::thread::scope(|s| {
+            let pool = POOL_OUT.lock().unwrap();
+            let dropping = s.spawn(move || drop(ending));
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let counted = READERS.load(Ordering::Acquire);
+            drop(pool);
+            dropping.join().unwrap();
+            counted
+        });
+        assert_eq!(counted, 2, "a reader stopped counting before its buffers were back");
+        assert_eq!(pooled(&POOL_OUT).len(), 1);
+        drop(last);
+        assert_eq!((pooled(&POOL_OUT), pooled(&POOL_IN), READERS.load(Ordering::Acquire)), (vec![], vec![], 0));
+    }
+
+    /// A frame that hardly compresses, read in short pieces (as from a pipe or an HTTP body),
+    /// is gathered within the buffer sized for it, which goes back to the pool for the next
+    /// frame: before, the last pieces grew it to twice its size, past what the pool keeps, and
+    /// every such frame's buffer was a fresh allocation.
+    #[test]
+    fn a_frame_read_in_short_pieces_is_gathered_in_a_buffer_the_pool_keeps() {
+        struct Short<'a>(&'a [u8]);
+        impl Read for Short<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let n = buf.len().min(16 * 1024).min(self.0.len());
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let _serial = serial();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let input: Vec<u8> = (0..2 * FRAME_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let packed = encode(&input, 1);
+        let alive = FrameDecoder::new(Box::new(&b""[..]));
+        let mut out = Vec::new();
+        FrameDecoder::new(Box::new(Short(&packed))).read_to_end(&mut out).unwrap();
+        assert!(out == input);
+        let gathered = pooled(&POOL_IN);
+        assert!(gathered.iter().any(|&c| c >= FRAME_SIZE), "{gathered:?}");
+        drop(alive);
     }
 
     /// Nothing written is one empty frame.
