@@ -85,8 +85,12 @@ impl Client {
         tcp.set_keepalive_interval(Some(Duration::from_secs(15)));
         tcp.set_keepalive_retries(Some(3));
         tcp.set_tcp_user_timeout(Some(Duration::from_secs(30)));
-        let https =
-            hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().enable_http2().wrap_connector(Connector(tcp));
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(Connector(tcp));
         let inner = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
             .pool_timer(TokioTimer::new())

@@ -337,7 +337,8 @@ impl HttpTransport {
     /// Builds the request `spec` for `target`, signed if this transport signs.
     async fn build(&self, target: &reqwest::Url, spec: Request<'_>) -> Result<reqwest::Request, CacheError> {
         let url = target.as_str();
-        let invalid = |what: String| CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
+        let invalid =
+            |what: String| CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
         let mut request = reqwest::Request::new(spec.method.clone(), target.clone());
         let headers = request.headers_mut();
         if let Some(c) = &self.credentials {
@@ -351,11 +352,15 @@ impl HttpTransport {
         let payload_sha256 = match spec.body {
             Some((upload, content_type)) => {
                 let body = upload.body().await.map_err(|source| CacheError::Io { url: url.to_string(), source })?;
-                let content_type = reqwest::header::HeaderValue::from_str(content_type).map_err(|e| invalid(format!("Content-Type: {e}")))?;
+                let content_type =
+                    reqwest::header::HeaderValue::from_str(content_type).map_err(|e| invalid(format!("Content-Type: {e}")))?;
                 headers.insert(reqwest::header::CONTENT_TYPE, content_type);
                 headers.insert(reqwest::header::CONTENT_LENGTH, upload.len().into());
                 if let Some(md5) = self.signer.as_ref().and_then(|_| upload.md5_base64()) {
-                    headers.insert(reqwest::header::HeaderName::from_static("content-md5"), reqwest::header::HeaderValue::from_str(&md5).map_err(|e| invalid(format!("Content-MD5: {e}")))?);
+                    headers.insert(
+                        reqwest::header::HeaderName::from_static("content-md5"),
+                        reqwest::header::HeaderValue::from_str(&md5).map_err(|e| invalid(format!("Content-MD5: {e}")))?,
+                    );
                 }
                 *request.body_mut() = Some(body);
                 upload.sha256_hex()

@@ -316,7 +316,8 @@ mod tests {
         assert_eq!(id(signer.current_by(search(None)).await).as_deref(), Some("B"));
         assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 3);
         // Credentials without an expiry (the environment's, a profile's) are never searched again.
-        let plain = SigV4 { region: "r".into(), profile: None, client: crate::client::Client::plain(), credentials: tokio::sync::Mutex::new(None) };
+        let plain =
+            SigV4 { region: "r".into(), profile: None, client: crate::client::Client::plain(), credentials: tokio::sync::Mutex::new(None) };
         for _ in 0..3 {
             assert_eq!(id(plain.current_by(search(Some(Credentials::new("P", "s", None, None, "test")))).await).as_deref(), Some("P"));
         }
