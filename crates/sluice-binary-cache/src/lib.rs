@@ -7,6 +7,7 @@
 //! into [`url`]'s types; this crate knows neither.
 
 pub mod causes;
+pub mod client;
 mod error;
 pub mod fence;
 pub mod file;

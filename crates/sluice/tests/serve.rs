@@ -2,7 +2,8 @@
 //! served to real Nix 2.8 and Nix 2.26 (`nix copy --from`, `nix-store -r` with it as a
 //! substituter, signatures verified with the server's public key, `nix path-info -r --json`
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
-//! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
+//! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, in front of
+//! an HTTP cache that answers in two writes (narinfos asked in turn wait for no delayed ACK), and to
 //! hostile clients (traversal, huge headers, thousands of idle connections, a client that
 //! stops reading, h2c connections that only answer PINGs or flood them, a request body trickled
 //! a byte at a time, HTTP/2 streams never read, keep-alive clients holding every slot) beside a
@@ -246,6 +247,41 @@ fn real_nix_2_8_substitutes_from_sluice_serve_in_front_of_an_s3_bucket() {
     let server = Server::start_url(tmp, &bucket, &["--secret-key", secret.to_str().unwrap()]);
 
     assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
+}
+
+/// Narinfos asked one after the other through `sluice serve` in front of an HTTP cache that
+/// writes an answer's headers and its body in two writes with Nagle's algorithm on (Python's
+/// `http.server` keeping connections alive, put_server.py, serving cache-xz; s3s-fs does the
+/// same when its file read ends after hyper flushed the headers), as a Nix client asks them:
+/// each is one request on the server's kept-alive upstream connection. The body left only once
+/// the server's socket had acknowledged the headers, which Linux delays by 40 ms on such a
+/// connection: each narinfo found took 40 ms or more of the server's time.
+#[test]
+fn narinfos_through_serve_in_front_of_a_cache_answering_in_two_writes_do_not_wait_for_delayed_acks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let cache = PutServer::start(&corpus().join("cache-xz"), tmp, "[]", 5, true);
+    let server = Server::start_url(tmp, &cache.url, &[]);
+    // The subset's narinfos (found) and as many that the cache does not have.
+    let (_, paths) = subset();
+    let found = paths.iter().map(|p| (p.trim_start_matches("/nix/store/")[..32].to_string(), true));
+    let hashes: Vec<(String, bool)> = found.chain((0..paths.len()).map(|i| (format!("{i:032}"), false))).collect();
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for (hash, present) in &hashes {
+        conn.write_all(format!("GET /{hash}.narinfo HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).unwrap();
+        let answer = answer_on(&mut conn).unwrap_or_else(|| panic!("no answer for {hash}.narinfo"));
+        let status = if *present { "HTTP/1.1 200" } else { "HTTP/1.1 404" };
+        assert!(answer.starts_with(status), "{hash}.narinfo: {answer}");
+    }
+    let metrics = server.raw(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let value = |name: &str| -> f64 {
+        let prefix = format!("sluice_serve_request_duration_seconds_{name}{{endpoint=\"narinfo\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {prefix} in {metrics}")).parse().unwrap()
+    };
+    assert_eq!(value("count") as usize, hashes.len());
+    let ms = value("sum") * 1000.0 / hashes.len() as f64;
+    assert!(ms < 10.0, "{ms:.1} ms of the server's time per narinfo");
 }
 
 #[test]
