@@ -4,8 +4,9 @@
 //! what the destination already has, contents included ([`Store::query_complete_paths`]), is
 //! found in one query and skipped, and every missing path is then transferred at once (the
 //! destination having vouched for each path's signature or content address first, the source
-//! told to fetch the NARs ahead), largest NAR first, at most the destination's
-//! [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
+//! told to fetch the NARs ahead), largest NAR first (in a dependency order from a store that
+//! sends its NARs one after the other, [`Store::streams_nars_in_order`]), at most the
+//! destination's [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
 //! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
 //! killed. Paths in a reference cycle the source claims fail, with their dependents. Into a
@@ -73,7 +74,11 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
     let all: Vec<StorePath> = infos.keys().cloned().collect();
     let (present, push) = dst.begin_push(&all).await?;
     let mut missing: Vec<&ValidPathInfo> = infos.values().filter(|i| !present.contains(&i.path)).collect();
-    missing.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path)));
+    match src.streams_nars_in_order() {
+        // They come one after the other: a path whose references came first is added at once.
+        true => missing = dependency_order(missing),
+        false => missing.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path))),
+    }
     let mut report = PushReport { already_valid: present.len(), ..Default::default() };
 
     let slots = Arc::new(Semaphore::new(dst.parallelism().max(1)));

@@ -181,6 +181,14 @@ pub trait Store: Send + Sync {
         let _ = infos;
     }
 
+    /// Whether the NARs [`prefetch_nars`](Self::prefetch_nars) is told of come back to back on
+    /// one channel, in the order told (a daemon, `ssh://`): a copy from such a store reads
+    /// them in a dependency order, so that each path can be registered as soon as it has
+    /// arrived instead of after the NARs asked before it.
+    fn streams_nars_in_order(&self) -> bool {
+        false
+    }
+
     /// Whether `info` may be added as far as its claims go (a trusted signature, or a content
     /// address, where the store requires one): asked before its NAR is transferred, so that
     /// a path that would be refused is not downloaded first (NixOS/nix#13339). By default every

@@ -11,9 +11,10 @@ use std::process::{Command, Output, Stdio};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StoreDir;
 use sluice_nix::wire::serve::{
-    client_handshake, write_path_info_entry, write_serve_request, AddToStoreNar, ExportPaths, ImportPaths, QueryPathInfos, QueryValidPaths,
+    client_handshake, write_path_info_entry, write_serve_request, AddToStoreNar, DumpStorePath, ExportPaths, ImportPaths, QueryClosure,
+    QueryPathInfos, QueryValidPaths, ServeCommand, ServeRequest,
 };
-use sluice_nix::wire::{read_store_path_set, write_bytes, write_store_path_set, ProtocolVersion};
+use sluice_nix::wire::{read_store_path_set, read_u64, write_bytes, write_store_path_set, ProtocolVersion};
 
 use crate::common::sshd::{Sshd, HOST};
 use crate::common::*;
@@ -340,6 +341,14 @@ pub(crate) fn nix_store_wrapper(tmp: &Path, name: &str, store: &Path, modern: bo
     file
 }
 
+/// A shell script `tmp/name` running `body`; its path.
+fn program(tmp: &Path, name: &str, body: &str) -> PathBuf {
+    let file = tmp.join(name);
+    std::fs::write(&file, format!("#!/bin/sh\n{body}\n")).unwrap();
+    check(&Command::new("chmod").arg("+x").arg(&file).output().unwrap(), "chmod");
+    file
+}
+
 /// `sluice ARGS` with `NIX_SSHOPTS` reaching `sshd`.
 fn sluice_over_ssh(tmp: &Path, sshd: &Sshd, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
@@ -358,9 +367,7 @@ fn sluice_copies_both_ways_with(modern: bool) {
     let src = source_store(tmp, "cache-subset-none", &root);
     let serve = nix_store_wrapper(tmp, "serve-src", &src, modern);
     // What the far end sends, kept (tee writes as it reads).
-    let logged = tmp.join("logged");
-    std::fs::write(&logged, format!("#!/bin/sh\n{} \"$@\" | tee {}/sent\n", serve.display(), tmp.display())).unwrap();
-    check(&Command::new("chmod").arg("+x").arg(&logged).output().unwrap(), "chmod");
+    let logged = program(tmp, "logged", &format!("{} \"$@\" | tee {}/sent", serve.display(), tmp.display()));
     let untrusted = format!("ssh://{HOST}?remote-program={}", logged.display());
     let local = tmp.join("local");
     let to_local = |from: &str, key: &str| {
@@ -400,6 +407,63 @@ fn sluice_copies_from_and_to_nix_2_26_store_serve() {
     sluice_copies_both_ways_with(true);
 }
 
+/// A pull over `ssh://` asks for the NARs in a dependency order, each path's references before
+/// it, so that each path can be registered as soon as it has arrived (before, largest NAR
+/// first, most paths waited for NARs asked after them): the requests real `nix-store --serve`
+/// 2.8 was sent, kept by `tee`, ask for each path of the closure once, after its references.
+#[test]
+fn a_pull_asks_for_nars_references_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = subset();
+    let src = source_store(tmp, "cache-subset-none", &root);
+    let serve = nix_store_wrapper(tmp, "serve-src", &src, false);
+    let logged = program(tmp, "logged", &format!("tee {}/asked | {} \"$@\"", tmp.display(), serve.display()));
+    let from = format!("ssh://{HOST}?remote-program={}", logged.display());
+    let local = tmp.join("local");
+    let o = sluice_over_ssh(
+        tmp,
+        &sshd,
+        &["copy", "--from", &from, "--to", local.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root],
+    );
+    check(&o, "sluice copy --from ssh://");
+    assert_eq!(nix_closure(tmp, &local, &root), paths);
+    let asked = dumped_paths(&std::fs::read(tmp.join("asked")).unwrap());
+    assert_eq!(asked.len(), paths.len(), "{asked:?}");
+    assert_eq!(asked.iter().cloned().collect::<BTreeSet<_>>(), paths);
+    for info in nix_path_info(tmp, src.to_str().unwrap(), &root) {
+        let path = info["path"].as_str().unwrap();
+        let at = asked.iter().position(|a| a == path).unwrap();
+        for reference in info["references"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).filter(|r| *r != path) {
+            let before = asked.iter().position(|a| a == reference).unwrap();
+            assert!(before < at, "{path} was asked for (#{at}) before its reference {reference} (#{before}): {asked:#?}");
+        }
+    }
+}
+
+/// The paths of the DumpStorePath requests in `sent`, what a client sent a far end (the
+/// greeting, then pulls' requests only), in order.
+fn dumped_paths(mut sent: &[u8]) -> Vec<String> {
+    let (dir, r) = (StoreDir::default(), &mut sent);
+    read_u64(r, "magic").unwrap();
+    let version = ProtocolVersion::from_wire(read_u64(r, "version").unwrap());
+    let mut dumped = Vec::new();
+    while !r.is_empty() {
+        match ServeCommand::from_wire(read_u64(r, "command").unwrap()) {
+            Some(ServeCommand::QueryClosure) => {
+                QueryClosure::read(r, &dir, version).unwrap();
+            }
+            Some(ServeCommand::QueryPathInfos) => {
+                QueryPathInfos::read(r, &dir, version).unwrap();
+            }
+            Some(ServeCommand::DumpStorePath) => dumped.push(dir.display_path(&DumpStorePath::read(r, &dir, version).unwrap().path)),
+            other => panic!("a pull sent {other:?}"),
+        }
+    }
+    dumped
+}
+
 /// A far end that dies mid-NAR fails the pull and leaves nothing half-registered (what is
 /// registered is whole, for real Nix); a remote program that is not there is one error naming
 /// the host.
@@ -411,9 +475,7 @@ fn a_far_end_that_dies_or_is_missing_is_one_clear_error() {
     let (root, _) = subset();
     let src = source_store(tmp, "cache-subset-none", &root);
     let serve = nix_store_wrapper(tmp, "serve-src", &src, false);
-    let dying = tmp.join("dying");
-    std::fs::write(&dying, format!("#!/bin/sh\n{} \"$@\" | stdbuf -o0 head -c 300000\n", serve.display())).unwrap();
-    check(&Command::new("chmod").arg("+x").arg(&dying).output().unwrap(), "chmod");
+    let dying = program(tmp, "dying", &format!("{} \"$@\" | stdbuf -o0 head -c 300000", serve.display()));
     let local = tmp.join("local");
     let from = format!("ssh://{HOST}?remote-program={}", dying.display());
     let o = sluice_over_ssh(

@@ -193,6 +193,11 @@ impl Store for LegacySshStore {
         }
     }
 
+    /// DumpStorePath answers come in the order asked, on one channel.
+    fn streams_nars_in_order(&self) -> bool {
+        true
+    }
+
     /// The NAR fetched ahead ([`Store::prefetch_nars`]) once it has arrived; else DumpStorePath,
     /// sent at once, the NAR copied into the returned reader's pipe by the connection's reader
     /// thread when its turn comes. If the reader is dropped, the rest of the NAR is still read

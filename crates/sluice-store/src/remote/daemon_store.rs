@@ -195,6 +195,11 @@ impl Store for DaemonStore {
         let _ = self.jobs.send(fetch);
     }
 
+    /// NarFromPath answers come in the order asked, on one connection.
+    fn streams_nars_in_order(&self) -> bool {
+        true
+    }
+
     fn add_to_store<'a>(&'a self, info: ValidPathInfo, nar: NarReader, mut publish: PublishGate) -> StoreFuture<'a, ()> {
         use futures::FutureExt;
         Box::pin(async move {
