@@ -36,6 +36,13 @@ use tokio::net::TcpStream;
 /// Most bytes of a file one stand-in frame stands for.
 const FRAME: usize = 8 << 20;
 
+/// Most bytes a connection's socket holds not yet sent (`TCP_NOTSENT_LOWAT`). Without a bound,
+/// one `sendfile` queues a whole file (the send buffer grows to megabytes) and what the window
+/// does not let out at once is sent later by the kernel as the client's acknowledgements
+/// arrive, on the client's side of loopback; with it, the server sends as the window opens,
+/// as a server writing a chunk at a time does (nginx's `sendfile_max_chunk` paces it too).
+const NOT_SENT: u32 = 256 << 10;
+
 /// What stand-in frames are slices of: never read, so never faulted in (zeroed static memory
 /// is mapped on first touch).
 static STAND_IN: [u8; FRAME] = [0; FRAME];
@@ -85,7 +92,10 @@ pub struct Sendfile {
 }
 
 impl Sendfile {
+    /// The stream of `tcp`, which takes no more than [`NOT_SENT`] bytes not yet sent at a time.
     pub fn new(tcp: TcpStream, files: Files) -> Self {
+        // Best effort: without it (an old kernel) files go out all the same.
+        let _ = socket2::SockRef::from(&tcp).set_tcp_notsent_lowat(NOT_SENT);
         Sendfile { tcp, files }
     }
 
