@@ -78,6 +78,24 @@ impl Server {
         Server::started(cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap())
     }
 
+    /// [`Server::start_url`] with its standard error (its log) going to the file `log`.
+    pub(crate) fn start_logging(tmp: &Path, url: &str, args: &[&str], log: &Path) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp, "");
+        cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args);
+        let child = cmd.stderr(std::fs::File::create(log).unwrap()).spawn().unwrap();
+        let start = Instant::now();
+        let url = loop {
+            let text = std::fs::read_to_string(log).unwrap();
+            if let Some(line) = text.lines().find(|l| l.starts_with("serving ")) {
+                break line.rsplit(' ').next().unwrap().to_owned();
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Server { child, addr: url.split("://").nth(1).unwrap().to_owned(), url }
+    }
+
     /// [`Server::start`] by `systemd-socket-activate` listening on a free loopback port, which
     /// starts `sluice serve` with that socket passed at the first connection (made here).
     fn start_activated(tmp: &Path, store: &Path, args: &[&str]) -> Server {
@@ -608,6 +626,80 @@ fn https_serves_http2_by_alpn() {
     assert_eq!(String::from_utf8_lossy(&o.stdout), "2");
 }
 
+/// The answers read from a connection whose requests were `heads` (whether each was a HEAD):
+/// each answer's head and body (its `Content-Length` bytes; none answering a HEAD).
+fn split_answers(mut bytes: &[u8], heads: &[bool]) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for head_only in heads {
+        let end = bytes.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or_else(|| panic!("no answer head in {} bytes", bytes.len())) + 4;
+        let head = String::from_utf8_lossy(&bytes[..end]).to_lowercase();
+        let len = head.lines().find_map(|l| l.strip_prefix("content-length: ")).map_or(0, |v| v.trim().parse().unwrap());
+        let body = if *head_only { 0 } else { len };
+        out.push((head, bytes[end..end + body].to_vec()));
+        bytes = &bytes[end + body..];
+    }
+    assert!(bytes.is_empty(), "{} bytes after the last answer", bytes.len());
+    out
+}
+
+/// NAR files of a binary cache served as stored go out over plain HTTP/1.1 with `sendfile`
+/// (issue 40): a file larger than what one body frame stands for (8 MiB) and a small one,
+/// asked for around a HEAD and another request, all pipelined on one keep-alive connection,
+/// come whole and in order, each with its length. Over HTTPS (HTTP/1.1 and HTTP/2) and h2c,
+/// where the files are read instead, the same bytes.
+#[test]
+fn stored_nar_files_come_whole_and_in_order_pipelined_and_over_https() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let cache = tmp.join("cache");
+    std::fs::create_dir_all(cache.join("nar")).unwrap();
+    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let big: Vec<u8> = (0..20 * 1024 * 1024 + 12345u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let small = b"a small NAR file\n".repeat(64);
+    let (big_name, small_name) = (format!("nar/{}.nar", "1".repeat(52)), format!("nar/{}.nar.xz", "2".repeat(52)));
+    std::fs::write(cache.join(&big_name), &big).unwrap();
+    std::fs::write(cache.join(&small_name), &small).unwrap();
+    let url = format!("file://{}", cache.display());
+
+    let server = Server::start_url(tmp, &url, &[]);
+    let ask = |method: &str, target: &str| format!("{method} /{target} HTTP/1.1\r\nHost: x\r\n\r\n");
+    let close = format!("GET /{big_name} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let requests = [ask("GET", &big_name), ask("HEAD", &big_name), ask("GET", "nix-cache-info"), ask("GET", &small_name), close].concat();
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    conn.write_all(requests.as_bytes()).unwrap();
+    let mut got = Vec::new();
+    conn.read_to_end(&mut got).unwrap();
+    let answers = split_answers(&got, &[false, true, false, false, false]);
+    for (i, want) in [(0, &big[..]), (3, &small[..]), (4, &big[..])] {
+        let (head, body) = &answers[i];
+        assert!(head.starts_with("http/1.1 200 ") && head.contains(&format!("content-length: {}\r\n", want.len())), "{i}: {head}");
+        assert!(body == want, "answer {i}: {} bytes, not the file's {}", body.len(), want.len());
+    }
+    assert!(answers[1].0.starts_with("http/1.1 200 ") && answers[1].0.contains(&format!("content-length: {}\r\n", big.len())));
+    assert!(answers[2].1.starts_with(b"StoreDir: /nix/store\n"), "{:?}", answers[2]);
+
+    let (cert, key) = self_signed(tmp);
+    let tls = Server::start_url(tmp, &url, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
+    let cacert = ["--cacert", cert.to_str().unwrap()];
+    let over = |flag| [&cacert[..], &[flag][..]].concat();
+    // Both files on one connection over TLS; with h2c one each (curl 7.88 fails a second
+    // request on an h2c connection, against this server as before this change).
+    let h2c = vec!["--http2-prior-knowledge"];
+    let names = [&big_name, &small_name];
+    for (base, flags, urls) in [
+        (&tls.url, over("--http1.1"), &names[..]),
+        (&tls.url, over("--http2"), &names[..]),
+        (&server.url, h2c.clone(), &names[..1]),
+        (&server.url, h2c, &names[1..]),
+    ] {
+        let o = Command::new("curl").arg("-sf").args(&flags).args(urls.iter().map(|n| format!("{base}/{n}"))).output().unwrap();
+        check(&o, "curl");
+        let want: Vec<u8> = urls.iter().flat_map(|n| std::fs::read(cache.join(n)).unwrap()).collect();
+        assert!(o.stdout == want, "{base} {flags:?} {urls:?}: {} bytes, not {}", o.stdout.len(), want.len());
+    }
+}
+
 /// HEAD answers have no body over HTTP/2 either, whatever their status: Nix 2.8 (libcurl on
 /// GnuTLS, HTTP/2 by ALPN) asks a narinfo by HEAD (`fileExists`) and gets its 404 over TLS
 /// (it failed with "Stream error in the HTTP/2 framing layer": the 404's text came as DATA,
@@ -1119,24 +1211,7 @@ fn an_access_log_line_per_request_at_verbose() {
     let src = source_store(tmp, &root);
     for (flags, logged) in [(&["-v"][..], true), (&[], false)] {
         let log = tmp.join(format!("serve{}.log", flags.len()));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        isolate(&mut cmd, tmp, "");
-        let child = cmd
-            .args(["serve", "--store", src.to_str().unwrap(), "--listen", "127.0.0.1:0"])
-            .args(flags)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        let url = loop {
-            let text = std::fs::read_to_string(&log).unwrap();
-            if let Some(line) = text.lines().find(|l| l.starts_with("serving ")) {
-                break line.rsplit(' ').next().unwrap().to_owned();
-            }
-            assert!(start.elapsed() < Duration::from_secs(20), "{text}");
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let server = Server { child, addr: url.trim_start_matches("http://").to_owned(), url };
+        let server = Server::start_logging(tmp, src.to_str().unwrap(), flags, &log);
         let hash = &root["/nix/store/".len()..][..32];
         for target in ["/nix-cache-info".to_owned(), format!("/{hash}.narinfo"), "/00000000000000000000000000000000.narinfo".to_owned()] {
             let o = Command::new("curl").args(["-s", "-o", "/dev/null", &format!("{}{target}", server.url)]).output().unwrap();
