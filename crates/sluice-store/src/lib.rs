@@ -4,6 +4,7 @@
 //! interface, the daemon client, the closure engine, the substitution pipeline (caches →
 //! local store), the push engine (any store → any store), builtins and settings.
 
+mod batched_adder;
 pub mod binary_cache_store;
 pub mod builtins;
 mod by_key;
@@ -29,6 +30,8 @@ pub mod substitute;
 pub mod substituters;
 mod unpack_pool;
 pub mod verify;
+
+pub use batched_adder::BatchedAdder;
 
 /// Waits, for at most `timeout`, until the process's unpacking threads have nothing left to
 /// do; whether they got there. For a command stopped by a signal, once the futures of its
