@@ -1,5 +1,8 @@
 //! [`BatchedAdder`]: paths that arrive one after another on one stream (a daemon's
-//! AddMultipleToStore, the serve protocol's imports), each unpacked as it arrives and handed to
+//! AddMultipleToStore, the serve protocol's imports), each unpacked as it arrives (with
+//! [`BatchedAdder::unpacking_ahead`], a small NAR is read whole and unpacked on the process's
+//! unpacking threads, `unpack_pool.rs`, while the next ones arrive; a large one as it is read)
+//! and handed, in the stream's order, to
 //! a [`Registrar`] of the stream's own in groups, each group registered in one batch (one
 //! flush, one transaction: [`LocalStore::commit_all`]) while the next is unpacked. A group is
 //! handed over once it has [`GROUP`] paths, or [`SMALL_GROUP`] while the registrar is idle,
@@ -22,6 +25,7 @@ use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 
 use crate::registrar::{Finished, Registered, Registrar};
+use crate::unpack_pool;
 
 /// Paths handed to the registrar at once, and so registered in one batch. At most twice as
 /// many are unpacked and not registered (each holds its lock file open): the group being
@@ -31,6 +35,17 @@ const GROUP: usize = 256;
 /// Paths handed over as a group while the registrar has nothing to do.
 const SMALL_GROUP: usize = 32;
 
+/// NARs of at most this many bytes are read whole and unpacked on the unpacking threads.
+const BUFFERED_NAR: u64 = 1 << 20;
+
+/// Most NARs read whole and not yet unpacked, with [`BatchedAdder::unpacking_ahead`] (so at
+/// most this many MiB of them held).
+const UNPACKING: usize = 16;
+
+/// A path being unpacked on an unpacking thread: the path (for messages), and the path
+/// unpacked, or why not.
+type Unpacking = (String, tokio::sync::oneshot::Receiver<Result<Result<PendingPath, LocalStoreError>, String>>);
+
 /// Adds the paths of one stream in order, registering them in batches (see the module doc).
 pub struct BatchedAdder {
     store: Arc<LocalStore>,
@@ -38,6 +53,10 @@ pub struct BatchedAdder {
     policy: SignaturePolicy,
     /// Paths unpacked (a path sent twice is added once).
     handed: BTreeSet<StorePath>,
+    /// Paths being unpacked, in the stream's order.
+    unpacking: VecDeque<Unpacking>,
+    /// Most paths unpacked on the unpacking threads at once (0: each on the caller's).
+    ahead: usize,
     /// Unpacked paths of the next group.
     gathered: Vec<PendingPath>,
     /// Dropped at the end, so that the registrar's thread ends.
@@ -57,11 +76,22 @@ impl BatchedAdder {
             roots: roots.clone(),
             policy,
             handed: BTreeSet::new(),
+            unpacking: VecDeque::new(),
+            ahead: 0,
             gathered: Vec::new(),
             registrar: Some(registrar),
             finished: Some(finished),
             registering: VecDeque::new(),
         }
+    }
+
+    /// The adder, unpacking small NARs on the process's unpacking threads while the next ones
+    /// arrive. For a stream whose paths are all answered at its end (AddMultipleToStore): a
+    /// caller that settles whenever it has read everything sent so far would settle sooner
+    /// and more often, each time with a batch of its own.
+    pub fn unpacking_ahead(mut self) -> Self {
+        self.ahead = UNPACKING;
+        self
     }
 
     /// Adds `info`'s path from the NAR read from `nar` (exactly the NAR is read), or, if it
@@ -82,9 +112,28 @@ impl BatchedAdder {
         }
         let path = vouched.info().path.clone();
         let Some(mut pending) = self.store.begin_add_vouched(vouched, &self.roots)? else { return Ok(()) };
-        pending.unpack(nar)?;
+        let nar_size = pending.info().nar_size;
+        let mut buffered = Vec::new();
+        let read = match nar_size <= BUFFERED_NAR && self.ahead > 0 {
+            true => (&mut *nar).take(nar_size).read_to_end(&mut buffered).ok(),
+            false => None,
+        };
+        match read {
+            Some(n) if n as u64 == nar_size => {
+                let shown = self.store.store_dir().display_path(&path);
+                let unpack = move || pending.unpack(&mut buffered.as_slice()).map(|_| pending);
+                self.unpacking.push_back((shown, unpack_pool::submit(Default::default(), unpack)));
+                self.collect(self.ahead)?;
+            }
+            _ => {
+                // A large NAR, or one cut short (its unpacking reads what was read, then
+                // meets the end or the error again): unpacked here, after the others.
+                self.collect(0)?;
+                pending.unpack(&mut buffered.as_slice().chain(nar))?;
+                self.gathered.push(pending);
+            }
+        }
         self.handed.insert(path);
-        self.gathered.push(pending);
         let gathered = self.gathered.len();
         match gathered >= GROUP || (gathered >= SMALL_GROUP && self.unless_refused(Self::registered)?) {
             true => self.hand(),
@@ -94,8 +143,32 @@ impl BatchedAdder {
 
     /// Waits until every path added is registered; the first failure.
     pub fn finish(mut self) -> Result<(), LocalStoreError> {
+        self.collect(0)?;
         self.hand()?;
         self.settle()
+    }
+
+    /// Moves the paths unpacked at the front of the stream's order into the group being
+    /// gathered, waiting for them while more than `keep` are being unpacked; the first
+    /// failure (that path's: its NAR).
+    fn collect(&mut self, keep: usize) -> Result<(), LocalStoreError> {
+        while let Some((shown, mut front)) = self.unpacking.pop_front() {
+            let done = match front.try_recv() {
+                Ok(done) => Ok(done),
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) if self.unpacking.len() < keep => {
+                    self.unpacking.push_front((shown, front));
+                    return Ok(());
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => front.blocking_recv().map_err(|_| "stopped".to_owned()),
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => Err("stopped".to_owned()),
+            };
+            let unpacked = done.and_then(|d| d).map_err(|why| {
+                tracing::warn!("unpacking {shown}: {why}");
+                LocalStoreError::Misuse { path: shown, what: "its unpacking thread stopped" }
+            })?;
+            self.gathered.push(unpacked?);
+        }
+        Ok(())
     }
 
     /// Waits for the group handed before ([`BatchedAdder::settle`]), then hands the gathered
@@ -149,6 +222,11 @@ impl Drop for BatchedAdder {
     /// The paths unpacked are whole: they are registered (a stream cut after them keeps them).
     /// Returns once the registrar's thread has ended, so that the store can be closed.
     fn drop(&mut self) {
+        while !self.unpacking.is_empty() {
+            if let Err(e) = self.collect(0) {
+                tracing::debug!("unpacking the paths of a stream cut short: {e}");
+            }
+        }
         if let Err(e) = self.hand().and_then(|()| self.settle()) {
             tracing::debug!("registering the paths of a stream cut short: {e}");
         }

@@ -133,7 +133,8 @@ fn honoured_repair(c: &Conn, repair: bool) -> bool {
 }
 
 /// Adds each path of an AddMultipleToStore payload (repairing valid ones with `repair`): each
-/// is unpacked as it arrives and registered in batches ([`BatchedAdder`]: one flush and one
+/// is unpacked as it arrives (small ones on the unpacking threads while the next arrive) and
+/// registered in batches ([`BatchedAdder`]: one flush and one
 /// transaction per batch, where Nix commits each path); the operation answers once all are
 /// committed. A path refused stops the payload there (the caller drains the rest), as Nix's does.
 fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, stream: &mut dyn Read, repair: bool) -> Result<(), Fail> {
@@ -142,7 +143,7 @@ fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy
     if count > MAX_PATHS {
         return Err(Fail::Fatal(format!("AddMultipleToStore: {count} paths, more than the maximum of {MAX_PATHS}")));
     }
-    let mut adder = BatchedAdder::new(store, roots, policy.clone());
+    let mut adder = BatchedAdder::new(store, roots, policy.clone()).unpacking_ahead();
     for _ in 0..count {
         let mut info = read_keyed_path_info(stream, dir, ProtocolVersion::new(1, 16))?;
         info.ultimate = false;
