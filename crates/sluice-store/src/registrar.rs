@@ -12,7 +12,8 @@
 //! It is a thread, not a task, so that callers without an async runtime (the daemon's
 //! connections, `legacy-serve`) use it as the pipeline does.
 
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Duration;
 
 use sluice_local_store::{LocalStore, PendingPath, SignaturePolicy, Uncommitted};
 use tokio::sync::{mpsc, oneshot};
@@ -41,6 +42,36 @@ pub(crate) struct Registrar {
     tx: mpsc::UnboundedSender<Vec<Commit>>,
 }
 
+/// Registrar threads running in the process, and the condition told when one ends.
+static RUNNING: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+
+/// Waits, for at most `timeout`, until no registrar thread runs (each ends once its senders are
+/// gone and what it was handed is registered, its handle on the store dropped); whether that
+/// happened.
+pub(crate) fn wait_ended(timeout: Duration) -> bool {
+    let (running, ended) = &RUNNING;
+    let running = running.lock().unwrap_or_else(PoisonError::into_inner);
+    let (running, _) = ended.wait_timeout_while(running, timeout, |n| *n > 0).unwrap_or_else(PoisonError::into_inner);
+    *running == 0
+}
+
+/// Counts a registrar thread as running while it lives.
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        *RUNNING.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        *RUNNING.0.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+        RUNNING.1.notify_all();
+    }
+}
+
 /// A registrar's thread, to wait for ([`Finished::wait`]).
 pub(crate) struct Finished(Option<std::thread::JoinHandle<()>>);
 
@@ -63,7 +94,13 @@ impl Registrar {
     pub fn start(dest: Arc<LocalStore>, policy: SignaturePolicy) -> (Registrar, Finished) {
         let (tx, rx) = mpsc::unbounded_channel();
         let shown = format!("{} (state in {})", dest.store_dir().as_str(), dest.state_dir().display());
-        let spawned = std::thread::Builder::new().name("sluice-registrar".into()).spawn(move || register(&dest, &policy, rx));
+        let running = Running::start();
+        let spawned = std::thread::Builder::new().name("sluice-registrar".into()).spawn(move || {
+            register(&dest, &policy, rx);
+            // The store's handle goes before the thread counts as ended.
+            drop(dest);
+            drop(running);
+        });
         let thread = spawned.map_err(|e| tracing::error!("starting the registrar thread of the store {shown}: {e}")).ok();
         (Registrar { tx }, Finished(thread))
     }
