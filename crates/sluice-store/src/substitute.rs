@@ -249,7 +249,7 @@ async fn run(
     repair: bool,
 ) -> CopyReport {
     let query = ClosureQuery { accept: Some(opts.policy.clone()), ..query };
-    let (registrar, registrar_task) = Registrar::start(dest.clone(), opts.policy.clone());
+    let (registrar, registrar_finished) = Registrar::start(dest.clone(), opts.policy.clone());
     let budget = FdBudget::current();
     let shared = Arc::new(Shared {
         registrar,
@@ -279,7 +279,7 @@ async fn run(
     }
     let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
     drop(registrar);
-    let _ = registrar_task.await;
+    let _ = tokio::task::spawn_blocking(move || registrar_finished.wait()).await;
     report.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
