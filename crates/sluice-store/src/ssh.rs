@@ -220,8 +220,10 @@ impl SshMaster {
     /// The `ssh` command line that runs `command` on the host (after `--`).
     fn ssh_command(&self, command: &[String]) -> Command {
         if self.local {
-            let mut cmd = Command::new(&command[0]);
-            cmd.args(&command[1..]);
+            // The line a remote shell would parse, parsed by one here (Nix's `fakeSSH` runs
+            // `bash -c`), so that the arguments quoted for it arrive whole.
+            let mut cmd = Command::new("sh");
+            cmd.arg("-c").arg(command.join(" "));
             return cmd;
         }
         let mut cmd = Command::new("ssh");
@@ -559,17 +561,23 @@ mod tests {
         assert!(e.contains("base64-ssh-public-host-key") && e.contains("ssh-ng://h"), "{e}");
     }
 
-    /// `localhost` runs the command here: its output is read, and a missing program's end
-    /// is an error naming the host.
+    /// `localhost` runs the command here: its output is read, the arguments quoted for the
+    /// remote shell arrive whole (a `remote-store=` with `?` and `&`), and a missing
+    /// program's end is an error naming the host.
     #[test]
     fn localhost_runs_the_command_here_and_reports_its_failure() {
-        let master = SshMaster::new(ssh_config("ssh-ng://localhost")).unwrap();
-        let mut channel = master.start(&["sh".into(), "-c".into(), "read x; echo got $x".into()]).unwrap();
+        let config = ssh_config("ssh-ng://localhost?remote-program=printf%20[%25s]&remote-store=local%3Froot%3D/r%26state%3D/s%20x");
+        let master = SshMaster::new(config.clone()).unwrap();
+        let mut channel = master.start(&config.remote_command(&["--stdio"])).unwrap();
+        let mut out = String::new();
+        channel.reader.read_to_string(&mut out).unwrap();
+        assert_eq!(out, "[--stdio][--store][local?root=/r&state=/s x]");
+        let mut channel = master.start(&["sh".into(), "-c".into(), "'read x; echo got $x'".into()]).unwrap();
         channel.writer.write_all(b"hello\n").unwrap();
         let mut out = String::new();
         channel.reader.read_to_string(&mut out).unwrap();
         assert_eq!(out, "got hello\n");
-        let mut channel = master.start(&["sh".into(), "-c".into(), "echo no such program >&2; exit 127".into()]).unwrap();
+        let mut channel = master.start(&["sh".into(), "-c".into(), "'echo no such program >&2; exit 127'".into()]).unwrap();
         let e = channel.reader.read(&mut [0u8; 8]).unwrap_err().to_string();
         assert!(e.contains("'localhost'") && e.contains("status 127") && e.contains("no such program"), "{e}");
     }
