@@ -67,12 +67,12 @@ pub(crate) async fn closure_infos_by_level<S: Store + ?Sized>(
 }
 
 /// The closure of `roots` in `src` ([`Store::closure_infos_fetching`]), the NARs of the paths
-/// `dst` lacks and would take fetched ahead while it is found, and the order they were asked
-/// for in: each set of infos found, in a dependency order from a source that sends its NARs
-/// one after the other ([`Store::streams_nars_in_order`], so that a path whose references came
-/// first is added at once), else largest first. None is fetched ahead for a store that takes
-/// whole streams (they are asked for as the stream needs them), nor where `dst` could not say
-/// what it lacks or would refuse a path.
+/// `dst` lacks and would take fetched ahead while it is found from a source that sends its
+/// NARs one after the other ([`Store::streams_nars_in_order`]), and the order they were asked
+/// for in: each set of infos found, in a dependency order, so that a path whose references
+/// came first is added at once. None is fetched ahead from another source (which fetches none
+/// ahead), into a store that takes whole streams (they are asked for as the stream needs
+/// them), nor where `dst` could not say what it lacks or would refuse a path.
 async fn closure_fetching(
     src: &Arc<dyn Store>,
     dst: &Arc<dyn Store>,
@@ -83,22 +83,18 @@ async fn closure_fetching(
         let mut asked = Vec::new();
         while let Some(FoundLevel { infos, fetch }) = found.recv().await {
             let paths: Vec<StorePath> = infos.iter().map(|i| i.path.clone()).collect();
-            let present = match dst.takes_streams() {
+            let present = match dst.takes_streams() || !src.streams_nars_in_order() {
                 true => None,
                 false => dst.query_complete_paths(&paths).await.ok(),
             };
-            let mut wanted: Vec<&ValidPathInfo> = match &present {
+            let wanted: Vec<&ValidPathInfo> = match &present {
                 None => Vec::new(),
                 Some(present) => infos
                     .iter()
                     .filter(|i| !present.contains(&i.path) && dst.check_trust(&ValidPathInfo { ultimate: false, ..(*i).clone() }).is_ok())
                     .collect(),
             };
-            match src.streams_nars_in_order() {
-                true => wanted = dependency_order(wanted),
-                false => wanted.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path))),
-            }
-            let wanted: Vec<StorePath> = wanted.into_iter().map(|i| i.path.clone()).collect();
+            let wanted: Vec<StorePath> = dependency_order(wanted).into_iter().map(|i| i.path.clone()).collect();
             asked.extend(wanted.iter().cloned());
             let _ = fetch.send(wanted);
         }
