@@ -9,13 +9,13 @@ pub enum CacheError {
     #[error("{url}: HTTP status {status}{}", body_suffix(body))]
     Status { url: String, status: u16, body: String },
     /// A failed request; the message carries the whole chain of causes (connection refused,
-    /// certificate not trusted, …), which reqwest's own message leaves out, and for a
+    /// certificate not trusted, …), which the HTTP client's own message leaves out, and for a
     /// certificate no trust anchor vouches for, what to do about it.
     #[error("{url}: {}{}", causes(source).replace(&url_suffix(source), ""), untrusted_hint(source))]
     Transport {
         url: String,
         #[source]
-        source: reqwest::Error,
+        source: crate::client::ClientError,
     },
     #[error("{url}: {source}")]
     Io {
@@ -80,12 +80,15 @@ fn is_shortage(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// What reqwest's message says of the URL (` for url (URL)`), which the error names already.
-fn url_suffix(source: &reqwest::Error) -> String {
-    source.url().map_or_else(String::new, |url| format!(" for url ({url})"))
+fn url_suffix(source: &crate::client::ClientError) -> String {
+    match source {
+        crate::client::ClientError::Http(e) => e.url().map_or_else(String::new, |url| format!(" for url ({url})")),
+        _ => String::new(),
+    }
 }
 
 /// For a server certificate that no trust anchor vouches for, the setting that names one.
-fn untrusted_hint(source: &reqwest::Error) -> &'static str {
+fn untrusted_hint(source: &crate::client::ClientError) -> &'static str {
     match ["UnknownIssuer", "CaUsedAsEndEntity"].iter().any(|e| causes(source).contains(e)) {
         true => "; if you trust the server's certificate (or its CA's), name it in ssl-cert-file (--option ssl-cert-file FILE)",
         false => "",
@@ -113,9 +116,7 @@ impl CacheError {
         match self {
             CacheError::Status { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             // An untrusted certificate stays untrusted however often it is presented.
-            CacheError::Transport { source, .. } => {
-                !source.is_builder() && !source.is_redirect() && !causes(source).contains("certificate")
-            }
+            CacheError::Transport { source, .. } => !source.is_final() && !causes(source).contains("certificate"),
             CacheError::Io { source, .. } => !matches!(
                 source.kind(),
                 std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidData

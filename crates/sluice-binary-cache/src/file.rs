@@ -3,7 +3,7 @@
 //! beside its place under a temporary name and renamed into place, so that a reader never sees
 //! a partial file.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::spool::{staging_file, Compressed};
@@ -11,7 +11,7 @@ use super::upload::PreparedNar;
 use super::{CacheError, Upload};
 
 /// A file opened for streaming, and its size.
-pub type Opened = (Box<dyn Read + Send>, u64);
+pub type Opened = (std::fs::File, u64);
 
 /// Reads cache files from a local directory.
 #[derive(Debug, Clone)]
@@ -54,7 +54,7 @@ impl FileTransport {
         match std::fs::File::open(&path) {
             Ok(f) => {
                 let len = f.metadata().map_err(io)?.len();
-                Ok(Some((Box::new(f), len)))
+                Ok(Some((f, len)))
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(source) => Err(io(source)),

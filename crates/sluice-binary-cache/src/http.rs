@@ -1,4 +1,4 @@
-//! `http://` and `https://` binary caches over one shared `reqwest` client (rustls; HTTP/2
+//! `http://` and `https://` binary caches over one shared client ([`crate::client`]: rustls; HTTP/2
 //! by ALPN, HTTP/1.1 keep-alive otherwise). Downloads (`GET`) from one cache are bounded by
 //! `http-connections` (0: no limit) while the server speaks HTTP/1.1, and by [`H2_STREAMS`]
 //! once it has answered over HTTP/2 (streams multiplexed on one connection); existence checks
@@ -21,6 +21,7 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+pub use super::client::Client;
 use super::pool::ClientPool;
 use super::retry::RetryPolicy;
 use super::transfer::TransferProbe;
@@ -64,22 +65,17 @@ pub struct HttpOptions {
 }
 
 /// Builds the HTTP client for a run from its options (timeouts, CA bundle, pool size).
-pub fn client(options: &HttpOptions) -> Result<reqwest::Client, String> {
-    let mut b = reqwest::Client::builder()
-        .use_rustls_tls()
-        .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
-        .tcp_nodelay(true)
-        // Room to keep every connection the write requests opened.
-        .pool_max_idle_per_host(write_ceiling(options))
-        .no_proxy();
-    if options.connect_timeout > 0 {
-        b = b.connect_timeout(Duration::from_secs(options.connect_timeout));
-    }
-    if let Some(file) = &options.ssl_cert_file {
-        let pem = std::fs::read(file).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
-        b = b.use_preconfigured_tls(super::tls::client_config(&pem, file)?);
-    }
-    b.build().map_err(|e| format!("cannot set up the HTTP client: {e}"))
+pub fn client(options: &HttpOptions) -> Result<Client, String> {
+    let tls = match &options.ssl_cert_file {
+        Some(file) => {
+            let pem = std::fs::read(file).map_err(|e| format!("ssl-cert-file {}: {e}", file.display()))?;
+            super::tls::client_config(&pem, file)?
+        }
+        None => super::client::system_tls()?,
+    };
+    let connect_timeout = (options.connect_timeout > 0).then(|| Duration::from_secs(options.connect_timeout));
+    // Room to keep every connection the write requests opened.
+    Ok(Client::new(tls, connect_timeout, write_ceiling(options)))
 }
 
 /// The HTTP client of a run, built from its options ([`client`]) when a cache over HTTP or
@@ -88,7 +84,7 @@ pub fn client(options: &HttpOptions) -> Result<reqwest::Client, String> {
 /// `file://`, docs/benchmarks.md, issue 16).
 pub struct LazyClient {
     options: HttpOptions,
-    client: OnceLock<Result<reqwest::Client, String>>,
+    client: OnceLock<Result<Client, String>>,
 }
 
 impl LazyClient {
@@ -104,7 +100,7 @@ impl LazyClient {
 
     /// The client, built on the first call. Errors: the options' `ssl-cert-file` cannot be
     /// read or parsed, or the TLS set-up failed (the same error on every call).
-    pub fn get(&self) -> Result<&reqwest::Client, String> {
+    pub fn get(&self) -> Result<&Client, String> {
         self.client.get_or_init(|| client(&self.options)).as_ref().map_err(String::clone)
     }
 }
@@ -186,7 +182,7 @@ impl From<CacheError> for Failure {
 
 impl HttpTransport {
     /// A transport for cache `base` (no trailing slash).
-    pub fn new(base: String, client: reqwest::Client, options: &HttpOptions) -> Self {
+    pub fn new(base: String, client: Client, options: &HttpOptions) -> Self {
         let base_dir = reqwest::Url::parse(&format!("{base}/")).ok();
         // As curl, credentials in the URL win over the netrc file.
         let host = base_dir.as_ref().filter(|u| u.username().is_empty()).and_then(|u| u.host_str());
@@ -281,7 +277,7 @@ impl HttpTransport {
             self.pool.grow_for_h2(&self.base);
         }
         let client = if nar { self.pool.next_nar().await } else { self.pool.next() };
-        let request = self.build(client, target, spec).await?;
+        let request = self.build(target, spec).await?;
         let started = std::time::Instant::now();
         let resp = match tokio::time::timeout(self.stall, client.execute(request)).await {
             Ok(Ok(resp)) => resp,
@@ -339,27 +335,38 @@ impl HttpTransport {
     }
 
     /// Builds the request `spec` for `target`, signed if this transport signs.
-    async fn build(&self, client: &reqwest::Client, target: &reqwest::Url, spec: Request<'_>) -> Result<reqwest::Request, CacheError> {
+    async fn build(&self, target: &reqwest::Url, spec: Request<'_>) -> Result<reqwest::Request, CacheError> {
         let url = target.as_str();
-        let mut b = client.request(spec.method.clone(), target.clone());
+        let invalid =
+            |what: String| CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) };
+        let mut request = reqwest::Request::new(spec.method.clone(), target.clone());
+        let headers = request.headers_mut();
         if let Some(c) = &self.credentials {
-            b = b.basic_auth(&c.login, Some(&c.password));
+            headers.insert(reqwest::header::AUTHORIZATION, basic_auth(c).map_err(|e| invalid(format!("netrc credentials: {e}")))?);
         }
         for (name, value) in spec.headers {
-            b = b.header(*name, value);
+            let header = reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| invalid(format!("header {name}: {e}")))?;
+            let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| invalid(format!("header {name}: {e}")))?;
+            headers.insert(header, value);
         }
         let payload_sha256 = match spec.body {
             Some((upload, content_type)) => {
                 let body = upload.body().await.map_err(|source| CacheError::Io { url: url.to_string(), source })?;
-                b = b.header(reqwest::header::CONTENT_TYPE, content_type).header(reqwest::header::CONTENT_LENGTH, upload.len()).body(body);
+                let content_type =
+                    reqwest::header::HeaderValue::from_str(content_type).map_err(|e| invalid(format!("Content-Type: {e}")))?;
+                headers.insert(reqwest::header::CONTENT_TYPE, content_type);
+                headers.insert(reqwest::header::CONTENT_LENGTH, upload.len().into());
                 if let Some(md5) = self.signer.as_ref().and_then(|_| upload.md5_base64()) {
-                    b = b.header("content-md5", md5);
+                    headers.insert(
+                        reqwest::header::HeaderName::from_static("content-md5"),
+                        reqwest::header::HeaderValue::from_str(&md5).map_err(|e| invalid(format!("Content-MD5: {e}")))?,
+                    );
                 }
+                *request.body_mut() = Some(body);
                 upload.sha256_hex()
             }
             None => EMPTY_SHA256.to_string(),
         };
-        let mut request = b.build().map_err(|source| CacheError::Transport { url: url.to_string(), source })?;
         if let Some(signer) = &self.signer {
             signer.sign(&mut request, &payload_sha256).await.map_err(|what| CacheError::Io {
                 url: url.to_string(),
@@ -457,6 +464,16 @@ impl HttpTransport {
     }
 }
 
+/// The `Authorization` header of basic authentication with `credentials` (marked sensitive,
+/// so that it is never logged).
+fn basic_auth(credentials: &crate::netrc::Credentials) -> Result<reqwest::header::HeaderValue, reqwest::header::InvalidHeaderValue> {
+    use base64::Engine;
+    let token = base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", credentials.login, credentials.password));
+    let mut value = reqwest::header::HeaderValue::from_str(&format!("Basic {token}"))?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
 fn stalled(url: &str, stall: Duration, what: &str) -> CacheError {
     CacheError::Io {
         url: url.to_string(),
@@ -495,7 +512,7 @@ async fn read_body(url: &str, resp: reqwest::Response, stall: Duration) -> Resul
     loop {
         match tokio::time::timeout(stall, stream.next()).await {
             Ok(Some(Ok(chunk))) => out.extend_from_slice(&chunk),
-            Ok(Some(Err(source))) => return Err(CacheError::Transport { url: url.to_string(), source }),
+            Ok(Some(Err(source))) => return Err(CacheError::Transport { url: url.to_string(), source: source.into() }),
             Ok(None) => return Ok(out),
             Err(_) => return Err(stalled(url, stall, "no data")),
         }

@@ -35,7 +35,7 @@ pub fn endpoint(disabled: Option<&str>, endpoint: Option<&str>) -> Option<String
 
 /// The instance role's credentials from the service at `endpoint` (`http://HOST[:PORT]`),
 /// asked through `client`; why not, when it cannot be asked or answers otherwise.
-pub async fn credentials(client: &reqwest::Client, endpoint: &str) -> Result<Credentials, String> {
+pub async fn credentials(client: &super::http::Client, endpoint: &str) -> Result<Credentials, String> {
     if !endpoint.starts_with("http://") {
         return Err(format!("{endpoint}: the instance metadata endpoint must be http://"));
     }
@@ -71,25 +71,31 @@ fn expiry(text: &str) -> Result<std::time::SystemTime, String> {
 /// One request with one extra header; the body of a 200 answer (at most [`MAX_ANSWER`]
 /// bytes), or why not, naming the request.
 async fn request(
-    client: &reqwest::Client,
+    client: &super::http::Client,
     method: reqwest::Method,
     url: &str,
     (name, value): (&'static str, String),
 ) -> Result<String, String> {
     let fail = |e: &dyn std::fmt::Display| format!("{method} {url}: {e}");
-    let sent = client.request(method.clone(), url).header(name, value).header(reqwest::header::CONNECTION, "close").timeout(TIMEOUT).send();
-    let mut answer = sent.await.map_err(|e| fail(&e))?;
-    if answer.status() != reqwest::StatusCode::OK {
-        return Err(fail(&format!("status {}", answer.status().as_u16())));
-    }
-    let mut body = Vec::new();
-    while let Some(chunk) = answer.chunk().await.map_err(|e| fail(&e))? {
-        if body.len() + chunk.len() > MAX_ANSWER {
-            return Err(fail(&format!("an answer of more than {MAX_ANSWER} bytes")));
+    let mut sent = reqwest::Request::new(method.clone(), reqwest::Url::parse(url).map_err(|e| fail(&e))?);
+    let name = reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| fail(&e))?;
+    sent.headers_mut().insert(name, reqwest::header::HeaderValue::from_str(&value).map_err(|e| fail(&e))?);
+    sent.headers_mut().insert(reqwest::header::CONNECTION, reqwest::header::HeaderValue::from_static("close"));
+    let answered = async {
+        let mut answer = client.execute(sent).await.map_err(|e| fail(&crate::causes::causes(&e)))?;
+        if answer.status() != reqwest::StatusCode::OK {
+            return Err(fail(&format!("status {}", answer.status().as_u16())));
         }
-        body.extend_from_slice(&chunk);
-    }
-    String::from_utf8(body).map_err(|e| fail(&e))
+        let mut body = Vec::new();
+        while let Some(chunk) = answer.chunk().await.map_err(|e| fail(&e))? {
+            if body.len() + chunk.len() > MAX_ANSWER {
+                return Err(fail(&format!("an answer of more than {MAX_ANSWER} bytes")));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        String::from_utf8(body).map_err(|e| fail(&e))
+    };
+    tokio::time::timeout(TIMEOUT, answered).await.map_err(|_| fail(&format!("no whole answer within {} ms", TIMEOUT.as_millis())))?
 }
 
 #[cfg(test)]
@@ -117,9 +123,9 @@ mod tests {
         (endpoint, served)
     }
 
-    /// A client as the caches' (no proxy).
-    fn client() -> reqwest::Client {
-        reqwest::Client::builder().no_proxy().build().unwrap()
+    /// A client as the caches'.
+    fn client() -> crate::http::Client {
+        crate::client::Client::plain()
     }
 
     /// IMDSv2's three requests, the token passed on; the role's credentials come back.

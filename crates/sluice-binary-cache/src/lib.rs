@@ -7,6 +7,7 @@
 //! into [`url`]'s types; this crate knows neither.
 
 pub mod causes;
+pub mod client;
 mod error;
 pub mod fence;
 pub mod file;
@@ -156,6 +157,26 @@ pub struct NarStream {
     pub local: bool,
     /// Its size, when known before reading it (a `file://` cache's file).
     pub len: Option<u64>,
+}
+
+/// A cache file opened by [`BinaryCache::open_cache_file`].
+pub enum CacheFile {
+    /// A `file://` cache's file, and its size.
+    Local { file: std::fs::File, len: u64 },
+    /// Any other cache's file, streamed.
+    Stream(NarStream),
+}
+
+impl CacheFile {
+    /// Its bytes as a stream.
+    pub fn into_stream(self) -> NarStream {
+        match self {
+            CacheFile::Local { file, len } => {
+                NarStream { reader: Box::new(file), probe: TransferProbe::default(), local: true, len: Some(len) }
+            }
+            CacheFile::Stream(stream) => stream,
+        }
+    }
 }
 
 impl BinaryCache {
@@ -445,14 +466,19 @@ impl BinaryCache {
     /// Opens the cache file `rel` (relative to the cache) for streaming, its bytes as stored;
     /// `None` when it does not exist. The reader must be used on a blocking thread.
     pub async fn open_file(&self, rel: &str) -> Result<Option<NarStream>, CacheError> {
+        Ok(self.open_cache_file(rel).await?.map(CacheFile::into_stream))
+    }
+
+    /// Opens the cache file `rel` as [`BinaryCache::open_file`] does, a `file://` cache's as
+    /// the file itself (which a server may send without reading it, with `sendfile`).
+    pub async fn open_cache_file(&self, rel: &str) -> Result<Option<CacheFile>, CacheError> {
         self.health.check(&self.url)?;
         let result = match &self.transport {
-            Transport::File(t) => t
+            Transport::File(t) => t.open(rel).map(|r| r.map(|(file, len)| CacheFile::Local { file, len })),
+            Transport::Http { http, .. } => http
                 .open(rel)
-                .map(|r| r.map(|(reader, len)| NarStream { reader, probe: TransferProbe::default(), local: true, len: Some(len) })),
-            Transport::Http { http, .. } => {
-                http.open(rel).await.map(|r| r.map(|(reader, probe)| NarStream { reader, probe, local: false, len: None }))
-            }
+                .await
+                .map(|r| r.map(|(reader, probe)| CacheFile::Stream(NarStream { reader, probe, local: false, len: None }))),
         };
         self.health.observe(&self.url, result)
     }

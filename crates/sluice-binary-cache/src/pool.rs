@@ -1,5 +1,5 @@
 //! More than one HTTP/2 connection to a cache. A server limits the streams of one connection
-//! (nginx: 128), and `reqwest` queues requests beyond that limit on the one connection it has;
+//! (nginx: 128), and hyper queues requests beyond that limit on the one connection it has;
 //! a closure query wants several hundred narinfo requests in flight. With the first request to
 //! an HTTPS cache (or once a cache has answered over HTTP/2), [`ClientPool`] adds
 //! [`H2_CONNECTIONS`]` - 1` more clients (each with its own connection), opens their
@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::http::HttpOptions;
+use crate::http::{Client, HttpOptions};
 
 /// HTTP/2 connections per cache for narinfos and other small files.
 pub(crate) const H2_CONNECTIONS: usize = 4;
@@ -28,7 +28,7 @@ pub(crate) const NAR_CONNECTIONS: usize = 2;
 /// An additional client and whether its connection is up.
 #[derive(Debug)]
 struct Extra {
-    client: reqwest::Client,
+    client: Client,
     ready: Arc<AtomicBool>,
     /// Set once the connection's `HEAD` was answered, whether over HTTP/2 or not.
     settled: tokio::sync::watch::Receiver<bool>,
@@ -37,7 +37,7 @@ struct Extra {
 /// The clients of one cache; one until the cache speaks HTTP/2.
 #[derive(Debug)]
 pub(crate) struct ClientPool {
-    first: reqwest::Client,
+    first: Client,
     extra: OnceLock<Vec<Extra>>,
     /// The NAR connections, made with `extra`.
     nar: OnceLock<Vec<Extra>>,
@@ -48,7 +48,7 @@ pub(crate) struct ClientPool {
 
 impl ClientPool {
     /// A pool starting with `first` (shared with other caches); `options` build the others.
-    pub fn new(first: reqwest::Client, options: &HttpOptions) -> Self {
+    pub fn new(first: Client, options: &HttpOptions) -> Self {
         ClientPool {
             first,
             extra: OnceLock::new(),
@@ -60,7 +60,7 @@ impl ClientPool {
     }
 
     /// The client for the next request: the first, and in turn each extra one that is ready.
-    pub fn next(&self) -> &reqwest::Client {
+    pub fn next(&self) -> &Client {
         let Some(extra) = self.extra.get() else { return &self.first };
         let i = self.next.fetch_add(1, Ordering::Relaxed) % (extra.len() + 1);
         match i.checked_sub(1).and_then(|j| extra.get(j)) {
@@ -73,7 +73,7 @@ impl ClientPool {
     /// was answered (they are opened with the first request, so by the time a NAR is asked
     /// for they are about up); the narinfo clients ([`Self::next`]) without HTTP/2 or when
     /// the connection did not come up over HTTP/2.
-    pub(crate) async fn next_nar(&self) -> &reqwest::Client {
+    pub(crate) async fn next_nar(&self) -> &Client {
         let Some(nar) = self.nar.get().filter(|n| !n.is_empty()) else { return self.next() };
         let e = &nar[self.next_nar.fetch_add(1, Ordering::Relaxed) % nar.len()];
         // An error means the opening task is gone: the connection is not up.
@@ -99,8 +99,9 @@ impl ClientPool {
                     let (settle, settled) = tokio::sync::watch::channel(false);
                     let (c, r, root) = (client.clone(), ready.clone(), root.clone());
                     tokio::spawn(async move {
-                        if c.head(root).send().await.is_ok_and(|resp| resp.version() == reqwest::Version::HTTP_2) {
-                            r.store(true, Ordering::Release);
+                        if let Ok(url) = reqwest::Url::parse(&root) {
+                            let head = c.execute(reqwest::Request::new(reqwest::Method::HEAD, url)).await;
+                            r.store(head.is_ok_and(|resp| resp.version() == reqwest::Version::HTTP_2), Ordering::Release);
                         }
                         settle.send_replace(true);
                     });

@@ -55,7 +55,7 @@ impl S3 {
     }
 
     /// The request signer (SigV4 with the credentials found now, or none: unsigned).
-    pub fn signer(&self, client: &reqwest::Client) -> Arc<dyn RequestSigner> {
+    pub fn signer(&self, client: &super::http::Client) -> Arc<dyn RequestSigner> {
         Arc::new(SigV4 {
             region: self.params.region.clone(),
             profile: self.params.profile.clone(),
@@ -111,7 +111,7 @@ struct SigV4 {
     /// The URL's `profile=`.
     profile: Option<String>,
     /// For the instance metadata service.
-    client: reqwest::Client,
+    client: super::http::Client,
     /// The default chain's credentials, found at the first request and again when they are
     /// about to expire ([`Found`]; `None` until the first request).
     credentials: tokio::sync::Mutex<Option<Found>>,
@@ -223,7 +223,7 @@ fn sign_v4(credentials: &Credentials, region: &str, request: &mut reqwest::Reque
 }
 
 /// The credentials of the default chain (see the module doc); `None` when there are none.
-async fn find_credentials(profile: Option<&str>, client: &reqwest::Client) -> Option<Credentials> {
+async fn find_credentials(profile: Option<&str>, client: &super::http::Client) -> Option<Credentials> {
     let env = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
     if profile.is_none() {
         if let (Some(id), Some(secret)) = (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
@@ -288,7 +288,7 @@ mod tests {
     #[tokio::test]
     async fn expiring_credentials_are_found_again_before_they_expire() {
         let signer =
-            SigV4 { region: "r".into(), profile: None, client: reqwest::Client::new(), credentials: tokio::sync::Mutex::new(None) };
+            SigV4 { region: "r".into(), profile: None, client: crate::client::Client::plain(), credentials: tokio::sync::Mutex::new(None) };
         let searches = std::sync::atomic::AtomicUsize::new(0);
         let expiring = |left: Duration, id: &str| Credentials::new(id, "s", None, Some(SystemTime::now() + left), "test");
         let search = |answer: Option<Credentials>| {
@@ -316,7 +316,8 @@ mod tests {
         assert_eq!(id(signer.current_by(search(None)).await).as_deref(), Some("B"));
         assert_eq!(searches.load(std::sync::atomic::Ordering::SeqCst), 3);
         // Credentials without an expiry (the environment's, a profile's) are never searched again.
-        let plain = SigV4 { region: "r".into(), profile: None, client: reqwest::Client::new(), credentials: tokio::sync::Mutex::new(None) };
+        let plain =
+            SigV4 { region: "r".into(), profile: None, client: crate::client::Client::plain(), credentials: tokio::sync::Mutex::new(None) };
         for _ in 0..3 {
             assert_eq!(id(plain.current_by(search(Some(Credentials::new("P", "s", None, None, "test")))).await).as_deref(), Some("P"));
         }

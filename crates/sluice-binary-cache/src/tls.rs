@@ -14,7 +14,8 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 /// The TLS configuration of a client that trusts the certificates of the PEM bundle `pem`
-/// (read from `file`, named in errors) and nothing else, offering HTTP/2 and HTTP/1.1 by ALPN.
+/// (read from `file`, named in errors) and nothing else ([`crate::client::Client::new`] sets the
+/// ALPN protocols).
 pub(crate) fn client_config(pem: &[u8], file: &std::path::Path) -> Result<rustls::ClientConfig, String> {
     let err = |e: &dyn std::fmt::Display| format!("ssl-cert-file {}: {e}", file.display());
     let anchors = CertificateDer::pem_slice_iter(pem).collect::<Result<Vec<_>, _>>().map_err(|e| err(&e))?;
@@ -24,13 +25,12 @@ pub(crate) fn client_config(pem: &[u8], file: &std::path::Path) -> Result<rustls
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().map_err(|e| err(&e))?;
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+    let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| err(&e))?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(BundleVerifier { webpki, anchors }))
         .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }
 

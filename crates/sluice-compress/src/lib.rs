@@ -335,6 +335,7 @@ mod tests {
 
     #[test]
     fn every_encoder_round_trips() {
+        let _serial = crate::zstd_frames::tests::serial();
         let contents: Vec<u8> = (0..200_000u32).flat_map(|i| (i % 251).to_le_bytes()).collect();
         let data = sluice_nix::nar::writer::regular_file_nar(&contents, false);
         for c in [Compression::None, Compression::Xz, Compression::Zstd, Compression::Bzip2, Compression::Brotli, Compression::Gzip] {

@@ -8,12 +8,15 @@
 //! return next itself; while it does, the following frames go to the helper threads, as many
 //! as are free. The helpers (the cores but one) are started once and live for the process,
 //! fed through one channel and shared by every reader: at most that many frames are decoded
-//! by helpers at once, whatever the number of NARs being read. Buffers are reused: a reader
-//! decodes into output buffers it keeps (and gathers input into buffers it keeps), so a frame
-//! costs no fresh 16 MiB allocation whose pages the kernel must fault in and zero. Memory is
-//! therefore bounded by (helper threads) × ([`MAX_FRAME`] of output + its compressed bytes)
-//! over the process, plus, per reader, the frame being returned, the frame being gathered, and
-//! at most [`SPARE`] unused buffers of each kind (freed with the reader). A frame without a
+//! by helpers at once, whatever the number of NARs being read. Buffers are reused: every
+//! reader takes the buffers it decodes into and gathers input into from a pool of the process
+//! and gives them back, so a frame costs no fresh 16 MiB allocation whose pages the kernel must
+//! fault in and zero (jemalloc returns each freed allocation above 8 MiB to the kernel at
+//! once; a reader per NAR with buffers of its own made a verify of 16 NARs of 64 MiB fault in
+//! 1.26 GiB). Memory is therefore bounded by (helper threads) × ([`MAX_FRAME`] of output + its
+//! compressed bytes) over the process, plus, per reader, the frame being returned and the frame
+//! being gathered, plus, while any reader lives, the pool's [`POOLED`] buffers of each kind of
+//! at most [`POOLED_CAPACITY`] bytes (emptied when the last reader ends). A frame without a
 //! content size in its header, or with one above [`MAX_FRAME`] (one stream, as `zstd` and Nix
 //! before 2.35 write it), ends the frame-wise decoding: the rest of the input goes through the
 //! streaming decoder as before.
@@ -32,10 +35,13 @@ pub(super) const MAX_FRAME: u64 = 64 * 1024 * 1024;
 /// Bytes asked of the input per read while a frame is gathered.
 const READ_CHUNK: usize = 256 * 1024;
 
-/// Unused buffers of each kind (output, input) a reader keeps for its next frames: enough for
-/// the steady state, where each frame returned frees one buffer that the next frame sent to
-/// a helper takes.
-const SPARE: usize = 2;
+/// Unused buffers of each kind (output, input) the pool keeps at most: a reader uses up to
+/// three of each at once (the frame returned, the frame it decodes, a frame at a helper),
+/// enough for two readers and their helper frames.
+const POOLED: usize = 8;
+
+/// Capacity (bytes) of the largest buffer the pool keeps: a frame of Nix's size, with room.
+const POOLED_CAPACITY: usize = 2 * FRAME_SIZE;
 
 /// The helper threads: where their jobs go, and how many there are.
 struct Helpers {
@@ -184,24 +190,53 @@ pub(super) struct FrameDecoder<'a> {
     /// The decoded frame being returned, and how much of it was.
     out: Vec<u8>,
     out_pos: usize,
-    /// Unused buffers for decoded frames and for gathering input (at most [`SPARE`] each).
-    spare_out: Vec<Vec<u8>>,
-    spare_in: Vec<Vec<u8>>,
     /// The context of the frames this thread decodes.
     dctx: Dctx,
     /// The streaming decoder of the rest of the input, once a frame is not decoded whole.
     rest: Option<Box<dyn Read + Send + 'a>>,
 }
 
-/// Keeps `buf` in `spare` if there is room and it has any capacity.
-fn keep(spare: &mut Vec<Vec<u8>>, buf: Vec<u8>) {
-    if spare.len() < SPARE && buf.capacity() > 0 {
-        spare.push(buf);
+/// Buffers for decoded frames, and for gathering input, not in use: every reader takes its
+/// buffers from these and gives them back.
+static POOL_OUT: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+static POOL_IN: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+/// A buffer from `pool`, or a new empty one.
+fn reuse(pool: &Mutex<Vec<Vec<u8>>>) -> Vec<u8> {
+    pool.lock().unwrap_or_else(PoisonError::into_inner).pop().unwrap_or_default()
+}
+
+/// Gives `buf` back to `pool` if it has room for it ([`POOLED`], [`POOLED_CAPACITY`]).
+fn give_back(pool: &Mutex<Vec<Vec<u8>>>, buf: Vec<u8>) {
+    if buf.capacity() > 0 && buf.capacity() <= POOLED_CAPACITY {
+        let mut pool = pool.lock().unwrap_or_else(PoisonError::into_inner);
+        if pool.len() < POOLED {
+            pool.push(buf);
+        }
+    }
+}
+
+/// Readers alive: the pools are emptied when the last one ends, so that an idle process
+/// holds none of their memory.
+static READERS: AtomicUsize = AtomicUsize::new(0);
+
+impl Drop for FrameDecoder<'_> {
+    /// Gives the reader's buffers back before it stops counting, so that the reader ending
+    /// last empties the pools after every other reader gave its buffers back.
+    fn drop(&mut self) {
+        give_back(&POOL_OUT, std::mem::take(&mut self.out));
+        give_back(&POOL_IN, std::mem::take(&mut self.pending));
+        if READERS.fetch_sub(1, Ordering::AcqRel) == 1 {
+            for pool in [&POOL_OUT, &POOL_IN] {
+                pool.lock().unwrap_or_else(PoisonError::into_inner).clear();
+            }
+        }
     }
 }
 
 impl<'a> FrameDecoder<'a> {
     pub(super) fn new(input: Box<dyn Read + Send + 'a>) -> Self {
+        READERS.fetch_add(1, Ordering::AcqRel);
         FrameDecoder {
             input,
             pending: Vec::new(),
@@ -210,21 +245,27 @@ impl<'a> FrameDecoder<'a> {
             slots: VecDeque::new(),
             out: Vec::new(),
             out_pos: 0,
-            spare_out: Vec::new(),
-            spare_in: Vec::new(),
             dctx: Dctx::default(),
             rest: None,
         }
     }
 
-    /// Reads more input into `pending`, growing it (geometrically: a reused buffer seldom
-    /// grows) when it has less than [`READ_CHUNK`] of room; false at the input's end.
+    /// Reads more input into `pending`, growing it (geometrically, within its capacity
+    /// first: a reused buffer seldom grows) when it has less than [`READ_CHUNK`] of room; false
+    /// at the input's end. While its capacity has room, it does not grow past it: a frame's
+    /// buffer is reserved for the whole frame ([`FrameDecoder::next_frame`]), and grown to
+    /// twice that for the last pieces of a frame read in short pieces, the pool would not keep
+    /// it.
     fn fill(&mut self) -> io::Result<bool> {
         if self.input_done {
             return Ok(false);
         }
         if self.pending.len() - self.filled < READ_CHUNK {
-            let len = (self.filled + READ_CHUNK).max(2 * self.pending.len());
+            let capacity = self.pending.capacity();
+            let len = match self.filled < capacity {
+                true => (self.filled + READ_CHUNK).min(capacity).max((2 * self.pending.len()).min(capacity)),
+                false => self.filled + READ_CHUNK,
+            };
             self.pending.resize(len, 0);
         }
         let n = loop {
@@ -256,11 +297,15 @@ impl<'a> FrameDecoder<'a> {
             return Ok(None);
         };
         let bound = zstd::zstd_safe::compress_bound(content_size) + 1024;
+        // Room for the whole frame at once: a buffer grown step by step is reallocated, and
+        // each large buffer given back to the allocator is returned to the kernel at once
+        // (jemalloc's arena for allocations above 8 MiB), to be faulted in again.
+        self.pending.reserve_exact(bound.saturating_sub(self.pending.len()));
         loop {
             if let Ok(len) = zstd::zstd_safe::find_frame_compressed_size(&self.pending[..self.filled]) {
                 // The bytes after the frame move to a spare buffer, which becomes `pending`.
                 let after = self.filled - len;
-                let mut next = self.spare_in.pop().unwrap_or_default();
+                let mut next = reuse(&POOL_IN);
                 if next.len() < after {
                     next.resize(after, 0);
                 }
@@ -294,19 +339,19 @@ impl<'a> FrameDecoder<'a> {
             let Some(frame) = self.next_frame()? else { return Ok(()) };
             self.slots.push_back(match helper {
                 None => Slot::Here(frame),
-                Some(helper) => Slot::Helper(helper.send(frame, self.spare_out.pop().unwrap_or_default())),
+                Some(helper) => Slot::Helper(helper.send(frame, reuse(&POOL_OUT))),
             });
         }
     }
 
     /// The next frame decoded into `out`; false when no frame is left to decode whole.
     fn next_decoded(&mut self) -> io::Result<bool> {
-        keep(&mut self.spare_out, std::mem::take(&mut self.out));
+        give_back(&POOL_OUT, std::mem::take(&mut self.out));
         self.out_pos = 0;
         self.top_up()?;
         let decoded = match self.slots.pop_front() {
             Some(Slot::Here(frame)) => {
-                let mut out = self.spare_out.pop().unwrap_or_default();
+                let mut out = reuse(&POOL_OUT);
                 let result = self.dctx.decode(&frame, &mut out);
                 Decoded { frame, out, result }
             }
@@ -314,14 +359,14 @@ impl<'a> FrameDecoder<'a> {
             None => return Ok(false),
         };
         let Decoded { frame, out, result } = decoded;
-        keep(&mut self.spare_in, frame.bytes);
+        give_back(&POOL_IN, frame.bytes);
         match result {
             Ok(()) => {
                 self.out = out;
                 Ok(true)
             }
             Err(e) => {
-                keep(&mut self.spare_out, out);
+                give_back(&POOL_OUT, out);
                 Err(e)
             }
         }
@@ -427,7 +472,7 @@ impl<W: Write> Write for FrameEncoder<W> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Compressible data that is not all alike, `len` bytes.
@@ -441,6 +486,18 @@ mod tests {
         e.finish().unwrap()
     }
 
+    /// Held by each test that makes readers (here and in the crate's), so that the pools'
+    /// tests see only their own.
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static SERIAL: Mutex<()> = Mutex::new(());
+        SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The capacities of the buffers `pool` holds.
+    fn pooled(pool: &Mutex<Vec<Vec<u8>>>) -> Vec<usize> {
+        pool.lock().unwrap().iter().map(Vec::capacity).collect()
+    }
+
     fn decode(packed: &[u8]) -> io::Result<Vec<u8>> {
         let mut out = Vec::new();
         FrameDecoder::new(Box::new(packed)).read_to_end(&mut out)?;
@@ -451,6 +508,7 @@ mod tests {
     /// the input back, as the streaming decoder does.
     #[test]
     fn frames_round_trip() {
+        let _serial = serial();
         let input = data(2 * FRAME_SIZE + 12345);
         let packed = encode(&input, 2);
         let first = zstd::zstd_safe::find_frame_compressed_size(&packed).unwrap();
@@ -468,6 +526,7 @@ mod tests {
     /// last frame being shorter than the buffer it reuses: each gets its own input back.
     #[test]
     fn concurrent_readers_share_helpers_and_reuse_buffers() {
+        let _serial = serial();
         let inputs: Vec<Vec<u8>> = (0..4).map(|i| data(3 * FRAME_SIZE + 1000 * i)).collect();
         let packed: Vec<Vec<u8>> = inputs.iter().map(|input| encode(input, 1)).collect();
         std::thread::scope(|s| {
@@ -478,9 +537,90 @@ mod tests {
         });
     }
 
+    /// A reader gives its buffers back to the process's pools for the next reader while any
+    /// reader lives (a reader per NAR with buffers of its own faulted in fresh 16 MiB buffers
+    /// for each), and the last reader to end empties them.
+    #[test]
+    fn readers_reuse_the_pools_buffers_and_the_last_empties_them() {
+        let _serial = serial();
+        let input = data(3 * FRAME_SIZE);
+        let packed = encode(&input, 1);
+        let alive = FrameDecoder::new(Box::new(&b""[..]));
+        assert_eq!(decode(&packed).unwrap(), input);
+        let (out, gathered) = (pooled(&POOL_OUT), pooled(&POOL_IN));
+        assert!(!out.is_empty() && out.iter().all(|&c| c >= FRAME_SIZE), "{out:?}");
+        assert!(!gathered.is_empty() && gathered.iter().all(|&c| c <= POOLED_CAPACITY), "{gathered:?}");
+        assert_eq!(decode(&packed).unwrap(), input);
+        assert!(pooled(&POOL_OUT).len() <= POOLED);
+        drop(alive);
+        assert_eq!((pooled(&POOL_OUT), pooled(&POOL_IN)), (vec![], vec![]));
+    }
+
+    /// A reader that ends counts as alive until its buffers are back in the pools, so that the
+    /// reader ending last empties the pools after them. Before, it stopped counting first: a
+    /// reader ending meanwhile, last, emptied the pools, then the first gave its buffers back,
+    /// held with no reader alive. Here the first one's giving back waits on the pool's lock.
+    #[test]
+    fn an_ending_reader_counts_until_its_buffers_are_back() {
+        let _serial = serial();
+        let packed = zstd::bulk::compress(&data(4096), 1).unwrap();
+        let mut ending = FrameDecoder::new(Box::new(&packed[..]));
+        ending.read_exact(&mut [0u8]).unwrap();
+        let last = FrameDecoder::new(Box::new(&b""[..]));
+        let counted = std::thread::scope(|s| {
+            let pool = POOL_OUT.lock().unwrap();
+            let dropping = s.spawn(move || drop(ending));
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let counted = READERS.load(Ordering::Acquire);
+            drop(pool);
+            dropping.join().unwrap();
+            counted
+        });
+        assert_eq!(counted, 2, "a reader stopped counting before its buffers were back");
+        assert_eq!(pooled(&POOL_OUT).len(), 1);
+        drop(last);
+        assert_eq!((pooled(&POOL_OUT), pooled(&POOL_IN), READERS.load(Ordering::Acquire)), (vec![], vec![], 0));
+    }
+
+    /// A frame that hardly compresses, read in short pieces (as from a pipe or an HTTP body),
+    /// is gathered within the buffer sized for it, which goes back to the pool for the next
+    /// frame: before, the last pieces grew it to twice its size, past what the pool keeps, and
+    /// every such frame's buffer was a fresh allocation.
+    #[test]
+    fn a_frame_read_in_short_pieces_is_gathered_in_a_buffer_the_pool_keeps() {
+        struct Short<'a>(&'a [u8]);
+        impl Read for Short<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let n = buf.len().min(16 * 1024).min(self.0.len());
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let _serial = serial();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let input: Vec<u8> = (0..2 * FRAME_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let packed = encode(&input, 1);
+        let alive = FrameDecoder::new(Box::new(&b""[..]));
+        let mut out = Vec::new();
+        FrameDecoder::new(Box::new(Short(&packed))).read_to_end(&mut out).unwrap();
+        assert!(out == input);
+        let gathered = pooled(&POOL_IN);
+        assert!(gathered.iter().any(|&c| c >= FRAME_SIZE), "{gathered:?}");
+        drop(alive);
+    }
+
     /// Nothing written is one empty frame.
     #[test]
     fn empty_input_is_one_empty_frame() {
+        let _serial = serial();
         let packed = encode(b"", 1);
         assert_eq!(zstd::zstd_safe::get_frame_content_size(&packed).unwrap(), Some(0));
         assert_eq!(decode(&packed).unwrap(), b"");
@@ -490,6 +630,7 @@ mod tests {
     /// streamed; skippable frames are skipped.
     #[test]
     fn streamed_frames_follow_whole_ones() {
+        let _serial = serial();
         let (a, b) = (data(100_000), data(300_000));
         let mut packed = encode(&a, 1);
         packed.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 1, 2, 3]);
@@ -502,6 +643,7 @@ mod tests {
     /// A frame cut short, or with a wrong checksum, fails; nothing is made up.
     #[test]
     fn damaged_frames_fail() {
+        let _serial = serial();
         let input = data(FRAME_SIZE + 1000);
         let packed = {
             let mut c = zstd::bulk::Compressor::new(3).unwrap();

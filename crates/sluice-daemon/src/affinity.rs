@@ -10,13 +10,14 @@
 //! that makes a Nix client's store calls) and the worker go to one CPU, and the client's
 //! threads and descendants that inherited the pin get their previous affinity back when the
 //! placement ends: when the connection does, or, for a watched placement (the daemon's default,
-//! `--client-cpu auto`), as soon as the client's main thread has started a thread or a process
-//! (seen within [`WATCH_PERIOD`]), since what it starts would inherit the one CPU and a client
-//! that works in parallel would be slowed.
+//! `--client-cpu auto`, for Nix's own clients: [`runs_nix`]), as soon as the client's main
+//! thread has started a process (seen within [`WATCH_PERIOD`]) or the client a thread that
+//! lives longer than [`LASTING_THREAD`], since what it starts would inherit the one CPU and a
+//! client that works in parallel would be slowed.
 
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::process::{sched_getaffinity, sched_setaffinity, CpuSet, Pid};
 
@@ -66,6 +67,11 @@ pub(crate) struct CpuUse {
 /// they started.
 pub(crate) const WATCH_PERIOD: Duration = Duration::from_millis(5);
 
+/// How long a watched client's new thread runs on the pinned CPU before the client's CPUs are
+/// given back (within a [`WATCH_PERIOD`] more): long enough for a thread that ends with its
+/// request, under load too.
+const LASTING_THREAD: Duration = Duration::from_millis(20);
+
 /// A client's pin, shared by its placement and the watcher; `None` once given back.
 type SharedPin = Arc<Mutex<Option<ClientPin>>>;
 
@@ -105,7 +111,7 @@ impl Watched {
             state.0.retain(|pin| {
                 let Some(shared) = pin.upgrade() else { return false };
                 let mut pin = lock(&shared);
-                if pin.as_ref().is_some_and(ClientPin::started_something) {
+                if pin.as_mut().is_some_and(ClientPin::started_something) {
                     *pin = None;
                 }
                 pin.is_some()
@@ -261,6 +267,8 @@ struct ClientPin {
     /// For a watched pin, the client's threads and its main thread's children when it was
     /// made; empty otherwise.
     known: (Vec<i32>, Vec<i32>),
+    /// The threads the watcher found new, each with when it first saw it.
+    new_threads: Vec<(i32, Instant)>,
 }
 
 impl ClientPin {
@@ -272,7 +280,7 @@ impl ClientPin {
         let since = ticks_since_boot()?;
         let known = if watched { (tasks(raw), children(raw)?) } else { Default::default() };
         match sched_setaffinity(Some(pid), &only(cpu)) {
-            Ok(()) => Some(ClientPin { pid, start, since, previous, cpu, known }),
+            Ok(()) => Some(ClientPin { pid, start, since, previous, cpu, known, new_threads: Vec::new() }),
             Err(e) => {
                 tracing::debug!("cannot pin client {} to CPU {cpu}: {e}", pid.as_raw_nonzero());
                 None
@@ -280,12 +288,20 @@ impl ClientPin {
         }
     }
 
-    /// Whether the client has a thread, or its main thread a child, that it did not have when
-    /// pinned (or its children can no longer be listed: it exited).
-    fn started_something(&self) -> bool {
+    /// Whether, since it was pinned, the client's main thread has started a child, or the
+    /// client a thread that the watcher has seen for [`LASTING_THREAD`] (Nix 2.8 starts a
+    /// thread for each AddToStore's reply, which ends with the request), or its children can
+    /// no longer be listed (it exited).
+    fn started_something(&mut self) -> bool {
         let pid = self.pid.as_raw_nonzero().get();
-        let new = |now: Vec<i32>, known: &[i32]| now.iter().any(|t| !known.contains(t));
-        new(tasks(pid), &self.known.0) || children(pid).is_none_or(|c| new(c, &self.known.1))
+        let now = Instant::now();
+        let seen = std::mem::take(&mut self.new_threads);
+        for tid in tasks(pid).into_iter().filter(|t| !self.known.0.contains(t)) {
+            let first = seen.iter().find(|(t, _)| *t == tid).map_or(now, |(_, first)| *first);
+            self.new_threads.push((tid, first));
+        }
+        let lasting = self.new_threads.iter().any(|(_, first)| now.duration_since(*first) >= LASTING_THREAD);
+        lasting || children(pid).is_none_or(|c| c.iter().any(|p| !self.known.1.contains(p)))
     }
 
     /// Whether task `tid` (started at `start`) carries this pin: the pinned thread itself, or
@@ -325,6 +341,16 @@ impl Drop for ClientPin {
             stack.extend(born_since.iter().filter(|(_, parent)| *parent == process).map(|(child, _)| *child));
         }
     }
+}
+
+/// Whether process `pid` runs Nix: its executable is named `nix` (every command of Nix 2.x is
+/// that one program) or `nix-…` (Nix 1's separate programs). `false` if it cannot be read
+/// (another user's process, for a daemon that is not root).
+pub(crate) fn runs_nix(pid: i32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .and_then(|exe| exe.file_name()?.to_str().map(|name| name == "nix" || name.starts_with("nix-")))
+        .unwrap_or(false)
 }
 
 /// The set of the one CPU `cpu`.
@@ -380,6 +406,7 @@ fn ticks_since_boot() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
     use std::process::{Child, Command};
 
     fn allowed() -> Vec<usize> {
@@ -528,6 +555,36 @@ mod tests {
         drop(placement);
         assert_eq!(affinity_of(client.0.id()), vec![last]);
         assert_eq!(allowed(), cpus);
+    }
+
+    /// Nix is known by its executable's name: `nix` (Nix 2) or `nix-…` (Nix 1), not by what
+    /// it was started as.
+    #[test]
+    fn nix_is_known_by_its_executable() {
+        let dir = tempfile::tempdir().unwrap();
+        let sleep = Command::new("sh").args(["-c", "command -v sleep"]).output().unwrap();
+        let sleep = std::fs::canonicalize(String::from_utf8(sleep.stdout).unwrap().trim()).unwrap();
+        // Started, once it has left the test binary for its program.
+        let started = |program: &Path| {
+            let client = Killed(Command::new(program).arg("30").spawn().unwrap());
+            let own = std::env::current_exe().unwrap();
+            while std::fs::read_link(format!("/proc/{}/exe", client.0.id())).unwrap() == own {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            client
+        };
+        let named = |name: &str| {
+            let copy = dir.path().join(name);
+            std::fs::copy(&sleep, &copy).unwrap();
+            started(&copy)
+        };
+        let linked = dir.path().join("nix-linked");
+        std::os::unix::fs::symlink(&sleep, &linked).unwrap();
+        for (client, nix) in [(named("nix"), true), (named("nix-store"), true), (named("nixos-rebuild"), false), (started(&linked), false)]
+        {
+            assert_eq!(runs_nix(client.0.id() as i32), nix, "{:?}", std::fs::read_link(format!("/proc/{}/exe", client.0.id())));
+        }
+        assert!(!runs_nix(std::process::id() as i32), "the test binary");
     }
 
     #[test]

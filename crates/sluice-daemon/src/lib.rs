@@ -101,15 +101,18 @@ pub struct Daemon {
 /// Where a connection's worker and its client run, for clients that send no CPU (Nix ≥ 2.6).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ClientCpu {
-    /// As [`ClientCpu::Pin`], while the client works alone: the client's pin is
-    /// given back as soon as its main thread starts a thread or a process (seen within 5 ms),
-    /// or before an operation after which clients work in parallel
-    /// (NAR transfers, builds, substitutions, maintenance), and the worker's at its next
-    /// request. Only a client whose children the daemon can list (`/proc/<pid>/task/<pid>/children`)
-    /// is pinned. Not the default: a thread or process started by the pinned thread runs on
-    /// its one CPU until the watcher sees it, which under load can be long enough for a
-    /// program to size its thread pool by that one CPU (Nix 2.26's parallel xz, started by a
-    /// test thread of a test binary whose raw clients got it pinned, wrote one block).
+    /// As [`ClientCpu::Pin`], for Nix's own clients (an executable named `nix` or `nix-…`)
+    /// while they work alone (the default): the client's pin is given back as soon as its
+    /// main thread starts a process (seen within 5 ms), or the client a thread that lives
+    /// longer than 20 ms (Nix 2.8's thread per AddToStore reply ends with the request), or
+    /// before an operation after which clients work in parallel (NAR transfers, builds,
+    /// substitutions, maintenance), and the worker's at its next request. Only a client whose
+    /// children the daemon can list (`/proc/<pid>/task/<pid>/children`) is pinned. Other
+    /// programs are left free: a thread or process started by a pinned thread runs on its one
+    /// CPU until the watcher sees it, which under load can be long enough for a program to
+    /// size its thread pool by that one CPU (a test binary whose raw clients got its main
+    /// thread pinned started test threads, whose Nix 2.26 wrote a parallel xz in one block).
+    #[default]
     Auto,
     /// The client's main thread and its worker are pinned to one CPU (the least used by the
     /// daemon's connections) while connected, when the daemon may change the client's affinity
@@ -118,9 +121,19 @@ pub enum ClientCpu {
     /// stays on one CPU; but every thread and process the client starts while connected runs
     /// on that CPU too (affinity is inherited), so a client that works in parallel is slowed.
     Pin,
-    /// Both run where the scheduler puts them (the default).
-    #[default]
+    /// Both run where the scheduler puts them.
     Free,
+}
+
+impl ClientCpu {
+    /// Whether client process `pid`, which sent no CPU, is placed on one CPU with its worker.
+    fn places(self, pid: i32) -> bool {
+        match self {
+            ClientCpu::Auto => affinity::runs_nix(pid),
+            ClientCpu::Pin => true,
+            ClientCpu::Free => false,
+        }
+    }
 }
 
 /// Daemon options beyond the store and its settings.

@@ -173,7 +173,7 @@ fn serve_connection(
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
     let watched = daemon.client_cpu == ClientCpu::Auto;
     let mut placed = client
-        .filter(|_| greeting.cpu.is_none() && daemon.client_cpu != ClientCpu::Free)
+        .filter(|(pid, _)| greeting.cpu.is_none() && daemon.client_cpu.places(*pid))
         .and_then(|(pid, uid)| Placement::pin_client(&daemon.cpu_use, pid, uid, watched));
     tracing::debug!(
         "{label}: protocol {} features {:?} user {} trusted {}",
@@ -202,8 +202,13 @@ fn serve_connection(
         ops += 1;
         // A watched placement ends once the client's pin was given back, or before an operation
         // after which clients work in parallel (transfers, builds, maintenance).
-        if placed.as_ref().is_some_and(|p| p.watched() && (p.client_given_back() || !crate::ops::keeps_client_placed(op))) {
-            placed = None;
+        if let Some(p) = placed.as_ref().filter(|p| p.watched()) {
+            let given_back = p.client_given_back();
+            if given_back || !crate::ops::keeps_client_placed(op) {
+                let why = if given_back { "the client started a thread or a process" } else { "it may work in parallel after it" };
+                tracing::debug!("{label}: placement on one CPU ended before op {op}: {why}");
+                placed = None;
+            }
         }
         match crate::ops::dispatch(&mut conn, op) {
             Ok(()) => {}

@@ -140,7 +140,7 @@ impl Session {
         let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
         let client = LazyClient::new(settings.http_options());
         let disk = substituters::open_disk_cache(settings);
-        let (subs, errors) = substituters::open(urls, &client, disk.as_deref()).await;
+        let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref()).await;
         for e in &errors {
             tracing::warn!("substituter left out: {e}");
         }
@@ -150,7 +150,7 @@ impl Session {
     /// Whether the session should be opened again rather than reused: a cache was left out
     /// or given up on since (it may be reachable again).
     fn degraded(&self) -> bool {
-        self.left_out > 0 || self.substituters.iter().any(|s| s.cache.is_disabled())
+        self.left_out > 0 || self.substituters.iter().any(|s| s.source.is_disabled())
     }
 }
 
@@ -244,12 +244,12 @@ pub(crate) fn realisations(
 ) -> Result<Vec<Option<String>>, String> {
     daemon.runtime.block_on(async {
         let session = daemon.sessions.get(settings, use_substitutes).await?;
-        let subs: Vec<&closure::Substituter> = session.substituters.iter().filter(|s| s.cache.store_dir() == store.store_dir()).collect();
+        let subs: Vec<&closure::Substituter> = session.substituters.iter().filter(|s| s.source.store_dir() == store.store_dir()).collect();
         let mut found = Vec::new();
         for id in ids {
             let mut json = None;
             for sub in &subs {
-                match sub.cache.realisation(id).await {
+                match sub.source.realisation(id).await {
                     Ok(Some(text)) => {
                         json = Some(text);
                         break;

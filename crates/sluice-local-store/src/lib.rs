@@ -21,7 +21,6 @@
 //! lock.
 
 mod api;
-mod batched;
 mod commit;
 pub mod config;
 mod content_hash;
@@ -48,7 +47,6 @@ mod unpack;
 mod verify;
 mod verify_store;
 
-pub use batched::BatchedAdder;
 pub use commit::Uncommitted;
 pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};
@@ -301,11 +299,28 @@ impl LocalStore {
     /// Validity is looked at once, with the lock held (the caller of an addition has mostly
     /// just found the path invalid, so a check before locking would be a second one).
     pub fn begin_add(self: &Arc<Self>, info: ValidPathInfo, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+        self.begin_blocking(info, None, roots)
+    }
+
+    /// [`LocalStore::begin_add`] for an info a policy vouched for: its commit under the same
+    /// policy does not verify its signatures again.
+    pub fn begin_add_vouched(self: &Arc<Self>, vouched: VouchedInfo, roots: &TempRoots) -> Result<Option<PendingPath>, LocalStoreError> {
+        let (info, policy) = vouched.into_parts();
+        self.begin_blocking(info, Some(policy), roots)
+    }
+
+    /// [`LocalStore::begin_add`], with the policy that vouched for `info`, if any.
+    fn begin_blocking(
+        self: &Arc<Self>,
+        info: ValidPathInfo,
+        vouched: Option<SignaturePolicy>,
+        roots: &TempRoots,
+    ) -> Result<Option<PendingPath>, LocalStoreError> {
         self.ensure_writable("add paths")?;
         roots.add(&info.path)?;
         let real_path = self.real_path(&info.path);
         let lock = PathLock::acquire(&real_path).map_err(io_err("locking", &real_path))?;
-        self.start_add(info, None, lock, roots)
+        self.start_add(info, vouched, lock, roots)
     }
 
     /// [`LocalStore::begin_add`] without blocking: [`TryAdd::Busy`] while another process

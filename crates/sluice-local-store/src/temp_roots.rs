@@ -16,8 +16,11 @@
 //! A holder that serves a client which keeps asking (the daemon's connections) may keep the
 //! shared GC lock between additions ([`TempRoots::add_all_keeping_gc_lock`]) and give it up
 //! when the client goes quiet ([`TempRoots::release_gc_lock`]): while it is held no collector
-//! runs, so each root written meanwhile is in the file before any collector reads it, as
-//! with a lock taken per root; a collector starting meanwhile waits for the release. A lock
+//! runs, so the roots added meanwhile are written together when it is given up, before any
+//! collector can read the file (one `write` where there was one per addition; `nix-store
+//! --gc --print-roots`, which reads the files without the lock, sees them then); a collector
+//! starting meanwhile waits for the release. Roots that cannot be written keep the lock until
+//! they are, or until the holder ends. A lock
 //! given up is kept again only [`GC_LOCK_GAP`] later, roots taking it one at a time
 //! meanwhile: `flock` does not queue shared lockers behind a waiting exclusive one, so
 //! connections that kept it back to back would keep a collector waiting for as long as their
@@ -98,10 +101,14 @@ impl TempRoots {
         self.lock().as_ref()?.gc_locked_at.map(|at| at.elapsed())
     }
 
-    /// Gives up the shared GC lock kept by [`TempRoots::add_all_keeping_gc_lock`], if any.
+    /// Writes the roots added since the shared GC lock was kept by
+    /// [`TempRoots::add_all_keeping_gc_lock`], then gives it up, if it is kept. Roots that
+    /// cannot be written keep it (logged): the next release tries again.
     pub fn release_gc_lock(&self) {
         if let Some(file) = self.lock().as_mut().filter(|f| f.gc_locked_at.is_some()) {
-            file.unlock_gc();
+            if let Err(e) = file.unlock_gc() {
+                tracing::warn!("{e}; the GC lock is kept until they are written");
+            }
         }
     }
 
@@ -139,8 +146,10 @@ struct TempRootsFile {
     /// (`std::terminate`, "terminate called without an active exception", `gc.cc`).
     collector: Option<UnixStream>,
     store_dir: StoreDir,
-    /// Roots already written, so that each is written once.
+    /// Roots already written or pending, so that each is written once.
     written: HashSet<StorePath>,
+    /// Roots added while the shared GC lock is kept, written when it is given up.
+    pending: Vec<u8>,
 }
 
 impl TempRootsFile {
@@ -175,13 +184,14 @@ impl TempRootsFile {
             collector: None,
             store_dir: store_dir.clone(),
             written: HashSet::new(),
+            pending: Vec::new(),
         })
     }
 
     /// Writes the paths of `paths` not written before, in one `write`, under the GC lock
     /// taken shared (or kept from before); while a collector holds it, each is first sent to
     /// the collector over its socket (it will not read the file again). With `keep`, a lock
-    /// taken here is kept.
+    /// taken here is kept, and the paths are written when it is given up.
     fn add_all(&mut self, paths: &[StorePath], keep: bool) -> Result<(), LocalStoreError> {
         let new: Vec<&StorePath> = paths.iter().filter(|p| !self.written.contains(*p)).collect();
         if new.is_empty() {
@@ -233,29 +243,38 @@ impl TempRootsFile {
                 Err(e) => return Err(io_err("sending a temporary root to the garbage collector at", &self.gc_socket)(e)),
             }
         }
-        let mut text = Vec::new();
+        let before = self.pending.len();
         for p in &shown {
-            text.extend_from_slice(p.as_bytes());
-            text.push(0);
+            self.pending.extend_from_slice(p.as_bytes());
+            self.pending.push(0);
         }
-        let written = self.file.write_all(&text);
         let in_gap = self.gc_released_at.is_some_and(|at| at.elapsed() < GC_LOCK_GAP);
-        if written.is_ok() && locked && keep && !in_gap {
+        if locked && keep && !in_gap {
             self.gc_locked_at.get_or_insert_with(Instant::now);
-        } else {
-            // Released whether or not the roots were written (an unlock of an unheld lock is a no-op).
-            self.unlock_gc();
+        } else if let Err(e) = self.unlock_gc() {
+            // These roots are not taken (their addition fails); those pending from before keep the lock.
+            self.pending.truncate(before);
+            if self.pending.is_empty() {
+                self.unlock_gc()?;
+            }
+            return Err(e);
         }
-        written.map_err(io_err("writing temporary roots to", &self.path))?;
         self.written.extend(new.into_iter().cloned());
         Ok(())
     }
 
-    fn unlock_gc(&mut self) {
+    /// Writes the pending roots, then gives the GC lock up. If they cannot be written, the
+    /// lock is kept (a collector must not read the file without them) and the error returned.
+    fn unlock_gc(&mut self) -> Result<(), LocalStoreError> {
+        if !self.pending.is_empty() {
+            self.file.write_all(&self.pending).map_err(io_err("writing temporary roots to", &self.path))?;
+            self.pending.clear();
+        }
         if self.gc_locked_at.take().is_some() {
             self.gc_released_at = Some(Instant::now());
         }
         let _ = flock(&self.gc_lock, FlockOperation::Unlock);
+        Ok(())
     }
 
     /// Sends one root to a running collector over the kept connection (made first if there
@@ -395,7 +414,8 @@ mod tests {
     }
 
     /// A kept GC lock keeps collectors from starting until it is released, and the roots
-    /// added meanwhile are written at once; a root added without keeping releases it.
+    /// added meanwhile are written together when it is, before a collector can take it; a
+    /// root added without keeping releases it, its own and the pending ones written first.
     #[test]
     fn a_kept_gc_lock_holds_collectors_off_until_released() {
         let (state, dir) = (tempfile::tempdir().unwrap(), StoreDir::new("/nix/store").unwrap());
@@ -404,15 +424,21 @@ mod tests {
         roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
         assert!(!can_collect() && roots.gc_lock_held_for().is_some());
         roots.add_all_keeping_gc_lock(&paths(&dir, 1, 2)).unwrap();
-        let written = |roots: &TempRoots| std::fs::read(roots.path().unwrap()).unwrap().iter().filter(|b| **b == 0).count();
-        assert_eq!(written(&roots), 3);
+        let file = roots.path().unwrap();
+        let written = || std::fs::read(&file).unwrap().iter().filter(|b| **b == 0).count();
+        assert_eq!(written(), 0, "written when the lock is given up");
         assert!(!can_collect());
         roots.release_gc_lock();
+        assert_eq!(written(), 3);
         assert!(can_collect() && roots.gc_lock_held_for().is_none());
+        std::thread::sleep(GC_LOCK_GAP);
         roots.add_all_keeping_gc_lock(&paths(&dir, 3, 1)).unwrap();
+        assert_eq!((written(), can_collect()), (3, false));
         roots.add_all(&paths(&dir, 4, 1)).unwrap();
         assert!(can_collect() && roots.gc_lock_held_for().is_none());
-        assert_eq!(written(&roots), 5);
+        assert_eq!(written(), 5);
+        roots.add_all_keeping_gc_lock(&paths(&dir, 5, 1)).unwrap();
+        assert_eq!(written(), 6, "written at once within the gap, the lock not kept");
     }
 
     /// A lock given up is not kept again within [`GC_LOCK_GAP`]: roots added meanwhile take it

@@ -41,6 +41,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::progress::{self, Activity, Counted, Side, Tracked, Verdict};
 use crate::routes::App;
+use crate::sendfile::{Files, Sendfile};
 use crate::slots::{Slot, Slots};
 
 /// Most bytes of an HTTP/1.1 request head (request line and headers), and of an HTTP/2 header
@@ -83,7 +84,9 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, String> {
 /// Serves `app` on every listener until one fails to accept for good.
 pub async fn run(listeners: Vec<TcpListener>, tls: Option<TlsAcceptor>, app: Arc<App>, limits: Limits) -> io::Result<()> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle).max_buf_size(MAX_HEAD);
+    // `writev(true)`: body frames are queued as they are, never copied, which sending files
+    // with `sendfile` needs ([`crate::sendfile`]).
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.idle).max_buf_size(MAX_HEAD).writev(true);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -123,9 +126,12 @@ async fn accept_loop(
         let (app, builder, tls) = (app.clone(), builder.clone(), tls.clone());
         tokio::spawn(async move {
             let served = match tls {
-                None => serve(&builder, tcp, peer, app, slot, idle).await,
+                None => {
+                    let files = Files::default();
+                    serve(&builder, Sendfile::new(tcp, files.clone()), Some(files), peer, app, slot, idle).await
+                }
                 Some(acceptor) => match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => serve(&builder, stream, peer, app, slot, idle).await,
+                    Ok(Ok(stream)) => serve(&builder, stream, None, peer, app, slot, idle).await,
                     Ok(Err(e)) => Err(e.into()),
                     Err(_) => Err("TLS handshake timed out".into()),
                 },
@@ -139,10 +145,12 @@ async fn accept_loop(
 
 /// Serves `app` on one connection from `peer` in its `slot`, each request and its bodies [`Tracked`] in
 /// the connection's [`Activity`], until the client closes it or the watchdog does (see the
-/// module doc).
+/// module doc). With `files` (the stream is a [`Sendfile`] over them), its HTTP/1.x requests
+/// carry them, for files to be sent with `sendfile`.
 async fn serve<S>(
     builder: &auto::Builder<TokioExecutor>,
     stream: S,
+    files: Option<Files>,
     peer: std::net::SocketAddr,
     app: Arc<App>,
     slot: Slot,
@@ -158,6 +166,9 @@ where
         let (app, request) = (app.clone(), requests.start());
         let mut req = req.map(|body| Tracked::new(body, Side::Request, request.clone()));
         req.extensions_mut().insert(crate::routes::Client(peer));
+        if let Some(files) = files.as_ref().filter(|_| req.version() < hyper::Version::HTTP_2) {
+            req.extensions_mut().insert(files.clone());
+        }
         async move { Ok::<_, Infallible>(app.handle(req).await.map(|body| Tracked::new(body, Side::Response, request))) }
     });
     let conn = builder.serve_connection(TokioIo::new(Counted::new(stream, activity.clone())), service);

@@ -8,9 +8,11 @@
 //! downloads (`src/libstore/binary-cache-store.cc`), but once for all clients.
 //!
 //! An upstream cannot make the fetch go on for ever: the file is read up to its `FileSize`
-//! (the `NarSize` of an uncompressed one) and no further, the verifier decompresses no more
-//! than `NarSize` and a byte, and the verifier's failure (a file that does not decompress, or
-//! decompresses to more) stops the fetch at once.
+//! (the `NarSize` of an uncompressed one, else the largest NAR the server takes) and no
+//! further, the verifier decompresses no more than `NarSize` and a byte, and the verifier's
+//! failure (a file that does not decompress, or decompresses to more) stops the fetch at once.
+//! A fetch fails either because the file is not what its narinfo says ([`Failure::Corrupt`])
+//! or because it was not got whole ([`Failure::Unfetched`]).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -46,6 +48,38 @@ pub struct Expected {
     pub nar_size: u64,
     pub file_hash: Option<Hash>,
     pub file_size: Option<u64>,
+    /// The most bytes spooled of a compressed file whose narinfo gives no `FileSize` (the
+    /// largest NAR the server takes, `--upstream-max-nar-size`).
+    pub max_size: u64,
+}
+
+/// Why a fetch failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// The file is not what its narinfo says (its hash or size, or it does not decompress):
+    /// never to be fetched from that upstream again.
+    Corrupt(String),
+    /// The file was not got whole (the upstream does not have it, the transfer broke, or it
+    /// could not be spooled): it may be fetched again later.
+    Unfetched(String),
+}
+
+impl Failure {
+    /// The failure, its reason prefixed with `context`.
+    fn within(self, context: &str) -> Failure {
+        match self {
+            Failure::Corrupt(why) => Failure::Corrupt(format!("{context}: {why}")),
+            Failure::Unfetched(why) => Failure::Unfetched(format!("{context}: {why}")),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Corrupt(why) | Failure::Unfetched(why) => f.write_str(why),
+        }
+    }
 }
 
 /// A NAR file being fetched; clients follow it with [`Flight::follow`].
@@ -55,7 +89,7 @@ pub struct Flight {
 }
 
 /// The outcome of a fetch, once it ends: the verified file, or why it failed.
-pub type Outcome = tokio::task::JoinHandle<Result<Fetched, String>>;
+pub type Outcome = tokio::task::JoinHandle<Result<Fetched, Failure>>;
 
 /// What a fetch that checked out leaves: the file, its sha256 and size.
 pub struct Fetched {
@@ -79,10 +113,10 @@ impl Flight {
         let url = format!("{}/{rel}", upstream.url());
         let fetch = tokio::spawn(async move {
             let outcome = fetch(&upstream, &rel, spool, &tx, Follower { file, state: rx, offset: 0, verifier: true }, expected).await;
-            let outcome = outcome.map_err(|e| format!("{url}: {e}"));
+            let outcome = outcome.map_err(|e| e.within(&url));
             tx.send_replace(match &outcome {
                 Ok(f) => State::Verified(f.file_size),
-                Err(e) => State::Failed(e.clone()),
+                Err(e) => State::Failed(e.to_string()),
             });
             outcome
         });
@@ -103,12 +137,17 @@ async fn fetch(
     tx: &watch::Sender<State>,
     verifier: Follower,
     expected: Expected,
-) -> Result<Fetched, String> {
-    let Some(stream) = upstream.open_file(rel).await.map_err(|e| e.to_string())? else {
-        return Err("the upstream has no such file".into());
+) -> Result<Fetched, Failure> {
+    let Some(stream) = upstream.open_file(rel).await.map_err(|e| Failure::Unfetched(e.to_string()))? else {
+        return Err(Failure::Unfetched("the upstream has no such file".into()));
     };
     let (compression, nar_size) = (expected.compression, expected.nar_size);
-    let file_size = expected.file_size.or((compression == Compression::None).then_some(nar_size));
+    // The most bytes read, and what says so.
+    let (most, bound) = match (expected.file_size, compression) {
+        (Some(size), _) => (size, "the FileSize"),
+        (None, Compression::None) => (nar_size, "the NarSize"),
+        (None, _) => (expected.max_size, "--upstream-max-nar-size, without a FileSize,"),
+    };
     let verifier_tx = tx.clone();
     let verify = tokio::task::spawn_blocking(move || -> Result<(Hash, u64), String> {
         let checked = (|| {
@@ -127,19 +166,21 @@ async fn fetch(
         checked
     });
     let tx2 = tx.clone();
-    let copy = tokio::task::spawn_blocking(move || -> Result<(tempfile::NamedTempFile, Hash, u64), String> {
+    // A copy stopped by the verifier's failure fails with `None`: the verifier says why.
+    let copy = tokio::task::spawn_blocking(move || -> Result<(tempfile::NamedTempFile, Hash, u64), Option<Failure>> {
         let mut reader = stream.reader;
         let mut hasher = Hasher::new(HashAlgo::Sha256);
         let mut buf = vec![0; CHUNK];
         loop {
-            let n = reader.read(&mut buf).map_err(|e| format!("reading: {e}"))?;
+            let n = reader.read(&mut buf).map_err(|e| Failure::Unfetched(format!("reading: {e}")))?;
             if n == 0 {
                 break;
             }
-            if let Some(size) = file_size.filter(|size| hasher.len() + n as u64 > *size) {
-                return Err(format!("the upstream sent more than the FileSize of {size} bytes the narinfo gives"));
+            if hasher.len() + n as u64 > most {
+                return Err(Some(Failure::Corrupt(format!("the upstream sent more than {bound} of {most} bytes"))));
             }
-            spool.as_file_mut().write_all(&buf[..n]).map_err(|e| format!("writing {}: {e}", spool.path().display()))?;
+            let written = spool.as_file_mut().write_all(&buf[..n]);
+            written.map_err(|e| Failure::Unfetched(format!("writing {}: {e}", spool.path().display())))?;
             hasher.update(&buf[..n]);
             let len = hasher.len();
             let going_on = |s: &mut State| match s {
@@ -150,21 +191,27 @@ async fn fetch(
                 }
             };
             if !tx2.send_if_modified(going_on) {
-                return Err("stopped: the verifier failed".into());
+                return Err(None);
             }
         }
         let size = hasher.len();
         tx2.send_replace(State::Written(size));
         Ok((spool, hasher.finish(), size))
     });
-    let copied = copy.await.map_err(|e| e.to_string()).and_then(|r| r);
-    if let Err(e) = &copied {
+    let copied = copy.await.map_err(|e| Some(Failure::Unfetched(e.to_string()))).and_then(|r| r);
+    if let Err(Some(e)) = &copied {
         // The verifier waits for more bytes: it stops on the failure.
-        tx.send_replace(State::Failed(e.clone()));
+        tx.send_replace(State::Failed(e.to_string()));
     }
-    let (nar_hash, nar_size) = verify.await.map_err(|e| e.to_string())??;
-    let (file, file_hash, file_size) = copied?;
-    let mismatch = |what: &str, want: String, got: String| Err(format!("{what} is {got}, the narinfo says {want}"));
+    let verified = verify.await.map_err(|e| Failure::Unfetched(e.to_string())).and_then(|r| r.map_err(Failure::Corrupt));
+    let (file, file_hash, file_size) = match copied {
+        Ok(copied) => copied,
+        // Failed by itself: that is why the verifier failed too, if it did.
+        Err(Some(failure)) => return Err(failure),
+        Err(None) => return Err(verified.err().unwrap_or_else(|| Failure::Corrupt("the verifier stopped the fetch".into()))),
+    };
+    let (nar_hash, nar_size) = verified?;
+    let mismatch = |what: &str, want: String, got: String| Err(Failure::Corrupt(format!("{what} is {got}, the narinfo says {want}")));
     if let Some(want) = expected.file_size.filter(|w| *w != file_size) {
         return mismatch("FileSize", want.to_string(), file_size.to_string());
     }

@@ -35,9 +35,10 @@ pub struct UpstreamCounts {
     pub hits: u64,
     /// Narinfos it did not have.
     pub misses: u64,
-    /// Narinfos it had that no trusted key signed.
+    /// Narinfos it had that no trusted key signed, or whose NAR is over the largest taken.
     pub refused: u64,
-    /// Requests that failed or timed out (each skips it for a while).
+    /// Requests that failed or timed out (a narinfo request's skips it for a while), and NAR
+    /// fetches that did not get the file whole (fetched again later).
     pub failures: u64,
     /// NARs fetched and checked.
     pub nars: u64,
@@ -108,8 +109,8 @@ impl Metrics {
         let counters: [Counter; 6] = [
             ("narinfo_hits_total", "Narinfos an upstream had and the trusted keys accepted.", |c| c.hits),
             ("narinfo_misses_total", "Narinfos an upstream did not have.", |c| c.misses),
-            ("narinfo_refused_total", "Narinfos an upstream had that no trusted key signed.", |c| c.refused),
-            ("failures_total", "Requests to an upstream that failed or timed out.", |c| c.failures),
+            ("narinfo_refused_total", "Narinfos an upstream had that no trusted key signed, or whose NAR is too large.", |c| c.refused),
+            ("failures_total", "Requests to an upstream that failed or timed out, NAR fetches that broke.", |c| c.failures),
             ("nars_total", "NARs fetched from an upstream and checked.", |c| c.nars),
             ("nar_failures_total", "NARs from an upstream that failed their check.", |c| c.nar_failures),
         ];

@@ -27,7 +27,7 @@ use sluice_store::store::{NarReader, Store, StoreError};
 
 use crate::metrics::{Metered, Metrics, RequestLine};
 use crate::progress::Tracked;
-use crate::stored::Lookup;
+use crate::stored::{Lookup, NarFile};
 use crate::upstream::{kept_name, Found, Keep, Upstreams};
 use crate::{batch, narinfo};
 
@@ -380,10 +380,16 @@ impl App {
         let not_found = || status(StatusCode::NOT_FOUND, "not found");
         // A pull-through NAR's `?hash=`: the path whose narinfo named it.
         let hash_part = || req.uri().query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("hash="))).filter(|h| is_hash_part(h));
-        let nar_file = |found: Option<(NarReader, Option<u64>)>| match found {
-            Some((_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), len),
-            Some((reader, len)) => ok("application/x-nix-nar", stream_reader(reader), len),
+        let files = req.extensions().get::<crate::sendfile::Files>().cloned();
+        let nar_file = |found: Option<NarFile>| match found {
             None => not_found(),
+            Some(NarFile::Local(_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), Some(len)),
+            Some(NarFile::Local(file, len)) => match files {
+                Some(files) => ok("application/x-nix-nar", crate::sendfile::body(file, len, files), Some(len)),
+                None => ok("application/x-nix-nar", stream_reader(Box::new(file)), Some(len)),
+            },
+            Some(NarFile::Stream(_, len)) if head => ok("application/x-nix-nar", full(Bytes::new()), len),
+            Some(NarFile::Stream(reader, len)) => ok("application/x-nix-nar", stream_reader(reader), len),
         };
         if let Some(stored) = &self.stored {
             match route {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use sluice_binary_cache::BinaryCache;
+use sluice_binary_cache::{BinaryCache, CacheFile};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
@@ -28,6 +28,14 @@ pub struct Stored {
 pub struct Served {
     pub text: Bytes,
     pub references: Vec<StorePath>,
+}
+
+/// A NAR file to serve.
+pub enum NarFile {
+    /// A `file://` cache's file, and its size: sent as it is ([`crate::sendfile`]).
+    Local(std::fs::File, u64),
+    /// Its bytes, to be read on a blocking thread, and their number when known.
+    Stream(NarReader, Option<u64>),
 }
 
 /// A narinfo lookup's outcome.
@@ -77,17 +85,19 @@ impl Stored {
         })
     }
 
-    /// The bytes of the NAR file `rel` (`nar/…`) as stored, read on a blocking thread, and
-    /// their number when known: from the cache, else fetched from an upstream (whose narinfo
-    /// of `hash_part` names it, if this server did not serve that narinfo itself). `None`
-    /// when there is none, or only copies that failed their check.
-    pub async fn nar(&self, rel: &str, hash_part: Option<&str>) -> Result<Option<(NarReader, Option<u64>)>, StoreError> {
-        if let Some(stream) = self.cache.open_file(rel).await? {
-            return Ok(Some((stream.reader, stream.len)));
+    /// The NAR file `rel` (`nar/…`) as stored: from the cache, else fetched from an upstream
+    /// (whose narinfo of `hash_part` names it, if this server did not serve that narinfo
+    /// itself). `None` when there is none, or none to be fetched now (one that failed its
+    /// check, or whose fetch failed a moment ago: [`crate::upstream`]).
+    pub async fn nar(&self, rel: &str, hash_part: Option<&str>) -> Result<Option<NarFile>, StoreError> {
+        match self.cache.open_cache_file(rel).await? {
+            Some(CacheFile::Local { file, len }) => return Ok(Some(NarFile::Local(file, len))),
+            Some(CacheFile::Stream(stream)) => return Ok(Some(NarFile::Stream(stream.reader, stream.len))),
+            None => {}
         }
         let Some(upstreams) = &self.upstreams else { return Ok(None) };
         let flight = upstreams.flight(rel, hash_part, &Keep::Cache(self.cache.clone())).await.map_err(StoreError::Other)?;
-        Ok(flight.map(|f| (Box::new(f.follow()) as NarReader, None)))
+        Ok(flight.map(|f| NarFile::Stream(Box::new(f.follow()), None)))
     }
 }
 

@@ -6,12 +6,17 @@
 //! `CACHE`; the query lets any front over the same `CACHE` find the path again). An upstream
 //! that fails or times out is a miss for that request and is skipped for [`SKIP`], as Nix's
 //! `BinaryCacheStore::maybeDisable` (`src/libstore/http-binary-cache-store.cc`) does; a path
-//! no upstream has is remembered for [`MISS_TTL`]. Its NAR is fetched once ([`crate::flight`])
-//! and kept once checked ([`Keep`]): in a binary cache as the upstream compressed it, its
-//! narinfo written only after the NAR; in a local store as a path registered with the
-//! upstream's signatures, once its references are.
+//! no upstream has is remembered for [`MISS_TTL`]. A narinfo whose `NarSize` or `FileSize` is
+//! over the largest NAR the server takes (`--upstream-max-nar-size`) is passed over, so that
+//! no claim makes the server spool more. Its NAR is fetched once ([`crate::flight`]) and kept
+//! once checked ([`Keep`]): in a binary cache as the upstream compressed it, its narinfo
+//! written only after the NAR; in a local store as a path registered with the upstream's
+//! signatures, once its references are. A NAR that failed its check is never served from that
+//! upstream again; one that was not fetched whole (the upstream did not have it, the transfer
+//! broke) is fetched again on a later request, after [`NAR_RETRY`] (doubled each time it fails
+//! again, up to [`SKIP`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -30,11 +35,14 @@ use sluice_compress::Compression;
 use sluice_nix::store_path::StorePath;
 use sluice_store::store::Store;
 
-use crate::flight::{Expected, Fetched, Flight};
+use crate::flight::{Expected, Failure, Fetched, Flight};
 use crate::metrics::Metrics;
 
 /// How long an upstream that failed or timed out is left out (Nix's `maybeDisable`: 60 s).
 pub const SKIP: Duration = Duration::from_secs(60);
+/// How long after a NAR fetch that failed without the file being checked (see [`Failure`]) it
+/// may be tried again; doubled each time, up to [`SKIP`].
+pub const NAR_RETRY: Duration = Duration::from_secs(2);
 /// How long a path no upstream has is remembered as missing (and said so in
 /// `Cache-Control: max-age`).
 pub const MISS_TTL: Duration = Duration::from_secs(30);
@@ -138,6 +146,25 @@ struct Source {
     narinfo: NarInfo,
 }
 
+/// A NAR file an upstream did not give.
+#[derive(Clone, Copy)]
+enum Failed {
+    /// It failed its check: never served from there.
+    Corrupt,
+    /// It was not fetched, `times` in a row: not asked for again until `until`.
+    Unfetched { until: Instant, times: u32 },
+}
+
+/// Why an upstream's narinfo is not served.
+enum Refusal {
+    /// No trusted key signed it.
+    Unsigned,
+    /// Its NAR is over the largest taken; the warning.
+    TooLarge(String),
+    /// Its NAR failed, for good or for now ([`Failed`]).
+    Failed(Failed),
+}
+
 /// A narinfo lookup's outcome.
 pub enum Found {
     /// The narinfo to serve (its URL relative to this server).
@@ -153,24 +180,27 @@ pub struct Upstreams {
     client: LazyClient,
     policy: SignaturePolicy,
     timeout: Duration,
+    /// The largest `NarSize` and `FileSize` taken.
+    max_nar_size: u64,
     store_dir: StoreDir,
     metrics: Arc<Metrics>,
     misses: Mutex<LruCache<String, Instant>>,
     sources: Mutex<LruCache<String, Source>>,
     flights: Mutex<HashMap<String, Arc<Flight>>>,
-    /// NAR files that failed their check, by upstream: never served.
-    failed: Mutex<HashSet<(usize, String)>>,
+    /// NAR files that failed, by upstream.
+    failed: Mutex<HashMap<(usize, String), Failed>>,
 }
 
 impl Upstreams {
     /// The upstreams at `urls` (each asked for its `nix-cache-info`, all at once within
     /// `timeout`, for its priority; one that does not answer gets Nix's default, 50, and is
-    /// skipped).
+    /// skipped), whose NARs are taken up to `max_nar_size` bytes.
     pub async fn open(
         urls: &[CacheUrl],
         client: LazyClient,
         policy: SignaturePolicy,
         timeout: Duration,
+        max_nar_size: u64,
         metrics: Arc<Metrics>,
     ) -> Result<Upstreams, String> {
         let (client_ref, metrics_ref) = (&client, &metrics);
@@ -211,6 +241,7 @@ impl Upstreams {
             client,
             policy,
             timeout,
+            max_nar_size,
             store_dir: StoreDir::default(),
             metrics,
             misses: Mutex::new(LruCache::new(REMEMBERED)),
@@ -270,15 +301,27 @@ impl Upstreams {
         while let Some((i, took, answer)) = asked.next().await {
             let base = &self.list[i].url.base;
             answers[i] = Some(match answer {
-                Ok(Ok(Some((_, narinfo)))) if self.accepts(i, &narinfo) => {
-                    self.metrics.upstream(base, |c| c.hit(took));
-                    Some(narinfo)
-                }
-                Ok(Ok(Some(_))) => {
-                    tracing::warn!("upstream {base}: the narinfo of {hash_part} has no signature by a trusted key; passed over");
-                    self.metrics.upstream(base, |c| c.refused += 1);
-                    None
-                }
+                Ok(Ok(Some((_, narinfo)))) => match self.refusal(i, &narinfo) {
+                    None => {
+                        self.metrics.upstream(base, |c| c.hit(took));
+                        Some(narinfo)
+                    }
+                    Some(Refusal::Unsigned) => {
+                        tracing::warn!("upstream {base}: the narinfo of {hash_part} has no signature by a trusted key; passed over");
+                        self.metrics.upstream(base, |c| c.refused += 1);
+                        None
+                    }
+                    Some(Refusal::TooLarge(why)) => {
+                        tracing::warn!("{why}");
+                        self.metrics.upstream(base, |c| c.refused += 1);
+                        None
+                    }
+                    Some(Refusal::Failed(failed)) => {
+                        // Not remembered as a miss while its NAR may be fetched again soon.
+                        clean &= matches!(failed, Failed::Corrupt);
+                        None
+                    }
+                },
                 Ok(Ok(None)) => {
                     self.metrics.upstream(base, |c| c.miss(took));
                     None
@@ -313,17 +356,71 @@ impl Upstreams {
         Found::No(clean.then_some(MISS_TTL))
     }
 
-    /// Whether upstream `i`'s `narinfo` is signed by a trusted key (or needs no signature),
-    /// and its NAR did not fail before.
-    fn accepts(&self, i: usize, narinfo: &NarInfo) -> bool {
-        let vouched = self.policy.for_source(self.list[i].trusted).vouch(&self.store_dir, &ValidPathInfo::from_narinfo(narinfo, 0)).is_ok();
-        vouched && !lock(&self.failed).contains(&(i, kept_name(narinfo)))
+    /// Why upstream `i`'s `narinfo` is not served, if it is not: no trusted key signed it (and
+    /// it needs a signature), its NAR is over the largest taken, or it failed and is not to be
+    /// fetched again (yet).
+    fn refusal(&self, i: usize, narinfo: &NarInfo) -> Option<Refusal> {
+        let info = ValidPathInfo::from_narinfo(narinfo, 0);
+        if self.policy.for_source(self.list[i].trusted).vouch(&self.store_dir, &info).is_err() {
+            return Some(Refusal::Unsigned);
+        }
+        let size = narinfo.nar_size.max(narinfo.file_size.unwrap_or(0));
+        if size > self.max_nar_size {
+            return Some(Refusal::TooLarge(format!(
+                "upstream {}: {}: its NAR is {size} bytes (NarSize {}, FileSize {}), more than the {} bytes of \
+                 --upstream-max-nar-size; passed over",
+                self.list[i].url.base,
+                self.store_dir.display_path(&narinfo.store_path),
+                narinfo.nar_size,
+                narinfo.file_size.map_or_else(|| "not given".to_string(), |s| s.to_string()),
+                self.max_nar_size,
+            )));
+        }
+        self.failed(i, &kept_name(narinfo)).map(Refusal::Failed)
     }
 
-    /// Where the NAR file `name` comes from, unless it failed there.
+    /// How the NAR file `name` failed at upstream `i`, if it did and is not to be fetched
+    /// again (yet).
+    fn failed(&self, i: usize, name: &str) -> Option<Failed> {
+        let failed = *lock(&self.failed).get(&(i, name.to_string()))?;
+        match failed {
+            Failed::Unfetched { until, .. } if Instant::now() >= until => None,
+            _ => Some(failed),
+        }
+    }
+
+    /// Where the NAR file `name` comes from, unless it failed there (for now).
     fn source(&self, name: &str) -> Option<Source> {
         let source = lock(&self.sources).get(name).cloned()?;
-        (!lock(&self.failed).contains(&(source.upstream, name.to_string()))).then_some(source)
+        self.failed(source.upstream, name).is_none().then_some(source)
+    }
+
+    /// Records how the fetch of the NAR file `name` from upstream `i` ended.
+    fn fetched(&self, i: usize, name: &str, outcome: Result<(), &Failure>) {
+        let base = &self.list[i].url.base;
+        let mut failed = lock(&self.failed);
+        let key = (i, name.to_string());
+        match outcome {
+            Ok(()) => {
+                self.metrics.upstream(base, |c| c.nars += 1);
+                failed.remove(&key);
+            }
+            Err(Failure::Corrupt(why)) => {
+                tracing::warn!("{why}: the NAR is not served from {base}");
+                self.metrics.upstream(base, |c| c.nar_failures += 1);
+                failed.insert(key, Failed::Corrupt);
+            }
+            Err(Failure::Unfetched(why)) => {
+                let times = match failed.get(&key) {
+                    Some(Failed::Unfetched { times, .. }) => times + 1,
+                    _ => 1,
+                };
+                let wait = NAR_RETRY.saturating_mul(1 << (times - 1).min(16)).min(SKIP);
+                tracing::warn!("{why}: the NAR is fetched again on a request after {} s", wait.as_secs());
+                self.metrics.upstream(base, |c| c.failures += 1);
+                failed.insert(key, Failed::Unfetched { until: Instant::now() + wait, times });
+            }
+        }
     }
 
     /// Upstream `i`'s `narinfo` as served: its NAR at the name it gets in `CACHE`, remembered
@@ -339,7 +436,8 @@ impl Upstreams {
     /// The flight fetching the NAR file `name` (`nar/…` in `CACHE`), started now if none is
     /// under way and an upstream's narinfo names it (asked again for `hash_part`, when this
     /// front did not serve it); once it checks out it is kept in `keep`. `None` when no
-    /// upstream has it, or only one whose copy failed its check.
+    /// upstream has it, or only one whose copy failed its check or whose fetch is waiting out
+    /// its back-off.
     pub async fn flight(self: &Arc<Self>, name: &str, hash_part: Option<&str>, keep: &Keep) -> Result<Option<Arc<Flight>>, String> {
         if let Some(f) = lock(&self.flights).get(name) {
             return Ok(Some(f.clone()));
@@ -363,22 +461,21 @@ impl Upstreams {
             nar_size: source.narinfo.nar_size,
             file_hash: source.narinfo.file_hash.clone(),
             file_size: source.narinfo.file_size,
+            max_size: self.max_nar_size,
         };
         let spool = keep.staging_file().map_err(|e| format!("{}: a temporary file for {name}: {e}", keep.url()))?;
         let (flight, fetched) = Flight::start(upstream, source.rel.clone(), spool, expected).map_err(|e| format!("{name}: {e}"))?;
         flights.insert(name.to_string(), flight.clone());
         drop(flights);
-        let (this, keep, name, base) = (self.clone(), keep.clone(), name.to_string(), self.list[source.upstream].url.base.clone());
+        let (this, keep, name) = (self.clone(), keep.clone(), name.to_string());
         tokio::spawn(async move {
-            let kept = match fetched.await.map_err(|e| e.to_string()).and_then(|r| r) {
+            let kept = match fetched.await.map_err(|e| Failure::Unfetched(e.to_string())).and_then(|r| r) {
                 Ok(f) => {
-                    this.metrics.upstream(&base, |c| c.nars += 1);
+                    this.fetched(source.upstream, &name, Ok(()));
                     keep.keep(&name, f, &source.narinfo, compression).await
                 }
-                Err(e) => {
-                    tracing::warn!("{e}: the NAR is not served");
-                    this.metrics.upstream(&base, |c| c.nar_failures += 1);
-                    lock(&this.failed).insert((source.upstream, name.clone()));
+                Err(failure) => {
+                    this.fetched(source.upstream, &name, Err(&failure));
                     Ok(())
                 }
             };

@@ -1,5 +1,6 @@
-//! The closure engine: given store paths, find their closures in binary caches by fetching
-//! narinfos in parallel with no barrier per level. A path's references are queued the moment
+//! The closure engine: given store paths, find their closures in the substituters (binary
+//! caches, and other stores through [`Source`]) by fetching narinfos in parallel with no
+//! barrier per level. A path's references are queued the moment
 //! its narinfo arrives; every substituter is asked at once and the answer taken by priority
 //! (lowest `Priority` first), without waiting on lower-priority caches once a higher one has
 //! answered. The narinfo disk cache is consulted in batches before the network, and new
@@ -25,14 +26,15 @@ use tokio::sync::mpsc;
 
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
+use crate::substituter_source::Source;
 use sluice_binary_cache::narinfo_cache::{Cached, NarInfoCache};
-use sluice_binary_cache::{BinaryCache, CacheError};
+use sluice_binary_cache::CacheError;
 use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 
-/// A binary cache used as a substituter, with its id in the disk cache (if any).
+/// A substituter: where its paths come from, with its id in the disk cache (if any).
 #[derive(Debug)]
 pub struct Substituter {
-    pub cache: BinaryCache,
+    pub source: Source,
     pub disk_id: Option<i64>,
     /// Narinfo answers fetched while the cache was being opened (by hash part), taken by
     /// the first lookup of each path instead of a request.
@@ -43,8 +45,8 @@ pub struct Substituter {
 
 impl Substituter {
     /// A substituter with nothing prefetched.
-    pub fn new(cache: BinaryCache, disk_id: Option<i64>) -> Self {
-        Substituter { cache, disk_id, prefetched: Default::default(), trusted: false }
+    pub fn new(source: Source, disk_id: Option<i64>) -> Self {
+        Substituter { source, disk_id, prefetched: Default::default(), trusted: false }
     }
 
     fn take_prefetched(&self, path: &StorePath) -> Option<Result<Option<String>, CacheError>> {
@@ -55,7 +57,7 @@ impl Substituter {
     /// of `store_dir`; for a cache of another store directory, the one `content_addresses`
     /// implies in its directory, and none without one (Nix's `PathSubstitutionGoal::init`).
     fn name_of(&self, path: &StorePath, store_dir: &StoreDir, content_addresses: &ContentAddresses) -> Option<StorePath> {
-        let dir = self.cache.store_dir();
+        let dir = self.source.store_dir();
         if dir == store_dir {
             return Some(path.clone());
         }
@@ -171,7 +173,7 @@ struct Outcome {
 impl ClosureQuery {
     /// Sorts substituters by priority, keeping the given order among equals.
     pub(crate) fn sort_substituters(mut subs: Vec<Substituter>) -> Vec<Substituter> {
-        subs.sort_by_key(|s| s.cache.info().priority);
+        subs.sort_by_key(|s| s.source.priority());
         subs
     }
 
@@ -251,7 +253,7 @@ impl ClosureQuery {
     /// the long chains of a closure start early instead of queueing behind a wide level (no
     /// per-level barrier, and no FIFO one either).
     fn fill(&self, walk: &mut Walk) {
-        let budget = self.substituters.iter().map(|s| s.cache.capacity()).min().unwrap_or(1).min(walk.fd_slots).max(1);
+        let budget = self.substituters.iter().map(|s| s.source.capacity()).min().unwrap_or(1).min(walk.fd_slots).max(1);
         while walk.network < budget {
             let Some(ByKey { value: (path, known), .. }) = walk.waiting.pop() else { break };
             self.start(path, known, walk);
@@ -274,7 +276,7 @@ impl ClosureQuery {
                     Answer::Fetch(tokio::spawn(async move {
                         match early {
                             Some(answer) => answer,
-                            None => subs[i].cache.narinfo_text(&p).await,
+                            None => subs[i].source.narinfo_text(&p).await,
                         }
                     }))
                 }
@@ -311,7 +313,7 @@ impl ClosureQuery {
         let hashes: Vec<&str> = paths.iter().map(|p| p.hash_part()).collect();
         for (i, sub) in self.substituters.iter().enumerate() {
             // A cache of another store directory knows the paths by other names.
-            let same_dir = sub.cache.store_dir() == &self.store_dir;
+            let same_dir = sub.source.store_dir() == &self.store_dir;
             let Some(id) = sub.disk_id.filter(|_| same_dir && consult.get(i).copied().unwrap_or(true)) else { continue };
             match disk.lookup(id, &hashes) {
                 Ok(found) => out.extend(found.into_iter().map(|(h, c)| ((i, h), c))),
@@ -355,7 +357,7 @@ impl Lookup {
             let sub = &subs[i];
             let asked = sub.name_of(path, store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
             let parse = |text: Option<String>| {
-                let parsed = text.map(|t| sub.cache.parse_narinfo(&asked, sub.cache.store_dir(), &t)).transpose();
+                let parsed = text.map(|t| sub.source.parse_narinfo(&asked, sub.source.store_dir(), &t)).transpose();
                 parsed.map(|narinfo| narinfo.and_then(|n| self.renamed(sub, n)))
             };
             let parsed = match answer {
@@ -364,7 +366,7 @@ impl Lookup {
                 Answer::Fetch(handle) => {
                     let result = handle
                         .await
-                        .unwrap_or_else(|e| Err(CacheError::Io { url: sub.cache.narinfo_url(&asked), source: std::io::Error::other(e) }));
+                        .unwrap_or_else(|e| Err(CacheError::Io { url: sub.source.narinfo_url(&asked), source: std::io::Error::other(e) }));
                     result.and_then(|text| {
                         let parsed = parse(text.clone());
                         // Only well-formed narinfos are cached as present, and only under the
@@ -388,7 +390,7 @@ impl Lookup {
                     // Failures of higher-priority caches are skipped, but not silently (those that
                     // disabled a whole cache were reported once already).
                     for (_, e) in errors.iter().filter(|(_, e)| !e.is_cache_wide()) {
-                        tracing::warn!("{e}; using {} instead", sub.cache.url());
+                        tracing::warn!("{e}; using {} instead", sub.source.url());
                     }
                     for (_, rest) in answers {
                         if let Answer::Fetch(h) = rest {
@@ -421,7 +423,7 @@ impl Lookup {
     /// content-addressed (at the name its content address gives it there) without references,
     /// else none (Nix's "asked '…' for '…' but got '…'" is not an error either).
     fn renamed(&self, sub: &Substituter, mut narinfo: NarInfo) -> Option<NarInfo> {
-        let dir = sub.cache.store_dir();
+        let dir = sub.source.store_dir();
         if dir == &self.store_dir {
             return Some(narinfo);
         }
@@ -429,7 +431,7 @@ impl Lookup {
         if implied.as_ref() != Some(&narinfo.store_path) || !narinfo.references.is_empty() {
             tracing::warn!(
                 "{}: not a content-addressed path without references; not substituted",
-                sub.cache.narinfo_url(&narinfo.store_path)
+                sub.source.narinfo_url(&narinfo.store_path)
             );
             return None;
         }

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 
-use crate::registrar::Registrar;
+use crate::registrar::{Finished, Registrar};
 use crate::store::{NarReader, PublishGate, Store, StoreError, StoreFuture};
 use sluice_local_store::{LocalStore, NarDump, PendingPath, SignaturePolicy, TempRoots, Uncommitted};
 
@@ -32,8 +32,9 @@ pub(crate) struct LocalStoreHandle {
     store: Arc<LocalStore>,
     roots: TempRoots,
     policy: SignaturePolicy,
-    /// Registers the additions, started by the first one (in the runtime).
-    registrar: OnceLock<Registrar>,
+    /// Registers the additions, started by the first one; its thread is waited for when the
+    /// handle is dropped.
+    registrar: OnceLock<(Registrar, Finished)>,
     /// Per path added through the handle: whether it is handed to the registrar (or found
     /// valid), which its dependents wait for.
     handed: Mutex<HashMap<StorePath, tokio::sync::watch::Sender<bool>>>,
@@ -76,6 +77,17 @@ impl LocalStoreHandle {
                 opened
             }
             () = all => Ok(()),
+        }
+    }
+}
+
+impl Drop for LocalStoreHandle {
+    /// Waits for the registrar's thread (what it was handed is registered by then), so that
+    /// the store is closed once the handle's last user is done with it.
+    fn drop(&mut self) {
+        if let Some((registrar, finished)) = self.registrar.take() {
+            drop(registrar);
+            finished.wait();
         }
     }
 }
@@ -185,7 +197,7 @@ impl Store for LocalStoreHandle {
             };
             let mut published = false;
             self.references_handed(references, &mut publish, &mut published).await?;
-            let registrar = self.registrar.get_or_init(|| Registrar::start(self.store.clone(), self.policy.clone()).0);
+            let (registrar, _) = self.registrar.get_or_init(|| Registrar::start(self.store.clone(), self.policy.clone()));
             let stopped = || StoreError::Other(format!("{}: the registrar stopped", self.url));
             loop {
                 // Marked handed after it is: its dependents are handed after it.

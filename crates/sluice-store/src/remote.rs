@@ -493,10 +493,11 @@ impl DaemonConnection {
 
     /// Flushes the request written so far, then sends the framed stream `send` writes while
     /// a second thread reads the daemon's messages (Nix's `withFramedSink`: the daemon may
-    /// answer, or fail, before the stream ends). The daemon's refusal first (a daemon that
-    /// refuses may close the connection, failing the stream's writes), then the connection's
-    /// failure, then `send`'s own (a NAR that could not be read: the stream is ended where it
-    /// stopped), then the daemon's answer.
+    /// answer, or fail, before the stream ends). `send`'s own failure first (a NAR that could
+    /// not be read: the stream is ended where it stopped, which the daemon then refuses, as
+    /// Nix rethrows `fun`'s exception before the daemon's), then the daemon's refusal (a
+    /// daemon that refuses may close the connection, failing the stream's writes), then the
+    /// connection's failure, then the daemon's answer.
     fn with_framed_sink(
         &mut self,
         what: &'static str,
@@ -523,9 +524,9 @@ impl DaemonConnection {
             })
         });
         match (sent, replied) {
+            (Ok(Err(nar)), _) => Err(nar),
             (_, Err(refused @ RemoteError::Daemon { .. })) => Err(refused),
             (Ok(Ok(())), replied) => replied,
-            (Ok(Err(nar)), _) => Err(nar),
             (Err(e), _) => Err(io(e)),
         }
     }

@@ -292,11 +292,12 @@ fn first_line(r: &mut impl Read) -> Option<String> {
 }
 
 /// Reads ssh's standard error to its end, logging each line and keeping the last
-/// [`STDERR_KEPT`] bytes in `kept`.
+/// [`STDERR_KEPT`] bytes in `kept`. A line is read [`STDERR_KEPT`] bytes at most at a time:
+/// a far end writing no newline holds no more memory.
 fn collect_stderr(stderr: std::process::ChildStderr, kept: &Mutex<Vec<u8>>) {
     let mut lines = std::io::BufReader::new(stderr);
     let mut line = Vec::new();
-    while matches!(std::io::BufRead::read_until(&mut lines, b'\n', &mut line), Ok(n) if n > 0) {
+    while matches!(std::io::BufRead::read_until(&mut (&mut lines).take(STDERR_KEPT as u64), b'\n', &mut line), Ok(n) if n > 0) {
         tracing::debug!("ssh: {}", String::from_utf8_lossy(&line).trim_end());
         let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
         kept.extend_from_slice(&line);
@@ -348,13 +349,21 @@ impl Session {
         }
     }
 
-    /// Waits for ssh to exit and for its standard error to be read; its exit status.
+    /// Waits (up to [`EXIT_GRACE`]) for ssh to exit and for its standard error to be read; its
+    /// exit status, `None` if it still runs. A far end that closed a stream and lives on (the
+    /// command `localhost` runs here, or what it left holding its standard error) is not
+    /// waited for: no stall limit would end that wait.
     fn wait(&self) -> Option<std::process::ExitStatus> {
-        let status = self.child.lock().unwrap_or_else(|p| p.into_inner()).wait().ok();
-        if let Some(collector) = self.collector.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = collector.join();
+        let status = exited_within(&mut self.child.lock().unwrap_or_else(|p| p.into_inner()), EXIT_GRACE)?;
+        let mut collector = self.collector.lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = Instant::now() + EXIT_GRACE;
+        while collector.as_ref().is_some_and(|c| !c.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
         }
-        status
+        if let Some(finished) = collector.take_if(|c| c.is_finished()) {
+            let _ = finished.join();
+        }
+        Some(status)
     }
 
     /// The last [`STDERR_LINES`] lines ssh wrote on standard error (its verdict comes last,
@@ -370,7 +379,13 @@ impl Session {
     /// The error for a stream that ended early (`cause`: what the reader or writer saw): once
     /// ssh has exited, its status and message.
     fn ended(&self, cause: &str) -> std::io::Error {
-        let status = match self.wait() {
+        self.failed(self.wait(), cause)
+    }
+
+    /// The error for a stream that ended early, ssh having ended with `status` (`None`: it
+    /// still runs).
+    fn failed(&self, status: Option<std::process::ExitStatus>, cause: &str) -> std::io::Error {
+        let status = match status {
             Some(s) if s.code() == Some(127) => "exited with status 127 (the remote program was not found)".to_string(),
             Some(s) if s.code() == Some(255) => "failed (ssh's status 255)".to_string(),
             Some(s) => match s.code() {
@@ -386,20 +401,27 @@ impl Session {
 
 /// How long a session whose streams are closed is given to end by itself (the remote command
 /// sees the end of its input and exits, then ssh) before ssh is killed.
-const EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 impl Drop for Session {
     fn drop(&mut self) {
         let child = self.child.get_mut().unwrap_or_else(|p| p.into_inner());
-        let deadline = std::time::Instant::now() + EXIT_GRACE;
-        while matches!(child.try_wait(), Ok(None)) {
-            if std::time::Instant::now() >= deadline {
-                let _ = child.kill();
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        if exited_within(child, EXIT_GRACE).is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        let _ = child.wait();
+    }
+}
+
+/// The exit status of `child` if it exits within `grace`.
+fn exited_within(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + grace;
+    loop {
+        match child.try_wait() {
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(status) => return status,
+            Err(_) => return None,
+        }
     }
 }
 
@@ -441,7 +463,7 @@ impl Read for SshReader {
         match read {
             Ok(0) if !buf.is_empty() => match self.session.wait() {
                 Some(status) if status.success() => Ok(0),
-                _ => Err(self.session.ended("end of its output")),
+                status => Err(self.session.failed(status, "end of its output")),
             },
             Err(e) if e.kind() != std::io::ErrorKind::Interrupted => Err(self.session.ended(&e.to_string())),
             other => other,

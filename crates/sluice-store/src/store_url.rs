@@ -22,9 +22,9 @@
 //! | parameter | in sluice |
 //! |---|---|
 //! | `store` | must be `/nix/store` (sluice's store directory is fixed), except for a binary cache used as a substituter ([`CommonParams::store_dir`]) |
-//! | `priority` | caches: overrides `nix-cache-info` (an int, negative too); others: accepted, no effect (only substituters have one) |
+//! | `priority` | caches: overrides `nix-cache-info` (an int, negative too); the other kinds that can be substituters ([`StoreUrl::as_substituter`]): their priority as one, default 0 (Nix's `StoreConfig::priority`); others: accepted, no effect (only substituters have one) |
 //! | `want-mass-query` | caches: overrides `nix-cache-info`; others: accepted, no effect |
-//! | `trusted` | caches: [`CommonParams::trusted`]; others: accepted, no effect |
+//! | `trusted` | substituters: [`CommonParams::trusted`], their paths need no signature by a trusted key (Nix's `isTrusted`, which only the substitution goal reads); the source or destination of a copy: no effect, as in Nix: a copy from it checks signatures (unless `--no-check-sigs`), and whether a push into it needs signatures is the far end's decision (an `ssh-ng://` daemon checks them unless the client is in its `trusted-users`; `nix-store --serve --write` checks none, `nix-store.cc`), which no parameter of ours changes |
 //! | `path-info-cache-size`, `system-features` | accepted, no effect (sluice keeps no path-info cache and does not build) |
 //!
 //! Those of a local file system store (`LOCAL_FS`, Nix's `LocalFSStoreConfig`,
@@ -126,6 +126,12 @@ impl StoreUrl {
     /// The binary cache the URL names, for a kind that can be a substituter.
     pub fn as_cache(&self) -> Option<&CacheUrl> {
         self.config.as_cache()
+    }
+
+    /// The common parameters of a store that can be a substituter other than as a binary
+    /// cache (read through the `Store` interface, `crate::substituter_source`).
+    pub fn as_substituter(&self) -> Option<&CommonParams> {
+        self.config.as_substituter()
     }
 
     /// The local store the URL names, for code that needs the local store itself.

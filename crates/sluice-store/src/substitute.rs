@@ -249,7 +249,7 @@ async fn run(
     repair: bool,
 ) -> CopyReport {
     let query = ClosureQuery { accept: Some(opts.policy.clone()), ..query };
-    let (registrar, registrar_task) = Registrar::start(dest.clone(), opts.policy.clone());
+    let (registrar, registrar_finished) = Registrar::start(dest.clone(), opts.policy.clone());
     let budget = FdBudget::current();
     let shared = Arc::new(Shared {
         registrar,
@@ -279,7 +279,7 @@ async fn run(
     }
     let Some(Shared { report, registrar, .. }) = Arc::into_inner(shared) else { return CopyReport::default() };
     drop(registrar);
-    let _ = registrar_task.await;
+    let _ = tokio::task::spawn_blocking(move || registrar_finished.wait()).await;
     report.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -328,7 +328,7 @@ async fn dispatch(query: ClosureQuery, paths: Vec<StorePath>, shared: Arc<Shared
                     shared.fail(&path, Failure { cause: Cause::Unknown, message });
                 }
                 ClosureEvent::Failed { path, errors } => {
-                    let failures = errors.iter().map(|(i, e)| Failure::cache(query.substituters[*i].cache.url(), e)).collect();
+                    let failures = errors.iter().map(|(i, e)| Failure::cache(query.substituters[*i].source.url(), e)).collect();
                     shared.fail(&path, Failure::combine(&query.store_dir.display_path(&path), failures));
                 }
             }
@@ -378,7 +378,7 @@ fn vouch_found(policy: &SignaturePolicy, query: &ClosureQuery, events: &[Closure
         .into_iter()
         .map(|found| {
             let (narinfo, cache) = found?;
-            let url = || query.substituters[cache].cache.narinfo_url(&narinfo.store_path);
+            let url = || query.substituters[cache].source.narinfo_url(&narinfo.store_path);
             verdicts.next().map(|verdict| verdict.map_err(|e| Failure::store(&url(), &e)))
         })
         .collect()
@@ -482,23 +482,23 @@ impl Shared {
             }
             let Some(i) = others.next() else { break };
             let sub = &self.subs[i];
-            match Box::pin(sub.cache.narinfo_text(&path)).await {
-                Ok(Some(text)) => match sub.cache.parse_narinfo(&path, store_dir, &text) {
+            match Box::pin(sub.source.narinfo_text(&path)).await {
+                Ok(Some(text)) => match sub.source.parse_narinfo(&path, store_dir, &text) {
                     Ok(ni) => match self.within_walked(store_dir, &walked, &ni, i) {
                         Err(e) => errors.push(e),
                         Ok(()) => {
                             // A cache that was given up on was reported once already.
-                            let reported = last_failed.is_some_and(|j: usize| self.subs[j].cache.is_disabled());
+                            let reported = last_failed.is_some_and(|j: usize| self.subs[j].source.is_disabled());
                             if let Some(last) = errors.last().filter(|_| !reported) {
-                                self.observer.warning(&format!("{shown}: {}; trying {}", last.message, sub.cache.url()));
+                                self.observer.warning(&format!("{shown}: {}; trying {}", last.message, sub.source.url()));
                             }
                             candidate = Some((Arc::new(ni), i));
                         }
                     },
-                    Err(e) => errors.push(Failure::cache(sub.cache.url(), &e)),
+                    Err(e) => errors.push(Failure::cache(sub.source.url(), &e)),
                 },
                 Ok(None) => {}
-                Err(e) => errors.push(Failure::cache(sub.cache.url(), &e)),
+                Err(e) => errors.push(Failure::cache(sub.source.url(), &e)),
             }
         }
         Err(Failure::combine(&shown, errors))
@@ -517,7 +517,7 @@ impl Shared {
         if others.is_empty() {
             return Ok(());
         }
-        let url = self.subs[i].cache.narinfo_url(path);
+        let url = self.subs[i].source.narinfo_url(path);
         Err(Failure::other(format!(
             "{url}: not used: it lists references that the narinfo the closure was walked with does not ({})",
             others.join(", ")
@@ -536,8 +536,8 @@ impl Shared {
         if let Err(e) = disk.forget(id, path.hash_part()) {
             tracing::warn!("{e}");
         }
-        let text = sub.cache.narinfo_text(path).await.ok()??;
-        let fresh = sub.cache.parse_narinfo(path, store_dir, &text).ok()?;
+        let text = sub.source.narinfo_text(path).await.ok()??;
+        let fresh = sub.source.parse_narinfo(path, store_dir, &text).ok()?;
         if fresh == *narinfo {
             return None;
         }

@@ -1,8 +1,10 @@
-//! Opening the configured substituters: each cache's `nix-cache-info` from the disk cache when
-//! fresh, otherwise fetched (all caches at once) and recorded; caches whose `nix-cache-info`
-//! is for another store directory than their URL's or that cannot be reached are left out with
-//! a warning, as Nix does. A cache of another store directory than the destination's
-//! substitutes only content-addressed paths without references (`closure.rs`).
+//! Opening the configured substituters. A binary cache's `nix-cache-info` comes from the disk
+//! cache when fresh, otherwise fetched (all caches at once) and recorded; caches whose
+//! `nix-cache-info` is for another store directory than their URL's or that cannot be reached
+//! are left out with a warning, as Nix does. A cache of another store directory than the
+//! destination's substitutes only content-addressed paths without references (`closure.rs`).
+//! Any other store whose kind can be a substituter (`ssh-ng://`, `ssh://`) is opened only
+//! when a path is first asked of it ([`crate::substituter_source`]).
 
 use std::sync::Arc;
 
@@ -13,6 +15,7 @@ use sluice_nix::store_path::StorePath;
 use crate::closure::{ClosureQuery, Substituter};
 use crate::config::Settings;
 use crate::store_url::{CacheKind, CacheUrl, StoreUrl};
+use crate::substituter_source::{Source, StoreSource};
 use sluice_binary_cache::http::LazyClient;
 use sluice_binary_cache::narinfo_cache::NarInfoCache;
 use sluice_binary_cache::{BinaryCache, CacheError};
@@ -25,29 +28,50 @@ pub(crate) const MAX_PREFETCH: usize = 64;
 pub enum SubstituterError {
     #[error("{url}: not a binary cache URL")]
     NotACache { url: String },
+    /// A store of a kind that cannot be a substituter (a local store, a daemon).
+    #[error("{url}: this kind of store cannot be a substituter")]
+    NotASubstituter { url: String },
     #[error(transparent)]
     Url(#[from] crate::store_url::StoreUrlError),
     #[error(transparent)]
     Cache(#[from] CacheError),
 }
 
-/// Parses a substituter URL, which must name a binary cache.
+/// Parses a URL that must name a binary cache (`sluice serve --upstream`).
 pub fn cache_url(url: &str) -> Result<CacheUrl, SubstituterError> {
     StoreUrl::parse(url)?.as_cache().cloned().ok_or_else(|| SubstituterError::NotACache { url: url.to_string() })
 }
 
-/// Opens the substituter at `url`. The narinfo disk cache serves and records only caches over
-/// the network: as in Nix, where the HTTP and S3 stores set `diskCache` and the local binary
-/// cache store does not (`http-binary-cache-store.cc`, `s3-binary-cache-store.cc`,
-/// `local-binary-cache-store.cc`), a `file://` cache's narinfos are read anew by every run, so
-/// that a path pushed into it, or a narinfo edited there, is seen at once.
+/// Opens the substituter at `url`: a binary cache ([`open_cache`]), or a store of a kind
+/// that can be a substituter, to be opened with `settings` when a path is first asked of it.
 async fn open_one(
     url: &str,
+    settings: &Settings,
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
     prefetch: &[StorePath],
 ) -> Result<Substituter, SubstituterError> {
-    let curl = cache_url(url)?;
+    let parsed = StoreUrl::parse(url)?;
+    if let Some(curl) = parsed.as_cache() {
+        return open_cache(curl.clone(), client, disk, prefetch).await;
+    }
+    let common = parsed.as_substituter().cloned().ok_or_else(|| SubstituterError::NotASubstituter { url: url.to_string() })?;
+    let mut sub = Substituter::new(Source::Store(StoreSource::new(url, parsed, &common, settings)), None);
+    sub.trusted = common.trusted;
+    Ok(sub)
+}
+
+/// Opens the binary cache `curl` as a substituter. The narinfo disk cache serves and records
+/// only caches over the network: as in Nix, where the HTTP and S3 stores set `diskCache` and the local binary
+/// cache store does not (`http-binary-cache-store.cc`, `s3-binary-cache-store.cc`,
+/// `local-binary-cache-store.cc`), a `file://` cache's narinfos are read anew by every run, so
+/// that a path pushed into it, or a narinfo edited there, is seen at once.
+async fn open_cache(
+    curl: CacheUrl,
+    client: &LazyClient,
+    disk: Option<&NarInfoCache>,
+    prefetch: &[StorePath],
+) -> Result<Substituter, SubstituterError> {
     let disk = disk.filter(|_| curl.kind != CacheKind::File);
     let cached = disk.and_then(|d| d.cache_info(&curl.base).map_err(|e| tracing::warn!("{e}")).ok().flatten());
     let (disk_id, cache) = match cached {
@@ -62,10 +86,10 @@ async fn open_one(
             };
             let id = disk.and_then(|d| d.record_cache(&curl.base, &info).map_err(|e| tracing::warn!("{e}")).ok());
             cache.set_info(info);
-            let mut sub = Substituter::new(cache, id);
+            cache.check_store_dir()?;
+            let mut sub = Substituter::new(Source::Cache(cache), id);
             sub.trusted = curl.common.trusted;
             sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
-            sub.cache.check_store_dir()?;
             match closure {
                 Some(answers) => keep_closure(&sub, answers),
                 None => prefetch_closure(&sub, disk, prefetch).await,
@@ -74,7 +98,7 @@ async fn open_one(
         }
     };
     cache.check_store_dir()?;
-    let mut sub = Substituter::new(cache, disk_id);
+    let mut sub = Substituter::new(Source::Cache(cache), disk_id);
     sub.trusted = curl.common.trusted;
     prefetch_closure(&sub, disk, prefetch).await;
     Ok(sub)
@@ -86,16 +110,14 @@ async fn open_one(
 /// when the disk cache already has fresh answers for every root; a failure is a warning, the
 /// engine then asks for each narinfo as with any cache.
 async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots: &[StorePath]) {
-    if !sub.cache.info().batch || roots.is_empty() {
-        return;
-    }
+    let Some(cache) = sub.source.as_cache().filter(|c| c.info().batch && !roots.is_empty()) else { return };
     if let (Some(disk), Some(id)) = (disk, sub.disk_id) {
         let hashes: Vec<&str> = roots.iter().map(|p| p.hash_part()).collect();
         if disk.lookup(id, &hashes).is_ok_and(|known| known.len() == hashes.len()) {
             return;
         }
     }
-    match sub.cache.batch_closure(roots).await {
+    match cache.batch_closure(roots).await {
         Ok(Some(answers)) => keep_closure(sub, answers),
         Ok(None) => {}
         Err(e) => tracing::warn!("{e}; asking for each narinfo instead"),
@@ -141,8 +163,13 @@ async fn fetch_cold(
 
 /// Opens `urls` as substituters, sorted by priority. Returns the usable ones and one error per
 /// cache left out.
-pub async fn open(urls: &[String], client: &LazyClient, disk: Option<&NarInfoCache>) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    open_prefetching(urls, client, disk, &[]).await
+pub async fn open(
+    urls: &[String],
+    settings: &Settings,
+    client: &LazyClient,
+    disk: Option<&NarInfoCache>,
+) -> (Vec<Substituter>, Vec<SubstituterError>) {
+    open_prefetching(urls, settings, client, disk, &[]).await
 }
 
 /// Like [`open`], and asks each cache whose `nix-cache-info` is not in the disk cache for the
@@ -150,11 +177,12 @@ pub async fn open(urls: &[String], client: &LazyClient, disk: Option<&NarInfoCac
 /// query does not spend a round trip on `nix-cache-info` alone.
 pub async fn open_prefetching(
     urls: &[String],
+    settings: &Settings,
     client: &LazyClient,
     disk: Option<&NarInfoCache>,
     prefetch: &[StorePath],
 ) -> (Vec<Substituter>, Vec<SubstituterError>) {
-    let results = join_all(urls.iter().map(|u| open_one(u, client, disk, prefetch))).await;
+    let results = join_all(urls.iter().map(|u| open_one(u, settings, client, disk, prefetch))).await;
     let (mut subs, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

@@ -113,21 +113,32 @@ fn queue() -> Option<&'static Queue> {
 /// it is when a thread becomes free) and after those that came earlier with the same, and
 /// returns its result; `Err` with the panic's message if `f` panicked (the thread lives on).
 pub(crate) async fn run<T: Send + 'static>(priority: Arc<AtomicUsize>, f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    let Some(queue) = queue() else {
+    if queue().is_none() {
         return tokio::task::spawn_blocking(f).await.map_err(|e| e.to_string());
-    };
+    }
+    submit(priority, f).await.map_err(|_| "an unpacking thread stopped".to_owned())?
+}
+
+/// [`run`] for a caller without a runtime: `f`'s result, to wait for (`blocking_recv`), is
+/// sent once it has run (on the caller's thread at once if no unpacking thread could be
+/// started). A job whose receiver is dropped before it begins is not run.
+pub(crate) fn submit<T: Send + 'static>(
+    priority: Arc<AtomicUsize>,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> oneshot::Receiver<Result<T, String>> {
     let (tx, rx) = oneshot::channel();
-    queue.push(
-        priority,
-        Box::new(move || {
-            // Nobody waits for it any more (its copy stopped): not begun.
-            if tx.is_closed() {
-                return;
-            }
-            let _ = tx.send(catch_unwind(AssertUnwindSafe(f)).map_err(|panic| panic_message(&*panic)));
-        }),
-    );
-    rx.await.map_err(|_| "an unpacking thread stopped".to_owned())?
+    let job = move || {
+        // Nobody waits for it any more (its copy stopped): not begun.
+        if tx.is_closed() {
+            return;
+        }
+        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)).map_err(|panic| panic_message(&*panic)));
+    };
+    match queue() {
+        Some(queue) => queue.push(priority, Box::new(job)),
+        None => job(),
+    }
+    rx
 }
 
 /// Waits until no job runs or waits, for at most `timeout`; whether that happened. A stopping

@@ -26,9 +26,8 @@ use crate::setup::{self, CacheFlags};
 pub struct Args {
     /// The store to copy from [default: into a local store the `substituters`, by priority;
     /// into any other the `store` setting's store, as `nix copy --to`]: a binary cache, or any
-    /// store (local, a daemon, `ssh-ng://`, `ssh://`). As with `nix copy --from`, a
-    /// cache's paths need a trusted signature even with `?trusted=true`, which applies to
-    /// substituters only.
+    /// store (local, a daemon, `ssh-ng://`, `ssh://`). As with `nix copy --from`, its paths
+    /// need a trusted signature even with `?trusted=true`, which applies to substituters only.
     #[arg(long)]
     from: Option<String>,
     /// The store to copy into: a local store (`local`, `local?root=DIR` or a path,

@@ -31,10 +31,11 @@ pub struct Args {
     /// runs: `pin` puts the client's main thread and its worker on one CPU while it is
     /// connected (undone when it leaves; skipped for a client that narrowed its own affinity
     /// or that the daemon may not change; the threads and processes the client starts while
-    /// connected inherit the pin); `auto` does the same while the client works alone, giving
-    /// its CPUs back within 5 ms once it starts a thread or a process, and before a NAR
-    /// transfer, a build, a substitution or maintenance; `free` leaves both to the scheduler.
-    #[arg(long, value_enum, default_value_t = ClientCpu::Free)]
+    /// connected inherit the pin); `auto` does the same for Nix's own clients (an executable
+    /// named nix or nix-…) while they work alone, giving their CPUs back within 5 ms once they
+    /// start a process, or a thread that lives longer than 20 ms, and before a NAR transfer, a
+    /// build, a substitution or maintenance; `free` leaves both to the scheduler.
+    #[arg(long, value_enum, default_value_t = ClientCpu::Auto)]
     client_cpu: ClientCpu,
     /// Build what no substituter has through the real `nix-daemon` listening on this socket
     /// (`unix:///nix/var/nix/daemon-socket/nix-build-socket`), which must serve the same store.

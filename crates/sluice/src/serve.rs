@@ -70,6 +70,11 @@ pub struct Args {
     /// is left out for 60 s.
     #[arg(long, default_value_t = 5.0)]
     upstream_timeout: f64,
+    /// The largest NAR fetched from an upstream (`500M`, `16G`): a narinfo whose `NarSize` or
+    /// `FileSize` is larger is passed over (with a warning naming the path and the upstream),
+    /// so that no upstream's claim makes the server spool more.
+    #[arg(long, default_value = "16G", value_parser = crate::store::parse_size)]
+    upstream_max_nar_size: u64,
     #[command(flatten)]
     config: ConfigFlags,
 }
@@ -178,7 +183,8 @@ async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>
             let urls = urls.iter().map(|u| substituters::cache_url(u).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
             let policy = settings.signature_policy(None).map_err(|e| e.to_string())?;
             let timeout = Duration::try_from_secs_f64(args.upstream_timeout).map_err(|e| format!("--upstream-timeout: {e}"))?;
-            Some(Arc::new(Upstreams::open(&urls, LazyClient::new(settings.http_options()), policy, timeout, metrics).await?))
+            let client = LazyClient::new(settings.http_options());
+            Some(Arc::new(Upstreams::open(&urls, client, policy, timeout, args.upstream_max_nar_size, metrics).await?))
         }
     };
     let Some(cache_url) = parsed.as_cache().cloned() else {

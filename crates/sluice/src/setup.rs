@@ -202,9 +202,9 @@ pub async fn closure_query(
 ) -> Result<ClosureQuery, String> {
     let client = LazyClient::new(settings.http_options());
     let disk = substituters::open_disk_cache(settings);
-    let (subs, mut errors) = substituters::open_prefetching(urls, &client, disk.as_deref(), roots).await;
+    let (subs, mut errors) = substituters::open_prefetching(urls, settings, &client, disk.as_deref(), roots).await;
     if caches == Caches::Named {
-        errors.extend(subs.iter().filter_map(|s| s.cache.require_nix_store_dir().err()).map(Into::into));
+        errors.extend(subs.iter().filter_map(|s| s.source.as_cache()?.require_nix_store_dir().err()).map(Into::into));
     }
     for e in errors {
         match caches {

@@ -83,15 +83,8 @@ impl Env {
     /// [`Env::daemon_limited`] on `<tmp>/<socket>`, with more arguments `args`.
     fn daemon_on(&self, socket: &str, root: &str, cache: &str, extra_config: &str, args: &[&str], open_files: Option<u64>) -> Daemon {
         let socket = self.path(socket);
-        let config = format!("substituters = {cache}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
-        let mut cmd = self.cmd(sluice());
-        cmd.env("NIX_CONFIG", config)
-            .args(["daemon", "--socket"])
-            .arg(&socket)
-            .arg("--store")
-            .arg(self.path(root))
-            .args(args)
-            .stderr(Stdio::null());
+        let mut cmd = self.daemon_command(&socket, root, cache, extra_config);
+        cmd.args(args);
         if let Some(n) = open_files {
             let limit = libc::rlimit { rlim_cur: n, rlim_max: n };
             // SAFETY: the closure only calls setrlimit, which is async-signal-safe.
@@ -104,6 +97,16 @@ impl Env {
             }
         }
         wait_for_socket(cmd.spawn().unwrap(), &socket)
+    }
+
+    /// The command that starts `sluice daemon` on `socket` for the store at `<tmp>/<root>`,
+    /// with `substituters`, the corpus key trusted and `extra_config` lines (to be started
+    /// with [`wait_for_socket`]).
+    pub(crate) fn daemon_command(&self, socket: &Path, root: &str, substituters: &str, extra_config: &str) -> Command {
+        let config = format!("substituters = {substituters}\ntrusted-public-keys = {}\n{extra_config}", cache_key());
+        let mut cmd = self.cmd(sluice());
+        cmd.env("NIX_CONFIG", config).args(["daemon", "--socket"]).arg(socket).arg("--store").arg(self.path(root)).stderr(Stdio::null());
+        cmd
     }
 
     /// Starts Nix 2.8's `nix-daemon` on `<tmp>/<socket>` for the store at `<tmp>/<root>`, with
@@ -167,7 +170,7 @@ impl Env {
 /// Waits until `child` (a daemon) listens on `socket` (the socket file exists from its `bind`,
 /// a moment before its `listen`, when a connection is still refused); a daemon that does not
 /// is killed.
-fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
+pub(crate) fn wait_for_socket(child: Child, socket: &Path) -> Daemon {
     let daemon = Daemon { child, url: format!("unix://{}", socket.display()) };
     let start = Instant::now();
     while sluice_local_store::unix_socket::connect(socket).is_err() {
@@ -889,13 +892,16 @@ fn old_style_client_gets_its_worker_pinned() {
 }
 
 /// A client of today's kind (no CPU in the greeting) in its own process. With `--client-cpu
-/// pin`, and with `auto` while it starts nothing: while it is connected, its main thread and
-/// its worker run on one CPU; once it has disconnected and lives on (as `nix develop` execs a
-/// shell), its affinity is what it was. With `auto`, a client that starts a thread, or sends an
-/// operation after which clients work in parallel (QueryAllValidPaths here), gets its CPUs back
-/// while still connected. By default (`free`) neither moves: pinned, the test binary's own raw
-/// clients made test threads it started, and their Nix children, run on one CPU (Nix 2.26's
-/// parallel xz then wrote one block: parallel_decode failed under load).
+/// pin`, and with `auto` (the default) for a Nix client (a program named `nix`) while it works
+/// alone: while it is connected, its main thread and its worker run on one CPU; once it has
+/// disconnected and lives on (as `nix develop` execs a shell), its affinity is what it was.
+/// With `auto`, a client that starts a lasting thread, or sends an operation after which
+/// clients work in parallel (QueryAllValidPaths here), gets its CPUs back while still
+/// connected; one that starts only threads that end at once (Nix 2.8 starts one per
+/// AddToStore) or asks QueryMissing (Nix 2.26's `nix path-info` does) keeps them. A program
+/// that is not Nix is left free: pinned, the test binary's own raw clients made test threads
+/// it started, and their Nix children, run on one CPU (Nix 2.26's parallel xz then wrote one
+/// block: parallel_decode failed under load).
 #[test]
 fn a_client_and_its_worker_share_a_cpu_while_connected_and_no_longer() {
     let (all_cpus, _) = own_cpus();
@@ -907,8 +913,9 @@ fn a_client_and_its_worker_share_a_cpu_while_connected_and_no_longer() {
     let env = Env::new();
     let cache = env.cache();
     // The client: greets as 1.34 (affinity flag 0), prints its CPUs, does what argv[2] says
-    // (start a thread, or send QueryAllValidPaths), prints its CPUs again, waits for a line on
-    // stdin, disconnects, waits for another, prints its CPUs again.
+    // (start a thread, start and join 200 threads of half a millisecond one after the other, send QueryAllValidPaths or
+    // an empty QueryMissing), prints its CPUs again, waits for a line on stdin, disconnects,
+    // waits for another, prints its CPUs again.
     let script = r#"
 import os, socket, struct, sys, threading, time
 def cpus(): return ",".join(map(str, sorted(os.sched_getaffinity(0))))
@@ -921,26 +928,39 @@ assert u() == 0x616c7473
 print(cpus(), flush=True)
 if sys.argv[2] == "thread":
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+if sys.argv[2] == "short-threads":
+    for _ in range(200):
+        t = threading.Thread(target=time.sleep, args=(0.0005,)); t.start(); t.join()
 if sys.argv[2] == "op":
     s.sendall(struct.pack("<Q", 23)); assert u() == 0x616c7473
     for _ in range(u()): n = u(); s.recv((n + 7) // 8 * 8, socket.MSG_WAITALL)
+if sys.argv[2] == "missing":
+    s.sendall(struct.pack("<QQ", 40, 0)); assert u() == 0x616c7473
+    assert [u() for _ in range(5)] == [0] * 5
 time.sleep(0.3)
 print(cpus(), flush=True); sys.stdin.readline()
 s.close()
 sys.stdin.readline(); print(cpus(), flush=True)
 "#;
-    // (daemon flags, what the client does while connected, pinned when connected, after that).
-    let cases: [(&[&str], &str, bool, bool); 5] = [
-        (&["--client-cpu", "auto"], "nothing", true, true),
-        (&["--client-cpu", "auto"], "thread", true, false),
-        (&["--client-cpu", "auto"], "op", true, false),
-        (&["--client-cpu", "pin"], "thread", true, true),
-        (&[], "nothing", false, false),
+    let nix = python_named_nix(&env);
+    let python = Path::new("python3");
+    // (daemon flags, the client's program, what it does while connected, pinned when
+    // connected, after that).
+    let cases: [(&[&str], &Path, &str, bool, bool); 9] = [
+        (&[], &nix, "nothing", true, true),
+        (&["--client-cpu", "auto"], &nix, "thread", true, false),
+        (&["--client-cpu", "auto"], &nix, "short-threads", true, true),
+        (&["--client-cpu", "auto"], &nix, "op", true, false),
+        (&["--client-cpu", "auto"], &nix, "missing", true, true),
+        (&["--client-cpu", "pin"], python, "thread", true, true),
+        (&[], python, "nothing", false, false),
+        (&["--client-cpu", "auto"], python, "nothing", false, false),
+        (&["--client-cpu", "free"], &nix, "nothing", false, false),
     ];
-    for (n, (args, act, pinned, still_pinned)) in cases.into_iter().enumerate() {
-        let case = format!("{args:?} {act}");
+    for (n, (args, program, act, pinned, still_pinned)) in cases.into_iter().enumerate() {
+        let case = format!("{args:?} {} {act}", program.display());
         let daemon = env.daemon_on(&format!("socket-{n}"), "root", &cache, "", args, None);
-        let mut client = Command::new("python3")
+        let mut client = Command::new(program)
             .args(["-c", script])
             .arg(env.path(&format!("socket-{n}")))
             .arg(act)
@@ -979,6 +999,16 @@ sys.stdin.readline(); print(cpus(), flush=True)
         assert_eq!(next_line(&mut line), all, "{case}: the client's affinity after it disconnected");
         assert!(client.wait().unwrap().success());
     }
+}
+
+/// A copy of the Python interpreter named `nix` in `env`'s directory: a client that the daemon
+/// takes for Nix (by its executable's name).
+fn python_named_nix(env: &Env) -> PathBuf {
+    let out = Command::new("python3").args(["-c", "import os, sys; print(os.path.realpath(sys.executable))"]).output().unwrap();
+    let nix = env.path("bin/nix");
+    std::fs::create_dir_all(nix.parent().unwrap()).unwrap();
+    std::fs::copy(String::from_utf8(out.stdout).unwrap().trim(), &nix).unwrap();
+    nix
 }
 
 /// `Cpus_allowed_list` (e.g. `0-1`) as a comma-separated list of CPUs (`0,1`).
@@ -1173,7 +1203,8 @@ fn daemon_syscalls(env: &Env, daemon: &Daemon, calls: &str, adds: impl FnOnce())
 }
 
 /// Text additions of valid paths in a row (a warm `nix-instantiate`) take the shared GC lock
-/// for their temporary roots once, not twice each, and poll nothing.
+/// for their temporary roots once, not twice each, write the roots once per lock given up,
+/// not once each, and poll nothing.
 #[test]
 fn warm_text_adds_in_a_row_keep_the_gc_lock_and_poll_nothing() {
     let env = Env::new();
@@ -1186,37 +1217,49 @@ fn warm_text_adds_in_a_row_keep_the_gc_lock_and_poll_nothing() {
     };
     add_all(&mut client);
     let mut client = raw_client_1_34(&env);
-    let calls = daemon_syscalls(&env, &daemon, "flock,poll,ppoll", || add_all(&mut client));
+    let calls = daemon_syscalls(&env, &daemon, "flock,poll,ppoll,write", || add_all(&mut client));
     let count = |what: &str| calls.iter().filter(|l| l.contains(what)).count();
     // Taken and released, and again whenever the client was slower than the lease's idle
     // limit (a loaded machine; the trace slows the daemon too): far from 2 per addition.
     let gc_lock = count("gc.lock>");
     assert!((1..=ADDS / 2).contains(&gc_lock), "{gc_lock} flock calls on gc.lock for {ADDS} additions:\n{}", calls.join("\n"));
+    // At most one write per release (the last may come after the trace ends).
+    let root_writes = calls.iter().filter(|l| l.contains(" write(") && l.contains("/temproots/")).count();
+    assert!(root_writes <= gc_lock / 2 + 1, "{root_writes} writes of temporary roots for {ADDS} additions:\n{}", calls.join("\n"));
     assert_eq!(count("poll("), 0, "{}", calls.join("\n"));
 }
 
 /// New text paths added in a row (a cold `nix-instantiate`) are unpacked in one directory of
 /// temporary trees, not one made and removed for each (whose temporary root took the GC lock
-/// twice), and the directory goes once the client is quiet.
+/// twice), and the directory goes once the client is quiet. The additions are sent together
+/// on a connection of their own, so that the lease is neither given up for a slow client nor
+/// in the gap after an earlier one (`GC_LOCK_GAP` of `sluice-local-store`): the counts are exact.
 #[test]
 fn cold_text_adds_in_a_row_share_one_directory_of_temporary_trees() {
+    use std::io::Write;
     let env = Env::new();
-    let (daemon, mut client) = daemon_and_client_1_34(&env);
-    add_text(&mut client, "first", "connection and store opened");
+    let (daemon, mut first) = daemon_and_client_1_34(&env);
+    add_text(&mut first, "first", "connection and store opened");
+    drop(first);
+    let mut client = raw_client_1_34(&env);
     const ADDS: usize = 20;
+    let requests: Vec<u8> =
+        (0..ADDS).flat_map(|n| request(8, &[Err(format!("text-{n}").as_bytes()), Err(format!("text {n}").as_bytes()), Ok(0)])).collect();
     let calls = daemon_syscalls(&env, &daemon, "mkdir,mkdirat,flock", || {
+        client.write_all(&requests).unwrap();
         for n in 0..ADDS {
-            assert!(add_text(&mut client, &format!("text-{n}"), &format!("text {n}")).ends_with(format!("-text-{n}").as_bytes()));
+            assert_eq!(until_last(&mut client), Ok(()));
+            assert!(read_string(&mut client).ends_with(format!("-text-{n}").as_bytes()));
         }
+        // The lease is given up once the client has been quiet for `LEASE_IDLE` (10 ms).
+        std::thread::sleep(Duration::from_millis(200));
     });
     let count = |what: &str| calls.iter().filter(|l| l.contains(what)).count();
-    // As for valid paths: again whenever the client was slower than the lease's idle limit,
-    // and one each for the additions in the gaps between leases (`GC_LOCK_GAP`, about half
-    // the time once adds in a row outlast a lease).
+    // One directory; the connection's lease taken and given up once, and the directory's own
+    // temporary root once.
     let (dirs, gc_lock) = (count("sluice-unpacking\""), count("gc.lock>"));
-    assert!((1..=ADDS * 3 / 4).contains(&dirs), "{dirs} directories of temporary trees for {ADDS} additions:\n{}", calls.join("\n"));
-    assert!(gc_lock <= 2 * ADDS, "{gc_lock} flock calls on gc.lock for {ADDS} additions:\n{}", calls.join("\n"));
-    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(dirs, 1, "directories of temporary trees for {ADDS} additions:\n{}", calls.join("\n"));
+    assert_eq!(gc_lock, 4, "flock calls on gc.lock for {ADDS} additions:\n{}", calls.join("\n"));
     let left: Vec<String> = common::store_entries(&env.path("root")).into_iter().filter(|e| e.ends_with("-sluice-unpacking")).collect();
     assert_eq!(left, Vec::<String>::new(), "the directory is removed once the client is quiet");
 }

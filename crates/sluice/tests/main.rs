@@ -29,6 +29,7 @@ mod serve_upstream;
 mod settings;
 mod ssh;
 mod ssh_serve;
+mod ssh_substituters;
 mod stale_cache;
 mod store_urls;
 mod store_verify;

@@ -176,9 +176,12 @@ fn a_newer_client_and_a_1_37_client_get_their_own_greetings() {
     assert_eq!(answer, expected);
 }
 
-/// The files of `<state>/temproots` not in `before`, and the temporary roots they hold (each
-/// daemon writes a root before it answers).
+/// The files of `<state>/temproots` not in `before`, and the temporary roots they hold, read as
+/// a collector reads them: with `gc.lock` held exclusively (Nix writes a root before it
+/// answers; sluice daemon before it gives up the shared lock it keeps while its client asks).
 fn new_temp_roots(state: &Path, before: &BTreeSet<String>) -> (BTreeSet<String>, BTreeSet<String>) {
+    let gc_lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(state.join("gc.lock")).unwrap();
+    gc_lock.lock().unwrap();
     let mut files = BTreeSet::new();
     let mut roots = BTreeSet::new();
     for entry in std::fs::read_dir(state.join("temproots")).unwrap() {

@@ -2,7 +2,8 @@
 //! served to real Nix 2.8 and Nix 2.26 (`nix copy --from`, `nix-store -r` with it as a
 //! substituter, signatures verified with the server's public key, `nix path-info -r --json`
 //! equal to the same over nginx serving a cache pushed from the same store), to sluice with and
-//! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, and to
+//! without the batch endpoint, in front of an S3 bucket (s3s-fs) as of a local store, in front of
+//! an HTTP cache that answers in two writes (narinfos asked in turn wait for no delayed ACK), and to
 //! hostile clients (traversal, huge headers, thousands of idle connections, a client that
 //! stops reading, h2c connections that only answer PINGs or flood them, a request body trickled
 //! a byte at a time, HTTP/2 streams never read, keep-alive clients holding every slot) beside a
@@ -75,6 +76,24 @@ impl Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
         isolate(&mut cmd, tmp, "");
         Server::started(cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args).stderr(Stdio::piped()).spawn().unwrap())
+    }
+
+    /// [`Server::start_url`] with its standard error (its log) going to the file `log`.
+    pub(crate) fn start_logging(tmp: &Path, url: &str, args: &[&str], log: &Path) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        isolate(&mut cmd, tmp, "");
+        cmd.args(["serve", "--store", url, "--listen", "127.0.0.1:0"]).args(args);
+        let child = cmd.stderr(std::fs::File::create(log).unwrap()).spawn().unwrap();
+        let start = Instant::now();
+        let url = loop {
+            let text = std::fs::read_to_string(log).unwrap();
+            if let Some(line) = text.lines().find(|l| l.starts_with("serving ")) {
+                break line.rsplit(' ').next().unwrap().to_owned();
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Server { child, addr: url.split("://").nth(1).unwrap().to_owned(), url }
     }
 
     /// [`Server::start`] by `systemd-socket-activate` listening on a free loopback port, which
@@ -246,6 +265,41 @@ fn real_nix_2_8_substitutes_from_sluice_serve_in_front_of_an_s3_bucket() {
     let server = Server::start_url(tmp, &bucket, &["--secret-key", secret.to_str().unwrap()]);
 
     assert_nix_2_8_substitutes(tmp, &server.url, &public, &root, &paths);
+}
+
+/// Narinfos asked one after the other through `sluice serve` in front of an HTTP cache that
+/// writes an answer's headers and its body in two writes with Nagle's algorithm on (Python's
+/// `http.server` keeping connections alive, put_server.py, serving cache-xz; s3s-fs does the
+/// same when its file read ends after hyper flushed the headers), as a Nix client asks them:
+/// each is one request on the server's kept-alive upstream connection. The body left only once
+/// the server's socket had acknowledged the headers, which Linux delays by 40 ms on such a
+/// connection: each narinfo found took 40 ms or more of the server's time.
+#[test]
+fn narinfos_through_serve_in_front_of_a_cache_answering_in_two_writes_do_not_wait_for_delayed_acks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let cache = PutServer::start(&corpus().join("cache-xz"), tmp, "[]", 5, true);
+    let server = Server::start_url(tmp, &cache.url, &[]);
+    // The subset's narinfos (found) and as many that the cache does not have.
+    let (_, paths) = subset();
+    let found = paths.iter().map(|p| (p.trim_start_matches("/nix/store/")[..32].to_string(), true));
+    let hashes: Vec<(String, bool)> = found.chain((0..paths.len()).map(|i| (format!("{i:032}"), false))).collect();
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for (hash, present) in &hashes {
+        conn.write_all(format!("GET /{hash}.narinfo HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).unwrap();
+        let answer = answer_on(&mut conn).unwrap_or_else(|| panic!("no answer for {hash}.narinfo"));
+        let status = if *present { "HTTP/1.1 200" } else { "HTTP/1.1 404" };
+        assert!(answer.starts_with(status), "{hash}.narinfo: {answer}");
+    }
+    let metrics = server.raw(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let value = |name: &str| -> f64 {
+        let prefix = format!("sluice_serve_request_duration_seconds_{name}{{endpoint=\"narinfo\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap_or_else(|| panic!("no {prefix} in {metrics}")).parse().unwrap()
+    };
+    assert_eq!(value("count") as usize, hashes.len());
+    let ms = value("sum") * 1000.0 / hashes.len() as f64;
+    assert!(ms < 10.0, "{ms:.1} ms of the server's time per narinfo");
 }
 
 #[test]
@@ -570,6 +624,80 @@ fn https_serves_http2_by_alpn() {
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&o.stdout), "2");
+}
+
+/// The answers read from a connection whose requests were `heads` (whether each was a HEAD):
+/// each answer's head and body (its `Content-Length` bytes; none answering a HEAD).
+fn split_answers(mut bytes: &[u8], heads: &[bool]) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    for head_only in heads {
+        let end = bytes.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or_else(|| panic!("no answer head in {} bytes", bytes.len())) + 4;
+        let head = String::from_utf8_lossy(&bytes[..end]).to_lowercase();
+        let len = head.lines().find_map(|l| l.strip_prefix("content-length: ")).map_or(0, |v| v.trim().parse().unwrap());
+        let body = if *head_only { 0 } else { len };
+        out.push((head, bytes[end..end + body].to_vec()));
+        bytes = &bytes[end + body..];
+    }
+    assert!(bytes.is_empty(), "{} bytes after the last answer", bytes.len());
+    out
+}
+
+/// NAR files of a binary cache served as stored go out over plain HTTP/1.1 with `sendfile`
+/// (issue 40): a file larger than what one body frame stands for (8 MiB) and a small one,
+/// asked for around a HEAD and another request, all pipelined on one keep-alive connection,
+/// come whole and in order, each with its length. Over HTTPS (HTTP/1.1 and HTTP/2) and h2c,
+/// where the files are read instead, the same bytes.
+#[test]
+fn stored_nar_files_come_whole_and_in_order_pipelined_and_over_https() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let cache = tmp.join("cache");
+    std::fs::create_dir_all(cache.join("nar")).unwrap();
+    std::fs::write(cache.join("nix-cache-info"), "StoreDir: /nix/store\n").unwrap();
+    let big: Vec<u8> = (0..20 * 1024 * 1024 + 12345u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let small = b"a small NAR file\n".repeat(64);
+    let (big_name, small_name) = (format!("nar/{}.nar", "1".repeat(52)), format!("nar/{}.nar.xz", "2".repeat(52)));
+    std::fs::write(cache.join(&big_name), &big).unwrap();
+    std::fs::write(cache.join(&small_name), &small).unwrap();
+    let url = format!("file://{}", cache.display());
+
+    let server = Server::start_url(tmp, &url, &[]);
+    let ask = |method: &str, target: &str| format!("{method} /{target} HTTP/1.1\r\nHost: x\r\n\r\n");
+    let close = format!("GET /{big_name} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let requests = [ask("GET", &big_name), ask("HEAD", &big_name), ask("GET", "nix-cache-info"), ask("GET", &small_name), close].concat();
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    conn.write_all(requests.as_bytes()).unwrap();
+    let mut got = Vec::new();
+    conn.read_to_end(&mut got).unwrap();
+    let answers = split_answers(&got, &[false, true, false, false, false]);
+    for (i, want) in [(0, &big[..]), (3, &small[..]), (4, &big[..])] {
+        let (head, body) = &answers[i];
+        assert!(head.starts_with("http/1.1 200 ") && head.contains(&format!("content-length: {}\r\n", want.len())), "{i}: {head}");
+        assert!(body == want, "answer {i}: {} bytes, not the file's {}", body.len(), want.len());
+    }
+    assert!(answers[1].0.starts_with("http/1.1 200 ") && answers[1].0.contains(&format!("content-length: {}\r\n", big.len())));
+    assert!(answers[2].1.starts_with(b"StoreDir: /nix/store\n"), "{:?}", answers[2]);
+
+    let (cert, key) = self_signed(tmp);
+    let tls = Server::start_url(tmp, &url, &["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]);
+    let cacert = ["--cacert", cert.to_str().unwrap()];
+    let over = |flag| [&cacert[..], &[flag][..]].concat();
+    // Both files on one connection over TLS; with h2c one each (curl 7.88 fails a second
+    // request on an h2c connection, against this server as before this change).
+    let h2c = vec!["--http2-prior-knowledge"];
+    let names = [&big_name, &small_name];
+    for (base, flags, urls) in [
+        (&tls.url, over("--http1.1"), &names[..]),
+        (&tls.url, over("--http2"), &names[..]),
+        (&server.url, h2c.clone(), &names[..1]),
+        (&server.url, h2c, &names[1..]),
+    ] {
+        let o = Command::new("curl").arg("-sf").args(&flags).args(urls.iter().map(|n| format!("{base}/{n}"))).output().unwrap();
+        check(&o, "curl");
+        let want: Vec<u8> = urls.iter().flat_map(|n| std::fs::read(cache.join(n)).unwrap()).collect();
+        assert!(o.stdout == want, "{base} {flags:?} {urls:?}: {} bytes, not {}", o.stdout.len(), want.len());
+    }
 }
 
 /// HEAD answers have no body over HTTP/2 either, whatever their status: Nix 2.8 (libcurl on
@@ -1083,24 +1211,7 @@ fn an_access_log_line_per_request_at_verbose() {
     let src = source_store(tmp, &root);
     for (flags, logged) in [(&["-v"][..], true), (&[], false)] {
         let log = tmp.join(format!("serve{}.log", flags.len()));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        isolate(&mut cmd, tmp, "");
-        let child = cmd
-            .args(["serve", "--store", src.to_str().unwrap(), "--listen", "127.0.0.1:0"])
-            .args(flags)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        let url = loop {
-            let text = std::fs::read_to_string(&log).unwrap();
-            if let Some(line) = text.lines().find(|l| l.starts_with("serving ")) {
-                break line.rsplit(' ').next().unwrap().to_owned();
-            }
-            assert!(start.elapsed() < Duration::from_secs(20), "{text}");
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let server = Server { child, addr: url.trim_start_matches("http://").to_owned(), url };
+        let server = Server::start_logging(tmp, src.to_str().unwrap(), flags, &log);
         let hash = &root["/nix/store/".len()..][..32];
         for target in ["/nix-cache-info".to_owned(), format!("/{hash}.narinfo"), "/00000000000000000000000000000000.narinfo".to_owned()] {
             let o = Command::new("curl").args(["-s", "-o", "/dev/null", &format!("{}{target}", server.url)]).output().unwrap();

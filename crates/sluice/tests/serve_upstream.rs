@@ -281,6 +281,20 @@ fn a_burst_of_clients_fetches_one_nar_once() {
     assert_eq!(nginx.requests(".nar.xz"), 1);
 }
 
+/// The subset's xz cache (`good`) served by the scripted server with `rule` (a JSON object)
+/// applied to the root's NAR file: the cache's directory, the root, its NAR file (`URL`) and
+/// the server.
+fn root_nar_scripted(tmp: &Path, mut rule: serde_json::Value) -> (PathBuf, String, String, Scripted) {
+    let good = xz_cache(tmp, "good");
+    let (root, _) = subset();
+    let file = narinfo_field(&good, &root, "URL");
+    rule["path"] = format!("/{file}").into();
+    let rules = tmp.join("rules.json");
+    std::fs::write(&rules, serde_json::json!([rule]).to_string()).unwrap();
+    let upstream = Scripted::start(&good, Some(&rules), 0, &tmp.join("upstream.log"));
+    (good, root, file, upstream)
+}
+
 /// Two fronts over one s3s-fs bucket: a front killed while it fetches a NAR publishes
 /// nothing (no narinfo, no NAR file in the bucket); the other front serves the path (asked
 /// by the NAR URL the first one gave, whose `?hash=` names the path), keeps it, and then a
@@ -289,13 +303,7 @@ fn a_burst_of_clients_fetches_one_nar_once() {
 fn fronts_over_one_bucket_and_a_front_killed_mid_nar() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
-    let good = xz_cache(tmp, "good");
-    let (root, _) = subset();
-    let file = narinfo_field(&good, &root, "URL");
-    let rules = tmp.join("rules.json");
-    let slow = serde_json::json!([{ "path": format!("/{file}"), "delay": 3, "fail_times": 1 }]);
-    std::fs::write(&rules, slow.to_string()).unwrap();
-    let upstream = Scripted::start(&good, Some(&rules), 0, &tmp.join("upstream.log"));
+    let (good, root, file, upstream) = root_nar_scripted(tmp, serde_json::json!({ "delay": 3, "fail_times": 1 }));
     std::fs::create_dir_all(tmp.join("s3/bucket")).unwrap();
     let s3 = S3Server::start(&tmp.join("s3"), true);
     std::fs::create_dir_all(tmp.join("home/.aws")).unwrap();
@@ -387,6 +395,80 @@ fn an_upstream_whose_nar_never_ends_is_cut_off() {
     assert!(asked.elapsed() < Duration::from_secs(30), "the request failed only after {:?}", asked.elapsed());
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(cache_files(&kept), BTreeSet::new());
+}
+
+/// A narinfo whose `NarSize` is over `--upstream-max-nar-size` is passed over, with a warning
+/// naming the path and the upstream, and counted as refused; one under it is served. Before,
+/// any size was taken (and its NAR spooled whole).
+#[test]
+fn an_upstream_nar_over_the_largest_taken_is_passed_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let good = xz_cache(tmp, "good");
+    let nginx = CacheServer::start(&good, &tmp.join("nginx"), &[]);
+    let (_, paths) = subset();
+    let size = |p: &String| narinfo_field(&good, p, "NarSize").parse::<u64>().unwrap();
+    let biggest = paths.iter().max_by_key(|p| size(p)).unwrap();
+    let smaller = paths.iter().find(|p| size(p) < size(biggest)).unwrap();
+    let (key, limit) = (corpus_key(), (size(biggest) - 1).to_string());
+    let log = tmp.join("serve.log");
+    let args = ["--option", "trusted-public-keys", &key, "--upstream", &nginx.url, "--upstream-max-nar-size", &limit];
+    let server = Server::start_logging(tmp, &format!("file://{}", tmp.join("kept").display()), &args, &log);
+    let narinfo = |p: &str| curl(&format!("{}/{}.narinfo", server.url, &p["/nix/store/".len()..][..32])).0;
+    assert!(!narinfo(biggest));
+    assert!(narinfo(smaller));
+    let warning = format!(
+        "upstream {}: {biggest}: its NAR is {} bytes (NarSize {}, FileSize {}), more than the {limit} bytes of --upstream-max-nar-size; passed over",
+        nginx.url,
+        size(biggest),
+        size(biggest),
+        narinfo_field(&good, biggest, "FileSize")
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains(&warning), "{text}");
+    assert_eq!(upstream_metric(&server, "narinfo_refused_total", &nginx.url), 1);
+    assert_eq!(nginx.requests(".nar.xz"), 0);
+}
+
+/// A NAR the upstream did not give (a 404, once) is fetched again on a request after the
+/// back-off (2 s), then served and kept; meanwhile neither it nor its narinfo is served, nor
+/// is it asked for again, and it counts as a failure, not as a NAR that failed its check.
+/// Before, it was never fetched again until the server restarted.
+#[test]
+fn a_nar_not_fetched_is_fetched_again_after_a_back_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let (good, root, file, upstream) = root_nar_scripted(tmp, serde_json::json!({ "status": 404, "fail_times": 1 }));
+    let key = corpus_key();
+    let kept = tmp.join("kept");
+    let args = ["--option", "trusted-public-keys", &key, "--upstream", &upstream.url];
+    let server = Server::start_url(tmp, &format!("file://{}", kept.display()), &args);
+    let hash = &root["/nix/store/".len()..][..32];
+    let narinfo = format!("{}/{hash}.narinfo", server.url);
+    let (ok, text) = curl(&narinfo);
+    assert!(ok);
+    let url = String::from_utf8(text).unwrap().lines().find_map(|l| l.strip_prefix("URL: ").map(str::to_string)).unwrap();
+    let nar = format!("{}/{url}", server.url);
+    let fetches = || upstream.requests(|p| p == format!("/{file}")).len();
+    assert!(!curl(&nar).0);
+    let failed = Instant::now();
+    assert!(!curl(&nar).0);
+    assert!(!curl(&narinfo).0);
+    assert!(failed.elapsed() < Duration::from_millis(1500), "the back-off may have ended: took {:?}", failed.elapsed());
+    assert_eq!(fetches(), 1);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(curl(&narinfo).0);
+    assert_eq!(curl(&nar), (true, std::fs::read(good.join(&file)).unwrap()));
+    assert_eq!(fetches(), 2);
+    assert_eq!(upstream_metric(&server, "failures_total", &upstream.url), 1);
+    assert_eq!(upstream_metric(&server, "nar_failures_total", &upstream.url), 0);
+    assert_eq!(upstream_metric(&server, "nars_total", &upstream.url), 1);
+    let want = BTreeSet::from([format!("{hash}.narinfo"), file.clone()]);
+    let started = Instant::now();
+    while cache_files(&kept) != want {
+        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", cache_files(&kept));
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// The temporary files of NARs being fetched into a `file://` cache (`.sluice-upload-*`, in

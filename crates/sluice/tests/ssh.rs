@@ -32,7 +32,7 @@ fn sshd_logs_in_with_the_tests_key_only() {
 
 /// What serves a chroot store at the far end of `ssh-ng://`.
 #[derive(Clone, Copy, Debug)]
-enum FarEnd {
+pub(crate) enum FarEnd {
     /// Real Nix 2.8's `nix-daemon --stdio`.
     Nix28,
     /// Real Nix 2.26's `nix-daemon --stdio` (`shared/bin/nix-modern`).
@@ -47,7 +47,7 @@ enum FarEnd {
 /// the corpus's key, and `remote-store=` the chroot store for Nix's daemons (sluice's is given
 /// `--store` by the wrapper). The wrapper runs `shape` with `CMD` replaced by the far end's
 /// command (`CMD | dd … count=N` cuts it midway).
-fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String) {
+pub(crate) fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String) {
     let store = tmp.join(name);
     let (home, conf) = (tmp.join(format!("{name}-home")), tmp.join("no-etc-nix"));
     std::fs::create_dir_all(&home).unwrap();
@@ -79,24 +79,24 @@ fn far_end(tmp: &Path, name: &str, far: FarEnd, shape: &str) -> (PathBuf, String
 
 /// `program` (sluice, Nix 2.8's `nix`, or `nix-modern` for Nix 2.26) isolated under `tmp`
 /// (trusting the corpus's key), reaching the test's sshd through `NIX_SSHOPTS`.
-fn over_ssh(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
+pub(crate) fn over_ssh(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
     let mut cmd = Command::new(program);
     isolate(&mut cmd, tmp, &format!("trusted-public-keys = {}", corpus_key()));
     cmd.env("NIX_SSHOPTS", sshd.ssh_opts()).current_dir(tmp);
     cmd
 }
 
-fn sluice_bin() -> PathBuf {
+pub(crate) fn sluice_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sluice"))
 }
 
-fn nix_modern_bin() -> PathBuf {
+pub(crate) fn nix_modern_bin() -> PathBuf {
     shared().join("bin/nix-modern")
 }
 
 /// The 25-path subset of the corpus: its root, its paths, and a chroot store under `tmp`
 /// holding it.
-fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
+pub(crate) fn subset_store(tmp: &Path) -> (String, BTreeSet<String>, PathBuf) {
     let (root, paths) = crate::push::subset();
     let src = crate::push::source_store(tmp, "cache-xz", &root);
     (root, paths, src)
@@ -262,7 +262,9 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
 /// A far end that stops reading or writing midway and stays connected (its output, then its
 /// input, no longer passed on after 200 KB) is given up after `stalled-download-timeout`, a
 /// pull and a push each failing with one error naming the host, instead of waiting for ever;
-/// the local store holds nothing half-registered and the far one verifies.
+/// the local store holds nothing half-registered and the far one verifies. A far end whose
+/// output ends while it lives on is not waited for either (before, the pull waited for it to
+/// exit, whatever the limit).
 #[test]
 fn a_far_end_that_stalls_is_given_up() {
     let tmp = tempfile::tempdir().unwrap();
@@ -270,7 +272,7 @@ fn a_far_end_that_stalls_is_given_up() {
     let sshd = Sshd::start(tmp);
     let (root, _, src) = subset_store(tmp);
     let stall = "{ dd bs=64K count=200000 iflag=count_bytes status=none; sleep 30; }";
-    let copy = |from: &str, to: &str| {
+    let copy = |from: &str, to: &str, said: &str| {
         let o = over_ssh(tmp, &sshd, Path::new("timeout"))
             .arg("60")
             .arg(sluice_bin())
@@ -292,17 +294,53 @@ fn a_far_end_that_stalls_is_given_up() {
         assert_ne!(o.status.code(), Some(124), "{from} -> {to}: still waiting after 60 s: {}", stderr(&o));
         let err = stderr(&o);
         assert!(!o.status.success(), "{from} -> {to}: succeeded");
-        assert!(err.contains("ssh-ng://sluice-test") && err.contains("nothing moved either way for 3 s"), "{from} -> {to}: {err}");
+        let host = [from, to].into_iter().find_map(|url| url.strip_prefix("ssh-ng://")?.split('?').next()).unwrap();
+        assert!(err.contains(&format!("ssh-ng://{host}")) && err.contains(said), "{from} -> {to}: {err}");
     };
+    let stalled = "nothing moved either way for 3 s";
     check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &far_end(tmp, "far", FarEnd::Nix28, "CMD").1, None, &root), "push");
     let (_, stalled_output) = far_end(tmp, "far", FarEnd::Nix28, &format!("CMD | {stall}"));
     let back = tmp.join("back");
-    copy(&stalled_output, back.to_str().unwrap());
+    copy(&stalled_output, back.to_str().unwrap(), stalled);
+    assert_store_closed(&back);
+    assert_nix_verifies(tmp, &back);
+    // ssh keeps its output open while it lives: the far end `localhost` runs here, without
+    // ssh, ends it.
+    let closed = "CMD | dd bs=64K count=200000 iflag=count_bytes status=none; exec >&-; sleep 90";
+    let (_, closed_output) = far_end(tmp, "far", FarEnd::Sluice, closed);
+    copy(&closed_output.replacen(HOST, "localhost", 1), back.to_str().unwrap(), "(end of its output)");
     assert_store_closed(&back);
     assert_nix_verifies(tmp, &back);
     let (far2, stalled_input) = far_end(tmp, "far2", FarEnd::Nix28, &format!("{stall} | CMD"));
-    copy(src.to_str().unwrap(), &stalled_input);
+    copy(src.to_str().unwrap(), &stalled_input, stalled);
     assert!(registered_paths(&far2).is_empty());
+}
+
+/// A NAR this side cannot read whole (the source cache's file of glibc cut short) fails a
+/// push into `ssh-ng://` with that cause, naming the path, not with the daemon's refusal of
+/// the cut-short stream that follows it ("reached end of FramedSource"), as Nix reports
+/// `withFramedSink`'s own failure first.
+#[test]
+fn a_nar_that_cannot_be_read_is_the_pushs_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths) = crate::push::subset();
+    let cache = tmp.join("cache");
+    copy_dir(&corpus().join("cache-subset-none"), &cache);
+    let glibc = corpus_path("glibc-2.37-8");
+    let narinfo = std::fs::read_to_string(cache.join(format!("{}.narinfo", &glibc["/nix/store/".len()..][..32]))).unwrap();
+    let nar = cache.join(narinfo.lines().find_map(|l| l.strip_prefix("URL: ")).unwrap());
+    std::fs::OpenOptions::new().write(true).open(&nar).unwrap().set_len(150_000).unwrap();
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    let o = sluice_copy(tmp, &sshd, &format!("file://{}", cache.display()), &url, Some(&corpus_key()), &root);
+    assert!(!o.status.success(), "a push of a NAR cut short succeeded");
+    let err = stderr(&o);
+    let cause = format!("reading the NAR of {glibc} to add it: the NAR ended after 150000 of its 299200 bytes");
+    assert!(err.contains(&cause) && !err.contains("FramedSource"), "{err}");
+    let registered = registered_paths(&far);
+    assert!(!registered.contains(&glibc) && registered.len() < paths.len(), "{registered:?}");
+    assert_nix_verifies(tmp, &far);
 }
 
 /// `program copy` (sluice, or Nix 2.26 as `nix-modern nix copy`) isolated under `tmp`,
@@ -367,6 +405,29 @@ fn sluice_at_the_far_end_commits_a_push_in_one_batch() {
         let syncfs = std::fs::read_to_string(&traced).unwrap().lines().filter(|l| l.contains("syncfs(")).count();
         assert_eq!(syncfs, 1, "{}: {syncfs} syncfs for {} paths", pusher.display(), paths.len());
     }
+}
+
+/// A far end that floods its standard error with no newline (128 MiB of NUL bytes, then its
+/// daemon) costs no memory for it: ssh's standard error is kept in pieces of at most 4 KiB
+/// (before, the line being read grew to the whole flood); the push completes.
+#[test]
+fn a_far_end_flooding_its_stderr_costs_no_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    let (far, url) = far_end(tmp, "far", FarEnd::Nix28, "head -c 128M /dev/zero >&2; CMD");
+    let rss = tmp.join("rss");
+    let o = over_ssh(tmp, &sshd, Path::new("/usr/bin/time"))
+        .args(["-f", "%M", "-o", rss.to_str().unwrap()])
+        .arg(sluice_bin())
+        .args(["copy", "--from", src.to_str().unwrap(), "--to", &url, &root])
+        .output()
+        .unwrap();
+    check(&o, "push");
+    assert_holds(tmp, &far, &root, &paths);
+    let kib: u64 = std::fs::read_to_string(&rss).unwrap().lines().last().unwrap().trim().parse().unwrap();
+    assert!(kib < 96 * 1024, "peak RSS {kib} KiB");
 }
 
 /// A push into `ssh-ng://` is one stream: one validity query, then every missing path in one
@@ -494,7 +555,7 @@ fn worker_ops(mut sent: &[u8]) -> Vec<(Op, String)> {
 }
 
 /// The bytes a `dd` at the far end counted (its `N bytes … copied` line in `file`).
-fn dd_bytes(file: &Path) -> u64 {
+pub(crate) fn dd_bytes(file: &Path) -> u64 {
     std::fs::read_to_string(file).unwrap().lines().find_map(|l| l.split(' ').next()?.parse().ok()).unwrap()
 }
 

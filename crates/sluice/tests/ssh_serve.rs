@@ -325,7 +325,7 @@ fn export_items(stream: &[u8]) -> (Vec<Vec<u8>>, bool) {
 /// A `remote-program` running real `nix-store` (Nix 2.26 through `nix-modern` when `modern`)
 /// on the chroot store under `store`, never on this machine's `/nix` (Nix appends `--serve
 /// --write`).
-fn nix_store_wrapper(tmp: &Path, name: &str, store: &Path, modern: bool) -> PathBuf {
+pub(crate) fn nix_store_wrapper(tmp: &Path, name: &str, store: &Path, modern: bool) -> PathBuf {
     let file = tmp.join(name);
     let nix_store = match modern {
         true => format!("{} nix-store", shared().join("bin/nix-modern").display()),

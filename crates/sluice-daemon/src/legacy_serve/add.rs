@@ -6,7 +6,7 @@
 //! size, its content address against its content, its references valid; a client that
 //! disappears mid-NAR leaves nothing registered (the unpacked tree is dropped).
 //!
-//! Paths are unpacked as they arrive and committed in batches ([`BatchedAdder`]: one flush and
+//! Paths are unpacked as they arrive and registered in batches ([`BatchedAdder`]: one flush and
 //! one transaction per batch, where Nix commits each path); their answers (`1`) are owed until
 //! the session settles them ([`Session::settle`]): before any other request, and before it
 //! waits for input, so a client that sends its additions back to back (sluice's `ssh://`)
@@ -15,12 +15,13 @@
 use std::io::{self, Read, Seek, Write};
 use std::sync::Arc;
 
-use sluice_local_store::{BatchedAdder, LocalStore, SignaturePolicy, TempRoots};
+use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_nix::hash::{HashAlgo, HashingReader};
 use sluice_nix::nar::reader::copy_nar;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::serve::{read_export_trailer, AddToStoreNar, ExportTrailer};
 use sluice_nix::wire::{read_u64, write_u64};
+use sluice_store::BatchedAdder;
 
 use super::{refused, LegacyServeError, Session};
 
@@ -32,14 +33,8 @@ pub(super) struct Adding {
 }
 
 /// The session's additions not answered yet, started if there are none.
-fn adding<'a>(adding: &'a mut Option<Adding>, store: &Arc<LocalStore>, roots: &TempRoots) -> Result<&'a mut Adding, LegacyServeError> {
-    match adding {
-        Some(a) => Ok(a),
-        None => {
-            let adder = BatchedAdder::new(store, roots, SignaturePolicy::unchecked()).map_err(refused)?;
-            Ok(adding.insert(Adding { adder, owed: 0 }))
-        }
-    }
+fn adding<'a>(adding: &'a mut Option<Adding>, store: &Arc<LocalStore>, roots: &TempRoots) -> &'a mut Adding {
+    adding.get_or_insert_with(|| Adding { adder: BatchedAdder::new(store, roots, SignaturePolicy::unchecked()), owed: 0 })
 }
 
 /// An ImportPaths NAR larger than this is spooled to a temporary file rather than memory.
@@ -62,7 +57,7 @@ impl<R: Read, W: Write> Session<R, W> {
                 }
             }
         }
-        adding(&mut self.adding, &self.store, &self.roots)?.owed += 1;
+        adding(&mut self.adding, &self.store, &self.roots).owed += 1;
         Ok(())
     }
 
@@ -86,7 +81,7 @@ impl<R: Read, W: Write> Session<R, W> {
             sigs: Default::default(),
             ca: None,
         };
-        adding(&mut self.adding, &self.store, &self.roots)?.adder.add(info, &mut spool, false).map_err(refused)
+        adding(&mut self.adding, &self.store, &self.roots).adder.add(info, &mut spool, false).map_err(refused)
     }
 
     /// AddToStoreNar: the info, then exactly its NAR size of NAR → `1` (owed). A valid path's
@@ -94,7 +89,7 @@ impl<R: Read, W: Write> Session<R, W> {
     pub(super) fn add_to_store_nar(&mut self) -> Result<(), LegacyServeError> {
         self.require_write("importing paths")?;
         let AddToStoreNar { info } = self.read()?;
-        let adding = adding(&mut self.adding, &self.store, &self.roots)?;
+        let adding = adding(&mut self.adding, &self.store, &self.roots);
         let mut nar = (&mut self.r).take(info.nar_size);
         adding.adder.add(info, &mut nar, false).map_err(refused)?;
         io::copy(&mut nar, &mut io::sink()).map_err(|e| LegacyServeError::Refused(format!("reading the rest of the NAR: {e}")))?;

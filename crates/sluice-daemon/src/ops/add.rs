@@ -16,13 +16,15 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use sluice_local_store::{BatchedAdder, LocalStore, SignaturePolicy, TempRoots};
+use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots};
 use sluice_nix::nar::reader::{copy_nar, parse};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::wire::ops::{AddMultipleToStore, AddTextToStore, AddToStore, AddToStoreNar};
 use sluice_nix::wire::{
     read_bytes, read_keyed_path_info, read_u64, write_bytes, write_keyed_path_info, write_u64, FramedReader, ProtocolVersion,
 };
+
+use sluice_store::BatchedAdder;
 
 use super::payload::{add_content, Ingestion, RootFile};
 use crate::conn::{op_err, Conn, Fail, OpResult, Reader, Writer};
@@ -131,7 +133,8 @@ fn honoured_repair(c: &Conn, repair: bool) -> bool {
 }
 
 /// Adds each path of an AddMultipleToStore payload (repairing valid ones with `repair`): each
-/// is unpacked as it arrives and committed in batches ([`BatchedAdder`]: one flush and one
+/// is unpacked as it arrives (small ones on the unpacking threads while the next arrive) and
+/// registered in batches ([`BatchedAdder`]: one flush and one
 /// transaction per batch, where Nix commits each path); the operation answers once all are
 /// committed. A path refused stops the payload there (the caller drains the rest), as Nix's does.
 fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, stream: &mut dyn Read, repair: bool) -> Result<(), Fail> {
@@ -140,14 +143,13 @@ fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy
     if count > MAX_PATHS {
         return Err(Fail::Fatal(format!("AddMultipleToStore: {count} paths, more than the maximum of {MAX_PATHS}")));
     }
-    let mut adder = BatchedAdder::new(store, roots, policy.clone()).map_err(op_err)?;
+    let mut adder = BatchedAdder::new(store, roots, policy.clone()).unpacking_ahead();
     for _ in 0..count {
         let mut info = read_keyed_path_info(stream, dir, ProtocolVersion::new(1, 16))?;
         info.ultimate = false;
         let (nar_size, shown) = (info.nar_size, dir.display_path(&info.path));
         let mut nar = stream.take(nar_size);
-        // Refused before its NAR is unpacked, if nobody vouches for it.
-        policy.vouch(dir, &info).map_err(op_err)?;
+        // Refused before its NAR is read, if nobody vouches for it.
         adder.add(info, &mut nar, repair).map_err(op_err)?;
         io::copy(&mut nar, &mut io::sink()).map_err(|e| Fail::Fatal(format!("reading the NAR of {shown}: {e}")))?;
     }

@@ -45,11 +45,15 @@ fn quick(op: Op) -> bool {
 }
 
 /// Whether a client stays on its worker's CPU through operation number `op` (a watched
-/// placement, [`crate::affinity`]): the quick operations and those that add a file or text,
-/// during which Nix clients do nothing in parallel; after the others (NAR transfers, builds,
-/// substitutions, maintenance), clients may compress, copy or download with several threads.
+/// placement, [`crate::affinity`]): the quick operations, those that add a file or text, and
+/// the queries QueryValidPaths and QueryMissing, during which Nix clients do nothing in
+/// parallel (Nix 2.26's `nix path-info` asks QueryMissing before its QueryPathInfos; what it
+/// would build or substitute comes with a later operation, which ends the placement); after
+/// the others (NAR transfers, builds, substitutions, maintenance), clients may compress, copy
+/// or download with several threads.
 pub(crate) fn keeps_client_placed(op: u64) -> bool {
-    Op::from_wire(op).is_some_and(|op| quick(op) || matches!(op, Op::AddToStore | Op::AddTextToStore | Op::QueryValidPaths))
+    Op::from_wire(op)
+        .is_some_and(|op| quick(op) || matches!(op, Op::AddToStore | Op::AddTextToStore | Op::QueryValidPaths | Op::QueryMissing))
 }
 
 /// Runs operation number `op` on `c`: its request is read, then handled. Before an operation

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::config::Settings;
 use crate::store::{Store, StoreFuture};
-use crate::store_url::{CacheUrl, LocalStoreConfig, Param, Query, StoreUrlError};
+use crate::store_url::{CacheUrl, CommonParams, LocalStoreConfig, Param, Query, StoreUrlError};
 
 /// A kind of store: Nix's `StoreFactory` (`src/libstore/store-api.hh`).
 #[derive(Debug)]
@@ -44,6 +44,13 @@ pub(crate) trait StoreConfig: Debug + Send + Sync + Any {
 
     /// The binary cache this is, for a kind that can be a substituter.
     fn as_cache(&self) -> Option<&CacheUrl> {
+        None
+    }
+
+    /// For a kind that can be a substituter other than as a binary cache (read through the
+    /// [`Store`] interface: Nix opens every substituter as a store, `getDefaultSubstituters`
+    /// in `src/libstore/store-api.cc`), its common parameters (`priority`, `trusted`).
+    fn as_substituter(&self) -> Option<&CommonParams> {
         None
     }
 

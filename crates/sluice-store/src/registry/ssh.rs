@@ -11,7 +11,7 @@ use crate::config::Settings;
 use crate::legacy_ssh::LegacySshStore;
 use crate::ssh::{SshConfig, SSH_PARAMS};
 use crate::store::{Store, StoreFuture};
-use crate::store_url::{Query, StoreUrlError};
+use crate::store_url::{CommonParams, Query, StoreUrlError};
 
 /// The kind's URL scheme.
 const SCHEME: &str = "ssh";
@@ -29,13 +29,15 @@ pub(super) const KIND: StoreKind = StoreKind {
 #[derive(Debug)]
 struct LegacySshConfig {
     ssh: SshConfig,
+    /// Its common parameters, for its use as a substituter.
+    common: CommonParams,
 }
 
 /// Parses the kind's URL and parameters.
 fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
     let ssh = SshConfig::parse(url, main, SCHEME, &mut q, "nix-store")?;
-    q.finish()?;
-    Ok(Box::new(LegacySshConfig { ssh }))
+    let common = q.finish()?;
+    Ok(Box::new(LegacySshConfig { ssh, common }))
 }
 
 impl StoreConfig for LegacySshConfig {
@@ -49,6 +51,12 @@ impl StoreConfig for LegacySshConfig {
                 .map_err(|e| crate::store::StoreError::Other(format!("ssh://{}: {e}", self.ssh.destination())))??;
             Ok(Arc::new(store) as Arc<dyn Store>)
         })
+    }
+
+    /// Usable as a substituter, one connection per run opened on the first path asked of it
+    /// (`crate::substituter_source`); its priority defaults to 0, Nix's `StoreConfig::priority`.
+    fn as_substituter(&self) -> Option<&CommonParams> {
+        Some(&self.common)
     }
 }
 

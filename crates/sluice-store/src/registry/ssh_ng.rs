@@ -17,7 +17,7 @@ use crate::config::Settings;
 use crate::remote::{DaemonConnection, DaemonStore, RemoteError};
 use crate::ssh::{SshConfig, SshMaster, SSH_PARAMS};
 use crate::store::{Store, StoreError, StoreFuture};
-use crate::store_url::{ParamType, Query, StoreUrlError};
+use crate::store_url::{CommonParams, ParamType, Query, StoreUrlError};
 
 /// The kind's URL scheme.
 const SCHEME: &str = "ssh-ng";
@@ -35,13 +35,15 @@ pub(super) const KIND: StoreKind = StoreKind {
 #[derive(Debug)]
 struct SshNgConfig {
     ssh: SshConfig,
+    /// Its common parameters, for its use as a substituter.
+    common: CommonParams,
 }
 
 /// Parses the kind's URL and parameters.
 fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>, StoreUrlError> {
     let ssh = SshConfig::parse(url, main, SCHEME, &mut q, "nix-daemon")?;
-    q.finish()?;
-    Ok(Box::new(SshNgConfig { ssh }))
+    let common = q.finish()?;
+    Ok(Box::new(SshNgConfig { ssh, common }))
 }
 
 impl StoreConfig for SshNgConfig {
@@ -63,5 +65,11 @@ impl StoreConfig for SshNgConfig {
             });
             Ok(Arc::new(DaemonStore::open(&daemon, &daemon, connect, settings.require_sigs)?) as Arc<dyn Store>)
         })
+    }
+
+    /// Usable as a substituter, one connection per run opened on the first path asked of it
+    /// (`crate::substituter_source`); its priority defaults to 0, Nix's `StoreConfig::priority`.
+    fn as_substituter(&self) -> Option<&CommonParams> {
+        Some(&self.common)
     }
 }

@@ -155,7 +155,7 @@ impl Shared {
         eager: &mut bool,
     ) -> Result<(), Attempt> {
         let (sub, trusted) = (&self.subs[i], self.subs[i].trusted);
-        let cache = &sub.cache;
+        let cache = &sub.source;
         let narinfo_url = cache.narinfo_url(&narinfo.store_path);
         let vouched = match verdict {
             Some(Ok(vouched)) => vouched.clone(),
@@ -329,7 +329,7 @@ impl Shared {
         compression: Compression,
         url: &str,
     ) -> Result<Option<(PendingPath, Unpacked, u64)>, Attempt> {
-        let cache = &sub.cache;
+        let cache = &sub.source;
         let attempts = cache.download_attempts();
         let mut attempt = 0;
         let mut pending: Option<PendingPath> = None;
@@ -338,7 +338,7 @@ impl Shared {
             let NarStream { reader, probe, local, .. } = match cache.open_nar(narinfo).await {
                 Ok(Some(r)) => r,
                 Ok(None) => return Err(Attempt::TryNext(Failure::other(format!("{url}: NAR not found (404)")))),
-                Err(e) => return Err(Attempt::TryNext(Failure::cache(sub.cache.url(), &e))),
+                Err(e) => return Err(Attempt::TryNext(Failure::cache(sub.source.url(), &e))),
             };
             let observer = self.observer.clone();
             let cache_url = cache.url().to_string();

@@ -87,7 +87,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// A size in bytes: a number and an optional `K`, `M`, `G` or `T` (powers of 1024).
-fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let (number, unit) = text.trim().split_at(text.trim().trim_end_matches(char::is_alphabetic).len());
     let n: u64 = number.parse().map_err(|_| format!("{text:?} is not a size such as 500M or 20G"))?;
     let shift = match unit.to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {

@@ -5,6 +5,8 @@ mod gc;
 mod sign;
 mod verify;
 
+pub(crate) use gc::parse_size;
+
 use std::process::ExitCode;
 use std::sync::Arc;
 
