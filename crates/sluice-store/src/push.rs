@@ -2,11 +2,12 @@
 //! `copyPaths`, `src/libstore/store-api.cc`, with the order of Nix 2.35's binary-cache
 //! uploads): the closure is found in the source level by level (one batched query per level),
 //! what the destination already has, contents included ([`Store::query_complete_paths`]), is
-//! found in one query and skipped, and every missing path is then transferred at once (the
-//! destination having vouched for each path's signature or content address first, the source
-//! told to fetch the NARs ahead), largest NAR first (in a dependency order from a store that
-//! sends its NARs one after the other, [`Store::streams_nars_in_order`]), at most the
-//! destination's [`Store::parallelism`] NARs being read at a time. A path becomes visible in the destination
+//! found and skipped, and every missing path is then transferred at once (the destination
+//! having vouched for each path's signature or content address first, the source told to fetch
+//! the NARs ahead, a daemon while it finds the closure: [`Store::closure_infos_fetching`]),
+//! largest NAR first (in a dependency order from a store that sends its NARs one after the
+//! other, [`Store::streams_nars_in_order`]), at most the destination's [`Store::parallelism`]
+//! NARs being read at a time. A path becomes visible in the destination
 //! (its narinfo written, its registration committed) only after every reference it has in the
 //! copy did, so a reader never sees a path whose closure is incomplete, even if the copy is
 //! killed. Paths in a reference cycle the source claims fail, with their dependents. Into a
@@ -24,7 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::failure::Failure;
 use crate::reference_cycles::reference_cycles;
-use crate::store::{NarReader, Store, StoreError};
+use crate::store::{FoundLevel, NarReader, Store, StoreError};
 
 mod stream;
 
@@ -65,20 +66,58 @@ pub(crate) async fn closure_infos_by_level<S: Store + ?Sized>(
     Ok(infos)
 }
 
+/// The closure of `roots` in `src` ([`Store::closure_infos_fetching`]), the NARs of the paths
+/// `dst` lacks and would take fetched ahead while it is found from a source that sends its
+/// NARs one after the other ([`Store::streams_nars_in_order`]), and the order they were asked
+/// for in: each set of infos found, in a dependency order, so that a path whose references
+/// came first is added at once. None is fetched ahead from another source (which fetches none
+/// ahead), into a store that takes whole streams (they are asked for as the stream needs
+/// them), nor where `dst` could not say what it lacks or would refuse a path.
+async fn closure_fetching(
+    src: &Arc<dyn Store>,
+    dst: &Arc<dyn Store>,
+    roots: &[StorePath],
+) -> Result<(BTreeMap<StorePath, ValidPathInfo>, Vec<StorePath>), StoreError> {
+    let (levels, mut found) = tokio::sync::mpsc::unbounded_channel::<FoundLevel>();
+    let choose = async {
+        let mut asked = Vec::new();
+        while let Some(FoundLevel { infos, fetch }) = found.recv().await {
+            let paths: Vec<StorePath> = infos.iter().map(|i| i.path.clone()).collect();
+            let present = match dst.takes_streams() || !src.streams_nars_in_order() {
+                true => None,
+                false => dst.query_complete_paths(&paths).await.ok(),
+            };
+            let wanted: Vec<&ValidPathInfo> = match &present {
+                None => Vec::new(),
+                Some(present) => infos
+                    .iter()
+                    .filter(|i| !present.contains(&i.path) && dst.check_trust(&ValidPathInfo { ultimate: false, ..(*i).clone() }).is_ok())
+                    .collect(),
+            };
+            let wanted: Vec<StorePath> = dependency_order(wanted).into_iter().map(|i| i.path.clone()).collect();
+            asked.extend(wanted.iter().cloned());
+            let _ = fetch.send(wanted);
+        }
+        asked
+    };
+    let (infos, asked) = tokio::join!(src.closure_infos_fetching(roots, levels), choose);
+    Ok((infos?, asked))
+}
+
 /// Whether a path was added: shared by the paths that refer to it.
 type Done = Shared<futures::future::BoxFuture<'static, Result<(), String>>>;
 
 /// Copies the closures of `roots` from `src` to `dst` (see the module doc).
 pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[StorePath]) -> Result<PushReport, StoreError> {
-    let infos = src.closure_infos(roots).await?;
+    let (infos, asked) = closure_fetching(&src, &dst, roots).await?;
     let all: Vec<StorePath> = infos.keys().cloned().collect();
     let (present, push) = dst.begin_push(&all).await?;
     let mut missing: Vec<&ValidPathInfo> = infos.values().filter(|i| !present.contains(&i.path)).collect();
-    match src.streams_nars_in_order() {
-        // They come one after the other: a path whose references came first is added at once.
-        true => missing = dependency_order(missing),
-        false => missing.sort_by(|a, b| b.nar_size.cmp(&a.nar_size).then_with(|| a.path.cmp(&b.path))),
-    }
+    // In the order their NARs were asked for, so that the paths read them as they come; the
+    // rest after them, largest first.
+    let turns: HashMap<&StorePath, usize> = asked.iter().enumerate().map(|(i, p)| (p, i)).collect();
+    let rank = |i: &ValidPathInfo| turns.get(&i.path).copied().unwrap_or(usize::MAX);
+    missing.sort_by(|a, b| rank(a).cmp(&rank(b)).then_with(|| b.nar_size.cmp(&a.nar_size)).then_with(|| a.path.cmp(&b.path)));
     let mut report = PushReport { already_valid: present.len(), ..Default::default() };
 
     let slots = Arc::new(Semaphore::new(dst.parallelism().max(1)));
@@ -113,7 +152,6 @@ pub async fn copy_closures(src: Arc<dyn Store>, dst: Arc<dyn Store>, roots: &[St
         stream::copy_as_stream(&src, &dst, missing, &mut report).await?;
         return Ok(report);
     }
-    src.prefetch_nars(&missing);
     let mut tasks = Vec::with_capacity(missing.len());
     for info in missing {
         let gate_refs: Vec<(StorePath, Done)> =

@@ -37,6 +37,7 @@ use sluice_compress::zstd_channel::{Switch, ZstdChannelReader, ZstdChannelWriter
 use sluice_nix::path_info::ValidPathInfo;
 
 mod batch;
+mod closure;
 mod daemon_store;
 
 pub use daemon_store::{Connector, DaemonStore};
@@ -251,9 +252,15 @@ impl DaemonConnection {
             let requests: Vec<QueryPathInfo> = paths.iter().map(|p| QueryPathInfo { path: p.clone() }).collect();
             return self.pipelined(&requests, "QueryPathInfo", |c, r| c.read_path_info(&r.path));
         }
+        self.request(&QueryPathInfos { paths: paths.iter().cloned().collect() }, "QueryPathInfos")?;
+        self.read_path_infos(paths)
+    }
+
+    /// Reads a QueryPathInfos result (after `LAST`) for `paths`: their registrations, in order.
+    /// An info for a path not asked, or answered twice, is refused.
+    fn read_path_infos(&mut self, paths: &[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, RemoteError> {
         let what = "QueryPathInfos";
         let mut unanswered: std::collections::BTreeSet<StorePath> = paths.iter().cloned().collect();
-        self.request(&QueryPathInfos { paths: unanswered.clone() }, what)?;
         let n = read_u64(&mut self.r, "path info count").map_err(self.wire_err(what))?;
         let mut infos = std::collections::BTreeMap::new();
         for _ in 0..n {
@@ -399,18 +406,23 @@ impl DaemonConnection {
         let requests: Vec<NarFromPath> = paths.iter().map(|(path, _)| NarFromPath { path: path.clone() }).collect();
         let mut next = 0;
         self.pipelined(&requests, "NarFromPath", |c, _| {
-            let size = paths[next].1;
-            let io = c.io_err("reading the NAR (NarFromPath)");
-            let mut nar = Vec::with_capacity(size.min(PIPELINE_BYTES as u64) as usize);
-            (&mut c.r).take(size).read_to_end(&mut nar).map_err(&io)?;
-            if nar.len() as u64 != size {
-                return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
-            }
+            let nar = c.read_nar(paths[next].1)?;
             each(next, nar);
             next += 1;
             Ok(())
         })?;
         Ok(())
+    }
+
+    /// Reads a NarFromPath result (after `LAST`): the NAR, `size` bytes (its registered size).
+    fn read_nar(&mut self, size: u64) -> Result<Vec<u8>, RemoteError> {
+        let io = self.io_err("reading the NAR (NarFromPath)");
+        let mut nar = Vec::with_capacity(size.min(PIPELINE_BYTES as u64) as usize);
+        (&mut self.r).take(size).read_to_end(&mut nar).map_err(&io)?;
+        if nar.len() as u64 != size {
+            return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        Ok(nar)
     }
 
     /// AddToStoreNar (daemons of protocol ≥ 1.23): adds `info.path` from the NAR read

@@ -47,6 +47,13 @@ pub type AdditionStream = tokio::sync::mpsc::Receiver<StreamedPath>;
 /// The outcome of each path a stream of additions brought, in order.
 pub type StreamOutcomes = Vec<(StorePath, Result<(), StoreError>)>;
 
+/// Infos of a closure being found ([`Store::closure_infos_fetching`]), and where to answer
+/// which of their NARs to fetch ahead, in the order they will be read.
+pub struct FoundLevel {
+    pub infos: Vec<ValidPathInfo>,
+    pub fetch: tokio::sync::oneshot::Sender<Vec<StorePath>>,
+}
+
 /// Errors of any store; each names the store (URL, socket or directory) and the path.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -102,6 +109,31 @@ pub trait Store: Send + Sync {
     /// [`query_path_infos`](Self::query_path_infos) per level of references.
     fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
         Box::pin(crate::push::closure_infos_by_level(self, roots))
+    }
+
+    /// [`closure_infos`](Self::closure_infos), with NARs fetched ahead (as
+    /// [`prefetch_nars`](Self::prefetch_nars) fetches them) while the closure is found, where
+    /// Nix's `copyPaths` (`src/libstore/store-api.cc`) finds the whole closure first: each
+    /// set of infos found is sent on `levels` with where to answer which of their NARs the copy
+    /// will read, in the order it will read them. By default the whole closure is found, sent
+    /// at once, and the NARs named are prefetched; a daemon sends each level of references as
+    /// it finds it, and asks for the NARs named right behind the next level's queries
+    /// (`remote/closure.rs`), so that they stream while the next level is looked for.
+    fn closure_infos_fetching<'a>(
+        &'a self,
+        roots: &'a [StorePath],
+        levels: tokio::sync::mpsc::UnboundedSender<FoundLevel>,
+    ) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
+        Box::pin(async move {
+            let infos = self.closure_infos(roots).await?;
+            let (fetch, answer) = tokio::sync::oneshot::channel();
+            if levels.send(FoundLevel { infos: infos.values().cloned().collect(), fetch }).is_ok() {
+                if let Ok(named) = answer.await {
+                    self.prefetch_nars(&named.iter().filter_map(|p| infos.get(p)).collect::<Vec<_>>());
+                }
+            }
+            Ok(infos)
+        })
     }
 
     /// Those of `paths` whose contents are there as well as their metadata: what a copy into

@@ -5,6 +5,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use sluice_nix::store_path::StoreDir;
+use sluice_nix::wire::ops::{NarFromPath, Op, QueryPathInfo, Request};
+use sluice_nix::wire::{read_u64, ProtocolVersion};
+
 use crate::common::sshd::{Sshd, HOST};
 use crate::common::*;
 
@@ -500,6 +504,54 @@ fn a_pull_pipelines_its_nars() {
     assert_eq!(registered_paths(&back), paths);
     let trips = (took.saturating_sub(floor)).as_millis() as f64 / rtt as f64;
     assert!(trips < 16.0, "the pull took {took:?}, ssh true {floor:?}: {trips:.1} round trips");
+}
+
+/// A pull from `ssh-ng://` asks for NARs while it still looks for the closure: the requests
+/// real nix-daemon 2.8 was sent (kept by `tee`) ask for the first NAR before the last level of
+/// references is queried (before, every QueryPathInfo came first, one level per round trip,
+/// and only then the NARs), each path's info and each NAR once.
+#[test]
+fn a_pull_asks_for_nars_while_it_looks_for_the_closure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp);
+    let (root, paths, src) = subset_store(tmp);
+    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &far_end(tmp, "far", FarEnd::Nix28, "CMD").1, None, &root), "push");
+    let asked = tmp.join("asked");
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, &format!("tee {} | CMD", asked.display()));
+    let back = tmp.join("back");
+    check(&sluice_copy(tmp, &sshd, &url, back.to_str().unwrap(), Some(&corpus_key()), &root), "pull");
+    assert_holds(tmp, &back, &root, &paths);
+    let ops = worker_ops(&std::fs::read(&asked).unwrap());
+    for op in [Op::QueryPathInfo, Op::NarFromPath] {
+        let named: Vec<&String> = ops.iter().filter(|(o, _)| *o == op).map(|(_, p)| p).collect();
+        assert_eq!(named.len(), paths.len(), "{op:?}: {ops:#?}");
+        assert_eq!(named.into_iter().cloned().collect::<BTreeSet<_>>(), paths, "{op:?}");
+    }
+    let first_nar = ops.iter().position(|(o, _)| *o == Op::NarFromPath).unwrap();
+    let last_query = ops.iter().rposition(|(o, _)| *o == Op::QueryPathInfo).unwrap();
+    assert!(first_nar < last_query, "the first NAR was asked for after the last query: {ops:#?}");
+}
+
+/// The operations in `sent`, what a client sent a nix-daemon 2.8 (the greeting of protocol
+/// 1.34 without a CPU, then a pull's QueryPathInfo and NarFromPath only), with the path each
+/// names, in order.
+fn worker_ops(mut sent: &[u8]) -> Vec<(Op, String)> {
+    let (dir, r, version) = (StoreDir::default(), &mut sent, ProtocolVersion::new(1, 34));
+    for what in ["magic", "version", "CPU affinity", "reserveSpace"] {
+        read_u64(r, what).unwrap();
+    }
+    let mut ops = Vec::new();
+    while !r.is_empty() {
+        let op = Op::from_wire(read_u64(r, "operation").unwrap()).unwrap();
+        let path = match op {
+            Op::QueryPathInfo => QueryPathInfo::read(r, &dir, version).unwrap().path,
+            Op::NarFromPath => NarFromPath::read(r, &dir, version).unwrap().path,
+            other => panic!("a pull sent {other:?}"),
+        };
+        ops.push((op, dir.display_path(&path)));
+    }
+    ops
 }
 
 /// The bytes a `dd` at the far end counted (its `N bytes … copied` line in `file`).

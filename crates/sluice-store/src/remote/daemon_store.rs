@@ -1,7 +1,7 @@
 //! [`DaemonStore`]: a daemon behind the [`Store`](crate::store::Store) interface, its one
 //! connection on a thread of its own.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
 use std::path::Path;
 use std::sync::mpsc::Receiver;
@@ -12,7 +12,10 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ProtocolVersion;
 
 use super::{batch, DaemonConnection, RemoteError};
-use crate::store::{fetched_ahead, AdditionStream, NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes};
+use crate::store::{
+    fetched_ahead, AdditionStream, FoundLevel, NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes,
+    PREFETCH_TOTAL,
+};
 
 /// A daemon behind the [`Store`](crate::store::Store) interface: one connection (Nix's
 /// default `max-connections`), owned by a thread of its own that runs the store's operations
@@ -193,6 +196,77 @@ impl Store for DaemonStore {
         }));
         // Without the thread, each reader finds its NAR's sender gone and says so.
         let _ = self.jobs.send(fetch);
+    }
+
+    /// The closure a level at a time (`remote/closure.rs`), each level sent on `levels` as it
+    /// is found and the NARs named in the answer asked for right behind the next level's
+    /// queries (those [`fetched_ahead`] picks, up to its total for the whole closure),
+    /// each kept as it arrives until its reader takes it, as [`Store::prefetch_nars`] keeps
+    /// them. The closure is answered once found; the connection's thread goes on reading the
+    /// NARs still to come.
+    fn closure_infos_fetching<'a>(
+        &'a self,
+        roots: &'a [StorePath],
+        levels: tokio::sync::mpsc::UnboundedSender<FoundLevel>,
+    ) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
+        let (roots, prefetched) = (roots.to_vec(), self.prefetched.clone());
+        let (answer_closure, closure) = tokio::sync::oneshot::channel();
+        let job = Job::Run(Box::new(move |conn: &mut Reconnecting| {
+            let senders = std::cell::RefCell::new(HashMap::new());
+            // Dropped once the closure is found: the copy then knows no more levels come.
+            let levels = std::cell::RefCell::new(Some(levels));
+            let mut spent = 0;
+            let mut choose = |infos: &[ValidPathInfo]| {
+                let (fetch, answer) = tokio::sync::oneshot::channel();
+                let level = FoundLevel { infos: infos.to_vec(), fetch };
+                if levels.borrow().as_ref().is_none_or(|l| l.send(level).is_err()) {
+                    return Vec::new();
+                }
+                let named = answer.blocking_recv().unwrap_or_default();
+                let by_path: HashMap<&StorePath, &ValidPathInfo> = infos.iter().map(|i| (&i.path, i)).collect();
+                let mut chosen = Vec::new();
+                for info in fetched_ahead(&named.iter().filter_map(|p| by_path.get(p).copied()).collect::<Vec<_>>()) {
+                    spent += info.nar_size;
+                    if spent > PREFETCH_TOTAL {
+                        break;
+                    }
+                    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                    prefetched.lock().unwrap_or_else(|p| p.into_inner()).insert(info.path.clone(), rx);
+                    senders.borrow_mut().insert(info.path.clone(), tx);
+                    chosen.push(info.path.clone());
+                }
+                chosen
+            };
+            let mut take = |path: StorePath, nar: Vec<u8>| {
+                if let Some(tx) = senders.borrow_mut().remove(&path) {
+                    let _ = tx.send(Ok(nar));
+                }
+            };
+            let mut answer_closure = Some(answer_closure);
+            let fetched = conn.with(|c| {
+                let (found, rest) = c.closure_fetching(&roots, &mut choose, &mut take)?;
+                levels.borrow_mut().take();
+                if let Some(answer) = answer_closure.take() {
+                    let _ = answer.send(Ok(found));
+                }
+                c.fetch_rest(rest, &mut take)
+            });
+            if let Err(e) = fetched {
+                let message = e.to_string();
+                senders.into_inner().into_values().for_each(|tx| drop(tx.send(Err(message.clone()))));
+                if let Some(answer) = answer_closure {
+                    let _ = answer.send(Err(e));
+                }
+            }
+        }));
+        Box::pin(async move {
+            self.jobs.send(job).map_err(|_| self.ended())?;
+            let found = closure.await.map_err(|_| self.ended())??;
+            match found.not_valid {
+                Some(path) => Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(&path) }),
+                None => Ok(found.infos),
+            }
+        })
     }
 
     /// NarFromPath answers come in the order asked, on one connection.
