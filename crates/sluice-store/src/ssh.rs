@@ -221,9 +221,10 @@ impl SshMaster {
     fn ssh_command(&self, command: &[String]) -> Command {
         if self.local {
             // The line a remote shell would parse, parsed by one here (Nix's `fakeSSH` runs
-            // `bash -c`), so that the arguments quoted for it arrive whole.
+            // `bash -c`), so that the arguments quoted for it arrive whole; the shell becomes
+            // the command, so that the command's end of its output is the channel's.
             let mut cmd = Command::new("sh");
-            cmd.arg("-c").arg(command.join(" "));
+            cmd.arg("-c").arg(format!("exec {}", command.join(" ")));
             return cmd;
         }
         let mut cmd = Command::new("ssh");
