@@ -147,7 +147,11 @@ impl DaemonConnection {
     /// Sends the requests of the NARs at the front of `wanted` while the requests the daemon
     /// may not have read (`unread` bytes before these) stay under [`PIPELINE_BYTES`]. The NARs
     /// asked for, and the bytes sent.
-    fn write_nars(&mut self, wanted: &mut VecDeque<(StorePath, u64)>, unread: usize) -> Result<(Vec<(StorePath, u64)>, usize), RemoteError> {
+    fn write_nars(
+        &mut self,
+        wanted: &mut VecDeque<(StorePath, u64)>,
+        unread: usize,
+    ) -> Result<(Vec<(StorePath, u64)>, usize), RemoteError> {
         let io = self.io_err("NarFromPath");
         let (mut nars, mut batch) = (Vec::new(), Vec::new());
         while let Some((path, _)) = wanted.front() {
