@@ -127,7 +127,7 @@ mod tests {
         let r = &mut answer.as_slice();
         assert_eq!(read_u64(r, "magic").unwrap(), WORKER_MAGIC_2);
         assert_eq!(read_u64(r, "version").unwrap(), 0x126);
-        assert_eq!(read_features(r, "features").unwrap(), feature_set(&["addTempRoots", "queryPathInfos"]));
+        assert_eq!(read_features(r, "features").unwrap(), feature_set(&["addTempRoots", "queryPathInfos", "sluice-query-closure"]));
         assert_eq!(read_string(r, 64, "version string").unwrap(), NIX_VERSION);
         assert_eq!(read_u64(r, "trusted").unwrap(), 1);
         assert!(r.is_empty());

@@ -39,10 +39,15 @@ pub use server::{serve_listener, serve_socket, serve_stdio};
 pub const PROTOCOL_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 38);
 
 /// The protocol features offered to clients of protocol ≥ 1.38: DeterminateSystems' batch
-/// operations AddTempRoots (op 49) and QueryPathInfos (op 50). Upstream's
+/// operations AddTempRoots (op 49) and QueryPathInfos (op 50), and sluice's QueryClosureInfos
+/// (`sluice-query-closure`). Upstream's
 /// `delete-dead-specific-referrers` and `realisation-with-path-not-hash` (Nix 2.35) change the
 /// forms of CollectGarbage, build results and realisations, which sluice does not speak.
-pub const FEATURES: &[&str] = &[sluice_nix::wire::features::ADD_TEMP_ROOTS, sluice_nix::wire::features::QUERY_PATH_INFOS];
+pub const FEATURES: &[&str] = &[
+    sluice_nix::wire::features::ADD_TEMP_ROOTS,
+    sluice_nix::wire::features::QUERY_PATH_INFOS,
+    sluice_nix::wire::features::SLUICE_QUERY_CLOSURE,
+];
 
 /// The oldest client version accepted: 1.21 (Nix 2.0; AddToStoreNar through `STDERR_READ`).
 pub const MIN_CLIENT_VERSION: sluice_nix::wire::ProtocolVersion = sluice_nix::wire::ProtocolVersion::new(1, 21);

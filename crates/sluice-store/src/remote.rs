@@ -19,7 +19,8 @@ use std::path::Path;
 
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::features::{
-    feature_set, negotiated, read_features, write_features, FeatureSet, ADD_TEMP_ROOTS, FEATURES_VERSION, QUERY_PATH_INFOS, SLUICE_ZSTD,
+    feature_set, negotiated, read_features, write_features, FeatureSet, ADD_TEMP_ROOTS, FEATURES_VERSION, QUERY_PATH_INFOS,
+    SLUICE_QUERY_CLOSURE, SLUICE_ZSTD,
 };
 use sluice_nix::wire::ops::{
     write_request, AddMultipleToStore, AddTempRoot, AddTempRoots, AddToStoreNar, BuildDerivation, BuildPaths, BuildPathsWithResults,
@@ -48,7 +49,7 @@ pub use daemon_store::{Connector, DaemonStore};
 pub const CLIENT_VERSION: ProtocolVersion = ProtocolVersion::new(1, 38);
 
 /// The features this client offers at ≥ 1.38 and uses when the daemon offers them too.
-pub const CLIENT_FEATURES: &[&str] = &[ADD_TEMP_ROOTS, QUERY_PATH_INFOS];
+pub const CLIENT_FEATURES: &[&str] = &[ADD_TEMP_ROOTS, QUERY_PATH_INFOS, SLUICE_QUERY_CLOSURE];
 
 /// The oldest daemon this client talks to (1.21: path info with signatures, no legacy forms).
 const MIN_DAEMON_VERSION: ProtocolVersion = ProtocolVersion::new(1, 21);
@@ -260,19 +261,56 @@ impl DaemonConnection {
     /// An info for a path not asked, or answered twice, is refused.
     fn read_path_infos(&mut self, paths: &[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, RemoteError> {
         let what = "QueryPathInfos";
-        let mut unanswered: std::collections::BTreeSet<StorePath> = paths.iter().cloned().collect();
+        let mut infos = self.read_keyed_infos(what)?;
+        let asked: std::collections::BTreeSet<&StorePath> = paths.iter().collect();
+        if let Some(other) = infos.keys().find(|p| !asked.contains(p)) {
+            return Err(self.protocol(format!("{what}: an info for {}, which was not asked", self.store_dir.display_path(other))));
+        }
+        Ok(paths.iter().map(|p| infos.remove(p)).collect())
+    }
+
+    /// Reads a QueryClosureInfos result (after `LAST`) for `roots`: the registration of each
+    /// root, in order, and those of the rest of their closure. An info for a path that no
+    /// reference in the answer leads to from a root, or answered twice, is refused.
+    fn read_closure_infos(&mut self, roots: &[StorePath]) -> Result<(Vec<Option<ValidPathInfo>>, Vec<ValidPathInfo>), RemoteError> {
+        let what = "QueryClosureInfos";
+        let mut infos = self.read_keyed_infos(what)?;
+        let answered: Vec<Option<ValidPathInfo>> = roots.iter().map(|p| infos.remove(p)).collect();
+        let mut reached: std::collections::BTreeSet<&StorePath> = roots.iter().collect();
+        let mut frontier: Vec<&ValidPathInfo> = answered.iter().flatten().collect();
+        while let Some(info) = frontier.pop() {
+            for r in &info.references {
+                if reached.insert(r) {
+                    frontier.extend(infos.get(r));
+                }
+            }
+        }
+        if let Some(other) = infos.keys().find(|p| !reached.contains(p)) {
+            let message =
+                format!("{what}: an info for {}, which is not in the closure of the paths asked", self.store_dir.display_path(other));
+            return Err(self.protocol(message));
+        }
+        Ok((answered, infos.into_values().collect()))
+    }
+
+    /// Reads a count, then that many keyed infos (QueryPathInfos' answer); a path answered
+    /// twice is refused.
+    fn read_keyed_infos(&mut self, what: &'static str) -> Result<std::collections::BTreeMap<StorePath, ValidPathInfo>, RemoteError> {
         let n = read_u64(&mut self.r, "path info count").map_err(self.wire_err(what))?;
         let mut infos = std::collections::BTreeMap::new();
         for _ in 0..n {
             let info = read_keyed_path_info(&mut self.r, &self.store_dir, self.version).map_err(self.wire_err(what))?;
-            if !unanswered.remove(&info.path) {
-                let message =
-                    format!("{what}: an info for {}, which was not asked or was answered already", self.store_dir.display_path(&info.path));
-                return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
+            if infos.contains_key(&info.path) {
+                return Err(self.protocol(format!("{what}: {} was answered twice", self.store_dir.display_path(&info.path))));
             }
             infos.insert(info.path.clone(), info);
         }
-        Ok(paths.iter().map(|p| infos.get(p).cloned()).collect())
+        Ok(infos)
+    }
+
+    /// The daemon broke the protocol: `message` says how.
+    fn protocol(&self, message: String) -> RemoteError {
+        RemoteError::Protocol { message, daemon: self.daemon.clone() }
     }
 
     /// Those of `paths` that are valid in the daemon's store: one QueryValidPaths (Nix's
@@ -436,7 +474,7 @@ impl DaemonConnection {
         let what = "AddToStoreNar";
         if !self.version.at_least(23) {
             let message = format!("{what} needs protocol 1.23 (Nix 2.4), the daemon speaks {}", self.version);
-            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
+            return Err(self.protocol(message));
         }
         self.send(&AddToStoreNar { info: info.clone(), repair: false, dont_check_sigs: !check_sigs }, what)?;
         let (daemon, shown) = (self.daemon.clone(), self.store_dir.display_path(&info.path));
@@ -462,7 +500,7 @@ impl DaemonConnection {
         let what = "AddMultipleToStore";
         if !self.version.at_least(batch::MULTIPLE_VERSION) {
             let message = format!("{what} needs protocol 1.32 (Nix 2.4), the daemon speaks {}", self.version);
-            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
+            return Err(self.protocol(message));
         }
         self.send(&AddMultipleToStore { repair: false, dont_check_sigs: !check_sigs }, what)?;
         let (daemon, dir) = (self.daemon.clone(), self.store_dir.clone());
@@ -577,7 +615,7 @@ impl DaemonConnection {
             return Ok(());
         }
         let message = format!("{what} needs protocol 1.{minor}, the daemon speaks {}", self.version);
-        Err(RemoteError::Protocol { message, daemon: self.daemon.clone() })
+        Err(self.protocol(message))
     }
 
     /// BuildPaths: realises `targets` in `mode` (Nix `RemoteStore::buildPaths`),
@@ -606,7 +644,7 @@ impl DaemonConnection {
         let n = read_u64(&mut self.r, "build result count").map_err(self.wire_err(what))?;
         if n > targets.len() as u64 {
             let message = format!("{what}: {n} results for {} paths", targets.len());
-            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
+            return Err(self.protocol(message));
         }
         let mut results = Vec::with_capacity(n as usize);
         for _ in 0..n {
@@ -649,7 +687,7 @@ impl DaemonConnection {
         let daemon = ProtocolVersion::from_wire(read_u64(&mut self.r, "daemon version").map_err(self.wire_err(what))?);
         if daemon.major != 1 || daemon < MIN_DAEMON_VERSION {
             let message = format!("unsupported daemon protocol {daemon} (this client needs 1.21 to 1.x)");
-            return Err(RemoteError::Protocol { message, daemon: self.daemon.clone() });
+            return Err(self.protocol(message));
         }
         self.version = daemon.min(CLIENT_VERSION);
         let io = self.io_err(what);

@@ -1,8 +1,9 @@
 //! The worker protocol's versions and features through `sluice daemon`: Nix 2.26's 1.38
 //! greeting (its bytes kept in `tests/data/nix-2.26-greeting.txt`, captured from Nix 2.26 and
 //! nix-daemon 2.26), Nix 2.8's 1.34 one, a 1.37 client's, and the batch operations of
-//! DeterminateSystems' Nix (AddTempRoots, op 49; QueryPathInfos, op 50) through sluice's own
-//! client, each answering as the per-path operations do, in sluice daemon and in nix-daemon.
+//! DeterminateSystems' Nix (AddTempRoots, op 49; QueryPathInfos, op 50) and sluice's
+//! QueryClosureInfos through sluice's own client, each answering as the per-path operations
+//! do, in sluice daemon and in nix-daemon.
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
@@ -17,7 +18,7 @@ use sluice_nix::wire::{read_string, read_trusted_flag, read_u64, ProtocolVersion
 use sluice_store::remote::{DaemonConnection, DaemonStore};
 use sluice_store::store::Store;
 
-use crate::daemon::{self, request, store_path_of, u64s, Env, LAST, MISSING, SHARED};
+use crate::daemon::{self, request, store_path_of, u64s, wait_for_socket, Env, LAST, MISSING, SHARED};
 
 /// The bytes of one direction (`C>D` or `D>C`) of the golden greeting.
 fn golden(direction: &str) -> Vec<u8> {
@@ -104,7 +105,7 @@ fn nix_2_26_negotiates_1_38_as_its_captured_greeting_shows() {
     replay.write_all(&client_bytes).unwrap();
     let (version, features, nix_version, trusted) = read_greeting_1_38(&mut replay);
     assert_eq!((version, trusted), (ProtocolVersion::new(1, 38), Some(true)));
-    assert_eq!(features, feature_set(&["addTempRoots", "queryPathInfos"]));
+    assert_eq!(features, feature_set(&["addTempRoots", "queryPathInfos", "sluice-query-closure"]));
     assert_eq!(nix_version, format!("2.24.0+sluice.{}", env!("CARGO_PKG_VERSION")));
     replay.write_all(&request(1, &[Err(MISSING)])).unwrap();
     assert_eq!((daemon::read_u64(&mut replay), daemon::read_u64(&mut replay)), (LAST, 0), "IsValidPath after the greeting");
@@ -163,7 +164,7 @@ fn a_newer_client_and_a_1_37_client_get_their_own_greetings() {
     newer.write_all(&u64s(&[0, 0])).unwrap();
     let (version, features, _, trusted) = read_greeting_1_38(&mut newer);
     assert_eq!((version, trusted), (ProtocolVersion::new(1, 38), Some(true)));
-    assert_eq!(features, feature_set(&["addTempRoots", "queryPathInfos"]), "the daemon sends all it offers");
+    assert_eq!(features, feature_set(&["addTempRoots", "queryPathInfos", "sluice-query-closure"]), "the daemon sends all it offers");
     newer.write_all(&request(1, &[Err(MISSING)])).unwrap();
     assert_eq!((daemon::read_u64(&mut newer), daemon::read_u64(&mut newer)), (LAST, 0));
 
@@ -219,7 +220,7 @@ fn batch_path_infos_and_temp_roots_answer_as_the_per_path_operations() {
 
     let mut sluice = DaemonConnection::connect(&env.path("socket"), false).unwrap();
     assert_eq!(sluice.version(), ProtocolVersion::new(1, 38));
-    assert_eq!(sluice.features(), &feature_set(&["addTempRoots", "queryPathInfos"]));
+    assert_eq!(sluice.features(), &feature_set(&["addTempRoots", "queryPathInfos", "sluice-query-closure"]));
     assert_eq!(sluice.trusted(), Some(true));
     let batch = sluice.query_path_infos(&paths).unwrap();
     let one_by_one: Vec<_> = paths.iter().map(|p| sluice.query_path_info(p).unwrap()).collect();
@@ -265,4 +266,52 @@ fn batch_path_infos_and_temp_roots_answer_as_the_per_path_operations() {
     let asked: BTreeSet<String> = paths.iter().map(|p| dir.display_path(p)).collect();
     assert_eq!(new_temp_roots(&state, &before).1, asked, "DaemonStore::query_valid_paths");
     drop((sluice, raw, nix, nix_daemon, store, daemon));
+}
+
+/// sluice's client finds a closure in sluice daemon with one request (QueryClosureInfos, the
+/// feature `sluice-query-closure`: the daemon counts one operation for the connection), where
+/// nix-daemon 2.8 is asked a level at a time;
+/// the infos are the same, the paths those of `nix-store -qR`, and a root the daemon lacks is
+/// the error naming it.
+#[test]
+fn a_closure_is_one_request_to_sluice_daemon() {
+    let env = Env::new();
+    let cache = env.cache();
+    let log = env.path("daemon.log");
+    let mut cmd = env.daemon_command(&env.path("socket"), "root", &cache, "");
+    cmd.env("SLUICE_LOG", "sluice_daemon=debug").stderr(std::fs::File::create(&log).unwrap());
+    let daemon = wait_for_socket(cmd.spawn().unwrap(), &env.path("socket"));
+    let key = crate::daemon::cache_key();
+    let glibc = store_path_of(&env.path("bin-cache"), "1zhba591ddnyl66pbs4bdcmp3rd8nx09");
+    env.nix("nix", &["copy", "--from", &cache, "--to", &daemon.url, &glibc, "--option", "trusted-public-keys", &key]);
+    let dir = StoreDir::default();
+    let expected: BTreeSet<String> = env.nix("nix-store", &["--store", &daemon.url, "-qR", &glibc]).lines().map(str::to_owned).collect();
+    assert!(expected.len() > 3, "{expected:?}");
+    let root = [dir.parse_path(&glibc).unwrap()];
+
+    let operations = || std::fs::read_to_string(&log).unwrap().lines().filter(|l| l.ends_with(" operations")).map(str::to_owned).collect();
+    let before: Vec<String> = operations();
+    let store = DaemonStore::connect(&daemon.url, &env.path("socket"), false, true).unwrap();
+    let closure = futures::executor::block_on(store.closure_infos(&root)).unwrap();
+    drop(store);
+    assert_eq!(closure.keys().map(|p| dir.display_path(p)).collect::<BTreeSet<_>>(), expected);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let counted = loop {
+        let now: Vec<String> = operations();
+        if now.len() > before.len() {
+            break now[before.len()].clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no count of the connection's operations in the daemon's log");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(counted.ends_with(": 1 operations"), "{counted}");
+
+    let _nix_daemon = env.nix_daemon("nix-socket", "root", "");
+    let nix = DaemonStore::connect("unix://nix-daemon-2.8", &env.path("nix-socket"), false, true).unwrap();
+    assert_eq!(futures::executor::block_on(nix.closure_infos(&root)).unwrap(), closure, "nix-daemon 2.8's infos, a level at a time");
+
+    let store = DaemonStore::connect(&daemon.url, &env.path("socket"), false, true).unwrap();
+    let missing = [dir.parse_path(std::str::from_utf8(MISSING).unwrap()).unwrap()];
+    let e = futures::executor::block_on(store.closure_infos(&missing)).unwrap_err().to_string();
+    assert!(e.contains(std::str::from_utf8(MISSING).unwrap()) && e.contains(&daemon.url), "{e}");
 }

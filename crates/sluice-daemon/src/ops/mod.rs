@@ -110,6 +110,7 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
         }
         Op::AddTempRoots => run(c, roots::add_temp_roots),
         Op::QueryPathInfos => run(c, query::path_infos),
+        Op::QueryClosureInfos => run(c, query::closure_infos),
     }
 }
 

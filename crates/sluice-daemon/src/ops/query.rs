@@ -1,13 +1,14 @@
-//! Read-only queries: validity, path info (of one path, or of a set: QueryPathInfos),
-//! referrers, all paths, hash-part lookup, derivers and derivation outputs (Nix 2.8
-//! `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases; DeterminateSystems' for op 50).
+//! Read-only queries: validity, path info (of one path, of a set: QueryPathInfos, or of a
+//! closure: sluice's QueryClosureInfos), referrers, all paths, hash-part lookup, derivers and
+//! derivation outputs (Nix 2.8 `daemon.cc`, the `wopQuery*` and `wopIsValidPath` cases;
+//! DeterminateSystems' for op 50).
 
 use sluice_nix::derivation::{drv_name, Derivation};
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{
-    IsValidPath, Op, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryPathInfos, QueryReferrers,
-    QueryValidDerivers, QueryValidPaths,
+    IsValidPath, Op, QueryAllValidPaths, QueryClosureInfos, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryPathInfos,
+    QueryReferrers, QueryValidDerivers, QueryValidPaths,
 };
 use sluice_nix::wire::OutputKind;
 use sluice_nix::wire::{
@@ -97,11 +98,38 @@ fn answer_path_info(c: &mut Conn, path: &StorePath, info: Option<ValidPathInfo>)
 /// pipelined QueryPathInfo requests are.
 pub(super) fn path_infos(c: &mut Conn, QueryPathInfos { paths }: QueryPathInfos) -> OpResult {
     let paths: Vec<StorePath> = paths.into_iter().collect();
-    let infos = c.store().query_path_infos(&paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
+    let infos = valid_infos(c, &paths)?;
+    reply_keyed_infos(c, &infos)
+}
+
+/// QueryClosureInfos (sluice's own): path set → the count, then the keyed info of every valid
+/// path of the closure under references of the valid ones of the set, found one database read
+/// per level of references. A path that is not valid (a root, or a reference the database
+/// names without holding it) is left out, for the client to find.
+pub(super) fn closure_infos(c: &mut Conn, QueryClosureInfos { paths }: QueryClosureInfos) -> OpResult {
+    let mut seen = paths.clone();
+    let mut level: Vec<StorePath> = paths.into_iter().collect();
+    let mut closure = Vec::new();
+    while !level.is_empty() {
+        let infos = valid_infos(c, &level)?;
+        level = infos.iter().flat_map(|i| &i.references).filter(|r| seen.insert((*r).clone())).cloned().collect();
+        closure.extend(infos);
+    }
+    reply_keyed_infos(c, &closure)
+}
+
+/// The infos of the valid ones of `paths`, read in one transaction.
+fn valid_infos(c: &Conn, paths: &[StorePath]) -> Result<Vec<ValidPathInfo>, Fail> {
+    let infos = c.store().query_path_infos(paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
+    Ok(infos.into_iter().flatten().collect())
+}
+
+/// Replies with the count of `infos`, then each keyed (QueryPathInfos' answer).
+fn reply_keyed_infos(c: &mut Conn, infos: &[ValidPathInfo]) -> OpResult {
     let version = c.version;
     c.reply(|w, dir| {
-        write_u64(w, infos.iter().flatten().count() as u64)?;
-        infos.iter().flatten().try_for_each(|info| write_keyed_path_info(w, dir, version, info))
+        write_u64(w, infos.len() as u64)?;
+        infos.iter().try_for_each(|info| write_keyed_path_info(w, dir, version, info))
     })
 }
 

@@ -27,6 +27,13 @@ pub const QUERY_PATH_INFOS: &str = "queryPathInfos";
 /// `worker-protocol-connection.cc`), and never offers it.
 pub const SLUICE_ZSTD: &str = "sluice-zstd";
 
+/// sluice's own: QueryClosureInfos ([`crate::wire::ops::Op::QueryClosureInfos`]), a path set
+/// in, the infos of its whole closure out, so that a client finds a closure in one round trip
+/// where QueryPathInfos takes one per level of references (the serve protocol's QueryClosure,
+/// `serve-protocol.hh`, answers paths only). Offered by `sluice daemon` to every client; Nix
+/// ignores it.
+pub const SLUICE_QUERY_CLOSURE: &str = "sluice-query-closure";
+
 /// Most features read from a peer.
 const MAX_FEATURES: u64 = 1024;
 /// Longest feature name read from a peer, in bytes.

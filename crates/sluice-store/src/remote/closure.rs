@@ -1,7 +1,8 @@
 //! A closure pulled from a daemon with its NARs on the way ([`DaemonConnection::closure_fetching`]).
 //! Nix's `copyPaths` (`src/libstore/store-api.cc`) first finds the whole closure
 //! (`computeFSClosure`, one QueryPathInfo per path), then asks for one NAR at a time. Here the
-//! closure is found one level of references per round trip, and the NARs of the paths found
+//! closure is found in one round trip from a daemon that offers sluice's QueryClosureInfos,
+//! else one level of references per round trip, and the NARs of the paths found
 //! are asked for right behind the next level's queries, so that they stream back while that
 //! level is looked for: the NARs start coming after the first level's round trip,
 //! not after the last one's, and the closure is known while the last of them still come.
@@ -10,8 +11,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
-use sluice_nix::wire::features::QUERY_PATH_INFOS;
-use sluice_nix::wire::ops::{write_request, NarFromPath, QueryPathInfo, QueryPathInfos};
+use sluice_nix::wire::features::{QUERY_PATH_INFOS, SLUICE_QUERY_CLOSURE};
+use sluice_nix::wire::ops::{write_request, NarFromPath, QueryClosureInfos, QueryPathInfo, QueryPathInfos};
 
 use super::{DaemonConnection, RemoteError, PIPELINE_BYTES};
 
@@ -32,6 +33,9 @@ pub(super) type TakeNar<'a> = &'a mut dyn FnMut(StorePath, Vec<u8>);
 #[derive(Default)]
 struct Round {
     queried: Vec<StorePath>,
+    /// Whether the queries were one QueryClosureInfos: the answer holds the closure of the
+    /// paths queried.
+    closure: bool,
     nars: Vec<(StorePath, u64)>,
     /// Bytes of the NAR requests, which the daemon may not have read when the next round is
     /// written (it reads each after the NAR before it has gone out).
@@ -69,8 +73,8 @@ impl DaemonConnection {
         let mut wanted: VecDeque<(StorePath, u64)> = VecDeque::new();
         let mut in_flight = Round::default();
         loop {
-            let answers = self.read_answers(&in_flight.queried)?;
-            let mut infos = Vec::with_capacity(answers.len());
+            let (answers, below) = self.read_answers(&in_flight)?;
+            let mut infos = Vec::with_capacity(answers.len() + below.len());
             for (path, info) in in_flight.queried.iter().zip(answers) {
                 match info {
                     Some(info) => infos.push(info),
@@ -78,6 +82,8 @@ impl DaemonConnection {
                     None => {}
                 }
             }
+            seen.extend(below.iter().map(|i| i.path.clone()));
+            infos.extend(below);
             if found.not_valid.is_some() {
                 (frontier, wanted, infos) = Default::default();
             }
@@ -85,18 +91,19 @@ impl DaemonConnection {
                 frontier.extend(info.references.iter().filter(|r| seen.insert((*r).clone())).cloned());
             }
             // The next queries go out before the NARs are chosen, which may take a while.
-            let (queried, query_bytes) = self.write_queries(&mut frontier)?;
+            let first = found.infos.is_empty() && in_flight.queried.is_empty();
+            let (queried, closure, query_bytes) = self.write_queries(&mut frontier, first)?;
             if !infos.is_empty() {
                 let sizes: BTreeMap<&StorePath, u64> = infos.iter().map(|i| (&i.path, i.nar_size)).collect();
                 wanted.extend(choose(&infos).into_iter().filter_map(|p| Some((p.clone(), *sizes.get(&p)?))));
             }
             found.infos.extend(infos.into_iter().map(|i| (i.path.clone(), i)));
             if queried.is_empty() {
-                return Ok((found, RestOfNars { in_flight: Round { queried, ..in_flight }, wanted }));
+                return Ok((found, RestOfNars { in_flight: Round { queried, closure, ..in_flight }, wanted }));
             }
             let (nars, nar_bytes) = self.write_nars(&mut wanted, in_flight.nar_bytes + query_bytes)?;
             self.read_nars(in_flight.nars, take)?;
-            in_flight = Round { queried, nars, nar_bytes };
+            in_flight = Round { queried, closure, nars, nar_bytes };
         }
     }
 
@@ -107,7 +114,7 @@ impl DaemonConnection {
         while !in_flight.nars.is_empty() || !wanted.is_empty() {
             let (nars, nar_bytes) = self.write_nars(&mut wanted, in_flight.nar_bytes)?;
             self.read_nars(in_flight.nars, take)?;
-            in_flight = Round { queried: Vec::new(), nars, nar_bytes };
+            in_flight = Round { nars, nar_bytes, ..Round::default() };
         }
         Ok(())
     }
@@ -122,9 +129,10 @@ impl DaemonConnection {
     }
 
     /// Sends the queries of the paths at the front of `frontier`, up to half of
-    /// [`PIPELINE_BYTES`]: one QueryPathInfos with the feature, else one QueryPathInfo each.
-    /// The paths queried, and the bytes sent.
-    fn write_queries(&mut self, frontier: &mut VecDeque<StorePath>) -> Result<(Vec<StorePath>, usize), RemoteError> {
+    /// [`PIPELINE_BYTES`]: for the `first` (the roots), one QueryClosureInfos with its
+    /// feature; else one QueryPathInfos with its feature, else one QueryPathInfo each. The
+    /// paths queried, whether their closure was asked for, and the bytes sent.
+    fn write_queries(&mut self, frontier: &mut VecDeque<StorePath>, first: bool) -> Result<(Vec<StorePath>, bool, usize), RemoteError> {
         let io = self.io_err("QueryPathInfo");
         let (mut queried, mut batch) = (Vec::new(), Vec::new());
         // Each path's QueryPathInfo measures its share of a QueryPathInfos too.
@@ -135,13 +143,17 @@ impl DaemonConnection {
             write_request(&mut batch, &self.store_dir, self.version, &QueryPathInfo { path: path.clone() }).map_err(&io)?;
             queried.extend(frontier.pop_front());
         }
-        if self.features.contains(QUERY_PATH_INFOS) && !queried.is_empty() {
+        let paths = || queried.iter().cloned().collect();
+        let closure = first && self.features.contains(SLUICE_QUERY_CLOSURE) && !queried.is_empty();
+        if closure {
             batch.clear();
-            let request = QueryPathInfos { paths: queried.iter().cloned().collect() };
-            write_request(&mut batch, &self.store_dir, self.version, &request).map_err(&io)?;
+            write_request(&mut batch, &self.store_dir, self.version, &QueryClosureInfos { paths: paths() }).map_err(&io)?;
+        } else if self.features.contains(QUERY_PATH_INFOS) && !queried.is_empty() {
+            batch.clear();
+            write_request(&mut batch, &self.store_dir, self.version, &QueryPathInfos { paths: paths() }).map_err(&io)?;
         }
         self.write_batch(&batch, "QueryPathInfo")?;
-        Ok((queried, batch.len()))
+        Ok((queried, closure, batch.len()))
     }
 
     /// Sends the requests of the NARs at the front of `wanted` while the requests the daemon
@@ -173,21 +185,27 @@ impl DaemonConnection {
         std::io::Write::write_all(&mut self.w, batch).and_then(|()| std::io::Write::flush(&mut self.w)).map_err(self.io_err(what))
     }
 
-    /// Reads the answers to the queries of `queried` (one QueryPathInfos with the feature, else
-    /// one QueryPathInfo each), in order.
-    fn read_answers(&mut self, queried: &[StorePath]) -> Result<Vec<Option<ValidPathInfo>>, RemoteError> {
+    /// Reads the answers to the queries of `round` (one QueryClosureInfos, one QueryPathInfos
+    /// with the feature, else one QueryPathInfo each): the info of each path queried, in
+    /// order, and those of the rest of their closure that came with them.
+    fn read_answers(&mut self, round: &Round) -> Result<(Vec<Option<ValidPathInfo>>, Vec<ValidPathInfo>), RemoteError> {
+        let queried = &round.queried;
         if queried.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Default::default());
+        }
+        if round.closure {
+            self.finish_stderr("QueryClosureInfos")?;
+            return self.read_closure_infos(queried);
         }
         if self.features.contains(QUERY_PATH_INFOS) {
             self.finish_stderr("QueryPathInfos")?;
-            return self.read_path_infos(queried);
+            return Ok((self.read_path_infos(queried)?, Vec::new()));
         }
         let mut answers = Vec::with_capacity(queried.len());
         for path in queried {
             self.finish_stderr("QueryPathInfo")?;
             answers.push(self.read_path_info(path)?);
         }
-        Ok(answers)
+        Ok((answers, Vec::new()))
     }
 }

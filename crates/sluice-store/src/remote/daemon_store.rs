@@ -11,6 +11,7 @@ use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ProtocolVersion;
 
+use super::closure::FoundClosure;
 use super::{batch, DaemonConnection, RemoteError};
 use crate::store::{
     fetched_ahead, AdditionStream, FoundLevel, NarReader, PipedNar, PublishGate, Store, StoreError, StoreFuture, StreamOutcomes,
@@ -121,6 +122,15 @@ impl DaemonStore {
 
     fn ended(&self) -> StoreError {
         StoreError::Other(format!("{}: the daemon connection's thread ended", self.url))
+    }
+
+    /// The infos of a closure found, or the error naming the first path of it the daemon did
+    /// not know.
+    fn whole(&self, found: FoundClosure) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
+        match found.not_valid {
+            Some(path) => Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(&path) }),
+            None => Ok(found.infos),
+        }
     }
 }
 
@@ -262,10 +272,18 @@ impl Store for DaemonStore {
         Box::pin(async move {
             self.jobs.send(job).map_err(|_| self.ended())?;
             let found = closure.await.map_err(|_| self.ended())??;
-            match found.not_valid {
-                Some(path) => Err(StoreError::NotValid { url: self.url.clone(), path: self.store_dir.display_path(&path) }),
-                None => Ok(found.infos),
-            }
+            self.whole(found)
+        })
+    }
+
+    /// The closure as [`closure_infos_fetching`](Self::closure_infos_fetching) finds it (in one
+    /// round trip from a daemon that offers sluice's QueryClosureInfos, else one per level of
+    /// references), with no NARs.
+    fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
+        let roots = roots.to_vec();
+        Box::pin(async move {
+            let found = self.run(move |c| Ok(c.closure_fetching(&roots, &mut |_| Vec::new(), &mut |_, _| {})?.0)).await?;
+            self.whole(found)
         })
     }
 

@@ -29,8 +29,8 @@ pub use build::{BuildDerivation, BuildPaths, BuildPathsWithResults, QueryMissing
 pub use maintenance::{CollectGarbage, OptimiseStore, VerifyStore};
 pub use options::{ClientSettings, SetOptions};
 pub use query::{
-    IsValidPath, NarFromPath, QueryAllValidPaths, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo, QueryPathInfos,
-    QueryReferrers, QuerySubstitutablePathInfos, QuerySubstitutablePaths, QueryValidDerivers, QueryValidPaths,
+    IsValidPath, NarFromPath, QueryAllValidPaths, QueryClosureInfos, QueryDerivationOutputMap, QueryPathFromHashPart, QueryPathInfo,
+    QueryPathInfos, QueryReferrers, QuerySubstitutablePathInfos, QuerySubstitutablePaths, QueryValidDerivers, QueryValidPaths,
 };
 pub use realisation::{QueryRealisation, RegisterDrvOutput, MAX_DRV_OUTPUT_ID, MAX_REALISATION};
 pub use roots::{AddIndirectRoot, AddPermRoot, AddTempRoot, AddTempRoots, EnsurePath, FindRoots, SyncWithGc};
@@ -109,6 +109,9 @@ ops! {
     /// DeterminateSystems' Nix, with the feature `queryPathInfos` (50 is reserved for it
     /// upstream).
     QueryPathInfos = 50,
+    /// sluice's own, with the feature `sluice-query-closure`: a number far above Nix's
+    /// (0x736c is "sl"), which no Nix sends.
+    QueryClosureInfos = 0x736c_0001,
 }
 
 impl Op {
@@ -271,7 +274,8 @@ pub(crate) mod tests {
         // DeterminateSystems' nix-src, worker-protocol.hh.
         assert_eq!(Op::AddTempRoots.to_wire(), 49);
         assert_eq!(Op::QueryPathInfos.to_wire(), 50);
-        assert_eq!(Op::ALL.len(), 35);
+        assert_eq!(Op::QueryClosureInfos.to_wire(), 0x736c_0001);
+        assert_eq!(Op::ALL.len(), 36);
         for op in Op::ALL {
             assert_eq!(Op::from_wire(op.to_wire()), Some(*op));
         }

@@ -42,6 +42,11 @@ path_set_requests! {
     /// fields of QueryPathInfo's answer); a path not answered is not valid. Sent only once
     /// negotiated.
     QueryPathInfos;
+    /// QueryClosureInfos (sluice's own, feature `sluice-query-closure`): a path set → the
+    /// count of paths, then each one's keyed info (as QueryPathInfos answers), for every valid
+    /// path of the closure under references of the valid ones of the set; a path not answered
+    /// is not valid. Sent only once negotiated.
+    QueryClosureInfos;
 }
 
 /// QueryValidPaths: paths and (≥ 1.27) whether to substitute those missing → the valid ones.
@@ -155,6 +160,8 @@ mod tests {
             let bytes = round_trip(&QueryPathInfos { paths: paths.clone() }, minor);
             // The op, then the set: its count and the paths, sorted.
             assert_eq!(words(&bytes)[..3], [50, 2, "/nix/store/g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-a".len() as u64]);
+            let bytes = round_trip(&QueryClosureInfos { paths: paths.clone() }, minor);
+            assert_eq!(words(&bytes)[..2], [0x736c_0001, 2]);
             round_trip(&QuerySubstitutablePaths { paths }, minor);
             let cas = if minor >= 22 { ["fixed:r:sha256:1b8m03r63zqhnjf7l5wnldhh7c134ap5vpj0850ymkq1iyzicy5s", ""] } else { [""; 2] };
             // Before 1.22 the paths are a set: sorted, as they are read back.
