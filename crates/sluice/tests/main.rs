@@ -33,5 +33,6 @@ mod ssh;
 mod ssh_serve;
 mod ssh_substituters;
 mod stale_cache;
+mod store_substituters;
 mod store_urls;
 mod store_verify;
