@@ -27,7 +27,7 @@ use tower_service::Service;
 const MAX_REDIRECTS: usize = 10;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type Inner = hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<Connector>, reqwest::Body>;
+type Inner = hyper_util::client::legacy::Client<Bounded, reqwest::Body>;
 
 /// A request that failed before its answer's headers arrived.
 #[derive(Debug, thiserror::Error)]
@@ -73,12 +73,12 @@ impl std::fmt::Debug for Client {
 
 impl Client {
     /// A client over `tls` (its ALPN protocols are set here), waiting at most `connect_timeout`
-    /// for a TCP connection, keeping at most `idle_per_host` idle connections to one host.
+    /// for a connection, its TLS handshake included ([`Bounded`]), keeping at most
+    /// `idle_per_host` idle connections to one host.
     pub(crate) fn new(tls: rustls::ClientConfig, connect_timeout: Option<Duration>, idle_per_host: usize) -> Client {
         let mut tcp = HttpConnector::new();
         tcp.enforce_http(false);
         tcp.set_nodelay(true);
-        tcp.set_connect_timeout(connect_timeout);
         // reqwest's defaults, which the caches had before this client: a dead peer is found
         // within about a minute on an idle connection, and unacknowledged data fails after 30 s.
         tcp.set_keepalive(Some(Duration::from_secs(15)));
@@ -91,6 +91,7 @@ impl Client {
             .enable_http1()
             .enable_http2()
             .wrap_connector(Connector(tcp));
+        let https = Bounded { connect: https, timeout: connect_timeout };
         let inner = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
             .pool_timer(TokioTimer::new())
@@ -174,6 +175,37 @@ impl Service<hyper::Uri> for Connector {
     fn call(&mut self, dst: hyper::Uri) -> Self::Future {
         let connecting = self.0.call(dst);
         Box::pin(async move { Ok(QuickAck(connecting.await?)) })
+    }
+}
+
+/// The connector of TCP and TLS, a connection's whole set-up bounded by `connect-timeout`, as
+/// curl's `CURLOPT_CONNECTTIMEOUT` bounds Nix's (`filetransfer.cc`): a server that accepts and
+/// never answers the TLS handshake fails the request when the timeout is up, as a closed port
+/// does, instead of holding it until the stall timeout.
+#[derive(Clone)]
+struct Bounded {
+    connect: hyper_rustls::HttpsConnector<Connector>,
+    timeout: Option<Duration>,
+}
+
+impl Service<hyper::Uri> for Bounded {
+    type Response = hyper_rustls::MaybeHttpsStream<QuickAck>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.connect.poll_ready(cx)
+    }
+
+    fn call(&mut self, dst: hyper::Uri) -> Self::Future {
+        let connecting = self.connect.call(dst);
+        let Some(timeout) = self.timeout else { return connecting };
+        Box::pin(async move {
+            tokio::time::timeout(timeout, connecting).await.unwrap_or_else(|_| {
+                let what = format!("connection timed out: not connected (TCP and TLS) within connect-timeout ({} s)", timeout.as_secs());
+                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, what).into())
+            })
+        })
     }
 }
 

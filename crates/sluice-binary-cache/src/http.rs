@@ -268,9 +268,13 @@ impl HttpTransport {
     async fn send_once(&self, target: &reqwest::Url, spec: Request<'_>, nar: bool) -> Result<(Option<reqwest::Response>, Held), Failure> {
         let url = target.as_str();
         let held = match *spec.method == reqwest::Method::GET {
-            true => Held::Read { _permit: self.limit.clone().acquire_owned().await.expect("semaphore never closed") },
-            false => Held::Write(self.writes.acquire().await),
+            true => self.limit.clone().acquire_owned().await.map(|permit| Held::Read { _permit: permit }),
+            false => self.writes.acquire().await.map(Held::Write),
         };
+        let held = held.map_err(|e| CacheError::Io {
+            url: url.to_string(),
+            source: std::io::Error::other(format!("waiting for a place among the requests in flight: {e}")),
+        })?;
         if self.base.starts_with("https://") {
             // HTTPS servers mostly speak HTTP/2: open the other connections alongside the
             // first, so that they are up before the closure fans out.

@@ -275,7 +275,12 @@ impl BinaryCache {
         );
         // The encoder's memory, in MiB, out of the budget every addition shares.
         let mib = plan.memory.div_ceil(1 << 20).min(ENCODER_MEMORY >> 20) as u32;
-        let budget = self.encoder_budget.clone().acquire_many_owned(mib).await.expect("semaphore never closed");
+        let budget = self
+            .encoder_budget
+            .clone()
+            .acquire_many_owned(mib)
+            .await
+            .map_err(|e| format!("{}: waiting for {mib} MiB of the encoders' memory: {e}", self.url))?;
         tokio::task::spawn_blocking(move || {
             let _budget = budget;
             upload::prepare_nar(&StoreDir::default(), &info2, &mut nar, &params, &plan, &dir, in_memory, with_md5)

@@ -162,7 +162,9 @@ impl SpoolWriter {
         }
         match &mut self.state {
             State::File(file) => Ok(file),
-            State::Memory(_) => unreachable!("spilled above"),
+            State::Memory(_) => {
+                Err(io::Error::other(format!("spooling into {}: the NAR in memory was not moved to a file", self.dir.display())))
+            }
         }
     }
 

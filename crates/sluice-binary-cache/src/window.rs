@@ -81,14 +81,15 @@ impl Window {
         Window { inner: Arc::new(Inner { permits: Arc::new(Semaphore::new(size)), state: Mutex::new(state) }) }
     }
 
-    /// Waits for a place in the window.
-    pub(crate) async fn acquire(&self) -> Slot {
-        let permit = self.inner.permits.clone().acquire_owned().await.expect("semaphore never closed");
+    /// Waits for a place in the window. Errors: the window's permits were closed (they never
+    /// are while it lives).
+    pub(crate) async fn acquire(&self) -> Result<Slot, tokio::sync::AcquireError> {
+        let permit = self.inner.permits.clone().acquire_owned().await?;
         let state = self.inner.lock();
         let in_flight = (state.size + state.owed).saturating_sub(self.inner.permits.available_permits());
         let (full, halvings) = (in_flight * 2 >= state.size, state.halvings);
         drop(state);
-        Slot { inner: self.inner.clone(), permit: Some(permit), full, halvings }
+        Ok(Slot { inner: self.inner.clone(), permit: Some(permit), full, halvings })
     }
 
     /// The writes it lets in flight now.
@@ -193,7 +194,7 @@ mod tests {
     async fn round(w: &Window, outcome: Outcome) {
         let mut slots = Vec::new();
         for _ in 0..w.size() {
-            slots.push(w.acquire().await);
+            slots.push(w.acquire().await.unwrap());
         }
         assert_eq!(w.in_flight(), slots.len());
         for s in slots {
@@ -215,7 +216,7 @@ mod tests {
         }
         assert_eq!(w.size(), 100);
         // A refused connection halves it; the places in flight are taken out as they come back.
-        let held: Vec<Slot> = futures::future::join_all((0..100).map(|_| w.acquire())).await;
+        let held: Vec<Slot> = futures::future::join_all((0..100).map(|_| w.acquire())).await.into_iter().map(Result::unwrap).collect();
         let mut held = held.into_iter();
         held.next().unwrap().ended(Outcome::Refused);
         assert_eq!(w.size(), 50);
@@ -231,7 +232,7 @@ mod tests {
     async fn a_late_small_answer_halves_it_and_a_window_not_full_does_not_grow() {
         let w = Window::new(8);
         assert_eq!(w.size(), 8);
-        w.acquire().await.ended(FAST);
+        w.acquire().await.unwrap().ended(FAST);
         assert_eq!(w.size(), 8, "a window not full does not grow");
         let late = Outcome::Answered { elapsed: Duration::from_millis(1100), small: true };
         round(&w, late).await;

@@ -11,6 +11,7 @@
 //! ([`zstd_frames`], [`xz_streams`]); single-stream NARs are decoded as one stream.
 
 pub mod encoder_memory;
+mod lz4_frames;
 mod xz_streams;
 pub mod zstd_channel;
 pub(crate) mod zstd_frames;
@@ -212,7 +213,7 @@ impl Compression {
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),
             Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buf)),
-            Compression::Lz4 => Box::new(lz4_flex::frame::FrameDecoder::new(buf)),
+            Compression::Lz4 => Box::new(lz4_frames::Lz4Frames::new(buf)),
             Compression::Lzip => {
                 // Every member, as `plzip` writes several; no memory limit, as libarchive's.
                 let stream =

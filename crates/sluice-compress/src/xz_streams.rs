@@ -62,12 +62,16 @@ fn skip_padding(input: &mut impl BufRead) -> io::Result<bool> {
 
 impl<R: BufRead> Read for XzStreams<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        while let Some(decoder) = self.decoder.as_mut() {
-            let n = decoder.read(buf)?;
-            if n > 0 || buf.is_empty() {
-                return Ok(n);
+        while let Some(mut decoder) = self.decoder.take() {
+            match decoder.read(buf) {
+                // The end of this stream.
+                Ok(0) if !buf.is_empty() => {}
+                read => {
+                    self.decoder = Some(decoder);
+                    return read;
+                }
             }
-            let mut input = self.decoder.take().expect("checked above").into_inner();
+            let mut input = decoder.into_inner();
             if skip_padding(&mut input)? {
                 self.decoder = Some(XzDecoder::new_stream(input, mt_stream()?));
             }

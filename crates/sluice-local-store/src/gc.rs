@@ -34,7 +34,7 @@ use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -126,8 +126,9 @@ struct RootsServer {
 }
 
 impl RootsServer {
-    fn start(socket: PathBuf, shared: SharedState, store: &LocalStore) -> Result<Self, LocalStoreError> {
-        let dir = socket.parent().expect("the socket has a directory");
+    /// Serves `dir/socket`, making `dir` if needed.
+    fn start(dir: &Path, shared: SharedState, store: &LocalStore) -> Result<Self, LocalStoreError> {
+        let socket = dir.join("socket");
         std::fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
         match std::fs::remove_file(&socket) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing the old socket", &socket)(e)),
@@ -249,7 +250,7 @@ impl LocalStore {
             }
         }
         let shared: SharedState = Arc::default();
-        let server = RootsServer::start(self.layout.state_dir.join("gc-socket/socket"), Arc::clone(&shared), self)?;
+        let server = RootsServer::start(&self.layout.state_dir.join("gc-socket"), Arc::clone(&shared), self)?;
         let mut gc = Collection {
             store: self,
             options,

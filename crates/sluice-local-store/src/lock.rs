@@ -59,7 +59,10 @@ fn lock_path(real_path: &Path) -> PathBuf {
 impl PathLock {
     /// Locks `<real_path>.lock`, blocking while another process or thread holds it.
     pub(super) fn acquire(real_path: &Path) -> io::Result<Self> {
-        Self::lock(real_path, FlockOperation::LockExclusive).map(|l| l.expect("a blocking flock does not return EWOULDBLOCK"))
+        Self::lock(real_path, FlockOperation::LockExclusive)?.ok_or_else(|| {
+            let what = format!("locking {}: the blocking lock was refused as busy", lock_path(real_path).display());
+            io::Error::new(io::ErrorKind::WouldBlock, what)
+        })
     }
 
     /// Locks `<real_path>.lock` if nobody holds it; `None` when another process or thread does.

@@ -50,8 +50,8 @@ use super::tree::{open_dir, owned_dir, remove_tree};
 pub(super) struct Unpacker<'a> {
     parent: BorrowedFd<'a>,
     root_name: &'a [u8],
-    /// The directories being filled, from the root down.
-    dirs: OpenDirs,
+    /// The directories being filled, from the root down, while the root directory is open.
+    dirs: Option<OpenDirs>,
     flat_algo: Option<HashAlgo>,
     flat_hash: Option<Hash>,
     modes: FileModes,
@@ -109,7 +109,7 @@ impl<'a> Unpacker<'a> {
         creation: Creation,
         room: usize,
     ) -> Self {
-        Unpacker { parent, root_name, dirs: OpenDirs::default(), flat_algo, flat_hash: None, modes, creation, room, buf: Vec::new() }
+        Unpacker { parent, root_name, dirs: None, flat_algo, flat_hash: None, modes, creation, room, buf: Vec::new() }
     }
 
     /// Whether a node's mode must be set after its creation for the canonical metadata.
@@ -142,18 +142,18 @@ impl<'a> Unpacker<'a> {
         let Some((name, ancestors)) = path.split_last() else {
             return Ok((self.parent, self.root_name));
         };
-        if ancestors.len() + 1 != self.dirs.depth() {
+        let Some(dirs) = self.dirs.as_mut().filter(|d| d.depth() == ancestors.len() + 1) else {
             return Err(invalid(path, "entry outside the directory being unpacked"));
-        }
+        };
         if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
             return Err(invalid(path, "invalid entry name"));
         }
-        let below = self.dirs.below_root(name);
+        let below = dirs.below_root(name);
         if below > self.room {
             let why = format!("its path would be {below} bytes below the tree's root, where {} fit in PATH_MAX ({PATH_MAX} bytes): Nix could neither make nor read it", self.room);
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{}: {why}", abbreviated(path))));
         }
-        Ok(self.dirs.child(name))
+        Ok(dirs.child(name))
     }
 }
 
@@ -171,15 +171,16 @@ const HELD_PATH_MAX: usize = 1024;
 /// The directories an [`Unpacker`] is filling, from the root down: the root's descriptor and
 /// those of the few directories deeper than [`HELD_PATH_MAX`] bytes below the last one held,
 /// and the path from the root to the innermost.
-#[derive(Default)]
 struct OpenDirs {
+    root: OwnedFd,
     /// The innermost directory's path from the root, each component followed by `/`; then,
     /// while a child's path is being given out, that child's name.
     rel: Vec<u8>,
-    /// Per open directory, root first: the length of `rel` that is its path.
+    /// Per open directory below the root: the length of `rel` that is its path (the root's
+    /// is 0).
     ends: Vec<usize>,
-    /// The directories held open, root first: the descriptor, and the length of `rel` at
-    /// which paths relative to it begin.
+    /// The directories below the root held open, outermost first: the descriptor, and the
+    /// length of `rel` at which paths relative to it begin.
     held: Vec<(OwnedFd, usize)>,
 }
 
@@ -190,51 +191,56 @@ enum DirRef<'a> {
 }
 
 impl OpenDirs {
-    /// How many directories are open.
+    /// Opens the root directory `name`, just made in `parent`, with `open`.
+    fn root(name: &[u8], parent: BorrowedFd<'_>, open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>) -> io::Result<Self> {
+        let root = open(parent, name)?;
+        // The root just made: between its `mkdirat` and this `openat`, someone who may write in
+        // `parent` (an unsticky shared directory, for `nar restore`) could have put their own
+        // directory there, whose entries they could replace with symlinks that the paths below
+        // would follow.
+        owned_dir(root.as_fd(), 0o022, "no writing by group or others")?;
+        Ok(OpenDirs { root, rel: Vec::new(), ends: Vec::new(), held: Vec::new() })
+    }
+
+    /// How many directories are open, the root included.
     fn depth(&self) -> usize {
-        self.ends.len()
+        self.ends.len() + 1
+    }
+
+    /// The length of `rel` that is the innermost open directory's path.
+    fn innermost_end(&self) -> usize {
+        self.ends.last().copied().unwrap_or(0)
+    }
+
+    /// The innermost held directory, and the length of `rel` at which paths relative to it
+    /// begin.
+    fn innermost_held(&self) -> (BorrowedFd<'_>, usize) {
+        self.held.last().map_or((self.root.as_fd(), 0), |(fd, from)| (fd.as_fd(), *from))
     }
 
     /// The length in bytes of the path from the root of the child `name` of the innermost
     /// open directory.
     fn below_root(&self, name: &[u8]) -> usize {
-        self.ends.last().copied().unwrap_or(0) + name.len()
+        self.innermost_end() + name.len()
     }
 
     /// The innermost held directory and the path of the child `name` of the innermost open
     /// directory relative to it.
     fn child(&mut self, name: &[u8]) -> (BorrowedFd<'_>, &[u8]) {
-        let end = *self.ends.last().expect("a child's directory is open");
-        self.rel.truncate(end);
+        self.rel.truncate(self.innermost_end());
         self.rel.extend_from_slice(name);
-        let (fd, from) = self.held.last().expect("the root is held");
-        (fd.as_fd(), &self.rel[*from..])
+        let (fd, from) = self.innermost_held();
+        (fd, &self.rel[from..])
     }
 
-    /// Opens the directory `name`, just made in the innermost open directory (or, for the
-    /// root, in `parent`), as the new innermost one; `open` opens it, given its parent and its
-    /// path there, when it is to be held.
-    fn push(
-        &mut self,
-        name: &[u8],
-        parent: BorrowedFd<'_>,
-        open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>,
-    ) -> io::Result<()> {
-        let Some(&end) = self.ends.last() else {
-            let fd = open(parent, name)?;
-            // The root just made: between its `mkdirat` and this `openat`, someone who may write in
-            // `parent` (an unsticky shared directory, for `nar restore`) could have put their own
-            // directory there, whose entries they could replace with symlinks that the paths below
-            // would follow.
-            owned_dir(fd.as_fd(), 0o022, "no writing by group or others")?;
-            self.held.push((fd, 0));
-            self.ends.push(0);
-            return Ok(());
-        };
-        self.rel.truncate(end);
+    /// Opens the directory `name`, just made in the innermost open directory, as the new
+    /// innermost one; `open` opens it, given its parent and its path there, when it is to be
+    /// held.
+    fn push(&mut self, name: &[u8], open: impl FnOnce(BorrowedFd<'_>, &[u8]) -> io::Result<OwnedFd>) -> io::Result<()> {
+        self.rel.truncate(self.innermost_end());
         self.rel.extend_from_slice(name);
-        let (held, from) = self.held.last().expect("the root is held");
-        let fd = (self.rel.len() - from > HELD_PATH_MAX).then(|| open(held.as_fd(), &self.rel[*from..])).transpose()?;
+        let (held, from) = self.innermost_held();
+        let fd = (self.rel.len() - from > HELD_PATH_MAX).then(|| open(held, &self.rel[from..])).transpose()?;
         self.rel.push(b'/');
         if let Some(fd) = fd {
             self.held.push((fd, self.rel.len()));
@@ -245,22 +251,24 @@ impl OpenDirs {
 
     /// The innermost open directory.
     fn innermost(&self) -> DirRef<'_> {
-        let end = *self.ends.last().expect("a directory is open");
-        let (fd, from) = self.held.last().expect("the root is held");
-        match end == *from {
-            true => DirRef::Held(fd.as_fd()),
+        let end = self.innermost_end();
+        let (fd, from) = self.innermost_held();
+        match end == from {
+            true => DirRef::Held(fd),
             // Without its trailing `/`.
-            false => DirRef::Below(fd.as_fd(), &self.rel[*from..end - 1]),
+            false => DirRef::Below(fd, &self.rel[from..end - 1]),
         }
     }
 
-    /// Closes the innermost open directory.
-    fn pop(&mut self) {
-        let end = self.ends.pop().expect("a directory is open");
+    /// Closes the innermost open directory below the root; false if the root is the
+    /// innermost (it closes with the [`OpenDirs`]).
+    fn pop(&mut self) -> bool {
+        let Some(end) = self.ends.pop() else { return false };
         if self.held.last().is_some_and(|(_, from)| *from == end) {
             self.held.pop();
         }
-        self.rel.truncate(self.ends.last().copied().unwrap_or(0));
+        self.rel.truncate(self.innermost_end());
+        true
     }
 }
 
@@ -365,28 +373,39 @@ impl NarVisitor for Unpacker<'_> {
         let mode = Mode::from_raw_mode(if self.read_only_dirs() { 0o555 } else { 0o755 });
         self.create(path, |dir, name| mkdirat(dir, name, mode))?;
         let name = path.last().map_or(self.root_name, |n| n.as_slice());
-        self.dirs.push(name, self.parent, open_dir).map_err(at(path))?;
-        if self.set_modes() {
+        let dirs = match self.dirs.take() {
+            Some(mut dirs) => {
+                dirs.push(name, open_dir).map_err(at(path))?;
+                dirs
+            }
+            None => OpenDirs::root(name, self.parent, open_dir).map_err(at(path))?,
+        };
+        let set_modes = self.set_modes();
+        let dirs = self.dirs.insert(dirs);
+        if set_modes {
             // Writable by its owner until its last entry is made, whatever the umask (0222
             // would leave it 0555 and unfillable).
-            self.dirs.innermost().chmod(Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
+            dirs.innermost().chmod(Mode::from_raw_mode(0o755)).map_err(|e| at(path)(e.into()))?;
         }
         Ok(())
     }
 
     fn directory_end(&mut self, path: &NarPath) -> io::Result<()> {
-        if self.dirs.depth() != path.len() + 1 {
+        let read_only_dirs = self.read_only_dirs();
+        let Some(dirs) = self.dirs.as_mut().filter(|d| d.depth() == path.len() + 1) else {
             return Err(invalid(path, "end of a directory that is not open"));
-        }
+        };
         if self.modes.canonical {
-            let dir = self.dirs.innermost();
-            if !self.read_only_dirs() {
+            let dir = dirs.innermost();
+            if !read_only_dirs {
                 dir.chmod(Mode::from_raw_mode(0o555)).map_err(|e| at(path)(e.into()))?;
             }
             // After the last entry, which changed the directory's mtime.
             dir.set_times(&store_times()).map_err(|e| at(path)(e.into()))?;
         }
-        self.dirs.pop();
+        if !dirs.pop() {
+            self.dirs = None;
+        }
         Ok(())
     }
 }

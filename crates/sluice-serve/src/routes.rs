@@ -264,6 +264,11 @@ impl std::io::Write for BodySink {
     }
 }
 
+/// A `Content-Range` header of the text `value`; the error names the header and its value.
+fn content_range(value: String) -> Result<HeaderValue, StoreError> {
+    HeaderValue::try_from(value).map_err(|e| StoreError::Other(format!("Content-Range header: {e}")))
+}
+
 /// A parsed `Range: bytes=…` header for a body of `len` bytes: one range, as (start, length).
 /// `Err(())` when it cannot be satisfied (416); `None` for no header, several ranges or
 /// another unit (the whole body is sent, as RFC 9110 allows).
@@ -509,7 +514,7 @@ impl App {
             Some(Ok((start, count))) => (StatusCode::PARTIAL_CONTENT, start, count),
             Some(Err(())) => {
                 let mut r = status(StatusCode::RANGE_NOT_SATISFIABLE, "range not satisfiable");
-                r.headers_mut().insert(CONTENT_RANGE, HeaderValue::from_str(&format!("bytes */{len}")).expect("ASCII"));
+                r.headers_mut().insert(CONTENT_RANGE, content_range(format!("bytes */{len}"))?);
                 return Ok(r);
             }
         };
@@ -524,7 +529,7 @@ impl App {
         r.headers_mut().insert(ACCEPT_RANGES, HeaderValue::from_static("bytes"));
         if code == StatusCode::PARTIAL_CONTENT {
             let value = format!("bytes {start}-{}/{len}", start + count - 1);
-            r.headers_mut().insert(CONTENT_RANGE, HeaderValue::from_str(&value).expect("ASCII"));
+            r.headers_mut().insert(CONTENT_RANGE, content_range(value)?);
         }
         Ok(r)
     }

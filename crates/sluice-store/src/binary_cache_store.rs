@@ -103,7 +103,7 @@ impl Store for BinaryCache {
             };
             let stream = self.open_nar(&narinfo).await?.ok_or_else(gone)?;
             let compression = Compression::parse(&narinfo.compression).map_err(|e| StoreError::Other(format!("{nar_url}: {e}")))?;
-            Ok(Box::new(LazyDecoder { compression, url: nar_url, state: DecoderState::Pending(Some(stream.reader)) }) as NarReader)
+            Ok(Box::new(LazyDecoder { compression, url: nar_url, raw: Some(stream.reader), decoder: None }) as NarReader)
         })
     }
 
@@ -129,24 +129,20 @@ impl Store for BinaryCache {
 struct LazyDecoder {
     compression: Compression,
     url: String,
-    state: DecoderState,
-}
-
-enum DecoderState {
-    Pending(Option<Box<dyn std::io::Read + Send>>),
-    Active(Box<dyn std::io::Read + Send>),
+    /// The compressed stream, until the decoder is started on it.
+    raw: Option<Box<dyn std::io::Read + Send>>,
+    decoder: Option<Box<dyn std::io::Read + Send>>,
 }
 
 impl std::io::Read for LazyDecoder {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if let DecoderState::Pending(raw) = &mut self.state {
-            let raw = raw.take().ok_or_else(|| std::io::Error::other(format!("{}: decoder failed earlier", self.url)))?;
-            let decoder = self.compression.decoder(raw).map_err(|e| std::io::Error::other(format!("{}: {e}", self.url)))?;
-            self.state = DecoderState::Active(decoder);
-        }
-        match &mut self.state {
-            DecoderState::Active(d) => d.read(buf),
-            DecoderState::Pending(_) => unreachable!("the decoder was just started"),
-        }
+        let decoder = match self.decoder.take() {
+            Some(decoder) => decoder,
+            None => {
+                let raw = self.raw.take().ok_or_else(|| std::io::Error::other(format!("{}: decoder failed earlier", self.url)))?;
+                self.compression.decoder(raw).map_err(|e| std::io::Error::other(format!("{}: {e}", self.url)))?
+            }
+        };
+        self.decoder.insert(decoder).read(buf)
     }
 }

@@ -115,39 +115,44 @@ pub fn summarize(store_dir: &StoreDir, failed: &BTreeMap<StorePath, Failure>, do
     }
     let mut lines = Vec::new();
     for (cause, members) in groups {
-        let (n, first) = (members.len(), members[0].1);
-        if n == 1 || *cause == Cause::Other {
-            lines.extend(members.iter().map(|(_, f)| f.message.clone()));
-            continue;
+        match (members.len() > 1).then(|| grouped(store_dir, cause, &members, done)).flatten() {
+            Some(line) => lines.push(line),
+            None => lines.extend(members.iter().map(|(_, f)| f.message.clone())),
         }
-        let mut named: Vec<String> = members.iter().take(NAMED).map(|(p, _)| store_dir.display_path(p)).collect();
-        if n > NAMED {
-            named.push(format!("and {} more", n - NAMED));
-        }
-        let named = named.join(", ");
-        lines.push(match cause {
-            Cause::Untrusted { signers, trusted } => {
-                let unverified = sluice_local_store::unverified_signers(signers, trusted);
-                let trusted = if trusted.is_empty() { "no key".to_owned() } else { trusted.join(", ") };
-                match (signers.is_empty(), unverified.is_empty()) {
-                    (true, _) => format!("{n} paths lack a signature by a trusted key: they have no signature (trusted-public-keys has {trusted}); mark the substituter '?trusted=true' if you trust it to serve unsigned paths ({named})"),
-                    (false, false) => format!(
-                        "{n} paths lack a valid signature by a trusted key: their signatures by {} do not verify (not made over their NAR hash, size and references) ({named})",
-                        unverified.join(", ")
-                    ),
-                    (false, true) => format!(
-                        "{n} paths lack a signature by a trusted key: they are signed by {} but trusted-public-keys has {trusted}; if you trust that key, add it to trusted-public-keys ({named})",
-                        signers.join(", ")
-                    ),
-                }
-            }
-            Cause::Cache { url } => format!("{n} paths could not be {done} because {url} failed: {} ({named})", first.message),
-            Cause::Unknown => format!("no substituter has these {n} paths: {named}"),
-            Cause::Reference => format!("{n} paths were not {done} because a path they refer to failed ({named})"),
-            Cause::Other => unreachable!("printed path by path above"),
-        });
     }
     lines
+}
+
+/// The one line of the `members` failing for `cause` (see [`summarize`]); `None` for
+/// [`Cause::Other`], whose paths failed for causes of their own and are named one by one.
+fn grouped(store_dir: &StoreDir, cause: &Cause, members: &[(&StorePath, &Failure)], done: &str) -> Option<String> {
+    let (n, first) = (members.len(), members.first()?.1);
+    let mut named: Vec<String> = members.iter().take(NAMED).map(|(p, _)| store_dir.display_path(p)).collect();
+    if n > NAMED {
+        named.push(format!("and {} more", n - NAMED));
+    }
+    let named = named.join(", ");
+    Some(match cause {
+        Cause::Untrusted { signers, trusted } => {
+            let unverified = sluice_local_store::unverified_signers(signers, trusted);
+            let trusted = if trusted.is_empty() { "no key".to_owned() } else { trusted.join(", ") };
+            match (signers.is_empty(), unverified.is_empty()) {
+                (true, _) => format!("{n} paths lack a signature by a trusted key: they have no signature (trusted-public-keys has {trusted}); mark the substituter '?trusted=true' if you trust it to serve unsigned paths ({named})"),
+                (false, false) => format!(
+                    "{n} paths lack a valid signature by a trusted key: their signatures by {} do not verify (not made over their NAR hash, size and references) ({named})",
+                    unverified.join(", ")
+                ),
+                (false, true) => format!(
+                    "{n} paths lack a signature by a trusted key: they are signed by {} but trusted-public-keys has {trusted}; if you trust that key, add it to trusted-public-keys ({named})",
+                    signers.join(", ")
+                ),
+            }
+        }
+        Cause::Cache { url } => format!("{n} paths could not be {done} because {url} failed: {} ({named})", first.message),
+        Cause::Unknown => format!("no substituter has these {n} paths: {named}"),
+        Cause::Reference => format!("{n} paths were not {done} because a path they refer to failed ({named})"),
+        Cause::Other => return None,
+    })
 }
 
 #[cfg(test)]

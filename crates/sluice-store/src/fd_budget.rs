@@ -77,13 +77,14 @@ impl LockPermits {
 
     /// A permit, queueing behind the paths that asked earlier if none is free. The queued
     /// count includes this path while (and only while) it waits, also if the wait is dropped.
-    pub(crate) async fn take(&self) -> OwnedSemaphorePermit {
+    /// Errors: the permits were closed (they never are while `self` lives).
+    pub(crate) async fn take(&self) -> Result<OwnedSemaphorePermit, String> {
         if let Some(permit) = self.try_take() {
-            return permit;
+            return Ok(permit);
         }
         self.queued.send_modify(|n| *n += 1);
         let _queued = Unqueue(&self.queued);
-        self.permits.clone().acquire_owned().await.expect("the semaphore is never closed")
+        self.permits.clone().acquire_owned().await.map_err(|e| format!("waiting for a permit to hold a path's lock: {e}"))
     }
 
     /// Resolves once some path is queued for a permit.
@@ -124,7 +125,7 @@ mod tests {
         for i in 0..3 {
             let (permits, tx) = (permits.clone(), tx.clone());
             tokio::spawn(async move {
-                let _p = permits.take().await;
+                let _p = permits.take().await.unwrap();
                 tx.send(i).unwrap();
             });
             tokio::task::yield_now().await;

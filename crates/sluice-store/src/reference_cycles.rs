@@ -84,9 +84,7 @@ where
                 continue;
             }
             let component = tarjan.pop_component(v);
-            if component.len() > 1 {
-                cycles.push(cycle(&paths, &edges, component));
-            }
+            cycles.extend(cycle(&paths, &edges, component));
         }
     }
     cycles.sort_by(|a, b| a.path.cmp(&b.path));
@@ -125,17 +123,14 @@ impl Tarjan {
     }
 }
 
-/// The [`Cycle`] of a component of more than one node.
-fn cycle(paths: &[&StorePath], edges: &[Vec<usize>], component: Vec<usize>) -> Cycle {
-    let first = *component.iter().min_by_key(|&&i| paths[i]).expect("a component has a node");
-    let parent = component
-        .iter()
-        .filter(|&&i| edges[i].contains(&first))
-        .min_by_key(|&&i| paths[i])
-        .expect("a cycle's member is referred to within it");
+/// The [`Cycle`] of a component; `None` for a component of one node, which no member refers
+/// to (`edges` hold no reference of a path to itself).
+fn cycle(paths: &[&StorePath], edges: &[Vec<usize>], component: Vec<usize>) -> Option<Cycle> {
+    let first = *component.iter().min_by_key(|&&i| paths[i])?;
+    let parent = component.iter().filter(|&&i| edges[i].contains(&first)).min_by_key(|&&i| paths[i])?;
     let mut members: Vec<StorePath> = component.iter().map(|&i| paths[i].clone()).collect();
     members.sort();
-    Cycle { members, path: paths[first].clone(), parent: paths[*parent].clone() }
+    Some(Cycle { members, path: paths[first].clone(), parent: paths[*parent].clone() })
 }
 
 #[cfg(test)]

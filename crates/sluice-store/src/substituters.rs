@@ -28,7 +28,7 @@ pub(crate) const MAX_PREFETCH: usize = 64;
 pub enum SubstituterError {
     #[error("{url}: not a binary cache URL")]
     NotACache { url: String },
-    /// A store of a kind that cannot be a substituter (a local store, a daemon).
+    /// A store of a kind that cannot be a substituter (`dummy://`, `memory://`).
     #[error("{url}: this kind of store cannot be a substituter")]
     NotASubstituter { url: String },
     #[error(transparent)]

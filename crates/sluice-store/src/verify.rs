@@ -233,21 +233,29 @@ async fn check_nar_file(cache: &BinaryCache, narinfo: &NarInfo) -> Result<(), St
     let file_algo = narinfo.file_hash.as_ref().map_or(HashAlgo::Sha256, |h| h.algo());
     let (nar_algo, expected_size) = (narinfo.nar_hash.algo(), narinfo.file_size);
     let url = nar_url.clone();
+    // An uncompressed file is the NAR itself: its FileHash of the same algorithm is its NarHash,
+    // hashed once.
+    let nar_is_file = compression == Compression::None && file_algo == nar_algo;
     let hashed = tokio::task::spawn_blocking(move || {
         let mut raw = HashingReader::new(stream.reader, file_algo);
-        let mut nar = Hasher::new(nar_algo);
-        let decoded = compression
-            .decoder_sized(&mut raw, expected_size)
-            .map_err(|e| e.to_string())
-            .and_then(|mut decoder| std::io::copy(&mut decoder, &mut nar).map(drop).map_err(|e| e.to_string()));
+        let mut nar = (!nar_is_file).then(|| Hasher::new(nar_algo));
+        let decoded = compression.decoder_sized(&mut raw, expected_size).map_err(|e| e.to_string()).and_then(|mut decoder| {
+            let copied = match &mut nar {
+                Some(hasher) => std::io::copy(&mut decoder, hasher),
+                None => std::io::copy(&mut decoder, &mut std::io::sink()),
+            };
+            copied.map_err(|e| e.to_string())
+        });
         // The rest of the file, past the end of the compressed stream, counts for FileSize.
         let rest = std::io::copy(&mut raw, &mut std::io::sink()).map_err(|e| e.to_string());
         let file_size = raw.len();
-        (decoded.and(rest.map(drop)), raw.finish().0, file_size, nar)
+        let file_hash = raw.finish().0;
+        let nar_hash = nar.map_or_else(|| file_hash.clone(), Hasher::finish);
+        (decoded.and_then(|size| rest.map(|_| size)), file_hash, file_size, nar_hash)
     })
     .await
     .map_err(|e| format!("{url}: {e}"))?;
-    let (decoded, file_hash, file_size, nar) = hashed;
+    let (decoded, file_hash, file_size, hash) = hashed;
     let mut wrong = Vec::new();
     if narinfo.file_size.is_some_and(|s| s != file_size) {
         wrong.push(format!("is {file_size} bytes, not the narinfo's FileSize {}", narinfo.file_size.unwrap_or_default()));
@@ -258,8 +266,7 @@ async fn check_nar_file(cache: &BinaryCache, narinfo: &NarInfo) -> Result<(), St
     }
     match decoded {
         Err(e) => wrong.push(format!("does not decompress ({}): {e}", narinfo.compression)),
-        Ok(()) => {
-            let (size, hash) = (nar.len(), nar.finish());
+        Ok(size) => {
             if size != narinfo.nar_size {
                 wrong.push(format!("holds a NAR of {size} bytes, not the narinfo's NarSize {}", narinfo.nar_size));
             }

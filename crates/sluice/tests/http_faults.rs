@@ -211,3 +211,27 @@ fn a_stalled_cache_times_out() {
     assert!(err.contains("stalled-download-timeout"), "{err}");
     assert!(took < Duration::from_secs(8), "took {took:?}");
 }
+
+/// An `https://` cache whose server accepts the connection and never answers the TLS
+/// handshake: `connect-timeout` bounds the whole connection set-up, TLS included, as curl's
+/// `CURLOPT_CONNECTTIMEOUT` does for Nix, so the query fails after about a second, naming the
+/// URL and saying the connection timed out. Before, the setting bounded only the TCP connect
+/// (which the kernel completes for a listening socket nobody accepts on), and the query waited
+/// for the stall timeout.
+#[test]
+fn a_tls_handshake_never_answered_is_bounded_by_connect_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let to = tmp.path().join("to");
+    let options = ["--option", "connect-timeout", "1", "--option", "download-attempts", "1", "--option", "stalled-download-timeout", "20"];
+    let started = Instant::now();
+    let o = sluice(tmp.path(), &[&["copy", "--from", &url, "--to", to.to_str().unwrap()][..], &options, &[TOP]].concat());
+    let took = started.elapsed();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    let line = err.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("{err}"));
+    assert!(line.starts_with(&format!("error: {url}/")) && line.contains("connection timed out"), "{line}");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(6), "took {took:?}");
+    drop(silent);
+}

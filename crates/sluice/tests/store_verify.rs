@@ -356,3 +356,29 @@ fn a_local_verify_opens_each_node_once_and_locks_the_database_once() {
     assert!(fcntls <= 200, "{fcntls} fcntl locks for {paths} paths\n{table}");
     assert!(fstats <= 200, "{fstats} fstat/statx for {files} files\n{table}");
 }
+
+/// A `Compression: none` NAR file is the NAR itself, hashed once for its FileHash and its
+/// NarHash: a wrong FileHash is named as FileHash alone, and a wrong NarHash (signature not
+/// checked) as NarHash alone.
+#[test]
+fn an_uncompressed_nar_with_one_wrong_hash_is_named_by_that_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    copy_dir(&corpus().join("cache-subset-none"), &cache);
+    let url = format!("file://{}", cache.display());
+    let root = subset_root();
+    let narinfo = cache.join(format!("{}.narinfo", narinfos(&cache)[&root].0));
+    let text = std::fs::read_to_string(&narinfo).unwrap();
+    let wrong = format!("sha256:{}", "0".repeat(52));
+    for (field, other) in [("FileHash", "NarHash"), ("NarHash", "FileHash")] {
+        let prefix = format!("{field}: ");
+        let lines = text.lines().map(|l| if l.starts_with(&prefix) { format!("{prefix}{wrong}\n") } else { format!("{l}\n") });
+        std::fs::write(&narinfo, lines.collect::<String>()).unwrap();
+        let o = verify(tmp.path(), &url, &["--check-contents", "--no-trust", &root]);
+        assert_eq!(o.status.code(), Some(1), "{field}: {}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert_eq!(out.lines().count(), 1, "{field}: {out}");
+        assert!(out.starts_with(&format!("{root}: ")) && out.contains(&format!("not the narinfo's {field} {wrong}")), "{out}");
+        assert!(!out.contains(other), "{field} alone: {out}");
+    }
+}

@@ -17,7 +17,7 @@ use super::{StoreConfig, StoreKind};
 use crate::config::Settings;
 use crate::remote::DaemonStore;
 use crate::store::{Store, StoreFuture};
-use crate::store_url::{ParamType, Query, StoreUrlError, LOCAL_FS};
+use crate::store_url::{CommonParams, ParamType, Query, StoreUrlError, LOCAL_FS};
 
 /// The daemon's kind.
 pub(super) const KIND: StoreKind = StoreKind {
@@ -32,6 +32,7 @@ pub(super) const KIND: StoreKind = StoreKind {
 #[derive(Debug)]
 struct DaemonConfig {
     socket: PathBuf,
+    common: CommonParams,
 }
 
 /// Parses the kind's URL and parameters.
@@ -42,13 +43,19 @@ fn parse(url: &str, main: &str, mut q: Query<'_>) -> Result<Box<dyn StoreConfig>
         path if path.starts_with('/') => PathBuf::from(path),
         _ => return Err(StoreUrlError::Unsupported(url.to_string())),
     };
-    q.finish()?;
-    Ok(Box::new(DaemonConfig { socket }))
+    Ok(Box::new(DaemonConfig { socket, common: q.finish()? }))
 }
 
 impl StoreConfig for DaemonConfig {
     fn open<'a>(&'a self, url: &'a str, settings: &'a Settings) -> StoreFuture<'a, Arc<dyn Store>> {
         Box::pin(async move { Ok(Arc::new(DaemonStore::connect(url, &self.socket, settings.lock_cpu, settings.require_sigs)?) as Arc<dyn Store>) })
+    }
+
+    /// Usable as a substituter (`substituters = daemon`), one connection per run opened on the
+    /// first path asked of it (`crate::substituter_source`); its paths' signatures are checked
+    /// as a cache's are unless `?trusted=true`.
+    fn as_substituter(&self) -> Option<&CommonParams> {
+        Some(&self.common)
     }
 }
 

@@ -16,7 +16,7 @@ use crate::config::Settings;
 use crate::local_handle::LocalStoreHandle;
 use sluice_local_store::LocalStore;
 use crate::store::{Store, StoreError, StoreFuture};
-use crate::store_url::{canon_path, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
+use crate::store_url::{canon_path, CommonParams, LocalStoreConfig, ParamType, Query, StoreUrlError, LOCAL_FS};
 
 /// The local store's kind.
 pub(super) const KIND: StoreKind = StoreKind {
@@ -55,5 +55,12 @@ impl StoreConfig for LocalStoreConfig {
 
     fn as_local(&self) -> Option<&LocalStoreConfig> {
         Some(self)
+    }
+
+    /// Usable as a substituter (`substituters = /mnt/store`, Nix's `LocalStore` as a source of
+    /// `copyStorePath`), opened on the first path asked of it (`crate::substituter_source`); its
+    /// paths carry their own signatures, checked as a cache's are unless `?trusted=true`.
+    fn as_substituter(&self) -> Option<&CommonParams> {
+        Some(&self.common)
     }
 }

@@ -252,7 +252,7 @@ impl Shared {
             *eager = false;
         }
         self.wait_references(store_dir, narinfo, Until::Ready, false).await?;
-        Ok(self.locks.take().await)
+        self.locks.take().await.map_err(|e| Attempt::Final(Failure::other(e)))
     }
 
     /// Waits until every reference of `narinfo`'s path (but itself) has got as far as `until`
