@@ -228,7 +228,9 @@ impl Compression {
         Ok(match self {
             Compression::None => Box::new(buf),
             Compression::Xz => Box::new(xz_streams::XzStreams::new(buf)?),
-            Compression::Zstd if whole_frames && zstd_frames::whole_frame_size(head).is_some() => Box::new(zstd_frames::FrameDecoder::new(Box::new(buf))),
+            Compression::Zstd if whole_frames && zstd_frames::whole_frame_size(head).is_some() => {
+                Box::new(zstd_frames::FrameDecoder::new(Box::new(buf)))
+            }
             Compression::Zstd => Box::new(zstd_stream::StreamDecoder::new(buf)),
             Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(buf)),
             Compression::Brotli => Box::new(brotli::Decompressor::new(buf, 64 * 1024)),
