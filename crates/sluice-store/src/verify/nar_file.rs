@@ -98,14 +98,17 @@ fn pump(decoder: &mut impl Read, sink: &mut NarSink) -> io::Result<()> {
 /// Where the decompressed pieces are hashed.
 enum NarSink {
     /// On this thread (a small NAR, or no thread could be started).
-    Here { hasher: Hasher, piece: Option<Vec<u8>> },
+    Here { hasher: Box<Hasher>, piece: Option<Vec<u8>> },
     /// On a thread of its own: pieces go to it filled, and come back to be filled again.
     Thread { filled: SyncSender<(Vec<u8>, usize)>, free: Receiver<Vec<u8>>, hashing: JoinHandle<Hasher> },
 }
 
 impl NarSink {
     fn new(algo: HashAlgo, nar_size: u64) -> NarSink {
-        let here = || NarSink::Here { hasher: Hasher::new(algo), piece: Some(vec![0; (nar_size as usize).clamp(8 * 1024, SMALL_PIECE)]) };
+        let here = || NarSink::Here {
+            hasher: Box::new(Hasher::new(algo)),
+            piece: Some(vec![0; (nar_size as usize).clamp(8 * 1024, SMALL_PIECE)]),
+        };
         if nar_size < PIPELINE_FROM {
             return here();
         }
@@ -155,7 +158,7 @@ impl NarSink {
     /// The hash of every piece.
     fn finish(self) -> Result<Hasher, String> {
         match self {
-            NarSink::Here { hasher, .. } => Ok(hasher),
+            NarSink::Here { hasher, .. } => Ok(*hasher),
             NarSink::Thread { filled, hashing, .. } => {
                 drop(filled);
                 hashing.join().map_err(|_| stopped().to_string())
