@@ -24,12 +24,14 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use sluice_binary_cache::BinaryCache;
 use sluice_compress::Compression;
 use sluice_local_store::{untrusted_detail, LocalStoreError, SignaturePolicy};
-use sluice_nix::hash::{HashAlgo, Hasher, HashingReader};
+use sluice_nix::hash::{HashAlgo, Hasher};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
 use crate::store::{Store, StoreError};
+
+mod nar_file;
 
 /// The store whose paths are verified.
 #[derive(Clone)]
@@ -229,33 +231,16 @@ async fn check_narinfo(cache: &BinaryCache, dir: &StoreDir, c: &mut Checked, opt
 async fn check_nar_file(cache: &BinaryCache, narinfo: &NarInfo) -> Result<(), String> {
     let nar_url = cache.nar_url(narinfo);
     let stream = cache.open_nar(narinfo).await.map_err(|e| e.to_string())?.ok_or_else(|| format!("its NAR {nar_url} is missing"))?;
-    let compression = Compression::parse(&narinfo.compression).map_err(|e| format!("{nar_url}: {e}"))?;
-    let file_algo = narinfo.file_hash.as_ref().map_or(HashAlgo::Sha256, |h| h.algo());
-    let (nar_algo, expected_size) = (narinfo.nar_hash.algo(), narinfo.file_size);
-    let url = nar_url.clone();
-    // An uncompressed file is the NAR itself: its FileHash of the same algorithm is its NarHash,
-    // hashed once.
-    let nar_is_file = compression == Compression::None && file_algo == nar_algo;
-    let hashed = tokio::task::spawn_blocking(move || {
-        let mut raw = HashingReader::new(stream.reader, file_algo);
-        let mut nar = (!nar_is_file).then(|| Hasher::new(nar_algo));
-        let decoded = compression.decoder_sized(&mut raw, expected_size).map_err(|e| e.to_string()).and_then(|mut decoder| {
-            let copied = match &mut nar {
-                Some(hasher) => std::io::copy(&mut decoder, hasher),
-                None => std::io::copy(&mut decoder, &mut std::io::sink()),
-            };
-            copied.map_err(|e| e.to_string())
-        });
-        // The rest of the file, past the end of the compressed stream, counts for FileSize.
-        let rest = std::io::copy(&mut raw, &mut std::io::sink()).map_err(|e| e.to_string());
-        let file_size = raw.len();
-        let file_hash = raw.finish().0;
-        let nar_hash = nar.map_or_else(|| file_hash.clone(), Hasher::finish);
-        (decoded.and_then(|size| rest.map(|_| size)), file_hash, file_size, nar_hash)
-    })
-    .await
-    .map_err(|e| format!("{url}: {e}"))?;
-    let (decoded, file_hash, file_size, hash) = hashed;
+    let expected = nar_file::Expected {
+        compression: Compression::parse(&narinfo.compression).map_err(|e| format!("{nar_url}: {e}"))?,
+        file_algo: narinfo.file_hash.as_ref().map_or(HashAlgo::Sha256, |h| h.algo()),
+        file_size: narinfo.file_size,
+        nar_algo: narinfo.nar_hash.algo(),
+        nar_size: narinfo.nar_size,
+    };
+    let read = tokio::task::spawn_blocking(move || nar_file::read(stream.reader, &expected)).await;
+    let nar_file::NarFile { decoded, file_hash, file_size } =
+        read.map_err(|e| e.to_string()).and_then(|r| r).map_err(|e| format!("{nar_url}: {e}"))?;
     let mut wrong = Vec::new();
     if narinfo.file_size.is_some_and(|s| s != file_size) {
         wrong.push(format!("is {file_size} bytes, not the narinfo's FileSize {}", narinfo.file_size.unwrap_or_default()));
@@ -266,7 +251,7 @@ async fn check_nar_file(cache: &BinaryCache, narinfo: &NarInfo) -> Result<(), St
     }
     match decoded {
         Err(e) => wrong.push(format!("does not decompress ({}): {e}", narinfo.compression)),
-        Ok(size) => {
+        Ok((size, hash)) => {
             if size != narinfo.nar_size {
                 wrong.push(format!("holds a NAR of {size} bytes, not the narinfo's NarSize {}", narinfo.nar_size));
             }

@@ -382,3 +382,90 @@ fn an_uncompressed_nar_with_one_wrong_hash_is_named_by_that_field() {
         assert!(!out.contains(other), "{field} alone: {out}");
     }
 }
+
+/// Bytes of each generated path of [`big_zstd_cache`]: three of sluice's 16 MiB zstd frames,
+/// the last one short.
+const BIG: usize = 40 << 20;
+
+/// The peak RSS (KiB) a verify of [`big_zstd_cache`]'s four paths must stay under.
+const MAX_VERIFY_RSS_KIB: i64 = 100 * 1024;
+
+/// A `file://` zstd cache written by `sluice copy` (frames of 16 MiB) under `tmp`, of `n`
+/// paths of [`BIG`] bytes added by real Nix, each random blocks between runs of zeros as
+/// `bench/make-big-cache` makes them: the cache's directory and the paths.
+fn big_zstd_cache(tmp: &Path, n: u64) -> (PathBuf, Vec<String>) {
+    let src = tmp.join("src");
+    let paths: Vec<String> = (1..=n)
+        .map(|seed| {
+            let file = tmp.join(format!("blob-{seed}"));
+            let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let bytes: Vec<u8> = (0..BIG)
+                .map(|i| match i % (64 << 10) < (40 << 10) {
+                    true => {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        x as u8
+                    }
+                    false => 0,
+                })
+                .collect();
+            std::fs::write(&file, bytes).unwrap();
+            let o = nix(tmp, "nix-store", &["--store", src.to_str().unwrap(), "--add", file.to_str().unwrap()]);
+            check(&o, "nix-store --add");
+            std::fs::remove_file(&file).unwrap();
+            String::from_utf8(o.stdout).unwrap().trim().to_string()
+        })
+        .collect();
+    let cache = tmp.join("cache");
+    let mut args = vec!["copy", "--from", src.to_str().unwrap()];
+    let to = format!("file://{}?compression=zstd", cache.display());
+    args.extend(["--to", &to]);
+    args.extend(paths.iter().map(String::as_str));
+    check(&sluice(tmp, &args), "sluice copy into the zstd cache");
+    (cache, paths)
+}
+
+/// Big NARs in 16 MiB zstd frames are checked in bounded memory (each decompressed as one
+/// stream into pieces hashed on a thread of its own: frames decoded whole, 16 MiB buffers per
+/// NAR and per helper, peaked at 221 MiB here and at 428 MiB for 16 NARs of 64 MiB), and a
+/// byte flipped or a cut inside a later frame is named with the field that no longer holds.
+#[test]
+fn big_multi_frame_nars_are_checked_in_bounded_memory_and_broken_ones_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cache, paths) = big_zstd_cache(tmp.path(), 4);
+    let url = format!("file://{}", cache.display());
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    isolate(&mut cmd, tmp.path(), "");
+    cmd.args(["store", "verify", "--store", &url, "--no-trust", "--check-contents"]).args(&paths);
+    let (status, rss_kib) = wait_with_rss(cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap());
+    assert_eq!(status, 0, "verify of the intact cache");
+    eprintln!("verify of 4 NARs of 40 MiB: peak RSS {} MiB", rss_kib / 1024);
+    assert!(rss_kib < MAX_VERIFY_RSS_KIB, "peak RSS {rss_kib} KiB (limit {MAX_VERIFY_RSS_KIB} KiB)");
+
+    let infos = narinfos(&cache);
+    let file = |p: &str| cache.join(&infos[p].1);
+    let (flipped, cut) = (&paths[0], &paths[1]);
+    let mut bytes = std::fs::read(file(flipped)).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x20;
+    std::fs::write(file(flipped), &bytes).unwrap();
+    let bytes = std::fs::read(file(cut)).unwrap();
+    let kept = bytes.len() * 3 / 4;
+    std::fs::write(file(cut), &bytes[..kept]).unwrap();
+    let o = verify(tmp.path(), &url, &["--no-trust", "--check-contents", flipped, cut, &paths[2]]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert_eq!(named(&o), [flipped.clone(), cut.clone()].into(), "{out}");
+    let line = |p: &str| out.lines().find(|l| l.starts_with(&format!("{p}: "))).unwrap().to_string();
+    let narinfo = |p: &str, field: &str| {
+        let text = std::fs::read_to_string(cache.join(format!("{}.narinfo", infos[p].0))).unwrap();
+        text.lines().find_map(|l| l.strip_prefix(field)).unwrap().to_string()
+    };
+    let flipped_line = line(flipped);
+    assert!(flipped_line.contains(&format!("not the narinfo's FileHash {}", narinfo(flipped, "FileHash: "))), "{flipped_line}");
+    assert!(flipped_line.contains("does not decompress (zstd)") || flipped_line.contains("not the narinfo's NarHash"), "{flipped_line}");
+    let cut_line = line(cut);
+    assert!(cut_line.contains(&format!("is {kept} bytes, not the narinfo's FileSize {}", bytes.len())), "{cut_line}");
+    assert!(cut_line.contains("does not decompress (zstd)"), "{cut_line}");
+}

@@ -103,6 +103,20 @@ pub fn nix_modern(tmp: &Path, args: &[&str]) -> Output {
     cmd.current_dir(tmp).args(args).output().unwrap()
 }
 
+/// Waits for `child`; its exit code and peak RSS in KiB (from `wait4`'s resource usage).
+pub fn wait_with_rss(child: std::process::Child) -> (i32, i64) {
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0i32;
+    // SAFETY: `rusage` is plain old data, so all-zero is a valid value.
+    #[allow(unsafe_code)] // a libc call the test drives processes or files with
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 on our own child with valid out-pointers.
+    #[allow(unsafe_code)] // a libc call the test drives processes or files with
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert!(r > 0, "wait4 failed");
+    (libc::WEXITSTATUS(status), usage.ru_maxrss)
+}
+
 /// Text of standard error, for assertions.
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
