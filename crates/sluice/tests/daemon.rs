@@ -2247,6 +2247,55 @@ fn untrusted_raw_client_gets_nix_rights() {
     assert_eq!(until_last(&mut client), Err("repairing is not allowed because you are not in 'trusted-users'".to_owned()));
 }
 
+/// A QueryValidPaths request (op 31, protocol 1.37) of `n` distinct paths with 200-character
+/// names (256 bytes each on the wire), without its last field (`substitute`).
+fn valid_paths_request_but_its_end(n: u32) -> Vec<u8> {
+    let mut out = u64s(&[31, u64::from(n)]);
+    for i in 0..n {
+        let hash = sluice_nix::base32::encode(Hash::digest_bytes(HashAlgo::Sha1, &i.to_le_bytes()).digest());
+        let path = format!("/nix/store/{hash}-{}", "x".repeat(200));
+        out.extend(u64s(&[path.len() as u64]));
+        out.extend_from_slice(path.as_bytes());
+        out.resize(out.len().next_multiple_of(8), 0);
+    }
+    out
+}
+
+/// An untrusted user's requests share a bounded part of the daemon's memory while they are
+/// read and answered (found by a hostile review: every connection of a user held its request
+/// whole, up to the 128 MiB budget each, 256 connections at once, in the one daemon process).
+/// Two 80 MiB path sets of one user at once are more than its 128 MiB share: the second is
+/// refused naming the share and what the first holds, and its connection ends; the first is
+/// answered, and once it is, its memory is given back: a 100 MiB request on the same
+/// connection is answered.
+#[test]
+fn an_untrusted_users_large_requests_share_a_bounded_part_of_the_daemons_memory() {
+    use std::io::Write;
+    let env = Env::new();
+    let _daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let big = valid_paths_request_but_its_end(80 << 12);
+    let (mut first, trusted) = raw_client(&env, 37);
+    assert_eq!(trusted, Some(2));
+    first.write_all(&big).unwrap();
+    let (mut second, _) = raw_client(&env, 37);
+    let _ = second.write_all(&big).and_then(|()| second.write_all(&u64s(&[0])));
+    let refused = until_last(&mut second).expect_err("the second large request is refused");
+    let prefix = "QueryValidPaths request refused: an untrusted user's requests hold at most 128 MiB of the daemon's memory at once \
+                  (beyond the first 1 MiB of each request); this user's other requests hold ";
+    let held: u64 = refused.strip_prefix(prefix).and_then(|r| r.strip_suffix(" MiB")?.parse().ok()).unwrap_or_else(|| panic!("{refused}"));
+    assert!((70..=80).contains(&held), "the first request holds {held} MiB");
+    let mut rest = Vec::new();
+    assert_eq!(std::io::Read::read_to_end(&mut second, &mut rest).unwrap_or(0), 0, "connection closed");
+
+    first.write_all(&u64s(&[0])).unwrap();
+    assert_eq!(until_last(&mut first), Ok(()));
+    assert_eq!(read_u64(&mut first), 0, "none of the paths is valid");
+    first.write_all(&valid_paths_request_but_its_end(100 << 12)).unwrap();
+    first.write_all(&u64s(&[0])).unwrap();
+    assert_eq!(until_last(&mut first), Ok(()), "the first request's memory was given back");
+    assert_eq!(read_u64(&mut first), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forged content addresses. A content address is a fact about the content, not a permission:
 // a path whose claimed CA yields its store path but whose NAR holds other content (with an
