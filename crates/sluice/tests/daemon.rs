@@ -4439,6 +4439,43 @@ fn a_derivation_of_many_outputs_is_read_in_linear_time() {
     assert_eq!(is_valid(&mut client, MISSING), 0);
 }
 
+/// An untrusted client's data to add is spooled with at most 1 MiB of it in memory (found by
+/// a hostile review: 16 MiB, and 32 with the buffer it was read into, for each of the hundreds
+/// of connections an untrusted user may hold). Eight AddToStore requests (op 7, 1.37, flat
+/// files) whose 15 MiB of data have been sent but not ended grow the daemon by less than
+/// 48 MiB (120 before); once ended, each file is added whole.
+#[test]
+fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
+    use std::io::Write;
+    let env = Env::new();
+    let daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let before = rss_mib(&daemon);
+    let data = vec![b'x'; 15 << 20];
+    let mut clients: Vec<_> = (0..8u8)
+        .map(|i| {
+            let (mut client, _) = raw_client(&env, 37);
+            let name = format!("spooled-{i}");
+            let mut add = request(7, &[Err(name.as_bytes()), Err(b"fixed:sha256"), Ok(0), Ok(0)]);
+            add.extend(u64s(&[data.len() as u64 + 1]));
+            add.extend_from_slice(&data);
+            add.push(b'0' + i);
+            client.write_all(&add).unwrap();
+            client
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let grown = rss_mib(&daemon).saturating_sub(before);
+    assert!(grown < 48, "the daemon grew by {grown} MiB for 8 × 15 MiB being added");
+    for (i, client) in clients.iter_mut().enumerate() {
+        client.write_all(&u64s(&[0])).unwrap();
+        assert_eq!(until_last(client), Ok(()));
+        let path = String::from_utf8(read_string(client)).unwrap();
+        assert!(path.ends_with(&format!("-spooled-{i}")), "{path}");
+        let added = std::fs::read(env.path("root").join(&path[1..])).unwrap();
+        assert_eq!((added.len(), added.last()), (data.len() + 1, Some(&(b'0' + i as u8))));
+    }
+}
+
 /// A QueryValidPaths request (op 31, protocol 1.37) of `n` distinct paths with 200-character
 /// names (256 bytes each on the wire), without its last field (`substitute`).
 fn valid_paths_request_but_its_end(n: u32) -> Vec<u8> {
