@@ -43,6 +43,10 @@ pub enum ClientError {
     /// A redirect's `Location` is not a URL.
     #[error("redirected to {0:?}, which is not a URL")]
     BadRedirect(String),
+    /// A redirect's `Location` is a URL of another scheme than `http` and `https` (as curl
+    /// refuses `file://` and the like for Nix: `CURLOPT_REDIR_PROTOCOLS`).
+    #[error("redirected to {0:?}, which is not an http or https URL")]
+    RedirectScheme(String),
 }
 
 impl ClientError {
@@ -52,7 +56,7 @@ impl ClientError {
         match self {
             ClientError::Http(e) => e.is_builder() || e.is_redirect(),
             ClientError::Connection(_) => false,
-            ClientError::TooManyRedirects | ClientError::BadRedirect(_) => true,
+            ClientError::TooManyRedirects | ClientError::BadRedirect(_) | ClientError::RedirectScheme(_) => true,
         }
     }
 }
@@ -125,6 +129,9 @@ impl Client {
             let answer = self.send(request).await?;
             let (Some(mut next), Some(location)) = (again, redirect(&answer)) else { return Ok(answer) };
             let to = from.join(&location).map_err(|_| ClientError::BadRedirect(location.clone()))?;
+            if !matches!(to.scheme(), "http" | "https") {
+                return Err(ClientError::RedirectScheme(to.into()));
+            }
             if to.origin() != from.origin() {
                 next.headers_mut().remove(header::AUTHORIZATION);
             }
@@ -329,6 +336,19 @@ mod tests {
         let at_other = at_other.lock().unwrap().clone();
         assert_eq!(at_other.len(), 1);
         assert!(at_other[0].starts_with("GET /c ") && !at_other[0].contains("authorization"), "{at_other:?}");
+    }
+
+    /// A redirect to a `file://` URL (or any scheme but `http` and `https`) is a final error
+    /// naming it, and nothing is read there (found by a hostile review: "builder error: invalid
+    /// format", which named neither).
+    #[tokio::test]
+    async fn a_redirect_to_another_scheme_is_a_final_error_naming_it() {
+        let (port, seen) = fake(|_, _| (302, "Location: file:///etc/passwd\r\n".into(), ""), 0);
+        let request = reqwest::Request::new(reqwest::Method::GET, format!("http://127.0.0.1:{port}/a").parse().unwrap());
+        let err = Client::plain().execute(request).await.unwrap_err();
+        assert_eq!(err.to_string(), "redirected to \"file:///etc/passwd\", which is not an http or https URL");
+        assert!(err.is_final());
+        assert_eq!(seen.lock().unwrap().len(), 1);
     }
 
     /// A redirect loop ends after [`MAX_REDIRECTS`], with an error that is final.

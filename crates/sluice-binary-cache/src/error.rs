@@ -1,5 +1,7 @@
 //! Errors talking to a binary cache. Each names the URL concerned.
 
+use sluice_nix::quoted::Quoted;
+
 use crate::causes::causes;
 
 /// A failure fetching from or understanding a binary cache.
@@ -36,7 +38,7 @@ pub enum CacheError {
     NotACache { url: String },
     #[error("{url}: invalid nix-cache-info: {what}")]
     CacheInfo { url: String, what: String },
-    #[error("{url}: cache is for store directory {got}, not {expected}")]
+    #[error("{url}: cache is for store directory {}, not {expected}", Quoted(.got))]
     WrongStoreDir { url: String, expected: String, got: String },
     /// A cache of another store directory where sluice cannot use one (anywhere but among the
     /// substituters).

@@ -5,7 +5,7 @@
 //! a failing operation whose request was read completely leaves the connection usable.
 
 use std::cell::RefCell;
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -15,6 +15,7 @@ use sluice_nix::wire::ops::{read_request, Op, Request};
 use sluice_nix::wire::{ProtocolVersion, StderrWriter, WireError};
 
 use crate::duplex::{Input, Lease, Output};
+use crate::limits::{Admitted, RequestBytes, FREE_REQUEST_BYTES};
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::Daemon;
@@ -57,6 +58,36 @@ pub(crate) fn op_err(e: impl std::fmt::Display) -> Fail {
     Fail::Op(e.to_string())
 }
 
+/// The reader of an untrusted connection's request: past [`FREE_REQUEST_BYTES`], each MiB is
+/// taken from the shares of request memory before it is read.
+struct Counted<'r, 'a> {
+    inner: &'r mut Reader,
+    read: u64,
+    bytes: RequestBytes<'a>,
+    /// Why a share refused more.
+    refused: Option<String>,
+}
+
+/// The request memory taken at a time.
+const REQUEST_BYTES_STEP: u64 = 1 << 20;
+
+impl Read for Counted<'_, '_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut allowed = FREE_REQUEST_BYTES.saturating_add(self.bytes.taken()) - self.read;
+        if allowed == 0 && !buf.is_empty() {
+            if let Err(why) = self.bytes.take(REQUEST_BYTES_STEP) {
+                self.refused = Some(why.clone());
+                return Err(io::Error::other(why));
+            }
+            allowed = REQUEST_BYTES_STEP;
+        }
+        let want = buf.len().min(usize::try_from(allowed).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        self.read += n as u64;
+        Ok(n)
+    }
+}
+
 /// A connection's state after the greeting.
 pub(crate) struct Conn<'d> {
     pub daemon: &'d Daemon,
@@ -73,6 +104,8 @@ pub(crate) struct Conn<'d> {
     pub temp_roots: TempRoots,
     /// What the connection keeps while its client keeps asking.
     pub kept: Rc<Kept>,
+    /// The connection's place among the socket's connections (none on standard input).
+    pub admitted: Option<&'d Admitted>,
 }
 
 /// What a connection keeps while its client keeps asking (see [`crate::duplex`]): the shared
@@ -122,7 +155,7 @@ impl Lease for Rc<Kept> {
     }
 }
 
-impl Conn<'_> {
+impl<'d> Conn<'d> {
     /// The stderr-channel writer for this connection's version.
     pub(crate) fn stderr(&self) -> StderrWriter {
         StderrWriter { version: self.version }
@@ -137,9 +170,21 @@ impl Conn<'_> {
     }
 
     /// Reads the request of an operation (after its number) as this connection's version
-    /// sends it, within its byte budget; one that cannot be read is fatal.
-    pub(crate) fn read_request<R: Request>(&mut self) -> Result<R, Fail> {
-        Ok(read_request::<R>(&mut self.r, self.store.store_dir(), self.version)?)
+    /// sends it, within its byte budget; one that cannot be read is fatal. For an untrusted
+    /// client, what the request took of the daemon's request memory comes with it, to be
+    /// held until its operation is done (see [`crate::limits`]); a request refused more is fatal.
+    pub(crate) fn read_request<R: Request>(&mut self) -> Result<(R, Option<RequestBytes<'d>>), Fail> {
+        let dir = self.store.store_dir();
+        let Some(bytes) = self.admitted.map(Admitted::request_bytes).filter(RequestBytes::counted) else {
+            return Ok((read_request::<R>(&mut self.r, dir, self.version)?, None));
+        };
+        let mut counted = Counted { inner: &mut self.r, read: 0, bytes, refused: None };
+        match read_request::<R>(&mut counted, dir, self.version) {
+            Ok(request) => Ok((request, Some(counted.bytes))),
+            Err(e) => Err(Fail::Fatal(
+                counted.refused.take().map_or_else(|| e.to_string(), |why| format!("{} request refused: {why}", R::OP.name())),
+            )),
+        }
     }
 
     /// Whether the read buffer already holds a whole next request for operation `op` whose

@@ -17,7 +17,7 @@ use crate::affinity::{Pinned, Placement};
 use crate::conn::{Conn, Fail, Kept};
 use crate::duplex::{duplex, ClientInput};
 use crate::handshake::{greet, HandshakeError};
-use crate::limits::Limits;
+use crate::limits::{Admitted, Limits};
 use crate::options::ClientOptions;
 use crate::trust::Peer;
 use crate::{ClientCpu, Daemon, DaemonError};
@@ -102,8 +102,8 @@ pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixLis
         let daemon = Arc::clone(&daemon);
         let label = format!("connection {n} ({})", peer.name);
         let spawned = std::thread::Builder::new().name(format!("sluice-worker-{n}")).spawn(move || {
-            let _admitted = admitted;
-            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some((pid, uid)), &label, crate::FEATURES);
+            let client = SocketClient { pid, uid, admitted };
+            serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some(&client), &label, crate::FEATURES);
         });
         if let Err(e) = spawned {
             tracing::warn!("connection {n}: cannot start a worker thread: {e}; closed");
@@ -120,15 +120,24 @@ pub fn serve_stdio(daemon: Arc<Daemon>) -> Result<(), DaemonError> {
     Ok(())
 }
 
+/// A client of the socket.
+struct SocketClient {
+    /// The process that connected (`SO_PEERCRED`).
+    pid: i32,
+    uid: u32,
+    /// Its connection's place among the socket's connections.
+    admitted: Admitted,
+}
+
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
-/// connection in the daemon's log; `client` is the peer process and its uid, if known;
+/// connection in the daemon's log; `client`: the socket's client, if it is one;
 /// `features`: the daemon's.
 fn serve_connection(
     daemon: &Daemon,
     reader: Box<dyn ClientInput>,
     writer: Box<dyn Write + Send>,
     peer: Peer,
-    client: Option<(i32, u32)>,
+    client: Option<&SocketClient>,
     label: &str,
     features: &[&str],
 ) {
@@ -169,12 +178,14 @@ fn serve_connection(
     let temp_roots = store.temp_roots();
     let kept = Kept::new(temp_roots.clone());
     r.get_mut().set_lease(Box::new(Rc::clone(&kept)));
-    let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots, kept };
+    let admitted = client.map(|c| &c.admitted);
+    let mut conn =
+        Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots, kept, admitted };
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);
     let watched = daemon.client_cpu == ClientCpu::Auto;
     let mut placed = client
-        .filter(|(pid, _)| greeting.cpu.is_none() && daemon.client_cpu.places(*pid))
-        .and_then(|(pid, uid)| Placement::pin_client(&daemon.cpu_use, pid, uid, watched));
+        .filter(|c| greeting.cpu.is_none() && daemon.client_cpu.places(c.pid))
+        .and_then(|c| Placement::pin_client(&daemon.cpu_use, c.pid, c.uid, watched));
     tracing::debug!(
         "{label}: protocol {} features {:?} user {} trusted {}",
         conn.version,

@@ -12,6 +12,8 @@
 //! `WantMassQuery` lines the last counts, as in Nix. An HTML page (a parked domain's, a
 //! captive portal's) is refused, where Nix reads it as a file without fields.
 
+use crate::quoted::Quoted;
+
 /// A binary cache's `nix-cache-info`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheInfo {
@@ -63,7 +65,11 @@ impl CacheInfo {
                         info.store_dir = value.to_owned();
                     }
                     Some(first) if info.store_dir != value => {
-                        let what = format!("StoreDir {value:?} differs from line {first}'s {:?} (Nix checks each StoreDir line against the store directory)", info.store_dir);
+                        let what = format!(
+                            "StoreDir {} differs from line {first}'s {} (Nix checks each StoreDir line against the store directory)",
+                            Quoted(value),
+                            Quoted(&info.store_dir)
+                        );
                         return Err(CacheInfoError { line: i + 1, what });
                     }
                     Some(_) => {}
@@ -71,7 +77,7 @@ impl CacheInfo {
                 "WantMassQuery" => info.want_mass_query = value == "1",
                 "Priority" => {
                     info.priority =
-                        stoi(value).map_err(|what| CacheInfoError { line: i + 1, what: format!("Priority {value:?}: {what}") })?
+                        stoi(value).map_err(|what| CacheInfoError { line: i + 1, what: format!("Priority {}: {what}", Quoted(value)) })?
                 }
                 BATCH_KEY => info.batch = value == "1",
                 _ => {}

@@ -6,6 +6,7 @@
 //! nixbase32, as Nix does.
 
 use crate::hash::{Hash, HashAlgo};
+use crate::quoted::Quoted;
 use crate::store_path::{StoreDir, StorePath, StorePathError};
 
 /// How a content-addressed path's hash was computed.
@@ -19,7 +20,7 @@ pub enum ContentAddress {
 
 /// A string that is not a content address (the string itself).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("invalid content address {0:?}")]
+#[error("invalid content address {}", Quoted(.0))]
 pub struct ContentAddressError(pub String);
 
 impl ContentAddress {

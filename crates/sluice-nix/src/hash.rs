@@ -5,6 +5,7 @@ use base64::Engine as _;
 use sha2::Digest as _;
 
 use crate::base32;
+use crate::quoted::Quoted;
 
 /// A hash algorithm Nix knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -25,11 +26,11 @@ pub struct Hash {
 /// Errors parsing a hash.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum HashError {
-    #[error("unknown hash algorithm {0:?}")]
+    #[error("unknown hash algorithm {}", Quoted(.0))]
     UnknownAlgo(String),
-    #[error("hash {0:?} has no algorithm prefix")]
+    #[error("hash {} has no algorithm prefix", Quoted(.0))]
     MissingAlgo(String),
-    #[error("hash {hash:?} is not valid base16, nixbase32 or base64 for {algo}")]
+    #[error("hash {} is not valid base16, nixbase32 or base64 for {algo}", Quoted(.hash))]
     BadEncoding { hash: String, algo: &'static str },
 }
 

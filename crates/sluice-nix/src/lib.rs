@@ -12,6 +12,7 @@ pub mod hash_modulo;
 pub mod nar;
 pub mod narinfo;
 pub mod path_info;
+pub mod quoted;
 pub mod signature;
 pub mod store_params;
 pub mod store_path;

@@ -25,6 +25,7 @@
 
 use crate::content_address::ContentAddress;
 use crate::hash::Hash;
+use crate::quoted::Quoted;
 use crate::store_path::{StoreDir, StorePath};
 
 /// A parsed narinfo. `references` and `deriver` are store paths (written as base names).
@@ -93,9 +94,9 @@ fn parse_hash(field: &'static str, value: &str) -> Result<Hash, NarInfoError> {
 fn parse_size(field: &'static str, value: &str) -> Result<u64, NarInfoError> {
     let digits = value.strip_prefix('+').unwrap_or(value);
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(field_err(field, format!("{value:?} is not a non-negative integer")));
+        return Err(field_err(field, format!("{} is not a non-negative integer", Quoted(value))));
     }
-    digits.parse().map_err(|_| field_err(field, format!("{value:?} is out of range")))
+    digits.parse().map_err(|_| field_err(field, format!("{} is out of range", Quoted(value))))
 }
 
 /// Whether the first line of `rest` is a known field's (or there is none: Nix then finds no
@@ -131,6 +132,9 @@ impl NarInfo {
         let mut references = None;
         let mut deriver = None;
         let mut signatures = Vec::new();
+        // Each once, in the order first given (a set, not a search of the list: a hostile
+        // narinfo has millions of lines).
+        let mut seen_signatures = std::collections::HashSet::new();
         let mut ca = None;
         let mut system = None;
 
@@ -141,23 +145,24 @@ impl NarInfo {
             let line_err = |what: String| NarInfoError::Line { line, what };
             let (l, tail) = match rest.split_once('\n') {
                 Some(x) => x,
-                None => return Err(line_err(format!("{rest:?} does not end in \\n (truncated file?)"))),
+                None => return Err(line_err(format!("{} does not end in \\n (truncated file?)", Quoted(rest)))),
             };
             rest = tail;
-            let (name, after) = l
-                .split_once(':')
-                .ok_or_else(|| line_err(format!("{l:?} is not of the form 'Key: value' (no ':'; Nix would join it to the next line)")))?;
+            let (name, after) = l.split_once(':').ok_or_else(|| {
+                line_err(format!("{} is not of the form 'Key: value' (no ':'; Nix would join it to the next line)", Quoted(l)))
+            })?;
             if after.is_empty() && (known_field(name).is_some() || next_is_known(rest)) {
-                return Err(line_err(format!("{l:?} has nothing after its ':' (Nix 2.26 would read the next line as its value)")));
+                return Err(line_err(format!("{} has nothing after its ':' (Nix 2.26 would read the next line as its value)", Quoted(l))));
             }
             let Some(field) = known_field(name) else { continue };
             if l.ends_with('\r') {
                 return Err(line_err(format!(
-                    "{l:?} ends in \\r (CRLF line endings are not allowed; Nix would keep the \\r in the value of {field})"
+                    "{} ends in \\r (CRLF line endings are not allowed; Nix would keep the \\r in the value of {field})",
+                    Quoted(l)
                 )));
             }
             let Some(value) = after.strip_prefix(' ') else {
-                return Err(line_err(format!("{l:?}: the value of {field} must follow ': ' (Nix would drop its first character)")));
+                return Err(line_err(format!("{}: the value of {field} must follow ': ' (Nix would drop its first character)", Quoted(l))));
             };
             match field {
                 "StorePath" => store_path = Some(store_dir.parse_path(value).map_err(|e| field_err("StorePath", e.to_string()))?),
@@ -182,8 +187,8 @@ impl NarInfo {
                 "Deriver" if value == "unknown-deriver" => {}
                 "Deriver" => deriver = Some(parse_base_name("Deriver", value)?),
                 "System" => system = Some(value.to_owned()),
-                "Sig" if signatures.iter().any(|s| s == value) => {}
-                "Sig" => signatures.push(value.to_owned()),
+                // A signature given again is left out (by the `_` arm).
+                "Sig" if seen_signatures.insert(value) => signatures.push(value.to_owned()),
                 "CA" if ca.is_some() => return Err(field_err("CA", format!("given again on line {line} (extra CA)"))),
                 "CA" => {
                     ca = Some(value)

@@ -8,12 +8,14 @@
 use base64::Engine as _;
 use ed25519_dalek::{Signer as _, Verifier as _};
 
+use crate::quoted::Quoted;
+
 /// Errors parsing keys or signatures.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KeyError {
-    #[error("key {0:?} is not of the form name:base64")]
+    #[error("key {} is not of the form name:base64", Quoted(.0))]
     Malformed(String),
-    #[error("key {0:?} has the wrong length")]
+    #[error("key {} has the wrong length", Quoted(.0))]
     BadLength(String),
 }
 

@@ -5,6 +5,7 @@
 
 use crate::base32;
 use crate::hash::{Hash, HashAlgo};
+use crate::quoted::Quoted;
 
 /// Length of a store path's hash part in characters.
 pub const HASH_PART_LEN: usize = 32;
@@ -22,13 +23,13 @@ pub struct StorePath {
 /// Errors validating a store path.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StorePathError {
-    #[error("store path {0:?} is too short")]
+    #[error("store path {} is too short", Quoted(.0))]
     TooShort(String),
-    #[error("store path {0:?} has an invalid hash part")]
+    #[error("store path {} has an invalid hash part", Quoted(.0))]
     BadHashPart(String),
-    #[error("store path {0:?} has an invalid name: {1}")]
+    #[error("store path {path} has an invalid name: {why}", path = Quoted(.0), why = .1)]
     BadName(String, String),
-    #[error("path {path:?} is not in the store directory {store_dir:?}")]
+    #[error("path {} is not in the store directory {}", Quoted(.path), Quoted(.store_dir))]
     NotInStore { path: String, store_dir: String },
 }
 

@@ -4416,6 +4416,115 @@ fn rss_mib(daemon: &Daemon) -> u64 {
     kib.parse::<u64>().unwrap() / 1024
 }
 
+/// A derivation of 300,000 outputs is read in linear time (found by a hostile review: each
+/// output's name was looked for among those before it; 300,000 names are 45 billion
+/// comparisons): an untrusted client's BuildDerivation (op 36, 1.37) of one with deferred
+/// outputs gets its refusal within the client's 10 s, and the connection goes on.
+#[test]
+fn a_derivation_of_many_outputs_is_read_in_linear_time() {
+    use std::io::Write;
+    let env = Env::new();
+    let _daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let (mut client, _) = raw_client(&env, 37);
+    client.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    let names: Vec<String> = (0..300_000).map(|i| format!("o{i}")).collect();
+    let mut outputs = vec![Ok(names.len() as u64)];
+    for name in &names {
+        outputs.extend([Err(name.as_bytes()), Err(&b""[..]), Err(&b""[..]), Err(&b""[..])]);
+    }
+    let rest = [Ok(0), Err(&b"x86_64-linux"[..]), Err(&b"/bin/sh"[..]), Ok(0), Ok(0), Ok(0)];
+    let drv = b"/nix/store/00000000000000000000000000000000-many.drv";
+    client.write_all(&request(36, &[&[Err(&drv[..])][..], &outputs, &rest].concat())).unwrap();
+    assert_eq!(until_last(&mut client), Err("you are not privileged to build input-addressed derivations".to_owned()));
+    assert_eq!(is_valid(&mut client, MISSING), 0);
+}
+
+/// An untrusted client's data to add is spooled with at most 1 MiB of it in memory (found by
+/// a hostile review: 16 MiB, and 32 with the buffer it was read into, for each of the hundreds
+/// of connections an untrusted user may hold). Eight AddToStore requests (op 7, 1.37, flat
+/// files) whose 15 MiB of data have been sent but not ended grow the daemon by less than
+/// 48 MiB (120 before); once ended, each file is added whole.
+#[test]
+fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
+    use std::io::Write;
+    let env = Env::new();
+    let daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let before = rss_mib(&daemon);
+    let data = vec![b'x'; 15 << 20];
+    let mut clients: Vec<_> = (0..8u8)
+        .map(|i| {
+            let (mut client, _) = raw_client(&env, 37);
+            let name = format!("spooled-{i}");
+            let mut add = request(7, &[Err(name.as_bytes()), Err(b"fixed:sha256"), Ok(0), Ok(0)]);
+            add.extend(u64s(&[data.len() as u64 + 1]));
+            add.extend_from_slice(&data);
+            add.push(b'0' + i);
+            client.write_all(&add).unwrap();
+            client
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let grown = rss_mib(&daemon).saturating_sub(before);
+    assert!(grown < 48, "the daemon grew by {grown} MiB for 8 × 15 MiB being added");
+    for (i, client) in clients.iter_mut().enumerate() {
+        client.write_all(&u64s(&[0])).unwrap();
+        assert_eq!(until_last(client), Ok(()));
+        let path = String::from_utf8(read_string(client)).unwrap();
+        assert!(path.ends_with(&format!("-spooled-{i}")), "{path}");
+        let added = std::fs::read(env.path("root").join(&path[1..])).unwrap();
+        assert_eq!((added.len(), added.last()), (data.len() + 1, Some(&(b'0' + i as u8))));
+    }
+}
+
+/// A QueryValidPaths request (op 31, protocol 1.37) of `n` distinct paths with 200-character
+/// names (256 bytes each on the wire), without its last field (`substitute`).
+fn valid_paths_request_but_its_end(n: u32) -> Vec<u8> {
+    let mut out = u64s(&[31, u64::from(n)]);
+    for i in 0..n {
+        let hash = sluice_nix::base32::encode(Hash::digest_bytes(HashAlgo::Sha1, &i.to_le_bytes()).digest());
+        let path = format!("/nix/store/{hash}-{}", "x".repeat(200));
+        out.extend(u64s(&[path.len() as u64]));
+        out.extend_from_slice(path.as_bytes());
+        out.resize(out.len().next_multiple_of(8), 0);
+    }
+    out
+}
+
+/// An untrusted user's requests share a bounded part of the daemon's memory while they are
+/// read and answered (found by a hostile review: every connection of a user held its request
+/// whole, up to the 128 MiB budget each, 256 connections at once, in the one daemon process).
+/// Two 80 MiB path sets of one user at once are more than its 128 MiB share: the second is
+/// refused naming the share and what the first holds, and its connection ends; the first is
+/// answered, and once it is, its memory is given back: a 100 MiB request on the same
+/// connection is answered.
+#[test]
+fn an_untrusted_users_large_requests_share_a_bounded_part_of_the_daemons_memory() {
+    use std::io::Write;
+    let env = Env::new();
+    let _daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let big = valid_paths_request_but_its_end(80 << 12);
+    let (mut first, trusted) = raw_client(&env, 37);
+    assert_eq!(trusted, Some(2));
+    first.write_all(&big).unwrap();
+    let (mut second, _) = raw_client(&env, 37);
+    let _ = second.write_all(&big).and_then(|()| second.write_all(&u64s(&[0])));
+    let refused = until_last(&mut second).expect_err("the second large request is refused");
+    let prefix = "QueryValidPaths request refused: an untrusted user's requests hold at most 128 MiB of the daemon's memory at once \
+                  (beyond the first 1 MiB of each request); this user's other requests hold ";
+    let held: u64 = refused.strip_prefix(prefix).and_then(|r| r.strip_suffix(" MiB")?.parse().ok()).unwrap_or_else(|| panic!("{refused}"));
+    assert!((70..=80).contains(&held), "the first request holds {held} MiB");
+    let mut rest = Vec::new();
+    assert_eq!(std::io::Read::read_to_end(&mut second, &mut rest).unwrap_or(0), 0, "connection closed");
+
+    first.write_all(&u64s(&[0])).unwrap();
+    assert_eq!(until_last(&mut first), Ok(()));
+    assert_eq!(read_u64(&mut first), 0, "none of the paths is valid");
+    first.write_all(&valid_paths_request_but_its_end(100 << 12)).unwrap();
+    first.write_all(&u64s(&[0])).unwrap();
+    assert_eq!(until_last(&mut first), Ok(()), "the first request's memory was given back");
+    assert_eq!(read_u64(&mut first), 0);
+}
+
 /// A SetOptions declaring 100,000 overrides of 1 MiB each, 320 of them sent: the daemon stops
 /// reading at the request's budget (4 MiB) and refuses it naming the request, its limit and
 /// the field it reached, holding none of the rest, and serves the next client.

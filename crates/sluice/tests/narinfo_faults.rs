@@ -123,6 +123,48 @@ fn narinfo_for_another_path_is_refused() {
     assert_absent(tmp.path(), &root, OK);
 }
 
+/// A hostile cache's narinfos and `nix-cache-info` (found by a hostile review). A narinfo with
+/// 300,000 distinct `Sig:` lines is read in linear time and its path copied with every one
+/// (each line was looked for among those before it: 100,000 took 22 s in a release build).
+/// A value of 32 MiB (a `Deriver`, a `StoreDir`) is quoted cut in the refusal, with its length
+/// (the whole value was in the message, 52 MB of standard error for a 50 MiB `Deriver`).
+#[test]
+fn a_hostile_caches_long_fields_cost_linear_time_and_short_messages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = cache_copy(tmp.path(), "c");
+    let narinfo = std::fs::read_to_string(narinfo_file(&cache, OK)).unwrap();
+    let sigs: String = (0..300_000).map(|i| format!("Sig: hostile-{i}:x\n")).collect();
+    std::fs::write(narinfo_file(&cache, OK), format!("{narinfo}{sigs}")).unwrap();
+    let root = tmp.path().join("root");
+    let url = file_url(&cache);
+    let key = case_key(C02);
+    let copy = ["copy", "--substituters", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &key, OK];
+    check(&sluice_after(tmp.path(), "ulimit -t 30", &copy), "copy of a path with 300,000 signatures within 30 s of CPU");
+    let info = nix_path_info(tmp.path(), root.to_str().unwrap(), OK);
+    assert_eq!(info[0]["signatures"].as_array().map(Vec::len), Some(300_001));
+
+    let long = "a".repeat(32 << 20);
+    let hostile = [
+        ("narinfo", format!("{narinfo}Deriver: {long}\n"), "narinfo field Deriver: store path \"aaaa"),
+        ("nix-cache-info", format!("StoreDir: /{long}\n"), "cache is for store directory \"/aaaa"),
+    ];
+    for (file, content, refusal) in hostile {
+        let cache = cache_copy(tmp.path(), file);
+        let target = if file == "narinfo" { narinfo_file(&cache, OK) } else { cache.join(file) };
+        std::fs::write(target, content).unwrap();
+        let root = tmp.path().join(format!("root-{file}"));
+        let o = copy_with(tmp.path(), &root, &file_url(&cache), &key, &[], &[OK]);
+        assert_eq!(o.status.code(), Some(1), "{file}");
+        let err = stderr(&o);
+        assert!(err.len() < 4096, "{file}: {} bytes of standard error", err.len());
+        assert!(
+            err.contains(refusal) && err.contains(&format!("\"… ({} bytes in all)", long.len() + usize::from(file != "narinfo"))),
+            "{err}"
+        );
+        assert_absent(tmp.path(), &root, OK);
+    }
+}
+
 /// A portal that answers `200` and an HTML page for `pattern` (a regex on the request path).
 fn portal(tmp: &Path, pattern: &str) -> Scripted {
     let rules = tmp.join("rules.json");
@@ -232,7 +274,7 @@ fn broken_nix_cache_info() {
     let variants: [(&str, Option<&str>, Option<&str>); 7] = [
         ("missing", None, None),
         ("garbage", Some("\u{1}\u{2}<html>not: a cache\n\u{ff}junk"), None),
-        ("wrong-store-dir", Some("StoreDir: /gnu/store\n"), Some("store directory /gnu/store")),
+        ("wrong-store-dir", Some("StoreDir: /gnu/store\n"), Some("store directory \"/gnu/store\"")),
         ("bad-priority", Some("StoreDir: /nix/store\nPriority: high\n"), Some("Priority \"high\"")),
         ("store-dir-repeated", Some("StoreDir: /nix/store\nPriority: 30\nStoreDir:\t/nix/store\r\n"), None),
         (

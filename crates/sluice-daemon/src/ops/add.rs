@@ -26,7 +26,7 @@ use sluice_nix::wire::{
 
 use sluice_store::BatchedAdder;
 
-use super::payload::{add_content, Ingestion, RootFile};
+use super::payload::{add_content, in_memory, Ingestion, RootFile};
 use crate::conn::{op_err, Conn, Fail, OpResult, Reader, Writer};
 
 /// Most paths in one AddMultipleToStore.
@@ -44,9 +44,10 @@ pub(super) fn add_to_store(c: &mut Conn, request: AddToStore) -> OpResult {
     let policy = policy(c, false)?;
     let mut framed = FramedReader::new(&mut c.r);
     let kept = &c.kept;
+    let in_memory = in_memory(c.peer.trusted);
     let result = Ingestion::parse(&method)
         .map_err(Fail::Op)
-        .and_then(|m| add_content(&store, kept, &policy, &name, m, references, &mut framed, repair));
+        .and_then(|m| add_content(&store, kept, &policy, &name, m, references, &mut framed, repair, in_memory));
     finish_framed(&mut framed)?;
     let info = result?;
     let version = c.version;
@@ -61,16 +62,17 @@ fn add_to_store_legacy(c: &mut Conn, name: String, fixed: bool, recursive: u64, 
     // Nix's compatibility rule: not fixed means sha256 over the NAR.
     let method = if fixed { format!("fixed:{}{algo}", if recursive == 1 { "r:" } else { "" }) } else { "fixed:r:sha256".to_owned() };
     let method = Ingestion::parse(&method).map_err(Fail::Fatal)?;
-    let mut nar = tempfile::SpooledTempFile::new(16 << 20);
+    let in_memory = in_memory(c.peer.trusted);
+    let mut nar = tempfile::SpooledTempFile::new(in_memory);
     copy_nar(&mut c.r, &mut nar).map_err(|e| Fail::Fatal(format!("reading the NAR to add: {e}")))?;
     io::Seek::rewind(&mut nar).map_err(op_err)?;
     let policy = policy(c, false)?;
     let info = match method {
-        Ingestion::Nar(_) => add_content(&c.store, &c.kept, &policy, &name, method, Default::default(), &mut nar, false)?,
+        Ingestion::Nar(_) => add_content(&c.store, &c.kept, &policy, &name, method, Default::default(), &mut nar, false, in_memory)?,
         _ => {
-            let mut root = RootFile::new();
+            let mut root = RootFile::new(in_memory);
             parse(&mut nar, &mut root).map_err(op_err)?;
-            add_content(&c.store, &c.kept, &policy, &name, method, Default::default(), &mut root.contents, false)?
+            add_content(&c.store, &c.kept, &policy, &name, method, Default::default(), &mut root.contents, false, in_memory)?
         }
     };
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
@@ -79,7 +81,8 @@ fn add_to_store_legacy(c: &mut Conn, name: String, fixed: bool, recursive: u64, 
 /// AddTextToStore (obsolete since 1.25): name, text, references → the path.
 pub(super) fn add_text_to_store(c: &mut Conn, AddTextToStore { name, text, references }: AddTextToStore) -> OpResult {
     let policy = policy(c, false)?;
-    let info = add_content(&c.store, &c.kept, &policy, &name, Ingestion::Text, references, &mut text.as_slice(), false)?;
+    let in_memory = in_memory(c.peer.trusted);
+    let info = add_content(&c.store, &c.kept, &policy, &name, Ingestion::Text, references, &mut text.as_slice(), false, in_memory)?;
     c.reply(|w, dir| write_bytes(w, dir.display_path(&info.path).as_bytes()))
 }
 

@@ -114,8 +114,9 @@ pub(crate) fn dispatch(c: &mut Conn, op: u64) -> OpResult {
     }
 }
 
-/// Reads the request of `handler` whole, then runs it.
+/// Reads the request of `handler` whole, then runs it; the request memory its reading took
+/// is given back when it is done.
 fn run<R: Request>(c: &mut Conn, handler: fn(&mut Conn, R) -> OpResult) -> OpResult {
-    let request = c.read_request::<R>()?;
+    let (request, _bytes) = c.read_request::<R>()?;
     handler(c, request)
 }

@@ -1,5 +1,6 @@
 //! Content-addressed additions (AddToStore, AddTextToStore): the client's data is spooled
-//! (memory up to 16 MiB, then a temporary file) while it is hashed, the store path follows
+//! (memory up to 16 MiB, 1 MiB for an untrusted client, then a temporary file) while it is
+//! hashed, the store path follows
 //! from the hash (`ContentAddress::store_path`), and only a path that is not valid yet is
 //! unpacked. Nix 2.8: `LocalStore::addToStoreFromDump`, `addTextToStore`.
 
@@ -17,9 +18,21 @@ use sluice_nix::store_path::StorePath;
 use tempfile::SpooledTempFile;
 
 use crate::conn::{op_err, Fail, Kept};
+use crate::limits::FREE_REQUEST_BYTES;
 
-/// Spooled data stays in memory up to this many bytes.
+/// Spooled data of a trusted client stays in memory up to this many bytes.
 const IN_MEMORY: usize = 16 << 20;
+
+/// How many bytes of its data a client's spool keeps in memory: [`IN_MEMORY`] for a trusted
+/// client; for an untrusted one, no more than any request of it holds before it takes from
+/// the shares of request memory ([`FREE_REQUEST_BYTES`]), since each of an untrusted user's
+/// hundreds of connections may spool at once (see [`crate::limits`]).
+pub(super) fn in_memory(trusted: bool) -> usize {
+    match trusted {
+        true => IN_MEMORY,
+        false => FREE_REQUEST_BYTES as usize,
+    }
+}
 
 /// How the client's data becomes a store path (the method part of a content address).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,21 +65,21 @@ impl Ingestion {
     }
 }
 
-/// Reads all of `data` into a spool, hashing it with `algo`. The first [`IN_MEMORY`] bytes are
-/// read in one go (most additions are small files: no per-call buffer to clear); only larger
-/// data goes through a copy loop. A read error is fatal to the connection: the request stream
-/// is broken.
-fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher, u64), Fail> {
+/// Reads all of `data` into a spool that keeps `in_memory` bytes in memory, hashing it with
+/// `algo`. The first `in_memory` bytes are read in one go (most additions are small files: no
+/// per-call buffer to clear); only larger data goes through a copy loop. A read error is
+/// fatal to the connection: the request stream is broken.
+fn spool(data: &mut dyn Read, algo: HashAlgo, in_memory: usize) -> Result<(SpooledTempFile, Hasher, u64), Fail> {
     let read_err = |e: io::Error| Fail::Fatal(format!("reading the data to add: {e}"));
     let spool_err = |e: io::Error| Fail::Op(format!("spooling the data to add: {e}"));
     let mut hasher = Hasher::new(algo);
     let mut head = Vec::new();
-    data.take(IN_MEMORY as u64).read_to_end(&mut head).map_err(read_err)?;
+    data.take(in_memory as u64).read_to_end(&mut head).map_err(read_err)?;
     hasher.update(&head);
     let mut len = head.len() as u64;
-    let mut file = SpooledTempFile::new(IN_MEMORY);
+    let mut file = SpooledTempFile::new(in_memory);
     file.write_all(&head).map_err(spool_err)?;
-    if head.len() == IN_MEMORY {
+    if head.len() == in_memory {
         let mut buf = head;
         loop {
             let n = match data.read(&mut buf) {
@@ -90,7 +103,7 @@ fn spool(data: &mut dyn Read, algo: HashAlgo) -> Result<(SpooledTempFile, Hasher
 /// of the connection (`kept.roots`) before its validity is looked at, as Nix's
 /// `addToStoreFromDump` does, so that a collector cannot delete it between the look-up and the
 /// client's use of it. The store checks the content address computed here against the
-/// unpacked content again.
+/// unpacked content again. The spools keep `in_memory` bytes in memory ([`in_memory`]).
 #[allow(clippy::too_many_arguments)] // each is one decision of the caller's; a struct would only rename them
 pub(super) fn add_content(
     store: &Arc<LocalStore>,
@@ -101,12 +114,13 @@ pub(super) fn add_content(
     references: BTreeSet<StorePath>,
     data: &mut dyn Read,
     repair: bool,
+    in_memory: usize,
 ) -> Result<ValidPathInfo, Fail> {
     let algo = match method {
         Ingestion::Text => HashAlgo::Sha256,
         Ingestion::Flat(a) | Ingestion::Nar(a) => a,
     };
-    let (mut file, hasher, len) = spool(data, algo)?;
+    let (mut file, hasher, len) = spool(data, algo, in_memory)?;
     let hash = hasher.finish();
     let ca = match method {
         Ingestion::Text => ContentAddress::Text(hash),
@@ -125,11 +139,11 @@ pub(super) fn add_content(
     let (mut nar, nar_hash, nar_size) = match method {
         Ingestion::Nar(HashAlgo::Sha256) => (file, ca.hash().clone(), len),
         Ingestion::Nar(_) => {
-            let (f, h, n) = spool(&mut file, HashAlgo::Sha256)?;
+            let (f, h, n) = spool(&mut file, HashAlgo::Sha256, in_memory)?;
             (f, h.finish(), n)
         }
         Ingestion::Text | Ingestion::Flat(_) => {
-            let mut tee = Tee { file: SpooledTempFile::new(IN_MEMORY), hasher: Hasher::new(HashAlgo::Sha256) };
+            let mut tee = Tee { file: SpooledTempFile::new(in_memory), hasher: Hasher::new(HashAlgo::Sha256) };
             let mut writer = NarWriter::new(&mut tee).map_err(spool_err)?;
             writer.regular(&[], false, len, 0, &mut file).map_err(spool_err)?;
             let size = writer.position();
@@ -184,8 +198,9 @@ pub(super) struct RootFile {
 }
 
 impl RootFile {
-    pub(super) fn new() -> Self {
-        RootFile { contents: SpooledTempFile::new(IN_MEMORY) }
+    /// Keeping `in_memory` bytes of the file in memory ([`in_memory`]).
+    pub(super) fn new(in_memory: usize) -> Self {
+        RootFile { contents: SpooledTempFile::new(in_memory) }
     }
 }
 

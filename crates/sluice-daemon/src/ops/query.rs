@@ -57,7 +57,7 @@ pub(super) fn path_info(c: &mut Conn, QueryPathInfo { path }: QueryPathInfo) -> 
     let mut unreadable = None;
     while unreadable.is_none() && paths.len() < PATH_INFO_BATCH && c.take_buffered_request(Op::QueryPathInfo, MAX_PATH_LEN) {
         match c.read_request::<QueryPathInfo>() {
-            Ok(QueryPathInfo { path }) => paths.push(path),
+            Ok((QueryPathInfo { path }, _)) => paths.push(path),
             Err(e) => unreadable = Some(e),
         }
     }

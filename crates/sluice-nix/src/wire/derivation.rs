@@ -168,13 +168,15 @@ pub(crate) fn output_kind(dir: &StoreDir, path: &str, algo: &str, hash: &str) ->
 pub fn read_basic_derivation(r: &mut (impl Read + ?Sized), dir: &StoreDir) -> Result<BasicDerivation, WireError> {
     let n = read_count(r, MAX_ITEMS, "derivation outputs")?;
     let mut outputs: Vec<DerivationOutput> = Vec::new();
+    // The names seen: a set, not a search of the outputs read (a request may hold a million).
+    let mut names = std::collections::HashSet::new();
     for _ in 0..n {
         let name = read_string(r, MAX_FIELD_LEN, "derivation output name")?;
         let path = read_string(r, MAX_PATH_LEN, "derivation output path")?;
         let algo = read_string(r, MAX_FIELD_LEN, "derivation output hash algorithm")?;
         let hash = read_string(r, MAX_FIELD_LEN, "derivation output hash")?;
         check_name(&name, &name).map_err(|e| WireError::invalid("derivation output name", e))?;
-        if outputs.iter().any(|o| o.name == name) {
+        if !names.insert(name.clone()) {
             return Err(WireError::invalid("derivation output name", format!("{name:?} appears twice")));
         }
         outputs.push(DerivationOutput { kind: output_kind(dir, &path, &algo, &hash)?, name });
