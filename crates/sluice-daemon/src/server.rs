@@ -167,7 +167,7 @@ fn serve_connection(
         }
     };
     let temp_roots = store.temp_roots();
-    let kept = Kept::new(temp_roots.clone());
+    let kept = Kept::new(temp_roots.clone(), Arc::clone(&store));
     r.get_mut().set_lease(Box::new(Rc::clone(&kept)));
     let mut conn = Conn { daemon, r, w, version: greeting.version, options: ClientOptions::new(daemon), peer, store, temp_roots, kept };
     let _pinned = greeting.cpu.and_then(Pinned::to_cpu);

@@ -87,18 +87,40 @@ impl TempRoots {
     }
 
     fn add_with(&self, paths: &[StorePath], keep: bool) -> Result<(), LocalStoreError> {
+        self.with_file(|file| file.add_all(paths, keep))
+    }
+
+    /// Keeps the shared GC lock as [`TempRoots::add_all_keeping_gc_lock`] does, without adding
+    /// a root, for a holder that reads the store and wants no collector to start meanwhile
+    /// (`LocalStore::kept_reads`). `false` (not kept) while a collector holds it, and for
+    /// [`GC_LOCK_GAP`] after it was given up.
+    pub fn keep_gc_lock(&self) -> Result<bool, LocalStoreError> {
+        self.with_file(TempRootsFile::keep_gc_lock)
+    }
+
+    /// Runs `f` on the file, created first if there is none yet.
+    fn with_file<T>(&self, f: impl FnOnce(&mut TempRootsFile) -> Result<T, LocalStoreError>) -> Result<T, LocalStoreError> {
         let mut file = self.lock();
-        let file = match &mut *file {
-            Some(f) => f,
-            None => file.insert(TempRootsFile::create(&self.state_dir, &self.store_dir)?),
-        };
-        file.add_all(paths, keep)
+        match &mut *file {
+            Some(file) => f(file),
+            None => f(file.insert(TempRootsFile::create(&self.state_dir, &self.store_dir)?)),
+        }
     }
 
     /// How long the shared GC lock has been kept ([`TempRoots::add_all_keeping_gc_lock`]),
     /// if it is.
     pub fn gc_lock_held_for(&self) -> Option<Duration> {
-        self.lock().as_ref()?.gc_locked_at.map(|at| at.elapsed())
+        self.gc_locked_since().map(|at| at.elapsed())
+    }
+
+    /// When the shared GC lock kept now was taken, if it is kept.
+    pub(crate) fn gc_locked_since(&self) -> Option<Instant> {
+        self.lock().as_ref()?.gc_locked_at
+    }
+
+    /// What tells this holder (and its clones) from the others of the process.
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.file) as usize
     }
 
     /// Writes the roots added since the shared GC lock was kept by
@@ -261,6 +283,24 @@ impl TempRootsFile {
         }
         self.written.extend(new.into_iter().cloned());
         Ok(())
+    }
+
+    /// [`TempRoots::keep_gc_lock`].
+    fn keep_gc_lock(&mut self) -> Result<bool, LocalStoreError> {
+        if self.gc_locked_at.is_some() {
+            return Ok(true);
+        }
+        if self.gc_released_at.is_some_and(|at| at.elapsed() < GC_LOCK_GAP) {
+            return Ok(false);
+        }
+        match flock(&self.gc_lock, FlockOperation::NonBlockingLockShared) {
+            Ok(()) => {
+                self.gc_locked_at = Some(Instant::now());
+                Ok(true)
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => Ok(false),
+            Err(e) => Err(io_err("taking the GC lock", &self.gc_socket.with_file_name("gc.lock"))(e.into())),
+        }
     }
 
     /// Writes the pending roots, then gives the GC lock up. If they cannot be written, the

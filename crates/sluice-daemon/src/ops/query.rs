@@ -21,7 +21,7 @@ use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// IsValidPath: path → bool.
 pub(super) fn is_valid_path(c: &mut Conn, IsValidPath { path }: IsValidPath) -> OpResult {
-    let valid = c.store().is_valid_path(&path).map_err(op_err)?;
+    let valid = c.kept.reads().is_valid_path(&path).map_err(op_err)?;
     c.reply(|w, _| write_bool(w, valid))
 }
 
@@ -67,7 +67,7 @@ pub(super) fn path_info(c: &mut Conn, QueryPathInfo { path }: QueryPathInfo) -> 
 /// The replies to QueryPathInfo requests for `paths`, in order; a request that fails gets
 /// its `ERROR` in its place, as `serve` would send it.
 fn answer_path_infos(c: &mut Conn, paths: &[StorePath]) -> OpResult {
-    let infos = c.store().query_path_infos(paths);
+    let infos = c.kept.reads().query_path_infos(paths);
     for (path, info) in paths.iter().zip(infos) {
         match info.map_err(op_err).and_then(|info| answer_path_info(c, path, info)) {
             Err(Fail::Op(msg)) => c.stderr().error(&mut c.w, &msg)?,
@@ -97,7 +97,7 @@ fn answer_path_info(c: &mut Conn, path: &StorePath, info: Option<ValidPathInfo>)
 /// pipelined QueryPathInfo requests are.
 pub(super) fn path_infos(c: &mut Conn, QueryPathInfos { paths }: QueryPathInfos) -> OpResult {
     let paths: Vec<StorePath> = paths.into_iter().collect();
-    let infos = c.store().query_path_infos(&paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
+    let infos = c.kept.reads().query_path_infos(&paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
     let version = c.version;
     c.reply(|w, dir| {
         write_u64(w, infos.iter().flatten().count() as u64)?;
