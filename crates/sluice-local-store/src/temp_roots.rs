@@ -21,10 +21,12 @@
 //! --gc --print-roots`, which reads the files without the lock, sees them then); a collector
 //! starting meanwhile waits for the release. Roots that cannot be written keep the lock until
 //! they are, or until the holder ends. A lock
-//! given up is kept again only [`GC_LOCK_GAP`] later, roots taking it one at a time
-//! meanwhile: `flock` does not queue shared lockers behind a waiting exclusive one, so
+//! given up while a collector waits for it (a process blocked taking it exclusively, as
+//! `/proc/locks` lists it) is kept again only [`GC_LOCK_GAP`] later, roots taking it one at a
+//! time meanwhile: `flock` does not queue shared lockers behind a waiting exclusive one, so
 //! connections that kept it back to back would keep a collector waiting for as long as their
-//! clients keep asking.
+//! clients keep asking. With no collector waiting it is kept again at once: a collector that
+//! starts waiting meanwhile is seen at the next release, one lease later.
 //!
 //! Roots are added before the paths they protect are looked at (Nix's order: `addTempRoot`,
 //! then `isValidPath`): a collector that is deleting the path at that moment finishes first
@@ -157,7 +159,8 @@ struct TempRootsFile {
     gc_lock: File,
     /// When the shared GC lock kept on `gc_lock` was taken, while it is kept.
     gc_locked_at: Option<Instant>,
-    /// When a kept shared GC lock was last given up ([`GC_LOCK_GAP`]).
+    /// When a kept shared GC lock was last given up while a collector waited for it
+    /// ([`GC_LOCK_GAP`]).
     gc_released_at: Option<Instant>,
     gc_socket: PathBuf,
     /// The connection to the running collector's socket, kept for every root this holder
@@ -311,7 +314,7 @@ impl TempRootsFile {
             self.pending.clear();
         }
         if self.gc_locked_at.take().is_some() {
-            self.gc_released_at = Some(Instant::now());
+            self.gc_released_at = collector_waits(&self.gc_lock).then(Instant::now);
         }
         let _ = flock(&self.gc_lock, FlockOperation::Unlock);
         Ok(())
@@ -336,6 +339,18 @@ impl Drop for TempRootsFile {
         if let Err(e) = std::fs::remove_file(&self.path) {
             tracing::warn!("removing the temporary roots file {}: {e}", self.path.display());
         }
+    }
+}
+
+/// Whether a process waits to take `gc_lock` (an open `gc.lock`) exclusively, as a collector
+/// blocked behind the shared holders does: `/proc/locks` lists it after `->`, with the lock
+/// file's device and inode. `true` when that cannot be told.
+fn collector_waits(gc_lock: &File) -> bool {
+    let Ok(stat) = rustix::fs::fstat(gc_lock) else { return true };
+    let id = format!("{:02x}:{:02x}:{}", rustix::fs::major(stat.st_dev), rustix::fs::minor(stat.st_dev), stat.st_ino);
+    match std::fs::read_to_string("/proc/locks") {
+        Ok(locks) => locks.lines().any(|l| l.contains("->") && l.contains(" WRITE ") && l.split_whitespace().any(|f| f == id)),
+        Err(_) => true,
     }
 }
 
@@ -478,12 +493,13 @@ mod tests {
         assert!(can_collect() && roots.gc_lock_held_for().is_none());
         assert_eq!(written(), 5);
         roots.add_all_keeping_gc_lock(&paths(&dir, 5, 1)).unwrap();
-        assert_eq!(written(), 6, "written at once within the gap, the lock not kept");
+        assert_eq!((written(), can_collect()), (5, false), "kept again at once: no collector waited");
     }
 
-    /// A lock given up is not kept again within [`GC_LOCK_GAP`]: roots added meanwhile take it
-    /// one at a time, so a collector waiting for it gets it between them; after the gap it is
-    /// kept again.
+    /// A lock given up while a collector waits for it is not kept again within
+    /// [`GC_LOCK_GAP`]: roots added meanwhile take it one at a time, so a collector waiting for
+    /// it gets it between them; after the gap it is kept again. Given up with no collector
+    /// waiting, it is kept again at once.
     #[test]
     fn a_released_gc_lock_is_kept_again_only_after_the_gap() {
         let (state, dir) = (tempfile::tempdir().unwrap(), StoreDir::new("/nix/store").unwrap());
@@ -492,9 +508,21 @@ mod tests {
         roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
         roots.release_gc_lock();
         roots.add_all_keeping_gc_lock(&paths(&dir, 1, 1)).unwrap();
+        assert!(!can_collect() && roots.gc_lock_held_for().is_some(), "not kept again at once with no collector waiting");
+        let gc_lock = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
+        let waiting = std::thread::spawn(move || {
+            lock(&gc_lock, FlockOperation::LockExclusive).unwrap();
+            gc_lock
+        });
+        while !collector_waits(&super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap()) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        roots.release_gc_lock();
+        drop(waiting.join().unwrap());
+        roots.add_all_keeping_gc_lock(&paths(&dir, 2, 1)).unwrap();
         assert!(can_collect() && roots.gc_lock_held_for().is_none(), "kept again within the gap");
         std::thread::sleep(GC_LOCK_GAP);
-        roots.add_all_keeping_gc_lock(&paths(&dir, 2, 1)).unwrap();
+        roots.add_all_keeping_gc_lock(&paths(&dir, 3, 1)).unwrap();
         assert!(!can_collect() && roots.gc_lock_held_for().is_some(), "not kept after the gap");
     }
 
