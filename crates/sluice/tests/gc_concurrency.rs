@@ -457,6 +457,94 @@ fn a_collector_loop_during_an_instantiate_storm_deletes_nothing_a_client_was_tol
     }
 }
 
+/// A collector loop (sluice's, as above) beside a client that keeps asking about garbage the
+/// way Nix's clients make sure of a path: AddTempRoot, then IsValidPath and QueryPathInfo.
+/// Another connection adds one text at a time and disconnects (the text is garbage from then
+/// on); the asking client roots and asks about each 100 ms later. Its queries are read through
+/// one database transaction kept while its connection keeps the shared GC lock
+/// (`sluice_local_store::KeptReads`), so this checks that such a transaction never outlives the
+/// lock: every path the client was told is valid stays (its file, valid to the same client,
+/// never deleted by a collection) while the client is connected, and the collector deleted
+/// some of the texts before the client rooted them, so that the answers were at risk.
+#[test]
+fn a_client_rooting_and_asking_beside_a_collector_loop_is_never_told_a_deleted_path_is_valid() {
+    use crate::daemon::{add_text, is_valid, raw_client_on, read_path_info, read_u64, request, LAST};
+    use std::io::Write;
+    for rep in 0..reps() {
+        let tmp = scratch();
+        let (tmp, root) = (tmp.path(), tmp.path().join("root"));
+        let socket = tmp.join("socket");
+        let (mut daemon, _) = start_sluice_daemon(tmp, &root, &socket, "", "daemon");
+        drop(raw_client_on(&socket, 34));
+        let collector = CollectorLoop::start(tmp, Collector::Sluice, &root);
+        let from = Instant::now();
+        let (made, garbage) = std::sync::mpsc::channel::<(Vec<u8>, Instant)>();
+        let producer = std::thread::spawn({
+            let socket = socket.clone();
+            move || {
+                for i in 0..300 {
+                    let (mut adder, _) = raw_client_on(&socket, 34);
+                    let path = add_text(&mut adder, &format!("garbage-{i}"), &format!("garbage {i}\n"));
+                    drop(adder);
+                    made.send((path, Instant::now())).unwrap();
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+            }
+        });
+        let (mut client, _) = raw_client_on(&socket, 34);
+        let (mut asked, mut told, mut problems) = (0, Vec::new(), Vec::new());
+        for (path, made_at) in garbage {
+            std::thread::sleep((made_at + Duration::from_millis(100)).saturating_duration_since(Instant::now()));
+            asked += 1;
+            client.write_all(&request(11, &[Err(&path)])).unwrap();
+            assert_eq!((read_u64(&mut client), read_u64(&mut client)), (LAST, 1), "AddTempRoot");
+            let valid = is_valid(&mut client, &path);
+            client.write_all(&request(26, &[Err(&path)])).unwrap();
+            assert_eq!(read_u64(&mut client), LAST, "QueryPathInfo");
+            let has_info = read_u64(&mut client);
+            if has_info == 1 {
+                read_path_info(&mut client);
+            }
+            let shown = String::from_utf8_lossy(&path).into_owned();
+            if valid != has_info {
+                problems.push(format!("{shown}: IsValidPath {valid} but QueryPathInfo {has_info} right after its root"));
+            }
+            if valid == 1 {
+                told.push(shown);
+            }
+            if asked % 40 == 0 {
+                for shown in &told {
+                    if !root.join(shown.trim_start_matches('/')).is_file() || is_valid(&mut client, shown.as_bytes()) != 1 {
+                        problems.push(format!("{shown}: gone after it was rooted and found valid"));
+                    }
+                }
+            }
+        }
+        producer.join().expect("the producer panicked");
+        for shown in &told {
+            if !root.join(shown.trim_start_matches('/')).is_file() || is_valid(&mut client, shown.as_bytes()) != 1 {
+                problems.push(format!("{shown}: gone after it was rooted and found valid"));
+            }
+        }
+        let to = Instant::now();
+        let runs = collector.finish();
+        drop(client);
+        let _ = daemon.kill();
+        let _ = daemon.wait();
+        let deleted: BTreeSet<String> = runs.iter().flat_map(|c| c.deleted.iter().map(|n| format!("/nix/store/{n}"))).collect();
+        let overlapping = runs.iter().filter(|c| c.start < to && c.end > from).count();
+        eprintln!(
+            "run {rep}: {} of {asked} garbage paths found valid, {overlapping} collections overlapping, {} names deleted",
+            told.len(),
+            deleted.len()
+        );
+        problems.extend(told.iter().filter(|p| deleted.contains(*p)).map(|p| format!("{p}: deleted although rooted and found valid")));
+        assert!(overlapping >= 3, "{overlapping} collections overlapped the client (want ≥ 3)");
+        assert!(told.len() < asked, "the collector deleted no garbage before the client rooted it: the answers were never at risk");
+        assert_no_problems(&problems);
+    }
+}
+
 /// A fresh store under `root` as Nix creates it (one Nix 2.8 collection), with a temporary
 /// root on the top-level path held by a `flock` process until the returned holder is
 /// dropped (see the module comment).
