@@ -643,8 +643,10 @@ fn a_far_end_that_stalls_is_given_up() {
 }
 
 /// sluice pushes into `ssh://` with `sluice legacy-serve --write` at the far end as one stream
-/// of pipelined AddToStoreNar, which the far end commits in one batch: one `syncfs` for the 25
-/// paths (one per path before), counted by strace. A push whose stream is cut midway leaves
+/// of pipelined AddToStoreNar, which the far end commits in batches: one `syncfs` for the 25
+/// paths when the stream flows (one per path before), counted by strace; the far end also
+/// commits whenever it has read all that has arrived (it answers before it waits), so a loaded
+/// machine's pauses in the stream may add one or two. A push whose stream is cut midway leaves
 /// nothing half-registered there (whole, registered paths with complete closures; nothing
 /// temporary) and the push then completes; real Nix verifies the store each time.
 #[test]
@@ -664,7 +666,7 @@ fn a_push_into_legacy_serve_is_one_batch_and_a_cut_one_leaves_nothing_half_regis
     assert_eq!(nix_closure(tmp, &far, &root), paths);
     assert_nix_verifies(tmp, &far);
     let syncfs = std::fs::read_to_string(&traced).unwrap().lines().filter(|l| l.contains("syncfs(")).count();
-    assert_eq!(syncfs, 1, "{syncfs} syncfs for {} paths", paths.len());
+    assert!((1..=3).contains(&syncfs), "{syncfs} syncfs for {} paths", paths.len());
 
     let cut_far = tmp.join("cut-far");
     let cut = shaped_serve_wrapper(tmp, "serve-cut", &cut_far, "dd bs=64K count=200000 iflag=count_bytes status=none | CMD");
