@@ -4,16 +4,15 @@
 //! `file://` cache with xz and zstd, with and without `parallel-compression`, under 150 MiB.
 
 use std::io::Write;
-use std::process::Command;
 
 use crate::common::*;
 
 /// Bytes of the generated file (the NAR is 120 bytes longer).
 const SIZE: usize = 1 << 30;
 /// The peak RSS the copy must stay under, in KiB.
-const MAX_RSS_KIB: i64 = 100 * 1024;
+const MAX_RSS_KIB: u64 = 100 * 1024;
 /// The peak RSS a push must stay under, in KiB (the encoders' budget is 120 MiB).
-const MAX_PUSH_RSS_KIB: i64 = 150 * 1024;
+const MAX_PUSH_RSS_KIB: u64 = 150 * 1024;
 
 /// Adds a generated 1 GiB file to the chroot store `src` with real Nix; its store path.
 fn add_big_file(tmp: &std::path::Path, src: &std::path::Path) -> String {
@@ -45,13 +44,13 @@ fn one_gib_nar_streams_in_bounded_memory() {
     std::fs::remove_dir_all(&src).ok();
 
     let dest = tmp.path().join("dest");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-    isolate(&mut cmd, tmp.path(), "");
+    let rss = tmp.path().join("rss");
+    let mut cmd = sluice_measured(tmp.path(), &rss);
     let cache_url = format!("file://{}", tmp.path().join("cache").display());
     cmd.args(["copy", "--from", &cache_url, "--to", dest.to_str().unwrap(), "--no-check-sigs", &path]);
-    let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let (status, rss_kib) = wait_with_rss(child);
-    assert!(status == 0, "sluice copy of the 1 GiB NAR failed");
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "sluice copy of the 1 GiB NAR failed: {}", stderr(&o));
+    let rss_kib = measured_rss(&rss);
     eprintln!("sluice copy of a 1 GiB NAR: peak RSS {} MiB", rss_kib / 1024);
     assert!(rss_kib < MAX_RSS_KIB, "peak RSS {rss_kib} KiB for a 1 GiB NAR (limit {MAX_RSS_KIB} KiB)");
     assert_nix_verifies(tmp.path(), &dest);
@@ -67,13 +66,13 @@ fn one_gib_nar_is_pushed_in_bounded_memory() {
     for compression in ["zstd", "xz"] {
         for parallel in [false, true] {
             let cache = tmp.path().join(format!("cache-{compression}-{parallel}"));
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_sluice"));
-            isolate(&mut cmd, tmp.path(), "");
+            let rss = tmp.path().join("rss");
+            let mut cmd = sluice_measured(tmp.path(), &rss);
             let url = format!("file://{}?compression={compression}&parallel-compression={parallel}", cache.display());
             cmd.args(["copy", "--from", src.to_str().unwrap(), "--to", &url, &path]);
-            let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
-            let (status, rss_kib) = wait_with_rss(child);
-            assert!(status == 0, "sluice push of the 1 GiB NAR with {compression}, parallel {parallel} failed");
+            let o = cmd.output().unwrap();
+            assert!(o.status.success(), "sluice push of the 1 GiB NAR with {compression}, parallel {parallel} failed: {}", stderr(&o));
+            let rss_kib = measured_rss(&rss);
             eprintln!("sluice push of a 1 GiB NAR, {compression}, parallel-compression={parallel}: peak RSS {} MiB", rss_kib / 1024);
             assert!(
                 rss_kib < MAX_PUSH_RSS_KIB,

@@ -18,15 +18,12 @@ const C06: &str = "06-nar-directory-entries";
 fn copy_measured(tmp: &Path, root: &Path, case: &str, path: &str) -> (Output, u64, Duration) {
     let rss = tmp.join("rss");
     let url = format!("file://{}", case_dir(case).join("cache").display());
-    let mut cmd = Command::new("/usr/bin/time");
-    isolate(&mut cmd, tmp, "");
-    cmd.args(["-f", "%M", "-o", rss.to_str().unwrap(), env!("CARGO_BIN_EXE_sluice")]);
+    let mut cmd = sluice_measured(tmp, &rss);
     cmd.args(["copy", "--from", &url, "--to", root.to_str().unwrap(), "--trusted-public-keys", &case_key(case), path]);
     let started = Instant::now();
     let o = cmd.output().unwrap();
     let took = started.elapsed();
-    let kib = std::fs::read_to_string(&rss).unwrap().lines().last().unwrap().trim().parse().unwrap();
-    (o, kib, took)
+    (o, measured_rss(&rss), took)
 }
 
 /// Asserts that copying `path` failed with an error naming the path and containing one of `reasons`.

@@ -5,7 +5,7 @@
 //! QueryClosureInfos through sluice's own client, each answering as the per-path operations
 //! do, in sluice daemon and in nix-daemon.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -177,23 +177,28 @@ fn a_newer_client_and_a_1_37_client_get_their_own_greetings() {
     assert_eq!(answer, expected);
 }
 
-/// The files of `<state>/temproots` not in `before`, and the temporary roots they hold, read as
-/// a collector reads them: with `gc.lock` held exclusively (Nix writes a root before it
-/// answers; sluice daemon before it gives up the shared lock it keeps while its client asks).
-fn new_temp_roots(state: &Path, before: &BTreeSet<String>) -> (BTreeSet<String>, BTreeSet<String>) {
+/// The temporary roots files of `<state>/temproots` and what each holds, read as a collector
+/// reads them: with `gc.lock` held exclusively (Nix writes a root before it answers; sluice
+/// daemon before it gives up the shared lock it keeps while its client asks).
+fn temp_roots(state: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let gc_lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(state.join("gc.lock")).unwrap();
     gc_lock.lock().unwrap();
-    let mut files = BTreeSet::new();
-    let mut roots = BTreeSet::new();
+    let mut files = BTreeMap::new();
     for entry in std::fs::read_dir(state.join("temproots")).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
-        if !before.contains(&name) {
-            let text = std::fs::read_to_string(state.join("temproots").join(&name)).unwrap();
-            roots.extend(text.split('\0').filter(|p| !p.is_empty()).map(str::to_owned));
-            files.insert(name);
-        }
+        let text = std::fs::read_to_string(state.join("temproots").join(&name)).unwrap();
+        files.insert(name, text.split('\0').filter(|p| !p.is_empty()).map(str::to_owned).collect());
     }
-    (files, roots)
+    files
+}
+
+/// The roots added to the files of `<state>/temproots` since `before` (a connection's file may
+/// exist before its first root: sluice daemon makes it when the connection first keeps the GC
+/// lock), and the files now.
+fn new_temp_roots(state: &Path, before: &BTreeMap<String, BTreeSet<String>>) -> (BTreeSet<String>, BTreeMap<String, BTreeSet<String>>) {
+    let now = temp_roots(state);
+    let added = now.iter().flat_map(|(name, held)| held.iter().filter(move |r| before.get(name).is_none_or(|b| !b.contains(*r))));
+    (added.cloned().collect(), now)
 }
 
 /// sluice's client negotiates QueryPathInfos and AddTempRoots with sluice daemon and uses
@@ -236,12 +241,11 @@ fn batch_path_infos_and_temp_roots_answer_as_the_per_path_operations() {
     let state = env.path("root/nix/var/nix");
     std::fs::create_dir_all(state.join("temproots")).unwrap();
     let live = &paths[..paths.len() - 1];
-    let before = new_temp_roots(&state, &BTreeSet::new()).0;
+    let before = temp_roots(&state);
     sluice.add_temp_roots(live).unwrap();
-    let (sluice_file, roots) = new_temp_roots(&state, &before);
+    let (roots, before) = new_temp_roots(&state, &before);
     assert_eq!(roots, closure, "AddTempRoots in sluice daemon");
 
-    let before: BTreeSet<String> = before.union(&sluice_file).cloned().collect();
     let (mut raw, _) = daemon::raw_client(&env, 37);
     for p in live {
         raw.write_all(&request(11, &[Err(dir.display_path(p).as_bytes())])).unwrap();
@@ -249,22 +253,20 @@ fn batch_path_infos_and_temp_roots_answer_as_the_per_path_operations() {
     for _ in live {
         assert_eq!((daemon::read_u64(&mut raw), daemon::read_u64(&mut raw)), (LAST, 1));
     }
-    let (raw_file, roots) = new_temp_roots(&state, &before);
+    let (roots, before) = new_temp_roots(&state, &before);
     assert_eq!(roots, closure, "AddTempRoot path by path in sluice daemon");
 
-    let before: BTreeSet<String> = before.union(&raw_file).cloned().collect();
     nix.add_temp_roots(live).unwrap();
-    let (nix_file, roots) = new_temp_roots(&state, &before);
+    let (roots, before) = new_temp_roots(&state, &before);
     assert_eq!(roots, closure, "AddTempRoot path by path in nix-daemon 2.8");
 
     // DaemonStore (the copy's destination) roots what it looks up, as Nix's copyPaths does.
-    let before: BTreeSet<String> = before.union(&nix_file).cloned().collect();
     let store = DaemonStore::connect(&daemon.url, &env.path("socket"), false, true).unwrap();
     let valid = futures::executor::block_on(store.query_valid_paths(&paths)).unwrap();
     assert_eq!(valid.iter().map(|p| dir.display_path(p)).collect::<BTreeSet<_>>(), closure);
     // Every path looked up, the missing one too (it may be added next).
     let asked: BTreeSet<String> = paths.iter().map(|p| dir.display_path(p)).collect();
-    assert_eq!(new_temp_roots(&state, &before).1, asked, "DaemonStore::query_valid_paths");
+    assert_eq!(new_temp_roots(&state, &before).0, asked, "DaemonStore::query_valid_paths");
     drop((sluice, raw, nix, nix_daemon, store, daemon));
 }
 

@@ -388,7 +388,7 @@ fn an_uncompressed_nar_with_one_wrong_hash_is_named_by_that_field() {
 const BIG: usize = 40 << 20;
 
 /// The peak RSS (KiB) a verify of [`big_zstd_cache`]'s four paths must stay under.
-const MAX_VERIFY_RSS_KIB: i64 = 100 * 1024;
+const MAX_VERIFY_RSS_KIB: u64 = 100 * 1024;
 
 /// A `file://` zstd cache written by `sluice copy` (frames of 16 MiB) under `tmp`, of `n`
 /// paths of [`BIG`] bytes added by real Nix, each random blocks between runs of zeros as
@@ -435,11 +435,12 @@ fn big_multi_frame_nars_are_checked_in_bounded_memory_and_broken_ones_named() {
     let tmp = tempfile::tempdir().unwrap();
     let (cache, paths) = big_zstd_cache(tmp.path(), 4);
     let url = format!("file://{}", cache.display());
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
-    isolate(&mut cmd, tmp.path(), "");
+    let rss = tmp.path().join("rss");
+    let mut cmd = sluice_measured(tmp.path(), &rss);
     cmd.args(["store", "verify", "--store", &url, "--no-trust", "--check-contents"]).args(&paths);
-    let (status, rss_kib) = wait_with_rss(cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap());
-    assert_eq!(status, 0, "verify of the intact cache");
+    let o = cmd.output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "verify of the intact cache: {}", stderr(&o));
+    let rss_kib = measured_rss(&rss);
     eprintln!("verify of 4 NARs of 40 MiB: peak RSS {} MiB", rss_kib / 1024);
     assert!(rss_kib < MAX_VERIFY_RSS_KIB, "peak RSS {rss_kib} KiB (limit {MAX_VERIFY_RSS_KIB} KiB)");
 

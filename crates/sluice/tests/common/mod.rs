@@ -103,18 +103,21 @@ pub fn nix_modern(tmp: &Path, args: &[&str]) -> Output {
     cmd.current_dir(tmp).args(args).output().unwrap()
 }
 
-/// Waits for `child`; its exit code and peak RSS in KiB (from `wait4`'s resource usage).
-pub fn wait_with_rss(child: std::process::Child) -> (i32, i64) {
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0i32;
-    // SAFETY: `rusage` is plain old data, so all-zero is a valid value.
-    #[allow(unsafe_code)] // a libc call the test drives processes or files with
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: wait4 on our own child with valid out-pointers.
-    #[allow(unsafe_code)] // a libc call the test drives processes or files with
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    assert!(r > 0, "wait4 failed");
-    (libc::WEXITSTATUS(status), usage.ru_maxrss)
+/// A command that runs sluice (its arguments to be added) under GNU time, isolated in `tmp`,
+/// which writes the peak RSS of the sluice process alone to `rss` ([`measured_rss`]). The
+/// resource usage `wait4` gives for a child of the test process would not do: Linux keeps in
+/// it the peak of the memory the child had before its `exec`, the test process's own, which is
+/// hundreds of MiB when many tests run in it.
+pub fn sluice_measured(tmp: &Path, rss: &Path) -> Command {
+    let mut cmd = Command::new("/usr/bin/time");
+    isolate(&mut cmd, tmp, "");
+    cmd.args(["-f", "%M", "-o", rss.to_str().unwrap(), env!("CARGO_BIN_EXE_sluice")]);
+    cmd
+}
+
+/// The peak RSS in KiB that a [`sluice_measured`] command wrote to `rss`.
+pub fn measured_rss(rss: &Path) -> u64 {
+    std::fs::read_to_string(rss).unwrap().lines().last().unwrap().trim().parse().unwrap()
 }
 
 /// Text of standard error, for assertions.
