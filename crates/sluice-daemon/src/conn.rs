@@ -4,12 +4,12 @@
 //! with one `ERROR` and the connection is closed, since the stream cannot be resynchronised;
 //! a failing operation whose request was read completely leaves the connection usable.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use sluice_local_store::{KeptReads, KeptTempDir, LocalStore, TempRoots};
+use sluice_local_store::{KeptTempDir, LocalStore, TempRoots};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::ops::{read_request, Op, Request};
 use sluice_nix::wire::{ProtocolVersion, StderrWriter, WireError};
@@ -109,30 +109,16 @@ pub(crate) struct Conn<'d> {
 }
 
 /// What a connection keeps while its client keeps asking (see [`crate::duplex`]): the shared
-/// GC lock of its temporary roots, the store's directory of temporary trees once an addition
-/// used it, and the read transaction its queries share once one was read through it.
+/// GC lock of its temporary roots, and the store's directory of temporary trees once an
+/// addition used it.
 pub(crate) struct Kept {
     pub roots: TempRoots,
     temp_dir: RefCell<Option<KeptTempDir>>,
-    store: Arc<LocalStore>,
-    /// Whether a query was read through [`Kept::reads`] since the last release.
-    reading: Cell<bool>,
 }
 
 impl Kept {
-    pub(crate) fn new(roots: TempRoots, store: Arc<LocalStore>) -> Rc<Kept> {
-        Rc::new(Kept { roots, temp_dir: RefCell::new(None), store, reading: Cell::new(false) })
-    }
-
-    /// The store's queries, read in one transaction kept across requests while the GC lock is
-    /// kept (`sluice_local_store::KeptReads`): the lock is kept from here if it is free, so
-    /// that a client that only asks keeps it too. If it cannot be, they read as usual.
-    pub(crate) fn reads(&self) -> KeptReads<'_> {
-        match self.roots.keep_gc_lock() {
-            Ok(kept) => self.reading.set(self.reading.get() || kept),
-            Err(e) => tracing::debug!("{e}; reading without keeping it"),
-        }
-        self.store.kept_reads(&self.roots)
+    pub(crate) fn new(roots: TempRoots) -> Rc<Kept> {
+        Rc::new(Kept { roots, temp_dir: RefCell::new(None) })
     }
 
     /// Keeps `store`'s directory of temporary trees (an addition is about to use it) while the
@@ -146,18 +132,14 @@ impl Kept {
 }
 
 impl Kept {
-    /// How long the GC lock has been kept (zero for a directory or reads kept without it), if
-    /// any of them is.
+    /// How long the GC lock has been kept (zero for a directory kept without it), if either is.
     pub(crate) fn held_for(&self) -> Option<std::time::Duration> {
-        let others = || (self.temp_dir.borrow().is_some() || self.reading.get()).then_some(std::time::Duration::ZERO);
-        self.roots.gc_lock_held_for().or_else(others)
+        let dir = || self.temp_dir.borrow().as_ref().map(|_| std::time::Duration::ZERO);
+        self.roots.gc_lock_held_for().or_else(dir)
     }
 
-    /// Ends the kept reads, then gives up the GC lock and the directory.
+    /// Gives up the GC lock and the directory.
     pub(crate) fn release(&self) {
-        if self.reading.take() {
-            self.store.end_kept_reads(&self.roots);
-        }
         self.roots.release_gc_lock();
         self.temp_dir.borrow_mut().take();
     }

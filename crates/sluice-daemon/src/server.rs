@@ -176,7 +176,7 @@ fn serve_connection(
         }
     };
     let temp_roots = store.temp_roots();
-    let kept = Kept::new(temp_roots.clone(), Arc::clone(&store));
+    let kept = Kept::new(temp_roots.clone());
     r.get_mut().set_lease(Box::new(Rc::clone(&kept)));
     let admitted = client.map(|c| &c.admitted);
     let mut conn =

@@ -70,7 +70,7 @@ impl LocalStore {
         // failed query leaves each path to check its own.
         let in_batch: BTreeSet<&StorePath> = batch.iter().map(|(p, _)| &p.info.path).collect();
         let outside: BTreeSet<&StorePath> = batch.iter().flat_map(|(p, _)| &p.info.references).filter(|r| !in_batch.contains(r)).collect();
-        let known_valid = self.registry.valid_paths(outside.into_iter(), crate::kept_reads::Reading::Fresh).unwrap_or_default();
+        let known_valid = self.registry.valid_paths(outside.into_iter()).unwrap_or_default();
         let mut outcomes = Vec::with_capacity(batch.len());
         for (pending, policy) in &batch {
             let info = &pending.info;

@@ -30,7 +30,6 @@ mod dump;
 mod error;
 mod fs_nar;
 mod gc;
-mod kept_reads;
 mod layout;
 mod lock;
 mod nar_hash_thread;
@@ -52,7 +51,6 @@ pub use commit::Uncommitted;
 pub use dump::NarDump;
 pub use fs_nar::{dump_fs_path, restore_nar};
 pub use gc::{GcAction, GcOptions, GcResults, Roots};
-pub use kept_reads::KeptReads;
 pub use optimise::{OptimiseEvent, OptimiseStats};
 pub use pending::PendingPath;
 pub use temp_dir::{is_temp_dir, KeptTempDir, TEMP_DIR_NAME};
@@ -74,7 +72,6 @@ use sluice_nix::store_path::{StoreDir, StorePath};
 use crate::config::LocalStoreConfig;
 use error::io_err;
 pub use error::{untrusted_detail, unverified_signers, LocalStoreError};
-use kept_reads::Reading;
 use layout::Layout;
 use lock::PathLock;
 use registry::Registry;
@@ -216,24 +213,24 @@ impl LocalStore {
     /// The registration of `path` (references sorted, sigs as a set), or `None` if it is not
     /// valid.
     pub fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> {
-        self.registry.query_path_info(path, Reading::Fresh)
+        self.registry.query_path_info(path)
     }
 
     /// The registrations of `paths`, in order (`None` for a path that is not valid), read in
     /// one database transaction: cheaper than a [`query_path_info`](Self::query_path_info)
     /// per path. Each path's failure (a corrupt row) is its own.
     pub fn query_path_infos(&self, paths: &[StorePath]) -> Vec<Result<Option<ValidPathInfo>, LocalStoreError>> {
-        self.registry.query_path_infos(paths, Reading::Fresh)
+        self.registry.query_path_infos(paths)
     }
 
     /// Whether `path` is registered.
     pub fn is_valid_path(&self, path: &StorePath) -> Result<bool, LocalStoreError> {
-        Ok(!self.registry.valid_paths(std::iter::once(path), Reading::Fresh)?.is_empty())
+        Ok(!self.registry.valid_paths(std::iter::once(path))?.is_empty())
     }
 
     /// The subset of `paths` that is valid, in one query batch.
     pub fn query_valid_paths(&self, paths: &[StorePath]) -> Result<BTreeSet<StorePath>, LocalStoreError> {
-        self.registry.valid_paths(paths.iter(), Reading::Fresh)
+        self.registry.valid_paths(paths.iter())
     }
 
     /// The valid paths that reference `path` (including `path` itself if it is
@@ -284,7 +281,7 @@ impl LocalStore {
         let mut seen = BTreeSet::from([path.clone()]);
         let mut next = vec![path.clone()];
         while let Some(p) = next.pop() {
-            let Ok(Some(info)) = self.registry.query_path_info(&p, Reading::Fresh) else { continue };
+            let Ok(Some(info)) = self.registry.query_path_info(&p) else { continue };
             for r in info.references {
                 if seen.insert(r.clone()) {
                     lock::clear_stale(&self.real_path(&r));

@@ -152,7 +152,7 @@ impl PendingPath {
         verify::verify(&self.store.store_dir, info, unpacked, policy, self.vouched.as_ref())?;
         let others: Vec<&StorePath> =
             info.references.iter().filter(|r| **r != info.path && !batch.contains(*r) && !known_valid.contains(*r)).collect();
-        let valid = self.store.registry.valid_paths(others.iter().copied(), crate::kept_reads::Reading::Fresh)?;
+        let valid = self.store.registry.valid_paths(others.iter().copied())?;
         if let Some(missing) = others.into_iter().find(|r| !valid.contains(*r)) {
             return Err(LocalStoreError::MissingReference { path: shown, reference: self.store.store_dir.display_path(missing) });
         }

@@ -14,7 +14,6 @@ use sluice_nix::content_address::ContentAddress;
 use sluice_nix::hash::Hash;
 use sluice_nix::store_path::{StoreDir, StorePath, HASH_PART_LEN};
 
-use super::kept_reads::{self, Reading};
 use super::schema::Database;
 use super::LocalStoreError;
 use sluice_nix::path_info::ValidPathInfo;
@@ -61,27 +60,10 @@ impl Registry {
         Registry { db: Mutex::new(db), db_path, store_dir }
     }
 
-    /// The database, to write or to read as it is now (a read transaction kept for a
-    /// reader is ended first: [`super::kept_reads`]).
     pub(super) fn lock(&self) -> MutexGuard<'_, Database> {
-        self.read(Reading::Fresh)
-    }
-
-    /// The database, to read as `reading` asks.
-    fn read(&self, reading: Reading) -> MutexGuard<'_, Database> {
-        // A panic while holding the lock cannot leave a write transaction open (it rolls back
-        // on drop), so the connection is still usable.
-        let mut db = self.db.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let db_ref = &mut *db;
-        kept_reads::prepare(&db_ref.conn, &mut db_ref.kept, reading);
-        db
-    }
-
-    /// Ends the read transaction kept for the reader `owner` (`TempRoots::id`), if any.
-    pub(super) fn end_kept(&self, owner: usize) {
-        let mut db = self.db.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let db_ref = &mut *db;
-        kept_reads::end_for(&db_ref.conn, &mut db_ref.kept, owner);
+        // A panic while holding the lock cannot leave a transaction open (it rolls back on
+        // drop), so the connection is still usable.
+        self.db.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Maps an SQLite error to [`LocalStoreError::Db`], describing the operation.
@@ -105,18 +87,18 @@ impl Registry {
     }
 
     /// The registration of `path`, or `None` if it is not valid.
-    pub(super) fn query_path_info(&self, path: &StorePath, reading: Reading) -> Result<Option<ValidPathInfo>, LocalStoreError> {
+    pub(super) fn query_path_info(&self, path: &StorePath) -> Result<Option<ValidPathInfo>, LocalStoreError> {
         let shown = self.display(path);
-        let row = self.row(&self.read(reading).conn, &shown)?;
+        let row = self.row(&self.lock().conn, &shown)?;
         self.info_from_row(path, &shown, row)
     }
 
     /// The registrations of `paths`, in order, read in one transaction: one read lock of the
     /// database for all, instead of one per statement. A failure affects only its own path.
-    pub(super) fn query_path_infos(&self, paths: &[StorePath], reading: Reading) -> Vec<Result<Option<ValidPathInfo>, LocalStoreError>> {
+    pub(super) fn query_path_infos(&self, paths: &[StorePath]) -> Vec<Result<Option<ValidPathInfo>, LocalStoreError>> {
         let shown: Vec<String> = paths.iter().map(|p| self.display(p)).collect();
         let rows: Vec<_> = {
-            let db = self.read(reading);
+            let db = self.lock();
             let _snapshot = self.read_transaction(&db.conn, paths.len());
             shown.iter().map(|s| self.row(&db.conn, s)).collect()
         };
@@ -124,11 +106,10 @@ impl Registry {
     }
 
     /// An explicit read transaction on `conn` when `statements` (more than one) are about to
-    /// run and none is open (kept for a reader); ends when dropped. Without one, SQLite locks
-    /// and unlocks the database around every statement. `None` if beginning one failed: the
-    /// statements then lock one by one.
+    /// run; ends when dropped. Without one, SQLite locks and unlocks the database around
+    /// every statement. `None` if beginning one failed: the statements then lock one by one.
     fn read_transaction<'c>(&self, conn: &'c Connection, statements: usize) -> Option<rusqlite::Transaction<'c>> {
-        (statements > 1 && conn.is_autocommit()).then(|| conn.unchecked_transaction().ok()).flatten()
+        (statements > 1).then(|| conn.unchecked_transaction().ok()).flatten()
     }
 
     /// The `ValidPaths` row and references of the path shown as `shown`.
@@ -198,10 +179,9 @@ impl Registry {
     pub(super) fn valid_paths<'p>(
         &self,
         paths: impl ExactSizeIterator<Item = &'p StorePath>,
-        reading: Reading,
     ) -> Result<BTreeSet<StorePath>, LocalStoreError> {
         let err = || "querying path validity".to_owned();
-        let db = self.read(reading);
+        let db = self.lock();
         let _snapshot = self.read_transaction(&db.conn, paths.len());
         let mut stmt = db.conn.prepare_cached(QUERY_ID).map_err(self.sql_err(err))?;
         let mut valid = BTreeSet::new();

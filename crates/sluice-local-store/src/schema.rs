@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
 
-use super::kept_reads::Snapshot;
 use super::lock::{hold_shared, relock};
 use super::{io_err, LocalStoreError};
 
@@ -70,8 +69,6 @@ create index if not exists IndexDerivationOutputs on DerivationOutputs(path);
 pub(super) struct Database {
     pub(super) conn: Connection,
     _big_lock: Option<fs::File>,
-    /// The read transaction kept open on `conn` for a reader, if any ([`super::kept_reads`]).
-    pub(super) kept: Option<Snapshot>,
 }
 
 /// Opens the existing database in `db_dir` as Nix's `read-only` mode does
@@ -93,7 +90,7 @@ pub(super) fn open_read_only(db_dir: &Path) -> Result<Database, LocalStoreError>
     let conn = Connection::open_with_flags(&uri, flags).map_err(db_err("opening read-only"))?;
     conn.set_prepared_statement_cache_capacity(32);
     conn.pragma_update(None, "foreign_keys", 1).map_err(db_err("enabling foreign keys"))?;
-    Ok(Database { conn, _big_lock: None, kept: None })
+    Ok(Database { conn, _big_lock: None })
 }
 
 /// `path` for an SQLite `file:` URI: `?`, `#` and `%` percent-encoded.
@@ -157,5 +154,5 @@ pub(super) fn open(db_dir: &Path) -> Result<Database, LocalStoreError> {
             .map_err(io_err("writing", &schema_path))?;
     }
     relock(&big_lock, false).map_err(io_err("locking", &big_lock_path))?;
-    Ok(Database { conn, _big_lock: Some(big_lock), kept: None })
+    Ok(Database { conn, _big_lock: Some(big_lock) })
 }

@@ -21,12 +21,10 @@
 //! --gc --print-roots`, which reads the files without the lock, sees them then); a collector
 //! starting meanwhile waits for the release. Roots that cannot be written keep the lock until
 //! they are, or until the holder ends. A lock
-//! given up while a collector waits for it (a process blocked taking it exclusively, as
-//! `/proc/locks` lists it) is kept again only [`GC_LOCK_GAP`] later, roots taking it one at a
-//! time meanwhile: `flock` does not queue shared lockers behind a waiting exclusive one, so
+//! given up is kept again only [`GC_LOCK_GAP`] later, roots taking it one at a time
+//! meanwhile: `flock` does not queue shared lockers behind a waiting exclusive one, so
 //! connections that kept it back to back would keep a collector waiting for as long as their
-//! clients keep asking. With no collector waiting it is kept again at once: a collector that
-//! starts waiting meanwhile is seen at the next release, one lease later.
+//! clients keep asking.
 //!
 //! Roots are added before the paths they protect are looked at (Nix's order: `addTempRoot`,
 //! then `isValidPath`): a collector that is deleting the path at that moment finishes first
@@ -89,40 +87,18 @@ impl TempRoots {
     }
 
     fn add_with(&self, paths: &[StorePath], keep: bool) -> Result<(), LocalStoreError> {
-        self.with_file(|file| file.add_all(paths, keep))
-    }
-
-    /// Keeps the shared GC lock as [`TempRoots::add_all_keeping_gc_lock`] does, without adding
-    /// a root, for a holder that reads the store and wants no collector to start meanwhile
-    /// (`LocalStore::kept_reads`). `false` (not kept) while a collector holds it, and for
-    /// [`GC_LOCK_GAP`] after it was given up.
-    pub fn keep_gc_lock(&self) -> Result<bool, LocalStoreError> {
-        self.with_file(TempRootsFile::keep_gc_lock)
-    }
-
-    /// Runs `f` on the file, created first if there is none yet.
-    fn with_file<T>(&self, f: impl FnOnce(&mut TempRootsFile) -> Result<T, LocalStoreError>) -> Result<T, LocalStoreError> {
         let mut file = self.lock();
-        match &mut *file {
-            Some(file) => f(file),
-            None => f(file.insert(TempRootsFile::create(&self.state_dir, &self.store_dir)?)),
-        }
+        let file = match &mut *file {
+            Some(f) => f,
+            None => file.insert(TempRootsFile::create(&self.state_dir, &self.store_dir)?),
+        };
+        file.add_all(paths, keep)
     }
 
     /// How long the shared GC lock has been kept ([`TempRoots::add_all_keeping_gc_lock`]),
     /// if it is.
     pub fn gc_lock_held_for(&self) -> Option<Duration> {
-        self.gc_locked_since().map(|at| at.elapsed())
-    }
-
-    /// When the shared GC lock kept now was taken, if it is kept.
-    pub(crate) fn gc_locked_since(&self) -> Option<Instant> {
-        self.lock().as_ref()?.gc_locked_at
-    }
-
-    /// What tells this holder (and its clones) from the others of the process.
-    pub(crate) fn id(&self) -> usize {
-        Arc::as_ptr(&self.file) as usize
+        self.lock().as_ref()?.gc_locked_at.map(|at| at.elapsed())
     }
 
     /// Writes the roots added since the shared GC lock was kept by
@@ -159,8 +135,7 @@ struct TempRootsFile {
     gc_lock: File,
     /// When the shared GC lock kept on `gc_lock` was taken, while it is kept.
     gc_locked_at: Option<Instant>,
-    /// When a kept shared GC lock was last given up while a collector waited for it
-    /// ([`GC_LOCK_GAP`]).
+    /// When a kept shared GC lock was last given up ([`GC_LOCK_GAP`]).
     gc_released_at: Option<Instant>,
     gc_socket: PathBuf,
     /// The connection to the running collector's socket, kept for every root this holder
@@ -288,24 +263,6 @@ impl TempRootsFile {
         Ok(())
     }
 
-    /// [`TempRoots::keep_gc_lock`].
-    fn keep_gc_lock(&mut self) -> Result<bool, LocalStoreError> {
-        if self.gc_locked_at.is_some() {
-            return Ok(true);
-        }
-        if self.gc_released_at.is_some_and(|at| at.elapsed() < GC_LOCK_GAP) {
-            return Ok(false);
-        }
-        match flock(&self.gc_lock, FlockOperation::NonBlockingLockShared) {
-            Ok(()) => {
-                self.gc_locked_at = Some(Instant::now());
-                Ok(true)
-            }
-            Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => Ok(false),
-            Err(e) => Err(io_err("taking the GC lock", &self.gc_socket.with_file_name("gc.lock"))(e.into())),
-        }
-    }
-
     /// Writes the pending roots, then gives the GC lock up. If they cannot be written, the
     /// lock is kept (a collector must not read the file without them) and the error returned.
     fn unlock_gc(&mut self) -> Result<(), LocalStoreError> {
@@ -314,7 +271,7 @@ impl TempRootsFile {
             self.pending.clear();
         }
         if self.gc_locked_at.take().is_some() {
-            self.gc_released_at = collector_waits(&self.gc_lock).then(Instant::now);
+            self.gc_released_at = Some(Instant::now());
         }
         let _ = flock(&self.gc_lock, FlockOperation::Unlock);
         Ok(())
@@ -339,18 +296,6 @@ impl Drop for TempRootsFile {
         if let Err(e) = std::fs::remove_file(&self.path) {
             tracing::warn!("removing the temporary roots file {}: {e}", self.path.display());
         }
-    }
-}
-
-/// Whether a process waits to take `gc_lock` (an open `gc.lock`) exclusively, as a collector
-/// blocked behind the shared holders does: `/proc/locks` lists it after `->`, with the lock
-/// file's device and inode. `true` when that cannot be told.
-fn collector_waits(gc_lock: &File) -> bool {
-    let Ok(stat) = rustix::fs::fstat(gc_lock) else { return true };
-    let id = format!("{:02x}:{:02x}:{}", rustix::fs::major(stat.st_dev), rustix::fs::minor(stat.st_dev), stat.st_ino);
-    match std::fs::read_to_string("/proc/locks") {
-        Ok(locks) => locks.lines().any(|l| l.contains("->") && l.contains(" WRITE ") && l.split_whitespace().any(|f| f == id)),
-        Err(_) => true,
     }
 }
 
@@ -493,13 +438,12 @@ mod tests {
         assert!(can_collect() && roots.gc_lock_held_for().is_none());
         assert_eq!(written(), 5);
         roots.add_all_keeping_gc_lock(&paths(&dir, 5, 1)).unwrap();
-        assert_eq!((written(), can_collect()), (5, false), "kept again at once: no collector waited");
+        assert_eq!(written(), 6, "written at once within the gap, the lock not kept");
     }
 
-    /// A lock given up while a collector waits for it is not kept again within
-    /// [`GC_LOCK_GAP`]: roots added meanwhile take it one at a time, so a collector waiting for
-    /// it gets it between them; after the gap it is kept again. Given up with no collector
-    /// waiting, it is kept again at once.
+    /// A lock given up is not kept again within [`GC_LOCK_GAP`]: roots added meanwhile take it
+    /// one at a time, so a collector waiting for it gets it between them; after the gap it is
+    /// kept again.
     #[test]
     fn a_released_gc_lock_is_kept_again_only_after_the_gap() {
         let (state, dir) = (tempfile::tempdir().unwrap(), StoreDir::new("/nix/store").unwrap());
@@ -508,21 +452,9 @@ mod tests {
         roots.add_all_keeping_gc_lock(&paths(&dir, 0, 1)).unwrap();
         roots.release_gc_lock();
         roots.add_all_keeping_gc_lock(&paths(&dir, 1, 1)).unwrap();
-        assert!(!can_collect() && roots.gc_lock_held_for().is_some(), "not kept again at once with no collector waiting");
-        let gc_lock = super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap();
-        let waiting = std::thread::spawn(move || {
-            lock(&gc_lock, FlockOperation::LockExclusive).unwrap();
-            gc_lock
-        });
-        while !collector_waits(&super::super::lock::open_lock_file(&state.path().join("gc.lock")).unwrap()) {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        roots.release_gc_lock();
-        drop(waiting.join().unwrap());
-        roots.add_all_keeping_gc_lock(&paths(&dir, 2, 1)).unwrap();
         assert!(can_collect() && roots.gc_lock_held_for().is_none(), "kept again within the gap");
         std::thread::sleep(GC_LOCK_GAP);
-        roots.add_all_keeping_gc_lock(&paths(&dir, 3, 1)).unwrap();
+        roots.add_all_keeping_gc_lock(&paths(&dir, 2, 1)).unwrap();
         assert!(!can_collect() && roots.gc_lock_held_for().is_some(), "not kept after the gap");
     }
 

@@ -288,7 +288,7 @@ pub(super) fn verify_derivation(
         }
     }
     let inputs: Vec<&StorePath> = drv.input_drvs.keys().filter(|p| !batch.contains(*p)).collect();
-    let valid = store.registry.valid_paths(inputs.iter().copied(), crate::kept_reads::Reading::Fresh)?;
+    let valid = store.registry.valid_paths(inputs.iter().copied())?;
     if let Some(input) = inputs.into_iter().find(|p| !valid.contains(*p)) {
         let why = format!("derivation '{shown}' has the input derivation '{}', which is not valid", dir.display_path(input));
         return Err(LocalStoreError::DerivationOutputs(DerivationError(why)));

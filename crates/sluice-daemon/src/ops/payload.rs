@@ -131,7 +131,7 @@ pub(super) fn add_content(
     let self_ref = false;
     let path = ca.store_path(dir, name, &references.iter().cloned().collect::<Vec<_>>(), self_ref).map_err(op_err)?;
     kept.roots.add_all_keeping_gc_lock(std::slice::from_ref(&path)).map_err(op_err)?;
-    if let Some(info) = kept.reads().query_path_info(&path).map_err(op_err)?.filter(|_| !repair) {
+    if let Some(info) = store.query_path_info(&path).map_err(op_err)?.filter(|_| !repair) {
         return Ok(info);
     }
     let spool_err = |e: io::Error| Fail::Op(format!("preparing the NAR of {}: {e}", dir.display_path(&path)));

@@ -22,7 +22,7 @@ use crate::conn::{op_err, Conn, Fail, OpResult};
 
 /// IsValidPath: path → bool.
 pub(super) fn is_valid_path(c: &mut Conn, IsValidPath { path }: IsValidPath) -> OpResult {
-    let valid = c.kept.reads().is_valid_path(&path).map_err(op_err)?;
+    let valid = c.store().is_valid_path(&path).map_err(op_err)?;
     c.reply(|w, _| write_bool(w, valid))
 }
 
@@ -68,7 +68,7 @@ pub(super) fn path_info(c: &mut Conn, QueryPathInfo { path }: QueryPathInfo) -> 
 /// The replies to QueryPathInfo requests for `paths`, in order; a request that fails gets
 /// its `ERROR` in its place, as `serve` would send it.
 fn answer_path_infos(c: &mut Conn, paths: &[StorePath]) -> OpResult {
-    let infos = c.kept.reads().query_path_infos(paths);
+    let infos = c.store().query_path_infos(paths);
     for (path, info) in paths.iter().zip(infos) {
         match info.map_err(op_err).and_then(|info| answer_path_info(c, path, info)) {
             Err(Fail::Op(msg)) => c.stderr().error(&mut c.w, &msg)?,
@@ -120,7 +120,7 @@ pub(super) fn closure_infos(c: &mut Conn, QueryClosureInfos { paths }: QueryClos
 
 /// The infos of the valid ones of `paths`, read in one transaction.
 fn valid_infos(c: &Conn, paths: &[StorePath]) -> Result<Vec<ValidPathInfo>, Fail> {
-    let infos = c.kept.reads().query_path_infos(paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
+    let infos = c.store().query_path_infos(paths).into_iter().collect::<Result<Vec<_>, _>>().map_err(op_err)?;
     Ok(infos.into_iter().flatten().collect())
 }
 
