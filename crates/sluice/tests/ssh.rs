@@ -226,8 +226,8 @@ fn base64_of(bytes: &[u8]) -> String {
     String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap()
 }
 
-/// A far end that dies in the middle of a copy (its output cut after 200 KB pulling, its
-/// input cut after 200 KB pushing) fails the copy with an error naming the host and leaves
+/// A far end that dies in the middle of a copy (its output cut after 100 KB pulling, its
+/// input cut after 100 KB pushing) fails the copy with an error naming the host and leaves
 /// nothing half-registered on either side: sluice's store holds only whole, registered paths
 /// whose closures are complete and nothing temporary, and Nix's verifies.
 #[test]
@@ -238,7 +238,7 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
     let (root, paths, src) = subset_store(tmp);
     let push = |url: &str| sluice_copy(tmp, &sshd, src.to_str().unwrap(), url, None, &root);
     check(&push(&far_end(tmp, "far", FarEnd::Nix28, "CMD").1), "push");
-    let (_, cut_output) = far_end(tmp, "far", FarEnd::Nix28, "CMD | dd bs=64K count=200000 iflag=count_bytes status=none");
+    let (_, cut_output) = far_end(tmp, "far", FarEnd::Nix28, &format!("CMD | {}", pass_first(CUT_AT, "")));
     let back = tmp.join("back");
     let o = sluice_copy(tmp, &sshd, &cut_output, back.to_str().unwrap(), Some(&corpus_key()), &root);
     assert!(!o.status.success(), "a pull from a far end cut short succeeded");
@@ -251,7 +251,7 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
         let closure = nix_path_info(tmp, back.to_str().unwrap(), path);
         assert!(closure.iter().all(|i| i["valid"].as_bool() != Some(false)), "{path}'s closure is incomplete: {closure:?}");
     }
-    let (far2, cut_input) = far_end(tmp, "far2", FarEnd::Nix28, CUT_INPUT);
+    let (far2, cut_input) = far_end(tmp, "far2", FarEnd::Nix28, &cut_input());
     let o = push(&cut_input);
     assert!(!o.status.success(), "a push into a far end cut short succeeded");
     assert!(stderr(&o).contains("ssh-ng://sluice-test"), "{}", stderr(&o));
@@ -260,7 +260,7 @@ fn a_far_end_killed_mid_copy_leaves_nothing_half_registered() {
 }
 
 /// A far end that stops reading or writing midway and stays connected (its output, then its
-/// input, no longer passed on after 200 KB) is given up after `stalled-download-timeout`, a
+/// input, no longer passed on after 100 KB) is given up after `stalled-download-timeout`, a
 /// pull and a push each failing with one error naming the host, instead of waiting for ever;
 /// the local store holds nothing half-registered and the far one verifies. A far end whose
 /// output ends while it lives on is not waited for either (before, the pull waited for it to
@@ -270,8 +270,8 @@ fn a_far_end_that_stalls_is_given_up() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
     let sshd = Sshd::start(tmp);
-    let (root, _, src) = subset_store(tmp);
-    let stall = "{ dd bs=64K count=200000 iflag=count_bytes status=none; sleep 30; }";
+    let (root, paths, src) = subset_store(tmp);
+    let stall = pass_first(CUT_AT, "sleep 30");
     let copy = |from: &str, to: &str, said: &str| {
         let o = over_ssh(tmp, &sshd, Path::new("timeout"))
             .arg("60")
@@ -305,15 +305,20 @@ fn a_far_end_that_stalls_is_given_up() {
     assert_store_closed(&back);
     assert_nix_verifies(tmp, &back);
     // ssh keeps its output open while it lives: the far end `localhost` runs here, without
-    // ssh, ends it.
-    let closed = "CMD | dd bs=64K count=200000 iflag=count_bytes status=none; exec >&-; sleep 90";
-    let (_, closed_output) = far_end(tmp, "far", FarEnd::Sluice, closed);
+    // ssh, ends it. Its output is held by the cut alone (the shell keeps no copy of it), which
+    // closes it and lives on, the daemon behind it waiting.
+    let closed = format!(
+        "exec 3>&1 4<&0; CMD <&4 4<&- 3>&- | {} >&3 3>&- 4<&- & exec 3>&- 4<&- >&-; wait",
+        pass_first(CUT_AT, "close STDOUT; sleep 90")
+    );
+    let (_, closed_output) = far_end(tmp, "far", FarEnd::Sluice, &closed);
     copy(&closed_output.replacen(HOST, "localhost", 1), back.to_str().unwrap(), "(end of its output)");
     assert_store_closed(&back);
     assert_nix_verifies(tmp, &back);
     let (far2, stalled_input) = far_end(tmp, "far2", FarEnd::Nix28, &format!("{stall} | CMD"));
     copy(src.to_str().unwrap(), &stalled_input, stalled);
-    assert!(registered_paths(&far2).is_empty());
+    assert!(registered_paths(&far2).len() < paths.len());
+    assert_nix_verifies(tmp, &far2);
 }
 
 /// A NAR this side cannot read whole (the source cache's file of glibc cut short) fails a
@@ -354,8 +359,45 @@ fn copy_command(tmp: &Path, sshd: &Sshd, program: &Path) -> Command {
     cmd
 }
 
-/// The far end's input cut after 200 KB (a `far_end` shape).
-const CUT_INPUT: &str = "dd bs=64K count=200000 iflag=count_bytes status=none | CMD";
+/// A shell command (for `far_end` shapes) that passes the first `bytes` of its input on as they
+/// come, then runs the Perl statements `then` and ends. Not `dd bs=64K count=N
+/// iflag=count_bytes`, which counts a short read from a pipe as a block: it ended after three
+/// reads and 3,392 bytes more, within the handshake or the first reply, and whether the far end
+/// then ended or stalled depended on how its writes fell. Nor `head -c`, whose output is
+/// buffered.
+pub(crate) fn pass_first(bytes: u64, then: &str) -> String {
+    format!("perl -e '$n = {bytes}; while ($n > 0 && ($r = sysread(STDIN, $b, $n < 65536 ? $n : 65536))) {{ syswrite(STDOUT, $b); $n -= $r }} {then}'")
+}
+
+/// Where these tests cut a far end's stream (bytes): midway through a push or pull of the
+/// subset, whose stream is about 218 KB between two sluice ends (zstd) and 567 KB of NAR
+/// otherwise, and more than a pipe's buffer before its end, so that the far end, writing,
+/// finds its output gone.
+pub(crate) const CUT_AT: u64 = 100_000;
+
+/// The far end's input cut after [`CUT_AT`] (a `far_end` shape).
+pub(crate) fn cut_input() -> String {
+    format!("{} | CMD", pass_first(CUT_AT, ""))
+}
+
+/// Waits (up to 30 s) until no process is left whose arguments name the store under `store`
+/// (a far end's daemon, given `--store` or `remote-store`), which goes on after the copy that
+/// cut it off has ended, so that its store can be checked as it left it.
+pub(crate) fn wait_far_end_gone(store: &Path) {
+    let store = store.to_str().unwrap();
+    let names_store = |pid: &std::ffi::OsStr| {
+        let args = std::fs::read(Path::new("/proc").join(pid).join("cmdline")).unwrap_or_default();
+        args.split(|&b| b == 0).any(|a| a == store.as_bytes() || a.ends_with(format!("root={store}").as_bytes()))
+    };
+    for _ in 0..300 {
+        let procs = std::fs::read_dir("/proc").unwrap().filter_map(Result::ok);
+        if !procs.map(|e| e.file_name()).any(|pid| names_store(&pid)) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("the far end of {store} still runs after 30 s");
+}
 
 /// A push whose stream is cut midway into `sluice daemon --stdio`, which commits the paths of
 /// an AddMultipleToStore in batches, leaves nothing half-registered there, from sluice and
@@ -369,9 +411,10 @@ fn a_push_cut_midway_into_sluice_leaves_nothing_half_registered() {
     let sshd = Sshd::start(tmp);
     let (root, paths, src) = subset_store(tmp);
     for (pusher, name) in [(sluice_bin(), "far-a"), (nix_modern_bin(), "far-b")] {
-        let (far, cut) = far_end(tmp, name, FarEnd::Sluice, CUT_INPUT);
+        let (far, cut) = far_end(tmp, name, FarEnd::Sluice, &cut_input());
         let o = copy_command(tmp, &sshd, &pusher).args(["--from", src.to_str().unwrap(), "--to", &cut, &root]).output().unwrap();
         assert!(!o.status.success(), "{}: a push into a far end cut short succeeded", pusher.display());
+        wait_far_end_gone(&far);
         assert_store_closed(&far);
         let registered = registered_paths(&far);
         assert!(registered.len() < paths.len(), "everything was copied: {registered:?}");

@@ -19,6 +19,7 @@ use sluice_nix::wire::{read_store_path_set, read_u64, write_bytes, write_store_p
 use crate::common::sshd::{Sshd, HOST};
 use crate::common::*;
 use crate::push::{source_store, subset};
+use crate::ssh::{cut_input, wait_far_end_gone};
 
 /// A one-line `remote-program` for Nix's `ssh://` store: `sluice legacy-serve` on the store
 /// under `store` (Nix appends `--serve --write`).
@@ -669,10 +670,11 @@ fn a_push_into_legacy_serve_is_one_batch_and_a_cut_one_leaves_nothing_half_regis
     assert!((1..=3).contains(&syncfs), "{syncfs} syncfs for {} paths", paths.len());
 
     let cut_far = tmp.join("cut-far");
-    let cut = shaped_serve_wrapper(tmp, "serve-cut", &cut_far, "dd bs=64K count=200000 iflag=count_bytes status=none | CMD");
+    let cut = shaped_serve_wrapper(tmp, "serve-cut", &cut_far, &cut_input());
     let o = push(&cut);
     assert!(!o.status.success(), "a push into a far end cut short succeeded");
     assert!(stderr(&o).contains(HOST), "{}", stderr(&o));
+    wait_far_end_gone(&cut_far);
     assert_store_closed(&cut_far);
     let registered = registered_paths(&cut_far);
     assert!(registered.len() < paths.len(), "everything was copied: {registered:?}");
