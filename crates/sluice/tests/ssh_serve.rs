@@ -580,6 +580,34 @@ fn a_lying_far_end_adds_nothing_it_was_not_asked_for() {
     assert_store_closed(&local);
 }
 
+/// A pull sends its first request (QueryClosure) right behind the greeting, before the far end
+/// has answered it: from a far end that answers the greeting only once a request has come, the
+/// path is copied (before, each waited for the other until the stall limit), its NAR asked
+/// for once; a push's first request (QueryValidPaths) is sent alike.
+#[test]
+fn the_first_request_goes_with_the_greeting() {
+    let (dir, sshd, src, one) = before_a_far_end(1);
+    let tmp = dir.path();
+    let (a, a_nar) = &one[0];
+    let a_shown = StoreDir::default().display_path(&a.path);
+    let mut replies = far_replies(&[a], &[a], &[(a, a_nar.as_slice())]);
+    replies.push(("greet-late".into(), Vec::new()));
+    let (url, far) = hostile_far_end(tmp, "late", replies);
+    let local = tmp.join("local");
+    let (to, stall) = (local.to_str().unwrap(), "stalled-download-timeout");
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--option", stall, "5", "--no-check-sigs", "--from", &url, "--to", to, &a_shown]);
+    check(&o, "a pull from a far end that greets late");
+    assert_eq!(registered_paths(&local), BTreeSet::from([a_shown.clone()]));
+    let log = std::fs::read_to_string(far.join("log")).unwrap();
+    assert_eq!(log.lines().collect::<Vec<_>>(), ["QueryClosure", "QueryPathInfos", &format!("DumpStorePath {}", a.path.base_name())]);
+    let mut valid = Vec::new();
+    write_store_path_set(&mut valid, &StoreDir::default(), std::iter::once(&a.path)).unwrap();
+    let (url, far) = hostile_far_end(tmp, "late-push", vec![("valid".into(), valid), ("greet-late".into(), Vec::new())]);
+    let o = sluice_over_ssh(tmp, &sshd, &["copy", "--option", stall, "5", "--from", src.to_str().unwrap(), "--to", &url, &a_shown]);
+    check(&o, "a push into a far end that greets late and has the path");
+    assert_eq!(std::fs::read_to_string(far.join("log")).unwrap(), "QueryValidPaths\n");
+}
+
 /// A far end asked which paths it has cannot name others: a push into one that answers a path
 /// not asked is refused, naming it (before, it counted as one more path already there).
 #[test]

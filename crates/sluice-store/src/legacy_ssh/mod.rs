@@ -3,7 +3,8 @@
 //! pipelined ([`pipeline`]). Nix's `LegacySSHStore` (`src/libstore/legacy-ssh-store.cc`, Nix
 //! 2.8 and 2.26), which waits for each reply before the next request.
 //!
-//! Pulling: the closure in two round trips (QueryClosure, then QueryPathInfos of all of it);
+//! Pulling: the closure in two round trips (QueryClosure, sent right behind the greeting, then
+//! QueryPathInfos of all of it);
 //! NARs with DumpStorePath, all requested at once (as the copy announces them,
 //! [`Store::prefetch_nars`]) and streamed back to back, each handed to its reader as soon as
 //! it has arrived (a large one streamed into the pipe its reader unpacks from), never more than
@@ -22,8 +23,8 @@ use sluice_nix::nar::reader::copy_nar;
 use sluice_nix::path_info::{PathInfo, ValidPathInfo};
 use sluice_nix::store_path::{StoreDir, StorePath};
 use sluice_nix::wire::serve::{
-    read_path_info_entries, serve_at_least, write_export_trailer, write_serve_request, AddToStoreNar, DumpStorePath, ImportPaths,
-    QueryClosure, QueryPathInfos, QueryValidPaths,
+    read_path_info_entries, serve_at_least, write_export_trailer, write_serve_request, write_unversioned_serve_request, AddToStoreNar,
+    DumpStorePath, ImportPaths, QueryClosure, QueryPathInfos, QueryValidPaths,
 };
 use sluice_nix::wire::{read_store_path_set, read_u64, write_u64, ProtocolVersion};
 
@@ -56,10 +57,11 @@ pub(crate) struct LegacySshStore {
 
 impl LegacySshStore {
     /// Runs the remote program (`remote-program --serve --write [--store remote-store]`) on
-    /// the host of `ssh` and greets it. A host that cannot be reached, or a remote program that
-    /// is missing or does not speak the protocol, is one error naming the host; so is one that
-    /// moves no byte either way for `stall` while a reply or a request waits
-    /// ([`SshChannel::give_up_after`](crate::ssh::SshChannel::give_up_after)).
+    /// the host of `ssh` and greets it, without waiting for its answer (the first request
+    /// follows the greeting at once, [`pipeline`]). A host that cannot be reached, or a remote
+    /// program that is missing or does not speak the protocol, is one error naming the host, at
+    /// the first request; so is one that moves no byte either way for `stall` while a reply or
+    /// a request waits ([`SshChannel::give_up_after`](crate::ssh::SshChannel::give_up_after)).
     pub fn open(ssh: &SshConfig, stall: std::time::Duration) -> Result<Self, StoreError> {
         let url = format!("ssh://{}", ssh.destination());
         let err = |e: String| StoreError::Other(e);
@@ -70,11 +72,12 @@ impl LegacySshStore {
         Ok(LegacySshStore { url, store_dir: StoreDir::default(), conn: Arc::new(conn), prefetched: Prefetched::default(), _master: master })
     }
 
-    /// Sends `write`'s request and waits for the value `read` makes of its reply.
+    /// Sends `write`'s request (one the far end reads alike at every version) and waits for
+    /// the value `read` makes of its reply, given the negotiated version.
     async fn ask<T: Send + 'static>(
         &self,
         write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
-        read: impl FnOnce(&mut dyn Read) -> Result<T, String> + Send + 'static,
+        read: impl FnOnce(&mut dyn Read, ProtocolVersion) -> Result<T, String> + Send + 'static,
     ) -> Result<T, StoreError> {
         let reply = self.conn.request(write, read);
         reply.await.map_err(|_| StoreError::Other(format!("{}: the connection ended", self.url)))?.map_err(StoreError::Other)
@@ -83,13 +86,13 @@ impl LegacySshStore {
     /// The infos of `paths` (one QueryPathInfos), by path; paths not valid there are absent.
     /// An answer about a path not asked is refused ([`read_path_info_entries`]).
     async fn infos(&self, paths: BTreeSet<StorePath>) -> Result<BTreeMap<StorePath, ValidPathInfo>, StoreError> {
-        let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+        let (dir, url) = (self.store_dir.clone(), self.url.clone());
         let (req, asked) = (QueryPathInfos { paths: paths.clone() }, paths);
         let read_dir = dir.clone();
         let infos = self
             .ask(
-                move |w| write_serve_request(w, &dir, version, &req),
-                move |r| read_path_info_entries(r, &read_dir, version, &asked).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
+                move |w| write_unversioned_serve_request(w, &dir, &req),
+                move |r, version| read_path_info_entries(r, &read_dir, version, &asked).map_err(|e| format!("{url}: QueryPathInfos: {e}")),
             )
             .await?;
         Ok(infos.into_iter().map(|i| (i.path.clone(), i)).collect())
@@ -116,13 +119,13 @@ impl Store for LegacySshStore {
     /// [`read_path_info_entries`] refuses an info not asked.
     fn query_valid_paths<'a>(&'a self, paths: &'a [StorePath]) -> StoreFuture<'a, BTreeSet<StorePath>> {
         Box::pin(async move {
-            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let (dir, url) = (self.store_dir.clone(), self.url.clone());
             let asked: BTreeSet<StorePath> = paths.iter().cloned().collect();
             let req = QueryValidPaths { lock: false, substitute: false, paths: asked.clone() };
             let read_dir = dir.clone();
             self.ask(
-                move |w| write_serve_request(w, &dir, version, &req),
-                move |r| {
+                move |w| write_unversioned_serve_request(w, &dir, &req),
+                move |r, _| {
                     let valid = read_store_path_set(r, &read_dir, "valid paths").map_err(|e| format!("{url}: QueryValidPaths: {e}"))?;
                     match valid.iter().find(|p| !asked.contains(*p)) {
                         Some(p) => Err(format!("{url}: QueryValidPaths: it answered {}, which was not asked", read_dir.display_path(p))),
@@ -140,13 +143,13 @@ impl Store for LegacySshStore {
     /// the path it lacks, before any NAR is asked for.
     fn closure_infos<'a>(&'a self, roots: &'a [StorePath]) -> StoreFuture<'a, BTreeMap<StorePath, ValidPathInfo>> {
         Box::pin(async move {
-            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let (dir, url) = (self.store_dir.clone(), self.url.clone());
             let req = QueryClosure { include_outputs: false, paths: roots.iter().cloned().collect() };
             let read_dir = dir.clone();
             let closure = self
                 .ask(
-                    move |w| write_serve_request(w, &dir, version, &req),
-                    move |r| read_store_path_set(r, &read_dir, "closure").map_err(|e| format!("{url}: QueryClosure: {e}")),
+                    move |w| write_unversioned_serve_request(w, &dir, &req),
+                    move |r, _| read_store_path_set(r, &read_dir, "closure").map_err(|e| format!("{url}: QueryClosure: {e}")),
                 )
                 .await?;
             let infos = self.infos(closure.clone()).await?;
@@ -177,12 +180,12 @@ impl Store for LegacySshStore {
     fn prefetch_nars(&self, infos: &[&ValidPathInfo]) {
         let mut prefetched = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
         for info in fetched_ahead(infos) {
-            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let (dir, url) = (self.store_dir.clone(), self.url.clone());
             let shown = dir.display_path(&info.path);
             let (req, size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);
             let nar = self.conn.request(
-                move |w| write_serve_request(w, &dir, version, &req),
-                move |r| {
+                move |w| write_unversioned_serve_request(w, &dir, &req),
+                move |r, _| {
                     let mut nar = Vec::with_capacity(size as usize);
                     copy_nar(r.take(size), &mut nar)
                         .map_err(|e| format!("{url}: the NAR of {shown} (of {size} bytes, its info says): {e}"))?;
@@ -211,14 +214,14 @@ impl Store for LegacySshStore {
                 let nar = ahead.await.map_err(|_| StoreError::Other(format!("{}: the connection ended", self.url)))?;
                 return Ok(Box::new(io::Cursor::new(nar.map_err(StoreError::Other)?)) as NarReader);
             }
-            let (dir, version, url) = (self.store_dir.clone(), self.conn.version(), self.url.clone());
+            let (dir, url) = (self.store_dir.clone(), self.url.clone());
             let shown = dir.display_path(&info.path);
             let (req, nar_size) = (DumpStorePath { path: info.path.clone() }, info.nar_size);
             let conn = self.conn.clone();
             let nar = PipedNar::start(&self.url, move |pipe| {
                 let reply = conn.request(
-                    move |w| write_serve_request(w, &dir, version, &req),
-                    move |r| {
+                    move |w| write_unversioned_serve_request(w, &dir, &req),
+                    move |r, _| {
                         let mut copy = Forward { pipe, failed: None };
                         copy_nar(r.take(nar_size), &mut copy)
                             .map_err(|e| format!("{url}: the NAR of {shown} (of {nar_size} bytes, its info says): {e}"))?;
@@ -259,8 +262,8 @@ impl Store for LegacySshStore {
             .map_err(|e| StoreError::Other(format!("{url}: {e}")))?;
             let mut spool = spooled.map_err(spool_err)?;
             publish.await?;
-            let (dir, version, conn) = (self.store_dir.clone(), self.conn.version(), self.conn.clone());
-            let reply = tokio::task::spawn_blocking(move || send_addition(&conn, &dir, version, info, &mut spool))
+            let (dir, conn) = (self.store_dir.clone(), self.conn.clone());
+            let reply = tokio::task::spawn_blocking(move || send_addition(&conn, &dir, info, &mut spool))
                 .await
                 .map_err(|e| StoreError::Other(format!("{url}: {e}")))?;
             self.answer(shown, reply).await
@@ -273,12 +276,12 @@ impl Store for LegacySshStore {
     /// `LegacySSHStore` waits for each path's answer).
     fn add_stream<'a>(&'a self, count: usize, mut additions: AdditionStream) -> StoreFuture<'a, StreamOutcomes> {
         Box::pin(async move {
-            let (dir, version, conn) = (self.store_dir.clone(), self.conn.version(), self.conn.clone());
+            let (dir, conn) = (self.store_dir.clone(), self.conn.clone());
             let sent = tokio::task::spawn_blocking(move || {
                 let mut sent = Vec::with_capacity(count);
                 while let Some(StreamedPath { info, mut nar }) = additions.blocking_recv() {
                     let (path, shown) = (info.path.clone(), dir.display_path(&info.path));
-                    sent.push((path, shown, send_addition(&conn, &dir, version, info, &mut nar)));
+                    sent.push((path, shown, send_addition(&conn, &dir, info, &mut nar)));
                 }
                 sent
             });
@@ -313,10 +316,11 @@ impl LegacySshStore {
 
 /// Sends the addition of `info.path` with its NAR, read from `nar` as it is sent (exactly its
 /// `NarSize` bytes): AddToStoreNar, or before 2.5 ImportPaths of that one path; its answer.
-fn send_addition(conn: &Pipeline, dir: &StoreDir, version: ProtocolVersion, info: ValidPathInfo, nar: &mut dyn Read) -> Reply<u64> {
+/// Waits for the far end's version, which decides the request.
+fn send_addition(conn: &Pipeline, dir: &StoreDir, info: ValidPathInfo, nar: &mut dyn Read) -> Reply<u64> {
     let (url, shown) = (conn.name().to_string(), dir.display_path(&info.path));
-    conn.request(
-        move |w| {
+    conn.request_versioned(
+        move |w, version| {
             let mut nar = nar.take(info.nar_size);
             let copied = match serve_at_least(version, 5) {
                 true => {
@@ -340,7 +344,7 @@ fn send_addition(conn: &Pipeline, dir: &StoreDir, version: ProtocolVersion, info
                 )),
             }
         },
-        move |r| read_u64(r, "import answer").map_err(|e| format!("{url}: adding {shown}: {e}")),
+        move |r, _| read_u64(r, "import answer").map_err(|e| format!("{url}: adding {shown}: {e}")),
     )
 }
 

@@ -8,6 +8,7 @@ command with bytes a test prepared in DIR (argv[1]; the arguments Nix appends fo
   nar-<base name>    the reply to DumpStorePath of /nix/store/<base name>
   endless            DumpStorePath answers a NAR of one regular file that never ends
   stall              DumpStorePath answers nothing; the far end reads until its input ends
+  greet-late         the greeting is answered only once the first command has arrived
 
 Every command it is sent is appended to DIR/log, one name a line."""
 
@@ -53,10 +54,11 @@ def nar_string(s):
 
 assert u64() == 0x390C9DEB
 u64()
+first = u64() if os.path.exists(os.path.join(d, "greet-late")) else None
 w.write(struct.pack("<QQ", 0x5452EECB, 0x207))
 w.flush()
 while True:
-    cmd = u64()
+    cmd, first = (u64() if first is None else first), None
     if cmd == 1:
         u64(), u64(), strings()
         log("QueryValidPaths")

@@ -106,6 +106,23 @@ pub fn write_serve_request<R: ServeRequest>(w: &mut dyn Write, dir: &StoreDir, v
     req.write(w, dir, version)
 }
 
+/// A request whose header is the same at every protocol version (2.0 to
+/// [`SERVE_PROTOCOL_VERSION`]), so that it can be written before the far end's greeting has
+/// told its version: [`write_unversioned_serve_request`].
+pub trait Unversioned: ServeRequest {}
+
+impl Unversioned for QueryValidPaths {}
+impl Unversioned for QueryPathInfos {}
+impl Unversioned for QueryClosure {}
+impl Unversioned for DumpStorePath {}
+
+/// Writes the command number of `req`, then its header, as every version reads it (nothing is
+/// flushed): a client may send it right behind its greeting ([`client_hello`]), before the
+/// server's answer ([`read_server_hello`]). Nix's `LegacySSHStore` waits for the answer first.
+pub fn write_unversioned_serve_request<R: Unversioned>(w: &mut dyn Write, dir: &StoreDir, req: &R) -> io::Result<()> {
+    write_serve_request(w, dir, SERVE_PROTOCOL_VERSION, req)
+}
+
 /// The server's side of the greeting (`ServeProto::BasicServerConnection::handshake`): reads
 /// [`SERVE_MAGIC_1`], answers [`SERVE_MAGIC_2`] and [`SERVE_PROTOCOL_VERSION`] (flushed), then
 /// reads the client's version; returns the lower of the two. A wrong magic is
@@ -127,10 +144,23 @@ pub fn server_handshake(r: &mut dyn Read, w: &mut dyn Write) -> Result<ProtocolV
 /// [`SERVE_MAGIC_1`] and [`SERVE_PROTOCOL_VERSION`] (flushed), reads [`SERVE_MAGIC_2`] and the
 /// server's version, whose major must be 2; returns the lower of the two.
 pub fn client_handshake(r: &mut dyn Read, w: &mut dyn Write) -> Result<ProtocolVersion, WireError> {
+    client_hello(w)?;
+    read_server_hello(r)
+}
+
+/// The client's half of the greeting: [`SERVE_MAGIC_1`] and [`SERVE_PROTOCOL_VERSION`]
+/// (flushed). The server answers it ([`read_server_hello`]) before it reads a request, so
+/// requests may follow it at once ([`write_unversioned_serve_request`]).
+pub fn client_hello(w: &mut dyn Write) -> Result<(), WireError> {
     let io = |source| WireError::Io { what: "the serve protocol greeting", source };
     write_u64(w, SERVE_MAGIC_1).map_err(io)?;
     write_u64(w, SERVE_PROTOCOL_VERSION.to_wire()).map_err(io)?;
-    w.flush().map_err(io)?;
+    w.flush().map_err(io)
+}
+
+/// The server's answer to [`client_hello`]: [`SERVE_MAGIC_2`] and its version, whose major must
+/// be 2; returns the lower of its version and ours.
+pub fn read_server_hello(r: &mut dyn Read) -> Result<ProtocolVersion, WireError> {
     let magic = read_u64(r, "serve protocol magic")?;
     if magic != SERVE_MAGIC_2 {
         return Err(WireError::invalid("serve protocol magic", format!("'nix-store --serve' protocol mismatch: {magic:#x}")));
@@ -149,6 +179,7 @@ pub fn client_handshake(r: &mut dyn Read, w: &mut dyn Write) -> Result<ProtocolV
 pub(crate) mod tests {
     use super::*;
     use crate::store_path::StorePath;
+    use std::collections::BTreeSet;
 
     pub(crate) fn sp(name: &str) -> StorePath {
         StorePath::from_base_name(&format!("g1w7hy3qg1w7hy3qg1w7hy3qg1w7hy3q-{name}")).unwrap()
@@ -167,6 +198,23 @@ pub(crate) mod tests {
         assert_eq!(&back, req, "at 2.{minor}");
         assert!(r.is_empty(), "{:?} at 2.{minor}: {} bytes left", R::CMD, r.len());
         bytes
+    }
+
+    /// Every [`Unversioned`] request is written alike at every version from 2.0 to ours.
+    #[test]
+    fn unversioned_requests_are_the_same_at_every_version() {
+        fn same_everywhere<R: Unversioned + std::fmt::Debug + PartialEq>(req: R) {
+            let mut ours = Vec::new();
+            write_unversioned_serve_request(&mut ours, &StoreDir::default(), &req).unwrap();
+            for minor in 0..=SERVE_PROTOCOL_VERSION.minor {
+                assert_eq!(round_trip(&req, minor), ours, "{:?} at 2.{minor}", R::CMD);
+            }
+        }
+        let paths: BTreeSet<StorePath> = [sp("a"), sp("b")].into();
+        same_everywhere(QueryValidPaths { lock: true, substitute: false, paths: paths.clone() });
+        same_everywhere(QueryPathInfos { paths: paths.clone() });
+        same_everywhere(QueryClosure { include_outputs: true, paths });
+        same_everywhere(DumpStorePath { path: sp("c") });
     }
 
     #[test]
