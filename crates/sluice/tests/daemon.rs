@@ -4611,6 +4611,46 @@ fn an_untrusted_flood_of_idle_connections_leaves_room_for_trusted_users() {
     assert_eq!(is_valid(&mut root, MISSING), 0, "a greeted connection outlives the deadline");
 }
 
+/// A client that trickles its greeting, one byte every 2 s (each well within the 10 s
+/// handshake deadline), is disconnected 10 s after it connected, before it has sent even its
+/// 8-byte magic number (16 s): the deadline bounds the whole greeting, not each read.
+/// Meanwhile and afterwards a client that greets at once is served. Regression: the deadline
+/// was `SO_RCVTIMEO`, renewed by every byte, so such a client held a worker for ever.
+#[test]
+fn a_client_trickling_its_greeting_is_disconnected_at_the_handshake_deadline() {
+    use std::io::{Read, Write};
+    let env = Env::new();
+    let _daemon = env.daemon("root", &env.cache(), "");
+    let mut greeting = u64s(&[0x6e69_7863, 0x126, 0, 0]).into_iter();
+    let mut slow = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
+    let connected = Instant::now();
+    slow.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut answer = Vec::new();
+    let closed = loop {
+        if connected.elapsed() > Duration::from_secs(16) {
+            break None;
+        }
+        if let Some(byte) = greeting.next() {
+            if slow.write_all(&[byte]).is_err() {
+                break Some(connected.elapsed());
+            }
+        }
+        let mut buf = [0u8; 64];
+        match slow.read(&mut buf) {
+            Ok(0) => break Some(connected.elapsed()),
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break Some(connected.elapsed()),
+        }
+    };
+    assert!(answer.is_empty(), "the daemon answered an unfinished magic number: {answer:?}");
+    let closed = closed.expect("the trickling client was still connected 16 s after it connected");
+    assert!(closed >= Duration::from_secs(9), "disconnected after {closed:?}, before the deadline");
+    assert!(closed < Duration::from_secs(13), "disconnected after {closed:?}, long after the 10 s deadline");
+    let mut prompt = raw_client_1_34(&env);
+    assert_eq!(is_valid(&mut prompt, MISSING), 0, "a client that greets at once is served");
+}
+
 /// A server without `--store` serves the chroot store `NIX_REMOTE` names, as `nix-daemon`
 /// serves the `store` setting: started in a test's environment (or a far end's wrapper that
 /// sets `NIX_REMOTE`), it never opens this machine's `/nix`.
