@@ -4476,6 +4476,68 @@ fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
     }
 }
 
+/// The peak resident memory of `daemon` (MiB).
+fn peak_rss_mib(daemon: &Daemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap().trim().trim_end_matches("kB").trim();
+    kib.parse::<u64>().unwrap() / 1024
+}
+
+/// An untrusted client's AddMultipleToStore reads no NARs ahead of their unpacking (found by
+/// a hostile review: each connection read up to 16 NARs of up to 1 MiB ahead, so that an
+/// untrusted user's 256 connections could make the daemon hold 4 GiB, where its AddToStore
+/// keeps 1 MiB in memory). Six untrusted connections each send 20 content-addressed paths
+/// of 1 MiB in a framed payload they do not end: the daemon's peak memory grows by less than
+/// 24 MiB (by 55 before); each connection, once it ends its payload, has all 20 paths added.
+#[test]
+fn an_untrusted_clients_add_multiple_reads_no_nars_ahead() {
+    use std::io::Write;
+    let env = Env::new();
+    let daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let before = peak_rss_mib(&daemon);
+    let paths: Vec<Vec<(StorePath, Vec<u8>, ContentAddress)>> = (0..6u8)
+        .map(|c| {
+            (0..20u8)
+                .map(|i| {
+                    let mut contents = vec![b'x'; (1 << 20) - 4096];
+                    contents[..2].copy_from_slice(&[b'a' + c, b'a' + i]);
+                    let ca = ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, &contents));
+                    let path = ca.store_path(&StoreDir::default(), &format!("ahead-{c}-{i}"), &[], false).unwrap();
+                    (path, regular_file_nar(&contents, false), ca)
+                })
+                .collect()
+        })
+        .collect();
+    let mut clients: Vec<_> = paths
+        .iter()
+        .map(|each| {
+            let (mut client, trusted) = raw_client(&env, 37);
+            assert_eq!(trusted, Some(2));
+            let mut payload = u64s(&[each.len() as u64]);
+            for (path, nar, ca) in each {
+                assert!(nar.len() <= 1 << 20);
+                payload.extend(wire_info(path, nar, &[], ca));
+                payload.extend_from_slice(nar);
+            }
+            let mut req = u64s(&[44, 0, 1]);
+            req.extend(u64s(&[payload.len() as u64]));
+            req.extend(payload);
+            client.write_all(&req).unwrap();
+            client
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let grown = peak_rss_mib(&daemon).saturating_sub(before);
+    assert!(grown < 24, "the daemon's peak memory grew by {grown} MiB for 6 × 20 MiB being added");
+    for (client, each) in clients.iter_mut().zip(&paths) {
+        client.write_all(&u64s(&[0])).unwrap();
+        assert_eq!(until_last(client), Ok(()));
+        for (path, _, _) in each {
+            assert_eq!(is_valid(client, format!("/nix/store/{}", path.base_name()).as_bytes()), 1, "{}", path.base_name());
+        }
+    }
+}
+
 /// A QueryValidPaths request (op 31, protocol 1.37) of `n` distinct paths with 200-character
 /// names (256 bytes each on the wire), without its last field (`substitute`).
 fn valid_paths_request_but_its_end(n: u32) -> Vec<u8> {
