@@ -354,6 +354,44 @@ mod tests {
         assert_eq!(state.borrow().1.len(), 2, "given up: held for LEASE_MAX");
     }
 
+    /// A deadline bounds all the reads until it together: a client sending a byte every 50 ms
+    /// (each read waits far less than the deadline) is cut off 300 ms after it was set; with
+    /// the deadline cleared, a read waits as long as the client takes.
+    #[test]
+    fn a_deadline_bounds_a_trickle_of_reads_and_is_cleared() {
+        let (mut input, _output, client) = pair();
+        let set = Instant::now();
+        input.set_deadline(Some(set + Duration::from_millis(300))).unwrap();
+        let trickle = std::thread::spawn({
+            let client = client.try_clone().unwrap();
+            move || {
+                for _ in 0..40 {
+                    std::thread::sleep(Duration::from_millis(50));
+                    if (&client).write_all(b"x").is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let mut greeting = [0u8; 40];
+        let err = input.read_exact(&mut greeting).expect_err("40 bytes at 50 ms each arrived before a 300 ms deadline");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        let cut_off = set.elapsed();
+        assert!((Duration::from_millis(250)..Duration::from_millis(800)).contains(&cut_off), "cut off after {cut_off:?}");
+        trickle.join().unwrap();
+        input.set_deadline(None).unwrap();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            (&client).write_all(b"y").unwrap();
+            client
+        });
+        let mut byte = [0u8; 1];
+        while byte != *b"y" {
+            input.read_exact(&mut byte).unwrap();
+        }
+        drop(late.join().unwrap());
+    }
+
     #[test]
     fn output_is_sent_before_a_read_that_would_wait() {
         let (mut input, mut output, client) = pair();
