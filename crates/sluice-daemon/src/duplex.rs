@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::net::sockopt::{set_socket_timeout, Timeout};
 use sluice_compress::zstd_channel::{Switch, ZstdChannelReader, ZstdChannelWriter};
@@ -60,6 +60,8 @@ struct Shared {
     /// Once the connection is compressed ([`Input::compress`]): what compresses the output
     /// before it is sent.
     zstd: Option<ZstdChannelWriter<Vec<u8>>>,
+    /// When reading must be done by ([`Input::set_deadline`]).
+    deadline: Option<Instant>,
 }
 
 impl Shared {
@@ -142,6 +144,24 @@ impl Shared {
         self.held_for().is_some() && (self.timed || self.set_timeouts(Some(LEASE_IDLE)).unwrap_or(false))
     }
 
+    /// Bounds the next read by the deadline, if there is one: `SO_RCVTIMEO` (and
+    /// `SO_SNDTIMEO`) set to the time left, or a `TimedOut` error once it has passed or if
+    /// there is no socket to bound. Without a deadline, lets the read wait as long as it takes.
+    fn time_read(&mut self) -> io::Result<()> {
+        let Some(deadline) = self.deadline else {
+            return match self.timed {
+                true => self.set_timeouts(None).map(|_| ()),
+                false => Ok(()),
+            };
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        // A zero timeout would mean none at all.
+        if left.is_zero() || !self.set_timeouts(Some(left))? {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline for reading from the client has passed"));
+        }
+        Ok(())
+    }
+
     /// Whether the next read may keep the lease, waiting at most [`LEASE_IDLE`] for the
     /// client: it is held, not for [`LEASE_MAX`] yet, and the source is a socket.
     fn keep_lease(&mut self) -> bool {
@@ -164,7 +184,8 @@ pub(crate) struct Input {
 /// Couples `source` and `sink` (the two directions of one client connection).
 pub(crate) fn duplex(source: Box<dyn ClientInput>, sink: Box<dyn Write + Send>) -> (Input, Output) {
     let socket = source.as_fd().try_clone_to_owned().ok();
-    let shared = Shared { pending: Vec::with_capacity(OUTPUT_CAPACITY), sink, lease: None, socket, timed: false, zstd: None };
+    let shared =
+        Shared { pending: Vec::with_capacity(OUTPUT_CAPACITY), sink, lease: None, socket, timed: false, zstd: None, deadline: None };
     let shared = Rc::new(RefCell::new(shared));
     let zstd = Switch::default();
     (Input { source: ZstdChannelReader::new(source, zstd.clone()), zstd, shared: Rc::clone(&shared) }, Output(shared))
@@ -192,10 +213,17 @@ impl Write for Output {
 }
 
 impl Input {
-    /// Lets reads wait without a deadline again (a socket's `SO_RCVTIMEO`; standard input has
-    /// none).
-    pub(crate) fn clear_read_timeout(&mut self) -> io::Result<()> {
-        self.shared.borrow_mut().set_timeouts(None).map(|_| ())
+    /// Reads from the client must be done by `deadline` (all of them together, however little
+    /// each one brings: a socket's `SO_RCVTIMEO` is set to the time left before each read);
+    /// `None` lets reads wait without a deadline again. A read past the deadline, or with one
+    /// on standard input (which has no timeout), fails with `TimedOut`.
+    pub(crate) fn set_deadline(&mut self, deadline: Option<Instant>) -> io::Result<()> {
+        let mut shared = self.shared.borrow_mut();
+        shared.deadline = deadline;
+        match deadline {
+            Some(_) => Ok(()),
+            None => shared.set_timeouts(None).map(|_| ()),
+        }
     }
 
     /// From now on, both directions are zstd streams (the [`SLUICE_ZSTD`] feature: see
@@ -229,9 +257,7 @@ impl Read for Input {
             shared = self.shared.borrow_mut();
         }
         shared.release();
-        if shared.timed {
-            shared.set_timeouts(None)?;
-        }
+        shared.time_read()?;
         drop(shared);
         self.source.read(buf)
     }
@@ -326,6 +352,44 @@ mod tests {
         (&client).write_all(b"c").unwrap();
         input.read_exact(&mut byte).unwrap();
         assert_eq!(state.borrow().1.len(), 2, "given up: held for LEASE_MAX");
+    }
+
+    /// A deadline bounds all the reads until it together: a client sending a byte every 50 ms
+    /// (each read waits far less than the deadline) is cut off 300 ms after it was set; with
+    /// the deadline cleared, a read waits as long as the client takes.
+    #[test]
+    fn a_deadline_bounds_a_trickle_of_reads_and_is_cleared() {
+        let (mut input, _output, client) = pair();
+        let set = Instant::now();
+        input.set_deadline(Some(set + Duration::from_millis(300))).unwrap();
+        let trickle = std::thread::spawn({
+            let client = client.try_clone().unwrap();
+            move || {
+                for _ in 0..40 {
+                    std::thread::sleep(Duration::from_millis(50));
+                    if (&client).write_all(b"x").is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let mut greeting = [0u8; 40];
+        let err = input.read_exact(&mut greeting).expect_err("40 bytes at 50 ms each arrived before a 300 ms deadline");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        let cut_off = set.elapsed();
+        assert!((Duration::from_millis(250)..Duration::from_millis(800)).contains(&cut_off), "cut off after {cut_off:?}");
+        trickle.join().unwrap();
+        input.set_deadline(None).unwrap();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            (&client).write_all(b"y").unwrap();
+            client
+        });
+        let mut byte = [0u8; 1];
+        while byte != *b"y" {
+            input.read_exact(&mut byte).unwrap();
+        }
+        drop(late.join().unwrap());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use std::io::{BufReader, Write};
 
@@ -23,9 +23,9 @@ use crate::trust::Peer;
 use crate::{ClientCpu, Daemon, DaemonError};
 use sluice_nix::wire::features::SLUICE_ZSTD;
 
-/// How long a socket client may take to send its magic number and protocol version (Nix's
-/// client sends them at once); one that has not is disconnected, so that idle connections
-/// cannot hold the daemon's places.
+/// How long a socket client may take, from the moment its connection is accepted, to send its
+/// whole greeting (Nix's client sends it at once); one that has not is disconnected, however
+/// it trickles its bytes, so that idle or slow connections cannot hold the daemon's places.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Listens on `socket` (replacing a stale socket file, creating its directory, mode 0666 so
@@ -62,6 +62,7 @@ pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixLis
     let limits = Arc::new(Limits::current());
     tracing::info!("listening on {name}");
     for (n, stream) in listener.incoming().enumerate() {
+        let accepted = Instant::now();
         let stream = match stream {
             Ok(s) => s,
             Err(e) => {
@@ -88,10 +89,6 @@ pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixLis
                 continue;
             }
         };
-        if let Err(e) = stream.set_read_timeout(Some(HANDSHAKE_DEADLINE)) {
-            tracing::warn!("connection {n}: setting the handshake deadline: {e}; closed");
-            continue;
-        }
         let reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
@@ -102,7 +99,7 @@ pub fn serve_listener(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixLis
         let daemon = Arc::clone(&daemon);
         let label = format!("connection {n} ({})", peer.name);
         let spawned = std::thread::Builder::new().name(format!("sluice-worker-{n}")).spawn(move || {
-            let client = SocketClient { pid, uid, admitted };
+            let client = SocketClient { pid, uid, admitted, accepted };
             serve_connection(&daemon, Box::new(reader), Box::new(stream), peer, Some(&client), &label, crate::FEATURES);
         });
         if let Err(e) = spawned {
@@ -127,6 +124,8 @@ struct SocketClient {
     uid: u32,
     /// Its connection's place among the socket's connections.
     admitted: Admitted,
+    /// When its connection was accepted: its greeting must be done [`HANDSHAKE_DEADLINE`] later.
+    accepted: Instant,
 }
 
 /// Serves one client until it disconnects or sends something unreadable. `label` names the
@@ -141,7 +140,11 @@ fn serve_connection(
     label: &str,
     features: &[&str],
 ) {
-    let (input, mut w) = duplex(reader, writer);
+    let (mut input, mut w) = duplex(reader, writer);
+    if let Err(e) = input.set_deadline(client.map(|c| c.accepted + HANDSHAKE_DEADLINE)) {
+        tracing::warn!("{label}: setting the handshake deadline: {e}; connection closed");
+        return;
+    }
     let mut r = BufReader::with_capacity(64 * 1024, input);
     let greeting = match greet(&mut r, &mut w, peer.trusted, features) {
         Ok(g) => g,
@@ -159,7 +162,7 @@ fn serve_connection(
         }
     };
     // The deadline was the greeting's: a client may wait as long as it likes between requests.
-    if let Err(e) = r.get_mut().clear_read_timeout() {
+    if let Err(e) = r.get_mut().set_deadline(None) {
         tracing::warn!("{label}: clearing the handshake deadline: {e}; connection closed");
         return;
     }

@@ -131,8 +131,10 @@ static HOLDERS: AtomicU64 = AtomicU64::new(0);
 struct TempRootsFile {
     file: File,
     path: PathBuf,
-    /// `<state>/gc.lock`, opened once.
+    /// `<state>/gc.lock` (Nix's `openGCLock`, `gc.cc`), opened once.
     gc_lock: File,
+    /// Its path, for messages.
+    gc_lock_path: PathBuf,
     /// When the shared GC lock kept on `gc_lock` was taken, while it is kept.
     gc_locked_at: Option<Instant>,
     /// When a kept shared GC lock was last given up ([`GC_LOCK_GAP`]).
@@ -178,6 +180,7 @@ impl TempRootsFile {
             file,
             path,
             gc_lock,
+            gc_lock_path,
             gc_locked_at: None,
             gc_released_at: None,
             gc_socket: state_dir.join("gc-socket/socket"),
@@ -207,7 +210,7 @@ impl TempRootsFile {
                     break;
                 }
                 Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(io_err("taking the GC lock", &self.gc_socket.with_file_name("gc.lock"))(e.into())),
+                Err(e) => return Err(self.gc_lock_failed(e)),
             }
             // A collector holds the lock: it must learn of the roots now. If it is starting
             // (no socket yet) or has just finished (the lock is free again), try again
@@ -275,6 +278,11 @@ impl TempRootsFile {
         }
         let _ = flock(&self.gc_lock, FlockOperation::Unlock);
         Ok(())
+    }
+
+    /// The failure to take the GC lock (`flock` failed with `errno`), naming the lock file.
+    fn gc_lock_failed(&self, errno: rustix::io::Errno) -> LocalStoreError {
+        io_err("taking the GC lock", &self.gc_lock_path)(errno.into())
     }
 
     /// Sends one root to a running collector over the kept connection (made first if there
@@ -397,6 +405,20 @@ mod tests {
             connections
         });
         (lock, server)
+    }
+
+    /// A failure to take the GC lock names the lock file Nix's `openGCLock` (`gc.cc`) and the
+    /// collector take, `<state>/gc.lock`. Regression: it named `<state>/gc-socket/gc.lock`,
+    /// which does not exist.
+    #[test]
+    fn a_failure_to_take_the_gc_lock_names_the_lock_file() {
+        let state = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(state.path().join("temproots")).unwrap();
+        let holder = TempRootsFile::create(state.path(), &StoreDir::default()).unwrap();
+        let message = holder.gc_lock_failed(rustix::io::Errno::NOLCK).to_string();
+        let lock = state.path().join("gc.lock");
+        assert!(message.contains(&format!("{}:", lock.display())), "{message}");
+        assert!(!message.contains("gc-socket"), "{message}");
     }
 
     fn paths(dir: &StoreDir, from: usize, n: usize) -> Vec<StorePath> {

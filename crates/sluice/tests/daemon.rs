@@ -4476,6 +4476,68 @@ fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
     }
 }
 
+/// The peak resident memory of `daemon` (MiB).
+fn peak_rss_mib(daemon: &Daemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap().trim().trim_end_matches("kB").trim();
+    kib.parse::<u64>().unwrap() / 1024
+}
+
+/// An untrusted client's AddMultipleToStore reads no NARs ahead of their unpacking (found by
+/// a hostile review: each connection read up to 16 NARs of up to 1 MiB ahead, so that an
+/// untrusted user's 256 connections could make the daemon hold 4 GiB, where its AddToStore
+/// keeps 1 MiB in memory). Six untrusted connections each send 20 content-addressed paths
+/// of 1 MiB in a framed payload they do not end: the daemon's peak memory grows by less than
+/// 24 MiB (by 55 before); each connection, once it ends its payload, has all 20 paths added.
+#[test]
+fn an_untrusted_clients_add_multiple_reads_no_nars_ahead() {
+    use std::io::Write;
+    let env = Env::new();
+    let daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
+    let before = peak_rss_mib(&daemon);
+    let paths: Vec<Vec<(StorePath, Vec<u8>, ContentAddress)>> = (0..6u8)
+        .map(|c| {
+            (0..20u8)
+                .map(|i| {
+                    let mut contents = vec![b'x'; (1 << 20) - 4096];
+                    contents[..2].copy_from_slice(&[b'a' + c, b'a' + i]);
+                    let ca = ContentAddress::Text(Hash::digest_bytes(HashAlgo::Sha256, &contents));
+                    let path = ca.store_path(&StoreDir::default(), &format!("ahead-{c}-{i}"), &[], false).unwrap();
+                    (path, regular_file_nar(&contents, false), ca)
+                })
+                .collect()
+        })
+        .collect();
+    let mut clients: Vec<_> = paths
+        .iter()
+        .map(|each| {
+            let (mut client, trusted) = raw_client(&env, 37);
+            assert_eq!(trusted, Some(2));
+            let mut payload = u64s(&[each.len() as u64]);
+            for (path, nar, ca) in each {
+                assert!(nar.len() <= 1 << 20);
+                payload.extend(wire_info(path, nar, &[], ca));
+                payload.extend_from_slice(nar);
+            }
+            let mut req = u64s(&[44, 0, 1]);
+            req.extend(u64s(&[payload.len() as u64]));
+            req.extend(payload);
+            client.write_all(&req).unwrap();
+            client
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let grown = peak_rss_mib(&daemon).saturating_sub(before);
+    assert!(grown < 24, "the daemon's peak memory grew by {grown} MiB for 6 × 20 MiB being added");
+    for (client, each) in clients.iter_mut().zip(&paths) {
+        client.write_all(&u64s(&[0])).unwrap();
+        assert_eq!(until_last(client), Ok(()));
+        for (path, _, _) in each {
+            assert_eq!(is_valid(client, format!("/nix/store/{}", path.base_name()).as_bytes()), 1, "{}", path.base_name());
+        }
+    }
+}
+
 /// A QueryValidPaths request (op 31, protocol 1.37) of `n` distinct paths with 200-character
 /// names (256 bytes each on the wire), without its last field (`substitute`).
 fn valid_paths_request_but_its_end(n: u32) -> Vec<u8> {
@@ -4609,6 +4671,46 @@ fn an_untrusted_flood_of_idle_connections_leaves_room_for_trusted_users() {
     assert_eq!(closed_by_daemon(&flood), 150, "idle connections are closed after the handshake deadline");
     assert!(flooded.elapsed() >= Duration::from_secs(10), "closed after {:?}, before the deadline", flooded.elapsed());
     assert_eq!(is_valid(&mut root, MISSING), 0, "a greeted connection outlives the deadline");
+}
+
+/// A client that trickles its greeting, one byte every 2 s (each well within the 10 s
+/// handshake deadline), is disconnected 10 s after it connected, before it has sent even its
+/// 8-byte magic number (16 s): the deadline bounds the whole greeting, not each read.
+/// Meanwhile and afterwards a client that greets at once is served. Regression: the deadline
+/// was `SO_RCVTIMEO`, renewed by every byte, so such a client held a worker for ever.
+#[test]
+fn a_client_trickling_its_greeting_is_disconnected_at_the_handshake_deadline() {
+    use std::io::{Read, Write};
+    let env = Env::new();
+    let _daemon = env.daemon("root", &env.cache(), "");
+    let mut greeting = u64s(&[0x6e69_7863, 0x126, 0, 0]).into_iter();
+    let mut slow = std::os::unix::net::UnixStream::connect(env.path("socket")).unwrap();
+    let connected = Instant::now();
+    slow.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut answer = Vec::new();
+    let closed = loop {
+        if connected.elapsed() > Duration::from_secs(16) {
+            break None;
+        }
+        if let Some(byte) = greeting.next() {
+            if slow.write_all(&[byte]).is_err() {
+                break Some(connected.elapsed());
+            }
+        }
+        let mut buf = [0u8; 64];
+        match slow.read(&mut buf) {
+            Ok(0) => break Some(connected.elapsed()),
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break Some(connected.elapsed()),
+        }
+    };
+    assert!(answer.is_empty(), "the daemon answered an unfinished magic number: {answer:?}");
+    let closed = closed.expect("the trickling client was still connected 16 s after it connected");
+    assert!(closed >= Duration::from_secs(9), "disconnected after {closed:?}, before the deadline");
+    assert!(closed < Duration::from_secs(13), "disconnected after {closed:?}, long after the 10 s deadline");
+    let mut prompt = raw_client_1_34(&env);
+    assert_eq!(is_valid(&mut prompt, MISSING), 0, "a client that greets at once is served");
 }
 
 /// A server without `--store` serves the chroot store `NIX_REMOTE` names, as `nix-daemon`

@@ -115,7 +115,8 @@ pub(super) fn add_multiple_to_store(c: &mut Conn, AddMultipleToStore { repair, d
     let policy = policy(c, dont_check_sigs);
     let store = Arc::clone(c.store());
     let mut framed = FramedReader::new(&mut c.r);
-    let result = policy.and_then(|policy| add_each(&store, &c.temp_roots, &policy, &mut framed, repair));
+    let trusted = c.peer.trusted;
+    let result = policy.and_then(|policy| add_each(&store, &c.temp_roots, &policy, &mut framed, repair, trusted));
     finish_framed(&mut framed)?;
     result?;
     c.reply(|_, _| Ok(()))
@@ -136,17 +137,34 @@ fn honoured_repair(c: &Conn, repair: bool) -> bool {
 }
 
 /// Adds each path of an AddMultipleToStore payload (repairing valid ones with `repair`): each
-/// is unpacked as it arrives (small ones on the unpacking threads while the next arrive) and
-/// registered in batches ([`BatchedAdder`]: one flush and one
+/// is unpacked as it arrives and registered in batches ([`BatchedAdder`]: one flush and one
 /// transaction per batch, where Nix commits each path); the operation answers once all are
 /// committed. A path refused stops the payload there (the caller drains the rest), as Nix's does.
-fn add_each(store: &Arc<LocalStore>, roots: &TempRoots, policy: &SignaturePolicy, stream: &mut dyn Read, repair: bool) -> Result<(), Fail> {
+///
+/// For a `trusted` client, small NARs are read whole and unpacked on the unpacking threads
+/// while the next arrive (up to 16 MiB of them held). An untrusted client's are unpacked as
+/// they are read, none held whole, as its AddToStore's data keeps no more in memory than a
+/// request of it may hold before it takes from its user's share ([`in_memory`]):
+/// each of the hundreds of connections an untrusted user may hold ([`crate::limits`]) could
+/// otherwise make the one daemon process hold 16 MiB, where each of Nix's forked workers
+/// (`Store::addMultipleToStore`, `src/libstore/store-api.cc`) reads and adds one path at a time.
+fn add_each(
+    store: &Arc<LocalStore>,
+    roots: &TempRoots,
+    policy: &SignaturePolicy,
+    stream: &mut dyn Read,
+    repair: bool,
+    trusted: bool,
+) -> Result<(), Fail> {
     let dir = store.store_dir();
     let count = read_u64(stream, "path count")?;
     if count > MAX_PATHS {
         return Err(Fail::Fatal(format!("AddMultipleToStore: {count} paths, more than the maximum of {MAX_PATHS}")));
     }
-    let mut adder = BatchedAdder::new(store, roots, policy.clone()).unpacking_ahead();
+    let mut adder = match trusted {
+        true => BatchedAdder::new(store, roots, policy.clone()).unpacking_ahead(),
+        false => BatchedAdder::new(store, roots, policy.clone()),
+    };
     for _ in 0..count {
         let mut info = read_keyed_path_info(stream, dir, ProtocolVersion::new(1, 16))?;
         info.ultimate = false;

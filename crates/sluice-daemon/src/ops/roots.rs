@@ -3,7 +3,8 @@
 //! [`sluice_local_store::TempRoots`]) and indirect roots are Nix's `gcroots/auto/<hash>`
 //! symlinks, so that sluice's collector and Nix's both honour them.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sluice_nix::base32;
 use sluice_nix::hash::{Hash, HashAlgo};
@@ -74,12 +75,28 @@ fn indirect_root(c: &Conn, link: &str) -> Result<(), Fail> {
     replace_symlink(&auto, Path::new(link))
 }
 
+/// Makes `link` a symlink to `target`, replacing what is there at once: the symlink is made
+/// under a temporary name ([`temp_link`]) and renamed over `link`, as Nix's `replaceSymlink`
+/// (`src/libutil/file-system.cc`) does.
 fn replace_symlink(link: &Path, target: &Path) -> Result<(), Fail> {
-    let tmp = link.with_extension(format!("tmp-{}", std::process::id()));
+    let tmp = temp_link(link);
     let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(target, &tmp)
-        .and_then(|()| std::fs::rename(&tmp, link))
-        .map_err(|e| Fail::Op(format!("creating the root {}: {e}", link.display())))
+    let made = std::os::unix::fs::symlink(target, &tmp).and_then(|()| std::fs::rename(&tmp, link));
+    if made.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    made.map_err(|e| Fail::Op(format!("creating the root {} (through {}): {e}", link.display(), tmp.display())))
+}
+
+/// A temporary name beside `link`, its own to this call: `link` with `.tmp-<pid>-<n>` appended
+/// (`n` counts the calls of the process), so that two workers replacing links at once, or
+/// links that differ only in their extension (`x.a`, `x.b`), never share one. Nix's
+/// `replaceSymlink` tries `.<n>_<name>` until one is free; in one process, a counter suffices.
+fn temp_link(link: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mut name = link.as_os_str().to_owned();
+    name.push(format!(".tmp-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
+    PathBuf::from(name)
 }
 
 /// FindRoots: → count, then (link, store path) pairs, as Nix's `findRoots(!trusted)` finds
@@ -98,4 +115,51 @@ pub(super) fn find_roots(c: &mut Conn, _: FindRoots) -> OpResult {
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each call has a temporary name of its own, `link`'s whole name with a suffix: links
+    /// that differ only in their extension do not share one, and neither do two calls for
+    /// one link.
+    #[test]
+    fn temporary_names_are_the_links_own_and_the_calls_own() {
+        let (a, b) = (temp_link(Path::new("/r/x.a")), temp_link(Path::new("/r/x.b")));
+        let pid = std::process::id().to_string();
+        for (temp, link) in [(&a, "/r/x.a.tmp-"), (&b, "/r/x.b.tmp-")] {
+            let rest = temp.to_str().unwrap().strip_prefix(link).unwrap_or_else(|| panic!("{temp:?}"));
+            assert_eq!(rest.split('-').next(), Some(pid.as_str()), "{temp:?}");
+        }
+        assert_ne!(temp_link(Path::new("/r/x.a")), a);
+    }
+
+    /// Links `x.a` and `x.b` replaced over and over by two threads each at once (as two workers
+    /// of one daemon may): every replacement succeeds, each link ends pointing at its own
+    /// target, and no temporary is left. Regression: all four shared `x.tmp-<pid>`, so one's
+    /// rename found it gone, or moved another's symlink into place.
+    #[test]
+    fn links_replaced_at_once_by_several_threads_all_succeed() {
+        let dir = tempfile::tempdir().unwrap();
+        let failures: Vec<String> = std::thread::scope(|scope| {
+            let workers: Vec<_> = ["x.a", "x.b", "x.a", "x.b"]
+                .into_iter()
+                .map(|name| {
+                    let (link, target) = (dir.path().join(name), Path::new("/nix/store").join(name));
+                    scope.spawn(move || {
+                        (0..300).filter_map(|_| replace_symlink(&link, &target).err().map(|e| format!("{e:?}"))).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+        });
+        assert!(failures.is_empty(), "{} of 1200 replacements failed, the first: {}", failures.len(), failures[0]);
+        for name in ["x.a", "x.b"] {
+            assert_eq!(std::fs::read_link(dir.path().join(name)).unwrap(), Path::new("/nix/store").join(name));
+        }
+        let mut left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        left.sort();
+        assert_eq!(left, ["x.a", "x.b"]);
+    }
 }
