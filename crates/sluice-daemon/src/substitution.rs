@@ -136,8 +136,11 @@ pub(crate) struct Session {
 impl Session {
     /// Opens the substituters of `settings` (none when `use_substitutes` is off). Caches that
     /// cannot be used are logged and left out, as Nix does.
-    async fn open(settings: &Settings, use_substitutes: bool) -> Result<Session, String> {
-        let urls: &[String] = if use_substitutes { &settings.substituters } else { &[] };
+    /// The daemon's own store (`state_dir`) given as a substituter is left out
+    /// ([`substituters::other_than`]).
+    async fn open(settings: &Settings, use_substitutes: bool, state_dir: &std::path::Path) -> Result<Session, String> {
+        let urls = if use_substitutes { substituters::other_than(&settings.substituters, state_dir) } else { Vec::new() };
+        let urls = &urls[..];
         let client = LazyClient::new(settings.http_options());
         let disk = substituters::open_disk_cache(settings);
         let (subs, errors) = substituters::open(urls, settings, &client, disk.as_deref()).await;
@@ -167,7 +170,7 @@ pub(crate) struct Sessions {
 impl Sessions {
     /// The session for `settings`, opened now if there is none yet (concurrent callers with
     /// the same settings wait for the one opening). A degraded session is replaced.
-    async fn get(&self, settings: &Settings, use_substitutes: bool) -> Result<Arc<Session>, String> {
+    async fn get(&self, settings: &Settings, use_substitutes: bool, state_dir: &std::path::Path) -> Result<Arc<Session>, String> {
         let key = SessionKey::new(settings, use_substitutes);
         let cell = {
             let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
@@ -181,7 +184,7 @@ impl Sessions {
             }
             cell
         };
-        let session = cell.get_or_try_init(|| async { Session::open(settings, use_substitutes).await.map(Arc::new) }).await?;
+        let session = cell.get_or_try_init(|| async { Session::open(settings, use_substitutes, state_dir).await.map(Arc::new) }).await?;
         Ok(Arc::clone(session))
     }
 }
@@ -196,7 +199,7 @@ async fn closure_query(
     roots: Option<TempRoots>,
     content_addresses: ContentAddresses,
 ) -> Result<ClosureQuery, String> {
-    let session = daemon.sessions.get(settings, use_substitutes).await?;
+    let session = daemon.sessions.get(settings, use_substitutes, store.state_dir()).await?;
     let is_valid = closure::validity_in(Some(Arc::clone(store)), roots);
     Ok(ClosureQuery {
         substituters: Arc::clone(&session.substituters),
@@ -243,7 +246,7 @@ pub(crate) fn realisations(
     ids: &[String],
 ) -> Result<Vec<Option<String>>, String> {
     daemon.runtime.block_on(async {
-        let session = daemon.sessions.get(settings, use_substitutes).await?;
+        let session = daemon.sessions.get(settings, use_substitutes, store.state_dir()).await?;
         let subs: Vec<&closure::Substituter> = session.substituters.iter().filter(|s| s.source.store_dir() == store.store_dir()).collect();
         let mut found = Vec::new();
         for id in ids {

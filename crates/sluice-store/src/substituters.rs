@@ -161,6 +161,26 @@ async fn fetch_cold(
     (info, answers, closure.filter(|_| offered))
 }
 
+/// `urls` less those naming the local store whose state directory (its database) is
+/// `state_dir`, each left out with a debug line: a store has nothing to substitute into
+/// itself, as Nix's substitution goal finds (`PathSubstitutionGoal::init`,
+/// `src/libstore/build/substitution-goal.cc`: a path valid in the store is not substituted, and
+/// one not valid is not in that substituter either). Opening such a substituter would only
+/// ask the store's own database, beside the open store, what it lacks.
+pub fn other_than(urls: &[String], state_dir: &std::path::Path) -> Vec<String> {
+    let real = |dir: &std::path::Path| std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let own = real(state_dir);
+    let is_own = |url: &String| {
+        let parsed = StoreUrl::parse(url).ok();
+        let same = parsed.as_ref().and_then(|p| p.as_local()).is_some_and(|local| real(&local.dirs.state) == own);
+        if same {
+            tracing::debug!("substituter {url} left out: it is the store itself (state directory {})", own.display());
+        }
+        !same
+    };
+    urls.iter().filter(|url| is_own(url)).cloned().collect()
+}
+
 /// Opens `urls` as substituters, sorted by priority. Returns the usable ones and one error per
 /// cache left out.
 pub async fn open(

@@ -160,6 +160,7 @@ fn substitute(args: Args) -> Result<ExitCode, String> {
         Some(from) => vec![from.clone()],
         None => settings.substituters.clone(),
     };
+    let urls = sluice_store::substituters::other_than(&urls, dest.state_dir());
     // The destination's `require-sigs` is already in `settings` (`setup::destination`).
     let policy = settings.signature_policy(None).map_err(|e| e.to_string())?;
     let opts = SubstituteOptions { jobs: args.jobs as usize, policy };

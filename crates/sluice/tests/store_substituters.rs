@@ -42,3 +42,26 @@ fn local_and_daemon_stores_are_substituters() {
     assert_eq!(registered_paths(&trusted), paths);
     assert_nix_verifies(&tmp, &trusted);
 }
+
+/// The destination store given as a substituter of its own (`local?root=X`) is left out with
+/// a debug line naming it, as Nix finds nothing to substitute from a store into itself: the
+/// closure comes from the cache beside it, and a second copy, of paths it has, does nothing.
+#[test]
+fn the_destination_as_its_own_substituter_is_left_out() {
+    let env = Env::new();
+    let tmp = env.path("t");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let (root, paths) = crate::push::subset();
+    let dest = tmp.join("dest");
+    let own = format!("local?root={}", dest.display());
+    let cache = format!("file://{}", corpus().join("cache-xz").display());
+    for _ in 0..2 {
+        let started = std::time::Instant::now();
+        let o = copy_with(&tmp, &dest, &format!("{own} {cache}"), &corpus_key(), &[], &["-vv", &root]);
+        check(&o, "copy with the destination as a substituter");
+        assert!(started.elapsed() < std::time::Duration::from_secs(120), "{:?}", started.elapsed());
+        assert!(stderr(&o).contains(&format!("substituter {own} left out: it is the store itself")), "{}", stderr(&o));
+        assert_eq!(registered_paths(&dest), paths);
+    }
+    assert_nix_verifies(&tmp, &dest);
+}
