@@ -4409,10 +4409,11 @@ fn ca_floating_derivations_need_the_experimental_feature() {
 // Denial of service by an untrusted local user: the daemon bounds what one request and one
 // user's connections may hold, so that nobody can stop it serving everyone.
 
-/// The resident memory of `daemon`'s process (`VmRSS`), in MiB.
-fn rss_mib(daemon: &Daemon) -> u64 {
+/// A memory figure of `daemon`'s process from `/proc/<pid>/status`, in MiB: `field` is
+/// `VmRSS` (resident now) or `VmHWM` (its peak).
+fn memory_mib(daemon: &Daemon, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
-    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches("kB").trim();
+    let kib = status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')).unwrap().trim().trim_end_matches("kB").trim();
     kib.parse::<u64>().unwrap() / 1024
 }
 
@@ -4449,7 +4450,7 @@ fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
     use std::io::Write;
     let env = Env::new();
     let daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
-    let before = rss_mib(&daemon);
+    let before = memory_mib(&daemon, "VmRSS");
     let data = vec![b'x'; 15 << 20];
     let mut clients: Vec<_> = (0..8u8)
         .map(|i| {
@@ -4464,7 +4465,7 @@ fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(500));
-    let grown = rss_mib(&daemon).saturating_sub(before);
+    let grown = memory_mib(&daemon, "VmRSS").saturating_sub(before);
     assert!(grown < 48, "the daemon grew by {grown} MiB for 8 × 15 MiB being added");
     for (i, client) in clients.iter_mut().enumerate() {
         client.write_all(&u64s(&[0])).unwrap();
@@ -4474,13 +4475,6 @@ fn an_untrusted_clients_data_to_add_is_spooled_with_little_memory() {
         let added = std::fs::read(env.path("root").join(&path[1..])).unwrap();
         assert_eq!((added.len(), added.last()), (data.len() + 1, Some(&(b'0' + i as u8))));
     }
-}
-
-/// The peak resident memory of `daemon` (MiB).
-fn peak_rss_mib(daemon: &Daemon) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.child.id())).unwrap();
-    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap().trim().trim_end_matches("kB").trim();
-    kib.parse::<u64>().unwrap() / 1024
 }
 
 /// An untrusted client's AddMultipleToStore reads no NARs ahead of their unpacking (found by
@@ -4494,7 +4488,7 @@ fn an_untrusted_clients_add_multiple_reads_no_nars_ahead() {
     use std::io::Write;
     let env = Env::new();
     let daemon = env.daemon("root", &env.cache(), "trusted-users = nobody-in-particular");
-    let before = peak_rss_mib(&daemon);
+    let before = memory_mib(&daemon, "VmHWM");
     let paths: Vec<Vec<(StorePath, Vec<u8>, ContentAddress)>> = (0..6u8)
         .map(|c| {
             (0..20u8)
@@ -4527,7 +4521,7 @@ fn an_untrusted_clients_add_multiple_reads_no_nars_ahead() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(500));
-    let grown = peak_rss_mib(&daemon).saturating_sub(before);
+    let grown = memory_mib(&daemon, "VmHWM").saturating_sub(before);
     assert!(grown < 24, "the daemon's peak memory grew by {grown} MiB for 6 × 20 MiB being added");
     for (client, each) in clients.iter_mut().zip(&paths) {
         client.write_all(&u64s(&[0])).unwrap();
@@ -4595,7 +4589,7 @@ fn an_oversized_request_is_refused_without_holding_what_it_sends() {
     use std::io::Write;
     let env = Env::new();
     let (daemon, mut client) = daemon_and_client_1_34(&env);
-    let before = rss_mib(&daemon);
+    let before = memory_mib(&daemon, "VmRSS");
     let mut writer = client.try_clone().unwrap();
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
         writer.write_all(&u64s(&[[19].as_slice(), &[0; 12], &[100_000]].concat()))?;
@@ -4607,7 +4601,7 @@ fn an_oversized_request_is_refused_without_holding_what_it_sends() {
         Ok(())
     });
     let sent = sender.join().unwrap();
-    let after = rss_mib(&daemon);
+    let after = memory_mib(&daemon, "VmRSS");
     assert!(after < before + 64, "the daemon holds {after} MiB after the request (before it: {before} MiB)");
     assert!(sent.is_err(), "the daemon read all 320 MiB");
     assert_eq!(
