@@ -3,7 +3,7 @@
 //! beside its place under a temporary name and renamed into place, so that a reader never sees
 //! a partial file.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use super::spool::{staging_file, Compressed};
@@ -37,13 +37,16 @@ impl FileTransport {
     /// Reads a whole file; `None` when it does not exist. The read is made on the calling
     /// thread, as [`FileTransport::open`] opens: cache files are small local files (narinfos:
     /// about 1 KiB), read in less time than handing the read to a blocking thread takes
-    /// (`tokio::fs` would: a thread hand-off per narinfo).
+    /// (`tokio::fs` would: a thread hand-off per narinfo). The file is read up to the size it
+    /// has when opened, with no read past it to find its end (`std::fs::read` makes one): a
+    /// cache's files are written whole under another name and renamed into place, so that
+    /// size is the file's (`sluice serve` reads a narinfo per request: four system calls).
     pub async fn get(&self, rel: &str) -> Result<Option<Vec<u8>>, CacheError> {
-        let path = self.path(rel);
-        match std::fs::read(&path) {
-            Ok(data) => Ok(Some(data)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(CacheError::Io { url: path.display().to_string(), source }),
+        let Some((file, len)) = self.open(rel)? else { return Ok(None) };
+        let mut data = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        match file.take(len).read_to_end(&mut data) {
+            Ok(_) => Ok(Some(data)),
+            Err(source) => Err(CacheError::Io { url: self.path(rel).display().to_string(), source }),
         }
     }
 
