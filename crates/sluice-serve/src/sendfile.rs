@@ -36,12 +36,15 @@ use tokio::net::TcpStream;
 /// Most bytes of a file one stand-in frame stands for.
 const FRAME: usize = 8 << 20;
 
-/// Most bytes a connection's socket holds not yet sent (`TCP_NOTSENT_LOWAT`). Without a bound,
-/// one `sendfile` queues a whole file (the send buffer grows to megabytes) and what the window
-/// does not let out at once is sent later by the kernel as the client's acknowledgements
-/// arrive, on the client's side of loopback; with it, the server sends as the window opens,
-/// as a server writing a chunk at a time does (nginx's `sendfile_max_chunk` paces it too).
-const NOT_SENT: u32 = 256 << 10;
+/// Most bytes a connection's socket holds not yet sent (`TCP_NOTSENT_LOWAT`; what is in flight
+/// is the congestion window's, and not bounded by it). Without a bound, one `sendfile` queues
+/// a whole file (the send buffer grows to megabytes) and what the window does not let out at
+/// once is sent later by the kernel as the client's acknowledgements arrive, on the client's
+/// side of loopback; with it, the server sends as the window opens. The smaller the bound, the
+/// more of the sending is the server's own: on this 2-core machine, the 2.4 MB NAR under
+/// `wrk -c32`, 4–32 KiB served 1.6–2× nginx's rate at half its CPU per request, 64 KiB 1.2×,
+/// 256 KiB 0.6–0.9× (docs/benchmarks.md, issue 40).
+const NOT_SENT: u32 = 16 << 10;
 
 /// What stand-in frames are slices of: never read, so never faulted in (zeroed static memory
 /// is mapped on first touch).
