@@ -2,6 +2,8 @@
 //! (Nix's `queryMissing` and `printMissing`, `src/libmain/shared.cc`).
 
 use std::collections::{BTreeSet, HashSet};
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -90,20 +92,22 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         println!("{json}");
         return Ok(ExitCode::SUCCESS);
     }
+    // The report in one write: standard error is unbuffered, and a closure's list line by
+    // line was three writes a path.
+    let mut report = String::new();
     if !fetch.is_empty() {
         let n = fetch.len();
         let head = if n == 1 { "this path".to_string() } else { format!("these {n} paths") };
-        eprintln!("{head} will be fetched ({:.2} MiB download, {:.2} MiB unpacked):", download as f64 / MIB, nar as f64 / MIB);
-        for p in &fetch {
-            eprintln!("  {p}");
-        }
+        let _ =
+            writeln!(report, "{head} will be fetched ({:.2} MiB download, {:.2} MiB unpacked):", download as f64 / MIB, nar as f64 / MIB);
+        fetch.iter().for_each(|p| report.extend(["  ", p, "\n"]));
     }
     if !unknown.is_empty() {
-        eprintln!("don't know how to build these paths:");
-        for p in &unknown {
-            eprintln!("  {p}");
-        }
+        report.push_str("don't know how to build these paths:\n");
+        unknown.iter().for_each(|p| report.extend(["  ", p, "\n"]));
     }
+    // A report that cannot be written (standard error closed) fails nothing the query did.
+    let _ = std::io::stderr().lock().write_all(report.as_bytes());
     Ok(ExitCode::SUCCESS)
 }
 
