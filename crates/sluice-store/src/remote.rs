@@ -40,6 +40,7 @@ use sluice_nix::path_info::ValidPathInfo;
 mod batch;
 mod closure;
 mod daemon_store;
+mod pace;
 
 pub use daemon_store::{Connector, DaemonStore};
 

@@ -223,3 +223,31 @@ async fn the_dummy_store_refuses_with_nix_messages() {
         "{failed:?}"
     );
 }
+
+/// A copy whose source claims a reference cycle (`one` ↔ `two`) fails the cycle's paths with
+/// the cycle's message and the path referring to it (`user`) with its failed reference, in
+/// every kind of store, instead of leaving `user` waiting for ever for a path that is never
+/// added; `alone`, outside the cycle, is copied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_fails_a_claimed_cycle_and_its_referrers() {
+    let scratch = Scratch::new();
+    let source = open("memory://").await;
+    let (one, two, alone, user) = (path("one"), path("two"), path("alone"), path("user"));
+    for added in [item("one", "1\n", &[&two]), item("two", "2\n", &[&one]), item("alone", "a\n", &[]), item("user", "u\n", &[&one, &alone])]
+    {
+        add(source.as_ref(), &added, open_gate()).await.unwrap();
+    }
+    for url in writable_urls(&scratch) {
+        let store = open(&url).await;
+        let copy = copy_closures(source.clone(), store.clone(), std::slice::from_ref(&user));
+        let report =
+            tokio::time::timeout(Duration::from_secs(20), copy).await.unwrap_or_else(|_| panic!("{url}: still copying after 20 s"));
+        let report = report.unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert_eq!(report.copied, std::slice::from_ref(&alone), "{url}: {:?}", report.failed);
+        assert_eq!(report.failed.keys().collect::<BTreeSet<_>>(), BTreeSet::from([&one, &two, &user]), "{url}");
+        for member in [&one, &two] {
+            assert!(report.failed[member].message.contains("cycle"), "{url}: {}", report.failed[member].message);
+        }
+        assert!(!is_valid(store.as_ref(), &user).await, "{url}");
+    }
+}

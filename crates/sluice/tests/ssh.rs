@@ -651,3 +651,29 @@ fn a_pull_registers_its_paths_in_batches() {
     // one per path (as before) is what must not happen.
     assert!(batches.len() < paths.len() && batches.iter().any(|&b| b > 1), "{} batches: {batches:?}", batches.len());
 }
+
+/// A pull adds the paths whose NARs came while it still looks for the rest of the closure:
+/// at 150 ms RTT, a path of the 25-path subset whose closure is found early (one of its leaves)
+/// is handed to the registrar before the last level of references is answered (before, every
+/// path waited for the whole closure, and the NARs that had come waited unpacked).
+#[test]
+fn a_pull_adds_paths_while_it_looks_for_the_closure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let sshd = Sshd::start(tmp).with_rtt(150);
+    let (root, paths, src) = subset_store(tmp);
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root), "push");
+    let back = tmp.join("back");
+    let mut cmd = over_ssh(tmp, &sshd, &sluice_bin());
+    cmd.env("SLUICE_LOG", "sluice_store::registrar=debug,sluice_store::push=debug");
+    let o =
+        cmd.args(["copy", "--from", &url, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]).output().unwrap();
+    check(&o, "pull");
+    assert_holds(tmp, &back, &root, &paths);
+    let err = stderr(&o);
+    let lines: Vec<&str> = err.lines().collect();
+    let found = lines.iter().position(|l| l.contains("found the closure of 25 paths")).unwrap_or_else(|| panic!("{err}"));
+    let first_registered = lines.iter().position(|l| l.contains("registering ")).unwrap_or_else(|| panic!("{err}"));
+    assert!(first_registered < found, "nothing was registered before the closure was found:\n{err}");
+}

@@ -8,12 +8,14 @@
 //! not after the last one's, and the closure is known while the last of them still come.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Instant;
 
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::StorePath;
 use sluice_nix::wire::features::{QUERY_PATH_INFOS, SLUICE_QUERY_CLOSURE};
 use sluice_nix::wire::ops::{write_request, NarFromPath, QueryClosureInfos, QueryPathInfo, QueryPathInfos};
 
+use super::pace::Pace;
 use super::{DaemonConnection, RemoteError, PIPELINE_BYTES};
 
 /// What [`DaemonConnection::closure_fetching`] found: the info of each path of the closure,
@@ -40,6 +42,10 @@ struct Round {
     /// Bytes of the NAR requests, which the daemon may not have read when the next round is
     /// written (it reads each after the NAR before it has gone out).
     nar_bytes: usize,
+    /// When the queries were written.
+    sent: Option<Instant>,
+    /// Bytes of the NARs asked for in the round before, which come before the answers.
+    ahead: u64,
 }
 
 /// The NARs a [`DaemonConnection::closure_fetching`] had still to read, or to ask for, when
@@ -57,7 +63,9 @@ impl DaemonConnection {
     /// earlier are read, and each is given to `take` once it has arrived, its registered size
     /// and no more. Returns once the closure is
     /// found, with the NARs still to come, which [`fetch_rest`](Self::fetch_rest) must read
-    /// before anything else is sent. At most 1.5 × [`PIPELINE_BYTES`] of requests are ever
+    /// before anything else is sent. A round asks for about the NARs that come in one round
+    /// trip (`remote/pace.rs`), so that the next level's answers are not held up behind them;
+    /// the rest wait for later rounds. At most 1.5 × [`PIPELINE_BYTES`] of requests are ever
     /// unread by the daemon (well within a socket's or a pipe's buffer), so that a write never
     /// waits for a daemon that waits for its replies to be read: what does not fit waits for
     /// the next round. After an error the rest of the replies are unread: drop the connection.
@@ -72,8 +80,12 @@ impl DaemonConnection {
         let mut frontier: VecDeque<StorePath> = seen.iter().cloned().collect();
         let mut wanted: VecDeque<(StorePath, u64)> = VecDeque::new();
         let mut in_flight = Round::default();
+        let mut pace = Pace::default();
         loop {
             let (answers, below) = self.read_answers(&in_flight)?;
+            if let Some(sent) = in_flight.sent {
+                pace.answered(sent.elapsed(), in_flight.ahead);
+            }
             let mut infos = Vec::with_capacity(answers.len() + below.len());
             for (path, info) in in_flight.queried.iter().zip(answers) {
                 match info {
@@ -93,17 +105,28 @@ impl DaemonConnection {
             // The next queries go out before the NARs are chosen, which may take a while.
             let first = found.infos.is_empty() && in_flight.queried.is_empty();
             let (queried, closure, query_bytes) = self.write_queries(&mut frontier, first)?;
+            let sent = Some(Instant::now());
             if !infos.is_empty() {
                 let sizes: BTreeMap<&StorePath, u64> = infos.iter().map(|i| (&i.path, i.nar_size)).collect();
                 wanted.extend(choose(&infos).into_iter().filter_map(|p| Some((p.clone(), *sizes.get(&p)?))));
             }
             found.infos.extend(infos.into_iter().map(|i| (i.path.clone(), i)));
             if queried.is_empty() {
-                return Ok((found, RestOfNars { in_flight: Round { queried, closure, ..in_flight }, wanted }));
+                return Ok((found, RestOfNars { in_flight: Round { queried, closure, sent, ..in_flight }, wanted }));
             }
-            let (nars, nar_bytes) = self.write_nars(&mut wanted, in_flight.nar_bytes + query_bytes)?;
+            let budget = pace.budget();
+            let (nars, nar_bytes) = self.write_nars(&mut wanted, in_flight.nar_bytes + query_bytes, budget)?;
+            tracing::debug!(
+                "{}: asked for {} paths' infos and {} NARs ({} bytes, {budget} allowed); {} NARs wait",
+                self.daemon,
+                queried.len(),
+                nars.len(),
+                nars.iter().map(|(_, size)| size).sum::<u64>(),
+                wanted.len()
+            );
+            let ahead = in_flight.nars.iter().map(|(_, size)| size).sum();
             self.read_nars(in_flight.nars, take)?;
-            in_flight = Round { queried, closure, nars, nar_bytes };
+            in_flight = Round { queried, closure, nars, nar_bytes, sent, ahead };
         }
     }
 
@@ -112,7 +135,7 @@ impl DaemonConnection {
     pub(super) fn fetch_rest(&mut self, rest: RestOfNars, take: TakeNar<'_>) -> Result<(), RemoteError> {
         let RestOfNars { mut in_flight, mut wanted } = rest;
         while !in_flight.nars.is_empty() || !wanted.is_empty() {
-            let (nars, nar_bytes) = self.write_nars(&mut wanted, in_flight.nar_bytes)?;
+            let (nars, nar_bytes) = self.write_nars(&mut wanted, in_flight.nar_bytes, u64::MAX)?;
             self.read_nars(in_flight.nars, take)?;
             in_flight = Round { nars, nar_bytes, ..Round::default() };
         }
@@ -157,19 +180,22 @@ impl DaemonConnection {
     }
 
     /// Sends the requests of the NARs at the front of `wanted` while the requests the daemon
-    /// may not have read (`unread` bytes before these) stay under [`PIPELINE_BYTES`]. The NARs
-    /// asked for, and the bytes sent.
+    /// may not have read (`unread` bytes before these) stay under [`PIPELINE_BYTES`] and the
+    /// NARs asked for under `budget` bytes (the first always goes). The NARs asked for, and
+    /// the bytes sent.
     fn write_nars(
         &mut self,
         wanted: &mut VecDeque<(StorePath, u64)>,
         unread: usize,
+        budget: u64,
     ) -> Result<(Vec<(StorePath, u64)>, usize), RemoteError> {
         let io = self.io_err("NarFromPath");
-        let (mut nars, mut batch) = (Vec::new(), Vec::new());
-        while let Some((path, _)) = wanted.front() {
-            if unread + batch.len() >= PIPELINE_BYTES {
+        let (mut nars, mut batch, mut asked) = (Vec::new(), Vec::new(), 0u64);
+        while let Some((path, size)) = wanted.front() {
+            if unread + batch.len() >= PIPELINE_BYTES || (asked > 0 && asked.saturating_add(*size) > budget) {
                 break;
             }
+            asked = asked.saturating_add((*size).max(1));
             write_request(&mut batch, &self.store_dir, self.version, &NarFromPath { path: path.clone() }).map_err(&io)?;
             nars.extend(wanted.pop_front());
         }
