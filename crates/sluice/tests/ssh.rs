@@ -634,17 +634,7 @@ fn nars_travel_zstd_compressed_between_two_sluice_ends() {
 fn a_pull_registers_its_paths_in_batches() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
-    let sshd = Sshd::start(tmp);
-    let (root, paths, src) = subset_store(tmp);
-    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
-    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root), "push");
-    let back = tmp.join("back");
-    let mut cmd = over_ssh(tmp, &sshd, &sluice_bin());
-    cmd.env("SLUICE_LOG", "sluice_store::registrar=debug");
-    let o =
-        cmd.args(["copy", "--from", &url, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]).output().unwrap();
-    check(&o, "pull");
-    assert_holds(tmp, &back, &root, &paths);
+    let (o, paths) = pushed_and_pulled_back(tmp, &Sshd::start(tmp), "sluice_store::registrar=debug");
     let batches: Vec<usize> = stderr(&o).lines().filter_map(|l| l.split("registering ").nth(1)?.split(' ').next()?.parse().ok()).collect();
     assert_eq!(batches.iter().sum::<usize>(), paths.len(), "{}", stderr(&o));
     // How many commits depends on how fast the NARs come against how long a commit takes;
@@ -660,20 +650,27 @@ fn a_pull_registers_its_paths_in_batches() {
 fn a_pull_adds_paths_while_it_looks_for_the_closure() {
     let tmp = tempfile::tempdir().unwrap();
     let tmp = tmp.path();
-    let sshd = Sshd::start(tmp).with_rtt(150);
-    let (root, paths, src) = subset_store(tmp);
-    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
-    check(&sluice_copy(tmp, &sshd, src.to_str().unwrap(), &url, None, &root), "push");
-    let back = tmp.join("back");
-    let mut cmd = over_ssh(tmp, &sshd, &sluice_bin());
-    cmd.env("SLUICE_LOG", "sluice_store::registrar=debug,sluice_store::push=debug");
-    let o =
-        cmd.args(["copy", "--from", &url, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]).output().unwrap();
-    check(&o, "pull");
-    assert_holds(tmp, &back, &root, &paths);
+    let (o, _) = pushed_and_pulled_back(tmp, &Sshd::start(tmp).with_rtt(150), "sluice_store::registrar=debug,sluice_store::push=debug");
     let err = stderr(&o);
     let lines: Vec<&str> = err.lines().collect();
     let found = lines.iter().position(|l| l.contains("found the closure of 25 paths")).unwrap_or_else(|| panic!("{err}"));
     let first_registered = lines.iter().position(|l| l.contains("registering ")).unwrap_or_else(|| panic!("{err}"));
     assert!(first_registered < found, "nothing was registered before the closure was found:\n{err}");
+}
+
+/// The subset pushed by sluice into a Nix 2.8 far end over `sshd`, then pulled back by sluice
+/// into a fresh chroot store with `SLUICE_LOG=log`, which real Nix finds whole: the pull's
+/// output and the subset's paths.
+fn pushed_and_pulled_back(tmp: &Path, sshd: &Sshd, log: &str) -> (Output, BTreeSet<String>) {
+    let (root, paths, src) = subset_store(tmp);
+    let (_, url) = far_end(tmp, "far", FarEnd::Nix28, "CMD");
+    check(&sluice_copy(tmp, sshd, src.to_str().unwrap(), &url, None, &root), "push");
+    let back = tmp.join("back");
+    let mut cmd = over_ssh(tmp, sshd, &sluice_bin());
+    cmd.env("SLUICE_LOG", log);
+    let o =
+        cmd.args(["copy", "--from", &url, "--to", back.to_str().unwrap(), "--trusted-public-keys", &corpus_key(), &root]).output().unwrap();
+    check(&o, "pull");
+    assert_holds(tmp, &back, &root, &paths);
+    (o, paths)
 }
