@@ -566,7 +566,21 @@ mod tests {
         let sleep = std::fs::canonicalize(String::from_utf8(sleep.stdout).unwrap().trim()).unwrap();
         // Started, once it has left the test binary for its program.
         let started = |program: &Path| {
-            let client = Killed(Command::new(program).arg("30").spawn().unwrap());
+            // A copy just written may still be open for writing in a child that another test's
+            // thread forked meanwhile, until that child execs: its exec fails with "text file
+            // busy" (ETXTBSY) for that long, and is tried again.
+            let spawn = || Command::new(program).arg("30").spawn();
+            let child = (0..100)
+                .map(|_| spawn())
+                .find(|r| match r {
+                    Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                        false
+                    }
+                    _ => true,
+                })
+                .unwrap_or_else(spawn);
+            let client = Killed(child.unwrap());
             let own = std::env::current_exe().unwrap();
             while std::fs::read_link(format!("/proc/{}/exe", client.0.id())).unwrap() == own {
                 std::thread::sleep(std::time::Duration::from_millis(5));
