@@ -157,7 +157,7 @@ impl Shared {
         let left = deadline.saturating_duration_since(Instant::now());
         // A zero timeout would mean none at all.
         if left.is_zero() || !self.set_timeouts(Some(left))? {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "the deadline for reading from the client has passed"));
+            return Err(deadline_passed());
         }
         Ok(())
     }
@@ -258,9 +258,19 @@ impl Read for Input {
         }
         shared.release();
         shared.time_read()?;
+        let bounded = shared.deadline.is_some();
         drop(shared);
-        self.source.read(buf)
+        match self.source.read(buf) {
+            // The socket's timeout, set to what was left of the deadline, ran out in this read.
+            Err(e) if bounded && e.kind() == io::ErrorKind::WouldBlock => Err(deadline_passed()),
+            done => done,
+        }
     }
+}
+
+/// The error of a read the deadline ended.
+fn deadline_passed() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "the deadline for reading from the client has passed")
 }
 
 #[cfg(test)]
