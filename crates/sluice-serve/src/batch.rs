@@ -35,8 +35,11 @@ pub const VERSION: &str = "1";
 pub(crate) const MAX_BODY: usize = 1 << 20;
 /// Paths asked of the store at once.
 const STORE_BATCH: usize = 1024;
-/// Lines buffered for the connection before the walk waits for it.
-const LINES_IN_FLIGHT: usize = 64;
+/// Bytes of lines gathered into one chunk for the connection (a chunk is also handed over at
+/// the end of each store batch, so that a level's lines leave as soon as it is read).
+const CHUNK_BYTES: usize = 32 * 1024;
+/// Chunks buffered for the connection before the walk waits for it.
+const CHUNKS_IN_FLIGHT: usize = 4;
 
 /// Which batch endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,11 +59,14 @@ impl Kind {
     }
 }
 
-/// One NDJSON line for `hash_part`.
-fn line(hash_part: &str, narinfo: Option<&str>) -> Bytes {
-    let mut text = serde_json::json!({ "hash": hash_part, "narinfo": narinfo }).to_string();
-    text.push('\n');
-    text.into()
+/// Appends the NDJSON line for `hash_part` to `out`.
+fn push_line(out: &mut Vec<u8>, hash_part: &str, narinfo: Option<&str>) {
+    // Serializing a string into a Vec cannot fail.
+    out.extend_from_slice(b"{\"hash\":");
+    let _ = serde_json::to_writer(&mut *out, hash_part);
+    out.extend_from_slice(b",\"narinfo\":");
+    let _ = serde_json::to_writer(&mut *out, &narinfo);
+    out.extend_from_slice(b"}\n");
 }
 
 type Answer = Response<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>;
@@ -86,8 +92,8 @@ pub async fn answer(app: Arc<App>, kind: Kind, req: Request<RequestBody>) -> Ans
     if let Some(bad) = hashes.iter().find(|h| !is_hash_part(h)) {
         return refuse(StatusCode::BAD_REQUEST, format!("{bad:?} is not a store path hash part"));
     }
-    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(LINES_IN_FLIGHT);
-    let walker = Walker { app, tx };
+    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(CHUNKS_IN_FLIGHT);
+    let mut walker = Walker { app, tx, chunk: Vec::new() };
     tokio::spawn(async move {
         let result = match (kind, walker.app.stored.clone()) {
             (kind, Some(stored)) => walker.stored(&stored, hashes, kind == Kind::Closure).await,
@@ -130,23 +136,41 @@ impl From<StoreError> for Stop {
 struct Walker {
     app: Arc<App>,
     tx: mpsc::Sender<std::io::Result<Bytes>>,
+    /// Lines not yet handed to the connection.
+    chunk: Vec<u8>,
 }
 
 impl Walker {
-    async fn send(&self, hash_part: &str, info: Option<&ValidPathInfo>) -> Result<(), Stop> {
-        self.send_text(hash_part, info.map(|i| self.app.narinfo(i)).as_deref()).await
+    async fn send(&mut self, hash_part: &str, info: Option<&ValidPathInfo>) -> Result<(), Stop> {
+        let text = info.map(|i| self.app.narinfo(i));
+        self.send_text(hash_part, text.as_deref()).await
     }
 
-    async fn send_text(&self, hash_part: &str, text: Option<&[u8]>) -> Result<(), Stop> {
+    /// Adds the line of `hash_part`, handing the lines gathered to the connection once they
+    /// make a chunk.
+    async fn send_text(&mut self, hash_part: &str, text: Option<&[u8]>) -> Result<(), Stop> {
         // Rendered from a String or read as a narinfo: UTF-8, borrowed as it is.
         let text = text.map(String::from_utf8_lossy);
-        self.tx.send(Ok(line(hash_part, text.as_deref()))).await.map_err(|_| Stop::Gone)
+        push_line(&mut self.chunk, hash_part, text.as_deref());
+        match self.chunk.len() >= CHUNK_BYTES {
+            true => self.flush().await,
+            false => Ok(()),
+        }
+    }
+
+    /// Hands the lines gathered so far to the connection.
+    async fn flush(&mut self) -> Result<(), Stop> {
+        if self.chunk.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::take(&mut self.chunk));
+        self.tx.send(Ok(chunk)).await.map_err(|_| Stop::Gone)
     }
 
     /// The narinfos of `hashes` (and with `closure`, of their closures, breadth first) in a
     /// cache served as stored, with its upstreams if any ([`crate::stored`]): each level's
     /// narinfos asked all at once, each line sent as soon as its level is answered.
-    async fn stored(&self, stored: &Stored, hashes: Vec<String>, closure: bool) -> Result<(), Stop> {
+    async fn stored(&mut self, stored: &Stored, hashes: Vec<String>, closure: bool) -> Result<(), Stop> {
         let mut seen = std::collections::HashSet::new();
         let mut level: Vec<String> = if closure { hashes.into_iter().filter(|h| seen.insert(h.clone())).collect() } else { hashes };
         while !level.is_empty() {
@@ -165,6 +189,7 @@ impl Walker {
                     };
                     self.send_text(hash, text.as_deref()).await?;
                 }
+                self.flush().await?;
             }
             level = next;
         }
@@ -177,7 +202,7 @@ impl Walker {
         futures::future::try_join_all(lookups).await
     }
 
-    async fn narinfos(&self, hashes: Vec<String>) -> Result<(), Stop> {
+    async fn narinfos(&mut self, hashes: Vec<String>) -> Result<(), Stop> {
         for chunk in hashes.chunks(STORE_BATCH) {
             let paths = self.paths(chunk).await?;
             let found: Vec<StorePath> = paths.iter().flatten().cloned().collect();
@@ -186,13 +211,14 @@ impl Walker {
                 let info = if path.is_some() { infos.next().flatten() } else { None };
                 self.send(hash, info.as_ref().map(|i| &i.info)).await?;
             }
+            self.flush().await?;
         }
         Ok(())
     }
 
     /// Breadth first from the roots: one store batch per level (per [`STORE_BATCH`] paths),
     /// each path's line sent as soon as its level is read.
-    async fn closure(&self, roots: Vec<String>) -> Result<(), Stop> {
+    async fn closure(&mut self, roots: Vec<String>) -> Result<(), Stop> {
         let mut seen = std::collections::HashSet::new();
         let mut level = Vec::new();
         for chunk in roots.chunks(STORE_BATCH) {
@@ -207,6 +233,7 @@ impl Walker {
                 }
             }
         }
+        self.flush().await?;
         while !level.is_empty() {
             let mut next = Vec::new();
             for chunk in level.chunks(STORE_BATCH) {
@@ -217,6 +244,7 @@ impl Walker {
                     }
                     self.send(path.hash_part(), info.as_ref().map(|i| &i.info)).await?;
                 }
+                self.flush().await?;
             }
             level = next;
         }
