@@ -394,6 +394,15 @@ impl HttpTransport {
         .await
     }
 
+    /// Sends `spec` to `rel` and returns the answer once its headers are in, its body to be
+    /// read as it arrives ([`Body::chunk`]); `None` on 404, 403 or 410. The request is retried
+    /// as [`Self::send`]'s is; a body that fails midway is the caller's to handle.
+    pub async fn send_streaming(&self, rel: &str, spec: Request<'_>) -> Result<Option<Body>, CacheError> {
+        let target = self.request_url(rel)?;
+        let (resp, held) = self.retrying(|| self.send_once(&target, spec, false)).await?;
+        Ok(resp.map(|resp| Body::of(target.as_str(), resp, self.stall, Some(held))))
+    }
+
     /// Whether `rel` exists (`HEAD`: a success status; 404, 403 and 410 are absence). On S3,
     /// the first absence is asked again by `GET`, whose answer carries the error code that
     /// tells a missing key from wrong credentials or a missing bucket.
@@ -509,22 +518,49 @@ fn gunzip(url: &str, body: &[u8]) -> Result<Vec<u8>, CacheError> {
     Ok(out)
 }
 
+/// An answer's body, read as it arrives; it holds the request's place among those in flight
+/// until it is dropped.
+pub struct Body {
+    url: String,
+    stream: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
+    stall: Duration,
+    _held: Option<Held>,
+}
+
+impl Body {
+    fn of(url: &str, resp: reqwest::Response, stall: Duration, held: Option<Held>) -> Body {
+        Body { url: url.to_string(), stream: Box::pin(resp.bytes_stream()), stall, _held: held }
+    }
+
+    /// The URL the body is the answer of.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The next chunk, `None` at the end. Fails naming the URL when the transfer fails or no
+    /// data arrives for `stalled-download-timeout`.
+    pub async fn chunk(&mut self) -> Result<Option<bytes::Bytes>, CacheError> {
+        match tokio::time::timeout(self.stall, self.stream.next()).await {
+            Ok(Some(Ok(chunk))) => Ok(Some(chunk)),
+            Ok(Some(Err(source))) => Err(CacheError::Transport { url: self.url.clone(), source: source.into() }),
+            Ok(None) => Ok(None),
+            Err(_) => Err(stalled(&self.url, self.stall, "no data")),
+        }
+    }
+}
+
 /// Reads a whole body, each chunk within the stall timeout, refusing more than [`MAX_SMALL_FILE`].
 async fn read_body(url: &str, resp: reqwest::Response, stall: Duration) -> Result<Vec<u8>, CacheError> {
     let mut out = Vec::new();
-    let mut stream = resp.bytes_stream();
-    loop {
-        match tokio::time::timeout(stall, stream.next()).await {
-            Ok(Some(Ok(chunk))) => out.extend_from_slice(&chunk),
-            Ok(Some(Err(source))) => return Err(CacheError::Transport { url: url.to_string(), source: source.into() }),
-            Ok(None) => return Ok(out),
-            Err(_) => return Err(stalled(url, stall, "no data")),
-        }
+    let mut body = Body::of(url, resp, stall, None);
+    while let Some(chunk) = body.chunk().await? {
+        out.extend_from_slice(&chunk);
         if out.len() > MAX_SMALL_FILE {
             let e = std::io::Error::new(std::io::ErrorKind::InvalidData, format!("body exceeds {MAX_SMALL_FILE} bytes"));
             return Err(CacheError::Io { url: url.to_string(), source: e });
         }
     }
+    Ok(out)
 }
 
 /// The first `limit` bytes of an error answer, as one line of text (best effort).

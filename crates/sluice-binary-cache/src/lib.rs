@@ -6,6 +6,7 @@
 //! sluice-store puts a [`BinaryCache`] behind its `Store` interface and parses the store URLs
 //! into [`url`]'s types; this crate knows neither.
 
+mod batch;
 pub mod causes;
 pub mod client;
 mod error;
@@ -36,6 +37,7 @@ use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::SecretKey;
 use sluice_nix::store_path::{StoreDir, StorePath};
 
+pub use batch::BatchLines;
 pub use error::CacheError;
 
 /// Concurrent reads from a `file://` cache.
@@ -387,50 +389,6 @@ impl BinaryCache {
         Ok(Some(text))
     }
 
-    /// The narinfos of the closures of `roots` in one request to `sluice serve`'s batch
-    /// endpoint (`POST _sluice/v1/closure`, see `sluice_serve::batch`), as (hash part, narinfo
-    /// text or `None` for a root the cache lacks); `Ok(None)` when the cache is not reached
-    /// over HTTP. Each text is what `<hash part>.narinfo` would have answered. Fails naming
-    /// the URL on an answer that is not such NDJSON.
-    pub async fn batch_closure(&self, roots: &[StorePath]) -> Result<Option<Vec<(String, Option<String>)>>, CacheError> {
-        self.health.check(&self.url)?;
-        let answer = self.send_batch_closure(roots).await;
-        let answer = self.health.observe(&self.url, answer.map(|a| a.map(|(url, a)| (url, a.map(|a| a.body)))))?;
-        let Some((url, answer)) = answer else { return Ok(None) };
-        let Some(bytes) = answer else {
-            return Err(batch_error(&url, "the cache advertises SluiceBatch but has no batch endpoint".into()));
-        };
-        parse_batch(&url, bytes).map(Some)
-    }
-
-    /// [`BinaryCache::batch_closure`] asked before the cache's `nix-cache-info` has said whether
-    /// it offers the batch (so that a cold closure query spends no round trip on
-    /// `nix-cache-info` alone): only of a plain HTTP(S) cache, with no effect on the cache's
-    /// health, and `None` on any failure (a cache that is not `sluice serve` answers 404 or
-    /// 405). Its answer is to be used only once `nix-cache-info` advertises `SluiceBatch`.
-    pub async fn batch_closure_unasked(&self, roots: &[StorePath]) -> Option<Vec<(String, Option<String>)>> {
-        if !matches!(self.transport, Transport::Http { s3: None, .. }) {
-            return None;
-        }
-        let answered = match self.send_batch_closure(roots).await {
-            Ok(Some((url, Some(answer)))) => parse_batch(&url, answer.body),
-            Ok(_) => return None,
-            Err(e) => Err(e),
-        };
-        answered.map_err(|e| tracing::debug!("{e}")).ok()
-    }
-
-    /// Sends the closure request of `roots`: the endpoint's URL and the answer (`None` for
-    /// 404, 403 or 410), `None` when the cache is not reached over HTTP.
-    async fn send_batch_closure(&self, roots: &[StorePath]) -> Result<Option<(String, Option<http::Answer>)>, CacheError> {
-        const ENDPOINT: &str = "_sluice/v1/closure";
-        let Transport::Http { http, .. } = &self.transport else { return Ok(None) };
-        let body = Upload::Bytes(roots.iter().map(|p| format!("{}\n", p.hash_part())).collect::<String>().into());
-        let request = http::Request { method: &reqwest::Method::POST, body: Some((&body, "text/plain")), headers: &[] };
-        let answer = http.send(ENDPOINT, request).await?;
-        Ok(Some((http.resolve(ENDPOINT), answer)))
-    }
-
     /// Parses narinfo text fetched for `path`, checking that it describes `path`.
     pub fn parse_narinfo(&self, path: &StorePath, store_dir: &StoreDir, text: &str) -> Result<NarInfo, CacheError> {
         let info = NarInfo::parse(store_dir, text).map_err(|source| CacheError::NarInfo { url: self.narinfo_url(path), source })?;
@@ -482,26 +440,4 @@ impl BinaryCache {
         };
         self.health.observe(&self.url, result)
     }
-}
-
-/// An error of the batch endpoint at `url`: its answer is not what it should be.
-fn batch_error(url: &str, what: String) -> CacheError {
-    CacheError::Io { url: url.to_string(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, what) }
-}
-
-/// The lines of a closure answer of the batch endpoint at `url`, NDJSON `{"hash", "narinfo"}`:
-/// (hash part, narinfo text or `None`).
-fn parse_batch(url: &str, bytes: Vec<u8>) -> Result<Vec<(String, Option<String>)>, CacheError> {
-    let text = String::from_utf8(bytes).map_err(|_| batch_error(url, "answer is not UTF-8".into()))?;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        #[derive(serde::Deserialize)]
-        struct Line {
-            hash: String,
-            narinfo: Option<String>,
-        }
-        let Line { hash, narinfo } = serde_json::from_str(line).map_err(|e| batch_error(url, format!("line {}: {e}", i + 1)))?;
-        out.push((hash, narinfo));
-    }
-    Ok(out)
 }

@@ -16,18 +16,20 @@
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{FuturesUnordered, StreamExt};
 use sluice_nix::content_address::ContentAddress;
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::path_info::ValidPathInfo;
 use sluice_nix::store_path::{StoreDir, StorePath};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
 
 use crate::by_key::ByKey;
 use crate::fd_budget::FdBudget;
+use crate::prefetched::{NarInfoAnswer, Prefetched, Taken};
 use crate::substituter_source::Source;
-use sluice_binary_cache::narinfo_cache::{Cached, NarInfoCache};
+use sluice_binary_cache::narinfo_cache::{Cached, DiskCacheError, NarInfoCache};
 use sluice_binary_cache::CacheError;
 use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 
@@ -36,9 +38,9 @@ use sluice_local_store::{LocalStore, SignaturePolicy, TempRoots, VouchedInfo};
 pub struct Substituter {
     pub source: Source,
     pub disk_id: Option<i64>,
-    /// Narinfo answers fetched while the cache was being opened (by hash part), taken by
+    /// Narinfo answers fetched while the cache was being opened, or still arriving, taken by
     /// the first lookup of each path instead of a request.
-    pub prefetched: std::sync::Mutex<HashMap<String, Result<Option<String>, CacheError>>>,
+    pub prefetched: Arc<Prefetched>,
     /// The URL's `?trusted=true`: its paths need no signature (Nix's `isTrusted`).
     pub trusted: bool,
 }
@@ -47,10 +49,6 @@ impl Substituter {
     /// A substituter with nothing prefetched.
     pub fn new(source: Source, disk_id: Option<i64>) -> Self {
         Substituter { source, disk_id, prefetched: Default::default(), trusted: false }
-    }
-
-    fn take_prefetched(&self, path: &StorePath) -> Option<Result<Option<String>, CacheError>> {
-        self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(path.hash_part())
     }
 
     /// The name the cache gives the destination's `path` in `store_dir`: the same, for a cache
@@ -106,8 +104,9 @@ pub fn validity_in(dest: Option<Arc<LocalStore>>, roots: Option<TempRoots>) -> V
     })
 }
 
-/// Disk-cache answers are written back once this many have accumulated (and at the end).
-const RECORD_BATCH: usize = 2048;
+/// Disk-cache answers are written back once this many have accumulated (and at the end), on
+/// a blocking thread while the query goes on.
+const RECORD_BATCH: usize = 256;
 
 /// The closure engine's configuration.
 #[derive(Clone)]
@@ -134,6 +133,10 @@ pub struct ClosureQuery {
 
 enum Answer {
     Cached(Cached),
+    /// Fetched while the cache was being opened ([`Substituter::prefetched`]).
+    Prefetched(NarInfoAnswer),
+    /// Still arriving in a batch answer: its line, or a request if the answer ends without it.
+    Arriving(oneshot::Receiver<NarInfoAnswer>),
     Fetch(tokio::task::JoinHandle<Result<Option<String>, CacheError>>),
 }
 
@@ -178,61 +181,73 @@ impl ClosureQuery {
     }
 
     /// Runs the query for the closures of `roots`, sending one event per distinct path to
-    /// `events` as answers arrive. Returns when the whole closure is known (or `events` is
-    /// closed by the receiver).
+    /// `events` as answers arrive, and closing it when the whole closure is known (or when the
+    /// receiver closed it). Returns once the answers fetched are recorded in the disk cache,
+    /// which goes on after `events` is closed.
     pub async fn run(&self, roots: Vec<StorePath>, events: mpsc::UnboundedSender<ClosureEvent>) {
         let fd_slots = FdBudget::current().lookups / self.substituters.len().max(1);
         let mut walk = Walk { consult: self.disk_entries(), fd_slots, ..Walk::default() };
-        let mut records = Vec::new();
-        self.enqueue(roots, 0, &mut walk, &events);
+        let (mut records, mut writes) = (Vec::new(), Vec::new());
+        self.enqueue(roots.into_iter().map(|p| (p, 0)).collect(), &mut walk, &events);
         self.fill(&mut walk);
-        while let Some(outcome) = walk.pending.next().await {
-            let Outcome { path, event, records: new, network } = outcome;
-            walk.network -= network as usize;
-            records.extend(new);
+        while let Some(first) = walk.pending.next().await {
+            // The lookups that have ended by now, taken together: their references are looked
+            // up in the destination and the disk cache in one batch each (a closure found by
+            // one batch request ends its lookups all at once).
+            let mut ended = vec![first];
+            while let Some(Some(outcome)) = walk.pending.next().now_or_never() {
+                ended.push(outcome);
+            }
+            let mut refs = Vec::new();
+            for Outcome { path, event, records: new, network } in &mut ended {
+                walk.network -= *network as usize;
+                records.append(new);
+                if let ClosureEvent::Found { narinfo, .. } = event {
+                    let depth = walk.depth.get(path).map_or(0, |d| d + 1);
+                    refs.extend(narinfo.references.iter().filter(|r| *r != path).map(|r| (r.clone(), depth)));
+                }
+            }
             if records.len() >= RECORD_BATCH {
-                self.flush(&mut records).await;
+                writes.extend(self.flush(&mut records));
             }
-            if let ClosureEvent::Found { narinfo, .. } = &event {
-                let refs: Vec<StorePath> = narinfo.references.iter().filter(|r| **r != path).cloned().collect();
-                let depth = walk.depth.get(&path).map_or(0, |d| d + 1);
-                self.enqueue(refs, depth, &mut walk, &events);
-            }
+            self.enqueue(refs, &mut walk, &events);
             self.fill(&mut walk);
-            if events.send(event).is_err() {
-                return;
+            if ended.into_iter().any(|outcome| events.send(outcome.event).is_err()) {
+                break;
             }
         }
-        self.flush(&mut records).await;
+        drop(events);
+        writes.extend(self.flush(&mut records));
+        for write in writes {
+            if let Ok(Err(e)) = write.await {
+                tracing::warn!("{e}");
+            }
+        }
     }
 
-    async fn flush(&self, records: &mut Vec<(i64, String, Option<String>)>) {
-        let Some(disk) = &self.disk_cache else { return };
-        if records.is_empty() {
-            return;
-        }
+    /// Starts recording `records` in the disk cache, on a blocking thread (none without a disk
+    /// cache or records).
+    fn flush(&self, records: &mut Vec<(i64, String, Option<String>)>) -> Option<JoinHandle<Result<(), DiskCacheError>>> {
+        let disk = self.disk_cache.clone().filter(|_| !records.is_empty())?;
         let batch = std::mem::take(records);
-        let disk = disk.clone();
-        let result = tokio::task::spawn_blocking(move || disk.record(&batch)).await;
-        if let Ok(Err(e)) = result {
-            tracing::warn!("{e}");
-        }
+        Some(tokio::task::spawn_blocking(move || disk.record(&batch)))
     }
 
-    /// Takes in newly discovered paths: valid ones are reported, ones every substituter has a
-    /// fresh disk-cache answer for are resolved at once, the rest wait for a network slot.
-    fn enqueue(&self, paths: Vec<StorePath>, depth: usize, walk: &mut Walk, events: &mpsc::UnboundedSender<ClosureEvent>) {
-        let new: Vec<StorePath> = paths.into_iter().filter(|p| walk.seen.insert(p.clone())).collect();
+    /// Takes in newly discovered paths with their depths (a path met twice keeps its first):
+    /// valid ones are reported, ones every substituter has a fresh disk-cache answer for are
+    /// resolved at once, the rest wait for a network slot.
+    fn enqueue(&self, paths: Vec<(StorePath, usize)>, walk: &mut Walk, events: &mpsc::UnboundedSender<ClosureEvent>) {
+        let new: Vec<(StorePath, usize)> = paths.into_iter().filter(|(p, _)| walk.seen.insert(p.clone())).collect();
         if new.is_empty() {
             return;
         }
-        let valid = (self.is_valid)(&new);
-        let rest: Vec<StorePath> = new.into_iter().filter(|p| !valid.contains(p)).collect();
-        for v in valid {
+        let valid = (self.is_valid)(&new.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>());
+        let (valid, rest): (Vec<_>, Vec<_>) = new.into_iter().partition(|(p, _)| valid.contains(p));
+        for (v, _) in valid {
             let _ = events.send(ClosureEvent::Valid(v));
         }
-        let mut cached = self.cached_answers(&rest, &walk.consult);
-        for path in rest {
+        let mut cached = self.cached_answers(&rest.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), &walk.consult);
+        for (path, depth) in rest {
             let known: Vec<Option<Cached>> = (0..self.substituters.len())
                 .map(|i| match self.substituters[i].name_of(&path, &self.store_dir, &self.content_addresses) {
                     Some(_) => cached.remove(&(i, path.hash_part().to_string())),
@@ -272,13 +287,11 @@ impl ClosureQuery {
                 None => {
                     let subs = self.substituters.clone();
                     let p = subs[i].name_of(&path, &self.store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
-                    let early = subs[i].take_prefetched(&p);
-                    Answer::Fetch(tokio::spawn(async move {
-                        match early {
-                            Some(answer) => answer,
-                            None => subs[i].source.narinfo_text(&p).await,
-                        }
-                    }))
+                    match subs[i].prefetched.take(p.hash_part()) {
+                        Taken::Ready(answer) => Answer::Prefetched(answer),
+                        Taken::Pending(line) => Answer::Arriving(line),
+                        Taken::None => Answer::Fetch(tokio::spawn(async move { subs[i].source.narinfo_text(&p).await })),
+                    }
                 }
             })
             .collect();
@@ -360,22 +373,30 @@ impl Lookup {
                 let parsed = text.map(|t| sub.source.parse_narinfo(&asked, sub.source.store_dir(), &t)).transpose();
                 parsed.map(|narinfo| narinfo.and_then(|n| self.renamed(sub, n)))
             };
+            // A fresh answer: only well-formed narinfos are cached as present, and only under
+            // the name they were asked for.
+            let mut fresh = |result: Result<Option<String>, CacheError>| {
+                result.and_then(|text| {
+                    let parsed = parse(text.clone());
+                    if let (Ok(_), Some(id), true) = (&parsed, sub.disk_id, asked == *path) {
+                        records.push((id, path.hash_part().to_string(), text));
+                    }
+                    parsed
+                })
+            };
             let parsed = match answer {
                 Answer::Cached(Cached::Present(text)) => parse(Some(text)),
                 Answer::Cached(Cached::Absent) => Ok(None),
+                Answer::Prefetched(result) => fresh(result),
+                Answer::Arriving(line) => match line.await {
+                    Ok(result) => fresh(result),
+                    Err(_) => fresh(sub.source.narinfo_text(&asked).await),
+                },
                 Answer::Fetch(handle) => {
                     let result = handle
                         .await
                         .unwrap_or_else(|e| Err(CacheError::Io { url: sub.source.narinfo_url(&asked), source: std::io::Error::other(e) }));
-                    result.and_then(|text| {
-                        let parsed = parse(text.clone());
-                        // Only well-formed narinfos are cached as present, and only under the
-                        // name they were asked for.
-                        if let (Ok(_), Some(id), true) = (&parsed, sub.disk_id, asked == *path) {
-                            records.push((id, path.hash_part().to_string(), text));
-                        }
-                        parsed
-                    })
+                    fresh(result)
                 }
             };
             match parsed {

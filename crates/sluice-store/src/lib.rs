@@ -18,6 +18,7 @@ pub mod fd_budget;
 pub mod job_queue;
 mod legacy_ssh;
 mod local_handle;
+pub mod prefetched;
 pub mod push;
 mod reference_cycles;
 mod registrar;

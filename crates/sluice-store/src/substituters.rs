@@ -18,7 +18,7 @@ use crate::store_url::{CacheKind, CacheUrl, StoreUrl};
 use crate::substituter_source::{Source, StoreSource};
 use sluice_binary_cache::http::LazyClient;
 use sluice_binary_cache::narinfo_cache::NarInfoCache;
-use sluice_binary_cache::{BinaryCache, CacheError};
+use sluice_binary_cache::{BatchLines, BinaryCache, CacheError};
 
 /// Most root narinfos fetched alongside `nix-cache-info`.
 pub(crate) const MAX_PREFETCH: usize = 64;
@@ -89,9 +89,9 @@ async fn open_cache(
             cache.check_store_dir()?;
             let mut sub = Substituter::new(Source::Cache(cache), id);
             sub.trusted = curl.common.trusted;
-            sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
+            sub.prefetched.extend(roots.iter().map(|p| p.hash_part().to_string()).zip(answers));
             match closure {
-                Some(answers) => keep_closure(&sub, answers),
+                Some(lines) => sub.prefetched.receive(lines),
                 None => prefetch_closure(&sub, disk, prefetch).await,
             }
             return Ok(sub);
@@ -105,10 +105,10 @@ async fn open_cache(
 }
 
 /// For a cache that advertises `SluiceBatch`, asks for the whole closure of `roots` in one
-/// request and keeps every answer in `sub.prefetched`, where the closure engine takes each
-/// instead of a request (and records it in the disk cache like any answer it fetched). Skipped
-/// when the disk cache already has fresh answers for every root; a failure is a warning, the
-/// engine then asks for each narinfo as with any cache.
+/// request and keeps every answer in `sub.prefetched` as it arrives, where the closure engine
+/// takes each (or waits for it) instead of a request, and records it in the disk cache like
+/// any answer it fetched. Skipped when the disk cache already has fresh answers for every
+/// root; a failure is a warning, the engine then asks for each narinfo as with any cache.
 async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots: &[StorePath]) {
     let Some(cache) = sub.source.as_cache().filter(|c| c.info().batch && !roots.is_empty()) else { return };
     if let (Some(disk), Some(id)) = (disk, sub.disk_id) {
@@ -118,28 +118,24 @@ async fn prefetch_closure(sub: &Substituter, disk: Option<&NarInfoCache>, roots:
         }
     }
     match cache.batch_closure(roots).await {
-        Ok(Some(answers)) => keep_closure(sub, answers),
+        Ok(Some(lines)) => sub.prefetched.receive(lines),
         Ok(None) => {}
         Err(e) => tracing::warn!("{e}; asking for each narinfo instead"),
     }
 }
 
-/// Keeps the batch endpoint's `answers` in `sub.prefetched`, where the closure engine takes them.
-fn keep_closure(sub: &Substituter, answers: Vec<(String, Option<String>)>) {
-    sub.prefetched.lock().unwrap_or_else(|p| p.into_inner()).extend(answers.into_iter().map(|(h, t)| (h, Ok(t))));
-}
-
 /// What a cache not yet known is asked at once, so that a cold closure query spends one round
 /// trip on them together: its `nix-cache-info`, the narinfos of `roots`, and (of an HTTP
 /// cache) the closure of `prefetch` from the batch endpoint, unasked for
-/// ([`BinaryCache::batch_closure_unasked`]). The closure is waited for, and returned, only if
-/// `nix-cache-info` offers the batch; otherwise it is dropped, in flight or not.
+/// ([`BinaryCache::batch_closure_unasked`]). The closure's answer is waited for (until its
+/// headers are in: its lines are read as they arrive), and returned, only if `nix-cache-info`
+/// offers the batch; otherwise it is dropped, in flight or not.
 #[allow(clippy::type_complexity)]
 async fn fetch_cold(
     cache: &BinaryCache,
     roots: &[StorePath],
     prefetch: &[StorePath],
-) -> (Result<Option<CacheInfo>, CacheError>, Vec<Result<Option<String>, CacheError>>, Option<Vec<(String, Option<String>)>>) {
+) -> (Result<Option<CacheInfo>, CacheError>, Vec<Result<Option<String>, CacheError>>, Option<BatchLines>) {
     use futures::future::{select, Either};
     let opened = std::pin::pin!(futures::future::join(cache.fetch_cache_info(), join_all(roots.iter().map(|p| cache.narinfo_text(p)))));
     let mut closure = std::pin::pin!(async {

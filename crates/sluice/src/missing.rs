@@ -45,7 +45,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         bar.enable_steady_tick(std::time::Duration::from_millis(200));
         bar
     });
-    rt.block_on(async {
+    let engine = rt.block_on(async {
         let dest = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
         let store_dir = dest.store_dir().clone();
         let roots = setup::parse_paths(&store_dir, &args.paths)?;
@@ -82,7 +82,7 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
                 bar.set_message(fit(&line));
             }
         }
-        engine.await.map_err(|e| e.to_string())
+        Ok::<_, String>(engine)
     })?;
     if let Some(bar) = bar {
         bar.finish_and_clear();
@@ -90,8 +90,19 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     if args.json {
         let json = serde_json::json!({ "willSubstitute": fetch, "unknown": unknown, "downloadSize": download, "narSize": nar });
         println!("{json}");
-        return Ok(ExitCode::SUCCESS);
+    } else {
+        report(&fetch, &unknown, download, nar);
     }
+    // The answers are written to the disk cache while the report is: they are for later runs.
+    rt.block_on(engine).map_err(|e| e.to_string())?;
+    // Nothing is left running: the worker threads end with the process, not one by one.
+    rt.shutdown_background();
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes what will be fetched and what is unknown to standard error, as Nix's
+/// `printMissing` does.
+fn report(fetch: &BTreeSet<String>, unknown: &BTreeSet<String>, download: u64, nar: u64) {
     // The report in one write: standard error is unbuffered, and a closure's list line by
     // line was three writes a path.
     let mut report = String::new();
@@ -108,7 +119,6 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
     }
     // A report that cannot be written (standard error closed) fails nothing the query did.
     let _ = std::io::stderr().lock().write_all(report.as_bytes());
-    Ok(ExitCode::SUCCESS)
 }
 
 /// The closure engine's validity check against `store` ([`Store::query_valid_paths`], waited
