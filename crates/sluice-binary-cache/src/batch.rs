@@ -83,7 +83,7 @@ impl BatchLines {
         loop {
             if let Some(line) = self.lines.next_line() {
                 self.parsed += 1;
-                return parse_line(&line).map(Some).map_err(|e| batch_error(self.body.url(), format!("line {}: {e}", self.parsed)));
+                return parse_line(line).map(Some).map_err(|e| batch_error(self.body.url(), format!("line {}: {e}", self.parsed)));
             }
             if self.lines.ended {
                 return Ok(None);
@@ -133,16 +133,15 @@ impl Lines {
     }
 
     /// The next whole line, without its `\n`.
-    fn next_line(&mut self) -> Option<Vec<u8>> {
-        let rest = &self.buf[self.start..];
+    fn next_line(&mut self) -> Option<&[u8]> {
+        let (from, rest) = (self.start, &self.buf[self.start..]);
         let len = match rest.iter().position(|&b| b == b'\n') {
             Some(at) => at,
             None if self.ended && !rest.is_empty() => rest.len(),
             None => return None,
         };
-        let line = rest[..len].to_vec();
-        self.start = (self.start + len + 1).min(self.buf.len());
-        Some(line)
+        self.start = (from + len + 1).min(self.buf.len());
+        Some(&self.buf[from..from + len])
     }
 }
 
@@ -156,12 +155,12 @@ mod tests {
         for chunk in chunks {
             lines.push(Bytes::copy_from_slice(chunk.as_bytes()));
             while let Some(line) = lines.next_line() {
-                out.push(String::from_utf8(line).unwrap());
+                out.push(String::from_utf8(line.to_vec()).unwrap());
             }
         }
         lines.ended = true;
         while let Some(line) = lines.next_line() {
-            out.push(String::from_utf8(line).unwrap());
+            out.push(String::from_utf8(line.to_vec()).unwrap());
         }
         out
     }

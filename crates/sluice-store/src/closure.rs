@@ -369,15 +369,15 @@ impl Lookup {
         while let Some((i, answer)) = answers.next() {
             let sub = &subs[i];
             let asked = sub.name_of(path, store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
-            let parse = |text: Option<String>| {
-                let parsed = text.map(|t| sub.source.parse_narinfo(&asked, sub.source.store_dir(), &t)).transpose();
+            let parse = |text: Option<&str>| {
+                let parsed = text.map(|t| sub.source.parse_narinfo(&asked, sub.source.store_dir(), t)).transpose();
                 parsed.map(|narinfo| narinfo.and_then(|n| self.renamed(sub, n)))
             };
             // A fresh answer: only well-formed narinfos are cached as present, and only under
             // the name they were asked for.
             let mut fresh = |result: Result<Option<String>, CacheError>| {
                 result.and_then(|text| {
-                    let parsed = parse(text.clone());
+                    let parsed = parse(text.as_deref());
                     if let (Ok(_), Some(id), true) = (&parsed, sub.disk_id, asked == *path) {
                         records.push((id, path.hash_part().to_string(), text));
                     }
@@ -385,7 +385,7 @@ impl Lookup {
                 })
             };
             let parsed = match answer {
-                Answer::Cached(Cached::Present(text)) => parse(Some(text)),
+                Answer::Cached(Cached::Present(text)) => parse(Some(&text)),
                 Answer::Cached(Cached::Absent) => Ok(None),
                 Answer::Prefetched(result) => fresh(result),
                 Answer::Arriving(line) => match line.await {
