@@ -7,8 +7,8 @@ use std::io::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use sluice_nix::store_path::StorePath;
-use sluice_store::closure::{ClosureEvent, ValidityCheck};
+use sluice_nix::store_path::{StoreDir, StorePath};
+use sluice_store::closure::{ClosureEvent, ClosureQuery, ValidityCheck};
 use sluice_store::store::{open_store, Store};
 use tokio::sync::mpsc;
 
@@ -46,12 +46,23 @@ pub fn run(args: Args) -> Result<ExitCode, String> {
         bar
     });
     let engine = rt.block_on(async {
-        let dest = open_store(&url, &settings).await.map_err(|e| e.to_string())?;
-        let store_dir = dest.store_dir().clone();
+        // The destination is opened while the caches are asked (a fresh local store's
+        // database is created meanwhile): its store directory is the one every destination
+        // has (`store_url`), checked once it is open.
+        let opening = tokio::spawn({
+            let (url, settings) = (url.clone(), settings.clone());
+            async move { open_store(&url, &settings).await.map_err(|e| e.to_string()) }
+        });
+        let opened = async { opening.await.map_err(|e| e.to_string())? };
+        let store_dir = StoreDir::default();
         let roots = setup::parse_paths(&store_dir, &args.paths)?;
-        let query =
-            setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, validity_in(dest), &roots)
-                .await?;
+        let nothing: ValidityCheck = Arc::new(|_: &[StorePath]| HashSet::new());
+        let query = setup::closure_query(&settings.substituters, setup::Caches::Substituters, &settings, &store_dir, nothing, &roots);
+        let (dest, query) = tokio::try_join!(opened, query)?;
+        if dest.store_dir() != &store_dir {
+            return Err(format!("{url}: store directory {} is not {}", dest.store_dir().as_str(), store_dir.as_str()));
+        }
+        let query = ClosureQuery { is_valid: validity_in(dest), ..query };
         let (tx, mut rx) = mpsc::unbounded_channel();
         let engine = tokio::spawn(async move { query.run(roots, tx).await });
         while let Some(event) = rx.recv().await {
