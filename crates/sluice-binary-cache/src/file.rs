@@ -64,6 +64,19 @@ impl FileTransport {
         }
     }
 
+    /// What tells one version of `rel` from another (device, inode, size, modification
+    /// time), `None` when it does not exist: a file replaced (a rename over it) or rewritten
+    /// has another. Asked on the calling thread.
+    pub fn stamp(&self, rel: &str) -> Result<Option<FileStamp>, CacheError> {
+        use std::os::unix::fs::MetadataExt;
+        let path = self.path(rel);
+        match std::fs::metadata(&path) {
+            Ok(m) => Ok(Some(FileStamp { dev: m.dev(), ino: m.ino(), len: m.len(), mtime: (m.mtime(), m.mtime_nsec()) })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(CacheError::Io { url: path.display().to_string(), source }),
+        }
+    }
+
     /// Whether `rel` exists, asked on the calling thread (as [`FileTransport::get`] reads).
     pub fn exists(&self, rel: &str) -> Result<bool, CacheError> {
         let path = self.path(rel);
@@ -108,4 +121,14 @@ impl FileTransport {
         };
         file.persist(&path).map(drop).map_err(|e| io(e.error))
     }
+}
+
+/// One version of a cache file ([`FileTransport::stamp`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    /// Seconds and nanoseconds.
+    mtime: (i64, i64),
 }

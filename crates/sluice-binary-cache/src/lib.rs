@@ -291,6 +291,15 @@ impl BinaryCache {
         Ok(())
     }
 
+    /// The version of the cache file `rel` ([`file::FileTransport::stamp`]), for a `file://`
+    /// cache only (`None` for any other).
+    pub fn file_stamp(&self, rel: &str) -> Option<Result<Option<file::FileStamp>, CacheError>> {
+        match &self.transport {
+            Transport::File(file) => Some(file.stamp(rel)),
+            Transport::Http { .. } => None,
+        }
+    }
+
     /// The cache's URL, without trailing slash.
     pub fn url(&self) -> &str {
         &self.url

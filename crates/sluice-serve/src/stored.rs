@@ -6,10 +6,12 @@
 //! upstreams ([`crate::upstream`]) it is a pull-through cache: what the cache lacks comes from
 //! them, and is kept in it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use hashlink::LruCache;
+use sluice_binary_cache::file::FileStamp;
 use sluice_binary_cache::{BinaryCache, CacheFile};
 use sluice_nix::narinfo::NarInfo;
 use sluice_nix::signature::SecretKey;
@@ -22,12 +24,21 @@ use crate::upstream::{Found, Keep, Upstreams};
 pub struct Stored {
     pub cache: Arc<BinaryCache>,
     pub upstreams: Option<Arc<Upstreams>>,
+    /// The narinfos of a `file://` cache served last, with the version of the file each was
+    /// read from ([`BinaryCache::file_stamp`]): a request asks only for the file's version
+    /// (one `statx`), and reads and parses it again only if it is another. A file deleted is
+    /// absent at once.
+    served: Mutex<LruCache<String, (FileStamp, Served)>>,
 }
 
+/// Most narinfos [`Stored`] keeps (each its text and references).
+const SERVED_ENTRIES: usize = 16 * 1024;
+
 /// A narinfo as served.
+#[derive(Clone)]
 pub struct Served {
     pub text: Bytes,
-    pub references: Vec<StorePath>,
+    pub references: Arc<[StorePath]>,
 }
 
 /// A NAR file to serve.
@@ -55,7 +66,7 @@ fn signed(mut narinfo: NarInfo, keys: &[SecretKey], store_dir: &StoreDir) -> Ser
             narinfo.signatures.push(sig);
         }
     }
-    Served { text: narinfo.to_text(store_dir).into(), references: narinfo.references }
+    Served { text: narinfo.to_text(store_dir).into(), references: narinfo.references.into() }
 }
 
 /// Whether `name` (after `nar/`) is the name of a NAR file in a binary cache: letters and
@@ -69,14 +80,34 @@ pub fn is_nar_file(name: &str) -> bool {
 }
 
 impl Stored {
+    /// `cache` served as stored, with `upstreams` if any.
+    pub fn new(cache: Arc<BinaryCache>, upstreams: Option<Arc<Upstreams>>) -> Self {
+        Stored { cache, upstreams, served: Mutex::new(LruCache::new(SERVED_ENTRIES)) }
+    }
+
     /// The narinfo of `hash_part`, signed with `keys` too: the cache's, else the upstreams'.
     pub async fn narinfo(&self, hash_part: &str, keys: &[SecretKey]) -> Result<Lookup, StoreError> {
         let store_dir = self.cache.store_dir();
+        let served = || self.served.lock().unwrap_or_else(|p| p.into_inner());
+        // Taken before the file is read: a file replaced meanwhile has another version, and
+        // is read again next time.
+        let file = crate::routes::is_hash_part(hash_part).then(|| self.cache.file_stamp(&format!("{hash_part}.narinfo"))).flatten();
+        let stamp = match file.transpose()? {
+            Some(Some(stamp)) => match served().get(hash_part) {
+                Some((kept, s)) if *kept == stamp => return Ok(Lookup::Found(s.clone())),
+                _ => Some(stamp),
+            },
+            _ => None,
+        };
         if let Some((text, narinfo)) = self.cache.narinfo_by_hash_part(hash_part).await? {
-            return Ok(Lookup::Found(match keys {
-                [] => Served { text: text.into(), references: narinfo.references },
+            let found = match keys {
+                [] => Served { text: text.into(), references: narinfo.references.into() },
                 _ => signed(narinfo, keys, store_dir),
-            }));
+            };
+            if let Some(stamp) = stamp {
+                served().insert(hash_part.to_string(), (stamp, found.clone()));
+            }
+            return Ok(Lookup::Found(found));
         }
         let Some(upstreams) = &self.upstreams else { return Ok(Lookup::Missing(None)) };
         Ok(match upstreams.narinfo(hash_part).await {

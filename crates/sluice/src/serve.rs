@@ -199,5 +199,5 @@ async fn open(url: &str, settings: &Settings, args: &Args, metrics: Arc<Metrics>
         // Writable from the start, and rid of what fronts killed mid-NAR left.
         cache.init_for_writing().await.map_err(|e| e.to_string())?;
     }
-    Ok((cache.clone(), Some(Arc::new(Stored { cache, upstreams })), None))
+    Ok((cache.clone(), Some(Arc::new(Stored::new(cache, upstreams))), None))
 }

@@ -1231,3 +1231,39 @@ fn an_access_log_line_per_request_at_verbose() {
         assert!(access.iter().all(|l| l.contains(" bytes in ") && l.ends_with(" ms")), "{access:?}");
     }
 }
+
+/// A `file://` cache's narinfo is served as the file is now: after it is replaced (as a push
+/// replaces it, by a rename) the new text, after it is deleted 404, though the server keeps
+/// what it served last.
+#[test]
+fn a_stored_narinfo_replaced_or_deleted_is_served_as_it_is_now() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tmp.path();
+    let cache = tmp.join("cache");
+    copy_dir(&corpus().join("cache-subset-none"), &cache);
+    let server = Server::start_url(tmp, &format!("file://{}", cache.display()), &[]);
+    let name = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .find(|n| n.ends_with(".narinfo"))
+        .unwrap();
+    let file = cache.join(&name);
+    let get = || server.raw(format!("GET /{name} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    let before = std::fs::read_to_string(&file).unwrap();
+    for _ in 0..2 {
+        assert_eq!(body_of(&get()), before);
+    }
+    // The same size with one byte of a signature changed, then another signature line: a new
+    // file renamed over the old one each time, as a push writes it.
+    let sig = before.lines().find(|l| l.starts_with("Sig: ")).unwrap();
+    let flipped = format!("{}{}==", &sig[..sig.len() - 3], if sig.ends_with("A==") { 'Q' } else { 'A' });
+    for text in [before.replacen(sig, &flipped, 1), format!("{before}Sig: other:{}==\n", "A".repeat(86))] {
+        assert_ne!(text, before);
+        let new = cache.join(".new.narinfo");
+        std::fs::write(&new, &text).unwrap();
+        std::fs::rename(&new, &file).unwrap();
+        assert_eq!(body_of(&get()), text);
+    }
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(server.status_of(&format!("/{name}")), 404);
+}
