@@ -137,7 +137,7 @@ enum Answer {
     Prefetched(NarInfoAnswer),
     /// Still arriving in a batch answer: its line, or a request if the answer ends without it.
     Arriving(oneshot::Receiver<NarInfoAnswer>),
-    Fetch(tokio::task::JoinHandle<Result<Option<String>, CacheError>>),
+    Fetch(JoinHandle<NarInfoAnswer>),
 }
 
 /// The state of one closure walk.
@@ -285,12 +285,15 @@ impl ClosureQuery {
             .map(|(i, k)| match k {
                 Some(c) => Answer::Cached(c),
                 None => {
-                    let subs = self.substituters.clone();
-                    let p = subs[i].name_of(&path, &self.store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
-                    match subs[i].prefetched.take(p.hash_part()) {
+                    let sub = &self.substituters[i];
+                    let p = sub.name_of(&path, &self.store_dir, &self.content_addresses).unwrap_or_else(|| path.clone());
+                    match sub.prefetched.take(p.hash_part()) {
                         Taken::Ready(answer) => Answer::Prefetched(answer),
                         Taken::Pending(line) => Answer::Arriving(line),
-                        Taken::None => Answer::Fetch(tokio::spawn(async move { subs[i].source.narinfo_text(&p).await })),
+                        Taken::None => {
+                            let subs = self.substituters.clone();
+                            Answer::Fetch(tokio::spawn(async move { subs[i].source.narinfo_text(&p).await }))
+                        }
                     }
                 }
             })
